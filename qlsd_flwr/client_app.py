@@ -1,0 +1,119 @@
+"""The Flower ``ClientApp``: decodes θ, calls the core, encodes the reply. No numerics here.
+
+* ``query``  — handshake: which client index (``partition-id`` of the node config) this node
+  is, its ``N_i`` and ``d``.
+* ``train``  — ``phase = "sample"``: one round of :func:`qlsd_flwr.oracles.client_round`, the
+  reply carrying the encoded compressed message; ``phase = "grad"``: the full local
+  gradient ``∇U_i(θ)`` for the optimisation phase that finds θ*.
+
+Per-client state (η_i, its update count, the anchor ζ or θ*, and ``∇U_i(ζ)``) lives in
+``context.state`` and survives across rounds.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import numpy as np
+from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.clientapp import ClientApp
+
+from . import components as C
+from .config import resolve
+from .oracles import ClientState, client_round, full_local_grad, set_anchor
+from .wire import RECORD, arr_to_bytes, bytes_to_arr
+
+STATE = "qlsd-state"
+
+
+@functools.lru_cache(maxsize=64)
+def _client_setup(cfg_json: str, i: int):
+    cfg = resolve(json.loads(cfg_json))
+    pot, prior, d, blocks = C.load_client(cfg, i)
+    spec = C.client_spec(cfg, i, pot.n_data, d, prior, blocks)
+    return cfg, pot, spec, d
+
+
+def client_index(context: Context) -> int:
+    try:
+        return int(context.node_config["partition-id"])
+    except KeyError as exc:
+        raise KeyError("node config lacks 'partition-id' (start the SuperNode with "
+                       "--node-config 'partition-id=<i> num-partitions=<b>')") from exc
+
+
+def load_state(context: Context) -> ClientState:
+    st = ClientState()
+    rec = context.state.config_records.get(STATE) if STATE in context.state else None
+    if rec is None:
+        return st
+    d = int(rec["dim"])
+    if "eta" in rec:
+        st.eta = bytes_to_arr(rec["eta"], d)
+    st.eta_count = int(rec.get("eta_count", 0))
+    st.anchor_version = int(rec.get("anchor_version", -1))
+    if "anchor" in rec:
+        st.anchor = bytes_to_arr(rec["anchor"], d)
+    if "anchor_grad" in rec:
+        st.anchor_grad = bytes_to_arr(rec["anchor_grad"], d)
+    return st
+
+
+def save_state(context: Context, st: ClientState, d: int) -> None:
+    rec = ConfigRecord({"dim": d, "eta_count": st.eta_count, "anchor_version": st.anchor_version})
+    for name in ("eta", "anchor", "anchor_grad"):
+        val = getattr(st, name)
+        if val is not None:
+            rec[name] = arr_to_bytes(val)
+    context.state[STATE] = rec
+
+
+def run_config_of(context: Context, overrides: dict | None) -> str:
+    merged = {**dict(context.run_config), **(overrides or {})}
+    return json.dumps(merged, sort_keys=True, default=str)
+
+
+def _reply(message: Message, fields: dict) -> Message:
+    return Message(RecordDict({RECORD: ConfigRecord(fields)}), reply_to=message)
+
+
+def make_client_app(overrides: dict | None = None, mods=None) -> ClientApp:
+    """A ClientApp; ``overrides`` are run-config values (for programmatic simulations)."""
+    app = ClientApp(mods=mods or [])
+
+    @app.query()
+    def query(message: Message, context: Context) -> Message:
+        i = client_index(context)
+        _, pot, _, d = _client_setup(run_config_of(context, overrides), i)
+        return _reply(message, {"client": i, "n_data": int(pot.n_data), "dim": int(d)})
+
+    @app.train()
+    def train(message: Message, context: Context) -> Message:
+        i = client_index(context)
+        cfg, pot, spec, d = _client_setup(run_config_of(context, overrides), i)
+        rec = message.content.config_records[RECORD]
+        theta = bytes_to_arr(rec["theta"], d)
+        if rec["phase"] == "grad":
+            g = full_local_grad(spec, pot, theta)
+            return _reply(message, {"client": i, "status": "ok", "payload": arr_to_bytes(g)})
+        st = load_state(context)
+        if "eta" in rec:
+            st.eta = bytes_to_arr(rec["eta"], d)
+            st.eta_count = int(rec["eta_count"])
+        if "anchor" in rec:
+            set_anchor(spec, pot, st, bytes_to_arr(rec["anchor"], d), int(rec["anchor_version"]))
+        stale_anchor = spec.oracle in ("svrg", "star") and st.anchor_version != int(rec["anchor_version"])
+        stale_eta = spec.memory and st.eta_count != int(rec["eta_count"])
+        if stale_anchor or stale_eta:
+            save_state(context, st, d)
+            return _reply(message, {"client": i, "status": "resync"})
+        q, _ = client_round(spec, pot, st, cfg.seed, int(rec["round"]), theta)
+        save_state(context, st, d)
+        return _reply(message, {"client": i, "status": "ok", "payload": spec.compressor.encode(q),
+                                "anchor_version": st.anchor_version})
+
+    return app
+
+
+app = make_client_app()

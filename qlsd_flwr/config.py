@@ -1,0 +1,250 @@
+"""The run configuration: one flat key/value mapping drives every engine.
+
+The keys are the ones of ``[tool.flwr.app.config]`` in ``pyproject.toml`` and of the files
+in ``conf/`` (``flwr run . --run-config conf/x.toml``). :func:`resolve` checks every key at
+start-up and raises :class:`ConfigError` naming the bad key and its allowed values, so a
+mistake costs a second, not an hour of sampling.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+
+
+class ConfigError(ValueError):
+    """A run configuration value is missing, unknown or out of range."""
+
+
+# variant -> (oracle, compressed?, memory?)
+#   oracle: "full" ∇U_i(θ); "minibatch" QLSD#; "star" control variate at θ*; "svrg" QLSD++.
+VARIANTS: dict[str, tuple[str, bool, bool]] = {
+    "qlsd": ("full", True, False),
+    "qlsd-sharp": ("minibatch", True, False),
+    "qlsd-star": ("star", True, False),
+    "qlsd-pp": ("svrg", True, True),
+    "lsd-star": ("star", False, False),
+    "lsd-pp": ("svrg", False, True),
+    "sgld": ("minibatch", False, False),
+}
+ALIASES = {"qlsd#": "qlsd-sharp", "qlsd*": "qlsd-star", "qlsd++": "qlsd-pp",
+           "lsd*": "lsd-star", "lsd++": "lsd-pp"}
+ENGINES = ("ray", "inprocess", "local", "vectorised")
+TASKS = ("gaussian", "logistic", "mnist")
+
+DEFAULTS: dict[str, Any] = {
+    # what to sample
+    "task": "gaussian",
+    "num-clients": 20,
+    "dim": 50,
+    "data-seed": 0,
+    "dataset": "breast_cancer",
+    "partition": "dirichlet",
+    "partition-alpha": 0.5,
+    "model": "logistic",
+    "prior-var": "flat",
+    "prior-on": "server",
+    # the sampler
+    "variant": "qlsd-pp",
+    "num-rounds": 2000,
+    "burn-in": 500,
+    "thin": 1,
+    "gamma": 4.9e-4,
+    "seed": 0,
+    "num-chains": 1,
+    "compressor": "qsgd",
+    "s": "16",
+    "block-norm": "vector",
+    "encoding": "auto",
+    "p": "1.0",
+    "aggregation": "unbiased",
+    "batch-fraction": 0.1,
+    "l": 100,
+    "alpha": "auto",
+    "theta-star": "closed-form",
+    "opt-rounds": 500,
+    "opt-tol": 1e-6,
+    # how to run it
+    "engine": "ray",
+    "output-dir": "outputs",
+    "run-name": "",
+    "progress": True,
+    "verbose": False,
+    "client-cpus": 0.5,
+    "reply-timeout": 600.0,
+}
+
+
+def _per_client(key: str, raw: Any, b: int, cast) -> np.ndarray:
+    """A scalar or comma-separated list, broadcast to one value per client."""
+    if isinstance(raw, str):
+        parts = [x.strip() for x in raw.split(",") if x.strip()]
+    elif isinstance(raw, (list, tuple, np.ndarray)):
+        parts = list(raw)
+    else:
+        parts = [raw]
+    try:
+        vals = [cast(x) for x in parts]
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{key}: cannot read {raw!r} as {cast.__name__} values") from exc
+    if len(vals) == 1:
+        vals = vals * b
+    if len(vals) != b:
+        raise ConfigError(
+            f"{key}: mismatched dimensions: {len(vals)} values given but num-clients = {b}"
+            " (give one value for all clients, or exactly one per client)")
+    return np.asarray(vals)
+
+
+def _int_level(x) -> int:
+    v = float(x)
+    if v != int(v):
+        raise ValueError(x)
+    return int(v)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """A validated run configuration (see ``DEFAULTS`` for keys and defaults).
+
+    Symbols follow the paper: ``gamma`` γ the step size, ``p`` the participation
+    probabilities ``p_i``, ``s`` the QSGD levels ``s_i``, ``l`` the SVRG anchor period,
+    ``alpha`` α the memory rate (``None`` = per-client default ``1/(ω_i+1)``).
+    """
+
+    raw: dict
+    variant: str
+    oracle: str
+    compressed: bool
+    memory: bool
+    b: int
+    gamma: float
+    num_rounds: int
+    burn_in: int
+    thin: int
+    seed: int
+    num_chains: int
+    s: np.ndarray = field(repr=False)
+    p: np.ndarray = field(repr=False)
+    aggregation: str = "unbiased"
+    batch_fraction: float = 0.1
+    l: int = 100
+    alpha: float | None = None
+    prior_var: float = math.inf
+    prior_on: str = "server"
+    block_norm: str = "vector"
+    encoding: str = "auto"
+    theta_star: str = "closed-form"
+    engine: str = "ray"
+
+    def get(self, key: str) -> Any:
+        return self.raw[key]
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("raw")
+        d["s"] = self.s.tolist()
+        d["p"] = self.p.tolist()
+        return {"config": dict(self.raw), "resolved": d}
+
+
+def _choice(key: str, value: Any, allowed) -> str:
+    v = str(value).strip().lower()
+    if v not in allowed:
+        raise ConfigError(f"{key}: unknown value {value!r}; allowed: {', '.join(allowed)}")
+    return v
+
+
+def resolve(overrides: Mapping[str, Any] | None = None) -> RunConfig:
+    """Merge ``overrides`` into ``DEFAULTS``, check every key, and return a :class:`RunConfig`."""
+    raw = dict(DEFAULTS)
+    for k, v in (overrides or {}).items():
+        kk = str(k).replace("_", "-")
+        if kk not in DEFAULTS:
+            close = [x for x in DEFAULTS if x.split("-")[0] == kk.split("-")[0]]
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            raise ConfigError(f"unknown config key {k!r}{hint}; allowed keys: {', '.join(DEFAULTS)}")
+        raw[kk] = v
+
+    name = str(raw["variant"]).strip().lower()
+    name = ALIASES.get(name, name)
+    variant = _choice("variant", name, tuple(VARIANTS))
+    oracle, compressed, memory = VARIANTS[variant]
+    _choice("task", raw["task"], TASKS)
+    engine = _choice("engine", raw["engine"], ENGINES)
+
+    def num(key, cast=float):
+        try:
+            return cast(raw[key])
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{key}: expected a number, got {raw[key]!r}") from exc
+
+    b = num("num-clients", int)
+    if b < 1:
+        raise ConfigError(f"num-clients must be >= 1 (got {b})")
+    if num("dim", int) < 1:
+        raise ConfigError(f"dim must be >= 1 (got {raw['dim']})")
+    gamma = num("gamma")
+    if not (gamma > 0 and math.isfinite(gamma)):
+        raise ConfigError(f"gamma must be a finite number > 0 (got {raw['gamma']!r})")
+    K = num("num-rounds", int)
+    if K < 1:
+        raise ConfigError(f"num-rounds must be >= 1 (got {K})")
+    burn = num("burn-in", int)
+    if not 0 <= burn < K:
+        raise ConfigError(f"burn-in must be in [0, num-rounds) = [0, {K}) (got {burn})")
+    thin = num("thin", int)
+    if thin < 1:
+        raise ConfigError(f"thin must be >= 1 (got {thin})")
+    chains = num("num-chains", int)
+    if chains < 1:
+        raise ConfigError(f"num-chains must be >= 1 (got {chains})")
+    if chains > 1 and engine != "vectorised":
+        raise ConfigError("num-chains > 1 needs engine = vectorised (Flower runs one chain per run)")
+
+    # SGLD is centralised: the task's data is pooled into one client that always takes part.
+    b_eff = 1 if variant == "sgld" else b
+    s = _per_client("s", raw["s"], b_eff, _int_level)
+    if np.any(s < 1):
+        raise ConfigError(f"s must be an integer >= 1 for every client (got {raw['s']!r})")
+    p = _per_client("p", raw["p"], b_eff, float)
+    if np.any(~(p > 0)) or np.any(p > 1) or not np.all(np.isfinite(p)):
+        raise ConfigError(f"p must be in (0, 1] for every client (got {raw['p']!r})")
+    aggregation = _choice("aggregation", raw["aggregation"], ("unbiased", "active-fraction"))
+    bf = num("batch-fraction")
+    if not 0 < bf <= 1:
+        raise ConfigError(f"batch-fraction must be in (0, 1] (got {raw['batch-fraction']!r})")
+    l = num("l", int)
+    if l < 1:
+        raise ConfigError(f"l must be an integer >= 1 (got {raw['l']!r})")
+    if str(raw["alpha"]).strip().lower() == "auto":
+        alpha = None
+    else:
+        alpha = num("alpha")
+        if not 0 <= alpha <= 1:
+            raise ConfigError(f"alpha must be in [0, 1] or 'auto' = 1/(omega+1) (got {raw['alpha']!r})")
+    pv = str(raw["prior-var"]).strip().lower()
+    if pv in ("flat", "inf", "none"):
+        prior_var = math.inf
+    else:
+        prior_var = num("prior-var")
+        if not prior_var > 0:
+            raise ConfigError(f"prior-var must be > 0 or 'flat' (got {raw['prior-var']!r})")
+    prior_on = _choice("prior-on", raw["prior-on"], ("server", "clients"))
+    block_norm = _choice("block-norm", raw["block-norm"], ("vector", "tensor"))
+    encoding = _choice("encoding", raw["encoding"], ("auto", "elias", "packed"))
+    _choice("compressor", raw["compressor"], ("qsgd", "identity"))
+    if str(raw["compressor"]).lower() == "identity":
+        compressed = False
+    theta_star = _choice("theta-star", raw["theta-star"], ("closed-form", "optimise"))
+    return RunConfig(
+        raw=raw, variant=variant, oracle=oracle, compressed=compressed, memory=memory, b=b_eff,
+        gamma=gamma, num_rounds=K, burn_in=burn, thin=thin, seed=num("seed", int),
+        num_chains=chains, s=s.astype(np.int64), p=p.astype(np.float64),
+        aggregation=aggregation, batch_fraction=bf, l=l, alpha=alpha, prior_var=prior_var,
+        prior_on=prior_on, block_norm=block_norm, encoding=encoding, theta_star=theta_star,
+        engine=engine,
+    )

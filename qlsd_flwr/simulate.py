@@ -1,0 +1,89 @@
+"""One entry point for every engine, chosen by the ``engine`` key of the run config.
+
+* ``ray``        — Flower's simulation engine (Ray), one virtual SuperNode per client.
+* ``inprocess``  — the same ServerApp strategy and ClientApp over :class:`InProcessGrid`.
+* ``local``      — the framework-free loop (:mod:`qlsd_flwr.engine`).
+* ``vectorised`` — many chains at once, vectorised over clients (:mod:`qlsd_flwr.vectorised`).
+
+All write the same output folder (see :mod:`qlsd_flwr.outputs`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import components as C
+from .config import RunConfig, resolve
+
+
+@dataclass
+class Outcome:
+    summary: dict
+    run_dir: Path | None
+    detail: object = None  # the strategy (Flower engines) or RunResult (local engines)
+
+
+def run(overrides: dict | None = None, **kwargs) -> Outcome:
+    cfg = resolve(overrides)
+    if cfg.engine == "local":
+        from .engine import run_local
+
+        res = run_local(cfg, **kwargs)
+        return Outcome(res.summary, res.run_dir, res)
+    if cfg.engine == "vectorised":
+        from .vectorised import run_vectorised
+
+        res = run_vectorised(cfg, **kwargs)
+        return Outcome(res.summary, res.run_dir, res)
+    if cfg.engine == "inprocess":
+        strat = run_inprocess(cfg, overrides or {}, **kwargs)
+    else:
+        strat = run_ray(cfg, overrides or {}, **kwargs)
+    return Outcome(strat.summary_data, strat.run_dir, strat)
+
+
+def run_inprocess(cfg: RunConfig, overrides: dict, shuffle_seed: int | None = None, mods=None,
+                  strategy_kwargs: dict | None = None, is_up=None):
+    from .client_app import make_client_app
+    from .inprocess import InProcessGrid
+    from .server_app import quiet_flower
+    from .strategy import QLSDStrategy
+
+    quiet_flower(bool(cfg.get("verbose")))
+    grid = InProcessGrid(make_client_app(overrides, mods), cfg.b, shuffle_seed=shuffle_seed, is_up=is_up)
+    strategy = QLSDStrategy(cfg, C.load_task(cfg), **(strategy_kwargs or {}))
+    strategy.start(grid=grid)
+    return strategy
+
+
+def ray_backend_config(cfg: RunConfig) -> dict:
+    init_args = {"logging_level": logging.ERROR, "log_to_driver": bool(cfg.get("verbose"))}
+    address = os.environ.get("QLSD_RAY_ADDRESS")
+    if address:  # attach to an existing Ray cluster (``ray start --head``)
+        init_args["address"] = address
+    else:
+        init_args["num_cpus"] = os.cpu_count() or 2
+    return {"client_resources": {"num_cpus": float(cfg.get("client-cpus")), "num_gpus": 0.0},
+            "init_args": init_args}
+
+
+def run_ray(cfg: RunConfig, overrides: dict, mods=None, strategy_kwargs: dict | None = None):
+    """Run on Flower's Ray simulation engine; returns the finished strategy."""
+    from flwr.simulation import run_simulation
+
+    from .client_app import make_client_app
+    from .server_app import make_server_app, quiet_flower
+
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    quiet_flower(bool(cfg.get("verbose")))
+    sink: dict = {}
+    run_simulation(server_app=make_server_app(overrides, sink, strategy_kwargs),
+                   client_app=make_client_app(overrides, mods), num_supernodes=cfg.b,
+                   backend_config=ray_backend_config(cfg), verbose_logging=bool(cfg.get("verbose")))
+    if "strategy" not in sink:
+        raise RuntimeError("the Flower simulation ended without finishing the run; "
+                           "rerun with verbose=true to see Flower's log")
+    return sink["strategy"]

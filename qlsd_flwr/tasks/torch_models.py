@@ -1,0 +1,303 @@
+"""Torch models and :class:`TorchPotential`, which makes any classifier a ``LocalPotential``.
+
+Models (inputs may be flat ``(n, C·H·W)`` rows, as :mod:`qlsd_flwr.data` returns them, or
+already shaped ``(n, C, H, W)``):
+
+* :class:`LinearSoftmax` — multiclass logistic regression;
+* :class:`MLP` — fully connected, ReLU;
+* :class:`LeNet5` — LeCun et al. 1998 for ``1×28×28`` (first conv padded to 32×32 geometry);
+* :class:`ResNet20` — He et al. 2016's CIFAR ResNet-20 (3×32×32, 0.27M parameters), with
+  batch norm (the paper warm-starts from pytorchcv's BN ResNet-20), filter response norm
+  (Izmailov et al. 2021's HMC reference) or no normalisation.
+
+Plugging in your own model and data::
+
+    import torch.nn as nn
+    from qlsd_flwr.tasks.torch_models import TorchPotential
+    from qlsd_flwr.tasks.base import GaussianPrior, Task
+
+    net = nn.Sequential(nn.Flatten(), nn.Linear(784, 10))          # any nn.Module → logits
+    clients = [TorchPotential(net, X_i, y_i) for X_i, y_i in my_client_data]
+    task = Task(name="mine", dim=clients[0].dim, clients=clients,
+                prior=GaussianPrior(var=0.2), theta0=clients[0].theta0(),
+                meta={"blocks": clients[0].blocks})
+
+All clients may share one module: each call first loads ``θ`` into the module's parameters.
+``U_ij(θ) = cross_entropy(net(x_ij), y_ij)``, so the potential is the summed cross-entropy;
+the prior is separate (``GaussianPrior(var)`` ⇔ weight decay ``1/var``). The module is put in
+``eval()`` mode so that dropout is off and batch norm uses its running statistics (buffers,
+not parameters): ``U_i`` is then a genuine sum over examples, as the samplers assume.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def _as_images(x: torch.Tensor, shape: tuple[int, int, int]) -> torch.Tensor:
+    return x.reshape(x.shape[0], *shape) if x.dim() != 4 else x
+
+
+class LinearSoftmax(nn.Module):
+    """Multiclass logistic regression: ``logits = x W + b`` on flattened inputs."""
+
+    def __init__(self, in_features: int, n_classes: int):
+        super().__init__()
+        self.fc = nn.Linear(in_features, n_classes)
+
+    def forward(self, x):
+        return self.fc(x.reshape(x.shape[0], -1))
+
+
+class MLP(nn.Module):
+    """Fully connected network with ReLU hidden layers."""
+
+    def __init__(self, in_features: int, n_classes: int, hidden: Sequence[int] = (100,)):
+        super().__init__()
+        layers, prev = [], in_features
+        for h in hidden:
+            layers += [nn.Linear(prev, h), nn.ReLU()]
+            prev = h
+        layers.append(nn.Linear(prev, n_classes))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x):
+        return self.net(x.reshape(x.shape[0], -1))
+
+
+class LeNet5(nn.Module):
+    """LeNet-5 for ``in_channels×28×28``: conv5(6, pad 2)–pool–conv5(16)–pool–120–84–K."""
+
+    def __init__(self, n_classes: int = 10, in_channels: int = 1, activation: str = "relu"):
+        super().__init__()
+        self.in_channels = in_channels
+        self.act = {"relu": F.relu, "tanh": torch.tanh}[activation]
+        self.conv1 = nn.Conv2d(in_channels, 6, 5, padding=2)
+        self.conv2 = nn.Conv2d(6, 16, 5)
+        self.fc1 = nn.Linear(16 * 5 * 5, 120)
+        self.fc2 = nn.Linear(120, 84)
+        self.fc3 = nn.Linear(84, n_classes)
+
+    def forward(self, x):
+        x = _as_images(x, (self.in_channels, 28, 28))
+        x = F.max_pool2d(self.act(self.conv1(x)), 2)
+        x = F.max_pool2d(self.act(self.conv2(x)), 2)
+        x = x.flatten(1)
+        return self.fc3(self.act(self.fc2(self.act(self.fc1(x)))))
+
+
+class FilterResponseNorm(nn.Module):
+    """FRN + TLU (Singh & Krishnan 2020): per-example, so no batch dependence."""
+
+    def __init__(self, channels: int, eps: float = 1e-6):
+        super().__init__()
+        self.gamma = nn.Parameter(torch.ones(1, channels, 1, 1))
+        self.beta = nn.Parameter(torch.zeros(1, channels, 1, 1))
+        self.tau = nn.Parameter(torch.zeros(1, channels, 1, 1))
+        self.eps = eps
+
+    def forward(self, x):
+        nu2 = x.pow(2).mean(dim=(2, 3), keepdim=True)
+        x = x * torch.rsqrt(nu2 + self.eps)
+        return torch.max(self.gamma * x + self.beta, self.tau)
+
+
+def _norm(kind: str, c: int) -> nn.Module:
+    if kind == "batch":
+        return nn.BatchNorm2d(c)
+    if kind == "frn":
+        return FilterResponseNorm(c)
+    if kind == "none":
+        return nn.Identity()
+    raise ValueError(f"norm must be 'batch', 'frn' or 'none', got {kind!r}")
+
+
+class _Block(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int, norm: str):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=norm == "none")
+        self.n1 = _norm(norm, cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=norm == "none")
+        self.n2 = _norm(norm, cout)
+        self.frn = norm == "frn"  # FRN's TLU is the activation
+        self.shortcut = nn.Sequential()
+        if stride != 1 or cin != cout:  # option B: 1x1 projection
+            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=norm == "none"),
+                                          _norm(norm, cout) if norm != "frn" else nn.Identity())
+
+    def forward(self, x):
+        act = (lambda t: t) if self.frn else F.relu
+        out = act(self.n1(self.conv1(x)))
+        out = self.n2(self.conv2(out))
+        return act(out + self.shortcut(x)) if not self.frn else out + self.shortcut(x)
+
+
+class ResNet20(nn.Module):
+    """CIFAR ResNet-20 (three stages of 3 basic blocks, 16/32/64 channels) for 3×32×32."""
+
+    def __init__(self, n_classes: int = 10, norm: str = "batch", in_channels: int = 3):
+        super().__init__()
+        self.in_channels = in_channels
+        self.frn = norm == "frn"
+        self.conv = nn.Conv2d(in_channels, 16, 3, 1, 1, bias=norm == "none")
+        self.n = _norm(norm, 16)
+        blocks, cin = [], 16
+        for cout, stride in ((16, 1), (32, 2), (64, 2)):
+            for k in range(3):
+                blocks.append(_Block(cin, cout, stride if k == 0 else 1, norm))
+                cin = cout
+        self.blocks = nn.Sequential(*blocks)
+        self.fc = nn.Linear(64, n_classes)
+
+    def forward(self, x):
+        x = _as_images(x, (self.in_channels, 32, 32))
+        x = self.n(self.conv(x))
+        x = x if self.frn else F.relu(x)
+        x = self.blocks(x)
+        return self.fc(F.adaptive_avg_pool2d(x, 1).flatten(1))
+
+
+MODELS = {"logistic": LinearSoftmax, "linear": LinearSoftmax, "mlp": MLP, "lenet5": LeNet5,
+          "resnet20": ResNet20}
+
+
+def build_model(name: str, n_classes: int, input_shape: Sequence[int], seed: int = 0,
+                **kw) -> nn.Module:
+    """A model by name (``logistic``, ``mlp``, ``lenet5``, ``resnet20``), seeded init."""
+    key = str(name).lower().replace("-", "").replace("_", "")
+    key = {"lenet": "lenet5", "resnet": "resnet20"}.get(key, key)
+    if key not in MODELS:
+        raise ValueError(f"unknown model {name!r}; allowed: logistic, mlp, lenet5, resnet20")
+    gen_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        if key in ("logistic", "linear", "mlp"):
+            return MODELS[key](int(np.prod(input_shape)), n_classes, **kw)
+        return MODELS[key](n_classes=n_classes, in_channels=int(input_shape[0]), **kw)
+    finally:
+        torch.random.set_rng_state(gen_state)
+
+
+def resolve_device(device: str | torch.device = "cpu") -> torch.device:
+    """``cpu`` or ``cuda[:k]``; asking for CUDA without a usable GPU is an error, not a fallback."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"device={str(device)!r} was requested but CUDA is not available "
+                               f"(torch {torch.__version__}, built with CUDA "
+                               f"{torch.version.cuda}); use device='cpu'")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise RuntimeError(f"device={str(device)!r}: only {torch.cuda.device_count()} "
+                               "CUDA device(s) visible")
+    elif dev.type != "cpu":
+        raise ValueError(f"device must be 'cpu' or 'cuda[:k]', got {str(device)!r}")
+    return dev
+
+
+class TorchPotential:
+    """``U_i(θ) = Σ_j cross_entropy(model_θ(x_ij), y_ij)`` on the flat parameter vector ``θ``.
+
+    ``θ`` goes in and gradients come out as ``float64`` numpy vectors (the order of
+    ``model.parameters()``, as ``parameters_to_vector``); inside, torch computes in the
+    model's dtype (``dtype=torch.float64`` converts the model, e.g. for gradient checks).
+    ``batch_size`` bounds memory: sums are accumulated over chunks of that many examples.
+    ``device``: ``"cpu"`` or ``"cuda[:k]"`` (error if CUDA is not available).
+    """
+
+    def __init__(self, model: nn.Module, X, y, device: str = "cpu", batch_size: int = 1024,
+                 dtype: torch.dtype | None = None):
+        self.device = resolve_device(device)
+        if dtype is not None:
+            model = model.to(dtype)
+        self.model = model.to(self.device).eval()
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.dtype = self.params[0].dtype
+        X = torch.as_tensor(np.asarray(X) if not torch.is_tensor(X) else X)
+        self.X = X.to(self.device, self.dtype)
+        self.y = torch.as_tensor(np.asarray(y) if not torch.is_tensor(y) else y,
+                                 dtype=torch.long).to(self.device)
+        if len(self.X) != len(self.y):
+            raise ValueError(f"X has {len(self.X)} rows but y has {len(self.y)}")
+        self.n_data = int(len(self.y))
+        self.blocks = tuple(int(p.numel()) for p in self.params)
+        self.dim = int(sum(self.blocks))
+        self.batch_size = int(batch_size)
+
+    def cache_fingerprint(self) -> bytes:
+        """Bytes identifying the potential (architecture, buffers, data, dtype), not ``θ``."""
+        import hashlib
+
+        h = hashlib.sha256()
+        h.update(repr(self.model).encode())
+        h.update(str(self.dtype).encode())
+        for name, buf in self.model.named_buffers():
+            h.update(name.encode())
+            h.update(buf.detach().cpu().numpy().tobytes())
+        h.update(self.X.detach().cpu().numpy().tobytes())
+        h.update(self.y.detach().cpu().numpy().tobytes())
+        return h.digest()
+
+    def theta0(self) -> np.ndarray:
+        """The model's current parameters (e.g. its default random init) as a flat vector."""
+        return nn.utils.parameters_to_vector(self.params).detach().cpu().double().numpy()
+
+    def _load(self, theta: np.ndarray) -> None:
+        theta = np.asarray(theta, dtype=np.float64)
+        if theta.shape != (self.dim,):
+            raise ValueError(f"theta must have shape ({self.dim},), got {theta.shape}")
+        with torch.no_grad():
+            nn.utils.vector_to_parameters(
+                torch.from_numpy(theta).to(self.device, self.dtype), self.params)
+
+    def _chunks(self, idx):
+        if idx is None:
+            for s in range(0, self.n_data, self.batch_size):
+                yield slice(s, s + self.batch_size)
+        else:
+            idx = torch.as_tensor(np.asarray(idx, dtype=np.int64), device=self.device)
+            for s in range(0, len(idx), self.batch_size):
+                yield idx[s:s + self.batch_size]
+
+    def grad_sum(self, theta: np.ndarray, idx: np.ndarray | None = None) -> np.ndarray:
+        self._load(theta)
+        for p in self.params:
+            p.grad = None
+        any_ = False
+        for sel in self._chunks(idx):
+            loss = F.cross_entropy(self.model(self.X[sel]), self.y[sel], reduction="sum")
+            loss.backward()
+            any_ = True
+        if not any_:
+            return np.zeros(self.dim)
+        g = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        return nn.utils.parameters_to_vector(g).detach().cpu().double().numpy()
+
+    def value(self, theta: np.ndarray) -> float:
+        self._load(theta)
+        total = 0.0
+        with torch.no_grad():
+            for sel in self._chunks(None):
+                total += float(F.cross_entropy(self.model(self.X[sel]), self.y[sel],
+                                               reduction="sum").double())
+        return total
+
+    def predict_proba(self, theta_samples: np.ndarray, X, batch_size: int | None = None) -> np.ndarray:
+        """Posterior predictive ``(1/S) Σ_s softmax(model_{θ_s}(X))`` as float64 ``(n, K)``."""
+        th = np.asarray(theta_samples, dtype=np.float64)
+        th = th.reshape(-1, th.shape[-1])
+        X = torch.as_tensor(np.asarray(X) if not torch.is_tensor(X) else X)
+        X = X.to(self.device, self.dtype)
+        bs = batch_size or self.batch_size
+        out = None
+        with torch.no_grad():
+            for t in th:
+                self._load(t)
+                probs = torch.cat([F.softmax(self.model(X[s:s + bs]).double(), dim=1)
+                                   for s in range(0, len(X), bs)])
+                out = probs if out is None else out + probs
+        return (out / len(th)).cpu().numpy()
