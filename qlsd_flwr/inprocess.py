@@ -16,6 +16,7 @@ from uuid import uuid4
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.supercore.run import Run
+from flwr.supercore.task_identity import TaskIdentity
 from flwr.serverapp import Grid
 
 
@@ -37,6 +38,8 @@ class InProcessGrid(Grid):
         self._run = Run.create_empty(run_id=1) if hasattr(Run, "create_empty") else None
         self.is_up = is_up  # is_up(node_index, call_number) -> whether the node answers
         self.calls = 0
+        # what Flower's runtime sets for a ServerApp process before ``main`` runs
+        TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 0
 
     def set_run(self, run: Run) -> None:
         self._run = run
