@@ -61,8 +61,12 @@ def resolve_theta_star(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn) 
 
 
 def run_local(cfg: RunConfig, task: Task | None = None, write: bool = True,
-              keep_trace: bool = False, progress: bool | None = None) -> RunResult:
-    """Run one chain of ``cfg`` without Flower."""
+              keep_trace: bool = False, progress: bool | None = None, wire: bool = True) -> RunResult:
+    """Run one chain of ``cfg`` without Flower.
+
+    ``wire=False`` skips encoding and decoding each message (``decode(encode(q)) == q`` is
+    tested on its own) and the bit counts; the chain is the same. For fast statistical tests.
+    """
     task = task if task is not None else C.load_task(cfg)
     d = task.dim
     blocks = C.blocks_for(cfg, task)
@@ -95,7 +99,10 @@ def run_local(cfg: RunConfig, task: Task | None = None, write: bool = True,
             anchor, version = (st.zeta, st.zeta_version) if cfg.oracle == "svrg" else (theta_star, 0)
             if cfg.oracle in ("svrg", "star") and states[i].anchor_version != version:
                 set_anchor(s_i, pot, states[i], anchor, version)
-            q, _ = client_round(s_i, pot, states[i], seed, k, st.theta)
+            q, g = client_round(s_i, pot, states[i], seed, k, st.theta)
+            if not wire:
+                g_hat[int(i)] = g
+                continue
             payload = s_i.compressor.encode(q)
             q_server = s_i.compressor.decode(payload, d)
             g_hat[int(i)] = s_i.compressor.dequantise(q_server)

@@ -33,7 +33,7 @@ CASES = [
 def test_moments_match_theory(variant, s, p):
     cfg = resolve({"variant": variant, "gamma": GAMMA, "num-rounds": K, "burn-in": 0, "p": str(p),
                    "s": str(s or 2), "l": 50, "seed": 1, "progress": False})
-    res = run_local(cfg, task=TASK, write=False, keep_trace=True, progress=False)
+    res = run_local(cfg, task=TASK, write=False, keep_trace=True, progress=False, wire=False)
     band = variance_band(TASK, variant, GAMMA, p, s)
     out = check_chain(res.trace[BURN:], TASK, GAMMA, band)
     assert out["mean_ok"], out
