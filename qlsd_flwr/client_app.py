@@ -1,13 +1,19 @@
 """The Flower ``ClientApp``: decodes θ, calls the core, encodes the reply. No numerics here.
 
 * ``query``  — handshake: which client index (``partition-id`` of the node config) this node
-  is, its ``N_i`` and ``d``.
+  is, its ``N_i`` and ``d``; with ``report = "memory"`` also its own η_i and update count
+  (the end-of-run check that ``η = Σ_i η_i``).
 * ``train``  — ``phase = "sample"``: one round of :func:`qlsd_flwr.oracles.client_round`, the
   reply carrying the encoded compressed message; ``phase = "grad"``: the full local
   gradient ``∇U_i(θ)`` for the optimisation phase that finds θ*.
 
 Per-client state (η_i, its update count, the anchor ζ or θ*, and ``∇U_i(ζ)``) lives in
 ``context.state`` and survives across rounds.
+
+Node config (``flower-supernode --node-config``): ``partition-id`` (required, the client
+index ``i``), ``num-partitions`` (informative) and optionally ``data-path``, an ``.npz`` file
+with this node's own partition (see :func:`qlsd_flwr.components.load_partition`); without it
+the node builds partition ``i`` itself (the Gaussian task generates it from its keys).
 """
 
 from __future__ import annotations
@@ -28,9 +34,9 @@ STATE = "qlsd-state"
 
 
 @functools.lru_cache(maxsize=64)
-def _client_setup(cfg_json: str, i: int):
+def _client_setup(cfg_json: str, i: int, data_path: str | None = None):
     cfg = resolve(json.loads(cfg_json))
-    pot, prior, d, blocks = C.load_client(cfg, i)
+    pot, prior, d, blocks = C.load_client(cfg, i, data_path=data_path)
     spec = C.client_spec(cfg, i, pot.n_data, d, prior, blocks)
     return cfg, pot, spec, d
 
@@ -41,6 +47,11 @@ def client_index(context: Context) -> int:
     except KeyError as exc:
         raise KeyError("node config lacks 'partition-id' (start the SuperNode with "
                        "--node-config 'partition-id=<i> num-partitions=<b>')") from exc
+
+
+def data_path_of(context: Context) -> str | None:
+    path = context.node_config.get("data-path")
+    return str(path) if path not in (None, "") else None
 
 
 def load_state(context: Context) -> ClientState:
@@ -85,13 +96,20 @@ def make_client_app(overrides: dict | None = None, mods=None) -> ClientApp:
     @app.query()
     def query(message: Message, context: Context) -> Message:
         i = client_index(context)
-        _, pot, _, d = _client_setup(run_config_of(context, overrides), i)
-        return _reply(message, {"client": i, "n_data": int(pot.n_data), "dim": int(d)})
+        _, pot, _, d = _client_setup(run_config_of(context, overrides), i, data_path_of(context))
+        fields = {"client": i, "n_data": int(pot.n_data), "dim": int(d)}
+        rec = message.content.config_records.get(RECORD)
+        if rec is not None and rec.get("report") == "memory":
+            st = load_state(context)
+            fields["eta_count"] = int(st.eta_count)
+            if st.eta is not None:
+                fields["eta"] = arr_to_bytes(st.eta)
+        return _reply(message, fields)
 
     @app.train()
     def train(message: Message, context: Context) -> Message:
         i = client_index(context)
-        cfg, pot, spec, d = _client_setup(run_config_of(context, overrides), i)
+        cfg, pot, spec, d = _client_setup(run_config_of(context, overrides), i, data_path_of(context))
         rec = message.content.config_records[RECORD]
         theta = bytes_to_arr(rec["theta"], d)
         if rec["phase"] == "grad":

@@ -106,9 +106,14 @@ def opt_converged(grad: np.ndarray, grad0_norm: float, tol: float) -> bool:
     return float(np.linalg.norm(grad)) <= tol * (1.0 + grad0_norm)
 
 
-def load_client(cfg: RunConfig, i: int):
-    """Client ``i``'s own data only (what a SuperNode loads): ``(potential, prior, d, blocks)``."""
+def load_client(cfg: RunConfig, i: int, data_path: str | None = None):
+    """Client ``i``'s own data only (what a SuperNode loads): ``(potential, prior, d, blocks)``.
+
+    ``data_path`` (node config ``data-path``): an ``.npz`` with this node's partition only,
+    see :func:`load_partition`."""
     name = str(cfg.get("task")).lower()
+    if data_path:
+        return load_partition(cfg, data_path)
     if name == "gaussian" and cfg.variant != "sgld":
         from .tasks.gaussian import GaussianLocal, client_data
 
@@ -117,6 +122,32 @@ def load_client(cfg: RunConfig, i: int):
         return pot, GaussianPrior(var=cfg.prior_var), d, None
     task = load_task(cfg)
     return task.clients[i], task.prior, task.dim, blocks_for(cfg, task)
+
+
+def load_partition(cfg: RunConfig, path: str):
+    """One node's partition from an ``.npz`` file: ``y`` of shape ``(N_i, d)`` for the Gaussian
+    task; ``X``, ``y`` and ``n_classes`` for logistic/mnist (softmax regression). Write one
+    with :func:`qlsd_flwr.deploy.write_partition`. Returns ``(potential, prior, d, blocks)``."""
+    name = str(cfg.get("task")).lower()
+    with np.load(path, allow_pickle=False) as z:
+        arrays = {k: z[k] for k in z.files}
+    if name == "gaussian":
+        from .tasks.gaussian import GaussianLocal
+
+        pot = GaussianLocal(arrays["y"])
+        if pot.dim != int(cfg.get("dim")):
+            raise ConfigError(f"data-path {path}: points have d = {pot.dim}, the run config says "
+                              f"dim = {cfg.get('dim')}")
+        return pot, GaussianPrior(var=cfg.prior_var), pot.dim, None
+    if name == "logistic" and "X" in arrays:
+        from .tasks.logistic import LogisticLocal
+
+        pot = LogisticLocal(arrays["X"], arrays["y"], int(arrays["n_classes"]))
+        prior_var = float(arrays["prior_var"]) if "prior_var" in arrays else cfg.prior_var
+        blocks = (pot.dim,) if cfg.block_norm == "tensor" else None
+        return pot, GaussianPrior(var=prior_var), pot.dim, blocks
+    raise ConfigError(f"data-path: task {name!r} cannot load a partition file (only gaussian and "
+                      f"logistic); leave data-path unset")
 
 
 def combine_grads(cfg: RunConfig, prior: GaussianPrior, grads, theta: np.ndarray) -> np.ndarray:

@@ -22,6 +22,7 @@ import datetime as _dt
 import ipaddress
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -390,17 +391,25 @@ def run_status(run_id: int, connection: str, env: dict) -> dict:
 
 
 def wait_run(run_id: int, connection: str, env: dict, timeout: float = 300.0, poll: float = 2.0,
-             on_poll=None) -> dict:
-    """Poll :func:`run_status` until the run is finished; returns its last row."""
+             hint=None, ls_every: float = 30.0) -> dict:
+    """Wait until ``flwr ls`` reports the run ``finished``; returns its row.
+
+    Each ``flwr ls`` is a CLI process (seconds of CPU), so with ``hint`` (a cheap callable,
+    e.g. "the SuperLink log says the run's task finished") it is called only when ``hint()``
+    is true or every ``ls_every`` seconds; the run status itself always comes from ``flwr ls``."""
     deadline = time.time() + timeout
     row: dict = {}
+    last_ls = 0.0
     while time.time() < deadline:
-        row = run_status(run_id, connection, env)
-        if str(row.get("status", "")).startswith("finished"):
-            return row
-        if on_poll is not None:
-            on_poll(row)
-        time.sleep(poll)
+        now = time.time()
+        if hint is None or hint() or now - last_ls >= ls_every:
+            last_ls = now
+            row = run_status(run_id, connection, env)
+            if str(row.get("status", "")).startswith("finished"):
+                return row
+            time.sleep(poll if hint is None or hint() else 0.5)
+        else:
+            time.sleep(0.5)
     raise TimeoutError(f"run {run_id} not finished after {timeout:.0f} s (last: {row})")
 
 
@@ -420,3 +429,211 @@ def register_node(public_key, connection: str, env: dict) -> int:
     if not out.get("success"):
         raise RuntimeError(f"flwr supernode register failed: {out}\n{cp.stderr}")
     return int(out["node-id"])
+
+
+def count_in_log(path: str | os.PathLike, needle: str) -> int:
+    try:
+        return Path(path).read_text(errors="replace").count(needle)
+    except OSError:
+        return 0
+
+
+# ---- node data ------------------------------------------------------------------------------
+def write_partition(cfg_overrides: dict, i: int, path: str | os.PathLike) -> Path:
+    """Export client ``i``'s partition to ``path`` (``.npz``) for ``--node-config data-path=...``:
+    ``y`` for the Gaussian task, ``X``, ``y``, ``n_classes`` for logistic regression."""
+    import numpy as np
+
+    from . import components as C
+    from .config import resolve
+
+    cfg = resolve(cfg_overrides)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if str(cfg.get("task")).lower() == "gaussian":
+        from .tasks.gaussian import client_data
+
+        np.savez(path, y=client_data(i, int(cfg.get("dim")), int(cfg.get("data-seed"))))
+        return path
+    task = C.load_task(cfg)
+    pot = task.clients[i]
+    if not hasattr(pot, "Xa"):
+        raise ValueError(f"task {task.name!r}: no partition file format (only gaussian and logistic)")
+    np.savez(path, X=pot.Xa[:, :-1], y=pot.y, n_classes=np.int64(pot.n_classes),
+             prior_var=np.float64(task.prior.var))
+    return path
+
+
+# ---- a whole deployment on one machine (tests, benchmark) -----------------------------------
+class LocalDeployment:
+    """A SuperLink and SuperNodes on 127.0.0.1, each process with its own ``FLWR_HOME`` under
+    ``root``, started and stopped by PID; optionally TLS (certificates made here) and SuperNode
+    authentication (key pairs made here, registered with ``flwr supernode register``).
+
+    ``with LocalDeployment(root, secure=True, node_auth=True) as dep: ...`` always stops
+    every process it started on exit."""
+
+    CONNECTION = "qlsd-deploy"
+
+    def __init__(self, root: str | os.PathLike, secure: bool = False, node_auth: bool = False):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.secure, self.node_auth = secure or node_auth, node_auth
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.procs: list[Proc] = []
+        self.nodes: dict[str, Proc] = {}
+        self.tls = make_tls_certificates(self.root / "certs") if self.secure else None
+        self.cli_home = self.root / "home-cli"
+        self.cli_env = flwr_env(self.cli_home)
+        write_connection(self.cli_home, self.CONNECTION, self.address,
+                         root_cert=self.tls["ca_cert"] if self.tls else None)
+        self.superlink: Proc | None = None
+
+    def __enter__(self) -> "LocalDeployment":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start_superlink(self, timeout: float = 90.0) -> Proc:
+        argv = superlink_argv(self.port, tls=self.tls, node_auth=self.node_auth)
+        self.superlink = Proc("superlink", argv, flwr_env(self.root / "home-superlink"),
+                              self.root / "superlink.log", cwd=self.root).start()
+        self.procs.append(self.superlink)
+        wait_port(self.port, timeout=timeout, proc=self.superlink)
+        return self.superlink
+
+    def node_key(self, name: str) -> tuple[Path, Path]:
+        return make_node_keypair(self.root / "keys", name)
+
+    def register(self, public_key) -> int:
+        return register_node(public_key, self.CONNECTION, self.cli_env)
+
+    def start_node(self, name: str, partition_id: int, num_partitions: int, private_key=None,
+                   data_path: str | None = None, max_retries: int | None = None) -> Proc:
+        argv = supernode_argv(self.address, free_port(), node_config_arg(partition_id, num_partitions, data_path),
+                              root_cert=self.tls["ca_cert"] if self.tls else None,
+                              private_key=private_key, max_retries=max_retries)
+        proc = Proc(name, argv, flwr_env(self.root / f"home-{name}"), self.root / f"{name}.log",
+                    cwd=self.root).start()
+        self.procs.append(proc)
+        self.nodes[name] = proc
+        return proc
+
+    def stage(self, config_file=None, overrides: dict | None = None) -> Path:
+        return stage_app(self.root / "app", config_file=config_file, overrides=overrides)
+
+    def run(self, app_dir, run_config: dict | None = None) -> int:
+        return flwr_run(app_dir, self.CONNECTION, self.cli_env, run_config)
+
+    def finished_in_log(self, run_id: int) -> bool:
+        return count_in_log(self.superlink.log, f"of run {run_id}") > 0 and \
+            bool(re.search(rf"Finished task \d+ of run {run_id}", self.superlink.log.read_text(errors="replace")))
+
+    def wait(self, run_id: int, timeout: float = 300.0) -> dict:
+        return wait_run(run_id, self.CONNECTION, self.cli_env, timeout=timeout,
+                        hint=lambda: self.finished_in_log(run_id))
+
+    def status(self, run_id: int) -> dict:
+        return run_status(run_id, self.CONNECTION, self.cli_env)
+
+    def log(self, run_id: int) -> str:
+        return run_log(run_id, self.CONNECTION, self.cli_env)
+
+    def stop(self) -> None:
+        stop_all(self.procs)
+
+
+# ---- Ray cluster (scale-out of the simulation) ----------------------------------------------
+RAY_JOBS_SCRIPT = """
+import json, sys
+import ray
+import ray._private.state as state
+ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+out = {"jobs": state.jobs(), "actors": list(state.actors().values()),
+       "nodes": [n["NodeID"] for n in ray.nodes()]}
+print("RAYSTATE " + json.dumps(out, default=str))
+"""
+
+
+def ray_cluster_state(address: str, timeout: float = 120.0) -> dict:
+    """Jobs (with their driver PIDs), actors (class, job, state) and nodes that the Ray
+    cluster at ``address`` knows, read from its GCS by a separate short-lived driver (no
+    dashboard needed). This is how one shows a simulation ran on that cluster."""
+    cp = subprocess.run([sys.executable, "-c", RAY_JOBS_SCRIPT, address], capture_output=True,
+                        text=True, timeout=timeout, env=dict(os.environ, RAY_USAGE_STATS_ENABLED="0"))
+    for line in cp.stdout.splitlines():
+        if line.startswith("RAYSTATE "):
+            return json.loads(line[len("RAYSTATE "):])
+    raise RuntimeError(f"could not read Ray cluster state at {address}: {cp.stderr[-2000:]}")
+
+
+def ray_head_argv(port: int, temp_dir: str, num_cpus: int = 2) -> list[str]:
+    """``ray start --head --block``: the cluster's processes stay in this process's group, so
+    :meth:`Proc.stop` ends them by PID (never ``ray stop``, which ends every Ray on the host)."""
+    return [str(BIN / "ray"), "start", "--head", "--block", f"--port={port}", f"--num-cpus={num_cpus}",
+            "--node-ip-address=127.0.0.1", "--include-dashboard=false", "--disable-usage-stats",
+            f"--temp-dir={temp_dir}"]
+
+
+# ---- command line ---------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    """``python -m qlsd_flwr.deploy {certs,node-key,stage-app,partition,ray-state} ...``"""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m qlsd_flwr.deploy", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("certs", help="CA + SuperLink server certificate (ca.crt, server.pem, server.key)")
+    c.add_argument("out_dir")
+    c.add_argument("--host", action="append", help="SuperLink IP or DNS name (repeatable); "
+                   "default 127.0.0.1 and localhost")
+    c.add_argument("--days", type=int, default=365)
+    k = sub.add_parser("node-key", help="SuperNode auth key pair <name>, <name>.pub (EC P-384, OpenSSH)")
+    k.add_argument("out_dir")
+    k.add_argument("name")
+    s = sub.add_parser("stage-app", help="copy the app for `flwr run`, with every config key declared")
+    s.add_argument("dst")
+    s.add_argument("--config", help="a run-config TOML, e.g. conf/deploy.toml")
+    s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p = sub.add_parser("partition", help="write client i's partition to an .npz (node config data-path)")
+    p.add_argument("out")
+    p.add_argument("--partition-id", type=int, required=True)
+    p.add_argument("--config", help="a run-config TOML, e.g. conf/deploy.toml")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    r = sub.add_parser("ray-state", help="jobs/actors/nodes of a running Ray cluster (JSON)")
+    r.add_argument("address")
+    args = ap.parse_args(argv)
+
+    def overrides(a) -> dict:
+        import tomllib
+
+        out = {}
+        if getattr(a, "config", None) and a.cmd == "partition":
+            with open(a.config, "rb") as f:
+                out.update(tomllib.load(f))
+        for kv in a.set:
+            key, _, val = kv.partition("=")
+            try:
+                out[key] = tomllib.loads(f"v = {val}")["v"]
+            except tomllib.TOMLDecodeError:
+                out[key] = val
+        return out
+
+    if args.cmd == "certs":
+        paths = make_tls_certificates(args.out_dir, tuple(args.host or ("127.0.0.1", "localhost")), args.days)
+        print("\n".join(f"{k}: {v}" for k, v in paths.items()))
+    elif args.cmd == "node-key":
+        priv, pub = make_node_keypair(args.out_dir, args.name)
+        print(f"private: {priv}\npublic:  {pub}")
+    elif args.cmd == "stage-app":
+        print(stage_app(args.dst, config_file=args.config, overrides=overrides(args)))
+    elif args.cmd == "partition":
+        print(write_partition(overrides(args), args.partition_id, args.out))
+    elif args.cmd == "ray-state":
+        print(json.dumps(ray_cluster_state(args.address), indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

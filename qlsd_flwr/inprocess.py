@@ -8,6 +8,7 @@ the chain does not depend on it. A ClientApp exception becomes an error reply, a
 
 from __future__ import annotations
 
+import copy
 import random
 import time
 from typing import Callable, Iterable
@@ -67,11 +68,14 @@ class InProcessGrid(Grid):
             index = self.node_ids.index(msg.metadata.dst_node_id)
             if self.is_up is not None and not self.is_up(index, self.calls):
                 continue  # the node is down: no reply ever comes
-            ctx = self.contexts[msg.metadata.dst_node_id]
+            # like Flower's engine: the ClientApp works on a copy of the context, which is kept
+            # only if it succeeds; an exception becomes an error reply
+            ctx = copy.deepcopy(self.contexts[msg.metadata.dst_node_id])
             try:
                 reply = self.client_app(msg, ctx)
-            except Exception as exc:  # a failing ClientApp becomes an error reply, as in Flower
-                reply = Message(Error(code=1, reason=f"{type(exc).__name__}: {exc}"), reply_to=msg)
+                self.contexts[msg.metadata.dst_node_id] = ctx
+            except Exception as exc:
+                reply = Message(Error(code=2, reason=f"{type(exc).__name__}: {exc}"), reply_to=msg)
             self._replies[msg.metadata.message_id] = reply
         return ids
 

@@ -78,6 +78,9 @@ class QLSDStrategy(Strategy):
         self.missed_rounds: dict[int, list[int]] = {}
         self._active = np.zeros(cfg.b, dtype=bool)
         self._sent: dict[int, int] = {}
+        self._sent_ids: dict[str, int] = {}  # message id -> client, to attribute SuperLink errors
+        self._foreign: set[int] = set()  # nodes that are none of our clients
+        self.rejoined: dict[int, list[int]] = {}  # client -> rounds it came back as a new node
         self.summary_data: dict = {}
 
     # ---- Flower Strategy interface -------------------------------------------------
@@ -117,6 +120,8 @@ class QLSDStrategy(Strategy):
         for msg in replies:
             node = msg.metadata.src_node_id
             i = self._sent.get(node)
+            if i is None and msg.has_error():  # e.g. NODE_UNAVAILABLE, sent by the SuperLink itself
+                i = self._sent_ids.get(msg.metadata.reply_to_message_id)
             if i is None or i in answered:
                 n_rejected += self._reject("unexpected_sender")
                 continue
@@ -193,8 +198,11 @@ class QLSDStrategy(Strategy):
             t0 = time.perf_counter()
             sampler.refresh_anchor(self.spec, self.state)
             self._active = participation.active_mask(cfg.seed, k, cfg.p)
-            replies = grid.send_and_receive(self.configure_train(k + 1, ArrayRecord(), ConfigRecord(), grid),
-                                            timeout=timeout)
+            self.rediscover(grid, k + 1, timeout)
+            msgs = list(self.configure_train(k + 1, ArrayRecord(), ConfigRecord(), grid))
+            replies = grid.send_and_receive(msgs, timeout=timeout)
+            self._sent_ids = {m.metadata.message_id: self._sent[m.metadata.dst_node_id] for m in msgs
+                              if m.metadata.message_id}
             _, metrics = self.aggregate_train(k + 1, replies)
             row = {key: metrics[key] for key in metrics}
             row["seconds"] = time.perf_counter() - t0
@@ -207,23 +215,30 @@ class QLSDStrategy(Strategy):
                 self.on_round(self)
             bar.update(1)
         bar.close()
-        extra = summary_extra(cfg, self.task, {"engine": "flower", **ts_info, "rejected": dict(self.rejected),
-                                               "missed_rounds": {str(i): r for i, r in sorted(self.missed_rounds.items())}})
+        extra = {"engine": "flower", **ts_info, "rejected": dict(self.rejected),
+                 "missed_rounds": {str(i): r for i, r in sorted(self.missed_rounds.items())},
+                 "rejoined": {str(i): r for i, r in sorted(self.rejoined.items())}}
+        if cfg.memory:
+            extra["memory_check"] = self.check_memory(grid, timeout)
+        extra = summary_extra(cfg, self.task, extra)
         self.summary_data = self.recorder.close(extra) if self.recorder is not None else extra
         result.arrays = ArrayRecord({"theta": _array(self.state.theta)})
         return result
 
     def handshake(self, grid: Grid, timeout: float) -> None:
         """Wait for the ``b`` clients and map client index → node id (``partition-id``)."""
-        deadline = time.time() + min(timeout, float(self.cfg.get("reply-timeout")))
+        wait = min(timeout, float(self.cfg.get("reply-timeout")))
+        deadline = time.time() + wait
         b = self.cfg.b
         while True:
             nodes = list(grid.get_node_ids())
             if len(nodes) >= b:
                 break
             if time.time() > deadline:
-                raise HandshakeError(f"expected {b} client nodes, only {len(nodes)} connected "
-                                     f"after {timeout:.0f} s (check num-clients and the SuperNodes)")
+                raise HandshakeError(
+                    f"expected {b} client nodes, only {len(nodes)} connected after {wait:.0f} s "
+                    f"(check num-clients and the SuperNodes: each needs --node-config "
+                    f"'partition-id=<i> num-partitions={b}'; the wait is reply-timeout)")
             time.sleep(0.5)
         msgs = [Message(RecordDict({RECORD: ConfigRecord({"hello": 1})}), n, MessageType.QUERY) for n in nodes]
         replies = grid.send_and_receive(msgs, timeout=timeout)
@@ -243,6 +258,68 @@ class QLSDStrategy(Strategy):
             raise HandshakeError(f"no node answered for partition-id(s) {missing}; "
                                  f"got {sorted(seen)} (num-clients = {b})")
         self.node_of = {i: seen[i] for i in range(b)}
+        self._foreign = set(nodes) - set(self.node_of.values())
+
+    def rediscover(self, grid: Grid, server_round: int, timeout: float) -> None:
+        """Map nodes that joined after the handshake (a SuperNode restarted without node
+        authentication registers under a new node id): ask each new node its ``partition-id``
+        and send client ``i``'s messages to it from now on. Its state is empty, so it answers
+        ``resync`` and gets the anchor and the η_i mirror the round after (see :mod:`.wire`).
+        Nodes that do not answer, or are none of our clients, are not asked again."""
+        new = set(grid.get_node_ids()) - set(self.node_of.values()) - self._foreign
+        if not new:
+            return
+        msgs = [Message(RecordDict({RECORD: ConfigRecord({"hello": 1})}), n, MessageType.QUERY)
+                for n in sorted(new)]
+        self._foreign |= new
+        for msg in grid.send_and_receive(msgs, timeout=timeout):
+            node = msg.metadata.src_node_id
+            if msg.has_error() or node not in new:
+                continue
+            try:
+                rec = msg.content.config_records[RECORD]
+                i, d = int(rec["client"]), int(rec["dim"])
+            except (KeyError, TypeError, ValueError):
+                continue
+            if 0 <= i < self.cfg.b and d == self.d:
+                log.info("round %d: client %d rejoined as node %d (was node %d)", server_round, i, node,
+                         self.node_of.get(i, -1))
+                if i in self.node_of:
+                    self._foreign.add(self.node_of[i])  # the dead node's id may still look online
+                self.node_of[i] = node
+                self._foreign.discard(node)
+                self.rejoined.setdefault(i, []).append(server_round)
+
+    def check_memory(self, grid: Grid, timeout: float) -> dict:
+        """Ask every client for its own η_i (from its ``context.state``) and compare with the
+        server: ``max_abs_eta_minus_sum`` = ``max |η − Σ_i η_i^{client}|`` (when all answered)
+        and ``max_abs_mirror_diff`` = ``max_i |η_i^{mirror} − η_i^{client}|``."""
+        st = self.state
+        msgs = [Message(RecordDict({RECORD: ConfigRecord({"hello": 1, "report": "memory"})}),
+                        self.node_of[i], MessageType.QUERY) for i in range(self.cfg.b)]
+        got: dict[int, tuple[np.ndarray, int]] = {}
+        for msg in grid.send_and_receive(msgs, timeout=timeout):
+            if msg.has_error():
+                continue
+            try:
+                rec = msg.content.config_records[RECORD]
+                i = int(rec["client"])
+                if self.node_of.get(i) != msg.metadata.src_node_id:
+                    continue
+                eta = bytes_to_arr(rec["eta"], self.d) if "eta" in rec else np.zeros(self.d)
+                got[i] = (eta, int(rec.get("eta_count", 0)))
+            except (KeyError, TypeError, ValueError):
+                continue
+        out: dict = {"clients_reported": sorted(got), "max_abs_eta": float(np.max(np.abs(st.eta))),
+                     "eta_count_agrees": {str(i): bool(c == self.eta_count[i]) for i, (_, c) in sorted(got.items())}}
+        if got:
+            out["max_abs_mirror_diff"] = float(max(np.max(np.abs(st.eta_i[i] - e)) for i, (e, _) in got.items()))
+        if len(got) == self.cfg.b:
+            total = np.sum([got[i][0] for i in range(self.cfg.b)], axis=0)
+            out["max_abs_eta_minus_sum"] = float(np.max(np.abs(st.eta - total)))
+        if out.get("max_abs_mirror_diff", 0.0) > 1e-9 * (1.0 + float(np.max(np.abs(st.eta_i)))):
+            log.warning("memory check: server mirrors and clients' η_i differ: %s", out)
+        return out
 
     # ---- helpers ------------------------------------------------------------------------
     def _anchor(self):
