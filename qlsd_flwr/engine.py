@@ -135,4 +135,8 @@ def summary_extra(cfg: RunConfig, task: Task, extra: dict) -> dict:
     if task.posterior_mean is not None:
         out["posterior_mean_exact"] = np.asarray(task.posterior_mean).tolist()
         out["posterior_var_exact"] = np.asarray(task.posterior_var).tolist()
+        # ULA with exact gradients on this Gaussian target has variance 1/(τ(1 − γτ/2)), τ = 1/var:
+        # the discretisation bias every variant carries at this γ, before any gradient noise.
+        v = np.asarray(task.posterior_var)
+        out["ula_var_exact"] = (v / (1.0 - cfg.gamma / (2.0 * v))).tolist()
     return out

@@ -14,7 +14,7 @@ from .strategy import QLSDStrategy
 
 def quiet_flower(verbose: bool) -> None:
     """Flower logs every round at INFO; a progress bar replaces that unless ``verbose``."""
-    level = logging.INFO if verbose else logging.WARNING
+    level = logging.INFO if verbose else logging.ERROR
     for name in ("flwr", "ray"):
         logging.getLogger(name).setLevel(level)
     logging.getLogger("qlsd_flwr").setLevel(logging.DEBUG if verbose else logging.INFO)

@@ -54,7 +54,7 @@ def run_inprocess(cfg: RunConfig, overrides: dict, shuffle_seed: int | None = No
 
     quiet_flower(bool(cfg.get("verbose")))
     grid = InProcessGrid(make_client_app(overrides, mods), cfg.b, shuffle_seed=shuffle_seed, is_up=is_up)
-    strategy = QLSDStrategy(cfg, C.load_task(cfg), **(strategy_kwargs or {}))
+    strategy = QLSDStrategy(cfg, C.load_task(cfg), **{"engine_label": "flower-inprocess", **(strategy_kwargs or {})})
     strategy.start(grid=grid)
     return strategy
 
@@ -80,7 +80,9 @@ def run_ray(cfg: RunConfig, overrides: dict, mods=None, strategy_kwargs: dict | 
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     quiet_flower(bool(cfg.get("verbose")))
     sink: dict = {}
-    run_simulation(server_app=make_server_app(overrides, sink, strategy_kwargs),
+    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+    kwargs = {"engine_label": "flower-ray", **(strategy_kwargs or {})}
+    run_simulation(server_app=make_server_app(overrides, sink, kwargs),
                    client_app=make_client_app(overrides, mods), num_supernodes=cfg.b,
                    backend_config=ray_backend_config(cfg), verbose_logging=bool(cfg.get("verbose")))
     if "strategy" not in sink:

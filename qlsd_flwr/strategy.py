@@ -56,7 +56,7 @@ class QLSDStrategy(Strategy):
     """QLSD, QLSD#, QLSD*, QLSD++ and the uncompressed LSD*/LSD++/SGLD (see module docstring)."""
 
     def __init__(self, cfg: RunConfig, task: Task, run_dir=None, write: bool = True,
-                 keep_trace: bool = False, on_round=None):
+                 keep_trace: bool = False, on_round=None, engine_label: str = "flower"):
         self.cfg = cfg
         self.task = task
         self.d = task.dim
@@ -82,6 +82,7 @@ class QLSDStrategy(Strategy):
         self._foreign: set[int] = set()  # nodes that are none of our clients
         self.rejoined: dict[int, list[int]] = {}  # client -> rounds it came back as a new node
         self.summary_data: dict = {}
+        self.engine_label = engine_label
 
     # ---- Flower Strategy interface -------------------------------------------------
     def summary(self) -> None:
@@ -215,7 +216,7 @@ class QLSDStrategy(Strategy):
                 self.on_round(self)
             bar.update(1)
         bar.close()
-        extra = {"engine": "flower", **ts_info, "rejected": dict(self.rejected),
+        extra = {"engine": self.engine_label, **ts_info, "rejected": dict(self.rejected),
                  "missed_rounds": {str(i): r for i, r in sorted(self.missed_rounds.items())},
                  "rejoined": {str(i): r for i, r in sorted(self.rejoined.items())}}
         if cfg.memory:

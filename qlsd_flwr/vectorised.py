@@ -462,7 +462,7 @@ class _NumbaGaussian:
         self.packed = np.array([c._packed_bits(d) if self.compressed else 64 * d for c in comps], dtype=np.int64)
         self.bound = np.array([c.bound_bits(d) for c in comps], dtype=np.float64)
         maxlev = int(self.s.max()) if self.compressed else 1
-        self.omega_tab = np.array([0] + [_omega_len_int(m) for m in range(1, 65)], dtype=np.int64)
+        self.omega_tab = np.array([0] + [_omega_len_int(m) for m in range(1, 65)], dtype=np.int64)  # L(0) := 0
         self.p = np.asarray(spec.p, dtype=np.float64)
         self.alpha = np.asarray(spec.alpha, dtype=np.float64)
         prior = task.prior
@@ -533,6 +533,7 @@ class _NumbaGaussian:
 
 if HAVE_NUMBA:
     from numba import njit, prange
+    from numba.cpython.unsafe.numbers import leading_zeros
 
     _G = rng._G
     _M1 = rng._M1
@@ -658,63 +659,54 @@ if HAVE_NUMBA:
         return val
 
     @njit(inline="always", cache=True)
-    def _bitlen(x):
-        n = 0
-        while x >= 256:
-            x >>= 8
-            n += 8
-        while x > 0:
-            x >>= 1
-            n += 1
-        return n
-
-    @njit(inline="always", cache=True)
     def _omega_len(x, tab):
-        """Elias omega code length of ``x ≥ 1``: ``L(1) = 1``, ``L(x) = bitlen(x) + L(bitlen(x) − 1)``."""
-        if x <= 64:
-            return tab[x]
-        bl = _bitlen(x)
+        """Elias omega code length of ``x ≥ 1``: ``L(x) = bitlen(x) + L(bitlen(x) − 1)`` with
+        ``L(0) := 0``, ``L(1) = 1`` (``tab[m] = L(m)`` for ``m ≤ 64``)."""
+        bl = 64 - leading_zeros(np.uint64(x))
         return bl + tab[bl - 1]
 
     @njit(cache=True)
-    def _select(kkey, N, n, cand_i, cand_k, work):
-        """Threshold of the uniform ``n``-subset of ``[0, N)`` drawn by :func:`rng.subset`.
+    def _select(kkey, N, n, keys, cand_i, cand_k, work, sel):
+        """The uniform ``n``-subset of ``[0, N)`` drawn by :func:`qlsd_flwr.rng.subset`.
 
-        The subset is the ``n`` smallest of ``N`` uniform keys. Returns ``(m, kth, ties)``:
-        candidates ``cand_i[:m]`` (ascending index) with keys ``cand_k``, the ``n``-th smallest
-        key ``kth`` (as the integer ``x >> 11``; the uniforms are ``(x >> 11)·2^-53``, so order is
-        the same), and whether keys tie at the boundary (then numpy's argpartition may pick a
-        different index: counted, vanishingly rare).
+        ``rng.subset`` keeps the indices of the ``n`` smallest of ``N`` uniform keys. Uniforms
+        are ``(x >> 11)·2^-53``, so comparing the integers ``x >> 11`` gives the same order.
+        Candidates below a threshold a few standard deviations above the ``n``-th order
+        statistic are gathered (branch-free), the ``n``-th smallest among them found by
+        quickselect, and the chosen indices written to ``sel[:n]`` in ascending order.
+        Returns 1 when keys tie at the boundary (numpy's argpartition might then keep another
+        index: counted and reported, probability about ``N·2^-53`` per draw), else 0.
         """
-        # keys below a threshold a few standard deviations above the n-th order statistic
-        frac = (n + 3.0 * math.sqrt(n) + 4.0) / N
-        lim = np.uint64(9007199254740992) if frac >= 1.0 else np.uint64(frac * 9007199254740992.0)
-        m = 0
         for j in range(N):
-            x = _mix(kkey + _G * np.uint64(j + 1)) >> _SH11
-            cand_i[m] = j
-            cand_k[m] = x
-            m += 1 if x < lim else 0
-        if m < n:  # rare: take every key
+            keys[j] = _mix(kkey + _G * np.uint64(j + 1)) >> _SH11
+        margin = 2.0 * math.sqrt(n) + 2.0
+        m = 0
+        for tier in range(3):
+            frac = (n + margin * (1 + 2 * tier)) / N
+            if tier == 2 or frac >= 1.0:
+                lim = np.uint64(18446744073709551615)
+            else:
+                lim = np.uint64(frac * 9007199254740992.0)
             m = 0
             for j in range(N):
                 cand_i[m] = j
-                cand_k[m] = _mix(kkey + _G * np.uint64(j + 1)) >> _SH11
-                m += 1
+                cand_k[m] = keys[j]
+                m += np.int64(keys[j] <= lim)
+            if m >= n:
+                break
         for q in range(m):
             work[q] = cand_k[q]
-        # quickselect for the n-th smallest (index n-1) in work[:m]
         lo = 0
         hi = m - 1
         kk = n - 1
-        while lo < hi:
-            pivot = work[(lo + hi) >> 1]
+        while lo < hi:  # Hoare quickselect (Wirth): work[kk] ends as the kk-th smallest
+            pivot = work[kk]
             i = lo
             j = hi
             while i <= j:
                 while work[i] < pivot:
                     i += 1
-                while work[j] > pivot:
+                while pivot < work[j]:
                     j -= 1
                 if i <= j:
                     t = work[i]
@@ -722,35 +714,34 @@ if HAVE_NUMBA:
                     work[j] = t
                     i += 1
                     j -= 1
-            if kk <= j:
-                hi = j
-            elif kk >= i:
+            if j < kk:
                 lo = i
-            else:
-                break
+            if kk < i:
+                hi = j
         kth = work[kk]
         cnt = 0
         for q in range(m):
-            cnt += 1 if cand_k[q] <= kth else 0
-        return m, kth, cnt != n
+            sel[cnt] = cand_i[q]
+            cnt += np.int64(cand_k[q] <= kth)
+        return 1 if cnt != n else 0
 
     @njit(cache=True)
-    def _client_h(c, i, oracle_code, k, theta, zeta, agrad, y, yoff, ysum, Ns, ns, kmini, h, acc,
-                  cand_i, cand_k, work, prior_flat, prior_w, prior_mean, prior_var, theta_star):
-        """``H_i(θ)`` of :func:`qlsd_flwr.oracles.oracle` for the Gaussian client ``i``, same float ops.
-
-        Returns 1 when the minibatch draw had a boundary tie, else 0.
-        """
-        d = theta.shape[1]
+    def _client_h(i, oracle_code, th, zeta, agrad, y, yoff, ysum, Ns, ns, kmini, h, acc,
+                  keys, cand_i, cand_k, work, sel, prior_flat, prior_w, prior_mean, prior_var,
+                  theta_star):
+        """``H_i(θ)`` of :func:`qlsd_flwr.oracles.oracle` for Gaussian client ``i``, with the same
+        float operations in the same order (the minibatch sum ``y[idx].sum(axis=0)`` is sequential
+        over rows in ascending index order, from zero). Returns 1 on a subset boundary tie."""
+        d = th.shape[0]
         N = Ns[i]
-        tie = 0
         if oracle_code == 0:  # full: (N θ − Σy) + w ∇U_0(θ)
             fN = np.float64(N)
             for q in range(d):
-                pg = 0.0 if prior_flat else (theta[c, q] - prior_mean) / prior_var
-                h[q] = (fN * theta[c, q] - ysum[i, q]) + prior_w * pg
+                pg = 0.0 if prior_flat else (th[q] - prior_mean) / prior_var
+                h[q] = (fN * th[q] - ysum[i, q]) + prior_w * pg
             return 0
         n = ns[i]
+        tie = 0
         for q in range(d):
             acc[q] = 0.0
         off = yoff[i]
@@ -759,85 +750,92 @@ if HAVE_NUMBA:
                 for q in range(d):
                     acc[q] = acc[q] + y[off + j, q]
         else:
-            m, kth, t = _select(kmini, N, n, cand_i, cand_k, work)
-            tie = 1 if t else 0
-            for qq in range(m):
-                if cand_k[qq] <= kth:
-                    row = off + cand_i[qq]
-                    for q in range(d):
-                        acc[q] = acc[q] + y[row, q]
+            tie = _select(kmini, N, n, keys, cand_i, cand_k, work, sel)
+            for jj in range(n):
+                row = off + sel[jj]
+                for q in range(d):
+                    acc[q] = acc[q] + y[row, q]
         scale = np.float64(N) / np.float64(n)
         fn = np.float64(n)
-        if oracle_code == 1:  # minibatch
+        if oracle_code == 1:  # minibatch (QLSD#)
             for q in range(d):
-                pg = 0.0 if prior_flat else (theta[c, q] - prior_mean) / prior_var
-                h[q] = scale * (fn * theta[c, q] - acc[q]) + prior_w * pg
-        else:
+                pg = 0.0 if prior_flat else (th[q] - prior_mean) / prior_var
+                h[q] = scale * (fn * th[q] - acc[q]) + prior_w * pg
+        elif oracle_code == 2:  # control variate at θ* (QLSD*)
             for q in range(d):
-                a = theta_star[q] if oracle_code == 2 else zeta[c, q]
-                if prior_flat:
-                    dp = 0.0 - 0.0
-                else:
-                    dp = (theta[c, q] - prior_mean) / prior_var - (a - prior_mean) / prior_var
-                h[q] = scale * ((fn * theta[c, q] - acc[q]) - (fn * a - acc[q])) + prior_w * dp
-                if oracle_code == 3:
-                    h[q] = h[q] + agrad[c, i, q]
+                a = theta_star[q]
+                dp = 0.0 - 0.0 if prior_flat else (th[q] - prior_mean) / prior_var - (a - prior_mean) / prior_var
+                h[q] = scale * ((fn * th[q] - acc[q]) - (fn * a - acc[q])) + prior_w * dp
+        else:  # SVRG at ζ (QLSD++)
+            for q in range(d):
+                a = zeta[q]
+                dp = 0.0 - 0.0 if prior_flat else (th[q] - prior_mean) / prior_var - (a - prior_mean) / prior_var
+                h[q] = scale * ((fn * th[q] - acc[q]) - (fn * a - acc[q])) + prior_w * dp
+                h[q] = h[q] + agrad[i, q]
         return tie
 
     @njit(cache=True)
-    def _quantise(h, s, kdither, gh, tab, want_bits, enc, packed):
-        """QSGD quantise + dequantise of ``h`` into ``gh``; returns ``(bits, err)``.
+    def _quantise(h, s, kdither, gh, u, lev, tab, want_bits, enc, packed):
+        """QSGD quantise then dequantise ``h`` into ``gh``; returns ``(exact code bits, error)``.
 
-        Same float ops as ``QSGD.quantise_batch`` / ``dequantise_batch``: float64 norm by numpy's
-        pairwise sum, float32 norm on the wire, ``r = min(|v|·s/‖v‖, s)``, ``ℓ = ⌊r⌋ + 1{ξ < r − ⌊r⌋}``,
-        ``ĝ = float64(N32)·ℓ / s``.
+        The float ops of ``QSGD.quantise_batch`` / ``dequantise_batch``: float64 norm by numpy's
+        pairwise sum, float32 norm on the wire, ``r = min(|v|·s/‖v‖, s)``,
+        ``ℓ = ⌊r⌋ + 1{ξ < r − ⌊r⌋}`` (held as an exact float), ``ĝ = float64(N32)·ℓ / s``.
+        Error 1: non-finite input; 2: norm beyond float32.
         """
         d = h.shape[0]
-        for q in range(d):
-            if not math.isfinite(h[q]):
-                return 0, 1
         norm64 = math.sqrt(0.0 + _pairwise_sq(h, 0, d))
+        if not math.isfinite(norm64):
+            for q in range(d):
+                if not math.isfinite(h[q]):
+                    return 0, 1
         norm32 = np.float32(norm64)
         if not math.isfinite(norm32):
             return 0, 2
         sf = np.float64(s)
-        live = norm32 > 0 and norm64 > 0
-        n32 = np.float64(norm32) if live else 0.0
+        if norm32 > 0 and norm64 > 0:
+            n32 = np.float64(norm32)
+            for q in range(d):
+                u[q] = np.float64(_mix(kdither + _G * np.uint64(q + 1)) >> _SH11) * _TWO53
+            for q in range(d):
+                v = h[q]
+                a = abs(v) * sf / norm64
+                r = a if a < sf else sf
+                lo = math.floor(r)
+                lv = lo + (1.0 if u[q] < r - lo else 0.0)
+                lv = (0.0 - lv) if v < 0 else lv  # 0.0 - 0.0 = +0.0: no negative zero, as int levels
+                lev[q] = lv
+                gh[q] = n32 * lv / sf
+        else:  # zero vector, or a norm that underflows float32: sent as zero
+            for q in range(d):
+                lev[q] = 0.0
+                gh[q] = 0.0
+        if not want_bits or enc == 2:
+            return packed, 0
         nz = 0
         body = 0
         prev = -1
         for q in range(d):
-            v = h[q]
-            if live:
-                r = min(abs(v) * sf / norm64, sf)
-            else:
-                r = 0.0
-            lo = math.floor(r)
-            u = _unif(kdither, q + 1)
-            lev = np.int64(lo) + (1 if u < r - lo else 0)
-            if v < 0:
-                lev = -lev
-            gh[q] = n32 * np.float64(lev) / sf
-            if want_bits and lev != 0:
-                nz += 1
-                body += _omega_len(q - prev, tab) + 1 + _omega_len(abs(lev), tab)
-                prev = q
-        bits = 0
-        if want_bits:
-            elias = body + 32 + _omega_len(nz + 1, tab)
-            if enc == 0:
-                bits = min(elias, packed)
-            elif enc == 1:
-                bits = elias
-            else:
-                bits = packed
-        return bits, 0
+            a = abs(lev[q])
+            isnz = np.int64(a != 0.0)
+            mag = np.int64(a) + (1 - isnz)  # 1 where the level is 0 (length ignored)
+            body += isnz * (_omega_len(q - prev, tab) + 1 + _omega_len(mag, tab))
+            prev = q if isnz == 1 else prev
+            nz += isnz
+        elias = body + 32 + _omega_len(nz + 1, tab)
+        if enc == 1:
+            return elias, 0
+        return min(elias, packed), 0
 
     @njit(parallel=True, cache=True)
     def _gauss_block(k0, R, seeds, theta, zeta, agrad, eta_i, eta, iargs, fargs, p, alpha, s, Ns, ns,
                      y, yoff, ysum, theta_star, packed, bound, tab, noise, states,
                      m_act, m_skip, m_bits, m_bound, m_bytes, s_th, s_th2, s_f, s_f2, kept, ties, err):
-        """Rounds ``k0 .. k0+R-1`` of every chain (parallel over chains)."""
+        """Rounds ``k0 .. k0+R-1`` of every chain, in parallel over chains.
+
+        Each chain works on private copies of its state (no false sharing between threads) and
+        writes them back at the end of the block.
+        """
         oracle_code = iargs[0]
         active_fraction = iargs[1] == 1
         l_anchor = iargs[2]
@@ -865,46 +863,58 @@ if HAVE_NUMBA:
         if not prior_flat:
             for q in range(d):
                 star_prior[q] = (theta_star[q] - prior_mean) / prior_var
-        s_mini = np.uint64(2)
-        s_dith = np.uint64(3)
-        s_noise = np.uint64(4)
-        s_part = np.uint64(1)
+        wts = np.empty(b)
+        for i in range(b):
+            wts[i] = 1.0 / p[i]
         for c in prange(nc):
             h = np.empty(d)
             acc = np.empty(d)
             gh = np.empty(d)
             g = np.empty(d)
+            u = np.empty(d)
+            lev = np.empty(d)
             active = np.zeros(b, dtype=np.bool_)
+            keys = np.empty(nmax, dtype=np.uint64)
             cand_i = np.empty(nmax, dtype=np.int64)
             cand_k = np.empty(nmax, dtype=np.uint64)
             work = np.empty(nmax, dtype=np.uint64)
+            sel = np.empty(nmax, dtype=np.int64)
+            th = theta[c].copy()
+            zt = zeta[c].copy()
+            ag = agrad[c].copy()
+            et_i = eta_i[c].copy()
+            et = eta[c].copy()
+            sth = s_th[c].copy()
+            sth2 = s_th2[c].copy()
+            sf_ = s_f[c]
+            sf2_ = s_f2[c]
+            kept_c = kept[c]
+            ties_c = ties[c]
+            err_c = 0
             seed = seeds[c]
-            ks_part = _key_seed(seed, s_part)
-            ks_mini = _key_seed(seed, s_mini)
-            ks_dith = _key_seed(seed, s_dith)
-            ks_noise = _key_seed(seed, s_noise)
+            ks_part = _key_seed(seed, np.uint64(1))
+            ks_mini = _key_seed(seed, np.uint64(2))
+            ks_dith = _key_seed(seed, np.uint64(3))
+            ks_noise = _key_seed(seed, np.uint64(4))
             for r in range(R):
-                if err[c] != 0:
-                    break
                 k = k0 + r
                 if oracle_code == 3 and k % l_anchor == 0:  # ζ_k = θ_k; ∇U_i(ζ) for every client
                     for q in range(d):
-                        zeta[c, q] = theta[c, q]
+                        zt[q] = th[q]
                     for i in range(b):
                         fN = np.float64(Ns[i])
                         for q in range(d):
-                            pg = 0.0 if prior_flat else (zeta[c, q] - prior_mean) / prior_var
-                            agrad[c, i, q] = (fN * zeta[c, q] - ysum[i, q]) + prior_w * pg
+                            pg = 0.0 if prior_flat else (zt[q] - prior_mean) / prior_var
+                            ag[i, q] = (fN * zt[q] - ysum[i, q]) + prior_w * pg
                 n_act = 0
                 for i in range(b):
                     if p[i] >= 1.0:
                         active[i] = True  # u < 1 always: the draw cannot change the outcome
                     else:
-                        kp = _key_rc(ks_part, k, i)
-                        active[i] = _unif(kp, 1) < p[i]
+                        active[i] = _unif(_key_rc(ks_part, k, i), 1) < p[i]
                     n_act += 1 if active[i] else 0
                 m_act[c, r] = n_act
-                if active_fraction and n_act == 0:  # undefined rule: skip the round
+                if active_fraction and n_act == 0:  # the rule is undefined: skip the round
                     m_skip[c, r] = 1
                 else:
                     for q in range(d):
@@ -915,52 +925,53 @@ if HAVE_NUMBA:
                     for i in range(b):
                         if not active[i]:
                             continue
-                        kmini = _key_rc(ks_mini, k, i)
-                        ties[c] += _client_h(c, i, oracle_code, k, theta, zeta, agrad, y, yoff, ysum,
-                                             Ns, ns, kmini, h, acc, cand_i, cand_k, work, prior_flat,
-                                             prior_w, prior_mean, prior_var, theta_star)
+                        ties_c += _client_h(i, oracle_code, th, zt, ag, y, yoff, ysum, Ns, ns,
+                                            _key_rc(ks_mini, k, i), h, acc, keys, cand_i, cand_k,
+                                            work, sel, prior_flat, prior_w, prior_mean, prior_var,
+                                            theta_star)
                         if memory:
                             for q in range(d):
-                                h[q] = h[q] - eta_i[c, i, q]
+                                h[q] = h[q] - et_i[i, q]
                         if compressed:
-                            kd = _key_rc(ks_dith, k, i)
-                            bits, e = _quantise(h, s[i], kd, gh, tab, True, enc, packed[i])
+                            bits, e = _quantise(h, s[i], _key_rc(ks_dith, k, i), gh, u, lev, tab,
+                                                True, enc, packed[i])
                             if e != 0:
-                                err[c] = e
+                                err_c = e
                                 break
                             bytes_r += 5 + (bits + 7) // 8
                         else:
                             for q in range(d):
                                 if not math.isfinite(h[q]):
-                                    err[c] = 3
+                                    err_c = 3
                                 gh[q] = h[q]
+                            if err_c != 0:
+                                break
                             bits = packed[i]
                             bytes_r += bits // 8
                         bits_r += bits
                         bound_r += bound[i]
-                        w = (np.float64(b) / np.float64(n_act)) if active_fraction else 1.0 / p[i]
+                        w = (np.float64(b) / np.float64(n_act)) if active_fraction else wts[i]
                         for q in range(d):
                             g[q] = g[q] + w * gh[q]
                         if memory and alpha[i] != 0.0:
                             ai = alpha[i]
                             for q in range(d):
-                                eta_i[c, i, q] = eta_i[c, i, q] + ai * gh[q]
-                    if err[c] != 0:
+                                et_i[i, q] = et_i[i, q] + ai * gh[q]
+                    if err_c != 0:
                         break
                     m_bits[c, r] = bits_r
                     m_bound[c, r] = bound_r
                     m_bytes[c, r] = bytes_r
-                    if memory:
+                    if memory:  # g += η_k, then η_{k+1} = Σ_i η_i (rows in order, from zero)
                         for q in range(d):
-                            g[q] = g[q] + eta[c, q]
-                        for q in range(d):
-                            eta[c, q] = 0.0
+                            g[q] = g[q] + et[q]
+                            et[q] = 0.0
                         for i in range(b):
                             for q in range(d):
-                                eta[c, q] = eta[c, q] + eta_i[c, i, q]
+                                et[q] = et[q] + et_i[i, q]
                     if prior_server and not prior_flat:
                         for q in range(d):
-                            t = (theta[c, q] - prior_mean) / prior_var
+                            t = (th[q] - prior_mean) / prior_var
                             if oracle_code == 2:
                                 t = t - star_prior[q]
                             g[q] = g[q] + t
@@ -970,25 +981,37 @@ if HAVE_NUMBA:
                             u1 = _unif(kn, q + 1)
                             u2 = _unif(kn, d + q + 1)
                             z = math.sqrt(-2.0 * math.log1p(-u1)) * math.cos(_TWO_PI * u2)
-                            theta[c, q] = theta[c, q] - gamma * g[q] + sqrt2g * z
+                            th[q] = th[q] - gamma * g[q] + sqrt2g * z
                     else:
                         for q in range(d):
-                            theta[c, q] = theta[c, q] - gamma * g[q] + sqrt2g * noise[c, r, q]
+                            th[q] = th[q] - gamma * g[q] + sqrt2g * noise[c, r, q]
                 if record:
                     for q in range(d):
-                        states[c, r, q] = theta[c, q]
+                        states[c, r, q] = th[q]
                 j = k + 1
                 if j > burn_in and (j - burn_in - 1) % thin == 0:
                     ss = 0.0
                     for q in range(d):
-                        x = theta[c, q]
+                        x = th[q]
                         ss += x * x
-                        s_th[c, q] += x
-                        s_th2[c, q] += x * x
+                        sth[q] += x
+                        sth2[q] += x * x
                     f = math.sqrt(ss)
-                    s_f[c] += f
-                    s_f2[c] += f * f
-                    kept[c] += 1
+                    sf_ += f
+                    sf2_ += f * f
+                    kept_c += 1
+            theta[c] = th
+            zeta[c] = zt
+            agrad[c] = ag
+            eta_i[c] = et_i
+            eta[c] = et
+            s_th[c] = sth
+            s_th2[c] = sth2
+            s_f[c] = sf_
+            s_f2[c] = sf2_
+            kept[c] = kept_c
+            ties[c] = ties_c
+            err[c] = err_c
 else:  # pragma: no cover
     def noise_in_kernel_ok() -> bool:  # noqa: F811
         return False
