@@ -27,7 +27,8 @@ from flwr.clientapp import ClientApp
 
 from . import components as C
 from .config import resolve
-from .oracles import ClientState, client_round, full_local_grad, set_anchor
+from .client import handle
+from .oracles import ClientState
 from .wire import RECORD, arr_to_bytes, bytes_to_arr
 
 STATE = "qlsd-state"
@@ -109,27 +110,11 @@ def make_client_app(overrides: dict | None = None, mods=None) -> ClientApp:
     @app.train()
     def train(message: Message, context: Context) -> Message:
         i = client_index(context)
-        cfg, pot, spec, d = _client_setup(run_config_of(context, overrides), i, data_path_of(context))
-        rec = message.content.config_records[RECORD]
-        theta = bytes_to_arr(rec["theta"], d)
-        if rec["phase"] == "grad":
-            g = full_local_grad(spec, pot, theta)
-            return _reply(message, {"client": i, "status": "ok", "payload": arr_to_bytes(g)})
+        cfg, pot, spec, d = _client_setup(run_config_of(context, overrides), i)
         st = load_state(context)
-        if "eta" in rec:
-            st.eta = bytes_to_arr(rec["eta"], d)
-            st.eta_count = int(rec["eta_count"])
-        if "anchor" in rec:
-            set_anchor(spec, pot, st, bytes_to_arr(rec["anchor"], d), int(rec["anchor_version"]))
-        stale_anchor = spec.oracle in ("svrg", "star") and st.anchor_version != int(rec["anchor_version"])
-        stale_eta = spec.memory and st.eta_count != int(rec["eta_count"])
-        if stale_anchor or stale_eta:
-            save_state(context, st, d)
-            return _reply(message, {"client": i, "status": "resync"})
-        q, _ = client_round(spec, pot, st, cfg.seed, int(rec["round"]), theta)
+        reply = handle(spec, pot, st, cfg.seed, dict(message.content.config_records[RECORD]), d)
         save_state(context, st, d)
-        return _reply(message, {"client": i, "status": "ok", "payload": spec.compressor.encode(q),
-                                "anchor_version": st.anchor_version})
+        return _reply(message, reply)
 
     return app
 

@@ -230,12 +230,23 @@ class Proc:
             return ""
 
 
-def stop_all(procs) -> None:
-    """Stop every :class:`Proc` (in reverse start order); never raises."""
-    for p in reversed(list(procs)):
+def stop_all(procs, grace: float = 5.0) -> None:
+    """Stop every :class:`Proc`: SIGTERM to all their process groups at once, wait up to
+    ``grace`` seconds in all, then SIGKILL the groups; never raises."""
+    procs = [p for p in procs if p.popen is not None]
+    for p in procs:
+        p._signal(signal.SIGTERM)
+    deadline = time.time() + grace
+    for p in procs:
         try:
-            p.stop()
-        except Exception:  # noqa: BLE001 - cleanup must go on
+            p.popen.wait(timeout=max(0.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            pass
+    for p in procs:
+        p._signal(signal.SIGKILL)  # the process if still there, and whatever it left in its group
+        try:
+            p.popen.wait(timeout=5)
+        except subprocess.TimeoutExpired:
             pass
 
 
@@ -424,11 +435,23 @@ def run_log(run_id: int, connection: str, env: dict, timeout: float = 30.0) -> s
 
 def register_node(public_key, connection: str, env: dict) -> int:
     """``flwr supernode register <key.pub> <connection>``; returns the node id."""
-    cp = flwr_cli(["supernode", "register", str(public_key), connection, "--format", "json"], env)
-    out = _json_out(cp)
-    if not out.get("success"):
-        raise RuntimeError(f"flwr supernode register failed: {out}\n{cp.stderr}")
-    return int(out["node-id"])
+    return register_nodes([public_key], connection, env)[0]
+
+
+def register_nodes(public_keys, connection: str, env: dict, timeout: float = 120.0) -> list[int]:
+    """``flwr supernode register`` for several keys, the CLI processes running side by side."""
+    procs = [subprocess.Popen([str(BIN / "flwr"), "supernode", "register", str(k), connection,
+                               "--format", "json"], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+             for k in public_keys]
+    ids = []
+    for k, p in zip(public_keys, procs):
+        out, err = p.communicate(timeout=timeout)
+        res = _json_out(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+        if not res.get("success"):
+            raise RuntimeError(f"flwr supernode register {k} failed: {res}\n{err}")
+        ids.append(int(res["node-id"]))
+    return ids
 
 
 def count_in_log(path: str | os.PathLike, needle: str) -> int:
@@ -507,8 +530,9 @@ class LocalDeployment:
     def node_key(self, name: str) -> tuple[Path, Path]:
         return make_node_keypair(self.root / "keys", name)
 
-    def register(self, public_key) -> int:
-        return register_node(public_key, self.CONNECTION, self.cli_env)
+    def register(self, *public_keys) -> list[int]:
+        """Register SuperNode public keys (``flwr supernode register``); their node ids."""
+        return register_nodes(public_keys, self.CONNECTION, self.cli_env)
 
     def start_node(self, name: str, partition_id: int, num_partitions: int, private_key=None,
                    data_path: str | None = None, max_retries: int | None = None) -> Proc:

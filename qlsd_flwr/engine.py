@@ -8,7 +8,6 @@ on the wire. For one seed it produces the same chain, bit for bit, as Flower doe
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,8 +16,9 @@ import numpy as np
 from . import components as C
 from . import participation, sampler
 from .config import RunConfig
+from .client import handle
 from .oracles import ClientState, client_round, full_local_grad, set_anchor
-from .outputs import Recorder, make_run_dir
+from .server import QLSDServer, summary_extra  # noqa: F401  (summary_extra re-exported)
 from .progress import progress_bar
 from .tasks.base import Task
 
@@ -64,79 +64,52 @@ def run_local(cfg: RunConfig, task: Task | None = None, write: bool = True,
               keep_trace: bool = False, progress: bool | None = None, wire: bool = True) -> RunResult:
     """Run one chain of ``cfg`` without Flower.
 
-    ``wire=False`` skips encoding and decoding each message (``decode(encode(q)) == q`` is
-    tested on its own) and the bit counts; the chain is the same. For fast statistical tests.
+    ``wire=True`` runs the very protocol the Flower apps run (:class:`~qlsd_flwr.server.QLSDServer`
+    on one side, :func:`qlsd_flwr.client.handle` on the other, messages encoded as bytes), with
+    direct calls in place of Flower. ``wire=False`` skips the encoding, the protocol counters and
+    the outputs and calls the numerics directly (``decode(encode(q)) == q`` is tested on its own):
+    the same chain, faster, for statistical tests.
     """
     task = task if task is not None else C.load_task(cfg)
     d = task.dim
     blocks = C.blocks_for(cfg, task)
     specs = [C.client_spec(cfg, i, task.clients[i].n_data, d, task.prior, blocks) for i in range(cfg.b)]
     states = [ClientState() for _ in range(cfg.b)]
-    theta0 = C.theta0_of(task)
     theta_star, ts_info = resolve_theta_star(
-        cfg, task, theta0,
+        cfg, task, C.theta0_of(task),
         lambda th: C.combine_grads(cfg, task.prior, [full_local_grad(s, task.clients[s.index], th) for s in specs], th))
-    spec = C.server_spec(cfg, task, theta_star, blocks)
-    st = sampler.init_state(spec, theta0)
-    seed = cfg.seed
-
-    rec = None
-    run_dir = None
-    if write:
-        run_dir = make_run_dir(cfg.get("output-dir"), cfg.get("run-name"), cfg.variant)
-        rec = Recorder(run_dir, cfg.to_dict(), d, 1, cfg.burn_in, cfg.thin)
-    trace = np.empty((cfg.num_rounds, d)) if keep_trace else None
-    show = cfg.get("progress") if progress is None else progress
-    bar = progress_bar(cfg.num_rounds, show, f"{cfg.variant} local")
-    for k in range(cfg.num_rounds):
-        t0 = time.perf_counter()
-        sampler.refresh_anchor(spec, st)
-        active = participation.active_mask(seed, k, cfg.p)
-        g_hat: dict[int, np.ndarray] = {}
-        bits_bound = bits_exact = nbytes = 0
-        for i in np.flatnonzero(active):
-            s_i, pot = specs[i], task.clients[i]
-            anchor, version = (st.zeta, st.zeta_version) if cfg.oracle == "svrg" else (theta_star, 0)
-            if cfg.oracle in ("svrg", "star") and states[i].anchor_version != version:
-                set_anchor(s_i, pot, states[i], anchor, version)
-            q, g = client_round(s_i, pot, states[i], seed, k, st.theta)
-            if not wire:
-                g_hat[int(i)] = g
-                continue
-            payload = s_i.compressor.encode(q)
-            q_server = s_i.compressor.decode(payload, d)
-            g_hat[int(i)] = s_i.compressor.dequantise(q_server)
-            bits_bound += s_i.compressor.bound_bits(d)
-            bits_exact += s_i.compressor.code_length_bits(q)
-            nbytes += len(payload)
-        facts = sampler.server_step(spec, st, seed, g_hat)
-        if keep_trace:
-            trace[k] = st.theta
-        if rec is not None:
-            rec.record_round({"round": k + 1, "n_active": int(active.sum()), "n_replied": len(g_hat),
-                              "n_rejected": 0, "skipped": int(facts["skipped"]),
-                              "bits_bound": bits_bound, "bits_exact": bits_exact,
-                              "bytes_payload": nbytes, "bytes_message": 0,
-                              "seconds": time.perf_counter() - t0})
-            rec.record_sample(k + 1, st.theta)
+    bar = progress_bar(cfg.num_rounds, cfg.get("progress") if progress is None else progress, f"{cfg.variant} local")
+    if not wire:
+        return _run_direct(cfg, task, specs, states, theta_star, keep_trace, bar)
+    server = QLSDServer(cfg, task, write=write, keep_trace=keep_trace, engine_label="local")
+    server.begin(theta_star, ts_info)
+    for _ in range(cfg.num_rounds):
+        for i in server.begin_round():
+            reply = handle(specs[i], task.clients[i], states[i], cfg.seed, server.fields_for(i), d)
+            server.accept(i, reply)
+        server.end_round()
         bar.update(1)
     bar.close()
-    summary = {"engine": "local", **ts_info}
-    if rec is not None:
-        summary = rec.close(summary_extra(cfg, task, summary))
-    return RunResult(summary=summary, run_dir=run_dir, trace=trace, server=st, clients=states)
+    summary = server.finish()
+    trace = np.array(server.trace) if keep_trace else None
+    return RunResult(summary=summary, run_dir=server.run_dir, trace=trace, server=server.state, clients=states)
 
 
-def summary_extra(cfg: RunConfig, task: Task, extra: dict) -> dict:
-    """Facts every engine adds to its summary."""
-    out = dict(extra)
-    out.update({"variant": cfg.variant, "task": task.name, "b": cfg.b, "d": task.dim,
-                "gamma": cfg.gamma, "num_rounds": cfg.num_rounds, "seed": cfg.seed})
-    if task.posterior_mean is not None:
-        out["posterior_mean_exact"] = np.asarray(task.posterior_mean).tolist()
-        out["posterior_var_exact"] = np.asarray(task.posterior_var).tolist()
-        # ULA with exact gradients on this Gaussian target has variance 1/(τ(1 − γτ/2)), τ = 1/var:
-        # the discretisation bias every variant carries at this γ, before any gradient noise.
-        v = np.asarray(task.posterior_var)
-        out["ula_var_exact"] = (v / (1.0 - cfg.gamma / (2.0 * v))).tolist()
-    return out
+def _run_direct(cfg, task, specs, states, theta_star, keep_trace, bar) -> RunResult:
+    spec = C.server_spec(cfg, task, theta_star, C.blocks_for(cfg, task))
+    st = sampler.init_state(spec, C.theta0_of(task))
+    trace = np.empty((cfg.num_rounds, task.dim)) if keep_trace else None
+    for k in range(cfg.num_rounds):
+        sampler.refresh_anchor(spec, st)
+        anchor, version = (st.zeta, st.zeta_version) if cfg.oracle == "svrg" else (theta_star, 0)
+        g_hat = {}
+        for i in np.flatnonzero(participation.active_mask(cfg.seed, k, cfg.p)):
+            if cfg.oracle in ("svrg", "star") and states[i].anchor_version != version:
+                set_anchor(specs[i], task.clients[i], states[i], anchor, version)
+            g_hat[int(i)] = client_round(specs[i], task.clients[i], states[i], cfg.seed, k, st.theta)[1]
+        sampler.server_step(spec, st, cfg.seed, g_hat)
+        if keep_trace:
+            trace[k] = st.theta
+        bar.update(1)
+    bar.close()
+    return RunResult(summary={"engine": "local-direct"}, run_dir=None, trace=trace, server=st, clients=states)

@@ -64,11 +64,16 @@ from . import components as C
 from . import participation, rng
 from .compression import HEADER_BYTES, QSGD, Identity, _omega_len_int
 from .config import RunConfig
-from .engine import resolve_theta_star, summary_extra
+from .engine import resolve_theta_star
 from .oracles import ClientState, full_local_grad, oracle
 from .outputs import Recorder, make_run_dir
 from .progress import progress_bar
 from .tasks.base import Task
+
+try:  # summary_extra: the facts every engine adds to its summary (moved between modules)
+    from .server import summary_extra
+except ImportError:  # pragma: no cover
+    from .engine import summary_extra
 
 try:  # numba is a dependency, but keep the generic path usable without it
     import numba as _nb

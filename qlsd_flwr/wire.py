@@ -37,12 +37,18 @@ class ReplyError(ValueError):
     """A client reply that is malformed; the server rejects and counts it."""
 
 
-def parse_reply(content, expected_client: int) -> dict:
-    """Validate a reply's ``ConfigRecord``; raises :class:`ReplyError` on anything off."""
+def record_fields(content) -> dict | None:
+    """The ``"qlsd"`` ConfigRecord of a Flower reply as a dict, or ``None`` if absent."""
     try:
-        rec = content.config_records[RECORD]
-    except (KeyError, AttributeError) as exc:
-        raise ReplyError("reply has no 'qlsd' ConfigRecord") from exc
+        return dict(content.config_records[RECORD])
+    except (KeyError, AttributeError, TypeError):
+        return None
+
+
+def parse_fields(rec: dict | None, expected_client: int) -> dict:
+    """Validate a reply's fields; raises :class:`ReplyError` on anything off."""
+    if not isinstance(rec, dict):
+        raise ReplyError("reply has no 'qlsd' record")
     try:
         client = int(rec["client"])
         status = str(rec["status"])

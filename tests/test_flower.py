@@ -155,3 +155,13 @@ def test_node_restarting_with_empty_state_is_resynchronised(tmp_path):
     # from round 10 on it holds the server's mirror again
     assert strat.missed_rounds == {2: [9]}
     assert strat.summary_data["missed_rounds"] == {"2": [9]}
+
+
+@pytest.mark.parametrize("variant", ["qlsd-pp", "qlsd-sharp", "lsd-star", "qlsd"])
+def test_direct_numeric_path_equals_protocol_path(variant):
+    """run_local(wire=False), used by the statistical tests, gives the protocol's chain."""
+    o = {**BASE, "variant": variant, "p": "0.6", "s": "8"}
+    cfg = resolve(o)
+    a = run_local(cfg, write=False, keep_trace=True, progress=False, wire=True).trace
+    b = run_local(cfg, write=False, keep_trace=True, progress=False, wire=False).trace
+    np.testing.assert_array_equal(a, b)

@@ -1,0 +1,151 @@
+"""Core benchmark (issue: Core). Ratios measured within one run; results go to RESULTS.md.
+
+1. Overhead of our strategy: seconds per round of QLSD++ (p = 1, d = 50) on Flower's Ray
+   engine with 10, 20 and 100 clients, next to a no-op strategy on the same engine (every node
+   gets an empty message and answers an empty reply). Both run back to back in one process;
+   the per-round time excludes Ray's start-up and the handshake.
+2. Bytes on the wire: per client message, for d = 50 and d = 1e5 and s = 2, 2^4, 2^8, 2^16,
+   the payload bytes our encoder produces, the exact code length, the analytic QSGD bound and
+   float32 (32 d bits); plus the bytes of the whole Flower reply message.
+
+    python benchmarks/bench_core.py [--rounds 30] [--clients 10,20,100] [--out benchmarks/core.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import numpy as np
+
+os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+
+
+def noop_apps(rounds: int, b: int, sink: dict):
+    from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
+    from flwr.clientapp import ClientApp
+    from flwr.serverapp import Grid, ServerApp
+
+    client = ClientApp()
+
+    @client.train()
+    def train(msg: Message, ctx: Context) -> Message:
+        return Message(RecordDict({"r": ConfigRecord({"ok": 1})}), reply_to=msg)
+
+    server = ServerApp()
+
+    @server.main()
+    def main(grid: Grid, ctx: Context) -> None:
+        while len(list(grid.get_node_ids())) < b:
+            time.sleep(0.1)
+        nodes = list(grid.get_node_ids())
+        times = []
+        for r in range(rounds):
+            t0 = time.perf_counter()
+            msgs = [Message(RecordDict(), n, MessageType.TRAIN, group_id=str(r)) for n in nodes]
+            list(grid.send_and_receive(msgs, timeout=600))
+            times.append(time.perf_counter() - t0)
+        sink["times"] = times
+
+    return server, client
+
+
+def ray_round_times(b: int, rounds: int) -> dict:
+    from flwr.simulation import run_simulation
+
+    from qlsd_flwr.config import resolve
+    from qlsd_flwr.server_app import quiet_flower
+    from qlsd_flwr.simulate import ray_backend_config, run_ray
+
+    o = {"variant": "qlsd-pp", "num-clients": b, "dim": 50, "num-rounds": rounds, "burn-in": 0,
+         "p": "1.0", "s": "16", "progress": False, "engine": "ray", "output-dir": "/tmp/qlsd-bench"}
+    cfg = resolve(o)
+    strat = run_ray(cfg, o)
+    import csv
+
+    with open(strat.run_dir / "metrics.csv") as f:
+        ours = [float(r["seconds"]) for r in csv.DictReader(f)]
+    sink: dict = {}
+    server, client = noop_apps(rounds, b, sink)
+    quiet_flower(False)
+    run_simulation(server_app=server, client_app=client, num_supernodes=b, backend_config=ray_backend_config(cfg))
+    noop = sink["times"]
+    # the first rounds warm up Ray's actors; compare medians of the rest
+    skip = min(5, rounds // 3)
+    m_ours, m_noop = statistics.median(ours[skip:]), statistics.median(noop[skip:])
+    return {"clients": b, "rounds": rounds, "qlsd_s_per_round": m_ours, "noop_s_per_round": m_noop,
+            "ratio": m_ours / m_noop}
+
+
+def wire_sizes() -> list[dict]:
+    from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from qlsd_flwr import rng
+    from qlsd_flwr.compression import QSGD
+    from qlsd_flwr.strategy import message_nbytes
+    from qlsd_flwr.wire import RECORD
+
+    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 0
+    rows = []
+    for d in (50, 100_000):
+        v = rng.normal(0, rng.Stream.DATA, 9, 9, d)
+        for s in (2, 2**4, 2**8, 2**16):
+            comp = QSGD(s=s, encoding="auto")
+            reps = 5 if d > 1000 else 50
+            payload, exact, t_enc, t_dec = [], [], 0.0, 0.0
+            for k in range(reps):
+                q = comp.quantise(v, rng.uniform(0, rng.Stream.DITHER, k, 0, d))
+                t0 = time.perf_counter()
+                p = comp.encode(q)
+                t_enc += time.perf_counter() - t0
+                t0 = time.perf_counter()
+                comp.decode(p, d)
+                t_dec += time.perf_counter() - t0
+                payload.append(len(p))
+                exact.append(comp.code_length_bits(q))
+            dummy = Message(RecordDict(), 1, MessageType.TRAIN)
+            dummy.metadata.__dict__["_message_id"] = "x"
+            reply = Message(RecordDict({RECORD: ConfigRecord({"client": 0, "status": "ok", "payload": p,
+                                                              "anchor_version": 0})}), reply_to=dummy)
+            rows.append({"d": d, "s": s, "payload_bytes": float(np.mean(payload)),
+                         "exact_bits": float(np.mean(exact)), "bound_bits": comp.bound_bits(d),
+                         "float32_bits": 32 * d, "flower_message_bytes": message_nbytes(reply),
+                         "encode_ms": 1e3 * t_enc / reps, "decode_ms": 1e3 * t_dec / reps})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--clients", default="10,20,100")
+    ap.add_argument("--out", default="benchmarks/core.json")
+    ap.add_argument("--skip-ray", action="store_true")
+    args = ap.parse_args()
+    result = {"machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.python_version()}",
+              "command": " ".join([sys.executable.split("/")[-1]] + sys.argv), "wire": wire_sizes()}
+    print("bytes per client message")
+    print(f"{'d':>7} {'s':>6} {'payload B':>10} {'exact bits':>11} {'bound bits':>11} {'float32 bits':>12} "
+          f"{'exact/bound':>11} {'f32/exact':>9} {'Flower msg B':>12} {'enc ms':>7} {'dec ms':>7}")
+    for r in result["wire"]:
+        print(f"{r['d']:>7} {r['s']:>6} {r['payload_bytes']:>10.1f} {r['exact_bits']:>11.0f} {r['bound_bits']:>11.0f} "
+              f"{r['float32_bits']:>12} {r['exact_bits'] / r['bound_bits']:>11.3f} {r['float32_bits'] / r['exact_bits']:>9.1f} "
+              f"{r['flower_message_bytes']:>12} {r['encode_ms']:>7.2f} {r['decode_ms']:>7.2f}")
+    if not args.skip_ray:
+        result["ray"] = []
+        for b in (int(x) for x in args.clients.split(",")):
+            row = ray_round_times(b, args.rounds)
+            result["ray"].append(row)
+            print(f"Ray, {b} clients: QLSD++ {row['qlsd_s_per_round']:.3f} s/round, no-op "
+                  f"{row['noop_s_per_round']:.3f} s/round, ratio {row['ratio']:.2f}", flush=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
