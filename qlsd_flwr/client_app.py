@@ -110,7 +110,7 @@ def make_client_app(overrides: dict | None = None, mods=None) -> ClientApp:
     @app.train()
     def train(message: Message, context: Context) -> Message:
         i = client_index(context)
-        cfg, pot, spec, d = _client_setup(run_config_of(context, overrides), i)
+        cfg, pot, spec, d = _client_setup(run_config_of(context, overrides), i, data_path_of(context))
         st = load_state(context)
         reply = handle(spec, pot, st, cfg.seed, dict(message.content.config_records[RECORD]), d)
         save_state(context, st, d)

@@ -120,6 +120,10 @@ def load_client(cfg: RunConfig, i: int, data_path: str | None = None):
         d = int(cfg.get("dim"))
         pot = GaussianLocal(client_data(i, d, int(cfg.get("data-seed"))))
         return pot, GaussianPrior(var=cfg.prior_var), d, None
+    if name in ("logistic", "mnist"):
+        from .tasks import registry
+
+        return registry.load_client(cfg, i)
     task = load_task(cfg)
     return task.clients[i], task.prior, task.dim, blocks_for(cfg, task)
 

@@ -41,10 +41,11 @@ DEFAULTS: dict[str, Any] = {
     "num-clients": 20,
     "dim": 50,
     "data-seed": 0,
-    "dataset": "breast_cancer",
-    "partition": "dirichlet",
+    "dataset": "auto",  # auto: breast_cancer (task logistic), mnist_subset (task mnist)
+    "partition": "auto",  # auto: dirichlet (logistic), dominant_label (mnist)
     "partition-alpha": 0.5,
-    "model": "logistic",
+    "model": "logistic",  # task mnist: logistic | mlp | lenet5
+    "device": "cpu",  # torch models (task mnist): cpu | cuda | cuda:<k>
     "prior-var": "flat",
     "prior-on": "server",
     # the sampler
@@ -158,6 +159,36 @@ def _choice(key: str, value: Any, allowed) -> str:
     return v
 
 
+MODELS = ("logistic", "mlp", "lenet5")
+PARTITION_NAMES = ("auto", "natural", "iid", "dirichlet", "pathological", "dominant_label",
+                   "dominant", "heterogeneous", "non_iid", "shards")
+
+
+def _check_data_keys(raw: dict) -> None:
+    """``dataset``, ``partition``, ``partition-alpha``, ``model`` and ``device`` (checked for every
+    task, so a typo is caught even before it matters)."""
+    ds = str(raw["dataset"]).strip().lower()
+    if ds != "auto":
+        from .data import canonical_name
+
+        try:
+            canonical_name(ds)
+        except ValueError as exc:
+            raise ConfigError(f"dataset: {exc} (or 'auto')") from exc
+    _choice("partition", str(raw["partition"]).strip().lower().replace("-", "_"), PARTITION_NAMES)
+    try:
+        pa = float(raw["partition-alpha"])
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"partition-alpha: expected a number, got {raw['partition-alpha']!r}") from exc
+    if not (pa > 0 and math.isfinite(pa)):
+        raise ConfigError(f"partition-alpha must be a finite number > 0 (got {raw['partition-alpha']!r})")
+    _choice("model", str(raw["model"]).strip().lower().replace("-", "").replace("_", ""), MODELS)
+    dev = str(raw["device"]).strip().lower()
+    head, _, idx = dev.partition(":")
+    if head not in ("cpu", "cuda") or (idx and (head != "cuda" or not idx.isdigit())):
+        raise ConfigError(f"device: unknown value {raw['device']!r}; allowed: cpu, cuda, cuda:<k>")
+
+
 def resolve(overrides: Mapping[str, Any] | None = None) -> RunConfig:
     """Merge ``overrides`` into ``DEFAULTS``, check every key, and return a :class:`RunConfig`."""
     raw = dict(DEFAULTS)
@@ -240,6 +271,7 @@ def resolve(overrides: Mapping[str, Any] | None = None) -> RunConfig:
     if str(raw["compressor"]).lower() == "identity":
         compressed = False
     theta_star = _choice("theta-star", raw["theta-star"], ("closed-form", "optimise"))
+    _check_data_keys(raw)
     return RunConfig(
         raw=raw, variant=variant, oracle=oracle, compressed=compressed, memory=memory, b=b_eff,
         gamma=gamma, num_rounds=K, burn_in=burn, thin=thin, seed=num("seed", int),

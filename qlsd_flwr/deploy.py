@@ -552,8 +552,12 @@ class LocalDeployment:
         return flwr_run(app_dir, self.CONNECTION, self.cli_env, run_config)
 
     def finished_in_log(self, run_id: int) -> bool:
-        return count_in_log(self.superlink.log, f"of run {run_id}") > 0 and \
-            bool(re.search(rf"Finished task \d+ of run {run_id}", self.superlink.log.read_text(errors="replace")))
+        """The SuperLink logged that the run's ServerApp task ended (a hint; status via flwr ls)."""
+        try:
+            text = self.superlink.log.read_text(errors="replace")
+        except OSError:
+            return False
+        return re.search(rf"Finished task \d+ of run {run_id}\b", text) is not None
 
     def wait(self, run_id: int, timeout: float = 300.0) -> dict:
         return wait_run(run_id, self.CONNECTION, self.cli_env, timeout=timeout,

@@ -161,6 +161,7 @@ def summary_extra(cfg: RunConfig, task: Task, extra: dict) -> dict:
     out = dict(extra)
     out.update({"variant": cfg.variant, "task": task.name, "b": cfg.b, "d": task.dim,
                 "gamma": cfg.gamma, "num_rounds": cfg.num_rounds, "seed": cfg.seed})
+    out.update(task.meta.get("summary_extra", {}))  # e.g. dataset, partition counts, prior used
     if task.posterior_mean is not None:
         out["posterior_mean_exact"] = np.asarray(task.posterior_mean).tolist()
         out["posterior_var_exact"] = np.asarray(task.posterior_var).tolist()

@@ -66,8 +66,13 @@ def ray_backend_config(cfg: RunConfig) -> dict:
         init_args["address"] = address
     else:
         init_args["num_cpus"] = os.cpu_count() or 2
-    return {"client_resources": {"num_cpus": float(cfg.get("client-cpus")), "num_gpus": 0.0},
-            "init_args": init_args}
+    cpus = float(cfg.get("client-cpus"))
+    gpus = 0.0
+    if str(cfg.get("device")).lower().startswith("cuda"):
+        # share one GPU among the clients that can run at once (CPU-bound concurrency)
+        concurrent = max(1, min(cfg.b, int((os.cpu_count() or 2) / max(cpus, 1e-9))))
+        gpus = 1.0 / concurrent
+    return {"client_resources": {"num_cpus": cpus, "num_gpus": gpus}, "init_args": init_args}
 
 
 def run_ray(cfg: RunConfig, overrides: dict, mods=None, strategy_kwargs: dict | None = None):

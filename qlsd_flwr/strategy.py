@@ -60,6 +60,10 @@ class QLSDStrategy(Strategy):
         self.node_of: dict[int, int] = {}
         self.on_round = on_round  # called with the strategy after each round (tests, monitoring)
         self._sent: dict[int, int] = {}
+        # deployment: attribute SuperLink-made error replies, find restarted SuperNodes
+        self._sent_ids: dict[str, int] = {}  # message id -> client
+        self._foreign: set[int] = set()  # node ids that are none of our clients (or dead ones)
+        self.rejoined: dict[int, list[int]] = {}  # client -> rounds it came back as a new node
 
     # the chain's facts, for callers and tests
     state = property(lambda self: self.server.state)
@@ -92,6 +96,8 @@ class QLSDStrategy(Strategy):
         """Hand each reply to the server core, then take the server step."""
         for msg in replies:
             i = self._sent.get(msg.metadata.src_node_id)
+            if i is None and msg.has_error():  # e.g. NODE_UNAVAILABLE, made by the SuperLink itself
+                i = self._sent_ids.get(msg.metadata.reply_to_message_id)
             if msg.has_error():
                 self.server.accept(i, None, error=str(msg.error.reason))
             else:
@@ -125,13 +131,20 @@ class QLSDStrategy(Strategy):
         self.server.begin(theta_star, ts_info)
         bar = progress_bar(K, bool(cfg.get("progress")), f"{cfg.variant} {self.server.engine_label}")
         for k in range(K):
-            replies = grid.send_and_receive(self.configure_train(k + 1, ArrayRecord(), ConfigRecord(), grid),
-                                            timeout=timeout)
+            self.rediscover(grid, k + 1, timeout)
+            msgs = list(self.configure_train(k + 1, ArrayRecord(), ConfigRecord(), grid))
+            replies = grid.send_and_receive(msgs, timeout=timeout)
+            self._sent_ids = {m.metadata.message_id: self._sent[m.metadata.dst_node_id] for m in msgs
+                              if m.metadata.message_id}
             self.aggregate_train(k + 1, replies)
             if self.on_round is not None:
                 self.on_round(self)
             bar.update(1)
         bar.close()
+        extra: dict = {"rejoined": {str(i): r for i, r in sorted(self.rejoined.items())}}
+        if cfg.memory:
+            extra["memory_check"] = self.check_memory(grid, timeout)
+        self.server.ts_info = {**self.server.ts_info, **extra}  # finish() puts ts_info in the summary
         self.server.finish()
         result = Result()
         result.arrays = ArrayRecord({"theta": Array(np.asarray(self.state.theta))})
@@ -144,7 +157,9 @@ class QLSDStrategy(Strategy):
         while len(nodes := list(grid.get_node_ids())) < b:
             if time.time() > deadline:
                 raise HandshakeError(f"expected {b} client nodes, only {len(nodes)} connected after "
-                                     f"{timeout:.0f} s (check num-clients and that every SuperNode is up)")
+                                     f"{timeout:.0f} s (check num-clients and that every SuperNode is up, "
+                                     f"each with --node-config 'partition-id=<i> num-partitions={b}'; "
+                                     f"the wait is reply-timeout)")
             time.sleep(0.2)
         msgs = [Message(RecordDict({RECORD: ConfigRecord({"hello": 1})}), n, MessageType.QUERY) for n in nodes]
         seen: dict[int, int] = {}
@@ -163,6 +178,68 @@ class QLSDStrategy(Strategy):
             raise HandshakeError(f"no node answered for partition-id(s) {missing}; got {sorted(seen)} "
                                  f"(num-clients = {b})")
         self.node_of = {i: seen[i] for i in range(b)}
+        self._foreign = set(nodes) - set(self.node_of.values())
+
+    def rediscover(self, grid: Grid, server_round: int, timeout: float) -> None:
+        """Map nodes that joined after the handshake (a SuperNode restarted without node
+        authentication registers under a new node id): ask each new node its ``partition-id``
+        and send client ``i``'s messages to it from now on. Its state is empty, so it answers
+        ``resync`` and gets the anchor and the η_i mirror the round after (see :mod:`.wire`).
+        Nodes that do not answer, or are none of our clients, are not asked again."""
+        new = set(grid.get_node_ids()) - set(self.node_of.values()) - self._foreign
+        if not new:
+            return
+        self._foreign |= new
+        msgs = [Message(RecordDict({RECORD: ConfigRecord({"hello": 1})}), n, MessageType.QUERY)
+                for n in sorted(new)]
+        for msg in grid.send_and_receive(msgs, timeout=timeout):
+            node = msg.metadata.src_node_id
+            if msg.has_error() or node not in new:
+                continue
+            try:
+                rec = msg.content.config_records[RECORD]
+                i, d = int(rec["client"]), int(rec["dim"])
+            except (KeyError, TypeError, ValueError):
+                continue
+            if 0 <= i < self.cfg.b and d == self.d:
+                log.info("round %d: client %d rejoined as node %d (was node %d)", server_round, i, node,
+                         self.node_of.get(i, -1))
+                if i in self.node_of:
+                    self._foreign.add(self.node_of[i])  # the dead node's id may still look online
+                self.node_of[i] = node
+                self._foreign.discard(node)
+                self.rejoined.setdefault(i, []).append(server_round)
+
+    def check_memory(self, grid: Grid, timeout: float) -> dict:
+        """Ask every client for its own η_i (from its ``context.state``) and compare with the
+        server: ``max_abs_eta_minus_sum`` = ``max |η − Σ_i η_i^{client}|`` (when all answered)
+        and ``max_abs_mirror_diff`` = ``max_i |η_i^{mirror} − η_i^{client}|``."""
+        st, srv = self.state, self.server
+        msgs = [Message(RecordDict({RECORD: ConfigRecord({"hello": 1, "report": "memory"})}),
+                        self.node_of[i], MessageType.QUERY) for i in range(self.cfg.b)]
+        got: dict[int, tuple[np.ndarray, int]] = {}
+        for msg in grid.send_and_receive(msgs, timeout=timeout):
+            if msg.has_error():
+                continue
+            try:
+                rec = msg.content.config_records[RECORD]
+                i = int(rec["client"])
+                if self.node_of.get(i) != msg.metadata.src_node_id:
+                    continue
+                eta = bytes_to_arr(rec["eta"], self.d) if "eta" in rec else np.zeros(self.d)
+                got[i] = (eta, int(rec.get("eta_count", 0)))
+            except (KeyError, TypeError, ValueError):
+                continue
+        out: dict = {"clients_reported": sorted(got), "max_abs_eta": float(np.max(np.abs(st.eta))),
+                     "eta_count_agrees": {str(i): bool(c == srv.eta_count[i]) for i, (_, c) in sorted(got.items())}}
+        if got:
+            out["max_abs_mirror_diff"] = float(max(np.max(np.abs(st.eta_i[i] - e)) for i, (e, _) in got.items()))
+        if len(got) == self.cfg.b:
+            total = np.sum([got[i][0] for i in range(self.cfg.b)], axis=0)
+            out["max_abs_eta_minus_sum"] = float(np.max(np.abs(st.eta - total)))
+        if out.get("max_abs_mirror_diff", 0.0) > 1e-9 * (1.0 + float(np.max(np.abs(st.eta_i)))):
+            log.warning("memory check: server mirrors and clients' η_i differ: %s", out)
+        return out
 
     def _full_grad(self, grid: Grid, theta: np.ndarray, timeout: float) -> np.ndarray:
         """``∇U(θ)`` from every client's full local gradient (the θ* optimisation phase)."""

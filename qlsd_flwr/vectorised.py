@@ -3,8 +3,7 @@
 ``engine = vectorised`` runs the *same* algorithm as the Flower strategy and the framework-free
 loop (:func:`qlsd_flwr.engine.run_local`): the same participation rule, minibatches, oracles,
 QSGD quantisation, memory rules and server step, drawing the same numbers from the same
-counter-based streams (:mod:`qlsd_flwr.rng`). It adds one thing: ``num-chains`` independent
-chains run side by side.
+counter-based streams (:mod:`qlsd_flwr.rng`). It adds independent chains run side by side.
 
 Chains
 ------
@@ -13,19 +12,30 @@ Chain 0 is therefore, bit for bit, the single chain that the ``local``, ``inproc
 engines produce for the same config (``tests/test_vectorised.py`` checks it against
 ``run_local``). All chains share the data (``data-seed``), ``θ*`` and every setting.
 
+Configurations side by side
+---------------------------
+:func:`run_side_by_side` runs several configurations that differ only in ``variant``, ``s``,
+``gamma``, ``l``, ``alpha``, ``compressor`` and ``encoding`` (same data, seeds, chains, rounds,
+participation and batch fraction). Their chain ``c`` draws the same participation, minibatch,
+dither and Langevin noise (common random numbers: the streams are keyed by seed, round and
+client only), so the numba backend computes those once per (chain, round, client) for all
+configurations. Each configuration's chains are still exactly those of a run on its own.
+
 Two backends
 ------------
 * ``numba`` — the fast path for the toy Gaussian task (every client a
   :class:`~qlsd_flwr.tasks.gaussian.GaussianLocal`, one QSGD norm per vector). One compiled
-  kernel runs a block of rounds for all chains, in parallel over chains (``prange``). It
-  re-implements SplitMix64, the subset draw, the oracles, QSGD quantise/dequantise, the exact
-  code lengths and the server step with the same floating-point operations in the same order
-  as the numpy reference, so the chain is bitwise equal (summation orders: numpy's reductions
-  are reproduced exactly — sequential over rows for ``axis=0`` sums, numpy's pairwise sum for
-  the QSGD norm). The Langevin noise needs ``log1p`` and ``cos``: the kernel uses libm's, and at
-  first use checks on 2^17 draws that they equal numpy's bit for bit; if not (numpy built with
-  another math library, e.g. SVML on AVX-512) the noise is drawn by :func:`qlsd_flwr.rng.normal`
-  in numpy for each block instead.
+  kernel (``nogil``) runs a block of rounds for a group of chains; the chains are split into
+  one contiguous group per core, run by a thread pool. It re-implements SplitMix64, the subset
+  draw, the oracles, QSGD quantise/dequantise, the exact code lengths and the server step with
+  the same floating-point operations in the same order as the numpy reference, so the chains
+  are bitwise equal. Summation orders matter and are reproduced: ``y[idx].sum(axis=0)`` and
+  ``η = Σ_i η_i`` are sequential over rows from zero; the QSGD norm uses numpy's pairwise sum
+  (8 accumulators, blocks of 128). No fused multiply-add is emitted (numba does not contract
+  without ``fastmath``). The Langevin noise needs ``log1p`` and ``cos``: the kernel calls libm,
+  and at first use checks on 2^17 draws that these equal numpy's bit for bit; if not (a numpy
+  built with another math library, e.g. SVML on AVX-512) the noise comes from
+  :func:`qlsd_flwr.rng.normal` in numpy, one block at a time.
 * ``numpy`` — any :class:`~qlsd_flwr.tasks.base.Task` whose clients implement
   :class:`~qlsd_flwr.tasks.base.LocalPotential`. Randomness, quantisation, code lengths and
   the server step are vectorised over chains and clients with the very functions the other
@@ -33,6 +43,11 @@ Two backends
   calls :func:`qlsd_flwr.oracles.oracle` once per (chain, active client).
 
 ``backend = "auto"`` picks ``numba`` when it applies and numba is installed.
+
+One event can make the numba chain differ from the reference: two of a client's ``N_i``
+minibatch keys (53-bit uniforms) tying exactly at the ``n_i``-th place, where numpy's
+``argpartition`` may break the tie differently. Its chance is about ``N_i·2^-53`` per draw
+(about 1e-5 over the whole toy figure); such ties are counted (``subset_ties`` in the summary).
 
 Outputs
 -------
@@ -43,7 +58,7 @@ counts (active clients, bits, bytes) are **totals over the chains**; ``summary.j
 ``per_chain_round`` (the same divided by ``num_chains``). ``bits_exact`` is the length of the code
 ``QSGD.encode`` would produce (:meth:`~qlsd_flwr.compression.QSGD.code_length_bits_batch`) and
 ``bytes_payload`` its payload size ``5 + ⌈bits/8⌉``; messages are not actually encoded (the
-round trip ``decode(encode(q)) == q`` is tested in ``tests/test_compression.py``).
+round trip ``decode(encode(q)) == q`` is tested with the compressor).
 
 Whether or not it writes, a run streams per-chain statistics of the kept draws (after burn-in,
 on the thinning grid) in :class:`ChainStats`: sums of ``θ``, ``θ²``, ``f(θ) = ‖θ‖`` and ``f²``,
@@ -52,6 +67,7 @@ and per-chain bit counts, so long runs need no sample storage.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
@@ -62,15 +78,15 @@ import numpy as np
 
 from . import components as C
 from . import participation, rng
-from .compression import HEADER_BYTES, QSGD, Identity, _omega_len_int
+from .compression import HEADER_BYTES, QSGD
 from .config import RunConfig
 from .engine import resolve_theta_star
 from .oracles import ClientState, full_local_grad, oracle
-from .outputs import Recorder, make_run_dir
+from .outputs import Recorder, _jsonable, make_run_dir
 from .progress import progress_bar
 from .tasks.base import Task
 
-try:  # summary_extra: the facts every engine adds to its summary (moved between modules)
+try:  # summary_extra: the facts every engine adds to its summary
     from .server import summary_extra
 except ImportError:  # pragma: no cover
     from .engine import summary_extra
@@ -83,11 +99,15 @@ except ImportError:  # pragma: no cover
     _nb = None
     HAVE_NUMBA = False
 
-__all__ = ["ChainStats", "VectorisedResult", "run_vectorised", "chain_seeds", "HAVE_NUMBA",
-           "backend_for", "noise_in_kernel_ok"]
+__all__ = ["ChainStats", "VectorisedResult", "run_vectorised", "run_side_by_side", "chain_seeds",
+           "HAVE_NUMBA", "backend_for", "noise_in_kernel_ok", "SIDE_BY_SIDE_KEYS"]
 
 _ORACLES = {"full": 0, "minibatch": 1, "star": 2, "svrg": 3}
 _ENCODINGS = {"auto": 0, "elias": 1, "packed": 2}
+# run-config keys that may differ between configurations run side by side
+SIDE_BY_SIDE_KEYS = ("variant", "s", "gamma", "l", "alpha", "compressor", "encoding", "run-name",
+                     "output-dir", "progress", "verbose", "engine", "theta-star", "opt-rounds",
+                     "opt-tol", "client-cpus", "reply-timeout")
 
 
 def chain_seeds(cfg: RunConfig) -> np.ndarray:
@@ -172,18 +192,30 @@ def _is_gaussian(task: Task) -> bool:
     return all(type(c) is GaussianLocal for c in task.clients)
 
 
-def backend_for(cfg: RunConfig, task: Task, backend: str = "auto") -> str:
+def backend_for(cfgs, task: Task, backend: str = "auto") -> str:
     """``"numba"`` (Gaussian fast path) or ``"numpy"`` (any task); raises if ``numba`` is
     requested but does not apply."""
-    ok = HAVE_NUMBA and _is_gaussian(task) and C.blocks_for(cfg, task) is None
+    cfgs = [cfgs] if isinstance(cfgs, RunConfig) else list(cfgs)
+    ok = HAVE_NUMBA and _is_gaussian(task) and all(C.blocks_for(c, task) is None for c in cfgs)
     if backend == "auto":
         return "numba" if ok else "numpy"
+    if backend not in ("numba", "numpy"):
+        raise ValueError(f"backend: unknown value {backend!r}; allowed: auto, numba, numpy")
     if backend == "numba" and not ok:
         raise ValueError("backend 'numba' needs numba installed, the Gaussian task and one QSGD "
                          "norm per vector (block-norm = vector)")
-    if backend not in ("numba", "numpy"):
-        raise ValueError(f"backend: unknown value {backend!r}; allowed: auto, numba, numpy")
     return backend
+
+
+def _check_side_by_side(cfgs: list[RunConfig]) -> None:
+    ref = cfgs[0]
+    for c in cfgs[1:]:
+        bad = [k for k in ref.raw if k not in SIDE_BY_SIDE_KEYS and str(ref.raw[k]) != str(c.raw[k])]
+        if bad:
+            raise ValueError(f"run_side_by_side: configurations differ in {', '.join(bad)}; only "
+                             f"{', '.join(SIDE_BY_SIDE_KEYS)} may differ")
+        if (c.variant == "sgld") != (ref.variant == "sgld"):
+            raise ValueError("run_side_by_side: sgld pools the data on one client; run it apart")
 
 
 def run_vectorised(cfg: RunConfig, task: Task | None = None, write: bool = True,
@@ -197,15 +229,108 @@ def run_vectorised(cfg: RunConfig, task: Task | None = None, write: bool = True,
         task: the task, built from ``cfg`` when ``None``.
         write: write the run folder (:mod:`qlsd_flwr.outputs`).
         keep_trace: return every state ``θ_1..θ_K`` of every chain, ``(C, K, d)``.
-        progress: show a progress bar (rounds/s and chain-iterations/s); default ``cfg``'s.
+        progress: show a progress bar (rounds/s, chain-iterations/s); default: ``cfg``'s.
         wire: accepted for signature compatibility with ``run_local``; code lengths are always
             exact and nothing is actually encoded.
         backend: ``"auto"``, ``"numba"`` or ``"numpy"``.
-        block_rounds: rounds per compiled call (numba) — default adapts to about 0.2 s a block.
-        threads: numba threads (default: all cores).
+        block_rounds: rounds per compiled call; default adapts to about 0.25 s a block.
+        threads: worker threads of the numba backend, one group of chains each (default: the
+            cores this process may use).
     """
-    task = task if task is not None else C.load_task(cfg)
-    which = backend_for(cfg, task, backend)
+    return run_side_by_side([cfg], task=task, write=write, keep_trace=keep_trace, progress=progress,
+                            backend=backend, block_rounds=block_rounds, threads=threads)[0]
+
+
+def run_side_by_side(cfgs, task: Task | None = None, write: bool = False, keep_trace: bool = False,
+                     progress: bool | None = None, backend: str = "auto",
+                     block_rounds: int | None = None, threads: int | None = None,
+                     labels=None) -> list[VectorisedResult]:
+    """Run several configurations (each with its ``num_chains`` chains) in one pass.
+
+    The configurations may differ only in :data:`SIDE_BY_SIDE_KEYS` (variant, ``s``, ``γ``, ``l``,
+    ``α``...). Their chain ``c`` shares seed ``seed + c`` and so every random draw; the numba
+    backend computes the shared draws and minibatch sums once. Returns one
+    :class:`VectorisedResult` per configuration, in order. ``labels`` name the progress bar.
+    """
+    cfgs = list(cfgs)
+    if not cfgs:
+        raise ValueError("run_side_by_side: no configuration given")
+    _check_side_by_side(cfgs)
+    ref = cfgs[0]
+    task = task if task is not None else C.load_task(ref)
+    which = backend_for(cfgs, task, backend)
+    d, nchain, K = task.dim, ref.num_chains, ref.num_rounds
+    parts = [_parts(cfg, task) for cfg in cfgs]
+    stats = [ChainStats(nchain, d) for _ in cfgs]
+    recs, run_dirs = [], []
+    for cfg in cfgs:
+        rec = run_dir = None
+        if write:
+            run_dir = make_run_dir(cfg.get("output-dir"), cfg.get("run-name"), cfg.variant)
+            conf = cfg.to_dict()
+            conf["engine_detail"] = {"engine": "vectorised", "backend": which,
+                                     "chain_seeds": "seed + c for chain c"}
+            rec = Recorder(run_dir, conf, d, nchain, cfg.burn_in, cfg.thin)
+        recs.append(rec)
+        run_dirs.append(run_dir)
+    traces = [np.empty((nchain, K, d)) for _ in cfgs] if keep_trace else None
+    show = ref.get("progress") if progress is None else progress
+    name = labels or (cfgs[0].variant if len(cfgs) == 1 else f"{len(cfgs)} configs")
+    bar = progress_bar(K, show, f"{name} vectorised x{nchain}")
+    if which == "numba":
+        runner = _NumbaGaussian(cfgs, task, parts, stats, threads)
+    else:
+        runner = _Sequential([_NumpyGeneric(cfg, task, *pt, st) for cfg, pt, st in zip(cfgs, parts, stats)])
+    t0 = time.perf_counter()
+    k = 0
+    R = block_rounds or runner.initial_block()
+    need_states = write or keep_trace
+    try:
+        while k < K:
+            R = min(R, K - k)
+            tb = time.perf_counter()
+            outs = runner.run_block(k, R, need_states)
+            dt = time.perf_counter() - tb
+            for v, out in enumerate(outs):
+                if keep_trace:
+                    traces[v][:, k:k + R] = out["states"]
+                if recs[v] is not None:
+                    _record_block(recs[v], k, R, out, dt / len(cfgs))
+            k += R
+            bar.update(R)
+            if show:
+                bar.set_postfix({"chain-it/s": f"{R * nchain * len(cfgs) / max(dt, 1e-9):,.0f}"}, refresh=False)
+            if block_rounds is None:
+                R = runner.next_block(R, dt)
+    finally:
+        bar.close()
+        runner.close()
+    wall = time.perf_counter() - t0
+    results = []
+    for v, cfg in enumerate(cfgs):
+        st = stats[v]
+        st.rounds = K
+        info = {"engine": "vectorised", "backend": which, "num_chains": nchain,
+                "chain_seeds": chain_seeds(cfg).tolist(), "chain_seed_rule": "seed + c",
+                "side_by_side": len(cfgs), "engine_seconds": wall,
+                "chain_iterations_per_second": K * nchain * len(cfgs) / max(wall, 1e-12),
+                "stats": st.to_dict(), **runner.info(), **parts[v][3]}
+        extra = summary_extra(cfg, task, info)
+        if recs[v] is not None:
+            summary = recs[v].close(extra)
+            summary["per_chain_round"] = {kk: val / nchain for kk, val in summary["per_round"].items()}
+            (run_dirs[v] / "summary.json").write_text(json.dumps(summary, indent=2, default=_jsonable))
+        else:
+            summary = extra
+        results.append(VectorisedResult(summary=summary, run_dir=run_dirs[v], stats=st,
+                                        theta=runner.theta_of(v).copy(),
+                                        trace=traces[v] if keep_trace else None, backend=which,
+                                        extra=runner.info()))
+    return results
+
+
+def _parts(cfg: RunConfig, task: Task):
+    """Client specs, server spec, θ* and its facts for ``cfg`` (as the other engines build them)."""
     d = task.dim
     blocks = C.blocks_for(cfg, task)
     specs = [C.client_spec(cfg, i, task.clients[i].n_data, d, task.prior, blocks) for i in range(cfg.b)]
@@ -214,61 +339,7 @@ def run_vectorised(cfg: RunConfig, task: Task | None = None, write: bool = True,
         cfg, task, theta0,
         lambda th: C.combine_grads(cfg, task.prior, [full_local_grad(s, task.clients[s.index], th) for s in specs], th))
     spec = C.server_spec(cfg, task, theta_star, blocks)
-    nchain = cfg.num_chains
-    stats = ChainStats(nchain, d)
-
-    rec = run_dir = None
-    if write:
-        run_dir = make_run_dir(cfg.get("output-dir"), cfg.get("run-name"), cfg.variant)
-        conf = cfg.to_dict()
-        conf["engine_detail"] = {"engine": "vectorised", "backend": which,
-                                 "chain_seeds": "seed + c for chain c"}
-        rec = Recorder(run_dir, conf, d, nchain, cfg.burn_in, cfg.thin)
-    trace = np.empty((nchain, cfg.num_rounds, d)) if keep_trace else None
-    show = cfg.get("progress") if progress is None else progress
-    bar = progress_bar(cfg.num_rounds, show, f"{cfg.variant} vectorised x{nchain}")
-    t0 = time.perf_counter()
-    if which == "numba":
-        runner = _NumbaGaussian(cfg, task, specs, spec, theta0, theta_star, stats, threads)
-    else:
-        runner = _NumpyGeneric(cfg, task, specs, spec, theta0, theta_star, stats)
-    k = 0
-    R = block_rounds or runner.initial_block()
-    while k < cfg.num_rounds:
-        R = min(R, cfg.num_rounds - k)
-        tb = time.perf_counter()
-        need_states = rec is not None or keep_trace
-        out = runner.run_block(k, R, need_states)
-        dt = time.perf_counter() - tb
-        if keep_trace:
-            trace[:, k:k + R] = out["states"]
-        if rec is not None:
-            _record_block(rec, k, R, out, dt)
-        k += R
-        bar.update(R)
-        if show:
-            bar.set_postfix({"chain-it/s": f"{R * nchain / max(dt, 1e-9):,.0f}"}, refresh=False)
-        if block_rounds is None:
-            R = runner.next_block(R, dt)
-    bar.close()
-    wall = time.perf_counter() - t0
-    stats.rounds = cfg.num_rounds
-    info = {"engine": "vectorised", "backend": which, "num_chains": nchain,
-            "chain_seeds": chain_seeds(cfg).tolist(), "chain_seed_rule": "seed + c",
-            "engine_seconds": wall, "chain_iterations_per_second": cfg.num_rounds * nchain / max(wall, 1e-12),
-            "stats": stats.to_dict(), **runner.info(), **ts_info}
-    extra = summary_extra(cfg, task, info)
-    if rec is not None:
-        summary = rec.close(extra)
-        summary["per_chain_round"] = {kk: v / nchain for kk, v in summary["per_round"].items()}
-        import json
-
-        from .outputs import _jsonable
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=_jsonable))
-    else:
-        summary = extra
-    return VectorisedResult(summary=summary, run_dir=run_dir, stats=stats, theta=runner.theta.copy(),
-                            trace=trace, backend=which, extra=runner.info())
+    return specs, spec, theta_star, ts_info
 
 
 def _record_block(rec: Recorder, k0: int, R: int, out: dict, dt: float) -> None:
@@ -293,8 +364,9 @@ def _keeps(j: np.ndarray, burn_in: int, thin: int) -> np.ndarray:
 class _NumpyGeneric:
     """Any task: vectorised over chains and clients, oracle calls per (chain, active client)."""
 
-    def __init__(self, cfg, task, specs, spec, theta0, theta_star, stats):
+    def __init__(self, cfg, task, specs, spec, theta_star, ts_info, stats):
         self.cfg, self.task, self.specs, self.spec = cfg, task, specs, spec
+        theta0 = C.theta0_of(task)
         self.stats = stats
         self.seeds = chain_seeds(cfg)
         nc, d, b = cfg.num_chains, task.dim, cfg.b
@@ -321,6 +393,12 @@ class _NumpyGeneric:
 
     def info(self) -> dict:
         return {}
+
+    def close(self) -> None:
+        pass
+
+    def theta_of(self, v: int) -> np.ndarray:
+        return self.theta
 
     def run_block(self, k0: int, R: int, need_states: bool) -> dict:
         nc = self.cfg.num_chains
@@ -417,17 +495,43 @@ class _NumpyGeneric:
         st.bytes_payload += out["bytes"][:, r]
 
 
+class _Sequential:
+    """Several numpy runners, one per configuration, run one after the other each block."""
+
+    def __init__(self, runners):
+        self.runners = runners
+
+    def initial_block(self) -> int:
+        return self.runners[0].initial_block()
+
+    def next_block(self, R, dt) -> int:
+        return self.runners[0].next_block(R, dt / len(self.runners))
+
+    def run_block(self, k0, R, need_states):
+        return [r.run_block(k0, R, need_states) for r in self.runners]
+
+    def info(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+    def theta_of(self, v: int) -> np.ndarray:
+        return self.runners[v].theta
+
+
 # ---------------------------------------------------------------------- numba backend
 _NOISE_CHECK: dict = {}
 
 
 def noise_in_kernel_ok() -> bool:
-    """Whether the kernel's Box–Muller (libm ``log1p``/``cos``) equals ``rng.normal`` bit for bit
-    on 2^17 draws on this machine (checked once per process)."""
+    """Whether the kernel's Box–Muller (libm ``log1p``/``cos``) equals :func:`rng.normal` bit for
+    bit on 2^17 draws on this machine (checked once per process)."""
+    if not HAVE_NUMBA:
+        return False
     if "ok" not in _NOISE_CHECK:
         seeds = np.arange(4, dtype=np.uint64)
-        n = 1 << 15
-        ref = rng.normal(seeds, rng.Stream.NOISE, 3, 0, n)  # (4, n)
+        ref = rng.normal(seeds, rng.Stream.NOISE, 3, 0, 1 << 15)  # (4, 2^15)
         got = np.empty_like(ref)
         _nb_normal_rows(seeds, np.uint64(int(rng.Stream.NOISE)), 3, 0, got)
         _NOISE_CHECK["ok"] = bool(np.array_equal(ref, got))
@@ -435,59 +539,87 @@ def noise_in_kernel_ok() -> bool:
 
 
 class _NumbaGaussian:
-    """Toy Gaussian fast path: all chains, a block of rounds per compiled call."""
+    """Toy Gaussian fast path: ``V`` configurations × ``C`` chains, a block of rounds per call."""
 
-    def __init__(self, cfg, task, specs, spec, theta0, theta_star, stats, threads):
-        self.cfg, self.spec, self.stats = cfg, spec, stats
-        nc, d, b = cfg.num_chains, task.dim, cfg.b
-        self.d, self.b = d, b
-        if threads:
-            _nb.set_num_threads(int(threads))
-        self.seeds = chain_seeds(cfg).astype(np.uint64)
-        self.theta = np.ascontiguousarray(np.tile(theta0, (nc, 1)))
+    def __init__(self, cfgs, task, parts, stats, threads):
+        ref = cfgs[0]
+        self.stats = stats
+        V, nc, d, b = len(cfgs), ref.num_chains, task.dim, ref.b
+        self.V, self.nc, self.d, self.b = V, nc, d, b
+        ncpu = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        nt = max(1, min(int(threads or ncpu), nc))
+        edges = np.linspace(0, nc, nt + 1).round().astype(int)
+        self.groups = [(int(a), int(z)) for a, z in zip(edges[:-1], edges[1:]) if z > a]
+        self.pool = None
+        if len(self.groups) > 1:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self.pool = ThreadPoolExecutor(max_workers=len(self.groups))
+        self.seeds = chain_seeds(ref).astype(np.uint64)
+        theta0 = C.theta0_of(task)
+        self.theta = np.array(np.broadcast_to(theta0, (nc, V, d)), dtype=np.float64)  # a writable copy
         self.zeta = self.theta.copy()
-        self.agrad = np.zeros((nc, b, d)) if cfg.oracle == "svrg" else np.zeros((nc, 1, 1))
-        mem = spec.memory
-        self.eta_i = np.zeros((nc, b, d)) if mem else np.zeros((nc, 1, 1))
-        self.eta = np.zeros((nc, d))
+        oracles = [_ORACLES[c.oracle] for c in cfgs]
+        # ∇U_i(ζ) (QLSD++) and η_i (memory); a last axis of 1 when no configuration uses them
+        self.agrad = np.zeros((nc, V, b, d if 3 in oracles else 1))
+        self.eta_i = np.zeros((nc, V, b, d if any(c.memory for c in cfgs) else 1))
+        self.eta = np.zeros((nc, V, d))
         ys = [c.y for c in task.clients]
         self.y = np.ascontiguousarray(np.concatenate(ys))
         self.yoff = np.concatenate([[0], np.cumsum([y.shape[0] for y in ys])]).astype(np.int64)
         self.ysum = np.ascontiguousarray(np.stack([c.y_sum for c in task.clients]))
         self.Ns = np.array([c.n_data for c in task.clients], dtype=np.int64)
-        self.ns = np.array([s.batch_size for s in specs], dtype=np.int64)
-        comps = [s.compressor for s in specs]
-        self.compressed = isinstance(comps[0], QSGD)
-        if not all(isinstance(c, QSGD) == self.compressed for c in comps):
-            raise ValueError("numba backend: all clients must use the same kind of compressor")
-        if not self.compressed and any(c.dtype != "float64" for c in comps):
-            raise ValueError("numba backend: identity compressor must be float64")
-        self.s = np.array([c.s if self.compressed else 1 for c in comps], dtype=np.int64)
-        self.enc = _ENCODINGS[comps[0].encoding] if self.compressed else 2
-        self.packed = np.array([c._packed_bits(d) if self.compressed else 64 * d for c in comps], dtype=np.int64)
-        self.bound = np.array([c.bound_bits(d) for c in comps], dtype=np.float64)
-        maxlev = int(self.s.max()) if self.compressed else 1
-        self.omega_tab = np.array([0] + [_omega_len_int(m) for m in range(1, 65)], dtype=np.int64)  # L(0) := 0
-        self.p = np.asarray(spec.p, dtype=np.float64)
-        self.alpha = np.asarray(spec.alpha, dtype=np.float64)
+        specs0 = parts[0][0]
+        self.ns = np.array([s.batch_size for s in specs0], dtype=np.int64)
+        iv = np.zeros((V, 5), dtype=np.int64)
+        fv = np.zeros((V, 2))
+        self.s = np.ones((V, b), dtype=np.int64)
+        self.packed = np.zeros((V, b), dtype=np.int64)
+        self.bound = np.zeros((V, b))
+        self.alpha = np.zeros((V, b))
+        self.theta_star = np.zeros((V, d))
+        self.star_prior = np.zeros((V, d))
         prior = task.prior
-        self.prior_flat = bool(prior.is_flat)
-        self.prior_var = float(prior.var)
-        self.prior_mean = float(prior.mean)
-        self.prior_w = float(specs[0].prior_weight)
-        self.theta_star = np.zeros(d) if theta_star is None else np.asarray(theta_star, dtype=np.float64)
+        for v, (cfg, (specs, spec, theta_star, _)) in enumerate(zip(cfgs, parts)):
+            comps = [sp.compressor for sp in specs]
+            compressed = isinstance(comps[0], QSGD)
+            if not all(isinstance(c, QSGD) == compressed for c in comps):
+                raise ValueError("numba backend: all clients must use the same kind of compressor")
+            if not compressed and any(c.dtype != "float64" for c in comps):
+                raise ValueError("numba backend: the identity compressor must be float64")
+            if compressed and any(c.s > 2**52 for c in comps):
+                raise ValueError("numba backend: s must be at most 2^52")
+            enc = _ENCODINGS[comps[0].encoding] if compressed else 2
+            if compressed and any(c.encoding != comps[0].encoding for c in comps):
+                raise ValueError("numba backend: all clients must use the same encoding")
+            iv[v] = [oracles[v], int(compressed), int(spec.memory), enc, spec.l]
+            fv[v] = [spec.gamma, np.sqrt(2.0 * spec.gamma)]
+            for i, c in enumerate(comps):
+                self.s[v, i] = c.s if compressed else 1
+                self.packed[v, i] = c._packed_bits(d) if compressed else c.code_length_bits_batch(np.zeros(d))
+                self.bound[v, i] = c.bound_bits(d)
+            self.alpha[v] = np.asarray(spec.alpha, dtype=np.float64)
+            if theta_star is not None:
+                self.theta_star[v] = theta_star
+                if not prior.is_flat:
+                    self.star_prior[v] = prior.grad(np.asarray(theta_star, dtype=np.float64))
+            if not np.array_equal(self.ns, [s.batch_size for s in specs]):
+                raise ValueError("run_side_by_side: minibatch sizes differ")
+        self.iv, self.fv = iv, fv
+        self.p = np.asarray(parts[0][1].p, dtype=np.float64)
         self.noise_kernel = noise_in_kernel_ok()
+        spec0 = parts[0][1]
+        self.ish = np.array([int(spec0.rule == "active-fraction"), ref.burn_in, ref.thin,
+                             int(prior.is_flat), int(spec0.prior_on_server), int(self.noise_kernel),
+                             int(any(o != 0 for o in oracles)), int(iv[:, 1].any())], dtype=np.int64)
+        self.fsh = np.array([float(prior.var), float(prior.mean), float(specs0[0].prior_weight)])
         self.ties = np.zeros(nc, dtype=np.int64)
-        self.err = np.zeros(nc, dtype=np.int64)
-        st = stats
-        self.iargs = np.array([_ORACLES[cfg.oracle], 1 if spec.rule == "active-fraction" else 0,
-                               spec.l, cfg.burn_in, cfg.thin, int(self.compressed), int(mem),
-                               int(self.prior_flat), int(spec.prior_on_server), self.enc,
-                               int(self.noise_kernel), maxlev], dtype=np.int64)
-        self.fargs = np.array([spec.gamma, np.sqrt(2.0 * spec.gamma), self.prior_var, self.prior_mean,
-                               self.prior_w], dtype=np.float64)
-        self._kept = np.zeros(nc, dtype=np.int64)
-        self._st = st
+        self.err = np.zeros((nc, V), dtype=np.int64)
+        self.kept = np.zeros(nc, dtype=np.int64)
+        self.s_th = np.zeros((nc, V, d))
+        self.s_th2 = np.zeros((nc, V, d))
+        self.s_f = np.zeros((nc, V))
+        self.s_f2 = np.zeros((nc, V))
 
     def initial_block(self) -> int:
         return 64
@@ -496,48 +628,73 @@ class _NumbaGaussian:
         return int(min(1 << 16, max(16, R * 0.25 / max(dt, 1e-6))))
 
     def info(self) -> dict:
-        return {"noise": "kernel" if self.noise_kernel else "numpy",
-                "numba_threads": int(_nb.get_num_threads())}
+        return {"noise": "kernel" if self.noise_kernel else "numpy", "threads": len(self.groups)}
 
-    def run_block(self, k0: int, R: int, need_states: bool) -> dict:
-        nc, d = self.cfg.num_chains, self.d
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()
+            self.pool = None
+
+    def theta_of(self, v: int) -> np.ndarray:
+        return self.theta[:, v]
+
+    def run_block(self, k0: int, R: int, need_states: bool) -> list[dict]:
+        nc, V, d = self.nc, self.V, self.d
         if self.noise_kernel:
             noise = np.zeros((nc, 0, d))
         else:
             noise = rng.normal(self.seeds.astype(np.int64)[:, None], rng.Stream.NOISE,
                                np.arange(k0, k0 + R)[None, :], 0, d)
-        states = np.empty((nc, R, d)) if need_states else np.empty((nc, 0, d))
+        states = np.empty((nc, V, R, d)) if need_states else np.empty((nc, V, 0, d))
         m_act = np.zeros((nc, R), np.int64)
         m_skip = np.zeros((nc, R), np.int64)
-        m_bits = np.zeros((nc, R), np.int64)
-        m_bound = np.zeros((nc, R))
-        m_bytes = np.zeros((nc, R), np.int64)
-        st = self.stats
-        _gauss_block(k0, R, self.seeds, self.theta, self.zeta, self.agrad, self.eta_i, self.eta,
-                     self.iargs, self.fargs, self.p, self.alpha, self.s, self.Ns, self.ns, self.y,
-                     self.yoff, self.ysum, self.theta_star, self.packed, self.bound, self.omega_tab,
-                     noise, states, m_act, m_skip, m_bits, m_bound, m_bytes,
-                     st.sum_theta, st.sum_theta2, st.sum_f, st.sum_f2, self._kept, self.ties, self.err)
+        m_bits = np.zeros((nc, V, R), np.int64)
+        m_bound = np.zeros((nc, V, R))
+        m_bytes = np.zeros((nc, V, R), np.int64)
+
+        def job(g):
+            a, z = g
+            _gauss_block(k0, R, self.seeds[a:z], self.theta[a:z], self.zeta[a:z], self.agrad[a:z],
+                         self.eta_i[a:z], self.eta[a:z], self.ish, self.fsh, self.iv, self.fv,
+                         self.s, self.packed, self.bound, self.alpha, self.theta_star,
+                         self.star_prior, self.p, self.Ns, self.ns, self.y, self.yoff, self.ysum,
+                         noise[a:z], states[a:z], m_act[a:z], m_skip[a:z],
+                         m_bits[a:z], m_bound[a:z], m_bytes[a:z], self.s_th[a:z], self.s_th2[a:z],
+                         self.s_f[a:z], self.s_f2[a:z], self.kept[a:z], self.ties[a:z], self.err[a:z])
+
+        if self.pool is None:
+            job(self.groups[0])
+        else:
+            list(self.pool.map(job, self.groups))
         if self.err.any():
-            c = int(np.flatnonzero(self.err)[0])
-            code = int(self.err[c])
+            c, v = (int(x[0]) for x in np.nonzero(self.err))
+            code = int(self.err[c, v])
             msg = {1: "QSGD: cannot quantise a non-finite vector",
                    2: "QSGD: a block norm exceeds the float32 range (about 3.4e38)",
                    3: "Identity: cannot send a non-finite vector"}.get(code, f"error {code}")
-            raise ValueError(f"{msg} (chain {c}, seed {int(self.seeds[c])})")
-        st.n_kept = int(self._kept[0])
-        st.n_active += m_act.sum(axis=1)
-        st.skipped += m_skip.sum(axis=1)
-        st.bits_exact += m_bits.sum(axis=1)
-        st.bits_bound += m_bound.sum(axis=1)
-        st.bytes_payload += m_bytes.sum(axis=1)
-        st.subset_ties[:] = self.ties
-        return {"n_active": m_act, "skipped": m_skip, "bits_exact": m_bits, "bits_bound": m_bound,
-                "bytes": m_bytes, "states": states}
+            raise ValueError(f"{msg} (configuration {v}, chain {c}, seed {int(self.seeds[c])})")
+        outs = []
+        for v in range(V):
+            st = self.stats[v]
+            st.n_kept = int(self.kept[0])
+            st.sum_theta[:] = self.s_th[:, v]
+            st.sum_theta2[:] = self.s_th2[:, v]
+            st.sum_f[:] = self.s_f[:, v]
+            st.sum_f2[:] = self.s_f2[:, v]
+            st.n_active += m_act.sum(axis=1)
+            st.skipped += m_skip.sum(axis=1)
+            st.bits_exact += m_bits[:, v].sum(axis=1)
+            st.bits_bound += m_bound[:, v].sum(axis=1)
+            st.bytes_payload += m_bytes[:, v].sum(axis=1)
+            st.subset_ties[:] = self.ties
+            outs.append({"n_active": m_act, "skipped": m_skip, "bits_exact": m_bits[:, v],
+                         "bits_bound": m_bound[:, v], "bytes": m_bytes[:, v],
+                         "states": states[:, v] if need_states else None})
+        return outs
 
 
 if HAVE_NUMBA:
-    from numba import njit, prange
+    from numba import njit
     from numba.cpython.unsafe.numbers import leading_zeros
 
     _G = rng._G
@@ -547,27 +704,29 @@ if HAVE_NUMBA:
     _TWO_PI = rng._TWO_PI
     _ONE = np.uint64(1)
     _SH11 = np.uint64(11)
+    _MAGIC = np.uint64(0x4330000000000000)  # the bits of 2^52
 
-    @njit(inline="always", cache=True)
+    @njit(cache=True)
     def _mix(z):
         z = (z ^ (z >> np.uint64(30))) * _M1
         z = (z ^ (z >> np.uint64(27))) * _M2
         return z ^ (z >> np.uint64(31))
 
-    @njit(inline="always", cache=True)
+    @njit(cache=True)
     def _key_seed(seed, stream):
         """``mix(seed + G·stream)``: the first link of :func:`qlsd_flwr.rng.key`."""
         return _mix(seed + _G * stream)
 
-    @njit(inline="always", cache=True)
+    @njit(cache=True)
     def _key_rc(kseed, round_, client):
+        """:func:`qlsd_flwr.rng.key` from its first link, for ``(round, client)``."""
         k = _mix(kseed + _G * (np.uint64(round_) + _ONE))
         return _mix(k + _G * (np.uint64(client) + _ONE))
 
-    @njit(inline="always", cache=True)
+    @njit(cache=True)
     def _unif(k, j):
-        """The ``j``-th uniform (``j ≥ 1``) of the stream with key ``k``."""
-        return np.float64(_mix(k + _G * np.uint64(j)) >> _SH11) * _TWO53
+        """The ``j``-th uniform (``j ≥ 1``) of the stream with key ``k``, as :func:`rng.uniform`."""
+        return np.float64(np.int64(_mix(k + _G * np.uint64(j)) >> _SH11)) * _TWO53
 
     @njit(cache=True)
     def _nb_normal_rows(seeds, stream, round_, client, out):
@@ -580,7 +739,7 @@ if HAVE_NUMBA:
                 u2 = _unif(k, n + j + 1)
                 out[c, j] = math.sqrt(-2.0 * math.log1p(-u1)) * math.cos(_TWO_PI * u2)
 
-    @njit(inline="always", cache=True)
+    @njit(cache=True)
     def _pairwise_leaf(a, lo, n):
         """numpy's pairwise sum of ``a[lo:lo+n]**2`` for ``n ≤ 128`` (8 accumulators)."""
         if n < 8:
@@ -618,8 +777,8 @@ if HAVE_NUMBA:
     @njit(cache=True)
     def _pairwise_sq(a, lo, n):
         """numpy's pairwise sum of ``a[lo:lo+n]**2`` (``np.add.reduce`` on a contiguous row):
-        leaves of at most 128 terms, split at ``n2 = n/2 − (n/2 mod 8)``. Its recursion is
-        unrolled onto an explicit stack (numba's cache mishandles recursive functions)."""
+        leaves of at most 128 terms, split at ``n2 = n/2 − (n/2 mod 8)``. The recursion is
+        unrolled onto an explicit stack (numba's on-disk cache mishandles recursive functions)."""
         if n <= 128:
             return _pairwise_leaf(a, lo, n)
         s_lo = np.empty(64, np.int64)
@@ -640,21 +799,18 @@ if HAVE_NUMBA:
                 else:
                     val = s_left[t] + val  # left + right
                 sp -= 1
-                if sp > 0:  # hand the value to the parent
+                if sp > 0 and s_stage[sp - 1] == 1:  # a left half is done: start the right half
                     p = sp - 1
-                    if s_stage[p] == 1:
-                        s_left[p] = val
-                        s_stage[p] = 2
-                        n2 = s_n[p] // 2
-                        n2 -= n2 % 8
-                        s_lo[sp] = s_lo[p] + n2
-                        s_n[sp] = s_n[p] - n2
-                        s_stage[sp] = 0
-                        sp += 1
-                    # stage 2: the parent combines on its next visit (val holds the right sum)
+                    s_left[p] = val
+                    s_stage[p] = 2
+                    n2 = s_n[p] // 2
+                    n2 -= n2 % 8
+                    s_lo[sp] = s_lo[p] + n2
+                    s_n[sp] = s_n[p] - n2
+                    s_stage[sp] = 0
+                    sp += 1
                 continue
-            # stage 0: descend into the left half
-            n2 = nn // 2
+            n2 = nn // 2  # stage 0: descend into the left half
             n2 -= n2 % 8
             s_stage[t] = 1
             s_lo[sp] = s_lo[t]
@@ -663,67 +819,73 @@ if HAVE_NUMBA:
             sp += 1
         return val
 
-    @njit(inline="always", cache=True)
-    def _omega_len(x, tab):
-        """Elias omega code length of ``x ≥ 1``: ``L(x) = bitlen(x) + L(bitlen(x) − 1)`` with
-        ``L(0) := 0``, ``L(1) = 1`` (``tab[m] = L(m)`` for ``m ≤ 64``)."""
-        bl = 64 - leading_zeros(np.uint64(x))
-        return bl + tab[bl - 1]
+    @njit(cache=True)
+    def _omega_small(m):
+        """Elias omega length ``L(m)`` for ``0 ≤ m ≤ 63`` (``L(0) := 0``), branch-free."""
+        return (np.int64(m >= 1) + 2 * np.int64(m >= 2) + 3 * np.int64(m >= 4) + np.int64(m >= 8)
+                + 4 * np.int64(m >= 16) + np.int64(m >= 32))
 
     @njit(cache=True)
-    def _select(kkey, N, n, keys, cand_i, cand_k, work, sel):
+    def _omega_len(x):
+        """Elias omega code length of ``x ≥ 1``: ``L(x) = bitlen(x) + L(bitlen(x) − 1)``."""
+        bl = 64 - leading_zeros(np.uint64(x))
+        return bl + _omega_small(bl - 1)
+
+    @njit(cache=True)
+    def _select(kkey, N, n, keys, cand_i, cand_k, amb, sel):
         """The uniform ``n``-subset of ``[0, N)`` drawn by :func:`qlsd_flwr.rng.subset`.
 
         ``rng.subset`` keeps the indices of the ``n`` smallest of ``N`` uniform keys. Uniforms
         are ``(x >> 11)·2^-53``, so comparing the integers ``x >> 11`` gives the same order.
-        Candidates below a threshold a few standard deviations above the ``n``-th order
-        statistic are gathered (branch-free), the ``n``-th smallest among them found by
-        quickselect, and the chosen indices written to ``sel[:n]`` in ascending order.
-        Returns 1 when keys tie at the boundary (numpy's argpartition might then keep another
-        index: counted and reported, probability about ``N·2^-53`` per draw), else 0.
+        Keys up to ``hi`` (a few standard deviations above the ``n``-th order statistic) are
+        gathered branch-free; those below ``lo`` (as far below) are surely kept; the ``n``-th
+        smallest key ``kth`` is found by ranking only the keys in ``[lo, hi]``. The chosen
+        indices go to ``sel[:n]`` in ascending order. Returns 1 when keys tie at the boundary
+        (see the module docstring), else 0.
         """
-        for j in range(N):
-            keys[j] = _mix(kkey + _G * np.uint64(j + 1)) >> _SH11
-        margin = 2.0 * math.sqrt(n) + 2.0
+        z = kkey
+        for j in range(N):  # position j+1 of the stream: mix(κ + (j+1)·G)
+            z = z + _G
+            keys[j] = np.int64(_mix(z) >> _SH11)
+        margin = 1.5 * math.sqrt(n) + 1.5
         m = 0
         for tier in range(3):
             frac = (n + margin * (1 + 2 * tier)) / N
             if tier == 2 or frac >= 1.0:
-                lim = np.uint64(18446744073709551615)
+                hi = np.int64(9007199254740992)
             else:
-                lim = np.uint64(frac * 9007199254740992.0)
+                hi = np.int64(frac * 9007199254740992.0)
             m = 0
             for j in range(N):
                 cand_i[m] = j
                 cand_k[m] = keys[j]
-                m += np.int64(keys[j] <= lim)
+                m += np.int64(keys[j] <= hi)
             if m >= n:
                 break
+        lof = (n - margin) / N
+        lo = np.int64(lof * 9007199254740992.0) if lof > 0.0 else np.int64(0)
+        nlow = 0
+        ma = 0
         for q in range(m):
-            work[q] = cand_k[q]
-        lo = 0
-        hi = m - 1
-        kk = n - 1
-        while lo < hi:  # Hoare quickselect (Wirth): work[kk] ends as the kk-th smallest
-            pivot = work[kk]
-            i = lo
-            j = hi
-            while i <= j:
-                while work[i] < pivot:
-                    i += 1
-                while pivot < work[j]:
-                    j -= 1
-                if i <= j:
-                    t = work[i]
-                    work[i] = work[j]
-                    work[j] = t
-                    i += 1
-                    j -= 1
-            if j < kk:
-                lo = i
-            if kk < i:
-                hi = j
-        kth = work[kk]
+            x = cand_k[q]
+            amb[ma] = x
+            ma += np.int64(x >= lo)
+            nlow += np.int64(x < lo)
+        if nlow > n:  # rare: rank every candidate
+            lo = np.int64(0)
+            nlow = 0
+            for q in range(m):
+                amb[q] = cand_k[q]
+            ma = m
+        need = n - nlow
+        kth = lo - 1  # need == 0: exactly the keys below lo
+        if need > 0:
+            for a in range(ma):
+                xa = amb[a]
+                rank = 0
+                for b_ in range(ma):
+                    rank += np.int64(amb[b_] < xa)
+                kth = xa if rank == need - 1 else kth
         cnt = 0
         for q in range(m):
             sel[cnt] = cand_i[q]
@@ -731,62 +893,91 @@ if HAVE_NUMBA:
         return 1 if cnt != n else 0
 
     @njit(cache=True)
-    def _client_h(i, oracle_code, th, zeta, agrad, y, yoff, ysum, Ns, ns, kmini, h, acc,
-                  keys, cand_i, cand_k, work, sel, prior_flat, prior_w, prior_mean, prior_var,
-                  theta_star):
-        """``H_i(θ)`` of :func:`qlsd_flwr.oracles.oracle` for Gaussian client ``i``, with the same
-        float operations in the same order (the minibatch sum ``y[idx].sum(axis=0)`` is sequential
-        over rows in ascending index order, from zero). Returns 1 on a subset boundary tie."""
-        d = th.shape[0]
+    def _minibatch_sum(i, kmini, y, yoff, Ns, ns, acc, keys, cand_i, cand_k, amb, sel):
+        """``Σ_{j∈S_i} y_ij`` as ``y[idx].sum(axis=0)``: rows in ascending index order, from zero.
+        Returns 1 on a subset boundary tie."""
         N = Ns[i]
-        if oracle_code == 0:  # full: (N θ − Σy) + w ∇U_0(θ)
-            fN = np.float64(N)
-            for q in range(d):
-                pg = 0.0 if prior_flat else (th[q] - prior_mean) / prior_var
-                h[q] = (fN * th[q] - ysum[i, q]) + prior_w * pg
-            return 0
         n = ns[i]
-        tie = 0
-        for q in range(d):
-            acc[q] = 0.0
+        d = acc.shape[0]
         off = yoff[i]
+        acc[:] = 0.0
         if n >= N:
             for j in range(N):
                 for q in range(d):
                     acc[q] = acc[q] + y[off + j, q]
-        else:
-            tie = _select(kmini, N, n, keys, cand_i, cand_k, work, sel)
-            for jj in range(n):
-                row = off + sel[jj]
-                for q in range(d):
-                    acc[q] = acc[q] + y[row, q]
-        scale = np.float64(N) / np.float64(n)
-        fn = np.float64(n)
-        if oracle_code == 1:  # minibatch (QLSD#)
+            return 0
+        tie = _select(kmini, N, n, keys, cand_i, cand_k, amb, sel)
+        for jj in range(n):
+            row = off + sel[jj]
             for q in range(d):
-                pg = 0.0 if prior_flat else (th[q] - prior_mean) / prior_var
-                h[q] = scale * (fn * th[q] - acc[q]) + prior_w * pg
-        elif oracle_code == 2:  # control variate at θ* (QLSD*)
-            for q in range(d):
-                a = theta_star[q]
-                dp = 0.0 - 0.0 if prior_flat else (th[q] - prior_mean) / prior_var - (a - prior_mean) / prior_var
-                h[q] = scale * ((fn * th[q] - acc[q]) - (fn * a - acc[q])) + prior_w * dp
-        else:  # SVRG at ζ (QLSD++)
-            for q in range(d):
-                a = zeta[q]
-                dp = 0.0 - 0.0 if prior_flat else (th[q] - prior_mean) / prior_var - (a - prior_mean) / prior_var
-                h[q] = scale * ((fn * th[q] - acc[q]) - (fn * a - acc[q])) + prior_w * dp
-                h[q] = h[q] + agrad[i, q]
+                acc[q] = acc[q] + y[row, q]
         return tie
 
     @njit(cache=True)
-    def _quantise(h, s, kdither, gh, u, lev, tab, want_bits, enc, packed):
-        """QSGD quantise then dequantise ``h`` into ``gh``; returns ``(exact code bits, error)``.
+    def _oracle(i, code, th, anchor, ag, acc, Ns, ns, ysum, h, prior_flat, prior_w, prior_mean,
+                prior_var):
+        """``H_i(θ)`` of :func:`qlsd_flwr.oracles.oracle` for Gaussian client ``i``, with the same
+        float operations in the same order; ``acc`` is the minibatch sum of ``y``."""
+        d = th.shape[0]
+        N = Ns[i]
+        if code == 0:  # full: (N θ − Σy) + w ∇U_0(θ)
+            fN = np.float64(N)
+            if prior_flat:
+                for q in range(d):
+                    h[q] = (fN * th[q] - ysum[i, q]) + prior_w * 0.0
+            else:
+                for q in range(d):
+                    h[q] = (fN * th[q] - ysum[i, q]) + prior_w * ((th[q] - prior_mean) / prior_var)
+            return
+        n = min(ns[i], N)
+        scale = np.float64(N) / np.float64(n)
+        fn = np.float64(n)
+        if code == 1:  # minibatch (QLSD#): (N/n)(n θ − Σ_S y) + w ∇U_0(θ)
+            if prior_flat:
+                for q in range(d):
+                    h[q] = scale * (fn * th[q] - acc[q]) + prior_w * 0.0
+            else:
+                for q in range(d):
+                    h[q] = scale * (fn * th[q] - acc[q]) + prior_w * ((th[q] - prior_mean) / prior_var)
+            return
+        # control variate at the anchor a = θ* (QLSD*) or ζ (QLSD++)
+        if prior_flat:
+            for q in range(d):
+                h[q] = scale * ((fn * th[q] - acc[q]) - (fn * anchor[q] - acc[q])) + prior_w * (0.0 - 0.0)
+        else:
+            for q in range(d):
+                dp = (th[q] - prior_mean) / prior_var - (anchor[q] - prior_mean) / prior_var
+                h[q] = scale * ((fn * th[q] - acc[q]) - (fn * anchor[q] - acc[q])) + prior_w * dp
+        if code == 3:
+            for q in range(d):
+                h[q] = h[q] + ag[q]
+
+    @njit(cache=True)
+    def _dither(kdither, d, u, ulo):
+        """The QSGD dither ``ξ_j = X_j·2^-53`` (``X_j = mix(κ + j·G) >> 11``) of ``rng.uniform``.
+        Converted exactly without a 64-bit int→float instruction (AVX2 has none):
+        ``X = 2·X_h + X_l`` with ``X_h < 2^52`` read as the double ``bits(2^52) | X_h`` minus 2^52."""
+        ub = u.view(np.uint64)
+        z = kdither
+        for q in range(d):
+            z = z + _G
+            x = _mix(z) >> _SH11
+            ub[q] = (x >> _ONE) | _MAGIC
+            ulo[q] = np.int64(x & _ONE)
+        for q in range(d):
+            u[q] = ((u[q] - 4503599627370496.0) * 2.0 + (1.0 if ulo[q] != 0 else 0.0)) * _TWO53
+
+    @njit(cache=True)
+    def _quantise(h, s, u, gh, lev, nzpos, enc, packed):
+        """QSGD quantise then dequantise ``h`` into ``gh`` with dither ``u``; returns
+        ``(exact code bits, error)``.
 
         The float ops of ``QSGD.quantise_batch`` / ``dequantise_batch``: float64 norm by numpy's
         pairwise sum, float32 norm on the wire, ``r = min(|v|·s/‖v‖, s)``,
-        ``ℓ = ⌊r⌋ + 1{ξ < r − ⌊r⌋}`` (held as an exact float), ``ĝ = float64(N32)·ℓ / s``.
-        Error 1: non-finite input; 2: norm beyond float32.
+        ``ℓ = ⌊r⌋ + 1{ξ < r − ⌊r⌋}`` (held as an exact float), ``ĝ = float64(N32)·ℓ / s``
+        (``/ s`` is the multiplication by ``2^-p`` when ``s = 2^p``: the same correctly rounded
+        number). Error 1: non-finite input; 2: norm beyond float32. The code length is that of
+        ``code_length_bits_batch``: ``min(Elias, packed)`` for ``encoding = auto``.
         """
         d = h.shape[0]
         norm64 = math.sqrt(0.0 + _pairwise_sq(h, 0, d))
@@ -800,90 +991,109 @@ if HAVE_NUMBA:
         sf = np.float64(s)
         if norm32 > 0 and norm64 > 0:
             n32 = np.float64(norm32)
-            for q in range(d):
-                u[q] = np.float64(_mix(kdither + _G * np.uint64(q + 1)) >> _SH11) * _TWO53
-            for q in range(d):
-                v = h[q]
-                a = abs(v) * sf / norm64
-                r = a if a < sf else sf
-                lo = math.floor(r)
-                lv = lo + (1.0 if u[q] < r - lo else 0.0)
-                lv = (0.0 - lv) if v < 0 else lv  # 0.0 - 0.0 = +0.0: no negative zero, as int levels
-                lev[q] = lv
-                gh[q] = n32 * lv / sf
+            if (s & (s - 1)) == 0:
+                inv_s = 1.0 / sf
+                for q in range(d):
+                    v = h[q]
+                    a = abs(v) * sf / norm64
+                    r = a if a < sf else sf
+                    fl = np.floor(r)
+                    lv = fl + (1.0 if u[q] < r - fl else 0.0)
+                    lv = (0.0 - lv) if v < 0 else lv  # 0.0 - 0.0 = +0.0, as an int level 0
+                    lev[q] = lv
+                    gh[q] = n32 * lv * inv_s
+            else:
+                for q in range(d):
+                    v = h[q]
+                    a = abs(v) * sf / norm64
+                    r = a if a < sf else sf
+                    fl = np.floor(r)
+                    lv = fl + (1.0 if u[q] < r - fl else 0.0)
+                    lv = (0.0 - lv) if v < 0 else lv
+                    lev[q] = lv
+                    gh[q] = n32 * lv / sf
         else:  # zero vector, or a norm that underflows float32: sent as zero
             for q in range(d):
                 lev[q] = 0.0
                 gh[q] = 0.0
-        if not want_bits or enc == 2:
+        if enc == 2:
             return packed, 0
-        nz = 0
+        # Elias: per nonzero level ω(gap) + 1 sign bit + ω(|ℓ|), then 32 + ω(K + 1);
+        # bitlen(|ℓ|) is read off the exponent of the exact integer-valued float.
+        lb = lev.view(np.uint64)
         body = 0
-        prev = -1
         for q in range(d):
-            a = abs(lev[q])
-            isnz = np.int64(a != 0.0)
-            mag = np.int64(a) + (1 - isnz)  # 1 where the level is 0 (length ignored)
-            body += isnz * (_omega_len(q - prev, tab) + 1 + _omega_len(mag, tab))
-            prev = q if isnz == 1 else prev
-            nz += isnz
-        elias = body + 32 + _omega_len(nz + 1, tab)
+            e = np.int64((lb[q] >> np.uint64(52)) & np.uint64(0x7FF))
+            isnz = np.int64(e != 0)
+            bl = (e - 1022) * isnz + (1 - isnz)
+            body += isnz * (1 + bl + _omega_small(bl - 1))
+        nz = 0
+        for q in range(d):
+            nzpos[nz] = q
+            nz += np.int64((lb[q] << _ONE) != 0)
+        prev = -1
+        for t in range(nz):
+            gap = nzpos[t] - prev
+            prev = nzpos[t]
+            body += _omega_len(gap)
+        elias = body + 32 + _omega_len(nz + 1)
         if enc == 1:
             return elias, 0
         return min(elias, packed), 0
 
-    @njit(parallel=True, cache=True)
-    def _gauss_block(k0, R, seeds, theta, zeta, agrad, eta_i, eta, iargs, fargs, p, alpha, s, Ns, ns,
-                     y, yoff, ysum, theta_star, packed, bound, tab, noise, states,
-                     m_act, m_skip, m_bits, m_bound, m_bytes, s_th, s_th2, s_f, s_f2, kept, ties, err):
-        """Rounds ``k0 .. k0+R-1`` of every chain, in parallel over chains.
+    @njit(nogil=True, cache=True)
+    def _gauss_block(k0, R, seeds, theta, zeta, agrad, eta_i, eta, ish, fsh, iv, fv, s, packed,
+                     bound, alpha, theta_star, star_prior, p, Ns, ns, y, yoff, ysum, noise,
+                     states, m_act, m_skip, m_bits, m_bound, m_bytes, s_th, s_th2, s_f, s_f2, kept,
+                     ties, err):
+        """Rounds ``k0 .. k0+R-1`` of the chains passed (a contiguous group), for every
+        configuration ``v``; releases the GIL.
 
-        Each chain works on private copies of its state (no false sharing between threads) and
-        writes them back at the end of the block.
+        Per (chain, round, client) the participation, minibatch sum, dither and noise are
+        drawn once and shared by the configurations. Each chain works on private copies of
+        its state (no false sharing with threads running other chains) and writes them back
+        at the end of the block.
         """
-        oracle_code = iargs[0]
-        active_fraction = iargs[1] == 1
-        l_anchor = iargs[2]
-        burn_in = iargs[3]
-        thin = iargs[4]
-        compressed = iargs[5] == 1
-        memory = iargs[6] == 1
-        prior_flat = iargs[7] == 1
-        prior_server = iargs[8] == 1
-        enc = iargs[9]
-        noise_kernel = iargs[10] == 1
-        gamma = fargs[0]
-        sqrt2g = fargs[1]
-        prior_var = fargs[2]
-        prior_mean = fargs[3]
-        prior_w = fargs[4]
+        active_fraction = ish[0] == 1
+        burn_in = ish[1]
+        thin = ish[2]
+        prior_flat = ish[3] == 1
+        prior_server = ish[4] == 1
+        noise_kernel = ish[5] == 1
+        need_mini = ish[6] == 1
+        need_dither = ish[7] == 1
+        prior_var = fsh[0]
+        prior_mean = fsh[1]
+        prior_w = fsh[2]
         nc = theta.shape[0]
-        d = theta.shape[1]
+        V = theta.shape[1]
+        d = theta.shape[2]
         b = Ns.shape[0]
         nmax = 1
         for i in range(b):
             nmax = max(nmax, Ns[i])
-        record = states.shape[1] > 0
-        star_prior = np.zeros(d)
-        if not prior_flat:
-            for q in range(d):
-                star_prior[q] = (theta_star[q] - prior_mean) / prior_var
+        record = states.shape[2] > 0
         wts = np.empty(b)
         for i in range(b):
             wts[i] = 1.0 / p[i]
-        for c in prange(nc):
+        for c in range(nc):
             h = np.empty(d)
-            acc = np.empty(d)
+            acc = np.zeros(d)
             gh = np.empty(d)
-            g = np.empty(d)
+            g = np.empty((V, d))
             u = np.empty(d)
+            z = np.empty(d)
             lev = np.empty(d)
+            nzpos = np.empty(d, dtype=np.int64)
             active = np.zeros(b, dtype=np.bool_)
-            keys = np.empty(nmax, dtype=np.uint64)
+            keys = np.empty(nmax, dtype=np.int64)
             cand_i = np.empty(nmax, dtype=np.int64)
-            cand_k = np.empty(nmax, dtype=np.uint64)
-            work = np.empty(nmax, dtype=np.uint64)
+            cand_k = np.empty(nmax, dtype=np.int64)
+            amb = np.empty(nmax, dtype=np.int64)
             sel = np.empty(nmax, dtype=np.int64)
+            bits_r = np.zeros(V, dtype=np.int64)
+            bytes_r = np.zeros(V, dtype=np.int64)
+            bound_r = np.zeros(V)
             th = theta[c].copy()
             zt = zeta[c].copy()
             ag = agrad[c].copy()
@@ -891,11 +1101,11 @@ if HAVE_NUMBA:
             et = eta[c].copy()
             sth = s_th[c].copy()
             sth2 = s_th2[c].copy()
-            sf_ = s_f[c]
-            sf2_ = s_f2[c]
+            sf_ = s_f[c].copy()
+            sf2_ = s_f2[c].copy()
             kept_c = kept[c]
             ties_c = ties[c]
-            err_c = 0
+            bad = False
             seed = seeds[c]
             ks_part = _key_seed(seed, np.uint64(1))
             ks_mini = _key_seed(seed, np.uint64(2))
@@ -903,14 +1113,15 @@ if HAVE_NUMBA:
             ks_noise = _key_seed(seed, np.uint64(4))
             for r in range(R):
                 k = k0 + r
-                if oracle_code == 3 and k % l_anchor == 0:  # ζ_k = θ_k; ∇U_i(ζ) for every client
-                    for q in range(d):
-                        zt[q] = th[q]
-                    for i in range(b):
-                        fN = np.float64(Ns[i])
+                for v in range(V):  # ζ_k = θ_k every l rounds, and ∇U_i(ζ) for every client
+                    if iv[v, 0] == 3 and k % iv[v, 4] == 0:
                         for q in range(d):
-                            pg = 0.0 if prior_flat else (zt[q] - prior_mean) / prior_var
-                            ag[i, q] = (fN * zt[q] - ysum[i, q]) + prior_w * pg
+                            zt[v, q] = th[v, q]
+                        for i in range(b):
+                            fN = np.float64(Ns[i])
+                            for q in range(d):
+                                pg = 0.0 if prior_flat else (zt[v, q] - prior_mean) / prior_var
+                                ag[v, i, q] = (fN * zt[v, q] - ysum[i, q]) + prior_w * pg
                 n_act = 0
                 for i in range(b):
                     if p[i] >= 1.0:
@@ -922,88 +1133,100 @@ if HAVE_NUMBA:
                 if active_fraction and n_act == 0:  # the rule is undefined: skip the round
                     m_skip[c, r] = 1
                 else:
-                    for q in range(d):
-                        g[q] = 0.0
-                    bits_r = 0
-                    bound_r = 0.0
-                    bytes_r = 0
+                    g[:, :] = 0.0
+                    bits_r[:] = 0
+                    bytes_r[:] = 0
+                    bound_r[:] = 0.0
                     for i in range(b):
                         if not active[i]:
                             continue
-                        ties_c += _client_h(i, oracle_code, th, zt, ag, y, yoff, ysum, Ns, ns,
-                                            _key_rc(ks_mini, k, i), h, acc, keys, cand_i, cand_k,
-                                            work, sel, prior_flat, prior_w, prior_mean, prior_var,
-                                            theta_star)
-                        if memory:
-                            for q in range(d):
-                                h[q] = h[q] - et_i[i, q]
-                        if compressed:
-                            bits, e = _quantise(h, s[i], _key_rc(ks_dith, k, i), gh, u, lev, tab,
-                                                True, enc, packed[i])
-                            if e != 0:
-                                err_c = e
-                                break
-                            bytes_r += 5 + (bits + 7) // 8
-                        else:
-                            for q in range(d):
-                                if not math.isfinite(h[q]):
-                                    err_c = 3
-                                gh[q] = h[q]
-                            if err_c != 0:
-                                break
-                            bits = packed[i]
-                            bytes_r += bits // 8
-                        bits_r += bits
-                        bound_r += bound[i]
+                        if need_mini:
+                            ties_c += _minibatch_sum(i, _key_rc(ks_mini, k, i), y, yoff, Ns, ns, acc,
+                                                     keys, cand_i, cand_k, amb, sel)
+                        if need_dither:
+                            _dither(_key_rc(ks_dith, k, i), d, u, nzpos)
                         w = (np.float64(b) / np.float64(n_act)) if active_fraction else wts[i]
-                        for q in range(d):
-                            g[q] = g[q] + w * gh[q]
-                        if memory and alpha[i] != 0.0:
-                            ai = alpha[i]
+                        for v in range(V):
+                            code = iv[v, 0]
+                            _oracle(i, code, th[v], theta_star[v] if code == 2 else zt[v], ag[v, i],
+                                    acc, Ns, ns, ysum, h, prior_flat, prior_w, prior_mean, prior_var)
+                            if iv[v, 2] == 1:  # memory: send C(H_i − η_i)
+                                for q in range(d):
+                                    h[q] = h[q] - et_i[v, i, q]
+                            if iv[v, 1] == 1:
+                                bits, e = _quantise(h, s[v, i], u, gh, lev, nzpos, iv[v, 3], packed[v, i])
+                                if e != 0:
+                                    err[c, v] = e
+                                    bad = True
+                                    break
+                                bytes_r[v] += 5 + (bits + 7) // 8
+                            else:
+                                for q in range(d):
+                                    if not math.isfinite(h[q]):
+                                        err[c, v] = 3
+                                        bad = True
+                                    gh[q] = h[q]
+                                if bad:
+                                    break
+                                bits = packed[v, i]
+                                bytes_r[v] += bits // 8
+                            bits_r[v] += bits
+                            bound_r[v] += bound[v, i]
                             for q in range(d):
-                                et_i[i, q] = et_i[i, q] + ai * gh[q]
-                    if err_c != 0:
+                                g[v, q] = g[v, q] + w * gh[q]
+                            if iv[v, 2] == 1 and alpha[v, i] != 0.0:
+                                ai = alpha[v, i]
+                                for q in range(d):
+                                    et_i[v, i, q] = et_i[v, i, q] + ai * gh[q]
+                        if bad:
+                            break
+                    if bad:
                         break
-                    m_bits[c, r] = bits_r
-                    m_bound[c, r] = bound_r
-                    m_bytes[c, r] = bytes_r
-                    if memory:  # g += η_k, then η_{k+1} = Σ_i η_i (rows in order, from zero)
-                        for q in range(d):
-                            g[q] = g[q] + et[q]
-                            et[q] = 0.0
-                        for i in range(b):
+                    for v in range(V):
+                        m_bits[c, v, r] = bits_r[v]
+                        m_bound[c, v, r] = bound_r[v]
+                        m_bytes[c, v, r] = bytes_r[v]
+                        if iv[v, 2] == 1:  # g += η_k, then η_{k+1} = Σ_i η_i (rows in order, from zero)
                             for q in range(d):
-                                et[q] = et[q] + et_i[i, q]
-                    if prior_server and not prior_flat:
-                        for q in range(d):
-                            t = (th[q] - prior_mean) / prior_var
-                            if oracle_code == 2:
-                                t = t - star_prior[q]
-                            g[q] = g[q] + t
+                                g[v, q] = g[v, q] + et[v, q]
+                                et[v, q] = 0.0
+                            for i in range(b):
+                                for q in range(d):
+                                    et[v, q] = et[v, q] + et_i[v, i, q]
+                        if prior_server and not prior_flat:
+                            for q in range(d):
+                                t = (th[v, q] - prior_mean) / prior_var
+                                if iv[v, 0] == 2:
+                                    t = t - star_prior[v, q]
+                                g[v, q] = g[v, q] + t
                     if noise_kernel:
                         kn = _key_rc(ks_noise, k, 0)
                         for q in range(d):
                             u1 = _unif(kn, q + 1)
                             u2 = _unif(kn, d + q + 1)
-                            z = math.sqrt(-2.0 * math.log1p(-u1)) * math.cos(_TWO_PI * u2)
-                            th[q] = th[q] - gamma * g[q] + sqrt2g * z
+                            z[q] = math.sqrt(-2.0 * math.log1p(-u1)) * math.cos(_TWO_PI * u2)
                     else:
                         for q in range(d):
-                            th[q] = th[q] - gamma * g[q] + sqrt2g * noise[c, r, q]
+                            z[q] = noise[c, r, q]
+                    for v in range(V):
+                        gam = fv[v, 0]
+                        sq2 = fv[v, 1]
+                        for q in range(d):
+                            th[v, q] = th[v, q] - gam * g[v, q] + sq2 * z[q]
                 if record:
-                    for q in range(d):
-                        states[c, r, q] = th[q]
+                    for v in range(V):
+                        for q in range(d):
+                            states[c, v, r, q] = th[v, q]
                 j = k + 1
                 if j > burn_in and (j - burn_in - 1) % thin == 0:
-                    ss = 0.0
-                    for q in range(d):
-                        x = th[q]
-                        ss += x * x
-                        sth[q] += x
-                        sth2[q] += x * x
-                    f = math.sqrt(ss)
-                    sf_ += f
-                    sf2_ += f * f
+                    for v in range(V):
+                        for q in range(d):
+                            x = th[v, q]
+                            sth[v, q] += x
+                            sth2[v, q] += x * x
+                        f = math.sqrt(0.0 + _pairwise_sq(th[v], 0, d))  # as np.sqrt(np.sum(θ², -1))
+                        sf_[v] += f
+                        sf2_[v] += f * f
                     kept_c += 1
             theta[c] = th
             zeta[c] = zt
@@ -1016,7 +1239,7 @@ if HAVE_NUMBA:
             s_f2[c] = sf2_
             kept[c] = kept_c
             ties[c] = ties_c
-            err[c] = err_c
 else:  # pragma: no cover
-    def noise_in_kernel_ok() -> bool:  # noqa: F811
-        return False
+
+    def _nb_normal_rows(*args):
+        raise RuntimeError("numba is not installed")

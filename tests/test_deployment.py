@@ -29,16 +29,18 @@ from qlsd_flwr import deploy as D
 from qlsd_flwr.config import DEFAULTS, resolve
 from qlsd_flwr.engine import run_local
 from qlsd_flwr.outputs import load_samples
+from qlsd_flwr.tasks.gaussian import build_gaussian_task
 
 B = 3
 BASE = {"num-clients": B, "dim": 5, "variant": "qlsd-pp", "s": "16", "p": "1.0", "l": 100,
         "burn-in": 1, "progress": False}
 RECEIVE_TRAIN = "Receiving: train message"
+FILE_SEED = 7  # the nodes' files hold other data than partition-id would generate (data-seed 0)
 
 
 def node_data(root: Path, i: int) -> str:
     """Node i's own partition file (what its operator would put on that machine)."""
-    return str(D.write_partition(BASE, i, root / f"data-node{i}" / "partition.npz"))
+    return str(D.write_partition({**BASE, "data-seed": FILE_SEED}, i, root / f"data-node{i}" / "partition.npz"))
 
 
 def ensure_nodes(dep: D.LocalDeployment) -> None:
@@ -80,7 +82,8 @@ def cluster(tmp_path_factory):
 
 @pytest.mark.deployment
 def test_insecure_run_three_supernodes(cluster, tmp_path):
-    rc = {**BASE, "num-rounds": 3, "reply-timeout": 90.0, "output-dir": str(tmp_path), "run-name": "insecure"}
+    rc = {**BASE, "num-rounds": 2, "burn-in": 0, "reply-timeout": 90.0, "output-dir": str(tmp_path),
+          "run-name": "insecure"}
     run_id = cluster.run(cluster.app, rc)  # before any SuperNode is up: the ServerApp waits for them
     ensure_nodes(cluster)
     row = cluster.wait(run_id, timeout=200)
@@ -89,13 +92,15 @@ def test_insecure_run_three_supernodes(cluster, tmp_path):
     run_dir = tmp_path / "insecure"
     samples = load_samples(run_dir)
     assert samples.shape == (1, 2, 5) and np.all(np.isfinite(samples))
-    # The deployed chain is the framework-free chain, bit for bit (each node read its own file).
-    trace = run_local(resolve(rc), write=False, keep_trace=True, progress=False).trace
-    np.testing.assert_array_equal(samples[0], trace[1:])
+    # The deployed chain is the framework-free chain on the nodes' files, bit for bit: each node
+    # used its own data-path file (not the data its partition-id would generate).
+    files_task = build_gaussian_task(b=B, d=5, data_seed=FILE_SEED)
+    trace = run_local(resolve(rc), task=files_task, write=False, keep_trace=True, progress=False).trace
+    np.testing.assert_array_equal(samples[0], trace)
 
     s = summary_of(run_dir)
     t = s["totals"]
-    assert t["n_replied"] == 3 * B and t["n_rejected"] == 0 and s["missed_rounds"] == {}
+    assert t["n_replied"] == 2 * B and t["n_rejected"] == 0 and s["missed_rounds"] == {}
     assert t["bits_bound"] >= t["bits_exact"] > 0
     assert t["bytes_message"] > t["bytes_payload"] > 0
     assert_memory_in_sync(s)
