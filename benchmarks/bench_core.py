@@ -8,7 +8,7 @@
    the payload bytes our encoder produces, the exact code length, the analytic QSGD bound and
    float32 (32 d bits); plus the bytes of the whole Flower reply message.
 
-    python benchmarks/bench_core.py [--rounds 30] [--clients 10,20,100] [--out benchmarks/core.json]
+    python benchmarks/bench_core.py [--rounds 30] [--pairs 2] [--clients 10,20,100] [--out benchmarks/core.json]
 """
 
 from __future__ import annotations
@@ -55,7 +55,22 @@ def noop_apps(rounds: int, b: int, sink: dict):
     return server, client
 
 
-def ray_round_times(b: int, rounds: int) -> dict:
+def ray_round_times(b: int, rounds: int, pairs: int = 1) -> dict:
+    """``pairs`` × (QLSD++ run, no-op run), alternating, so that a change in the machine's load
+    hits both; the rounds of all runs of one kind are pooled (after each run's warm-up)."""
+    skip = min(5, rounds // 3)  # the first rounds warm up Ray's actors
+    ours, noop = [], []
+    for _ in range(pairs):
+        o, n = _ray_pair(b, rounds)
+        ours += o[skip:]
+        noop += n[skip:]
+    m_ours, m_noop = statistics.median(ours), statistics.median(noop)
+    return {"clients": b, "rounds": rounds, "pairs": pairs, "qlsd_s_per_round": m_ours,
+            "noop_s_per_round": m_noop, "ratio": m_ours / m_noop,
+            "qlsd_mean": statistics.fmean(ours), "noop_mean": statistics.fmean(noop)}
+
+
+def _ray_pair(b: int, rounds: int) -> tuple[list, list]:
     from flwr.simulation import run_simulation
 
     from qlsd_flwr.config import resolve
@@ -74,12 +89,7 @@ def ray_round_times(b: int, rounds: int) -> dict:
     server, client = noop_apps(rounds, b, sink)
     quiet_flower(False)
     run_simulation(server_app=server, client_app=client, num_supernodes=b, backend_config=ray_backend_config(cfg))
-    noop = sink["times"]
-    # the first rounds warm up Ray's actors; compare medians of the rest
-    skip = min(5, rounds // 3)
-    m_ours, m_noop = statistics.median(ours[skip:]), statistics.median(noop[skip:])
-    return {"clients": b, "rounds": rounds, "qlsd_s_per_round": m_ours, "noop_s_per_round": m_noop,
-            "ratio": m_ours / m_noop}
+    return ours, sink["times"]
 
 
 def wire_sizes() -> list[dict]:
@@ -125,6 +135,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--clients", default="10,20,100")
     ap.add_argument("--out", default="benchmarks/core.json")
+    ap.add_argument("--pairs", type=int, default=2, help="alternating QLSD++/no-op runs per size")
     ap.add_argument("--skip-ray", action="store_true")
     args = ap.parse_args()
     result = {"machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.python_version()}",
@@ -139,7 +150,7 @@ def main() -> None:
     if not args.skip_ray:
         result["ray"] = []
         for b in (int(x) for x in args.clients.split(",")):
-            row = ray_round_times(b, args.rounds)
+            row = ray_round_times(b, args.rounds, args.pairs)
             result["ray"].append(row)
             print(f"Ray, {b} clients: QLSD++ {row['qlsd_s_per_round']:.3f} s/round, no-op "
                   f"{row['noop_s_per_round']:.3f} s/round, ratio {row['ratio']:.2f}", flush=True)

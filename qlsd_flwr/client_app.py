@@ -34,7 +34,7 @@ from .wire import RECORD, arr_to_bytes, bytes_to_arr
 STATE = "qlsd-state"
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=4096)  # one entry per client this process hosts (Ray: many)
 def _client_setup(cfg_json: str, i: int, data_path: str | None = None):
     cfg = resolve(json.loads(cfg_json))
     pot, prior, d, blocks = C.load_client(cfg, i, data_path=data_path)

@@ -52,7 +52,16 @@ def alphas(cfg: RunConfig, d: int, blocks=None) -> np.ndarray:
         return np.zeros(cfg.b)
     if cfg.alpha is not None:
         return np.full(cfg.b, float(cfg.alpha))
-    return np.array([1.0 / (compressor_for(cfg, i, blocks).omega(d) + 1.0) for i in range(cfg.b)])
+    return np.array([alpha_of(cfg, i, d, blocks) for i in range(cfg.b)])
+
+
+def alpha_of(cfg: RunConfig, i: int, d: int, blocks=None) -> float:
+    """Client ``i``'s ``α_i`` (one entry of :func:`alphas`)."""
+    if not cfg.memory:
+        return 0.0
+    if cfg.alpha is not None:
+        return float(cfg.alpha)
+    return 1.0 / (compressor_for(cfg, i, blocks).omega(d) + 1.0)
 
 
 def batch_size(cfg: RunConfig, n_data: int) -> int:
@@ -69,7 +78,7 @@ def client_spec(cfg: RunConfig, i: int, n_data: int, d: int, prior: GaussianPrio
     return ClientSpec(
         index=i, oracle=cfg.oracle, batch_size=batch_size(cfg, n_data),
         compressor=compressor_for(cfg, i, blocks), memory=cfg.memory,
-        alpha=float(alphas(cfg, d, blocks)[i]), prior=prior,
+        alpha=alpha_of(cfg, i, d, blocks), prior=prior,
         prior_weight=(1.0 / cfg.b) if cfg.prior_on == "clients" else 0.0,
     )
 

@@ -103,13 +103,27 @@ def _bitlen(x: np.ndarray) -> np.ndarray:
     return np.frexp(x.astype(np.float64))[1].astype(np.int64)
 
 
+_SMALL = 1 << 16  # omega codes of values below this come from tables (speed only)
+
+
 def omega_length(x) -> np.ndarray:
     """Length in bits of the Elias omega code of each integer ``x ≥ 1`` (vectorised).
 
     ``L(1) = 1`` and ``L(n) = 1 + Σ_i (⌊log2 n_i⌋ + 1)`` over ``n_0 = n``, ``n_{i+1} = ⌊log2 n_i⌋``
-    while ``n_i > 1``.
+    while ``n_i > 1``. Values below ``2^16`` are looked up in a table made by the same rule.
     """
     n = np.asarray(x, dtype=np.int64)
+    if n.size and n.max() < _SMALL and n.min() >= 0:
+        return _omega_len_table()[n]
+    return _omega_length(n)
+
+
+@lru_cache(maxsize=1)
+def _omega_len_table() -> np.ndarray:
+    return _omega_length(np.arange(_SMALL, dtype=np.int64))
+
+
+def _omega_length(n: np.ndarray) -> np.ndarray:
     total = np.ones(n.shape, dtype=np.int64)
     for _ in range(_G):
         active = n > 1
@@ -128,6 +142,23 @@ def _omega_fields(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     terminating ``0``. Unused group slots have length 0.
     """
     n = x.astype(np.int64)
+    if n.size and n.max() < _FIELDS_SMALL and n.min() >= 1:
+        tv, tl = _omega_fields_table()
+        return tv[n], tl[n]
+    return _omega_fields_ref(n)
+
+
+_FIELDS_SMALL = 1 << 12
+
+
+@lru_cache(maxsize=1)
+def _omega_fields_table() -> tuple[np.ndarray, np.ndarray]:
+    """``_omega_fields`` of ``0..2^12 − 1`` (row 0 unused), made by the reference rule."""
+    vals, lens = _omega_fields_ref(np.arange(_FIELDS_SMALL, dtype=np.int64))
+    return vals, lens
+
+
+def _omega_fields_ref(n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     vals = np.zeros((n.size, _G + 1), dtype=np.int64)
     lens = np.zeros((n.size, _G + 1), dtype=np.int64)
     for i in range(_G):
@@ -278,6 +309,21 @@ def elias_bound_bits(n: int, s: int) -> float:
     return 32.0 + best
 
 
+@lru_cache(maxsize=256)
+def _bound_bits(s: int, blocks: tuple[int, ...], encoding: str, packed_bits: int) -> float:
+    """``QSGD.bound_bits`` (memoised: it is asked for every message)."""
+    elias = float(sum(min(qsgd_theorem_bits(n, s), elias_bound_bits(n, s)) for n in blocks))
+    packed = float(packed_bits)
+    return {"elias": elias, "packed": packed, "auto": min(elias, packed)}[encoding]
+
+
+@lru_cache(maxsize=256)
+def _max_elias_bits(s: int, blocks: tuple[int, ...]) -> int:
+    """The longest Elias code any message of these blocks can have (a decoder guard)."""
+    ls = _omega_len_int(s)
+    return sum(32 + _omega_len_int(n + 1) + n * (_omega_len_int(n) + 1 + ls) for n in blocks)
+
+
 def qsgd_theorem_bits(n: int, s: int) -> float:
     """QSGD Theorem 3.2 (Alistarh et al. 2017) as printed, with base-2 logs and ``o(1)`` dropped::
 
@@ -306,12 +352,15 @@ class Quantised:
         levels: int64 ``(d,)``, ``ℓ_j = sign(v_j) · level_j`` with ``0 ≤ level_j ≤ s``.
         s: number of levels ``s``.
         blocks: block sizes (sum ``d``); ``(d,)`` for one norm for the whole vector.
+        code_bits: set by ``QSGD.decode``: the length in bits of the code it read (norms and
+            body, no header, no padding), i.e. what the sender's code really cost.
     """
 
     norms: np.ndarray
     levels: np.ndarray
     s: int
     blocks: tuple[int, ...]
+    code_bits: int | None = None
 
     def __post_init__(self):
         if not (isinstance(self.norms, np.ndarray) and self.norms.dtype == np.float32
@@ -515,10 +564,7 @@ class QSGD:
         * ``"packed"``: the code's fixed length ``32·n_blocks + d(1 + ⌈log2(s+1)⌉)``.
         * ``"auto"``: the minimum of the two (the auto code is never longer than either).
         """
-        blocks = self._blocks(d)
-        elias = float(sum(min(qsgd_theorem_bits(n, self.s), elias_bound_bits(n, self.s)) for n in blocks))
-        packed = float(self._packed_bits(d))
-        return {"elias": elias, "packed": packed, "auto": min(elias, packed)}[self.encoding]
+        return _bound_bits(self.s, self._blocks(d), self.encoding, self._packed_bits(d))
 
     def proven_bound_bits(self, d: int) -> float:
         """As ``bound_bits`` with only the proven Jensen bound for the Elias code."""
@@ -607,13 +653,13 @@ class QSGD:
             raise DecodeError(f"payload is for d = {d_wire}, expected d = {d}")
         body = payload[HEADER_BYTES:]
         if tag == TAG_PACKED:
-            norms, levels = self._decode_packed(body, d, blocks)
+            norms, levels, bits = self._decode_packed(body, d, blocks)
         elif tag == TAG_ELIAS:
-            norms, levels = self._decode_elias(body, d, blocks)
+            norms, levels, bits = self._decode_elias(body, d, blocks)
         else:
             raise DecodeError(f"unknown encoding tag {tag:#04x}")
         self._check(norms, levels, blocks)
-        return Quantised(norms=norms, levels=levels, s=self.s, blocks=blocks)
+        return Quantised(norms=norms, levels=levels, s=self.s, blocks=blocks, code_bits=bits)
 
     def _check(self, norms: np.ndarray, levels: np.ndarray, blocks: tuple[int, ...]) -> None:
         if not np.all(np.isfinite(norms)):
@@ -647,11 +693,10 @@ class QSGD:
         neg = (f >> lb) == 1
         if np.any(neg & (mag == 0)):
             raise DecodeError("negative zero level")
-        return norms, np.where(neg, -mag, mag)
+        return norms, np.where(neg, -mag, mag), nbits
 
     def _max_elias_bits(self, blocks) -> int:
-        ls = int(omega_length(self.s))
-        return sum(32 + int(omega_length(n + 1)) + n * (int(omega_length(n)) + 1 + ls) for n in blocks)
+        return _max_elias_bits(self.s, tuple(blocks))
 
     def _decode_elias(self, body: bytes, d: int, blocks):
         if len(body) > (self._max_elias_bits(blocks) + 7) // 8:
@@ -706,7 +751,7 @@ class QSGD:
             raise DecodeError("trailing bytes after the Elias code")
         if "1" in bs[p:]:
             raise DecodeError("nonzero padding")
-        return np.array(norm_bits, dtype=np.uint32).view(np.float32), levels
+        return np.array(norm_bits, dtype=np.uint32).view(np.float32), levels, p
 
 
 _BITCHARS = bytes.maketrans(b"\x00\x01", b"01")

@@ -119,7 +119,8 @@ class QLSDServer:
             self.eta_count[i] += 1
         r = self._row
         r["bits_bound"] += comp.bound_bits(self.d)
-        r["bits_exact"] += comp.code_length_bits(q)
+        # the exact length of the code this client sent (the decoder counts what it read)
+        r["bits_exact"] += q.code_bits if getattr(q, "code_bits", None) is not None else comp.code_length_bits(q)
         r["bytes_payload"] += len(rep["payload"])
         r["bytes_message"] += message_bytes
 

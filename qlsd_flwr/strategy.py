@@ -26,6 +26,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
+from flwr.supercore.inflatable.inflatable_object import no_object_id_recompute
 
 from . import components as C
 from .config import RunConfig
@@ -39,10 +40,19 @@ log = logging.getLogger("qlsd_flwr")
 
 
 def message_nbytes(obj) -> int:
-    """Bytes of a Flower message as it is serialised for transport (every object in its tree)."""
+    """Bytes of a Flower message as it is serialised for transport (every object in its tree).
+
+    Inside Flower's ``no_object_id_recompute`` (what Flower itself uses when it ships a
+    message), each object is deflated once and the children's ids are reused: the same bytes,
+    a fifth of the time."""
+    with no_object_id_recompute():
+        return _tree_nbytes(obj)
+
+
+def _tree_nbytes(obj) -> int:
     total = len(obj.deflate())
     for child in (obj.children or {}).values():
-        total += message_nbytes(child)
+        total += _tree_nbytes(child)
     return total
 
 

@@ -311,6 +311,8 @@ def test_round_trip_and_exact_length(d, s, blocked):
             payload = c.encode(q)
             assert len(payload) == HEADER_BYTES + (c.code_length_bits(q) + 7) // 8
             assert c.decode(payload, d) == q
+        # the decoder reports the length of the code it read: the server's exact bit count
+        assert c.decode(c.encode(q), d).code_bits == c.code_length_bits(q)
 
 
 @given(data=st.data())
@@ -596,3 +598,16 @@ def test_factory_and_argument_errors():
     q = QSGD(4).quantise(np.ones(3), np.zeros(3))
     with pytest.raises(ValueError):
         QSGD(8).encode(q)  # quantised with another s
+
+
+def test_omega_tables_equal_the_rule():
+    """The lookup tables (speed only) hold exactly what the reference rule computes."""
+    from qlsd_flwr import compression as Q
+
+    x = np.arange(1, Q._SMALL, dtype=np.int64)
+    assert np.array_equal(Q.omega_length(x), Q._omega_length(x))
+    big = np.array([Q._SMALL, Q._SMALL + 1, 2**40 + 3, 2**62], dtype=np.int64)
+    assert list(Q.omega_length(big)) == [Q._omega_len_int(int(v)) for v in big]
+    y = np.arange(1, Q._FIELDS_SMALL, dtype=np.int64)
+    for a, b in zip(Q._omega_fields(y), Q._omega_fields_ref(y)):
+        assert np.array_equal(a, b)
