@@ -4,7 +4,9 @@
 state, and returns the reply fields: for ``phase = "grad"`` the full local gradient, for
 ``phase = "sample"`` the encoded compressed message of :func:`qlsd_flwr.oracles.client_round`,
 or ``status = "resync"`` when the client's cached anchor or memory counter disagrees with the
-server's.
+server's. An ``anchor`` or ``eta`` (with ``eta_count``) in the fields is installed *before* that
+check, so a client whose state was lost (a restarted node, a resumed run: the server then
+sends both unasked) computes exactly the reply it would have computed with its old state.
 """
 
 from __future__ import annotations

@@ -76,6 +76,8 @@ DEFAULTS: dict[str, Any] = {
     "verbose": False,
     "client-cpus": 0.5,
     "reply-timeout": 600.0,
+    "checkpoint-every": 0,  # write checkpoint.npz every N rounds (0: off); see qlsd_flwr.checkpoint
+    "resume": "",  # a run folder: continue that run from its checkpoint
 }
 
 
@@ -271,6 +273,13 @@ def resolve(overrides: Mapping[str, Any] | None = None) -> RunConfig:
     if str(raw["compressor"]).lower() == "identity":
         compressed = False
     theta_star = _choice("theta-star", raw["theta-star"], ("closed-form", "optimise"))
+    ce = num("checkpoint-every", int)
+    if ce < 0 or ce != num("checkpoint-every"):
+        raise ConfigError(f"checkpoint-every must be an integer >= 0 (0: off) (got {raw['checkpoint-every']!r})")
+    if hasattr(raw["resume"], "__fspath__"):
+        raw["resume"] = str(raw["resume"])
+    if not isinstance(raw["resume"], str):
+        raise ConfigError(f"resume must be a run folder path or '' (got {raw['resume']!r})")
     _check_data_keys(raw)
     return RunConfig(
         raw=raw, variant=variant, oracle=oracle, compressed=compressed, memory=memory, b=b_eff,

@@ -8,6 +8,7 @@ on the wire. For one seed it produces the same chain, bit for bit, as Flower doe
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import numpy as np
 
 from . import components as C
 from . import participation, sampler
+from .checkpoint import DivergenceError, divergence_message, resume_dir
 from .config import RunConfig
 from .client import handle
 from .oracles import ClientState, client_round, full_local_grad, set_anchor
@@ -75,7 +77,10 @@ def run_local(cfg: RunConfig, task: Task | None = None, write: bool = True,
     blocks = C.blocks_for(cfg, task)
     specs = [C.client_spec(cfg, i, task.clients[i].n_data, d, task.prior, blocks) for i in range(cfg.b)]
     states = [ClientState() for _ in range(cfg.b)]
-    theta_star, ts_info = resolve_theta_star(
+    resuming = resume_dir(cfg) is not None
+    if resuming and not wire:
+        raise ValueError("resume needs the protocol path (wire=True)")
+    theta_star, ts_info = (None, {}) if resuming else resolve_theta_star(  # resume: θ* is in the checkpoint
         cfg, task, C.theta0_of(task),
         lambda th: C.combine_grads(cfg, task.prior, [full_local_grad(s, task.clients[s.index], th) for s in specs], th))
     bar = progress_bar(cfg.num_rounds, cfg.get("progress") if progress is None else progress, f"{cfg.variant} local")
@@ -83,13 +88,23 @@ def run_local(cfg: RunConfig, task: Task | None = None, write: bool = True,
         return _run_direct(cfg, task, specs, states, theta_star, keep_trace, bar)
     server = QLSDServer(cfg, task, write=write, keep_trace=keep_trace, engine_label="local")
     server.begin(theta_star, ts_info)
-    for _ in range(cfg.num_rounds):
-        for i in server.begin_round():
-            reply = handle(specs[i], task.clients[i], states[i], cfg.seed, server.fields_for(i), d)
-            server.accept(i, reply)
-        server.end_round()
-        bar.update(1)
-    bar.close()
+    bar.update(server.state.k)
+    try:
+        for _ in range(server.state.k, cfg.num_rounds):
+            for i in server.begin_round():
+                fields = server.fields_for(i)
+                saved = copy.copy(states[i])  # handle() rebinds the state's arrays, never writes into them
+                try:
+                    reply = handle(specs[i], task.clients[i], states[i], cfg.seed, fields, d)
+                except Exception as exc:  # as Flower does: an error reply, the client's state unchanged
+                    states[i] = saved
+                    server.accept(i, None, error=f"{type(exc).__name__}: {exc}")
+                    continue
+                server.accept(i, reply)
+            server.end_round()
+            bar.update(1)
+    finally:
+        bar.close()
     summary = server.finish()
     trace = np.array(server.trace) if keep_trace else None
     return RunResult(summary=summary, run_dir=server.run_dir, trace=trace, server=server.state, clients=states)
@@ -106,8 +121,13 @@ def _run_direct(cfg, task, specs, states, theta_star, keep_trace, bar) -> RunRes
         for i in np.flatnonzero(participation.active_mask(cfg.seed, k, cfg.p)):
             if cfg.oracle in ("svrg", "star") and states[i].anchor_version != version:
                 set_anchor(specs[i], task.clients[i], states[i], anchor, version)
-            g_hat[int(i)] = client_round(specs[i], task.clients[i], states[i], cfg.seed, k, st.theta)[1]
+            try:
+                g_hat[int(i)] = client_round(specs[i], task.clients[i], states[i], cfg.seed, k, st.theta)[1]
+            except ValueError as exc:  # the message cannot be formed: the chain has run away
+                raise DivergenceError(divergence_message(k + 1, cfg.gamma) + f" [{exc}]") from exc
         sampler.server_step(spec, st, cfg.seed, g_hat)
+        if not np.all(np.isfinite(st.theta)):
+            raise DivergenceError(divergence_message(k + 1, cfg.gamma))
         if keep_trace:
             trace[k] = st.theta
         bar.update(1)

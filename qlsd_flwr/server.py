@@ -5,6 +5,14 @@ between this and their message types.
 A round ``k``:  ``begin_round(k)`` → the active clients;  ``fields_for(i)`` → what client ``i``
 is sent;  ``accept(i, reply_fields, error, message_bytes)`` per reply;  ``end_round()`` → the
 server step and the records.
+
+Reliability (:mod:`qlsd_flwr.checkpoint`): with ``checkpoint-every = N`` the server saves
+``checkpoint.npz`` after every ``N``-th round; with ``resume = <run folder>`` :meth:`QLSDServer.begin`
+restores the chain from it and marks every client as needing a resync, so that the first
+message to each client after the restart carries the anchor and its ``η_i`` mirror (a client
+whose state was lost computes the very reply it would have). A non-finite ``θ`` after a step
+closes the outputs cleanly and raises :class:`~qlsd_flwr.checkpoint.DivergenceError` naming
+the round and suggesting a smaller ``gamma``.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ import time
 
 import numpy as np
 
+from . import checkpoint as ckpt
 from . import components as C
 from . import participation, sampler
 from .compression import DecodeError
@@ -46,16 +55,70 @@ class QLSDServer:
         self.missed_rounds: dict[int, list[int]] = {}
         self.ts_info: dict = {}
         self.summary_data: dict = {}
+        self.persist: dict = {}  # JSON facts a front end keeps in the checkpoint (e.g. rejoined nodes)
+        self.last_checkpoint: int | None = None  # round of the last checkpoint written or resumed
+        self.resumed_from: int | None = None
 
     # ---- set-up -------------------------------------------------------------------------
     def begin(self, theta_star: np.ndarray | None, ts_info: dict | None = None) -> None:
+        """Start the chain at ``θ_0``, or, with ``resume`` set, where its checkpoint left it
+        (``theta_star`` and ``ts_info`` are then taken from the checkpoint)."""
         cfg = self.cfg
+        if ckpt.resume_dir(cfg) is not None:
+            self._resume()
+            return
         self.ts_info = ts_info or {}
         self.spec = C.server_spec(cfg, self.task, theta_star, self.blocks)
         self.state = sampler.init_state(self.spec, C.theta0_of(self.task))
         if self.write:
             self.run_dir = self.run_dir or make_run_dir(cfg.get("output-dir"), cfg.get("run-name"), cfg.variant)
-            self.recorder = Recorder(self.run_dir, cfg.to_dict(), self.d, 1, cfg.burn_in, cfg.thin)
+            self.recorder = Recorder(self.run_dir, cfg.to_dict(), self.d, 1, cfg.burn_in, cfg.thin,
+                                     raw_draws=ckpt.enabled(cfg))
+
+    # ---- checkpoints --------------------------------------------------------------------
+    def save_checkpoint(self) -> None:
+        """Write ``checkpoint.npz`` (atomically) with the chain's whole state after round ``k``."""
+        st = self.state
+        rec_meta, rec_arrays = self.recorder.checkpoint_state()
+        arrays = {"theta": st.theta, "zeta": st.zeta, "eta_i": st.eta_i, "eta": st.eta,
+                  "theta_star": self.spec.theta_star, "anchor_acked": self.anchor_acked,
+                  "eta_count": self.eta_count, "needs_resync": self.needs_resync,
+                  **{f"rec_{k}": v for k, v in rec_arrays.items()}}
+        meta = {"kind": "server", "k": int(st.k), "zeta_version": int(st.zeta_version),
+                "config": self.cfg.raw, "rejected": self.rejected,
+                "missed_rounds": {str(i): r for i, r in self.missed_rounds.items()},
+                "ts_info": self.ts_info, "persist": self.persist, "recorder": rec_meta}
+        ckpt.save(ckpt.path_in(self.run_dir), arrays, meta)
+        self.last_checkpoint = int(st.k)
+
+    def _resume(self) -> None:
+        cfg = self.cfg
+        run_dir, meta, a = ckpt.load_for_resume(cfg, "server")
+        self.ts_info = dict(meta["ts_info"])
+        theta_star = a.get("theta_star")
+        self.spec = C.server_spec(cfg, self.task, None if theta_star is None else theta_star.copy(), self.blocks)
+        st = sampler.init_state(self.spec, a["theta"])
+        st.k = int(meta["k"])
+        st.zeta_version = int(meta["zeta_version"])
+        if "zeta" in a:
+            st.zeta = a["zeta"].copy()
+        if self.spec.memory:
+            st.eta_i, st.eta = a["eta_i"].copy(), a["eta"].copy()
+        self.state = st
+        self.anchor_acked = a["anchor_acked"].astype(np.int64)
+        self.eta_count = a["eta_count"].astype(np.int64)
+        # the clients may have lost their state with the restart: the first message to each
+        # carries the anchor and its η_i mirror (fields_for), so no round is lost to a resync
+        self.needs_resync = np.ones(cfg.b, dtype=bool)
+        self.rejected = dict(meta["rejected"])
+        self.missed_rounds = {int(i): list(r) for i, r in meta["missed_rounds"].items()}
+        self.persist = dict(meta.get("persist", {}))
+        self.run_dir = run_dir
+        self.last_checkpoint = self.resumed_from = st.k
+        if self.write:
+            self.recorder = Recorder(run_dir, cfg.to_dict(), self.d, 1, cfg.burn_in, cfg.thin,
+                                     resume=ckpt.recorder_part(meta, a))
+        log.info("resumed %s at round %d from its checkpoint", run_dir, st.k)
 
     def anchor(self):
         if self.cfg.oracle == "svrg":
@@ -72,6 +135,7 @@ class QLSDServer:
         self._active = [int(i) for i in np.flatnonzero(participation.active_mask(self.cfg.seed, self.state.k, self.cfg.p))]
         self._g_hat: dict[int, np.ndarray] = {}
         self._answered: set[int] = set()
+        self._overflow: dict[int, str] = {}  # clients whose codec overflowed (θ running away)
         self._row = {"bits_bound": 0.0, "bits_exact": 0, "bytes_payload": 0, "bytes_message": 0, "n_rejected": 0}
         return list(self._active)
 
@@ -89,11 +153,15 @@ class QLSDServer:
 
     def accept(self, i: int | None, fields: dict | None, error: str | None = None, message_bytes: int = 0) -> None:
         """Take one reply: validate, decode, or reject and count it."""
-        if i is None or i not in self._active or i in self._answered:
+        if not isinstance(i, (int, np.integer)) or isinstance(i, bool) or int(i) not in self._active \
+                or int(i) in self._answered:
             self._reject("unexpected_sender")
             return
+        i = int(i)
         self._answered.add(i)
         if error is not None:
+            if ckpt.is_overflow(error):
+                self._overflow[i] = str(error)
             self._reject("client_error")
             log.debug("client %d: error reply: %s", i, error)
             return
@@ -103,6 +171,9 @@ class QLSDServer:
                 self.needs_resync[i] = True
                 self._count("resync")
                 return
+            if self.cfg.oracle in ("svrg", "star") and rep["anchor_version"] != self.anchor()[1]:
+                self._reject("stale_anchor")  # computed with another ζ/θ*: not this round's H_i
+                return
             comp = self.compressors[i]
             q = comp.decode(rep["payload"], self.d)
             g = comp.dequantise(q)
@@ -111,6 +182,10 @@ class QLSDServer:
         except (ReplyError, DecodeError) as exc:
             self._reject("malformed" if isinstance(exc, ReplyError) else "decode_error")
             log.debug("client %d: rejected reply: %s", i, exc)
+            return
+        except Exception as exc:  # noqa: BLE001 — a reply must never stop the server
+            self._reject("malformed")
+            log.warning("client %d: rejected a reply the validators missed: %s: %s", i, type(exc).__name__, exc)
             return
         self._g_hat[i] = g
         self.anchor_acked[i] = rep["anchor_version"]
@@ -131,7 +206,13 @@ class QLSDServer:
             self._reject("no_reply")
         for i in set(self._active) - set(self._g_hat):
             self.missed_rounds.setdefault(i, []).append(k + 1)
+        if self._active and set(self._overflow) == set(self._active):
+            # every active client's gradient overflowed its codec at θ_k: the chain has run away
+            self._diverged(k + 1, "every active client's message overflows the codec "
+                                  f"[{self._overflow[min(self._overflow)]}]")
         facts = sampler.server_step(self.spec, self.state, self.cfg.seed, self._g_hat)
+        if not np.all(np.isfinite(self.state.theta)):
+            self._diverged(k + 1)
         row = {"round": k + 1, "n_active": len(self._active), "n_replied": len(self._g_hat),
                "skipped": int(facts["skipped"]), **self._row, "seconds": time.perf_counter() - self._t0}
         if self.keep_trace:
@@ -139,12 +220,27 @@ class QLSDServer:
         if self.recorder is not None:
             self.recorder.record_round(row)
             self.recorder.record_sample(k + 1, self.state.theta)
+            if ckpt.due(self.cfg, k + 1):
+                self.save_checkpoint()
         return row
+
+    def _diverged(self, round_: int, why: str = "θ is not finite") -> None:
+        """Close the outputs (samples up to the last finite θ) and raise DivergenceError."""
+        msg = ckpt.divergence_message(round_, self.cfg.gamma, self.run_dir if self.recorder else None,
+                                      self.last_checkpoint, why=why)
+        log.error(msg)
+        if self.recorder is not None:
+            self.ts_info = {**self.ts_info, "diverged_at_round": round_, "error": msg}
+            self.finish()
+            self.recorder = None
+        raise ckpt.DivergenceError(msg)
 
     def finish(self) -> dict:
         extra = summary_extra(self.cfg, self.task, {
             "engine": self.engine_label, **self.ts_info, "rejected": dict(self.rejected),
             "missed_rounds": {str(i): r for i, r in sorted(self.missed_rounds.items())}})
+        if self.resumed_from is not None:
+            extra["resumed_from_round"] = self.resumed_from
         self.summary_data = self.recorder.close(extra) if self.recorder is not None else extra
         return self.summary_data
 

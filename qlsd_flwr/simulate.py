@@ -6,6 +6,12 @@
 * ``vectorised`` — many chains at once, vectorised over clients (:mod:`qlsd_flwr.vectorised`).
 
 All write the same output folder (see :mod:`qlsd_flwr.outputs`).
+
+``checkpoint-every = N`` saves the chain every ``N`` rounds; ``resume = <run folder>`` continues
+a killed run in its folder from its last checkpoint, bitwise as if it had never stopped
+(``qlsd-flwr run --set resume=outputs/<run>``; the folder's ``config.json`` supplies every other
+key; see :mod:`qlsd_flwr.checkpoint`). ``local``, ``inprocess`` and ``ray`` share one checkpoint
+format and may resume each other's runs.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import components as C
+from .checkpoint import resume_overrides
 from .config import RunConfig, resolve
 
 
@@ -27,6 +34,7 @@ class Outcome:
 
 
 def run(overrides: dict | None = None, **kwargs) -> Outcome:
+    overrides = resume_overrides(overrides)  # resume: the run folder's config under the overrides
     cfg = resolve(overrides)
     if cfg.engine == "local":
         from .engine import run_local
@@ -86,10 +94,13 @@ def run_ray(cfg: RunConfig, overrides: dict, mods=None, strategy_kwargs: dict | 
     quiet_flower(bool(cfg.get("verbose")))
     sink: dict = {}
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
-    kwargs = {"engine_label": "flower-ray", **(strategy_kwargs or {})}
+    failure: dict = {}
+    kwargs = {"engine_label": "flower-ray", "failure_sink": failure, **(strategy_kwargs or {})}
     run_simulation(server_app=make_server_app(overrides, sink, kwargs),
                    client_app=make_client_app(overrides, mods), num_supernodes=cfg.b,
                    backend_config=ray_backend_config(cfg), verbose_logging=bool(cfg.get("verbose")))
+    if "error" in failure:  # e.g. the chain diverged: the ServerApp's error, not Flower's
+        raise failure["error"]
     if "strategy" not in sink:
         raise RuntimeError("the Flower simulation ended without finishing the run; "
                            "rerun with verbose=true to see Flower's log")

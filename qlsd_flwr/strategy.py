@@ -14,6 +14,14 @@ Participation is drawn per client from the counter stream ``(seed, PARTICIPATION
 never with Flower's ``sample_nodes``. A reply that is an error, is malformed, fails to decode
 or decodes to non-finite values is rejected and counted; that client is treated as inactive
 for the round and the chain goes on.
+
+Checkpoint and resume (``checkpoint-every``, ``resume``; :mod:`qlsd_flwr.checkpoint`): the
+server core saves and restores the chain; a resumed strategy skips the θ* phase (θ* is in the
+checkpoint), starts at the checkpoint's round and sends each client the anchor and its η_i
+mirror with its first message, so clients whose ``context.state`` was lost compute exactly
+the replies of an uninterrupted run. A diverging chain raises
+:class:`~qlsd_flwr.checkpoint.DivergenceError` (also handed to ``failure_sink["error"]``, so that
+the Ray engine, which runs the ServerApp inside Flower, can re-raise it).
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from flwr.serverapp.strategy import Result, Strategy
 from flwr.supercore.inflatable.inflatable_object import no_object_id_recompute
 
 from . import components as C
+from .checkpoint import DivergenceError, resume_dir
 from .config import RunConfig
 from .engine import optimise_theta_star
 from .progress import progress_bar
@@ -64,9 +73,11 @@ class QLSDStrategy(Strategy):
     """QLSD, QLSD#, QLSD*, QLSD++ and the uncompressed LSD*/LSD++/SGLD (see module docstring)."""
 
     def __init__(self, cfg: RunConfig, task: Task, run_dir=None, write: bool = True,
-                 keep_trace: bool = False, on_round=None, engine_label: str = "flower"):
+                 keep_trace: bool = False, on_round=None, engine_label: str = "flower",
+                 failure_sink: dict | None = None):
         self.cfg, self.task, self.d = cfg, task, task.dim
         self.server = QLSDServer(cfg, task, run_dir, write, keep_trace, engine_label)
+        self.failure_sink = failure_sink
         self.node_of: dict[int, int] = {}
         self.on_round = on_round  # called with the strategy after each round (tests, monitoring)
         self._sent: dict[int, int] = {}
@@ -127,11 +138,20 @@ class QLSDStrategy(Strategy):
               evaluate_fn=None) -> Result:
         """Handshake, optional θ* phase, then ``num-rounds`` sampling rounds."""
         cfg = self.cfg
+        try:
+            return self._start(grid, num_rounds, timeout)
+        except DivergenceError as exc:
+            if self.failure_sink is not None:
+                self.failure_sink["error"] = exc
+            raise
+
+    def _start(self, grid: Grid, num_rounds: int | None, timeout: float | None) -> Result:
+        cfg = self.cfg
         timeout = float(cfg.get("reply-timeout")) if timeout is None else timeout
         K = cfg.num_rounds if num_rounds is None else num_rounds
         self.handshake(grid, timeout)
         theta_star, ts_info = None, {}
-        if C.needs_theta_star(cfg):
+        if C.needs_theta_star(cfg) and resume_dir(cfg) is None:  # resume: θ* is in the checkpoint
             if cfg.theta_star == "closed-form":
                 theta_star, ts_info = C.closed_form_theta_star(cfg, self.task), {"theta_star": "closed-form"}
             else:
@@ -139,8 +159,12 @@ class QLSDStrategy(Strategy):
                                                     lambda th: self._full_grad(grid, th, timeout))
                 ts_info = {"theta_star": "optimise", "opt_rounds": r}
         self.server.begin(theta_star, ts_info)
+        saved = self.server.persist.get("rejoined", {})
+        self.rejoined = {int(i): list(r) for i, r in saved.items()}
+        self.server.persist["rejoined"] = self.rejoined  # kept in the checkpoints
         bar = progress_bar(K, bool(cfg.get("progress")), f"{cfg.variant} {self.server.engine_label}")
-        for k in range(K):
+        bar.update(self.state.k)
+        for k in range(self.state.k, K):
             self.rediscover(grid, k + 1, timeout)
             msgs = list(self.configure_train(k + 1, ArrayRecord(), ConfigRecord(), grid))
             replies = grid.send_and_receive(msgs, timeout=timeout)
@@ -240,7 +264,10 @@ class QLSDStrategy(Strategy):
                 got[i] = (eta, int(rec.get("eta_count", 0)))
             except (KeyError, TypeError, ValueError):
                 continue
-        out: dict = {"clients_reported": sorted(got), "max_abs_eta": float(np.max(np.abs(st.eta))),
+        # a client not heard from since a resume (or a restart) holds no η_i yet: not comparable
+        pending = sorted(i for i in got if srv.needs_resync[i])
+        got = {i: v for i, v in got.items() if not srv.needs_resync[i]}
+        out: dict = {"clients_reported": sorted(got), "clients_pending_resync": pending, "max_abs_eta": float(np.max(np.abs(st.eta))),
                      "eta_count_agrees": {str(i): bool(c == srv.eta_count[i]) for i, (_, c) in sorted(got.items())}}
         if got:
             out["max_abs_mirror_diff"] = float(max(np.max(np.abs(st.eta_i[i] - e)) for i, (e, _) in got.items()))

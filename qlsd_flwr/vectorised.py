@@ -60,6 +60,16 @@ counts (active clients, bits, bytes) are **totals over the chains**; ``summary.j
 ``bytes_payload`` its payload size ``5 + ⌈bits/8⌉``; messages are not actually encoded (the
 round trip ``decode(encode(q)) == q`` is tested with the compressor).
 
+Checkpoints and divergence
+--------------------------
+With ``checkpoint-every = N`` (one configuration, writing) blocks end on multiples of ``N`` and
+the engine saves ``checkpoint.npz`` there: every chain's state (θ, ζ, ``∇U_i(ζ)``, ``η_i``, ``η``),
+the streamed statistics and the recorder's position. ``resume = <run folder>`` continues from it,
+bitwise as if the run had never stopped (:mod:`qlsd_flwr.checkpoint`). A chain whose θ becomes
+non-finite (or whose gradient overflows the codec) stops the run with
+:class:`~qlsd_flwr.checkpoint.DivergenceError` (a ``ValueError``) naming the round and suggesting a
+smaller ``gamma``; rounds before it are recorded and the run folder is closed cleanly.
+
 Whether or not it writes, a run streams per-chain statistics of the kept draws (after burn-in,
 on the thinning grid) in :class:`ChainStats`: sums of ``θ``, ``θ²``, ``f(θ) = ‖θ‖`` and ``f²``,
 and per-chain bit counts, so long runs need no sample storage.
@@ -76,6 +86,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import checkpoint as ckpt
 from . import components as C
 from . import participation, rng
 from .compression import HEADER_BYTES, QSGD
@@ -262,15 +273,29 @@ def run_side_by_side(cfgs, task: Task | None = None, write: bool = False, keep_t
     d, nchain, K = task.dim, ref.num_chains, ref.num_rounds
     parts = [_parts(cfg, task) for cfg in cfgs]
     stats = [ChainStats(nchain, d) for _ in cfgs]
+    ck_on = write and any(ckpt.enabled(c) for c in cfgs)
+    if ck_on and len(cfgs) > 1:
+        raise ValueError("run_side_by_side: checkpoint-every and resume need a single configuration")
+    resume = None
+    if ck_on and ckpt.resume_dir(ref) is not None:
+        resume = ckpt.load_for_resume(ref, "vectorised")
+        if resume[1]["backend"] != which:
+            raise ValueError(f"resume: the checkpoint was written by the {resume[1]['backend']} backend, "
+                             f"this run uses {which}; pass backend={resume[1]['backend']!r}")
     recs, run_dirs = [], []
     for cfg in cfgs:
         rec = run_dir = None
         if write:
-            run_dir = make_run_dir(cfg.get("output-dir"), cfg.get("run-name"), cfg.variant)
             conf = cfg.to_dict()
             conf["engine_detail"] = {"engine": "vectorised", "backend": which,
                                      "chain_seeds": "seed + c for chain c"}
-            rec = Recorder(run_dir, conf, d, nchain, cfg.burn_in, cfg.thin)
+            if resume is not None:
+                run_dir = resume[0]
+                rec = Recorder(run_dir, conf, d, nchain, cfg.burn_in, cfg.thin,
+                               resume=ckpt.recorder_part(resume[1], resume[2]))
+            else:
+                run_dir = make_run_dir(cfg.get("output-dir"), cfg.get("run-name"), cfg.variant)
+                rec = Recorder(run_dir, conf, d, nchain, cfg.burn_in, cfg.thin, raw_draws=ck_on)
         recs.append(rec)
         run_dirs.append(run_dir)
     traces = [np.empty((nchain, K, d)) for _ in cfgs] if keep_trace else None
@@ -283,20 +308,34 @@ def run_side_by_side(cfgs, task: Task | None = None, write: bool = False, keep_t
         runner = _Sequential([_NumpyGeneric(cfg, task, *pt, st) for cfg, pt, st in zip(cfgs, parts, stats)])
     t0 = time.perf_counter()
     k = 0
+    last_ckpt = None
+    if resume is not None:
+        k = last_ckpt = int(resume[1]["k"])
+        _restore(runner, stats[0], resume[2])
+        bar.update(k)
+    every = int(ref.get("checkpoint-every")) if ck_on else 0
     R = block_rounds or runner.initial_block()
     need_states = write or keep_trace
     try:
         while k < K:
             R = min(R, K - k)
+            if every:
+                R = min(R, every - k % every)  # blocks end on checkpoint rounds
             tb = time.perf_counter()
             outs = runner.run_block(k, R, need_states)
             dt = time.perf_counter() - tb
             for v, out in enumerate(outs):
+                bad = _first_bad_round(out, runner.theta_of(v), R)
+                if bad is not None:
+                    _diverge(cfgs[v], recs, v, k, bad, out, traces, dt / len(cfgs), run_dirs[v], last_ckpt)
                 if keep_trace:
                     traces[v][:, k:k + R] = out["states"]
                 if recs[v] is not None:
                     _record_block(recs[v], k, R, out, dt / len(cfgs))
             k += R
+            if every and k % every == 0:
+                _save_checkpoint(ref, which, runner, stats[0], recs[0], run_dirs[0], k)
+                last_ckpt = k
             bar.update(R)
             if show:
                 bar.set_postfix({"chain-it/s": f"{R * nchain * len(cfgs) / max(dt, 1e-9):,.0f}"}, refresh=False)
@@ -315,6 +354,8 @@ def run_side_by_side(cfgs, task: Task | None = None, write: bool = False, keep_t
                 "side_by_side": len(cfgs), "engine_seconds": wall,
                 "chain_iterations_per_second": K * nchain * len(cfgs) / max(wall, 1e-12),
                 "stats": st.to_dict(), **runner.info(), **parts[v][3]}
+        if resume is not None:
+            info["resumed_from_round"] = int(resume[1]["k"])
         extra = summary_extra(cfg, task, info)
         if recs[v] is not None:
             summary = recs[v].close(extra)
@@ -354,6 +395,65 @@ def _record_block(rec: Recorder, k0: int, R: int, out: dict, dt: float) -> None:
                           "seconds": dt / R})
         if rec.keeps(j):
             rec.record_sample(j, states[:, r])
+
+
+def _first_bad_round(out: dict, theta: np.ndarray, R: int) -> int | None:
+    """Index in the block of the first round whose state is not finite (or not computed because
+    a client's message could not be formed), or ``None`` when the whole block is fine."""
+    if out.get("error") is None and np.all(np.isfinite(theta)):
+        return None
+    states = out.get("states")
+    if states is None:
+        return 0  # not recorded: somewhere in this block
+    ok = np.isfinite(states).all(axis=(0, 2))  # (R,)
+    bad = np.flatnonzero(~ok)
+    return int(bad[0]) if bad.size else R - 1
+
+
+def _diverge(cfg, recs, v, k0, bad, out, traces, dt, run_dir, last_ckpt) -> None:
+    """Record the block's rounds before ``bad``, close every recorder cleanly, raise."""
+    if traces is not None and bad:
+        traces[v][:, k0:k0 + bad] = out["states"][:, :bad]
+    exact = out.get("states") is not None
+    where = "" if exact else f" (within rounds {k0 + 1}..{k0 + len(out['skipped'][0])})"
+    reason = out.get("error") or "θ is not finite"
+    if recs[v] is not None and bad:
+        _record_block(recs[v], k0, bad, out, dt)
+    msg = ckpt.divergence_message(k0 + bad + 1, cfg.gamma, run_dir if recs[v] is not None else None,
+                                  last_ckpt, where) + f" [{reason}]"
+    for w, rec in enumerate(recs):
+        if rec is not None:
+            rec.close({"diverged_at_round": k0 + bad + 1, "error": msg} if w == v else {"stopped": msg})
+            recs[w] = None
+    raise ckpt.DivergenceError(msg)
+
+
+def _stats_arrays(st: ChainStats) -> dict:
+    return {f"st_{n}": getattr(st, n) for n in ("sum_theta", "sum_theta2", "sum_f", "sum_f2", "n_active",
+                                               "skipped", "bits_exact", "bits_bound", "bytes_payload",
+                                               "subset_ties")}
+
+
+def _save_checkpoint(cfg, backend, runner, st: ChainStats, rec: Recorder, run_dir, k: int) -> None:
+    r = runner if isinstance(runner, _NumbaGaussian) else runner.runners[0]
+    rec_meta, rec_arrays = rec.checkpoint_state()
+    arrays = {**{f"run_{n}": a for n, a in r.checkpoint_arrays().items()}, **_stats_arrays(st),
+              **{f"rec_{n}": a for n, a in rec_arrays.items()}}
+    meta = {"kind": "vectorised", "backend": backend, "k": k, "config": cfg.raw,
+            "stats": {"n_kept": st.n_kept, "rounds": st.rounds}, "recorder": rec_meta}
+    ckpt.save(ckpt.path_in(run_dir), arrays, meta)
+
+
+def _restore(runner, st: ChainStats, arrays: dict) -> None:
+    r = runner if isinstance(runner, _NumbaGaussian) else runner.runners[0]
+    r.restore({n[4:]: a for n, a in arrays.items() if n.startswith("run_")})
+    for n, a in arrays.items():
+        if n.startswith("st_"):
+            getattr(st, n[3:])[...] = a
+    if isinstance(r, _NumbaGaussian):
+        st.n_kept = int(r.kept[0])
+    else:
+        st.n_kept = int(arrays["run_n_kept"])
 
 
 def _keeps(j: np.ndarray, burn_in: int, thin: int) -> np.ndarray:
@@ -405,13 +505,43 @@ class _NumpyGeneric:
         out = {"n_active": np.zeros((nc, R), np.int64), "skipped": np.zeros((nc, R), np.int64),
                "bits_exact": np.zeros((nc, R), np.int64), "bits_bound": np.zeros((nc, R)),
                "bytes": np.zeros((nc, R), np.int64)}
-        states = np.empty((nc, R, self.d)) if need_states else None
+        states = np.full((nc, R, self.d), np.nan) if need_states else None
+        out["error"] = None
         for r in range(R):
-            self._round(k0 + r, r, out)
+            try:
+                self._round(k0 + r, r, out)
+            except ValueError as exc:  # a client's message cannot be formed (non-finite, overflow)
+                out["error"] = str(exc)
+                break
             if need_states:
                 states[:, r] = self.theta
+            if not np.all(np.isfinite(self.theta)):
+                out["error"] = "θ is not finite"
+                break
         out["states"] = states
         return out
+
+    def checkpoint_arrays(self) -> dict:
+        a = {"theta": self.theta, "n_kept": np.asarray(self.stats.n_kept)}
+        if self.zeta is not None:
+            a["zeta"] = self.zeta
+            if self.cfg.oracle == "svrg":
+                a["anchor_grad"] = np.array([[st.anchor_grad for st in row] for row in self.states])
+        if self.eta_i is not None:
+            a["eta_i"], a["eta"] = self.eta_i, self.eta
+        return a
+
+    def restore(self, a: dict) -> None:
+        self.theta = a["theta"].copy()
+        if "zeta" in a:
+            self.zeta = a["zeta"].copy()
+            if "anchor_grad" in a:
+                for c, row in enumerate(self.states):
+                    for i, st in enumerate(row):
+                        st.anchor = self.zeta[c].copy()
+                        st.anchor_grad = a["anchor_grad"][c, i].copy()
+        if "eta_i" in a:
+            self.eta_i, self.eta = a["eta_i"].copy(), a["eta"].copy()
 
     def _round(self, k: int, r: int, out: dict) -> None:
         cfg, spec, task, d, b = self.cfg, self.spec, self.task, self.d, self.b
@@ -645,7 +775,8 @@ class _NumbaGaussian:
         else:
             noise = rng.normal(self.seeds.astype(np.int64)[:, None], rng.Stream.NOISE,
                                np.arange(k0, k0 + R)[None, :], 0, d)
-        states = np.empty((nc, V, R, d)) if need_states else np.empty((nc, V, 0, d))
+        # NaN until written: a round the kernel stopped before shows as not finite
+        states = np.full((nc, V, R, d), np.nan) if need_states else np.empty((nc, V, 0, d))
         m_act = np.zeros((nc, R), np.int64)
         m_skip = np.zeros((nc, R), np.int64)
         m_bits = np.zeros((nc, V, R), np.int64)
@@ -666,13 +797,14 @@ class _NumbaGaussian:
             job(self.groups[0])
         else:
             list(self.pool.map(job, self.groups))
-        if self.err.any():
-            c, v = (int(x[0]) for x in np.nonzero(self.err))
-            code = int(self.err[c, v])
-            msg = {1: "QSGD: cannot quantise a non-finite vector",
-                   2: "QSGD: a block norm exceeds the float32 range (about 3.4e38)",
-                   3: "Identity: cannot send a non-finite vector"}.get(code, f"error {code}")
-            raise ValueError(f"{msg} (configuration {v}, chain {c}, seed {int(self.seeds[c])})")
+        errors = [None] * V
+        if self.err.any():  # the caller stops the run (DivergenceError) at the first bad round
+            for c, v in zip(*(x.tolist() for x in np.nonzero(self.err))):
+                code = int(self.err[c, v])
+                msg = {1: "QSGD: cannot quantise a non-finite vector",
+                       2: "QSGD: a block norm exceeds the float32 range (about 3.4e38)",
+                       3: "Identity: cannot send a non-finite vector"}.get(code, f"error {code}")
+                errors[v] = errors[v] or f"{msg} (configuration {v}, chain {c}, seed {int(self.seeds[c])})"
         outs = []
         for v in range(V):
             st = self.stats[v]
@@ -689,8 +821,17 @@ class _NumbaGaussian:
             st.subset_ties[:] = self.ties
             outs.append({"n_active": m_act, "skipped": m_skip, "bits_exact": m_bits[:, v],
                          "bits_bound": m_bound[:, v], "bytes": m_bytes[:, v],
-                         "states": states[:, v] if need_states else None})
+                         "states": states[:, v] if need_states else None, "error": errors[v]})
         return outs
+
+    _STATE = ("theta", "zeta", "agrad", "eta_i", "eta", "ties", "err", "kept", "s_th", "s_th2", "s_f", "s_f2")
+
+    def checkpoint_arrays(self) -> dict:
+        return {n: getattr(self, n) for n in self._STATE}
+
+    def restore(self, a: dict) -> None:
+        for n in self._STATE:
+            getattr(self, n)[...] = a[n]  # in place: the worker jobs slice these arrays
 
 
 if HAVE_NUMBA:

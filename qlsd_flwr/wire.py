@@ -7,12 +7,18 @@ Server → client (one ``ConfigRecord`` named ``"qlsd"`` per message):
   (ζ or θ*) and ``eta`` (the server's mirror of η_i).
 Client → server:
   ``client`` i, ``status`` (``"ok"`` or ``"resync"``), ``payload`` (the *encoded* compressed
-  message: QSGD-coded bytes, never a dense float vector) and ``anchor_version`` used.
+  message: QSGD-coded bytes, never a dense float vector) and ``anchor_version`` used. The
+  server rejects (and counts) a reply that lacks any of these, has the wrong type, names
+  another client, used another anchor than the current one, or whose payload does not decode
+  to a finite vector of dimension ``d``; it never raises on a reply.
 
 A client whose cached anchor or memory disagrees with the server's counters answers
 ``resync`` instead of a gradient; the server counts it as inactive that round and sends
 the anchor and its η_i mirror next time. This is how a node that rejoins with empty state
-is brought back in sync (η = Σ η_i holds again).
+is brought back in sync (η = Σ η_i holds again). After a resume from a checkpoint the server
+sends the anchor and the mirror (with ``eta_count``) unasked in its first message to each
+client: :func:`qlsd_flwr.client.handle` installs them before it checks its counters, so a
+client that lost its state computes exactly the reply it would have, and no round is lost.
 """
 
 from __future__ import annotations
@@ -52,7 +58,7 @@ def parse_fields(rec: dict | None, expected_client: int) -> dict:
     try:
         client = int(rec["client"])
         status = str(rec["status"])
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise ReplyError(f"reply lacks client/status: {exc}") from exc
     if client != expected_client:
         raise ReplyError(f"reply from client {client}, expected {expected_client}")
@@ -64,7 +70,7 @@ def parse_fields(rec: dict | None, expected_client: int) -> dict:
     if not isinstance(payload, (bytes, bytearray)):
         raise ReplyError("reply payload is not bytes")
     try:
-        version = int(rec.get("anchor_version", -1))
-    except (TypeError, ValueError) as exc:
-        raise ReplyError("bad anchor_version") from exc
+        version = int(rec["anchor_version"])
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:
+        raise ReplyError(f"missing or bad anchor_version: {exc!r}") from exc
     return {"status": status, "payload": bytes(payload), "anchor_version": version}

@@ -1,0 +1,397 @@
+"""Long-run reliability: checkpoint and resume, crash-safe checkpoint files, divergence, hostile replies.
+
+The kill tests run the chain in a subprocess that SIGKILLs itself after a round chosen at
+random (seeded), with its run folder's files open, then resume it in this process and compare
+with an uninterrupted run of the same seed: the chains, ``samples.nc`` and ``metrics.csv`` must
+be equal bit for bit (``metrics.csv`` except its wall-clock ``seconds`` column).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from qlsd_flwr import checkpoint as ckpt
+from qlsd_flwr import simulate
+from qlsd_flwr.config import ConfigError, resolve
+from qlsd_flwr.outputs import load_samples
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# the subprocess: run ``overrides`` and SIGKILL itself once round ``kill_after`` is done
+KILLER = textwrap.dedent("""
+    import json, os, signal, sys
+    overrides, kill_after, kwargs = json.loads(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])
+    from qlsd_flwr import server, simulate, vectorised
+
+    def die(rec):
+        # the worst case: what was written after the last checkpoint has reached the disk
+        rec._flush(); rec._csv_file.flush(); rec._raw.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    end_round = server.QLSDServer.end_round
+    def killing_end_round(self):
+        row = end_round(self)
+        if self.state.k == kill_after:
+            die(self.recorder)
+        return row
+    server.QLSDServer.end_round = killing_end_round
+
+    record_block = vectorised._record_block
+    def killing_record_block(rec, k0, R, out, dt):
+        record_block(rec, k0, R, out, dt)
+        if k0 + R >= kill_after:  # after the block's rows are written, before its checkpoint
+            die(rec)
+    vectorised._record_block = killing_record_block
+    simulate.run(overrides, **kwargs)
+    sys.exit(3)  # never reached
+""")
+
+
+def run_and_kill(overrides: dict, kill_after: int, **kwargs) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.run([sys.executable, "-c", KILLER, json.dumps(overrides), str(kill_after), json.dumps(kwargs)],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == -signal.SIGKILL, p.stderr[-3000:]
+
+
+def metrics_rows(run_dir) -> list[dict]:
+    with open(Path(run_dir) / "metrics.csv", newline="") as f:
+        return [{k: v for k, v in row.items() if k != "seconds"} for row in csv.DictReader(f)]
+
+
+def final_theta(outcome) -> np.ndarray:
+    d = outcome.detail
+    if hasattr(d, "theta"):  # vectorised
+        return d.theta
+    return (d.state if hasattr(d, "state") else d.server).theta  # strategy or RunResult
+
+
+CASES = {
+    # engine, overrides, kwargs for simulate.run, seed of the kill round
+    "local": ({"engine": "local", "variant": "qlsd-pp", "p": "0.5", "s": "4"}, {}, 1),
+    "local-star-optimise": ({"engine": "local", "variant": "qlsd-star", "theta-star": "optimise",
+                             "s": "8", "prior-var": 5.0, "p": "0.7"}, {}, 2),
+    "inprocess": ({"engine": "inprocess", "variant": "qlsd-pp", "p": "0.5", "s": "4"}, {"shuffle_seed": 7}, 3),
+    "vectorised-numba": ({"engine": "vectorised", "variant": "qlsd-pp", "p": "0.5", "s": "4", "num-chains": 3},
+                         {"block_rounds": 4}, 4),
+    "vectorised-numpy": ({"engine": "vectorised", "variant": "qlsd-pp", "p": "0.5", "s": "4", "num-chains": 2},
+                         {"block_rounds": 4, "backend": "numpy"}, 5),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_kill_and_resume_is_bitwise_an_uninterrupted_run(case, tmp_path):
+    over, kwargs, seed = CASES[case]
+    K, every = 47, 6
+    o = {"num-rounds": K, "burn-in": 0, "progress": False, "l": 10, "dim": 20, "num-clients": 6,
+         "checkpoint-every": every, "output-dir": str(tmp_path), **over}
+    kill_after = int(np.random.default_rng(seed).integers(every + 1, K))  # a random round, seeded
+    ref = simulate.run({**o, "run-name": "uninterrupted"}, **kwargs)
+
+    run_and_kill({**o, "run-name": "killed"}, kill_after, **kwargs)
+    run_dir = tmp_path / "killed"
+    meta, _ = ckpt.load(ckpt.path_in(run_dir))
+    if over["engine"] == "vectorised":
+        assert meta["k"] % every == 0 and meta["k"] < kill_after + 4
+    else:
+        assert meta["k"] == kill_after - kill_after % every
+    assert not (run_dir / "samples.nc").exists() and not (run_dir / "summary.json").exists()
+    # rows and draws past the checkpoint reached the disk before the kill: resuming drops them
+    written = len(metrics_rows(run_dir))
+    assert written > meta["k"] or written == meta["k"] == kill_after
+
+    res = simulate.run({"resume": str(run_dir)}, **kwargs)  # the folder's config.json supplies the rest
+    assert res.run_dir == run_dir and res.summary["resumed_from_round"] == meta["k"]
+    a, b = load_samples(ref.run_dir), load_samples(run_dir)
+    assert a.shape == (o.get("num-chains", 1), K, 20) and np.array_equal(a, b)
+    assert np.array_equal(final_theta(ref), final_theta(res))
+    assert metrics_rows(ref.run_dir) == metrics_rows(run_dir)
+    for key in ("totals", "sample_mean", "sample_var", "draws_kept", "rounds", "rejected", "stats"):
+        assert ref.summary.get(key) == res.summary.get(key), key  # stats: the vectorised engine's
+    import h5netcdf
+
+    with h5netcdf.File(ref.run_dir / "samples.nc", "r") as f, h5netcdf.File(run_dir / "samples.nc", "r") as g:
+        for name in ("theta", "draw", "chain", "theta_dim_0"):
+            assert np.array_equal(f["posterior"][name][...], g["posterior"][name][...]), name
+    assert not (run_dir / "draws.f8").exists()
+
+
+def test_resume_checks_the_configuration(tmp_path):
+    o = {"engine": "local", "num-rounds": 12, "burn-in": 0, "progress": False, "dim": 5, "num-clients": 3,
+         "checkpoint-every": 4, "output-dir": str(tmp_path), "run-name": "r"}
+    run_and_kill(o, 9)
+    with pytest.raises(ConfigError, match="gamma"):
+        simulate.run({"resume": str(tmp_path / "r"), "gamma": 1e-3})
+    with pytest.raises(ConfigError, match="written by a server engine run"):
+        simulate.run({"resume": str(tmp_path / "r"), "engine": "vectorised"})
+    with pytest.raises(ConfigError, match="checkpoint-every"):
+        resolve({"checkpoint-every": -1})
+    # engines that run the same chain resume each other's checkpoints; num-rounds may grow
+    res = simulate.run({"resume": str(tmp_path / "r"), "engine": "inprocess", "num-rounds": 15})
+    assert res.summary["rounds"] == 15 and load_samples(res.run_dir).shape == (1, 15, 5)
+    with pytest.raises(ConfigError, match="finished"):
+        simulate.run({"resume": str(tmp_path / "r")})
+
+
+# a process that writes checkpoints in a loop, printing each index once it is saved
+WRITER = textwrap.dedent("""
+    import sys, numpy as np
+    from qlsd_flwr import checkpoint as ckpt
+    path, n = sys.argv[1], 300_000
+    for i in range(10**9):
+        ckpt.save(path, {"x": np.full(n, float(i)), "y": np.arange(i % 7 + 1)}, {"i": i, "k": i * 3})
+        print(i, flush=True)
+""")
+
+
+def test_a_kill_during_a_checkpoint_write_leaves_the_previous_complete_checkpoint(tmp_path):
+    rng = np.random.default_rng(11)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    path = tmp_path / ckpt.NAME
+    seen_mid_write = 0
+    for trial in range(6):
+        p = subprocess.Popen([sys.executable, "-c", WRITER, str(path)], env=env, stdout=subprocess.PIPE, text=True)
+        first = p.stdout.readline()  # at least one checkpoint exists before the kill
+        assert first.strip().isdigit()
+        time.sleep(float(rng.uniform(0.0, 0.4)))
+        p.send_signal(signal.SIGKILL)
+        out, _ = p.communicate()
+        printed = [int(x) for x in (first + out).split()]
+        meta, arrays = ckpt.load(path)
+        i = meta["i"]
+        # the newest complete checkpoint: the last reported, or the one whose replace had just happened
+        assert printed[-1] <= i <= printed[-1] + 1
+        assert meta["k"] == 3 * i and np.array_equal(arrays["x"], np.full(300_000, float(i)))
+        assert np.array_equal(arrays["y"], np.arange(i % 7 + 1))
+        seen_mid_write += any(f.name.endswith(".tmp") for f in tmp_path.iterdir())
+    # the leftovers of an interrupted write are temporary files, never the checkpoint itself
+    assert all(f.name == ckpt.NAME or f.name.endswith(".tmp") for f in tmp_path.iterdir())
+    assert seen_mid_write >= 1  # some kills did land inside a write
+
+
+@pytest.mark.parametrize("engine", ["local", "inprocess", "vectorised"])
+def test_divergence_stops_with_a_clear_error_and_keeps_the_outputs(engine, tmp_path):
+    o = {"engine": engine, "num-rounds": 60, "burn-in": 0, "progress": False, "l": 10, "p": "0.5", "s": "4",
+         "gamma": 0.05, "checkpoint-every": 5, "output-dir": str(tmp_path), "run-name": "div"}
+    with pytest.raises(ckpt.DivergenceError, match=r"diverged at round (\d+).*smaller gamma") as info:
+        simulate.run(o)
+    import re
+
+    r = int(re.search(r"round (\d+)", str(info.value)).group(1))
+    run_dir = tmp_path / "div"
+    samples = load_samples(run_dir)  # the run folder was closed: samples.nc opens
+    assert samples.shape == (1, r - 1, 50) and np.all(np.isfinite(samples))
+    assert len(metrics_rows(run_dir)) == r - 1
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["diverged_at_round"] == r and "smaller gamma" in s["error"]
+    meta, arrays = ckpt.load(ckpt.path_in(run_dir))  # the last good checkpoint is kept
+    assert meta["k"] == (r - 1) // 5 * 5 and meta["k"] < r
+    assert f"last good checkpoint is at round {meta['k']}" in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# hostile replies: QLSDServer.accept never raises; a rejected reply is counted and leaves the
+# chain exactly as if its client had been inactive that round
+import copy  # noqa: E402
+import struct  # noqa: E402
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from qlsd_flwr import components as C  # noqa: E402
+from qlsd_flwr.client import handle  # noqa: E402
+from qlsd_flwr.engine import resolve_theta_star  # noqa: E402
+from qlsd_flwr.oracles import ClientState, full_local_grad  # noqa: E402
+from qlsd_flwr.server import QLSDServer  # noqa: E402
+
+FUZZ_VARIANTS = {"qlsd-pp": {"variant": "qlsd-pp", "s": "4"},  # QSGD (Elias/packed), memory, ζ anchor
+                 "qlsd-packed": {"variant": "qlsd-star", "s": "3", "encoding": "packed"},
+                 "lsd-pp": {"variant": "lsd-pp"}}  # raw float64 payloads
+
+
+NO_REPLY = object()
+
+
+class ReplyFuzzer:
+    """A server a few rounds into a chain; ``play(j, fields)`` runs one round from that snapshot
+    in which client ``j`` replies ``fields`` (``NO_REPLY``: ``j`` does not reply at all)."""
+
+    def __init__(self, variant: str, d: int = 6, b: int = 4, warm: int = 3):
+        o = {**FUZZ_VARIANTS[variant], "dim": d, "num-clients": b, "p": "1.0", "l": 2, "num-rounds": 50,
+             "burn-in": 0, "progress": False, "engine": "local"}
+        self.cfg = cfg = resolve(o)
+        self.task = task = C.load_task(cfg)
+        self.specs = [C.client_spec(cfg, i, task.clients[i].n_data, d, task.prior, C.blocks_for(cfg, task))
+                      for i in range(b)]
+        self.clients = [ClientState() for _ in range(b)]
+        self.server = QLSDServer(cfg, task, write=False)
+        ts, info = resolve_theta_star(cfg, task, C.theta0_of(task), lambda th: C.combine_grads(
+            cfg, task.prior, [full_local_grad(s, task.clients[s.index], th) for s in self.specs], th))
+        self.server.begin(ts, info)
+        for _ in range(warm + 1):  # round warm+1 refreshes ζ (l = 2): anchors travel in the fuzzed round
+            for i in self.server.begin_round():
+                self.server.accept(i, self._reply(self.server, self.clients, i))
+            self.server.end_round()
+        self.snapshot = copy.deepcopy((self.server, self.clients))
+        srv, cl = copy.deepcopy(self.snapshot)
+        srv.begin_round()
+        self.valid = [self._reply(srv, cl, i) for i in range(b)]  # what each client would send
+
+    def _reply(self, server, clients, i):
+        return handle(self.specs[i], self.task.clients[i], clients[i], self.cfg.seed, server.fields_for(i), self.task.dim)
+
+    def play(self, j: int, fields) -> tuple[QLSDServer, dict]:
+        server, clients = copy.deepcopy(self.snapshot)
+        before = sum(server.rejected.values())
+        for i in server.begin_round():
+            if i != j:
+                server.accept(i, self._reply(server, clients, i))
+            elif fields is not NO_REPLY:
+                server.accept(j, fields)
+        accepted = j in server._g_hat
+        counted = sum(server.rejected.values()) - before
+        server.end_round()
+        return server, {"accepted": accepted, "counted": counted}
+
+
+def _set_norm(payload: bytes, value: float) -> bytes:
+    return payload[:5] + struct.pack(">f", value) + payload[9:]  # the first block's float32 norm
+
+
+def _levels_above_s(encoding: str, seed: int, d: int) -> bytes:
+    """A well-formed QSGD code with s = 256: levels above the server's s (≤ 16 here)."""
+    from qlsd_flwr.compression import QSGD
+
+    big = QSGD(s=256, encoding=encoding)
+    r = np.random.default_rng(seed)
+    v = r.normal(size=d)
+    v[0] = 100.0  # one dominant coordinate: its level is near 256
+    return big.encode(big.quantise(v, r.uniform(size=d)))
+
+
+def _hostile(valid: dict, d: int):
+    """Replies derived from a valid one (for client ``j``), and arbitrary values."""
+    payload = valid["payload"]
+    any_value = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True),
+                          st.text(max_size=8), st.binary(max_size=64), st.lists(st.integers(), max_size=3))
+    keys = st.sampled_from(["client", "status", "payload", "anchor_version", "eta", "x"])
+
+    def with_(**kw):
+        return {**valid, **kw}
+
+    mutated_payload = st.one_of(
+        st.binary(max_size=3 * len(payload)),  # random bytes
+        st.integers(0, len(payload) - 1).map(lambda n: payload[:n]),  # truncated
+        st.binary(min_size=1, max_size=40).map(lambda x: payload + x),  # oversized
+        st.tuples(st.integers(0, len(payload) - 1), st.integers(1, 255)).map(  # a corrupted byte
+            lambda t: payload[:t[0]] + bytes([payload[t[0]] ^ t[1]]) + payload[t[0] + 1:]),
+        st.sampled_from([float("nan"), float("inf"), -float("inf"), -1.0]).map(lambda v: _set_norm(payload, v)),
+        st.integers(0, 2**32 - 1).filter(lambda x: x != d).map(  # wrong d in the header
+            lambda x: payload[:1] + struct.pack("<I", x) + payload[5:]),
+        st.integers(0, 255).map(lambda t: bytes([t]) + payload[1:]),  # any encoding tag
+        st.sampled_from([np.nan, np.inf, 1e308]).map(lambda v: np.full(d, v).tobytes()),  # dense floats
+        st.tuples(st.sampled_from(["elias", "packed"]), st.integers(0, 2**31)).map(  # levels > s
+            lambda t: _levels_above_s(t[0], t[1], d)),
+    )
+    return st.one_of(
+        mutated_payload.map(lambda p: with_(payload=p)),
+        any_value.map(lambda v: with_(payload=v)),  # wrong types
+        st.one_of(st.integers(-3, 10), any_value).map(lambda c: with_(client=c)),  # another client id
+        st.one_of(st.text(max_size=6), any_value).map(lambda s: with_(status=s)),
+        st.one_of(st.integers(-3, 5), any_value).map(lambda v: with_(anchor_version=v)),
+        keys.map(lambda k: {kk: vv for kk, vv in valid.items() if kk != k}),  # a key missing
+        st.dictionaries(keys, any_value, max_size=5),  # anything
+        st.one_of(st.none(), st.text(max_size=5), st.binary(max_size=5), st.lists(st.integers(), max_size=3)),
+    )
+
+
+def check_hostile_reply(fz: ReplyFuzzer, j: int, fields, inactive) -> str | None:
+    """The property; returns what went wrong, or ``None``."""
+    try:
+        server, facts = fz.play(j, fields)
+    except ckpt.DivergenceError:
+        # only a reply the codec accepted as valid (e.g. a huge but finite raw vector) may do that
+        return None if _decodes_finite(fz, j, fields) else "a rejected reply made the run diverge"
+    except Exception as exc:  # noqa: BLE001
+        return f"the server raised {type(exc).__name__}: {exc}"
+    if facts["accepted"]:
+        return None if _decodes_finite(fz, j, fields) else "accepted a reply that does not decode to finite values"
+    if facts["counted"] != 1:
+        return f"rejected reply counted {facts['counted']} times"
+    ref = inactive
+    for name in ("theta", "eta", "eta_i", "zeta"):
+        a, b = getattr(server.state, name), getattr(ref.state, name)
+        if not (a is None and b is None or np.array_equal(a, b)):
+            return f"state {name} differs from the run where client {j} was inactive"
+    if not np.array_equal(server.eta_count, ref.eta_count):
+        return "eta_count differs from the run where the client was inactive"
+    return None
+
+
+def _decodes_finite(fz, j, fields) -> bool:
+    try:
+        comp = fz.server.compressors[j]
+        return bool(np.all(np.isfinite(comp.dequantise(comp.decode(fields["payload"], fz.task.dim)))))
+    except Exception:  # noqa: BLE001
+        return False
+
+
+_FUZZERS: dict = {}
+
+
+def fuzzer(variant: str) -> tuple[ReplyFuzzer, QLSDServer]:
+    if variant not in _FUZZERS:
+        fz = ReplyFuzzer(variant)
+        _FUZZERS[variant] = (fz, fz.play(1, NO_REPLY)[0])  # client 1 inactive: the reference
+    return _FUZZERS[variant]
+
+
+@pytest.mark.parametrize("variant", list(FUZZ_VARIANTS))
+def test_hostile_replies_are_rejected_counted_and_harmless(variant):
+    fz, inactive = fuzzer(variant)
+
+    @settings(max_examples=400, derandomize=True, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(_hostile(fz.valid[1], fz.task.dim))
+    def prop(fields):
+        problem = check_hostile_reply(fz, 1, fields, inactive)
+        assert problem is None, (problem, fields)
+
+    prop()
+
+
+def test_fuzz_harness_sees_valid_replies_accepted():
+    """The harness is not vacuous: the valid reply is accepted and changes the chain."""
+    fz, inactive = fuzzer("qlsd-pp")
+    server, facts = fz.play(1, fz.valid[1])
+    assert facts["accepted"] and facts["counted"] == 0
+    assert not np.array_equal(server.state.theta, inactive.state.theta)
+    server, facts = fz.play(1, {**fz.valid[1], "payload": _set_norm(fz.valid[1]["payload"], float("nan"))})
+    assert not facts["accepted"] and server.rejected.get("decode_error", 0) >= 1
+
+
+@pytest.mark.ray
+def test_a_killed_run_resumes_on_the_ray_engine_bitwise(tmp_path):
+    """Resume on Flower's Ray engine (fresh SuperNodes: every client's context.state is empty)
+    a run killed on the framework-free engine: the same chain as an uninterrupted run."""
+    o = {"engine": "local", "variant": "qlsd-pp", "p": "0.5", "s": "4", "num-rounds": 23, "burn-in": 0,
+         "progress": False, "l": 5, "dim": 10, "num-clients": 4, "checkpoint-every": 4,
+         "output-dir": str(tmp_path)}
+    ref = simulate.run({**o, "run-name": "uninterrupted"})
+    run_and_kill({**o, "run-name": "killed"}, 14)
+    res = simulate.run({"resume": str(tmp_path / "killed"), "engine": "ray"})
+    assert res.summary["resumed_from_round"] == 12 and res.summary["engine"] == "flower-ray"
+    assert np.array_equal(load_samples(ref.run_dir), load_samples(res.run_dir))
+    assert np.array_equal(final_theta(ref), final_theta(res))
+    assert res.summary["rejected"] == ref.summary["rejected"]  # no client lost a round to a resync
