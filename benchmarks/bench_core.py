@@ -24,35 +24,8 @@ import time
 import numpy as np
 
 os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
-
-
-def noop_apps(rounds: int, b: int, sink: dict):
-    from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
-    from flwr.clientapp import ClientApp
-    from flwr.serverapp import Grid, ServerApp
-
-    client = ClientApp()
-
-    @client.train()
-    def train(msg: Message, ctx: Context) -> Message:
-        return Message(RecordDict({"r": ConfigRecord({"ok": 1})}), reply_to=msg)
-
-    server = ServerApp()
-
-    @server.main()
-    def main(grid: Grid, ctx: Context) -> None:
-        while len(list(grid.get_node_ids())) < b:
-            time.sleep(0.1)
-        nodes = list(grid.get_node_ids())
-        times = []
-        for r in range(rounds):
-            t0 = time.perf_counter()
-            msgs = [Message(RecordDict(), n, MessageType.TRAIN, group_id=str(r)) for n in nodes]
-            list(grid.send_and_receive(msgs, timeout=600))
-            times.append(time.perf_counter() - t0)
-        sink["times"] = times
-
-    return server, client
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from noop_app import noop_apps  # noqa: E402
 
 
 def ray_round_times(b: int, rounds: int, pairs: int = 1) -> dict:
@@ -85,11 +58,11 @@ def _ray_pair(b: int, rounds: int) -> tuple[list, list]:
 
     with open(strat.run_dir / "metrics.csv") as f:
         ours = [float(r["seconds"]) for r in csv.DictReader(f)]
-    sink: dict = {}
-    server, client = noop_apps(rounds, b, sink)
+    times: list = []
+    server, client = noop_apps(rounds, b, lambda r, sec: times.append(sec))
     quiet_flower(False)
     run_simulation(server_app=server, client_app=client, num_supernodes=b, backend_config=ray_backend_config(cfg))
-    return ours, sink["times"]
+    return ours, times
 
 
 def wire_sizes() -> list[dict]:

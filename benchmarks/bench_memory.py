@@ -25,8 +25,9 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for p in (str(ROOT), str(ROOT / "benchmarks")):
+    if p not in sys.path:
+        sys.path.insert(0, p)
 os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -89,35 +90,20 @@ def run_ours(rounds: int, every: int, out_dir: str) -> list:
 
 
 def run_noop(rounds: int, every: int) -> list:
-    from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
-    from flwr.clientapp import ClientApp
-    from flwr.serverapp import Grid, ServerApp
     from flwr.simulation import run_simulation
 
+    from noop_app import noop_apps
     from qlsd_flwr.config import resolve
     from qlsd_flwr.server_app import quiet_flower
     from qlsd_flwr.simulate import ray_backend_config
 
     samples: list = []
-    client = ClientApp()
 
-    @client.train()
-    def train(msg: Message, ctx: Context) -> Message:
-        return Message(RecordDict({"r": ConfigRecord({"ok": 1})}), reply_to=msg)
+    def on_round(r, _seconds):
+        if r % every == 0:
+            samples.append((r, total_rss()))
 
-    server = ServerApp()
-
-    @server.main()
-    def main(grid: Grid, ctx: Context) -> None:
-        while len(list(grid.get_node_ids())) < 10:
-            time.sleep(0.1)
-        nodes = list(grid.get_node_ids())
-        for r in range(1, rounds + 1):
-            msgs = [Message(RecordDict(), n, MessageType.TRAIN, group_id=str(r)) for n in nodes]
-            list(grid.send_and_receive(msgs, timeout=600))
-            if r % every == 0:
-                samples.append((r, total_rss()))
-
+    server, client = noop_apps(rounds, 10, on_round)
     quiet_flower(False)
     cfg = resolve({"num-clients": 10, "engine": "ray"})
     run_simulation(server_app=server, client_app=client, num_supernodes=10,
