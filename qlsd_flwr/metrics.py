@@ -171,9 +171,10 @@ def reliability_diagram(probs: np.ndarray, y: np.ndarray, n_bins: int = 10,
         centers = cb["edges"][:-1] + width / 2
         acc = np.nan_to_num(cb["acc"])
         ax.bar(centers, acc, width=width, edgecolor="black", color="tab:blue", label="accuracy")
-        gap = np.nan_to_num(cb["conf"]) - acc
-        ax.bar(centers, gap, bottom=acc, width=width, edgecolor="tab:red", color="tab:red",
-               alpha=0.3, label="gap to confidence")
+        conf = np.where(cb["counts"] > 0, np.nan_to_num(cb["conf"]), acc)
+        # the gap between accuracy and mean confidence, whichever is higher (over- or under-confident)
+        ax.bar(centers, np.abs(conf - acc), bottom=np.minimum(acc, conf), width=width,
+               edgecolor="tab:red", color="tab:red", alpha=0.3, label="gap to confidence")
         ax.plot([0, 1], [0, 1], "k--", lw=1)
         ax.set_xlim(0, 1); ax.set_ylim(0, 1)
         ax.set_xlabel("confidence"); ax.set_ylabel("accuracy")
