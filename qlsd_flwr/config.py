@@ -169,8 +169,10 @@ PARTITION_NAMES = ("auto", "natural", "iid", "dirichlet", "pathological", "domin
 def _check_data_keys(raw: dict) -> None:
     """``dataset``, ``partition``, ``partition-alpha``, ``model`` and ``device`` (checked for every
     task, so a typo is caught even before it matters)."""
-    ds = str(raw["dataset"]).strip().lower()
-    if ds != "auto":
+    from .plugins import is_plugin
+
+    ds = str(raw["dataset"]).strip()
+    if ds.lower() != "auto":
         from .data import canonical_name
 
         try:
@@ -184,7 +186,16 @@ def _check_data_keys(raw: dict) -> None:
         raise ConfigError(f"partition-alpha: expected a number, got {raw['partition-alpha']!r}") from exc
     if not (pa > 0 and math.isfinite(pa)):
         raise ConfigError(f"partition-alpha must be a finite number > 0 (got {raw['partition-alpha']!r})")
-    _choice("model", str(raw["model"]).strip().lower().replace("-", "").replace("_", ""), MODELS)
+    if is_plugin(raw["model"]):
+        from .plugins import load_object
+
+        try:
+            load_object(raw["model"], "model")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+    else:
+        _choice("model", str(raw["model"]).strip().lower().replace("-", "").replace("_", ""),
+                MODELS + ("<module>:<callable>",))
     dev = str(raw["device"]).strip().lower()
     head, _, idx = dev.partition(":")
     if head not in ("cpu", "cuda") or (idx and (head != "cuda" or not idx.isdigit())):

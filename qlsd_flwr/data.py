@@ -414,6 +414,13 @@ def dataset_names() -> tuple[str, ...]:
 
 
 def canonical_name(name: str) -> str:
+    """The loader's key for ``name``; a plug-in ``module:attr`` is returned as given, once it
+    imports (:mod:`qlsd_flwr.plugins`)."""
+    from .plugins import is_plugin, load_object
+
+    if is_plugin(name):
+        load_object(name, "dataset")
+        return str(name).strip()
     key = str(name).strip().lower().replace("-", "_")
     key = _ALIASES.get(key, key)
     if key not in _LOADERS:
@@ -424,5 +431,14 @@ def canonical_name(name: str) -> str:
 
 
 def load_dataset(name: str, **kw: Any) -> ArrayDataset:
-    """Load a dataset by name (case-insensitive, ``-`` or ``_``); ``kw`` go to its loader."""
+    """Load a dataset by name (case-insensitive, ``-`` or ``_``); ``kw`` go to its loader. A
+    plug-in ``module:attr`` is called with ``seed`` only and must return an :class:`ArrayDataset`."""
+    from .plugins import is_plugin, load_object
+
+    if is_plugin(name):
+        ds = load_object(name, "dataset")(seed=int(kw.get("seed", 0)))
+        if not isinstance(ds, ArrayDataset):
+            raise TypeError(f"dataset: {name!r} returned {type(ds).__name__}, expected "
+                            "qlsd_flwr.data.ArrayDataset")
+        return ds
     return _LOADERS[canonical_name(name)](**kw)

@@ -39,6 +39,15 @@ def make_run_dir(output_dir: str | os.PathLike, run_name: str, variant: str) -> 
     return path
 
 
+CHUNK_BYTES = 1 << 22  # an HDF5 chunk of samples.nc holds at most ~4 MiB (one draw at least)
+
+
+def _chunk_draws(num_chains: int, dim: int, chunk: int) -> int:
+    """Draws per HDF5 chunk: ``chunk`` (≤ 4096), fewer when a chunk would pass ``CHUNK_BYTES``
+    (a LeNet-5 chain, d = 61,706, gets 8 draws a chunk, so a short run's file is not 250 MB)."""
+    return max(1, min(chunk, 4096, CHUNK_BYTES // (8 * max(1, num_chains * dim))))
+
+
 class Recorder:
     """Writes samples, per-round metrics, config and summary of one run.
 
@@ -85,7 +94,7 @@ class Recorder:
         g = self._nc.create_group("posterior")
         g.dimensions = {"chain": num_chains, "draw": None, "theta_dim_0": dim}
         self._theta = g.create_variable("theta", ("chain", "draw", "theta_dim_0"), dtype="f8",
-                                        chunks=(num_chains, min(chunk, 4096), dim))
+                                        chunks=(num_chains, _chunk_draws(num_chains, dim, chunk), dim))
         g.create_variable("chain", ("chain",), data=np.arange(num_chains))
         g.create_variable("theta_dim_0", ("theta_dim_0",), data=np.arange(dim))
         g.attrs["inference_library"] = "qlsd_flwr"

@@ -329,6 +329,33 @@ def _settings(**kw) -> dict:
             for k, v in kw.items()}
 
 
+def _metropolis_loop(x, U, g, h, rng, step, da, n_warmup, n_draws, thin, samples_c, pots_c):
+    """One chain of a Metropolis-adjusted sampler: ``n_warmup`` iterations (dual averaging of
+    the step ``h`` when ``da`` is given, then frozen at its average), then ``n_draws·thin``
+    iterations, every ``thin``-th state written to ``samples_c``/``pots_c``. ``step(x, U, g, h,
+    rng) -> (y, U_y, g_y, log_r)`` proposes. Returns ``(h, acceptance, warm-up acceptance)``."""
+    n_acc_w = n_acc = 0
+    for t in range(n_warmup + n_draws * thin):
+        if t == n_warmup and da is not None:
+            h = da.final
+        y, Uy, gy, log_r = step(x, U, g, h, rng)
+        log_a = _log_accept_prob(log_r)
+        accept = math.log(rng.uniform()) < log_a
+        if accept:
+            x, U, g = y, Uy, gy
+        if t < n_warmup:
+            n_acc_w += accept
+            if da is not None:
+                h = da.update(math.exp(log_a))
+        else:
+            n_acc += accept
+            k = t - n_warmup
+            if (k + 1) % thin == 0:
+                samples_c[k // thin] = x
+                pots_c[k // thin] = U
+    return h, n_acc / max(1, n_draws * thin), n_acc_w / max(1, n_warmup)
+
+
 # ----------------------------------------------------------------------------- MALA
 def mala(task, n_draws: int = 2000, n_warmup: int = 1000, n_chains: int = 4, seed: int = 0,
          step_size: float | None = None, adapt: bool = True, target_accept: float = 0.574,
@@ -362,6 +389,14 @@ def mala(task, n_draws: int = 2000, n_warmup: int = 1000, n_chains: int = 4, see
             Uy, gy = vg(y)
             return mala_log_accept(x, U, g, y, Uy, gy, h)
 
+        def mala_step(x, U, g, h, rng):
+            y = x - h * g + math.sqrt(2.0 * h) * rng.standard_normal(d)
+            with np.errstate(all="ignore"):
+                Uy, gy = vg(y)
+                log_r = mala_log_accept(x, U, g, y, Uy, gy, h) \
+                    if np.isfinite(Uy) and np.all(np.isfinite(gy)) else -np.inf
+            return y, Uy, gy, log_r
+
         for c in range(n_chains):
             rng = np.random.default_rng(np.random.SeedSequence([int(seed), c, 2]))
             x = x0s[c].copy()
@@ -369,34 +404,8 @@ def mala(task, n_draws: int = 2000, n_warmup: int = 1000, n_chains: int = 4, see
                 _initial_step(vg, x, 0.5, rng, prop_log_r)
             U, g = vg(x)
             da = DualAveraging(h, target_accept) if adapt else None
-            n_acc_w = 0
-            total = n_warmup + n_draws * thin
-            n_acc = 0
-            for t in range(total):
-                if t == n_warmup and da is not None:
-                    h = da.final
-                y = x - h * g + math.sqrt(2.0 * h) * rng.standard_normal(d)
-                with np.errstate(all="ignore"):
-                    Uy, gy = vg(y)
-                    log_r = mala_log_accept(x, U, g, y, Uy, gy, h) \
-                        if np.isfinite(Uy) and np.all(np.isfinite(gy)) else -np.inf
-                log_a = _log_accept_prob(log_r)
-                accept = math.log(rng.uniform()) < log_a
-                if accept:
-                    x, U, g = y, Uy, gy
-                if t < n_warmup:
-                    n_acc_w += accept
-                    if da is not None:
-                        h = da.update(math.exp(log_a))
-                else:
-                    n_acc += accept
-                    k = t - n_warmup
-                    if (k + 1) % thin == 0:
-                        samples[c, k // thin] = x
-                        pots[c, k // thin] = U
-            steps[c] = h
-            acc_rate[c] = n_acc / max(1, n_draws * thin)
-            warm_acc[c] = n_acc_w / max(1, n_warmup)
+            steps[c], acc_rate[c], warm_acc[c] = _metropolis_loop(
+                x, U, g, h, rng, mala_step, da, n_warmup, n_draws, thin, samples[c], pots[c])
         return ReferenceResult("mala", samples, pots, acc_rate, steps,
                                _diagnostics(samples, pots, max_diag_dim), settings,
                                warmup_acceptance=warm_acc)
@@ -448,6 +457,10 @@ def hmc(task, n_draws: int = 500, n_warmup: int = 200, n_chains: int = 2, seed: 
                 log_r = (U + 0.5 * p0 @ p0) - (Uy + 0.5 * p @ p)
             return y, Uy, gy, float(log_r) if np.isfinite(log_r) else -np.inf
 
+        def hmc_step(x, U, g, h, rng):
+            hj = h * (1.0 + jitter * (2.0 * rng.uniform() - 1.0)) if jitter else h
+            return trajectory(x, U, g, hj, rng, n_leapfrog)
+
         for c in range(n_chains):
             rng = np.random.default_rng(np.random.SeedSequence([int(seed), c, 3]))
             x = x0s[c].copy()
@@ -455,29 +468,8 @@ def hmc(task, n_draws: int = 500, n_warmup: int = 200, n_chains: int = 2, seed: 
             h = step_size if step_size is not None else _initial_step(
                 vg, x, 0.5, rng, lambda x_, U_, g_, h_, r_: trajectory(x_, U_, g_, h_, r_, 1)[3])
             da = DualAveraging(h, target_accept) if adapt else None
-            n_acc_w = n_acc = 0
-            for t in range(n_warmup + n_draws * thin):
-                if t == n_warmup and da is not None:
-                    h = da.final
-                hj = h * (1.0 + jitter * (2.0 * rng.uniform() - 1.0)) if jitter else h
-                y, Uy, gy, log_r = trajectory(x, U, g, hj, rng, n_leapfrog)
-                log_a = _log_accept_prob(log_r)
-                accept = math.log(rng.uniform()) < log_a
-                if accept:
-                    x, U, g = y, Uy, gy
-                if t < n_warmup:
-                    n_acc_w += accept
-                    if da is not None:
-                        h = da.update(math.exp(log_a))
-                else:
-                    n_acc += accept
-                    k = t - n_warmup
-                    if (k + 1) % thin == 0:
-                        samples[c, k // thin] = x
-                        pots[c, k // thin] = U
-            steps[c] = h
-            acc_rate[c] = n_acc / max(1, n_draws * thin)
-            warm_acc[c] = n_acc_w / max(1, n_warmup)
+            steps[c], acc_rate[c], warm_acc[c] = _metropolis_loop(
+                x, U, g, h, rng, hmc_step, da, n_warmup, n_draws, thin, samples[c], pots[c])
         return ReferenceResult("hmc", samples, pots, acc_rate, steps,
                                _diagnostics(samples, pots, max_diag_dim), settings,
                                warmup_acceptance=warm_acc)

@@ -71,8 +71,10 @@ def spec_of(cfg: RunConfig) -> DataSpec:
     task = str(cfg.get("task")).lower()
     if task not in DEFAULT_DATASET:
         raise ConfigError(f"task: the registry builds logistic and mnist, not {task!r}")
-    ds = str(cfg.get("dataset")).strip().lower()
-    ds = DEFAULT_DATASET[task] if ds == "auto" else _data.canonical_name(ds)
+    from ..plugins import is_plugin
+
+    ds = str(cfg.get("dataset")).strip()
+    ds = DEFAULT_DATASET[task] if ds.lower() == "auto" else _data.canonical_name(ds)
     part = str(cfg.get("partition")).strip().lower().replace("-", "_")
     if part == "auto":
         part = "natural" if ds in ("synthetic", "femnist") else \
@@ -84,7 +86,9 @@ def spec_of(cfg: RunConfig) -> DataSpec:
         pv, src = DEFAULT_PRIOR_VAR[task], f"default for task {task} (prior-var = flat is improper here)"
     else:
         pv, src = float(cfg.prior_var), "prior-var"
-    model = str(cfg.get("model")).strip().lower().replace("-", "").replace("_", "")
+    model = str(cfg.get("model")).strip()
+    if not is_plugin(model):
+        model = model.lower().replace("-", "").replace("_", "")
     return DataSpec(task=task, dataset=ds, partition=part, partition_kw=tuple(sorted(kw.items())),
                     b=int(cfg.get("num-clients")), data_seed=int(cfg.get("data-seed")),
                     model=model if task == "mnist" else "logistic-numpy",
@@ -224,8 +228,13 @@ def build(cfg: RunConfig, pooled: bool = False, torch_dtype: str | None = None) 
         K, p = ds.n_classes, ds.n_features
         blocks = (p * K, K)
         theta0 = torch_to_numpy_logistic(_torch_model(spec, ds).state_dict())
-    else:
-        blocks, theta0 = tuple(clients[0].blocks), clients[0].theta0()
+    else:  # a fresh module's init: the shared module holds whatever θ was last loaded into it
+        import torch
+
+        fresh = _torch_model(spec, ds)
+        blocks = tuple(clients[0].blocks)
+        theta0 = torch.nn.utils.parameters_to_vector(
+            [q for q in fresh.parameters() if q.requires_grad]).detach().double().numpy()
     predictor = predictor_of(cfg, torch_dtype) if predictor is None else predictor
     description = _partition.describe(parts, ds.y_train)
     summary = {

@@ -168,7 +168,18 @@ MODELS = {"logistic": LinearSoftmax, "linear": LinearSoftmax, "mlp": MLP, "lenet
 
 def build_model(name: str, n_classes: int, input_shape: Sequence[int], seed: int = 0,
                 **kw) -> nn.Module:
-    """A model by name (``logistic``, ``mlp``, ``lenet5``, ``resnet20``), seeded init."""
+    """A model by name (``logistic``, ``mlp``, ``lenet5``, ``resnet20``, or a plug-in
+    ``module:attr`` called as ``attr(n_classes=, input_shape=)``), seeded init."""
+    from ..plugins import is_plugin, load_object
+
+    if is_plugin(name):
+        make = load_object(name, "model")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = make(n_classes=n_classes, input_shape=tuple(input_shape), **kw)
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model: {name!r} returned {type(model).__name__}, expected a torch.nn.Module")
+        return model
     key = str(name).lower().replace("-", "").replace("_", "")
     key = {"lenet": "lenet5", "resnet": "resnet20"}.get(key, key)
     if key not in MODELS:
