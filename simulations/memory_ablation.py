@@ -26,7 +26,7 @@ The error is reported per configuration as ``‖v̂ − v_MALA‖₂`` (and rela
 ``‖v_MALA‖₂``), with a Monte Carlo standard error from the spread between chains, and for
 scale the same error of exact-gradient ULA at this ``γ`` (LSD++ with full local batches).
 
-    python simulations/memory_ablation.py                  # about 7 minutes on 2 idle cores
+    python simulations/memory_ablation.py                  # 864 s measured on 2 cores (861 s of it the MALA reference, cached afterwards)
     python simulations/memory_ablation.py --rounds 3000 --chains 1 --out /tmp/ma   # a quick look
 """
 
