@@ -39,11 +39,9 @@ definition) and against a long MALA run (the committed test reference
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pickle
 import platform
-import shlex
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -55,6 +53,9 @@ ROOT = Path(__file__).resolve().parents[1]
 for p in (ROOT, ROOT / "tests"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_io import markdown, write_results  # noqa: E402
 
 PAPER = {"QLSD++ 4 bits": (6.1e-3, 7.6), "QLSD++ 8 bits": (4.3e-3, 6.7),
          "QLSD++ 16 bits": (6.9e-4, 3.1)}
@@ -211,20 +212,11 @@ def main(argv=None) -> int:
         f"Rel. var err: ‖var(θ) − var_MALA(θ)‖ / ‖var_MALA(θ)‖ over the {d} coordinates.",
         f"Wall time {total:.0f} s on {os.cpu_count()} cores ({platform.processor() or platform.machine()}).",
     ]
-    md = "# Bayesian logistic regression: QLSD++ vs LSD++ and MALA (breast cancer)\n\n" + \
-        "\n".join(lines) + "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
-    (out / "logistic_table.md").write_text(md)
-    keys = list(table[0])
-    (out / "logistic_table.csv").write_text(
-        ",".join(keys) + "\n" + "\n".join(",".join("" if t[k] is None else str(t[k]) for k in keys)
-                                          for t in table) + "\n")
-    (out / "runs.json").write_text(json.dumps({
+    md = markdown("Bayesian logistic regression: QLSD++ vs LSD++ and MALA (breast cancer)", lines, notes)
+    write_results(out, "logistic_table", md, table, {
         "args": vars(args), "predicted_ula_shift": predicted, "eta_mala": eta_mala,
         "eta_mala_se": se_mala, "eta_lsd": eta_lsd, "eta_lsd_se": se_lsd, "U_star": U_star,
-        "hessian_eigs": eig.tolist(), "rows": table, "total_seconds": total}, indent=2))
-    (out / "command.txt").write_text(
-        "python simulations/" + Path(__file__).name + " " + " ".join(map(shlex.quote, argv or sys.argv[1:]))
-        + f"\n# {time.strftime('%Y-%m-%d %H:%M')} ; {total:.0f} s\n")
+        "hessian_eigs": eig.tolist(), "rows": table, "total_seconds": total}, __file__, argv, total)
     print(md)
     return 0
 

@@ -33,10 +33,8 @@ scale the same error of exact-gradient ULA at this ``γ`` (LSD++ with full local
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-import shlex
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -47,6 +45,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_io import markdown, write_results  # noqa: E402
 
 PRIOR_VAR = 2e-2
 
@@ -158,26 +159,17 @@ def main(argv=None) -> int:
         f"over chains; ± is the standard error of the per-chain errors (chains differ by seed). "
         f"‖v_MALA‖₂ = {np.linalg.norm(v_ref):.3e}; MALA's own Monte Carlo error ≈ {ref_err:.1e} "
         f"(4 × {args.mala_draws:,} draws, acceptance {np.round(ref.acceptance, 2).tolist()}).",
-        f"Memory: α = 1/(ω+1) vs α = 0; ω = min(d/s², √d/s) = "
+        "Memory: α = 1/(ω+1) vs α = 0; ω = min(d/s², √d/s) = "
         + ", ".join(f"{min(d / s ** 2, np.sqrt(d) / s):.2f} (s={s})" for s in args.s) + ".",
-        f"Paper (Figure S3): with memory the variance error is lower than without at s = 2 and "
-        f"s = 4 (figure only, no numbers given).",
+        "Paper (Figure S3): with memory the variance error is lower than without at s = 2 and "
+        "s = 4 (figure only, no numbers given).",
         f"Wall time {total:.0f} s on {os.cpu_count()} cores ({platform.processor() or platform.machine()}); "
         f"MALA {mala_s:.0f} s (cached afterwards).",
     ]
-    md = "# Memory ablation: QLSD++ with and without memory on Synthetic(1,1)\n\n" + \
-        "\n".join(lines) + "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
-    (out / "memory_ablation.md").write_text(md)
-    keys = [k for k in table[0] if k != "var_error_per_chain"]
-    (out / "memory_ablation.csv").write_text(
-        ",".join(keys) + "\n" + "\n".join(",".join(str(t[k]) for k in keys) for t in table) + "\n")
-    (out / "runs.json").write_text(json.dumps({"args": vars(args), "rows": table,
-                                               "mala_var": v_ref.tolist(),
-                                               "hessian_eigs": eig.tolist(),
-                                               "total_seconds": total}, indent=2))
-    (out / "command.txt").write_text(
-        "python simulations/" + Path(__file__).name + " " + " ".join(map(shlex.quote, argv or sys.argv[1:]))
-        + f"\n# {time.strftime('%Y-%m-%d %H:%M')} ; {total:.0f} s\n")
+    md = markdown("Memory ablation: QLSD++ with and without memory on Synthetic(1,1)", lines, notes)
+    write_results(out, "memory_ablation", md, table, {
+        "args": vars(args), "rows": table, "mala_var": v_ref.tolist(), "hessian_eigs": eig.tolist(),
+        "total_seconds": total}, __file__, argv, total, drop=("var_error_per_chain",))
     print(md)
     return 0
 

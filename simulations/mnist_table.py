@@ -83,10 +83,8 @@ recorded (``runs.json``), so a chain that degrades while sampling shows.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-import shlex
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -97,6 +95,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_io import markdown, write_results  # noqa: E402
 
 # The paper's figures: supplement S5.3, Table "Performance of Bayesian FL algorithms trained on
 # the highly-heterogeneous dataset" (table:mnist-bbn_comparison in qlsd-aistats2022.tex), rows
@@ -217,16 +218,6 @@ def run_fedavg_row(args, runs_dir: Path) -> dict:
             "checks": {"accuracy_by_round": [(h["round"], h["accuracy"]) for h in hist
                                              if h["round"] in (0, 1, fa.rounds // 2, fa.rounds)]},
             "run_dir": str(runs_dir / "fedavg")}
-
-
-def write_csv(table: list[dict], path: Path) -> None:
-    """The table's rows as CSV (method names contain commas: quoted by the csv module)."""
-    import csv
-
-    with open(path, "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(table[0]))
-        w.writeheader()
-        w.writerows({k: ("" if v is None else v) for k, v in t.items()} for t in table)
 
 
 def main(argv=None) -> int:
@@ -389,22 +380,13 @@ def main(argv=None) -> int:
         f"evaluation excluded); rows ran {args.jobs} at a time "
         f"(FedAvg alone, on both cores). Total {total:.0f} s on {machine}.",
     ]
-    md = ("# Heterogeneous MNIST (dominant-label split, 20 clients): QLSD++, SGLD and FedAvg, LeNet-5\n\n"
-          + "\n".join(lines) + "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n")
-    (out / "mnist_table.md").write_text(md)
-    write_csv(table, out / "mnist_table.csv")
-    (out / "runs.json").write_text(json.dumps({
+    md = markdown("Heterogeneous MNIST (dominant-label split, 20 clients): QLSD++, SGLD and FedAvg, "
+                  "LeNet-5", lines, notes)
+    write_results(out, "mnist_table", md, table, {
         "args": vars(args), "paper": PAPER, "paper_source": PAPER_SOURCE, "rows": table,
         "runs": [{k: v for k, v in r.items() if k not in ("partition", "dataset")} for r in results],
         "partition": part, "dataset": p1.get("dataset"), "total_seconds": total,
-        "machine": machine}, indent=2, default=str))
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    (out / "command.txt").write_text(
-        "$ python simulations/" + Path(__file__).name + " "
-        + " ".join(map(shlex.quote, argv if argv is not None else sys.argv[1:])) + "\n"
-        + f"# {time.strftime('%Y-%m-%d %H:%M:%S')}, {total:.0f} s wall, {machine} "
-          f"({platform.processor() or platform.machine()}), 1-min load average at the end {load:.1f}; "
-          f"run folders: {runs_dir}\n")
+        "machine": machine}, __file__, argv, total, note=f"run folders: {runs_dir}")
     print(md)
     return 0
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +38,17 @@ def test_plugin_dataset_and_model_sample_and_predict():
     probs = registry.predictor_of(cfg).predict_proba(res.trace[100::10], X_te)
     assert probs.shape == (len(y_te), 3)
     assert np.mean(probs.argmax(1) == y_te) > 0.8
+    # the predictive is exactly the user's module at the samples: mean of softmax(make(θ)(x))
+    import torch
+    import wine_mlp
+
+    net = wine_mlp.make(3, (13,))
+    by_hand = []
+    for theta in res.trace[100::10]:
+        torch.nn.utils.vector_to_parameters(torch.as_tensor(theta, dtype=torch.float32), net.parameters())
+        with torch.no_grad():
+            by_hand.append(torch.softmax(net(torch.as_tensor(X_te)), dim=1).double().numpy())
+    np.testing.assert_allclose(probs, np.mean(by_hand, axis=0), rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("key,value,match", [
