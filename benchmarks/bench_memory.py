@@ -9,6 +9,7 @@ Ray worker process (``ray::...``: the ClientApp actors, which hold the clients'
 the samples after the first ``--warmup`` rounds. RSS is read from ``/proc`` (Linux).
 
     python benchmarks/bench_memory.py --rounds 20000 --every 500     # the issue's setting
+    python benchmarks/bench_memory.py --rounds 20000 --every 500 --parallel   # both arms at once
     python benchmarks/bench_memory.py --rounds 1500 --every 100      # what fits in a short session
 """
 
@@ -41,18 +42,39 @@ def _rss(pid: int) -> int:
         return 0
 
 
-def ray_worker_pids() -> list[int]:
-    out = []
+def _descendants(root: int) -> set[int]:
+    """Every process below ``root`` in the process tree (from ``/proc/<pid>/stat``)."""
+    children: dict[int, list[int]] = {}
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
         try:
-            with open(f"/proc/{name}/cmdline", "rb") as f:
+            with open(f"/proc/{name}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(name))
+    out, todo = set(), [root]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            if c not in out:
+                out.add(c)
+                todo.append(c)
+    return out
+
+
+def ray_worker_pids() -> list[int]:
+    """The Ray worker processes (``ray::...``) of *this* process's Ray instance: its
+    descendants only, so that two arms measured side by side do not count each other's."""
+    out = []
+    for pid in _descendants(os.getpid()):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
                 cmd = f.read()
         except OSError:
             continue
         if cmd.startswith(b"ray::"):
-            out.append(int(name))
+            out.append(pid)
     return out
 
 
@@ -111,26 +133,62 @@ def run_noop(rounds: int, every: int) -> list:
     return samples
 
 
+def run_arm(arm: str, rounds: int, every: int) -> tuple[list, float]:
+    t0 = time.perf_counter()
+    samples = run_ours(rounds, every, "/tmp/qlsd-bench-memory") if arm == "qlsd" else run_noop(rounds, every)
+    return samples, time.perf_counter() - t0
+
+
+def arms_side_by_side(args) -> tuple[dict, dict, str]:
+    """Both arms at once, each in its own process with its own Ray instance (same engine, same
+    clients, same machine, same wall-clock period): the 2 cores are shared by the two, so a
+    round is slower than alone, but neither arm's memory is measured under other conditions
+    than the other's."""
+    import subprocess
+    import tempfile
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-memory-"))
+    procs = {arm: subprocess.Popen([sys.executable, __file__, "--arm", arm, "--rounds", str(args.rounds),
+                                    "--every", str(args.every), "--out", str(tmp / f"{arm}.json")])
+             for arm in ("qlsd", "noop")}
+    for arm, proc in procs.items():
+        if proc.wait() != 0:
+            raise SystemExit(f"the {arm} arm failed (exit {proc.returncode})")
+    got = {arm: json.loads((tmp / f"{arm}.json").read_text()) for arm in procs}
+    return ({arm: got[arm]["samples"] for arm in got}, {arm: got[arm]["seconds"] for arm in got},
+            "side by side (two processes, two Ray instances, at the same time)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=20000)
     ap.add_argument("--every", type=int, default=500)
     ap.add_argument("--warmup", type=int, default=None, help="rounds ignored by the fit (default: 20 %%)")
+    ap.add_argument("--parallel", action="store_true",
+                    help="run the two arms at the same time, in two processes (half the wall time)")
+    ap.add_argument("--arm", choices=("qlsd", "noop"), help=argparse.SUPPRESS)  # one arm (--parallel)
     ap.add_argument("--out", default="benchmarks/memory.json")
     args = ap.parse_args()
+    if args.arm:  # one arm of --parallel: raw samples only
+        samples, seconds = run_arm(args.arm, args.rounds, args.every)
+        Path(args.out).write_text(json.dumps({"samples": samples, "seconds": seconds}))
+        return
     warm = args.warmup if args.warmup is not None else args.rounds // 5
-    t0 = time.perf_counter()
-    ours = run_ours(args.rounds, args.every, "/tmp/qlsd-bench-memory")
-    t1 = time.perf_counter()
-    noop = run_noop(args.rounds, args.every)
-    t2 = time.perf_counter()
+    if args.parallel:
+        samples, seconds, mode = arms_side_by_side(args)
+    else:
+        samples, seconds = {}, {}
+        for arm in ("qlsd", "noop"):
+            samples[arm], seconds[arm] = run_arm(arm, args.rounds, args.every)
+        mode = "one after the other"
     res = {"machine": f"{platform.machine()} {os.cpu_count()} cores, Python {platform.python_version()}",
            "command": " ".join(["python"] + sys.argv), "rounds": args.rounds, "every": args.every,
-           "warmup": warm, "seconds": {"qlsd": t1 - t0, "noop": t2 - t1},
+           "warmup": warm, "arms": mode, "seconds": seconds,
            "growth_bytes_per_1000_rounds": {
                name: {k: slope_per_1000(s, k, warm) for k in ("driver", "workers", "total")}
-               for name, s in (("qlsd", ours), ("noop", noop))},
-           "samples": {"qlsd": ours, "noop": noop}}
+               for name, s in samples.items()},
+           "rss_first_last": {name: [s[0], s[-1]] for name, s in samples.items() if s},
+           "samples": samples}
     Path(args.out).write_text(json.dumps(res, indent=1))
     g = res["growth_bytes_per_1000_rounds"]
     for name in ("qlsd", "noop"):
