@@ -2,8 +2,10 @@
 
 1. Overhead of our strategy: seconds per round of QLSD++ (p = 1, d = 50) on Flower's Ray
    engine with 10, 20 and 100 clients, next to a no-op strategy on the same engine (every node
-   gets an empty message and answers an empty reply). Both run back to back in one process;
-   the per-round time excludes Ray's start-up and the handshake.
+   gets an empty message and answers an empty reply) and to a "shape-only" app that moves
+   QLSD++'s messages and client state through Flower without computing anything (the floor
+   Flower sets for carrying this protocol; ``noop_app.shape_apps``). The three run in turn in
+   one process; the per-round time excludes Ray's start-up and the handshake.
 2. Bytes on the wire: per client message, for d = 50 and d = 1e5 and s = 2, 2^4, 2^8, 2^16,
    the payload bytes our encoder produces, the exact code length, the analytic QSGD bound and
    float32 (32 d bits); plus the bytes of the whole Flower reply message.
@@ -25,25 +27,28 @@ import numpy as np
 
 os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from noop_app import noop_apps  # noqa: E402
+from noop_app import noop_apps, shape_apps  # noqa: E402
 
 
 def ray_round_times(b: int, rounds: int, pairs: int = 1) -> dict:
-    """``pairs`` × (QLSD++ run, no-op run), alternating, so that a change in the machine's load
-    hits both; the rounds of all runs of one kind are pooled (after each run's warm-up)."""
+    """``pairs`` × (QLSD++, no-op, shape-only), in turn, so that a change in the machine's load
+    hits all three; the rounds of all runs of one kind are pooled (after each run's warm-up)."""
     skip = min(5, rounds // 3)  # the first rounds warm up Ray's actors
-    ours, noop = [], []
+    got: dict[str, list] = {"qlsd": [], "noop": [], "shape": []}
     for _ in range(pairs):
-        o, n = _ray_pair(b, rounds)
-        ours += o[skip:]
-        noop += n[skip:]
-    m_ours, m_noop = statistics.median(ours), statistics.median(noop)
-    return {"clients": b, "rounds": rounds, "pairs": pairs, "qlsd_s_per_round": m_ours,
-            "noop_s_per_round": m_noop, "ratio": m_ours / m_noop,
-            "qlsd_mean": statistics.fmean(ours), "noop_mean": statistics.fmean(noop)}
+        for kind, times in _ray_runs(b, rounds).items():
+            got[kind] += times[skip:]
+    med = {k: statistics.median(v) for k, v in got.items()}
+    return {"clients": b, "rounds": rounds, "pairs": pairs, "qlsd_s_per_round": med["qlsd"],
+            "noop_s_per_round": med["noop"], "shape_s_per_round": med["shape"],
+            "ratio": med["qlsd"] / med["noop"], "shape_ratio": med["shape"] / med["noop"],
+            "qlsd_over_shape": med["qlsd"] / med["shape"],
+            **{f"{k}_mean": statistics.fmean(v) for k, v in got.items()}}
 
 
-def _ray_pair(b: int, rounds: int) -> tuple[list, list]:
+def _ray_runs(b: int, rounds: int) -> dict[str, list]:
+    import csv
+
     from flwr.simulation import run_simulation
 
     from qlsd_flwr.config import resolve
@@ -54,15 +59,16 @@ def _ray_pair(b: int, rounds: int) -> tuple[list, list]:
          "p": "1.0", "s": "16", "progress": False, "engine": "ray", "output-dir": "/tmp/qlsd-bench"}
     cfg = resolve(o)
     strat = run_ray(cfg, o)
-    import csv
-
     with open(strat.run_dir / "metrics.csv") as f:
-        ours = [float(r["seconds"]) for r in csv.DictReader(f)]
-    times: list = []
-    server, client = noop_apps(rounds, b, lambda r, sec: times.append(sec))
-    quiet_flower(False)
-    run_simulation(server_app=server, client_app=client, num_supernodes=b, backend_config=ray_backend_config(cfg))
-    return ours, times
+        out = {"qlsd": [float(r["seconds"]) for r in csv.DictReader(f)]}
+    for kind, apps in (("noop", noop_apps), ("shape", shape_apps)):
+        times: list = []
+        server, client = apps(rounds, b, lambda r, sec: times.append(sec))
+        quiet_flower(False)
+        run_simulation(server_app=server, client_app=client, num_supernodes=b,
+                       backend_config=ray_backend_config(cfg))
+        out[kind] = times
+    return out
 
 
 def wire_sizes() -> list[dict]:
@@ -108,7 +114,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--clients", default="10,20,100")
     ap.add_argument("--out", default="benchmarks/core.json")
-    ap.add_argument("--pairs", type=int, default=2, help="alternating QLSD++/no-op runs per size")
+    ap.add_argument("--pairs", type=int, default=2, help="QLSD++/no-op/shape-only runs per size, in turn")
     ap.add_argument("--skip-ray", action="store_true")
     args = ap.parse_args()
     result = {"machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.python_version()}",
@@ -126,7 +132,9 @@ def main() -> None:
             row = ray_round_times(b, args.rounds, args.pairs)
             result["ray"].append(row)
             print(f"Ray, {b} clients: QLSD++ {row['qlsd_s_per_round']:.3f} s/round, no-op "
-                  f"{row['noop_s_per_round']:.3f} s/round, ratio {row['ratio']:.2f}", flush=True)
+                  f"{row['noop_s_per_round']:.3f}, shape-only {row['shape_s_per_round']:.3f}; "
+                  f"QLSD++/no-op {row['ratio']:.2f}, shape-only/no-op {row['shape_ratio']:.2f}, "
+                  f"QLSD++/shape-only {row['qlsd_over_shape']:.2f}", flush=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
 

@@ -29,7 +29,7 @@ from . import components as C
 from .config import resolve
 from .client import handle
 from .oracles import ClientState
-from .wire import RECORD, arr_to_bytes, bytes_to_arr
+from .wire import RECORD, arr_to_bytes, bytes_to_arr, config_record, record_fields
 
 STATE = "qlsd-state"
 
@@ -57,8 +57,9 @@ def data_path_of(context: Context) -> str | None:
 
 def load_state(context: Context) -> ClientState:
     st = ClientState()
-    rec = context.state.config_records.get(STATE) if STATE in context.state else None
-    if rec is None:
+    try:
+        rec = config_record(context.state, STATE)
+    except KeyError:
         return st
     d = int(rec["dim"])
     if "eta" in rec:
@@ -99,7 +100,7 @@ def make_client_app(overrides: dict | None = None, mods=None) -> ClientApp:
         i = client_index(context)
         _, pot, _, d = _client_setup(run_config_of(context, overrides), i, data_path_of(context))
         fields = {"client": i, "n_data": int(pot.n_data), "dim": int(d)}
-        rec = message.content.config_records.get(RECORD)
+        rec = record_fields(message.content)
         if rec is not None and rec.get("report") == "memory":
             st = load_state(context)
             fields["eta_count"] = int(st.eta_count)
@@ -112,7 +113,7 @@ def make_client_app(overrides: dict | None = None, mods=None) -> ClientApp:
         i = client_index(context)
         cfg, pot, spec, d = _client_setup(run_config_of(context, overrides), i, data_path_of(context))
         st = load_state(context)
-        reply = handle(spec, pot, st, cfg.seed, dict(message.content.config_records[RECORD]), d)
+        reply = handle(spec, pot, st, cfg.seed, dict(config_record(message.content)), d)
         save_state(context, st, d)
         return _reply(message, reply)
 

@@ -184,6 +184,23 @@ def _write_fields(vals: np.ndarray, lens: np.ndarray) -> tuple[bytes, int]:
     return np.packbits(bits).tobytes(), total
 
 
+def _interleave(first: np.ndarray, hdr_v: np.ndarray, hdr_l: np.ndarray, ent_v: np.ndarray,
+                ent_l: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Fields of a code: block ``b``'s header row goes before entry ``first[b]``."""
+    nb = hdr_v.shape[0]
+    rows = ent_v.shape[0] + nb
+    hdr_pos = np.asarray(first, dtype=np.int64) + np.arange(nb)
+    if nb == 1 and hdr_pos[0] == 0:  # one block (the paper's QSGD): header, then the entries
+        return np.concatenate([hdr_v, ent_v]), np.concatenate([hdr_l, ent_l])
+    vals = np.zeros((rows, hdr_v.shape[1]), dtype=np.int64)
+    lens = np.zeros((rows, hdr_v.shape[1]), dtype=np.int64)
+    is_hdr = np.zeros(rows, dtype=bool)
+    is_hdr[hdr_pos] = True
+    vals[hdr_pos], lens[hdr_pos] = hdr_v, hdr_l
+    vals[~is_hdr], lens[~is_hdr] = ent_v, ent_l
+    return vals, lens
+
+
 def _read_omega(bs: str, p: int, maxval: int) -> tuple[int, int]:
     """Decode one Elias omega integer from bit string ``bs`` at ``p``; require ``1 ≤ x ≤ maxval``.
 
@@ -482,10 +499,12 @@ class QSGD:
             raise ValueError("QSGD: a block norm exceeds the float32 range (about 3.4e38)")
         live = (norm32 > 0) & (norm64 > 0)  # float32 underflow: the block is sent as zero
         norm32 = np.where(live, norm32, np.float32(0.0))
-        safe = np.repeat(np.where(live, norm64, 1.0), blocks, axis=-1)
+        safe = np.where(live, norm64, 1.0)
+        if len(blocks) > 1:  # one norm per block: spread each block's over its coordinates
+            safe, live = np.repeat(safe, blocks, axis=-1), np.repeat(live, blocks, axis=-1)
         s = float(self.s)
         r = np.minimum(np.abs(V) * s / safe, s)
-        r = np.where(np.repeat(live, blocks, axis=-1), r, 0.0)
+        r = np.where(live, r, 0.0)
         lo = np.floor(r)
         levels = lo.astype(np.int64) + (U < r - lo)
         levels = np.where(V < 0, -levels, levels)
@@ -547,11 +566,6 @@ class QSGD:
         header and the final zero padding (``len(payload) = 5 + ⌈bits/8⌉``)."""
         return int(self.code_length_bits_batch(q.levels))
 
-    def _choose(self, q: Quantised) -> str:
-        if self.encoding != "auto":
-            return self.encoding
-        return "elias" if int(self._elias_bits_batch(q.levels)) < self._packed_bits(q.d) else "packed"
-
     # -------------------------------------------------------------------------- bound
     def bound_bits(self, d: int) -> float:
         """Analytic bound on the expected code length (bits, base-2 logs; header excluded).
@@ -579,60 +593,61 @@ class QSGD:
 
     # ------------------------------------------------------------------------ encoding
     def encode(self, q: Quantised) -> bytes:
-        """``header ‖ code ‖ padding`` (module docstring); the code has ``code_length_bits(q)`` bits."""
+        """``header ‖ code ‖ padding`` (module docstring); the code has ``code_length_bits(q)`` bits.
+
+        With ``encoding = "auto"`` the Elias fields are built first and their length decides
+        (packed on a tie), so the Elias code is laid out once, not measured and then built."""
         if q.s != self.s or tuple(q.blocks) != self._blocks(q.d):
             raise ValueError("QSGD.encode: message was quantised with another s or blocks")
         if q.d > MAX_D:
             raise ValueError("QSGD.encode: d does not fit the uint32 header")
-        enc = self._choose(q)
-        blocks = q.blocks
-        nb = len(blocks)
-        starts = np.cumsum((0,) + blocks[:-1])
-        levels = q.levels
-        mag = np.abs(levels)
-        neg = (levels < 0).astype(np.int64)
+        enc = "packed"
+        if self.encoding != "packed":
+            vals, lens = self._elias_fields(q)
+            if self.encoding == "elias" or int(lens.sum()) < self._packed_bits(q.d):
+                enc = "elias"
         if enc == "packed":
-            w = 1 + self.level_bits
-            ent_v = ((neg << self.level_bits) | mag)[:, None]
-            ent_l = np.full((q.d, 1), w, dtype=np.int64)
-            first = starts
-            hdr_v = np.zeros((nb, 1), dtype=np.int64)
-            hdr_l = np.full((nb, 1), 32, dtype=np.int64)
-            hdr_v[:, 0] = q.norms.view(np.uint32)
-            width = 1
-        else:
-            pos = np.flatnonzero(levels)
-            blk = np.searchsorted(np.cumsum(blocks), pos, side="right")
-            prev = np.empty_like(pos)
-            if pos.size:
-                prev[0] = -1
-                prev[1:] = pos[:-1]
-            prev = np.maximum(prev, starts[blk] - 1)
-            gv, gl = _omega_fields(pos - prev)
-            lv, ll = _omega_fields(mag[pos])
-            ent_v = np.concatenate([gv, neg[pos][:, None], lv], axis=1)
-            ent_l = np.concatenate([gl, np.ones((pos.size, 1), dtype=np.int64), ll], axis=1)
-            first = np.searchsorted(pos, starts)  # index of each block's first nonzero
-            counts = np.diff(np.append(first, pos.size))
-            cv, cl = _omega_fields(counts + 1)
-            width = ent_v.shape[1]
-            hdr_v = np.zeros((nb, width), dtype=np.int64)
-            hdr_l = np.zeros((nb, width), dtype=np.int64)
-            hdr_v[:, 0] = q.norms.view(np.uint32)
-            hdr_l[:, 0] = 32
-            hdr_v[:, 1:1 + cv.shape[1]] = cv
-            hdr_l[:, 1:1 + cl.shape[1]] = cl
-        rows = ent_v.shape[0] + nb
-        vals = np.zeros((rows, width), dtype=np.int64)
-        lens = np.zeros((rows, width), dtype=np.int64)
-        hdr_pos = np.asarray(first, dtype=np.int64) + np.arange(nb)
-        is_hdr = np.zeros(rows, dtype=bool)
-        is_hdr[hdr_pos] = True
-        vals[hdr_pos], lens[hdr_pos] = hdr_v, hdr_l
-        vals[~is_hdr], lens[~is_hdr] = ent_v, ent_l
+            vals, lens = self._packed_fields(q)
         body, _ = _write_fields(vals, lens)
         tag = TAG_PACKED if enc == "packed" else TAG_ELIAS
         return struct.pack("<BI", tag, q.d) + body
+
+    def _packed_fields(self, q: Quantised) -> tuple[np.ndarray, np.ndarray]:
+        """The packed code as fields ``(values, lengths)``, one row per field, in order."""
+        levels, nb = q.levels, len(q.blocks)
+        starts = np.cumsum((0,) + q.blocks[:-1])
+        ent_v = ((levels < 0).astype(np.int64) << self.level_bits) | np.abs(levels)
+        ent_l = np.full(q.d, 1 + self.level_bits, dtype=np.int64)
+        return _interleave(starts, q.norms.view(np.uint32).astype(np.int64)[:, None],
+                           np.full((nb, 1), 32, dtype=np.int64), ent_v[:, None], ent_l[:, None])
+
+    def _elias_fields(self, q: Quantised) -> tuple[np.ndarray, np.ndarray]:
+        """The Elias code as fields ``(values, lengths)`` (rows of ``_G + 1`` omega slots)."""
+        blocks, levels, nb = q.blocks, q.levels, len(q.blocks)
+        starts = np.cumsum((0,) + blocks[:-1])
+        pos = np.flatnonzero(levels)
+        prev = np.empty_like(pos)
+        if pos.size:
+            prev[0] = -1
+            prev[1:] = pos[:-1]
+        if nb > 1:
+            blk = np.searchsorted(np.cumsum(blocks), pos, side="right")
+            prev = np.maximum(prev, starts[blk] - 1)
+        gv, gl = _omega_fields(pos - prev)
+        mag = levels[pos]
+        lv, ll = _omega_fields(np.abs(mag))
+        ent_v = np.concatenate([gv, (mag < 0).astype(np.int64)[:, None], lv], axis=1)
+        ent_l = np.concatenate([gl, np.ones((pos.size, 1), dtype=np.int64), ll], axis=1)
+        first = np.searchsorted(pos, starts)  # index of each block's first nonzero
+        cv, cl = _omega_fields(np.diff(np.append(first, pos.size)) + 1)
+        width = ent_v.shape[1]
+        hdr_v = np.zeros((nb, width), dtype=np.int64)
+        hdr_l = np.zeros((nb, width), dtype=np.int64)
+        hdr_v[:, 0] = q.norms.view(np.uint32)
+        hdr_l[:, 0] = 32
+        hdr_v[:, 1:1 + cv.shape[1]] = cv
+        hdr_l[:, 1:1 + cl.shape[1]] = cl
+        return _interleave(first, hdr_v, hdr_l, ent_v, ent_l)
 
     def decode(self, payload: bytes, d: int) -> Quantised:
         """Inverse of ``encode`` for dimension ``d``; any malformed payload raises ``DecodeError``."""

@@ -43,7 +43,7 @@ from .engine import optimise_theta_star
 from .progress import progress_bar
 from .server import QLSDServer
 from .tasks.base import Task
-from .wire import RECORD, arr_to_bytes, bytes_to_arr, record_fields
+from .wire import RECORD, arr_to_bytes, bytes_to_arr, config_record, record_fields
 
 log = logging.getLogger("qlsd_flwr")
 
@@ -200,7 +200,7 @@ class QLSDStrategy(Strategy):
         for msg in grid.send_and_receive(msgs, timeout=timeout):
             if msg.has_error():
                 raise HandshakeError(f"node {msg.metadata.src_node_id} failed the handshake: {msg.error.reason}")
-            rec = msg.content.config_records[RECORD]
+            rec = config_record(msg.content)
             i, d = int(rec["client"]), int(rec["dim"])
             if d != self.d:
                 raise HandshakeError(f"client {i} has dim {d}, the server expects {self.d}")
@@ -231,7 +231,7 @@ class QLSDStrategy(Strategy):
             if msg.has_error() or node not in new:
                 continue
             try:
-                rec = msg.content.config_records[RECORD]
+                rec = config_record(msg.content)
                 i, d = int(rec["client"]), int(rec["dim"])
             except (KeyError, TypeError, ValueError):
                 continue
@@ -256,7 +256,7 @@ class QLSDStrategy(Strategy):
             if msg.has_error():
                 continue
             try:
-                rec = msg.content.config_records[RECORD]
+                rec = config_record(msg.content)
                 i = int(rec["client"])
                 if self.node_of.get(i) != msg.metadata.src_node_id:
                     continue
@@ -286,7 +286,7 @@ class QLSDStrategy(Strategy):
         grads: dict[int, np.ndarray] = {}
         for msg in grid.send_and_receive(msgs, timeout=timeout):
             if not msg.has_error():
-                rec = msg.content.config_records[RECORD]
+                rec = config_record(msg.content)
                 grads[int(rec["client"])] = bytes_to_arr(rec["payload"], self.d)
         if len(grads) != self.cfg.b:
             raise RuntimeError(f"optimisation phase: {self.cfg.b - len(grads)} clients did not answer")
