@@ -85,12 +85,24 @@ def total_rss() -> dict:
     return {"driver": drv, "workers": wk, "total": drv + wk, "n_workers": len(workers)}
 
 
-def slope_per_1000(samples: list[tuple[int, dict]], key: str, warmup: int) -> float:
+def slope_per_1000(samples: list[tuple[int, dict]], key: str, warmup: int) -> tuple[float, float]:
+    """Least-squares growth of ``key`` per 1,000 rounds after ``warmup``, and its standard error."""
     pts = [(r, s[key]) for r, s in samples if r >= warmup]
     if len(pts) < 3:
-        return float("nan")
+        return float("nan"), float("nan")
     x, y = np.array(pts, dtype=float).T
-    return float(np.polyfit(x, y, 1)[0] * 1000.0)
+    slope, icept = np.polyfit(x, y, 1)
+    resid = y - (slope * x + icept)
+    se = np.sqrt(resid @ resid / (len(x) - 2) / np.sum((x - x.mean()) ** 2))
+    return float(slope * 1000.0), float(se * 1000.0)
+
+
+def growth(samples: dict, warmup: int) -> tuple[dict, dict]:
+    """``(growth, standard error)`` in bytes per 1,000 rounds, per arm and per process kind."""
+    fits = {name: {k: slope_per_1000(s, k, warmup) for k in ("driver", "workers", "total")}
+            for name, s in samples.items()}
+    return ({n: {k: v[0] for k, v in f.items()} for n, f in fits.items()},
+            {n: {k: v[1] for k, v in f.items()} for n, f in fits.items()})
 
 
 def run_ours(rounds: int, every: int, out_dir: str) -> list:
@@ -184,17 +196,16 @@ def main() -> None:
     res = {"machine": f"{platform.machine()} {os.cpu_count()} cores, Python {platform.python_version()}",
            "command": " ".join(["python"] + sys.argv), "rounds": args.rounds, "every": args.every,
            "warmup": warm, "arms": mode, "seconds": seconds,
-           "growth_bytes_per_1000_rounds": {
-               name: {k: slope_per_1000(s, k, warm) for k in ("driver", "workers", "total")}
-               for name, s in samples.items()},
+           "growth_bytes_per_1000_rounds": growth(samples, warm)[0],
+           "growth_se_bytes_per_1000_rounds": growth(samples, warm)[1],
            "rss_first_last": {name: [s[0], s[-1]] for name, s in samples.items() if s},
            "samples": samples}
     Path(args.out).write_text(json.dumps(res, indent=1))
-    g = res["growth_bytes_per_1000_rounds"]
+    g, se = res["growth_bytes_per_1000_rounds"], res["growth_se_bytes_per_1000_rounds"]
     for name in ("qlsd", "noop"):
-        print(f"{name:5s}: RSS growth per 1,000 rounds: driver {g[name]['driver'] / 1e3:8.1f} kB, "
-              f"Ray workers {g[name]['workers'] / 1e3:8.1f} kB, total {g[name]['total'] / 1e3:8.1f} kB "
-              f"({res['seconds'][name]:.0f} s)")
+        parts = ", ".join(f"{label} {g[name][k] / 1e3:7.1f} ± {se[name][k] / 1e3:4.1f} kB"
+                          for k, label in (("driver", "driver"), ("workers", "Ray workers"), ("total", "total")))
+        print(f"{name:5s}: RSS growth per 1,000 rounds: {parts} ({res['seconds'][name]:.0f} s)")
 
 
 if __name__ == "__main__":
