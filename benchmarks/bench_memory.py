@@ -193,11 +193,12 @@ def main() -> None:
         for arm in ("qlsd", "noop"):
             samples[arm], seconds[arm] = run_arm(arm, args.rounds, args.every)
         mode = "one after the other"
+    fit, fit_se = growth(samples, warm)
     res = {"machine": f"{platform.machine()} {os.cpu_count()} cores, Python {platform.python_version()}",
            "command": " ".join(["python"] + sys.argv), "rounds": args.rounds, "every": args.every,
            "warmup": warm, "arms": mode, "seconds": seconds,
-           "growth_bytes_per_1000_rounds": growth(samples, warm)[0],
-           "growth_se_bytes_per_1000_rounds": growth(samples, warm)[1],
+           "growth_bytes_per_1000_rounds": fit,
+           "growth_se_bytes_per_1000_rounds": fit_se,
            "rss_first_last": {name: [s[0], s[-1]] for name, s in samples.items() if s},
            "samples": samples}
     Path(args.out).write_text(json.dumps(res, indent=1))

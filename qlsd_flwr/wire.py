@@ -46,7 +46,8 @@ class ReplyError(ValueError):
 def config_record(content, name: str = RECORD):
     """The ``ConfigRecord`` called ``name`` in a Flower ``RecordDict``; ``KeyError`` if there is
     none. (A direct look-up: Flower's ``content.config_records`` builds and type-checks a new
-    view of every record on each access, which cost more than the rest of a client's round.)"""
+    view of every record on each access; three such accesses a message were about 7 % of a client's
+    round at d = 50.)"""
     from flwr.app import ConfigRecord
 
     rec = content[name] if name in content else None
