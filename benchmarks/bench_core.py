@@ -55,8 +55,11 @@ def _ray_runs(b: int, rounds: int) -> dict[str, list]:
     from qlsd_flwr.server_app import quiet_flower
     from qlsd_flwr.simulate import ray_backend_config, run_ray
 
+    # γ scaled with b: the target's precision is N = Σ N_i ∝ b, and ULA diverges once γN > 2
+    # (the paper's γ = 4.9e-4 gives γN ≈ 1 at b = 20; unscaled, the 100-client chain diverges)
     o = {"variant": "qlsd-pp", "num-clients": b, "dim": 50, "num-rounds": rounds, "burn-in": 0,
-         "p": "1.0", "s": "16", "progress": False, "engine": "ray", "output-dir": "/tmp/qlsd-bench"}
+         "p": "1.0", "s": "16", "gamma": 4.9e-4 * 20 / b, "progress": False, "engine": "ray",
+         "output-dir": "/tmp/qlsd-bench"}
     cfg = resolve(o)
     strat = run_ray(cfg, o)
     with open(strat.run_dir / "metrics.csv") as f:

@@ -67,6 +67,8 @@ from functools import lru_cache
 
 import numpy as np
 
+from . import codec
+
 __all__ = [
     "DecodeError",
     "Quantised",
@@ -91,6 +93,7 @@ MAX_S = 2**32  # levels fit the vectorised bit writer (int64 fields, float64-exa
 MAX_D = 2**32 - 1  # d is a uint32 in the header
 _G = 5  # Elias omega groups for any value < 2^63: n → ⌊log2 n⌋ → ... reaches 1 in ≤ 5 steps
 _F32_MAX = float(np.finfo(np.float32).max)
+_MODES = {"packed": 0, "elias": 1, "auto": 2}  # codec.encode_body's mode
 
 
 class DecodeError(ValueError):
@@ -516,8 +519,12 @@ class QSGD:
         u = np.asarray(u, dtype=np.float64)
         if v.ndim != 1:
             raise ValueError(f"QSGD.quantise: v must be 1-D, got shape {v.shape}")
+        blocks = self._blocks(v.shape[0])
+        if len(blocks) == 1 and u.shape == v.shape:  # compiled, the same bits (tests check it)
+            norms, levels = codec.quantise_row(np.ascontiguousarray(v), np.ascontiguousarray(u), self.s)
+            return Quantised(norms=norms, levels=levels, s=self.s, blocks=blocks)
         norms, levels = self.quantise_batch(v[None, :], u[None, :] if u.ndim == 1 else u)
-        return Quantised(norms=norms[0], levels=levels[0], s=self.s, blocks=self._blocks(v.shape[0]))
+        return Quantised(norms=norms[0], levels=levels[0], s=self.s, blocks=blocks)
 
     def dequantise_batch(self, norms: np.ndarray, levels: np.ndarray) -> np.ndarray:
         """``float64(N_b) · ℓ_j / s`` over leading dimensions; same arithmetic as ``dequantise``."""
@@ -597,10 +604,16 @@ class QSGD:
 
         With ``encoding = "auto"`` the Elias fields are built first and their length decides
         (packed on a tie), so the Elias code is laid out once, not measured and then built."""
-        if q.s != self.s or tuple(q.blocks) != self._blocks(q.d):
-            raise ValueError("QSGD.encode: message was quantised with another s or blocks")
-        if q.d > MAX_D:
-            raise ValueError("QSGD.encode: d does not fit the uint32 header")
+        self._check_encodable(q)
+        body, elias, _ = codec.encode_body(q.levels, q.norms.view(np.uint32).astype(np.int64),
+                                           np.asarray(q.blocks, dtype=np.int64), self.level_bits,
+                                           _MODES[self.encoding])
+        return struct.pack("<BI", TAG_ELIAS if elias else TAG_PACKED, q.d) + body.tobytes()
+
+    def encode_reference(self, q: Quantised) -> bytes:
+        """``encode`` laid out with numpy fields: the reference the compiled writer
+        (:mod:`qlsd_flwr.codec`) is tested against, byte for byte."""
+        self._check_encodable(q)
         enc = "packed"
         if self.encoding != "packed":
             vals, lens = self._elias_fields(q)
@@ -611,6 +624,12 @@ class QSGD:
         body, _ = _write_fields(vals, lens)
         tag = TAG_PACKED if enc == "packed" else TAG_ELIAS
         return struct.pack("<BI", tag, q.d) + body
+
+    def _check_encodable(self, q: Quantised) -> None:
+        if q.s != self.s or tuple(q.blocks) != self._blocks(q.d):
+            raise ValueError("QSGD.encode: message was quantised with another s or blocks")
+        if q.d > MAX_D:
+            raise ValueError("QSGD.encode: d does not fit the uint32 header")
 
     def _packed_fields(self, q: Quantised) -> tuple[np.ndarray, np.ndarray]:
         """The packed code as fields ``(values, lengths)``, one row per field, in order."""
@@ -651,6 +670,14 @@ class QSGD:
 
     def decode(self, payload: bytes, d: int) -> Quantised:
         """Inverse of ``encode`` for dimension ``d``; any malformed payload raises ``DecodeError``."""
+        return self._decode(payload, d, compiled=True)
+
+    def decode_reference(self, payload: bytes, d: int) -> Quantised:
+        """``decode`` with the Elias code read in Python: the reference the compiled reader
+        (:mod:`qlsd_flwr.codec`) is tested against, result and error message alike."""
+        return self._decode(payload, d, compiled=False)
+
+    def _decode(self, payload: bytes, d: int, compiled: bool) -> Quantised:
         try:
             d = operator.index(d)
             blocks = self._blocks(d)
@@ -667,14 +694,29 @@ class QSGD:
         if d_wire != d:
             raise DecodeError(f"payload is for d = {d_wire}, expected d = {d}")
         body = payload[HEADER_BYTES:]
-        if tag == TAG_PACKED:
-            norms, levels, bits = self._decode_packed(body, d, blocks)
-        elif tag == TAG_ELIAS:
-            norms, levels, bits = self._decode_elias(body, d, blocks)
-        else:
+        if tag not in (TAG_PACKED, TAG_ELIAS):
             raise DecodeError(f"unknown encoding tag {tag:#04x}")
-        self._check(norms, levels, blocks)
+        elias = tag == TAG_ELIAS
+        self._check_length(body, d, blocks, elias)
+        if compiled:
+            got = codec.decode_body(body, d, np.asarray(blocks, dtype=np.int64), self.s, elias, self.level_bits)
+            if isinstance(got, str):
+                raise DecodeError(got)
+            norms, levels, bits = got
+        else:
+            norms, levels, bits = (self._decode_elias if elias else self._decode_packed)(body, d, blocks)
+            self._check(norms, levels, blocks)
         return Quantised(norms=norms, levels=levels, s=self.s, blocks=blocks, code_bits=bits)
+
+    def _check_length(self, body: bytes, d: int, blocks, elias: bool) -> None:
+        """Length checks made before any bit is read (they bound the decoder's work)."""
+        if elias:
+            if len(body) > (self._max_elias_bits(blocks) + 7) // 8:
+                raise DecodeError("payload longer than any Elias code for this d and s")
+            return
+        nbits = 32 * len(blocks) + d * (1 + self.level_bits)
+        if len(body) != (nbits + 7) // 8:
+            raise DecodeError(f"packed code must be {(nbits + 7) // 8} bytes, got {len(body)}")
 
     def _check(self, norms: np.ndarray, levels: np.ndarray, blocks: tuple[int, ...]) -> None:
         if not np.all(np.isfinite(norms)):
@@ -691,8 +733,6 @@ class QSGD:
         lb = self.level_bits
         w = 1 + lb
         nbits = 32 * len(blocks) + d * w
-        if len(body) != (nbits + 7) // 8:
-            raise DecodeError(f"packed code must be {(nbits + 7) // 8} bytes, got {len(body)}")
         bits = np.unpackbits(np.frombuffer(body, dtype=np.uint8))
         if bits[nbits:].any():
             raise DecodeError("nonzero padding")
@@ -714,8 +754,6 @@ class QSGD:
         return _max_elias_bits(self.s, tuple(blocks))
 
     def _decode_elias(self, body: bytes, d: int, blocks):
-        if len(body) > (self._max_elias_bits(blocks) + 7) // 8:
-            raise DecodeError("payload longer than any Elias code for this d and s")
         bs = np.unpackbits(np.frombuffer(body, dtype=np.uint8)).tobytes().translate(_BITCHARS).decode("ascii")
         t = len(bs)
         bsp = bs + "0" * _TW  # lets the fast path slice a full window near the end

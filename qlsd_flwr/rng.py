@@ -44,8 +44,25 @@ def _mix(z: np.ndarray) -> np.ndarray:
     return z ^ (z >> _S31)
 
 
+_MASK = (1 << 64) - 1
+_GI, _M1I, _M2I = int(_G), int(_M1), int(_M2)
+
+
+def _mix_int(z: int) -> int:
+    """``_mix`` on a Python int, modulo 2^64 (bit for bit the same)."""
+    z = ((z ^ (z >> 30)) * _M1I) & _MASK
+    z = ((z ^ (z >> 27)) * _M2I) & _MASK
+    return z ^ (z >> 31)
+
+
 def key(seed, stream, round_, client) -> np.ndarray:
     """The 64-bit key of stream ``(seed, stream, round, client)``; arguments broadcast."""
+    if type(seed) is int and type(round_) is int and type(client) is int \
+            and 0 <= min(seed, round_, client) and max(seed, round_, client) <= _MASK:
+        # one stream (every client message draws two): Python ints, no numpy scalar overhead
+        k = _mix_int((seed + _GI * int(stream)) & _MASK)
+        k = _mix_int((k + _GI * (round_ + 1)) & _MASK)
+        return np.uint64(_mix_int((k + _GI * (client + 1)) & _MASK))
     with np.errstate(over="ignore"):
         k = _mix(np.asarray(seed, dtype=np.uint64) + _G * np.uint64(int(stream)))
         k = _mix(k + _G * (np.asarray(round_, dtype=np.uint64) + np.uint64(1)))

@@ -18,6 +18,7 @@ the round and suggesting a smaller ``gamma``.
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import numpy as np
@@ -136,6 +137,7 @@ class QLSDServer:
         self._g_hat: dict[int, np.ndarray] = {}
         self._answered: set[int] = set()
         self._overflow: dict[int, str] = {}  # clients whose codec overflowed (θ running away)
+        self._bounds: list[float] = []
         self._row = {"bits_bound": 0.0, "bits_exact": 0, "bytes_payload": 0, "bytes_message": 0, "n_rejected": 0}
         return list(self._active)
 
@@ -193,7 +195,7 @@ class QLSDServer:
         if self.cfg.memory:
             self.eta_count[i] += 1
         r = self._row
-        r["bits_bound"] += comp.bound_bits(self.d)
+        self._bounds.append(comp.bound_bits(self.d))  # summed exactly (fsum) in end_round
         # the exact length of the code this client sent (the decoder counts what it read)
         r["bits_exact"] += q.code_bits if getattr(q, "code_bits", None) is not None else comp.code_length_bits(q)
         r["bytes_payload"] += len(rep["payload"])
@@ -210,6 +212,8 @@ class QLSDServer:
             # every active client's gradient overflowed its codec at θ_k: the chain has run away
             self._diverged(k + 1, "every active client's message overflows the codec "
                                   f"[{self._overflow[min(self._overflow)]}]")
+        # replies arrive in any order: an exactly rounded sum keeps the row a function of the seed
+        self._row["bits_bound"] = math.fsum(self._bounds)
         facts = sampler.server_step(self.spec, self.state, self.cfg.seed, self._g_hat)
         if not np.all(np.isfinite(self.state.theta)):
             self._diverged(k + 1)

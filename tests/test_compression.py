@@ -14,6 +14,7 @@ Monte Carlo tolerances are derived, not tuned:
 from __future__ import annotations
 
 import math
+import re
 import struct
 import time
 
@@ -257,6 +258,28 @@ def test_quantise_batch_equals_rows_bitwise(data):
         assert L[i] == c.code_length_bits(q)
 
 
+def test_compiled_quantise_equals_batch_across_the_float_range():
+    # one-norm quantise runs a compiled kernel (qlsd_flwr.codec); quantise_batch is numpy: the
+    # norms, levels and errors must agree bit for bit, down to float32 underflow and up to overflow
+    rng = np.random.default_rng(11)
+    for d in (1, 8, 9, 129, 5000):
+        for s in (1, 16, 2**32):
+            c = QSGD(s)
+            for scale in (1e-50, 1e-45, 1e-40, 1.0, 1e37, 1e38):
+                v = rng.standard_normal(d) * scale * np.exp(2 * rng.standard_normal(d))
+                v[rng.random(d) < 0.2] = 0.0
+                u = rng.random(d)
+                try:
+                    norms, levels = c.quantise_batch(v[None], u[None])
+                except ValueError as exc:
+                    with pytest.raises(ValueError, match=re.escape(str(exc))):
+                        c.quantise(v, u)
+                    continue
+                q = c.quantise(v, u)
+                assert np.array_equal(q.norms.view(np.uint32), norms[0].view(np.uint32))
+                assert np.array_equal(q.levels, levels[0])
+
+
 def test_quantise_batch_large_rows_bitwise():
     rng = np.random.default_rng(3)
     V = rng.standard_normal((64, 3001))
@@ -286,8 +309,11 @@ def check_code(c: QSGD, q: Quantised):
     if c.encoding == "auto":  # the shorter code of the two
         assert bits == min(len(body_ref(q, "packed")), len(body_ref(q, "elias")))
     assert int(c.code_length_bits_batch(q.levels)) == bits
+    assert c.encode_reference(q) == payload  # compiled writer (qlsd_flwr.codec) = numpy fields
     back = c.decode(payload, q.d)
     assert back == q
+    ref = c.decode_reference(payload, q.d)
+    assert ref == q and ref.code_bits == back.code_bits == bits
     assert np.array_equal(dequantise(back).view(np.uint64), dequantise(q).view(np.uint64))
     return payload
 
@@ -426,11 +452,21 @@ def test_decode_work_is_bounded_on_hostile_input():
     assert time.perf_counter() - t < 5.0  # each is rejected up front by its length
 
 
-def check_canonical_or_rejected(c: QSGD, payload: bytes, d: int):
+def decode_outcome(decode, payload: bytes, d: int):
     try:
-        q = c.decode(payload, d)
-    except DecodeError:
+        return decode(payload, d), None
+    except DecodeError as exc:
+        return None, str(exc)
+
+
+def check_canonical_or_rejected(c: QSGD, payload: bytes, d: int):
+    q, err = decode_outcome(c.decode, payload, d)
+    # the compiled reader (qlsd_flwr.codec) fails where the Python reference does, with its message
+    q_ref, err_ref = decode_outcome(c.decode_reference, payload, d)
+    assert err == err_ref
+    if err is not None:
         return False
+    assert q == q_ref and q.code_bits == q_ref.code_bits
     assert isinstance(q, Quantised) and q.d == d
     assert np.all(np.abs(q.levels) <= c.s) and np.all(np.isfinite(q.norms))
     enc = "packed" if payload[0] == TAG_PACKED else "elias"

@@ -165,3 +165,28 @@ def test_direct_numeric_path_equals_protocol_path(variant):
     a = run_local(cfg, write=False, keep_trace=True, progress=False, wire=True).trace
     b = run_local(cfg, write=False, keep_trace=True, progress=False, wire=False).trace
     np.testing.assert_array_equal(a, b)
+
+
+def test_message_nbytes_equals_deflating_the_whole_tree():
+    # message_nbytes deflates each object once (children first, reusing their ids); the
+    # reference deflates the tree as it comes: the same bytes on every shape of message
+    from flwr.app import Array, ArrayRecord, Error, MessageType, MetricRecord
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from qlsd_flwr.strategy import message_nbytes, message_nbytes_reference
+
+    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 0
+    sent = Message(RecordDict({RECORD: ConfigRecord({"theta": bytes(400), "round": 3})}), 7, MessageType.TRAIN)
+    sent.metadata.__dict__["_message_id"] = "m" * 64
+    shapes = [
+        sent,
+        Message(RecordDict({RECORD: ConfigRecord({"client": 2, "status": "ok", "payload": bytes(range(37)),
+                                                  "anchor_version": 12})}), reply_to=sent),
+        Message(RecordDict({"w": ArrayRecord({"a": Array(np.arange(12.0).reshape(3, 4)), "b": Array(np.ones(5))}),
+                            "m": MetricRecord({"loss": 0.5}), "c": ConfigRecord({"x": [1, 2], "y": "z"})}),
+                9, MessageType.TRAIN),
+        Message(RecordDict(), 4, MessageType.QUERY),
+        Message(Error(code=2, reason="boom"), reply_to=sent),
+    ]
+    for msg in shapes:
+        assert message_nbytes(msg) == message_nbytes_reference(msg) > 0

@@ -28,6 +28,18 @@ def test_vectorised_equals_scalar_bitwise():
     np.testing.assert_array_equal(nb[1, 2, 3], rng.normal(4, rng.Stream.NOISE, 2, 3, 4))
 
 
+def test_python_int_keys_equal_the_numpy_keys_bitwise():
+    # rng.key takes Python ints (one stream per client message) without numpy; the array path is
+    # the same SplitMix64 chain in uint64 arithmetic: the keys must agree bit for bit, wrap-around too
+    vals = [0, 1, 7, 2**31 - 1, 2**32 + 5, 2**53 + 1, 2**63, 2**64 - 1]
+    for stream in rng.Stream:
+        for seed in vals:
+            fast = np.array([[int(rng.key(seed, stream, r, c)) for c in vals] for r in vals], dtype=np.uint64)
+            arrays = rng.key(np.uint64(seed), stream, np.array(vals, dtype=np.uint64)[:, None],
+                             np.array(vals, dtype=np.uint64)[None, :])
+            np.testing.assert_array_equal(fast, arrays)
+
+
 def test_streams_differ():
     u1 = rng.uniform(0, rng.Stream.DITHER, 0, 0, 100)
     u2 = rng.uniform(0, rng.Stream.NOISE, 0, 0, 100)
