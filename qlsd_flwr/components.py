@@ -32,6 +32,21 @@ def load_task(cfg: RunConfig) -> Task:
     raise ConfigError(f"task: unknown value {name!r}")
 
 
+def stability_warning(cfg: RunConfig, task: Task) -> str | None:
+    """On a target whose posterior precision is known (the Gaussian task), the message to warn
+    with when the step ``gamma`` is beyond the stability limit of Langevin with exact
+    gradients, ``γ < 2/τ_max`` (``τ`` the precision: the iteration multiplies the error by
+    ``1 − γτ``), i.e. when the chain will diverge; ``None`` otherwise."""
+    if task.posterior_var is None:
+        return None
+    tau = float(1.0 / np.min(task.posterior_var))
+    if cfg.gamma * tau < 2.0:
+        return None
+    return (f"gamma = {cfg.gamma:g} is beyond this target's stability limit 2/τ = {2.0 / tau:.3g} "
+            f"(τ = {tau:.4g}, the posterior precision, grows with the clients' data): the chain will "
+            f"diverge; choose gamma below {2.0 / tau:.3g} (e.g. {1.0 / tau:.3g}, γτ = 1)")
+
+
 def blocks_for(cfg: RunConfig, task: Task) -> tuple[int, ...] | None:
     """QSGD norm blocks: one for the whole vector, or one per tensor (``block-norm = tensor``)."""
     if cfg.block_norm == "vector":

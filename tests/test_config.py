@@ -1,5 +1,6 @@
 """Invalid configurations are refused at start with the key and its allowed range."""
 
+import numpy as np
 import pytest
 
 from qlsd_flwr.config import ConfigError, resolve
@@ -39,3 +40,25 @@ def test_good_config_and_aliases():
     assert cfg.b == 1
     cfg = resolve({"p": "0.5,1,1", "num-clients": 3})
     assert cfg.p.tolist() == [0.5, 1.0, 1.0]
+
+
+def test_a_step_beyond_the_stability_limit_is_warned_at_start(caplog):
+    # the Gaussian target's precision τ = Σ N_i grows with b: γ = 4.9e-4 is stable at b = 20
+    # (γτ ≈ 0.74) but not at b = 100 (γτ ≈ 3.3), where exact-gradient Langevin diverges
+    import logging
+
+    from qlsd_flwr import components as C
+    from qlsd_flwr.server import QLSDServer
+
+    for b, unstable in ((20, False), (100, True)):
+        cfg = resolve({"num-clients": b, "gamma": 4.9e-4})
+        task = C.load_task(cfg)
+        tau = 1.0 / float(np.min(task.posterior_var))
+        assert (cfg.gamma * tau >= 2.0) == unstable
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="qlsd_flwr"):
+            QLSDServer(cfg, task, write=False)
+        warned = [r.getMessage() for r in caplog.records if "stability limit" in r.getMessage()]
+        assert bool(warned) == unstable
+        if unstable:
+            assert "gamma = 0.00049" in warned[0] and f"{2.0 / tau:.3g}" in warned[0]
