@@ -42,6 +42,21 @@ def _client_setup(cfg_json: str, i: int, data_path: str | None = None):
     return cfg, pot, spec, d
 
 
+_CFG_JSON: dict = {}  # run config items (hashable) -> its JSON: one json.dumps per config, not per message
+
+
+def client_setup(context: Context, overrides: dict | None, overrides_json: str):
+    """``(cfg, potential, spec, d)`` of this node's client, built once per run config."""
+    try:
+        items = frozenset(context.run_config.items())
+        cfg_json = _CFG_JSON.get((items, overrides_json))
+        if cfg_json is None:
+            cfg_json = _CFG_JSON[(items, overrides_json)] = run_config_of(context, overrides)
+    except TypeError:  # an unhashable value: the JSON itself is the key
+        cfg_json = run_config_of(context, overrides)
+    return _client_setup(cfg_json, client_index(context), data_path_of(context))
+
+
 def client_index(context: Context) -> int:
     try:
         return int(context.node_config["partition-id"])
@@ -94,11 +109,12 @@ def _reply(message: Message, fields: dict) -> Message:
 def make_client_app(overrides: dict | None = None, mods=None) -> ClientApp:
     """A ClientApp; ``overrides`` are run-config values (for programmatic simulations)."""
     app = ClientApp(mods=mods or [])
+    overrides_json = json.dumps(overrides or {}, sort_keys=True, default=str)
 
     @app.query()
     def query(message: Message, context: Context) -> Message:
         i = client_index(context)
-        _, pot, _, d = _client_setup(run_config_of(context, overrides), i, data_path_of(context))
+        _, pot, _, d = client_setup(context, overrides, overrides_json)
         fields = {"client": i, "n_data": int(pot.n_data), "dim": int(d)}
         rec = record_fields(message.content)
         if rec is not None and rec.get("report") == "memory":
@@ -110,8 +126,7 @@ def make_client_app(overrides: dict | None = None, mods=None) -> ClientApp:
 
     @app.train()
     def train(message: Message, context: Context) -> Message:
-        i = client_index(context)
-        cfg, pot, spec, d = _client_setup(run_config_of(context, overrides), i, data_path_of(context))
+        cfg, pot, spec, d = client_setup(context, overrides, overrides_json)
         st = load_state(context)
         reply = handle(spec, pot, st, cfg.seed, dict(config_record(message.content)), d)
         save_state(context, st, d)

@@ -18,6 +18,7 @@ from __future__ import annotations
 from enum import IntEnum
 
 import numpy as np
+from numba import njit
 
 _G = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -70,13 +71,39 @@ def key(seed, stream, round_, client) -> np.ndarray:
     return k
 
 
+@njit(cache=True)
+def mix_nb(z):
+    """``_mix`` compiled (numba, uint64 arithmetic): the same bits."""
+    z = (z ^ (z >> np.uint64(30))) * _M1
+    z = (z ^ (z >> np.uint64(27))) * _M2
+    return z ^ (z >> np.uint64(31))
+
+
+@njit(cache=True)
+def unif_nb(k, j):
+    """The ``j``-th uniform (``j ≥ 1``) of the stream with key ``k``, as :func:`uniform`."""
+    return np.float64(np.int64(mix_nb(k + _G * np.uint64(j)) >> np.uint64(11))) * _TWO53
+
+
+@njit(cache=True)
+def _uniform_row(k, offset, out):
+    for j in range(out.shape[0]):
+        out[j] = unif_nb(k, offset + j + 1)
+
+
 def uniform(seed, stream, round_, client, n: int, offset: int = 0) -> np.ndarray:
     """``n`` uniforms in ``[0, 1)`` (53-bit), shape ``broadcast(round, client).shape + (n,)``.
 
     ``offset`` skips the first ``offset`` positions of the stream (so two calls with offsets
-    0 and n give disjoint, consecutive parts of one stream).
+    0 and n give disjoint, consecutive parts of one stream). One stream (Python-int keys, as
+    a client message draws) runs the compiled copy of the arithmetic; tests check the bits.
     """
-    k = key(seed, stream, round_, client)[..., None]
+    k = key(seed, stream, round_, client)
+    if np.ndim(k) == 0 and type(offset) is int and offset >= 0:
+        out = np.empty(n, dtype=np.float64)
+        _uniform_row(k, offset, out)
+        return out
+    k = k[..., None]
     j = np.arange(offset + 1, offset + n + 1, dtype=np.uint64)
     with np.errstate(over="ignore"):
         x = _mix(k + _G * j)

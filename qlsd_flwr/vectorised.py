@@ -852,11 +852,7 @@ if HAVE_NUMBA:
     _SH11 = np.uint64(11)
     _MAGIC = np.uint64(0x4330000000000000)  # the bits of 2^52
 
-    @njit(cache=True)
-    def _mix(z):
-        z = (z ^ (z >> np.uint64(30))) * _M1
-        z = (z ^ (z >> np.uint64(27))) * _M2
-        return z ^ (z >> np.uint64(31))
+    _mix = rng.mix_nb
 
     @njit(cache=True)
     def _key_seed(seed, stream):
@@ -869,10 +865,7 @@ if HAVE_NUMBA:
         k = _mix(kseed + _G * (np.uint64(round_) + _ONE))
         return _mix(k + _G * (np.uint64(client) + _ONE))
 
-    @njit(cache=True)
-    def _unif(k, j):
-        """The ``j``-th uniform (``j ≥ 1``) of the stream with key ``k``, as :func:`rng.uniform`."""
-        return np.float64(np.int64(_mix(k + _G * np.uint64(j)) >> _SH11)) * _TWO53
+    _unif = rng.unif_nb
 
     @njit(cache=True)
     def _nb_normal_rows(seeds, stream, round_, client, out):

@@ -38,6 +38,13 @@ def test_python_int_keys_equal_the_numpy_keys_bitwise():
             arrays = rng.key(np.uint64(seed), stream, np.array(vals, dtype=np.uint64)[:, None],
                              np.array(vals, dtype=np.uint64)[None, :])
             np.testing.assert_array_equal(fast, arrays)
+    # one stream's uniforms run compiled (rng.unif_nb); a batch of streams runs numpy
+    for seed, r, c, n, offset in ((0, 0, 0, 50, 0), (9, 17, 3, 7, 0), (2**40, 12345, 19, 300, 50),
+                                  (2**64 - 1, 2**63, 5, 3, 2**40)):
+        one = rng.uniform(seed, rng.Stream.DITHER, r, c, n, offset)
+        batch = rng.uniform(np.uint64(seed), rng.Stream.DITHER, np.array([r], dtype=np.uint64),
+                            np.array([c], dtype=np.uint64), n, offset)[0]
+        np.testing.assert_array_equal(one.view(np.uint64), batch.view(np.uint64))
 
 
 def test_streams_differ():
