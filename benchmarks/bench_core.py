@@ -32,18 +32,32 @@ from noop_app import noop_apps, shape_apps  # noqa: E402
 
 def ray_round_times(b: int, rounds: int, pairs: int = 1) -> dict:
     """``pairs`` × (QLSD++, no-op, shape-only), in turn, so that a change in the machine's load
-    hits all three; the rounds of all runs of one kind are pooled (after each run's warm-up)."""
+    hits all three; the rounds of all runs of one kind are pooled (after each run's warm-up).
+
+    A round is a whole number of Flower's 0.1 s polls plus a little, so the median snaps to a
+    multiple of 0.1 s and whether two apps' medians land on the same multiple is close to a coin
+    toss when their rounds are near a boundary. The mean averages over the poll phase and grows
+    with the real work; its ratio is reported with the spread of the per-pair ratios (each pair
+    of runs is one independent replicate; rounds within a run are not independent)."""
     skip = min(5, rounds // 3)  # the first rounds warm up Ray's actors
     got: dict[str, list] = {"qlsd": [], "noop": [], "shape": []}
+    per_pair: list[dict] = []
     for _ in range(pairs):
-        for kind, times in _ray_runs(b, rounds).items():
-            got[kind] += times[skip:]
+        run = {k: v[skip:] for k, v in _ray_runs(b, rounds).items()}
+        for kind, times in run.items():
+            got[kind] += times
+        per_pair.append({k: statistics.fmean(v) for k, v in run.items()})
     med = {k: statistics.median(v) for k, v in got.items()}
+    mean = {k: statistics.fmean(v) for k, v in got.items()}
+    pair_ratio = [p["qlsd"] / p["noop"] for p in per_pair]
     return {"clients": b, "rounds": rounds, "pairs": pairs, "qlsd_s_per_round": med["qlsd"],
             "noop_s_per_round": med["noop"], "shape_s_per_round": med["shape"],
             "ratio": med["qlsd"] / med["noop"], "shape_ratio": med["shape"] / med["noop"],
             "qlsd_over_shape": med["qlsd"] / med["shape"],
-            **{f"{k}_mean": statistics.fmean(v) for k, v in got.items()}}
+            **{f"{k}_mean": v for k, v in mean.items()},
+            "mean_ratio": mean["qlsd"] / mean["noop"], "mean_shape_ratio": mean["shape"] / mean["noop"],
+            "pair_mean_ratios": pair_ratio,
+            "pair_ratio_se": statistics.stdev(pair_ratio) / len(pair_ratio) ** 0.5 if pairs > 1 else None}
 
 
 def _ray_runs(b: int, rounds: int) -> dict[str, list]:
@@ -91,6 +105,8 @@ def wire_sizes() -> list[dict]:
             comp = QSGD(s=s, encoding="auto")
             reps = 5 if d > 1000 else 50
             payload, exact, t_enc, t_dec = [], [], 0.0, 0.0
+            warm = comp.quantise(v, rng.uniform(0, rng.Stream.DITHER, reps, 0, d))
+            comp.decode(comp.encode(warm), d)  # first calls load the compiled kernels: not timed
             for k in range(reps):
                 q = comp.quantise(v, rng.uniform(0, rng.Stream.DITHER, k, 0, d))
                 t0 = time.perf_counter()
@@ -134,10 +150,12 @@ def main() -> None:
         for b in (int(x) for x in args.clients.split(",")):
             row = ray_round_times(b, args.rounds, args.pairs)
             result["ray"].append(row)
-            print(f"Ray, {b} clients: QLSD++ {row['qlsd_s_per_round']:.3f} s/round, no-op "
-                  f"{row['noop_s_per_round']:.3f}, shape-only {row['shape_s_per_round']:.3f}; "
-                  f"QLSD++/no-op {row['ratio']:.2f}, shape-only/no-op {row['shape_ratio']:.2f}, "
-                  f"QLSD++/shape-only {row['qlsd_over_shape']:.2f}", flush=True)
+            print(f"Ray, {b} clients, median s/round: QLSD++ {row['qlsd_s_per_round']:.3f}, no-op "
+                  f"{row['noop_s_per_round']:.3f}, shape-only {row['shape_s_per_round']:.3f} "
+                  f"(QLSD++/no-op {row['ratio']:.2f}); mean: QLSD++ {row['qlsd_mean']:.3f}, no-op "
+                  f"{row['noop_mean']:.3f}, shape-only {row['shape_mean']:.3f}; QLSD++/no-op "
+                  f"{row['mean_ratio']:.2f} (pairs: {', '.join(f'{r:.2f}' for r in row['pair_mean_ratios'])}), "
+                  f"shape-only/no-op {row['mean_shape_ratio']:.2f}", flush=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
 
