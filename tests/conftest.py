@@ -20,16 +20,14 @@ def pytest_collection_modifyitems(config, items):
 
 
 
-def pytest_collection_finish(session):
-    """Under ``--dist loadgroup``, check that xdist really grouped the engine tests: with
-    pytest 9.2 and xdist 3.8 its grouping silently did nothing (pytest's node ids no longer
-    come from the attribute xdist rewrites), and Ray runs and deployments then ran side by
-    side on 2 cores, timing out a deployment test. Hence ``pytest<9`` in the test extra."""
-    if not getattr(session.config.option, "loadgroup", False):  # not an xdist worker in loadgroup mode
+def pytest_runtest_setup(item):
+    """Under ``--dist loadgroup``, an engine test fails unless xdist really put it in the group:
+    with pytest 9.2 and xdist 3.8 the grouping silently did nothing (pytest's node ids no longer
+    come from the attribute xdist rewrites), and Ray runs and deployments then ran side by side
+    on 2 cores, timing out a deployment test. Hence ``pytest<9`` in the test extra."""
+    if not getattr(item.config.option, "loadgroup", False):  # not an xdist worker in loadgroup mode
         return
-    lost = [i.nodeid for i in session.items
-            if (i.get_closest_marker("ray") or i.get_closest_marker("deployment"))
-            and not i.nodeid.endswith("@engines")]
-    if lost:
-        raise pytest.UsageError(f"xdist did not put {len(lost)} engine tests in the 'engines' group "
-                                f"(e.g. {lost[0]}); check the pytest/pytest-xdist versions")
+    if (item.get_closest_marker("ray") or item.get_closest_marker("deployment")) \
+            and not item.nodeid.endswith("@engines"):
+        pytest.fail("xdist did not put this engine test in the 'engines' group, so it may run beside "
+                    "another Ray run or deployment; check the pytest / pytest-xdist versions", pytrace=False)
