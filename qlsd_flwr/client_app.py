@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 import json
 
-import numpy as np
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 

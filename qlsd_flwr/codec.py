@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-# error codes of ``decode_elias`` (0 = valid)
+# error codes of the decoding kernels (0 = valid); decode_body turns them into messages
 (_OK, _TRUNC_OMEGA, _ABOVE, _TRUNC_NORM, _TRUNC_SIGN, _TRAILING, _PADDING, _NEG_ZERO,
  _NONFINITE, _NEG_NORM, _ABOVE_S, _ZERO_NORM) = range(12)
 _MESSAGES = {_TRUNC_OMEGA: "truncated Elias omega code", _TRUNC_NORM: "truncated norm",

@@ -6,6 +6,8 @@ engine) calls these same functions, so they all run the same algorithm.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 from .compression import Identity, QSGD
@@ -30,6 +32,12 @@ def load_task(cfg: RunConfig) -> Task:
 
         return registry.build(cfg, pooled=pooled)
     raise ConfigError(f"task: unknown value {name!r}")
+
+
+def warn_if_unstable(cfg: RunConfig, task: Task) -> None:
+    """Log :func:`stability_warning`'s message, if any (every engine calls this at start)."""
+    if (why := stability_warning(cfg, task)) is not None:
+        logging.getLogger("qlsd_flwr").warning(why)
 
 
 def stability_warning(cfg: RunConfig, task: Task) -> str | None:

@@ -41,8 +41,7 @@ class QLSDServer:
     def __init__(self, cfg: RunConfig, task: Task, run_dir=None, write: bool = True,
                  keep_trace: bool = False, engine_label: str = "flower"):
         self.cfg, self.task, self.d = cfg, task, task.dim
-        if (why := C.stability_warning(cfg, task)) is not None:
-            log.warning(why)
+        C.warn_if_unstable(cfg, task)
         self.blocks = C.blocks_for(cfg, task)
         self.compressors = [C.compressor_for(cfg, i, self.blocks) for i in range(cfg.b)]
         self.write, self.run_dir, self.keep_trace = write, run_dir, keep_trace

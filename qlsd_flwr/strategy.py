@@ -205,7 +205,6 @@ class QLSDStrategy(Strategy):
               timeout: float | None = None, train_config=None, evaluate_config=None,
               evaluate_fn=None) -> Result:
         """Handshake, optional θ* phase, then ``num-rounds`` sampling rounds."""
-        cfg = self.cfg
         try:
             return self._start(grid, num_rounds, timeout)
         except DivergenceError as exc:

@@ -78,7 +78,6 @@ and per-chain bit counts, so long runs need no sample storage.
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 import time
@@ -97,8 +96,6 @@ from .oracles import ClientState, full_local_grad, oracle
 from .outputs import Recorder, _jsonable, make_run_dir
 from .progress import progress_bar
 from .tasks.base import Task
-
-log = logging.getLogger("qlsd_flwr")
 
 try:  # summary_extra: the facts every engine adds to its summary
     from .server import summary_extra
@@ -376,8 +373,7 @@ def run_side_by_side(cfgs, task: Task | None = None, write: bool = False, keep_t
 def _parts(cfg: RunConfig, task: Task):
     """Client specs, server spec, θ* and its facts for ``cfg`` (as the other engines build them)."""
     d = task.dim
-    if (why := C.stability_warning(cfg, task)) is not None:
-        log.warning(why)
+    C.warn_if_unstable(cfg, task)
     blocks = C.blocks_for(cfg, task)
     specs = [C.client_spec(cfg, i, task.clients[i].n_data, d, task.prior, blocks) for i in range(cfg.b)]
     theta0 = C.theta0_of(task)
@@ -844,8 +840,6 @@ if HAVE_NUMBA:
     from numba.cpython.unsafe.numbers import leading_zeros
 
     _G = rng._G
-    _M1 = rng._M1
-    _M2 = rng._M2
     _TWO53 = rng._TWO53
     _TWO_PI = rng._TWO_PI
     _ONE = np.uint64(1)
