@@ -66,8 +66,8 @@ def _ray_runs(b: int, rounds: int) -> dict[str, list]:
     from flwr.simulation import run_simulation
 
     from qlsd_flwr.config import resolve
-    from qlsd_flwr.server_app import quiet_flower
-    from qlsd_flwr.simulate import ray_backend_config, run_ray
+    from qlsd_flwr.flower.server_app import quiet_flower
+    from qlsd_flwr.run.simulate import ray_backend_config, run_ray
 
     # γ scaled with b: the target's precision is N = Σ N_i ∝ b, and ULA diverges once γN > 2
     # (the paper's γ = 4.9e-4 gives γN ≈ 1 at b = 20; unscaled, the 100-client chain diverges)
@@ -92,10 +92,10 @@ def wire_sizes() -> list[dict]:
     from flwr.app import ConfigRecord, Message, MessageType, RecordDict
     from flwr.supercore.task_identity import TaskIdentity
 
-    from qlsd_flwr import rng
-    from qlsd_flwr.compression import QSGD
-    from qlsd_flwr.strategy import message_nbytes
-    from qlsd_flwr.wire import RECORD
+    from qlsd_flwr.compression.qsgd import QSGD
+    from qlsd_flwr.core import rng
+    from qlsd_flwr.flower.records import RECORD
+    from qlsd_flwr.flower.sizing import message_nbytes
 
     TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 0
     rows = []

@@ -33,7 +33,7 @@ import tomllib
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from qlsd_flwr import deploy as D  # noqa: E402
-from qlsd_flwr.compression import QSGD  # noqa: E402
+from qlsd_flwr.compression.qsgd import QSGD  # noqa: E402
 
 B, DIM, S = 3, 50, 16
 
@@ -43,7 +43,7 @@ import json, time
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
-from qlsd_flwr.strategy import message_nbytes
+from qlsd_flwr.flower.sizing import message_nbytes
 
 server = ServerApp()
 client = ClientApp()

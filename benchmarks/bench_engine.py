@@ -10,7 +10,7 @@ threads are reported too, since a shared machine's load shows in the wall clock 
   clients and the Langevin update with ``Generator.standard_normal``. No exact subset draw,
   no counter-based streams, no code lengths, no statistics: a lower bound on the time of one
   step written in numpy.
-* ``engine``: :func:`qlsd_flwr.vectorised.run_vectorised` (numba backend) on QLSD* ``s = 2^4``,
+* ``engine``: :func:`qlsd_flwr.engines.vectorised.run_vectorised` (numba backend) on QLSD* ``s = 2^4``,
   the same chains, with everything (exact subsets, exact code lengths, streamed statistics).
 * ``side by side``: the toy figure's 7 configurations in one pass (:func:`run_side_by_side`).
 * ``numpy backend`` and the framework-free ``local`` loop, for scale.
@@ -40,10 +40,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from qlsd_flwr.config import resolve  # noqa: E402
-from qlsd_flwr.engine import run_local  # noqa: E402
-from qlsd_flwr.tasks.base import GaussianPrior, Task  # noqa: E402
+from qlsd_flwr.core.potential import GaussianPrior, Task  # noqa: E402
+from qlsd_flwr.engines.local import run_local  # noqa: E402
+from qlsd_flwr.engines.vectorised import run_side_by_side, run_vectorised  # noqa: E402
 from qlsd_flwr.tasks.gaussian import GaussianLocal, build_gaussian_task, client_data  # noqa: E402
-from qlsd_flwr.vectorised import run_side_by_side, run_vectorised  # noqa: E402
 
 FIGURE = [("qlsd-sharp", 4), ("qlsd-sharp", 8), ("qlsd-sharp", 16),
           ("qlsd-star", 4), ("qlsd-star", 8), ("qlsd-star", 16), ("lsd-star", None)]
@@ -176,21 +176,18 @@ def scaling(args) -> list[dict]:
     return out
 
 
-ABLATIONS = {
-    "Langevin noise (log1p, cos)": [("z[q] = math.sqrt(-2.0 * math.log1p(-u1)) * math.cos(_TWO_PI * u2)",
-                                     "z[q] = u1 - u2")],
-    "exact code length (Elias)": [("bits, e = _quantise(h, s[v, i], u, gh, lev, nzpos, iv[v, 3], packed[v, i])",
-                                   "bits, e = _quantise(h, s[v, i], u, gh, lev, nzpos, 2, packed[v, i])")],
+ABLATIONS = {  # edits of the kernel's source (qlsd_flwr/engines/vectorised/kernel.py)
+    "Langevin noise (log1p, cos)": [("rng.normal_row_nb(rng.key_rc_nb(ks_noise, k, 0), z)", "z[:] = 0.5")],
+    "exact code length (Elias)": [("if encoding[v] != _PACKED:", "if False:")],
     "minibatch subset draw (SplitMix64 keys + selection)": [
-        ("tie = _select(kmini, N, n, keys, cand_i, cand_k, amb, sel)",
-         "tie = 0\n        for jj in range(n):\n            sel[jj] = jj")],
-    "minibatch row sums": [("""            row = off + sel[jj]
-            for q in range(d):
-                acc[q] = acc[q] + y[row, q]""", """            acc[0] += sel[jj]""")],
+        ("tie = rng.subset_nb(kmini, N, n, keys, cand_i, cand_k, amb, sel)",
+         "tie = 0\n    for jj in range(n):\n        sel[jj] = jj")],
+    "minibatch row sums": [("""        row = off + sel[jj]
+        for q in range(d):
+            acc[q] = acc[q] + y[row, q]""", """        acc[0] += sel[jj]""")],
     "QSGD dither + quantise + dequantise": [
-        ("bits, e = _quantise(h, s[v, i], u, gh, lev, nzpos, iv[v, 3], packed[v, i])",
-         "bits = 0\n                                e = 0\n                                gh[:] = h"),
-        ("_dither(_key_rc(ks_dith, k, i), d, u, nzpos)", "pass")],
+        ("e = quantise_block_nb(h, u, s[v, i], lev, gh, n32)", "e = 0\n                            gh[:] = h"),
+        ("rng.dither_nb(rng.key_rc_nb(ks_dith, k, i), d, u, nzpos)", "pass")],
 }
 
 
@@ -199,11 +196,9 @@ def profile(args) -> list[dict]:
     (sampling profilers see a numba kernel as one opaque frame). Single thread, CPU time."""
     import types
 
-    import qlsd_flwr.vectorised as V0
+    from qlsd_flwr.engines.vectorised import kernel, numba_backend
 
-    src = Path(V0.__file__).read_text()
-    src = src.replace("from . import", "from qlsd_flwr import").replace("from .", "from qlsd_flwr.")
-    src = src.replace("cache=True", "cache=False")
+    src = Path(kernel.__file__).read_text().replace("cache=True", "cache=False")
     task = build_gaussian_task(b=20, d=50, data_seed=0)
     K, C = (2000, 4) if args.quick else (10000, 4)
     out = []
@@ -220,8 +215,12 @@ def profile(args) -> list[dict]:
         exec(compile(s, mod.__file__, "exec"), mod.__dict__)
         combos = FIGURE if side else [("qlsd-star", 4)]
         cfgs = [cfg_for(task, v, b, K, C, 4.9e-4) for v, b in combos]
-        mod.run_side_by_side([cfg_for(task, v, b, 4, C, 4.9e-4) for v, b in combos], task=task, threads=1)
-        best = min(timed(lambda: mod.run_side_by_side(cfgs, task=task, threads=1))[1] for _ in range(2))
+        numba_backend.gauss_block = mod.gauss_block  # the backend calls the edited kernel
+        try:
+            run_side_by_side([cfg_for(task, v, b, 4, C, 4.9e-4) for v, b in combos], task=task, threads=1)
+            best = min(timed(lambda: run_side_by_side(cfgs, task=task, threads=1))[1] for _ in range(2))
+        finally:
+            numba_backend.gauss_block = kernel.gauss_block
         out.append({"part": label, "side_by_side": side, "us_cpu_per_chain_it": 1e6 * best / (K * C * len(combos))})
 
     for side in (False, True):

@@ -107,7 +107,7 @@ def growth(samples: dict, warmup: int) -> tuple[dict, dict]:
 
 def run_ours(rounds: int, every: int, out_dir: str) -> list:
     from qlsd_flwr.config import resolve
-    from qlsd_flwr.simulate import run_ray
+    from qlsd_flwr.run.simulate import run_ray
 
     samples: list = []
 
@@ -125,11 +125,11 @@ def run_ours(rounds: int, every: int, out_dir: str) -> list:
 
 def run_noop(rounds: int, every: int) -> list:
     from flwr.simulation import run_simulation
-
     from noop_app import noop_apps
+
     from qlsd_flwr.config import resolve
-    from qlsd_flwr.server_app import quiet_flower
-    from qlsd_flwr.simulate import ray_backend_config
+    from qlsd_flwr.flower.server_app import quiet_flower
+    from qlsd_flwr.run.simulate import ray_backend_config
 
     samples: list = []
 

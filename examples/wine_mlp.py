@@ -12,10 +12,9 @@ Run QLSD++ on it over 5 virtual clients on Flower's Ray engine::
 from __future__ import annotations
 
 import numpy as np
-import torch
 from torch import nn
 
-from qlsd_flwr.data import ArrayDataset
+from qlsd_flwr.data.datasets import ArrayDataset
 
 
 def load(seed: int) -> ArrayDataset:

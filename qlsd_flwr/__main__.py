@@ -1,5 +1,5 @@
 import sys
 
-from .cli import main
+from qlsd_flwr.run.cli import main
 
 sys.exit(main())

@@ -76,7 +76,7 @@ DEFAULTS: dict[str, Any] = {
     "verbose": False,
     "client-cpus": 0.5,
     "reply-timeout": 600.0,
-    "checkpoint-every": 0,  # write checkpoint.npz every N rounds (0: off); see qlsd_flwr.checkpoint
+    "checkpoint-every": 0,  # write checkpoint.npz every N rounds (0: off); see qlsd_flwr.outputs.checkpoint
     "resume": "",  # a run folder: continue that run from its checkpoint
 }
 
@@ -142,6 +142,14 @@ class RunConfig:
     encoding: str = "auto"
     theta_star: str = "closed-form"
     engine: str = "ray"
+    task: str = "gaussian"
+    dim: int = 50  # d of the Gaussian task (other tasks: the model's)
+    data_seed: int = 0
+    opt_rounds: int = 500
+    opt_tol: float = 1e-6
+    checkpoint_every: int = 0
+    reply_timeout: float = 600.0
+    verbose: bool = False
 
     def get(self, key: str) -> Any:
         return self.raw[key]
@@ -152,6 +160,19 @@ class RunConfig:
         d["s"] = self.s.tolist()
         d["p"] = self.p.tolist()
         return {"config": dict(self.raw), "resolved": d}
+
+
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+def _flag(key: str, value: Any) -> bool:
+    """A boolean key: a bool, or one of true/false, 1/0, yes/no, on/off (never ``bool("no")``)."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    v = str(value).strip().lower()
+    if v in _TRUE or v in _FALSE:
+        return v in _TRUE
+    raise ConfigError(f"{key}: expected true or false, got {value!r}")
 
 
 def _choice(key: str, value: Any, allowed) -> str:
@@ -169,11 +190,11 @@ PARTITION_NAMES = ("auto", "natural", "iid", "dirichlet", "pathological", "domin
 def _check_data_keys(raw: dict) -> None:
     """``dataset``, ``partition``, ``partition-alpha``, ``model`` and ``device`` (checked for every
     task, so a typo is caught even before it matters)."""
-    from .plugins import is_plugin
+    from qlsd_flwr.plugins import is_plugin
 
     ds = str(raw["dataset"]).strip()
     if ds.lower() != "auto":
-        from .data import canonical_name
+        from qlsd_flwr.data.datasets import canonical_name
 
         try:
             canonical_name(ds)
@@ -187,7 +208,7 @@ def _check_data_keys(raw: dict) -> None:
     if not (pa > 0 and math.isfinite(pa)):
         raise ConfigError(f"partition-alpha must be a finite number > 0 (got {raw['partition-alpha']!r})")
     if is_plugin(raw["model"]):
-        from .plugins import load_object
+        from qlsd_flwr.plugins import load_object
 
         try:
             load_object(raw["model"], "model")
@@ -217,7 +238,7 @@ def resolve(overrides: Mapping[str, Any] | None = None) -> RunConfig:
     name = ALIASES.get(name, name)
     variant = _choice("variant", name, tuple(VARIANTS))
     oracle, compressed, memory = VARIANTS[variant]
-    _choice("task", raw["task"], TASKS)
+    task = _choice("task", raw["task"], TASKS)
     engine = _choice("engine", raw["engine"], ENGINES)
 
     def num(key, cast=float):
@@ -229,7 +250,8 @@ def resolve(overrides: Mapping[str, Any] | None = None) -> RunConfig:
     b = num("num-clients", int)
     if b < 1:
         raise ConfigError(f"num-clients must be >= 1 (got {b})")
-    if num("dim", int) < 1:
+    dim = num("dim", int)
+    if dim < 1:
         raise ConfigError(f"dim must be >= 1 (got {raw['dim']})")
     gamma = num("gamma")
     if not (gamma > 0 and math.isfinite(gamma)):
@@ -284,6 +306,15 @@ def resolve(overrides: Mapping[str, Any] | None = None) -> RunConfig:
     if str(raw["compressor"]).lower() == "identity":
         compressed = False
     theta_star = _choice("theta-star", raw["theta-star"], ("closed-form", "optimise"))
+    opt_rounds = num("opt-rounds", int)
+    if opt_rounds < 1:
+        raise ConfigError(f"opt-rounds must be an integer >= 1 (got {raw['opt-rounds']!r})")
+    opt_tol = num("opt-tol")
+    if not (opt_tol > 0 and math.isfinite(opt_tol)):
+        raise ConfigError(f"opt-tol must be a finite number > 0 (got {raw['opt-tol']!r})")
+    reply_timeout = num("reply-timeout")
+    if not reply_timeout > 0:
+        raise ConfigError(f"reply-timeout must be a number of seconds > 0 (got {raw['reply-timeout']!r})")
     ce = num("checkpoint-every", int)
     if ce < 0 or ce != num("checkpoint-every"):
         raise ConfigError(f"checkpoint-every must be an integer >= 0 (0: off) (got {raw['checkpoint-every']!r})")
@@ -298,5 +329,7 @@ def resolve(overrides: Mapping[str, Any] | None = None) -> RunConfig:
         num_chains=chains, s=s.astype(np.int64), p=p.astype(np.float64),
         aggregation=aggregation, batch_fraction=bf, l=l, alpha=alpha, prior_var=prior_var,
         prior_on=prior_on, block_norm=block_norm, encoding=encoding, theta_star=theta_star,
-        engine=engine,
+        engine=engine, task=task, dim=dim, data_seed=num("data-seed", int), opt_rounds=opt_rounds,
+        opt_tol=opt_tol, checkpoint_every=ce, reply_timeout=reply_timeout,
+        verbose=_flag("verbose", raw["verbose"]),
     )

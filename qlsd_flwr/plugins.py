@@ -1,11 +1,11 @@
 """User plug-ins: your own dataset and torch model, named in the run config as ``module:attr``.
 
-* ``dataset = "my_pkg.my_data:load"`` — ``load(seed: int) -> qlsd_flwr.data.ArrayDataset``
+* ``dataset = "my_pkg.my_data:load"`` — ``load(seed: int) -> qlsd_flwr.data.datasets.ArrayDataset``
   (``seed`` is ``data-seed``, for your train/test split). ``X_train``/``X_test`` are
   ``(n, features)`` arrays (flattened images are reshaped to ``input_shape`` by the model
   wrapper), ``y`` integer labels in ``0..n_classes-1``. Give ``natural_partition`` (a list of
   index arrays into the training split, one per client) if your data come with their clients,
-  and use ``partition = natural``; otherwise any ``partition`` of :mod:`qlsd_flwr.partition`.
+  and use ``partition = natural``; otherwise any ``partition`` of :mod:`qlsd_flwr.data.partition`.
 * ``model = "my_pkg.my_models:make"`` — ``make(n_classes: int, input_shape: tuple) ->
   torch.nn.Module`` mapping a batch of ``input_shape`` inputs to ``n_classes`` logits. It is
   called under ``torch.manual_seed(data-seed)``, so the initial θ is reproducible. Use it with

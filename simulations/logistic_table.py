@@ -29,8 +29,8 @@ vectorised engine (numpy backend: the same oracles, QSGD and server step as ever
 engine, exact code lengths counted). HPD errors are given against LSD++ (the paper's
 definition) and against a long MALA run (the committed test reference
 ``tests/data/breast_cancer_mala.npz``, 8 × 25,000 draws), with Monte Carlo standard errors
-(:func:`qlsd_flwr.hpd.quantile_mcse`). The Laplace prediction of the step-size shift of
-``η`` (:func:`qlsd_flwr.hpd.ula_hpd_shift_laplace`) is printed next to them.
+(:func:`qlsd_flwr.evaluation.hpd.quantile_mcse`). The Laplace prediction of the step-size shift of
+``η`` (:func:`qlsd_flwr.evaluation.hpd.ula_hpd_shift_laplace`) is printed next to them.
 
     python simulations/logistic_table.py                      # the table (about 6 minutes on 2 idle cores)
     python simulations/logistic_table.py --rounds 5000 --chains 2 --out /tmp/lt   # a quick look
@@ -81,13 +81,13 @@ def run_row(item) -> dict:
     """One row: run its chains, return U at the kept draws and the bit counts."""
     name, overrides = item
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from qlsd_flwr import components as C
-    from qlsd_flwr import hpd
     from qlsd_flwr.config import resolve
-    from qlsd_flwr.vectorised import run_vectorised
+    from qlsd_flwr.engines.vectorised import run_vectorised
+    from qlsd_flwr.evaluation import hpd
+    from qlsd_flwr.tasks import loading
 
     cfg = resolve(overrides)
-    task = C.load_task(cfg)
+    task = loading.load_task(cfg)
     t0 = time.perf_counter()
     res = run_vectorised(cfg, task=task, write=False, keep_trace=True, progress=False,
                          backend="numpy")
@@ -119,7 +119,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import logistic_reference as LR
-    from qlsd_flwr import hpd
+
+    from qlsd_flwr.evaluation import hpd
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,7 @@ between the posterior variance (per coordinate) estimated by MALA and the empiri
 the QLSD++ samples. The paper's claim: memory reduces the bias due to compression when ``ω``
 is large.
 
-Here: :func:`qlsd_flwr.data.synthetic_fedprox` with ``n_features = 2`` (10 classes, so
+Here: :func:`qlsd_flwr.data.datasets.synthetic_fedprox` with ``n_features = 2`` (10 classes, so
 ``d = (2 + 1)·10 = 30``), ``b = 50``, seed 0 (9,931 training points, clients of 40 to 1,819),
 prior ``N(0, 2e−2 I)`` (the paper's logistic prior), ``p = 1``, minibatches of 10 %,
 ``l = 100``, as in the paper. Scaled down: ``γ = 5e−5`` (5× the paper's, ``γ·λ_max ≈ 0.46``)
@@ -20,7 +20,7 @@ larger step costs discretisation bias, shown by the exact-gradient ULA row, and 
 Langevin time per round (the slowest direction, ``λ_min = 50`` from the prior, decorrelates in
 ``1/(γλ_min) = 400`` rounds). The reference:
 MALA on the pooled data (same posterior), 4 chains, cached on disk
-(:func:`qlsd_flwr.reference.mala`).
+(:func:`qlsd_flwr.evaluation.reference.mala`).
 
 The error is reported per configuration as ``‖v̂ − v_MALA‖₂`` (and relative to
 ``‖v_MALA‖₂``), with a Monte Carlo standard error from the spread between chains, and for
@@ -53,7 +53,7 @@ PRIOR_VAR = 2e-2
 
 
 def build(pooled: bool = False, seed: int = 0):
-    from qlsd_flwr.data import synthetic_fedprox
+    from qlsd_flwr.data.datasets import synthetic_fedprox
     from qlsd_flwr.tasks.logistic import build_logistic_task
 
     ds = synthetic_fedprox(1.0, 1.0, b=50, seed=seed, n_features=2)
@@ -77,7 +77,7 @@ def run_row(item) -> dict:
     the same oracles, QSGD and server step as every engine, without encoding the messages)."""
     name, overrides, chain = item
     from qlsd_flwr.config import resolve
-    from qlsd_flwr.engine import run_local
+    from qlsd_flwr.engines.local import run_local
 
     cfg = resolve({**overrides, "seed": int(overrides["seed"]) + chain, "engine": "local"})
     task = build()
@@ -103,8 +103,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(ROOT / "simulations" / "results" / "memory_ablation"))
     args = ap.parse_args(argv)
 
-    from qlsd_flwr import hpd
-    from qlsd_flwr import reference as R
+    from qlsd_flwr.evaluation import hpd
+    from qlsd_flwr.evaluation import reference as R
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -123,7 +123,7 @@ def main(argv=None) -> int:
     ess = ref.diagnostics.get("ess_bulk")
     # MC error of the MALA variance estimate: Gaussian approximation 2σ⁴/ESS per coordinate
     ref_err = float(np.sqrt(np.sum(2 * v_ref ** 2 / np.asarray(ess)))) if ess is not None else float("nan")
-    from qlsd_flwr.compression import QSGD
+    from qlsd_flwr.compression.qsgd import QSGD
 
     d = pooled.dim
     table = []

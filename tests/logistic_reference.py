@@ -6,12 +6,12 @@ split over ``num-clients = 4`` clients by the registry's default Dirichlet(0.5) 
 ``data-seed = 0``. The posterior does not depend on the split, but the cache key does (it
 fingerprints every client's arrays), so the key pins the data exactly.
 
-The reference: 8 MALA chains (:func:`qlsd_flwr.reference.mala`, step tuned by dual averaging
+The reference: 8 MALA chains (:func:`qlsd_flwr.evaluation.reference.mala`, step tuned by dual averaging
 towards acceptance 0.574), 2,000 warm-up + 25,000 kept iterations each. Stored in
 ``tests/data/breast_cancer_mala.npz``: the 99 % HPD threshold ``η`` (the 0.99 quantile of
-``U`` over all 200,000 draws) and its Monte Carlo standard error (:func:`qlsd_flwr.hpd.quantile_mcse`),
+``U`` over all 200,000 draws) and its Monte Carlo standard error (:func:`qlsd_flwr.evaluation.hpd.quantile_mcse`),
 the posterior mean and variance of ``θ``, ``U`` at every 5th draw (float32), the acceptance
-rates, the cache key (:func:`qlsd_flwr.reference.cache_key`), a float-tolerant signature of
+rates, the cache key (:func:`qlsd_flwr.evaluation.reference.cache_key`), a float-tolerant signature of
 the data and settings (:func:`data_signature`) and the settings.
 
 Regenerate (about 2–3 minutes on one core)::
@@ -37,9 +37,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from qlsd_flwr import components as C  # noqa: E402
-from qlsd_flwr import reference as R  # noqa: E402
 from qlsd_flwr.config import resolve  # noqa: E402
+from qlsd_flwr.evaluation import reference as R  # noqa: E402
+from qlsd_flwr.tasks import loading  # noqa: E402
 
 PATH = Path(__file__).resolve().parent / "data" / "breast_cancer_mala.npz"
 TASK_CFG = {"task": "logistic", "dataset": "breast_cancer", "num-clients": 4, "data-seed": 0,
@@ -49,7 +49,7 @@ COMMAND = ".venv/bin/python tests/logistic_reference.py"
 
 
 def build_task(extra: dict | None = None):
-    return C.load_task(resolve({**TASK_CFG, **(extra or {})}))
+    return loading.load_task(resolve({**TASK_CFG, **(extra or {})}))
 
 
 def _mala_settings() -> dict:
@@ -60,7 +60,7 @@ def _mala_settings() -> dict:
 
 
 def expected_key(task) -> str:
-    """The key :func:`qlsd_flwr.reference.mala` files these settings under (code + data, bytes)."""
+    """The key :func:`qlsd_flwr.evaluation.reference.mala` files these settings under (code + data, bytes)."""
     return R.cache_key(task, "mala", _mala_settings())
 
 
@@ -102,7 +102,7 @@ def load(task=None) -> dict:
 
 
 def main() -> None:
-    from qlsd_flwr import hpd
+    from qlsd_flwr.evaluation import hpd
 
     t0 = time.perf_counter()
     task = build_task()

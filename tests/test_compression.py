@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 import re
 import struct
-import time
 
 import numpy as np
 import pytest
@@ -24,20 +23,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from qlsd_flwr.compression import (
+from qlsd_flwr.compression import codec
+from qlsd_flwr.compression.bounds import elias_bound_bits, qsgd_theorem_bits
+from qlsd_flwr.compression.elias import omega_len_int, omega_len_nb, omega_length
+from qlsd_flwr.compression.format import (
     HEADER_BYTES,
-    QSGD,
     TAG_ELIAS,
     TAG_PACKED,
     DecodeError,
-    Identity,
-    Quantised,
-    dequantise,
-    elias_bound_bits,
-    make_compressor,
-    omega_length,
-    qsgd_theorem_bits,
 )
+from qlsd_flwr.compression.identity import Identity
+from qlsd_flwr.compression.qsgd import QSGD, Quantised, dequantise, make_compressor
 
 EPS = 2.0**-52
 Z = 5.0  # standard errors for every Monte Carlo assertion (two-sided p ≈ 6e-7 per check)
@@ -120,6 +116,19 @@ def test_omega_reference_matches_known_codes_and_lengths():
         assert omega_ref(n) == code
     xs = np.concatenate([np.arange(1, 5000), 2 ** np.arange(13, 40), 2 ** np.arange(13, 40) - 1])
     assert np.array_equal(omega_length(xs), [len(omega_ref(int(x))) for x in xs])
+
+
+def test_compiled_omega_length_equals_the_rule():
+    # the compiled twin (bit writer, reader, vectorised engine) on every bit length up to 2^64 - 1
+    xs = sorted({1, 2, 3} | {v for m in range(1, 64) for v in (2**m - 1, 2**m, 2**m + 1)} | {2**64 - 1})
+    assert [int(omega_len_nb(np.uint64(x))) for x in xs] == [len(omega_ref(x)) for x in xs]
+    assert [omega_len_int(x) for x in xs] == [len(omega_ref(x)) for x in xs]
+    lev = np.array([0, 3, -1, 0, 0, 7, -2**32, 1], dtype=np.int64)
+    blocks = np.array([5, 3], dtype=np.int64)
+    ref = QSGD(2**32, blocks=(5, 3), encoding="elias").code_length_bits(
+        Quantised(norms=np.ones(2, np.float32), levels=lev, s=2**32, blocks=(5, 3)))
+    assert codec.elias_bits(lev, blocks) == ref  # int levels (the writer)
+    assert codec.elias_bits(lev.astype(np.float64), blocks) == ref  # float-held levels (the engine)
 
 
 # ------------------------------------------------------------------------- the operator
@@ -259,7 +268,7 @@ def test_quantise_batch_equals_rows_bitwise(data):
 
 
 def test_compiled_quantise_equals_batch_across_the_float_range():
-    # one-norm quantise runs a compiled kernel (qlsd_flwr.codec); quantise_batch is numpy: the
+    # one-norm quantise runs the compiled twin (qsgd.quantise_block_nb); quantise_batch is numpy: the
     # norms, levels and errors must agree bit for bit, down to float32 underflow and up to overflow
     rng = np.random.default_rng(11)
     for d in (1, 8, 9, 129, 5000):
@@ -309,7 +318,7 @@ def check_code(c: QSGD, q: Quantised):
     if c.encoding == "auto":  # the shorter code of the two
         assert bits == min(len(body_ref(q, "packed")), len(body_ref(q, "elias")))
     assert int(c.code_length_bits_batch(q.levels)) == bits
-    assert c.encode_reference(q) == payload  # compiled writer (qlsd_flwr.codec) = numpy fields
+    assert c.encode_reference(q) == payload  # compiled writer (qlsd_flwr.compression.codec) = numpy fields
     back = c.decode(payload, q.d)
     assert back == q
     ref = c.decode_reference(payload, q.d)
@@ -356,14 +365,12 @@ def test_round_trip_random_vectors(data):
         check_code(c, c.quantise(v, rng.random(d)))
 
 
-def test_dense_elias_timing_is_reasonable():
-    # not a benchmark: guards against an accidental quadratic decoder (limit ≫ measured ~0.2 s)
+def test_dense_elias_round_trip_at_large_d():
+    # the decoder's speed lives in benchmarks/; here only that a dense d = 1e5 code reads back
     rng = np.random.default_rng(0)
     c = QSGD(2**16, encoding="elias")
     q = c.quantise(rng.standard_normal(100000), rng.random(100000))
-    t = time.perf_counter()
     assert c.decode(c.encode(q), 100000) == q
-    assert time.perf_counter() - t < 5.0
 
 
 # ------------------------------------------------------------------ decode rejects junk
@@ -442,14 +449,13 @@ def test_decode_rejects_levels_above_s_negative_zero_and_nonzero_levels_under_ze
 
 
 def test_decode_work_is_bounded_on_hostile_input():
+    # each is rejected up front by its length, before any bit is read (the messages say so)
     c = QSGD(2**16, encoding="elias")
-    t = time.perf_counter()
     for junk in (b"\xff" * 10**6, b"\x00" * 10**6, bytes(np.random.default_rng(0).integers(0, 256, 10**6, dtype=np.uint8))):
-        with pytest.raises(DecodeError):
+        with pytest.raises(DecodeError, match="longer than any Elias code"):
             c.decode(struct.pack("<BI", TAG_ELIAS, 1000) + junk, 1000)
-        with pytest.raises(DecodeError):
+        with pytest.raises(DecodeError, match="packed code must be 2254 bytes"):
             c.decode(struct.pack("<BI", TAG_PACKED, 1000) + junk, 1000)
-    assert time.perf_counter() - t < 5.0  # each is rejected up front by its length
 
 
 def decode_outcome(decode, payload: bytes, d: int):
@@ -461,7 +467,7 @@ def decode_outcome(decode, payload: bytes, d: int):
 
 def check_canonical_or_rejected(c: QSGD, payload: bytes, d: int):
     q, err = decode_outcome(c.decode, payload, d)
-    # the compiled reader (qlsd_flwr.codec) fails where the Python reference does, with its message
+    # the compiled reader (qlsd_flwr.compression.codec) fails where the Python reference does, with its message
     q_ref, err_ref = decode_outcome(c.decode_reference, payload, d)
     assert err == err_ref
     if err is not None:
@@ -638,12 +644,12 @@ def test_factory_and_argument_errors():
 
 def test_omega_tables_equal_the_rule():
     """The lookup tables (speed only) hold exactly what the reference rule computes."""
-    from qlsd_flwr import compression as Q
+    from qlsd_flwr.compression import elias as Q
 
     x = np.arange(1, Q._SMALL, dtype=np.int64)
     assert np.array_equal(Q.omega_length(x), Q._omega_length(x))
     big = np.array([Q._SMALL, Q._SMALL + 1, 2**40 + 3, 2**62], dtype=np.int64)
-    assert list(Q.omega_length(big)) == [Q._omega_len_int(int(v)) for v in big]
+    assert list(Q.omega_length(big)) == [len(omega_ref(int(v))) for v in big]
     y = np.arange(1, Q._FIELDS_SMALL, dtype=np.int64)
     for a, b in zip(Q._omega_fields(y), Q._omega_fields_ref(y)):
         assert np.array_equal(a, b)

@@ -47,17 +47,17 @@ def test_a_step_beyond_the_stability_limit_is_warned_at_start(caplog):
     # (γτ ≈ 0.74) but not at b = 100 (γτ ≈ 3.3), where exact-gradient Langevin diverges
     import logging
 
-    from qlsd_flwr import components as C
-    from qlsd_flwr.server import QLSDServer
+    from qlsd_flwr.protocol.server import QLSDServer
+    from qlsd_flwr.tasks import loading
 
     for b, unstable in ((20, False), (100, True)):
         cfg = resolve({"num-clients": b, "gamma": 4.9e-4})
-        task = C.load_task(cfg)
+        task = loading.load_task(cfg)
         tau = 1.0 / float(np.min(task.posterior_var))
         assert (cfg.gamma * tau >= 2.0) == unstable
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="qlsd_flwr"):
-            QLSDServer(cfg, task, write=False)
+            QLSDServer(cfg, task)
         warned = [r.getMessage() for r in caplog.records if "stability limit" in r.getMessage()]
         assert bool(warned) == unstable
         if unstable:

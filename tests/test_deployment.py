@@ -27,8 +27,8 @@ import pytest
 
 from qlsd_flwr import deploy as D
 from qlsd_flwr.config import DEFAULTS, resolve
-from qlsd_flwr.engine import run_local
-from qlsd_flwr.outputs import load_samples
+from qlsd_flwr.engines.local import run_local
+from qlsd_flwr.outputs.recorder import load_samples
 from qlsd_flwr.tasks.gaussian import build_gaussian_task
 
 B = 3
@@ -204,7 +204,7 @@ def test_secured_run_tls_and_node_auth(tmp_path_factory, tmp_path):
 
 SIM_CODE = """
 import json, os, sys
-from qlsd_flwr.simulate import run
+from qlsd_flwr.run.simulate import run
 o = run({"engine": "ray", "num-clients": 3, "dim": 5, "num-rounds": 3, "burn-in": 1,
          "progress": False, "output-dir": sys.argv[1], "run-name": "ray"})
 print("RESULT " + json.dumps({"pid": os.getpid(), "rounds": o.summary["rounds"]}))
@@ -263,20 +263,20 @@ def test_certificates_and_node_keys(tmp_path):
 
 
 def test_node_loads_its_partition_from_data_path(tmp_path):
-    from qlsd_flwr import components as C
+    from qlsd_flwr.tasks import loading
     from qlsd_flwr.tasks.gaussian import client_data
 
     cfg = resolve(BASE)
     path = D.write_partition(BASE, 1, tmp_path / "p1.npz")
-    pot, _, d, _ = C.load_client(cfg, 1, data_path=str(path))
+    pot, _, d, _ = loading.load_client(cfg, 1, data_path=str(path))
     np.testing.assert_array_equal(pot.y, client_data(1, 5, 0))
     assert d == 5
     np.savez(tmp_path / "other.npz", y=np.ones((7, 5)))  # the file, not partition-id, decides
-    pot, _, _, _ = C.load_client(cfg, 1, data_path=str(tmp_path / "other.npz"))
+    pot, _, _, _ = loading.load_client(cfg, 1, data_path=str(tmp_path / "other.npz"))
     assert pot.n_data == 7
     np.savez(tmp_path / "bad.npz", y=np.ones((7, 4)))
     with pytest.raises(ValueError, match="dim"):
-        C.load_client(cfg, 1, data_path=str(tmp_path / "bad.npz"))
+        loading.load_client(cfg, 1, data_path=str(tmp_path / "bad.npz"))
 
 
 def test_staged_app_declares_every_key_and_leaves_pyproject_alone(tmp_path):
@@ -290,6 +290,6 @@ def test_staged_app_declares_every_key_and_leaves_pyproject_alone(tmp_path):
     cfg = py["tool"]["flwr"]["app"]["config"]
     assert set(cfg) == set(DEFAULTS) and cfg["num-rounds"] == 7 and cfg["theta-star"] == "optimise"
     assert "federations" not in py["tool"]["flwr"]
-    assert (app / "qlsd_flwr" / "client_app.py").exists()
+    assert (app / "qlsd_flwr" / "flower" / "client_app.py").exists()
     assert (D.REPO / "pyproject.toml").read_bytes() == before
     assert D.format_run_config({"a": 1, "b": "x y", "c": True, "d": 0.5}) == 'a=1 b="x y" c=true d=0.5'

@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 from flwr.app import ConfigRecord, Message, RecordDict
 
-from qlsd_flwr.client_app import STATE
 from qlsd_flwr.config import resolve
-from qlsd_flwr.engine import run_local
-from qlsd_flwr.simulate import run_inprocess, run_ray
-from qlsd_flwr.wire import RECORD, bytes_to_arr
+from qlsd_flwr.engines.local import run_local
+from qlsd_flwr.flower.client_app import STATE
+from qlsd_flwr.flower.records import RECORD
+from qlsd_flwr.protocol.wire import bytes_to_arr
+from qlsd_flwr.run.simulate import run_inprocess, run_ray
 
 BASE = {"num-rounds": 60, "burn-in": 0, "progress": False, "gamma": 4.9e-4, "l": 10}
 
@@ -62,10 +63,10 @@ def grid_node_ids(grid):
 def test_memory_bookkeeping_every_round(tmp_path):
     """After every round the server's η equals Σ_i of the clients' own η_i (read from their
     Flower context.state), and each mirror equals its client's term exactly."""
-    from qlsd_flwr.client_app import make_client_app
-    from qlsd_flwr.components import load_task
-    from qlsd_flwr.inprocess import InProcessGrid
-    from qlsd_flwr.strategy import QLSDStrategy
+    from qlsd_flwr.flower.client_app import make_client_app
+    from qlsd_flwr.flower.inprocess import InProcessGrid
+    from qlsd_flwr.flower.strategy import QLSDStrategy
+    from qlsd_flwr.tasks.loading import load_task
 
     o = {**BASE, "variant": "qlsd-pp", "p": "0.5", "s": "2", "num-rounds": 40, "output-dir": str(tmp_path)}
     cfg = resolve(o)
@@ -130,10 +131,10 @@ def test_bad_replies_are_rejected_counted_and_chain_goes_on(variant, tmp_path):
 
 
 def test_node_restarting_with_empty_state_is_resynchronised(tmp_path):
-    from qlsd_flwr.client_app import make_client_app
-    from qlsd_flwr.components import load_task
-    from qlsd_flwr.inprocess import InProcessGrid
-    from qlsd_flwr.strategy import QLSDStrategy
+    from qlsd_flwr.flower.client_app import make_client_app
+    from qlsd_flwr.flower.inprocess import InProcessGrid
+    from qlsd_flwr.flower.strategy import QLSDStrategy
+    from qlsd_flwr.tasks.loading import load_task
 
     o = {**BASE, "variant": "qlsd-pp", "p": "1.0", "s": "4", "num-rounds": 20, "output-dir": str(tmp_path)}
     cfg = resolve(o)
@@ -167,13 +168,19 @@ def test_direct_numeric_path_equals_protocol_path(variant):
     np.testing.assert_array_equal(a, b)
 
 
-def test_message_nbytes_equals_deflating_the_whole_tree():
+@pytest.mark.parametrize("private_ids", [True, False], ids=["flower-id-cache", "fallback"])
+def test_message_nbytes_equals_deflating_the_whole_tree(private_ids, monkeypatch):
     # message_nbytes deflates each object once (children first, reusing their ids); the
-    # reference deflates the tree as it comes: the same bytes on every shape of message
+    # reference deflates the tree as it comes: the same bytes on every shape of message, with
+    # Flower's private id cache and with the fallback used where that cache is missing
+    from qlsd_flwr.flower import sizing
+
+    if not private_ids:
+        monkeypatch.setattr(sizing, "_computed_ids", None)
     from flwr.app import Array, ArrayRecord, Error, MessageType, MetricRecord
     from flwr.supercore.task_identity import TaskIdentity
 
-    from qlsd_flwr.strategy import message_nbytes, message_nbytes_reference
+    from qlsd_flwr.flower.sizing import message_nbytes, message_nbytes_reference
 
     TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 0
     sent = Message(RecordDict({RECORD: ConfigRecord({"theta": bytes(400), "round": 3})}), 7, MessageType.TRAIN)

@@ -10,12 +10,11 @@ framework-free loop and of the Flower paths for the same config (``tests/test_ve
 ``tests/test_flower.py``); it runs the 3,000 rounds in milliseconds instead of seconds.
 """
 
-import numpy as np
 import pytest
-
 from gaussian_theory import check_chain, variance_band
+
 from qlsd_flwr.config import resolve
-from qlsd_flwr.vectorised import run_vectorised
+from qlsd_flwr.engines.vectorised import run_vectorised
 from qlsd_flwr.tasks.gaussian import build_gaussian_task
 
 GAMMA = 2e-4  # γN ≈ 0.3: the stochastic-gradient inflation stays moderate, the chain mixes in a few rounds
@@ -24,6 +23,7 @@ TASK = build_gaussian_task(b=20, d=50, data_seed=0)
 
 CASES = [
     # variant, s (None: uncompressed)
+    ("qlsd", 2**8),
     ("qlsd-sharp", 2**8),
     ("qlsd-star", 2**8),
     ("qlsd-pp", 2**16),  # the ++ formula is exact as ω → 0 (here ω ≈ 1e-8)

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from qlsd_flwr.config import ConfigError, resolve
-from qlsd_flwr.engine import run_local
-from qlsd_flwr.legacy import LegacyQLSDStrategy, run_legacy_simulation
+from qlsd_flwr.engines.local import run_local
+from qlsd_flwr.flower.legacy import LegacyQLSDStrategy
+from qlsd_flwr.run.simulate import run_legacy_simulation
 
 
 @pytest.mark.ray
@@ -25,7 +26,7 @@ def test_legacy_pair_on_ray_matches_framework_free_chain(tmp_path):
 
 
 def test_legacy_refuses_optimisation_phase():
-    from qlsd_flwr.components import load_task
+    from qlsd_flwr.tasks.loading import load_task
 
     cfg = resolve({"variant": "qlsd-star", "theta-star": "optimise"})
     with pytest.raises(ConfigError, match="closed-form"):

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from qlsd_flwr import metrics as M
+from qlsd_flwr.evaluation import metrics as M
 
 # Four points, three classes. Top-1 predictions: [0, 1, 2, 0]; confidences [.7, .4, .8, .5].
 P = np.array([[0.7, 0.2, 0.1],

@@ -18,9 +18,9 @@ with seeds 0 to 7.
 import numpy as np
 
 from qlsd_flwr.config import resolve
-from qlsd_flwr.engine import run_local
+from qlsd_flwr.engines.local import run_local
+from qlsd_flwr.engines.vectorised import run_vectorised
 from qlsd_flwr.tasks.gaussian import build_gaussian_task
-from qlsd_flwr.vectorised import run_vectorised
 
 TASK = build_gaussian_task(b=20, d=50, data_seed=0)
 GAMMA = 4.9e-4
@@ -34,7 +34,7 @@ def exact_norm_mean(n=400_000):
 
 def run(variant, seed, rounds=K, wire=False, **kw):
     cfg = resolve({"variant": variant, "gamma": GAMMA, "num-rounds": rounds, "burn-in": 0, "s": "16",
-                   "seed": seed, "progress": False, "output-dir": "/tmp/qlsd-tests", **kw})
+                   "seed": seed, "progress": False, **kw})
     return run_local(cfg, task=TASK, write=wire, keep_trace=True, progress=False, wire=wire)
 
 
@@ -46,14 +46,14 @@ def chains(variant, **kw):
     return run_vectorised(cfg, task=TASK, write=False, keep_trace=True, progress=False).trace
 
 
-def test_qlsd_star_beats_qlsd_sharp_at_equal_bits():
+def test_qlsd_star_beats_qlsd_sharp_at_equal_bits(tmp_path):
     f_true = exact_norm_mean()
     mse, bits = {}, {}
     for v in ("qlsd-star", "qlsd-sharp"):
         ests = [np.linalg.norm(t[BURN:], axis=1).mean() for t in chains(v)]
         mse[v] = float(np.mean((np.array(ests) - f_true) ** 2))
         # bits per round measured on the wire (exact code lengths), from a shorter run
-        bits[v] = float(run(v, 0, rounds=100, wire=True).summary["per_round"]["bits_exact"])
+        bits[v] = float(run(v, 0, rounds=100, wire=True, **{"output-dir": str(tmp_path)}).summary["per_round"]["bits_exact"])
     # equal bits: same s, and the measured code lengths agree within 5 %
     assert abs(bits["qlsd-star"] / bits["qlsd-sharp"] - 1) < 0.05, bits
     assert mse["qlsd-star"] < mse["qlsd-sharp"], mse

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from qlsd_flwr.config import ConfigError, resolve
-from qlsd_flwr.engine import run_local
+from qlsd_flwr.engines.local import run_local
 
 EXAMPLES = str(Path(__file__).resolve().parents[1] / "examples")
 CFG = {"task": "mnist", "dataset": "wine_mlp:load", "model": "wine_mlp:make", "num-clients": 3,

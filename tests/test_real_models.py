@@ -12,13 +12,13 @@ from __future__ import annotations
 import json
 import math
 
+import logistic_reference as LR
 import numpy as np
 import pytest
 
-import logistic_reference as LR
-from qlsd_flwr import hpd
 from qlsd_flwr.config import resolve
-from qlsd_flwr.engine import run_local
+from qlsd_flwr.engines.local import run_local
+from qlsd_flwr.evaluation import hpd
 
 ALPHA = 0.01  # the paper's 99 % HPD region
 GAMMA = 5e-4
@@ -83,13 +83,13 @@ def test_qlsd_pp_hpd_error_against_mala():
     What the error is made of, and the bound:
 
     1. Monte Carlo error of both thresholds: standard errors from
-       :func:`qlsd_flwr.hpd.quantile_mcse` (batch means + KDE; checked against i.i.d. theory
+       :func:`qlsd_flwr.evaluation.hpd.quantile_mcse` (batch means + KDE; checked against i.i.d. theory
        above), combined in quadrature; allowed: ``Z = 4`` of them (≈ 3 % of ``η`` here: the
        99 % quantile of a 10,000-round chain is the expensive part of this test).
     2. The discretisation bias that every unadjusted Langevin sampler has at this ``γ``, even
        with exact gradients. For a Gaussian target with Hessian ``H`` it is exact: ULA's
        stationary law is ``N(θ*, (H(I − γH/2))⁻¹)``, so ``U − U*`` is ``½ Σ_k χ²₁/(1 − γh_k/2)``
-       instead of ``½ Σ_k χ²₁`` (:func:`qlsd_flwr.hpd.ula_hpd_shift_laplace`, computed here at
+       instead of ``½ Σ_k χ²₁`` (:func:`qlsd_flwr.evaluation.hpd.ula_hpd_shift_laplace`, computed here at
        the posterior's mode and Hessian: ``λ(H) ∈ [50, 408]``, ``γλ_max ≈ 0.2``). Predicted
        shift: ``+6.6e−3``. The posterior is not Gaussian and QLSD++'s gradients are not exact:
        minibatch (SVRG) and QSGD noise add variance. We allow the shift to differ from the
@@ -150,7 +150,7 @@ def test_fedavg_comparison_end_to_end_on_ray(tmp_path, capsys):
     range, both methods better than chance by a clear margin (the test set is 114 points, 63 %
     in the majority class; a broken client update or aggregation stays near or below that), and
     FedAvg's uplink exactly ``32 × P × clients × rounds`` bits with ``P = (30 + 1) × 2 = 62``."""
-    from qlsd_flwr.mainjob import run_main_job
+    from qlsd_flwr.experiments.mainjob import run_main_job
 
     b, R = 3, 2
     rc = run_main_job({"task": "logistic", "dataset": "breast_cancer", "model": "logistic",

@@ -12,9 +12,9 @@ import math
 import numpy as np
 import pytest
 
-from qlsd_flwr import metrics
-from qlsd_flwr import reference as R
-from qlsd_flwr.tasks.base import GaussianPrior, Task
+from qlsd_flwr.core.potential import GaussianPrior, Task
+from qlsd_flwr.evaluation import metrics
+from qlsd_flwr.evaluation import reference as R
 
 
 class Quadratic:

@@ -21,10 +21,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from qlsd_flwr import checkpoint as ckpt
-from qlsd_flwr import simulate
 from qlsd_flwr.config import ConfigError, resolve
-from qlsd_flwr.outputs import load_samples
+from qlsd_flwr.outputs import checkpoint as ckpt
+from qlsd_flwr.outputs.recorder import load_samples
+from qlsd_flwr.protocol.divergence import DivergenceError
+from qlsd_flwr.run import simulate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,7 +33,9 @@ ROOT = Path(__file__).resolve().parents[1]
 KILLER = textwrap.dedent("""
     import json, os, signal, sys
     overrides, kill_after, kwargs = json.loads(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])
-    from qlsd_flwr import server, simulate, vectorised
+    from qlsd_flwr.protocol import server
+    from qlsd_flwr.run import simulate
+    from qlsd_flwr.engines.vectorised import driver
 
     def die(rec):
         # the worst case: what was written after the last checkpoint has reached the disk
@@ -43,16 +46,16 @@ KILLER = textwrap.dedent("""
     def killing_end_round(self):
         row = end_round(self)
         if self.state.k == kill_after:
-            die(self.recorder)
+            die(self.observer.recorder)
         return row
     server.QLSDServer.end_round = killing_end_round
 
-    record_block = vectorised._record_block
+    record_block = driver._record_block
     def killing_record_block(rec, k0, R, out, dt):
         record_block(rec, k0, R, out, dt)
         if k0 + R >= kill_after:  # after the block's rows are written, before its checkpoint
             die(rec)
-    vectorised._record_block = killing_record_block
+    driver._record_block = killing_record_block
     simulate.run(overrides, **kwargs)
     sys.exit(3)  # never reached
 """)
@@ -147,7 +150,7 @@ def test_resume_checks_the_configuration(tmp_path):
 # a process that writes checkpoints in a loop, printing each index once it is saved
 WRITER = textwrap.dedent("""
     import sys, numpy as np
-    from qlsd_flwr import checkpoint as ckpt
+    from qlsd_flwr.outputs import checkpoint as ckpt
     path, n = sys.argv[1], 300_000
     for i in range(10**9):
         ckpt.save(path, {"x": np.full(n, float(i)), "y": np.arange(i % 7 + 1)}, {"i": i, "k": i * 3})
@@ -186,7 +189,7 @@ def test_a_kill_during_a_checkpoint_write_leaves_the_previous_complete_checkpoin
 def test_divergence_stops_with_a_clear_error_and_keeps_the_outputs(engine, tmp_path):
     o = {"engine": engine, "num-rounds": 60, "burn-in": 0, "progress": False, "l": 10, "p": "0.5", "s": "4",
          "gamma": 0.05, "checkpoint-every": 5, "output-dir": str(tmp_path), "run-name": "div"}
-    with pytest.raises(ckpt.DivergenceError, match=r"diverged at round (\d+).*smaller gamma") as info:
+    with pytest.raises(DivergenceError, match=r"diverged at round (\d+).*smaller gamma") as info:
         simulate.run(o)
     import re
 
@@ -211,11 +214,12 @@ import struct  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from qlsd_flwr import components as C  # noqa: E402
-from qlsd_flwr.client import handle  # noqa: E402
-from qlsd_flwr.engine import resolve_theta_star  # noqa: E402
-from qlsd_flwr.oracles import ClientState, full_local_grad  # noqa: E402
-from qlsd_flwr.server import QLSDServer  # noqa: E402
+from qlsd_flwr.core.oracles import ClientState, full_local_grad  # noqa: E402
+from qlsd_flwr.core.theta_star import resolve_theta_star  # noqa: E402
+from qlsd_flwr.protocol import build  # noqa: E402
+from qlsd_flwr.protocol.client import handle  # noqa: E402
+from qlsd_flwr.protocol.server import QLSDServer  # noqa: E402
+from qlsd_flwr.tasks import loading
 
 FUZZ_VARIANTS = {"qlsd-pp": {"variant": "qlsd-pp", "s": "4"},  # QSGD (Elias/packed), memory, ζ anchor
                  "qlsd-packed": {"variant": "qlsd-star", "s": "3", "encoding": "packed"},
@@ -233,12 +237,12 @@ class ReplyFuzzer:
         o = {**FUZZ_VARIANTS[variant], "dim": d, "num-clients": b, "p": "1.0", "l": 2, "num-rounds": 50,
              "burn-in": 0, "progress": False, "engine": "local"}
         self.cfg = cfg = resolve(o)
-        self.task = task = C.load_task(cfg)
-        self.specs = [C.client_spec(cfg, i, task.clients[i].n_data, d, task.prior, C.blocks_for(cfg, task))
+        self.task = task = loading.load_task(cfg)
+        self.specs = [build.client_spec(cfg, i, task.clients[i].n_data, d, task.prior, build.blocks_for(cfg, task))
                       for i in range(b)]
         self.clients = [ClientState() for _ in range(b)]
-        self.server = QLSDServer(cfg, task, write=False)
-        ts, info = resolve_theta_star(cfg, task, C.theta0_of(task), lambda th: C.combine_grads(
+        self.server = QLSDServer(cfg, task)
+        ts, info = resolve_theta_star(cfg, task, build.theta0_of(task), lambda th: build.combine_grads(
             cfg, task.prior, [full_local_grad(s, task.clients[s.index], th) for s in self.specs], th))
         self.server.begin(ts, info)
         for _ in range(warm + 1):  # round warm+1 refreshes ζ (l = 2): anchors travel in the fuzzed round
@@ -273,7 +277,7 @@ def _set_norm(payload: bytes, value: float) -> bytes:
 
 def _levels_above_s(encoding: str, seed: int, d: int) -> bytes:
     """A well-formed QSGD code with s = 256: levels above the server's s (≤ 16 here)."""
-    from qlsd_flwr.compression import QSGD
+    from qlsd_flwr.compression.qsgd import QSGD
 
     big = QSGD(s=256, encoding=encoding)
     r = np.random.default_rng(seed)
@@ -322,7 +326,7 @@ def check_hostile_reply(fz: ReplyFuzzer, j: int, fields, inactive) -> str | None
     """The property; returns what went wrong, or ``None``."""
     try:
         server, facts = fz.play(j, fields)
-    except ckpt.DivergenceError:
+    except DivergenceError:
         # only a reply the codec accepted as valid (e.g. a huge but finite raw vector) may do that
         return None if _decodes_finite(fz, j, fields) else "a rejected reply made the run diverge"
     except Exception as exc:  # noqa: BLE001

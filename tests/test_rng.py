@@ -3,7 +3,7 @@
 import numpy as np
 from scipy import stats
 
-from qlsd_flwr import rng
+from qlsd_flwr.core import rng
 
 
 def test_same_key_same_numbers_any_order():

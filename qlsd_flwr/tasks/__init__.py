@@ -1,1 +1,1 @@
-"""Potentials, models and data. Each task builds a :class:`~qlsd_flwr.tasks.base.Task`."""
+"""Potentials, models and data. Each task builds a :class:`~qlsd_flwr.core.potential.Task`."""

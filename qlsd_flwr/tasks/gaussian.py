@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import rng
-from .base import GaussianPrior, Task
+from qlsd_flwr.core import rng
+from qlsd_flwr.core.potential import GaussianPrior, Task
 
 
 @dataclass

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .base import GaussianPrior, Task
+from qlsd_flwr.core.potential import GaussianPrior, Task
 
 
 def _softmax(z: np.ndarray) -> np.ndarray:
@@ -114,16 +114,16 @@ def build_logistic_task(dataset: Any = "breast_cancer", b: int = 10, partition: 
                         partition_kw: dict | None = None, dataset_kw: dict | None = None) -> Task:
     """A federated Bayesian logistic regression ``Task``.
 
-    ``dataset``: an :class:`~qlsd_flwr.data.ArrayDataset` or a name for
-    :func:`qlsd_flwr.data.load_dataset` (with ``dataset_kw``). ``partition``: a name for
-    :func:`qlsd_flwr.partition.make_partition` (with ``partition_kw``), or ``"natural"`` for
+    ``dataset``: an :class:`~qlsd_flwr.data.datasets.ArrayDataset` or a name for
+    :func:`qlsd_flwr.data.datasets.load_dataset` (with ``dataset_kw``). ``partition``: a name for
+    :func:`qlsd_flwr.data.partition.make_partition` (with ``partition_kw``), or ``"natural"`` for
     the dataset's own clients (synthetic, FEMNIST; then ``b`` must match or be ``None``).
     ``prior_var`` is the variance of the ``N(0, prior_var·I)`` prior (paper: ``2e−2``;
     ``inf`` = flat). ``pooled=True`` puts all data on one client (SGLD baseline), keeping
     the partition description in ``meta``.
     """
-    from .. import data as _data
-    from .. import partition as _partition
+    from qlsd_flwr.data import datasets as _data
+    from qlsd_flwr.data import partition as _partition
 
     ds = dataset if isinstance(dataset, _data.ArrayDataset) else \
         _data.load_dataset(str(dataset), **(dataset_kw or {}))

@@ -2,7 +2,7 @@
 
 * ``logistic`` — Bayesian multiclass logistic regression in numpy float64
   (:class:`~qlsd_flwr.tasks.logistic.LogisticLocal`) on ``dataset`` (``auto`` =
-  ``breast_cancer``; any name of :func:`qlsd_flwr.data.load_dataset`), split over
+  ``breast_cancer``; any name of :func:`qlsd_flwr.data.datasets.load_dataset`), split over
   ``num-clients`` clients by ``partition`` (``auto`` = ``dirichlet`` with ``partition-alpha``;
   ``natural`` for datasets that come with clients, e.g. ``synthetic``).
 * ``mnist`` — a torch classifier (``model`` ∈ ``logistic | mlp | lenet5``, wrapped by
@@ -23,8 +23,8 @@ to every class's weights):
   1/5" for CIFAR-10, "weight decay 5" in the MNIST table).
 
 What a run records (``task.meta["summary_extra"]``, merged into ``summary.json`` by
-:func:`qlsd_flwr.server.summary_extra`): the dataset summary, the partition's per-client,
-per-label counts (:func:`qlsd_flwr.partition.describe`), the prior variance used and where it
+:func:`qlsd_flwr.protocol.server.summary_extra`): the dataset summary, the partition's per-client,
+per-label counts (:func:`qlsd_flwr.data.partition.describe`), the prior variance used and where it
 came from, the model. ``task.meta`` also holds the test set (``X_test``, ``y_test``), the
 per-tensor ``blocks`` (for ``block-norm = tensor``), and ``predictor``, an object with
 ``predict_proba(theta_samples, X) -> (n, K)`` (the posterior predictive).
@@ -41,8 +41,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..config import ConfigError, RunConfig
-from .base import GaussianPrior, Task
+from qlsd_flwr.config import ConfigError, RunConfig
+from qlsd_flwr.core.potential import GaussianPrior, Task
 
 DEFAULT_PRIOR_VAR = {"logistic": 2e-2, "mnist": 0.2}
 DEFAULT_DATASET = {"logistic": "breast_cancer", "mnist": "mnist_subset"}
@@ -65,13 +65,13 @@ class DataSpec:
 
 
 def spec_of(cfg: RunConfig) -> DataSpec:
-    from .. import data as _data
-    from .. import partition as _partition
+    from qlsd_flwr.data import datasets as _data
+    from qlsd_flwr.data import partition as _partition
 
-    task = str(cfg.get("task")).lower()
+    task = cfg.task
     if task not in DEFAULT_DATASET:
         raise ConfigError(f"task: the registry builds logistic and mnist, not {task!r}")
-    from ..plugins import is_plugin
+    from qlsd_flwr.plugins import is_plugin
 
     ds = str(cfg.get("dataset")).strip()
     ds = DEFAULT_DATASET[task] if ds.lower() == "auto" else _data.canonical_name(ds)
@@ -90,7 +90,7 @@ def spec_of(cfg: RunConfig) -> DataSpec:
     if not is_plugin(model):
         model = model.lower().replace("-", "").replace("_", "")
     return DataSpec(task=task, dataset=ds, partition=part, partition_kw=tuple(sorted(kw.items())),
-                    b=int(cfg.get("num-clients")), data_seed=int(cfg.get("data-seed")),
+                    b=int(cfg.get("num-clients")), data_seed=cfg.data_seed,
                     model=model if task == "mnist" else "logistic-numpy",
                     device=str(cfg.get("device")).strip().lower(), prior_var=pv, prior_source=src)
 
@@ -99,7 +99,7 @@ def spec_of(cfg: RunConfig) -> DataSpec:
 @functools.lru_cache(maxsize=8)
 def dataset_of(name: str, data_seed: int, b: int):
     """The dataset, loaded once per process (``seed`` = the train/test split's seed)."""
-    from .. import data as _data
+    from qlsd_flwr.data import datasets as _data
 
     if name == "synthetic":
         return _data.load_dataset(name, b=b, seed=data_seed)
@@ -108,7 +108,7 @@ def dataset_of(name: str, data_seed: int, b: int):
 
 @functools.lru_cache(maxsize=8)
 def _split(spec: DataSpec) -> tuple:
-    from .. import partition as _partition
+    from qlsd_flwr.data import partition as _partition
 
     ds = dataset_of(spec.dataset, spec.data_seed, spec.b)
     if spec.partition == "natural":
@@ -135,7 +135,7 @@ def partition_of(spec: DataSpec) -> list[np.ndarray]:
 
 # ---------------------------------------------------------------------------- models
 def _torch_model(spec: DataSpec, ds):
-    from .torch_models import build_model
+    from qlsd_flwr.tasks.torch_models import build_model
 
     if spec.model == "lenet5" and tuple(ds.input_shape)[1:] != (28, 28):
         raise ConfigError(f"model lenet5 needs 28×28 images; dataset {ds.name!r} has input shape "
@@ -166,10 +166,10 @@ def _numpy_logistic(spec: DataSpec, torch_dtype: str | None) -> bool:
 
 def _potential(spec: DataSpec, ds, ix: np.ndarray, torch_dtype: str | None = None):
     if _numpy_logistic(spec, torch_dtype):
-        from .logistic import LogisticLocal
+        from qlsd_flwr.tasks.logistic import LogisticLocal
 
         return LogisticLocal(ds.X_train[ix], ds.y_train[ix], ds.n_classes)
-    from .torch_models import TorchPotential
+    from qlsd_flwr.tasks.torch_models import TorchPotential
 
     return TorchPotential(_shared_model(spec, torch_dtype), ds.X_train[ix], ds.y_train[ix],
                           device=spec.device)
@@ -187,7 +187,7 @@ class LogisticPredictor:
         self.n_classes = n_classes
 
     def predict_proba(self, theta_samples, X) -> np.ndarray:
-        from .logistic import predict_proba
+        from qlsd_flwr.tasks.logistic import predict_proba
 
         return predict_proba(theta_samples, X, self.n_classes)
 
@@ -196,7 +196,7 @@ class TorchPredictor:
     """Posterior predictive of a torch classifier (its own module, so clients are untouched)."""
 
     def __init__(self, spec: DataSpec, ds, dtype_name: str | None = None):
-        from .torch_models import TorchPotential
+        from qlsd_flwr.tasks.torch_models import TorchPotential
 
         model = _torch_model(spec, ds)
         if dtype_name is not None:
@@ -214,7 +214,7 @@ def build(cfg: RunConfig, pooled: bool = False, torch_dtype: str | None = None) 
     """The run's real-data :class:`Task` (all clients). ``pooled``: one client holding every
     point (SGLD). ``torch_dtype`` (e.g. ``"float64"``, for gradient checks) converts the torch
     model; default: the model's own float32."""
-    from .. import partition as _partition
+    from qlsd_flwr.data import partition as _partition
 
     spec = spec_of(cfg)
     ds = dataset_of(spec.dataset, spec.data_seed, spec.b)
@@ -256,7 +256,7 @@ def build(cfg: RunConfig, pooled: bool = False, torch_dtype: str | None = None) 
 
 def load_client(cfg: RunConfig, i: int):
     """Client ``i``'s potential only: ``(potential, prior, d, blocks)`` as
-    :func:`qlsd_flwr.components.load_client` returns it (``blocks`` ``None`` unless
+    :func:`qlsd_flwr.protocol.build.load_client` returns it (``blocks`` ``None`` unless
     ``block-norm = tensor``)."""
     spec = spec_of(cfg)
     pooled = cfg.variant == "sgld"

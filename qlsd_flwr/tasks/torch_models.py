@@ -1,6 +1,6 @@
 """Torch models and :class:`TorchPotential`, which makes any classifier a ``LocalPotential``.
 
-Models (inputs may be flat ``(n, C·H·W)`` rows, as :mod:`qlsd_flwr.data` returns them, or
+Models (inputs may be flat ``(n, C·H·W)`` rows, as :mod:`qlsd_flwr.data.datasets` returns them, or
 already shaped ``(n, C, H, W)``):
 
 * :class:`LinearSoftmax` — multiclass logistic regression;
@@ -14,7 +14,7 @@ Plugging in your own model and data::
 
     import torch.nn as nn
     from qlsd_flwr.tasks.torch_models import TorchPotential
-    from qlsd_flwr.tasks.base import GaussianPrior, Task
+    from qlsd_flwr.core.potential import GaussianPrior, Task
 
     net = nn.Sequential(nn.Flatten(), nn.Linear(784, 10))          # any nn.Module → logits
     clients = [TorchPotential(net, X_i, y_i) for X_i, y_i in my_client_data]
@@ -170,7 +170,7 @@ def build_model(name: str, n_classes: int, input_shape: Sequence[int], seed: int
                 **kw) -> nn.Module:
     """A model by name (``logistic``, ``mlp``, ``lenet5``, ``resnet20``, or a plug-in
     ``module:attr`` called as ``attr(n_classes=, input_shape=)``), seeded init."""
-    from ..plugins import is_plugin, load_object
+    from qlsd_flwr.plugins import is_plugin, load_object
 
     if is_plugin(name):
         make = load_object(name, "model")

@@ -1,0 +1,63 @@
+"""The constants every part of the QSGD wire format shares, and its error vocabulary.
+
+One set of codes for the whole package: :class:`Encoding` is what ``encoding`` selects (and what
+the compiled writer takes), :class:`QuantiseError` what a quantiser reports (the compiled ones
+return its value, the Python ones raise ``ValueError`` with its message).
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+HEADER_BYTES = 5  # 1 tag byte + uint32 d: 40 bits per message, not part of code_length_bits
+TAG_PACKED = 0x01
+TAG_ELIAS = 0x02
+MAX_S = 2**32  # levels fit the vectorised bit writer (int64 fields, float64-exact bit lengths)
+MAX_D = 2**32 - 1  # d is a uint32 in the header
+OMEGA_GROUPS = 5  # Elias omega groups for any value < 2^63: n → ⌊log2 n⌋ → ... reaches 1 in ≤ 5 steps
+
+
+class Encoding(IntEnum):
+    """How a message is coded: dense ``packed``, QSGD's sparse ``elias``, or the shorter (``auto``)."""
+
+    PACKED = 0
+    ELIAS = 1
+    AUTO = 2
+
+    @classmethod
+    def of(cls, name: str) -> "Encoding":
+        try:
+            return cls[str(name).upper()]
+        except KeyError:
+            raise ValueError(f"unknown encoding {name!r}; allowed: {', '.join(ENCODINGS)}") from None
+
+
+ENCODINGS = ("elias", "packed", "auto")
+KINDS = ("qsgd", "identity")
+
+
+class QuantiseError(IntEnum):
+    """Why a vector cannot be sent (0: it can)."""
+
+    OK = 0
+    NON_FINITE = 1
+    DITHER = 2
+    NORM_OVERFLOW = 3
+    IDENTITY_NON_FINITE = 4
+
+    @property
+    def message(self) -> str:
+        return _QUANTISE_MESSAGES[self]
+
+
+_QUANTISE_MESSAGES = {
+    QuantiseError.OK: "",
+    QuantiseError.NON_FINITE: "QSGD: cannot quantise a non-finite vector",
+    QuantiseError.DITHER: "QSGD: the dither u must lie in [0, 1)",
+    QuantiseError.NORM_OVERFLOW: "QSGD: a block norm exceeds the float32 range (about 3.4e38)",
+    QuantiseError.IDENTITY_NON_FINITE: "Identity: cannot send a non-finite vector",
+}
+
+
+class DecodeError(ValueError):
+    """A payload that is not a valid code for this compressor and ``d``."""

@@ -1,0 +1,105 @@
+"""The interface every task implements: local potentials ``U_i`` and a prior ``U_0``.
+
+The target is ``π(θ) ∝ exp(−U(θ))`` with ``U = U_0 + Σ_i Σ_j U_ij`` (paper §2). A task
+splits the data part across ``b`` clients; the prior ``U_0`` is either kept whole on the
+server or shared across clients with weights ``w_i`` (``Σ w_i = 1``), see
+:mod:`qlsd_flwr.core.oracles`.
+
+Everything here works on flat ``float64`` numpy vectors ``θ ∈ R^d``; a torch model is
+wrapped so that it exposes the same two methods.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+
+@runtime_checkable
+class LocalPotential(Protocol):
+    """The data part of one client's potential, ``U_i^data(θ) = Σ_{j<N_i} U_ij(θ)``."""
+
+    n_data: int  # N_i
+    dim: int  # d
+
+    def grad_sum(self, theta: np.ndarray, idx: np.ndarray | None = None) -> np.ndarray:
+        """``Σ_{j ∈ idx} ∇U_ij(θ)`` as a ``(d,)`` float64 array; ``idx=None`` means all ``j``.
+
+        ``idx`` is a sorted int64 array of distinct indices in ``[0, N_i)``.
+        """
+        ...
+
+    def value(self, theta: np.ndarray) -> float:
+        """``U_i^data(θ) = Σ_j U_ij(θ)`` (used for HPD regions and MALA)."""
+        ...
+
+
+class Prior(Protocol):
+    """The prior potential ``U_0`` (negative log prior up to a constant)."""
+
+    def grad(self, theta: np.ndarray) -> np.ndarray: ...
+
+    def value(self, theta: np.ndarray) -> float: ...
+
+
+@dataclass(frozen=True)
+class GaussianPrior:
+    """``U_0(θ) = ‖θ − mean‖² / (2 var)``; ``var = inf`` is the flat prior."""
+
+    var: float = float("inf")
+    mean: float = 0.0
+
+    def grad(self, theta: np.ndarray) -> np.ndarray:
+        if np.isinf(self.var):
+            return np.zeros_like(theta)
+        return (theta - self.mean) / self.var
+
+    def value(self, theta: np.ndarray) -> float:
+        if np.isinf(self.var):
+            return 0.0
+        return float(np.sum((theta - self.mean) ** 2) / (2.0 * self.var))
+
+    @property
+    def is_flat(self) -> bool:
+        return bool(np.isinf(self.var))
+
+
+@dataclass
+class Task:
+    """A federated posterior: ``b`` local potentials, a prior, and what is known in closed form.
+
+    ``theta_star`` is ``argmin U`` when known in closed form (else ``None``: QLSD* then runs a
+    federated optimisation phase first). ``posterior_mean``/``posterior_var`` hold the exact
+    posterior moments when known (Gaussian task), for tests and metrics.
+    """
+
+    name: str
+    dim: int
+    clients: Sequence[LocalPotential]
+    prior: GaussianPrior = field(default_factory=GaussianPrior)
+    theta_star: np.ndarray | None = None
+    posterior_mean: np.ndarray | None = None
+    posterior_var: np.ndarray | None = None
+    theta0: np.ndarray | None = None
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def b(self) -> int:
+        return len(self.clients)
+
+    @property
+    def n_data(self) -> np.ndarray:
+        return np.array([c.n_data for c in self.clients], dtype=np.int64)
+
+    def potential(self, theta: np.ndarray) -> float:
+        """``U(θ)``, the full negative log posterior (up to a constant)."""
+        return self.prior.value(theta) + sum(c.value(theta) for c in self.clients)
+
+    def grad_potential(self, theta: np.ndarray) -> np.ndarray:
+        """``∇U(θ)`` summed over clients in index order (deterministic)."""
+        g = self.prior.grad(theta).astype(np.float64, copy=True)
+        for c in self.clients:
+            g += c.grad_sum(theta)
+        return g

@@ -1,0 +1,133 @@
+"""The server's side of one round: anchor, aggregation, memory, prior and Langevin step.
+
+Read next to Algorithm 2 of the paper (QLSD++; the other variants switch parts off):
+
+1. ``ζ_k = θ_k`` if ``k ≡ 0 (mod l)`` else ``ζ_{k−1}``                       (:func:`refresh_anchor`)
+2. clients in ``A_{k+1}`` send ``g_i``; the server decodes ``ĝ_i``
+3. ``g_{k+1} = Σ_{i∈A} w_i ĝ_i  [+ η_k]  + ∇U_0(θ_k) [− ∇U_0(θ*)]``          (:func:`server_step`)
+   (prior terms only when the prior stays on the server; ``− ∇U_0(θ*)`` for QLSD*)
+4. ``η_{k+1}^{(i)} = η_k^{(i)} + α_i ĝ_i`` for ``i ∈ A``;  ``η_{k+1} = Σ_i η_{k+1}^{(i)}``
+5. ``θ_{k+1} = θ_k − γ g_{k+1} + √(2γ) Z_{k+1}``, ``Z`` from stream ``(seed, NOISE, k, 0)``
+
+Sums run over clients in ascending index order, always, so the result does not depend on
+the order replies arrive in. The server keeps a mirror of every ``η_i`` and recomputes
+``η = Σ_i η_i`` from the mirrors, so ``η`` equals the sum of the clients' terms exactly.
+
+Every function takes an optional leading chain axis: ``θ`` of shape ``(d,)`` for one chain (the
+Flower and local paths) or ``(C, d)`` for ``C`` chains side by side (the vectorised engine's
+numpy backend), with ``seed`` then a ``(C,)`` array. This module is the one place the server
+step is written; chain ``c`` of a vectorised step is bit for bit the one-chain step with seed
+``seed[c]`` (numpy's reductions over a leading axis add rows in the same order).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from qlsd_flwr.core import participation, rng
+from qlsd_flwr.core.potential import GaussianPrior
+
+
+@dataclass
+class ServerState:
+    """The chain's state between rounds (arrays carry the leading chain axis when there is one)."""
+
+    k: int  # the next round to run (θ_k is current)
+    theta: np.ndarray  # θ_k, (d,) or (C, d)
+    zeta: np.ndarray | None = None  # SVRG anchor ζ_k (QLSD++)
+    zeta_version: int = -1  # increments at each refresh
+    eta_i: np.ndarray | None = None  # (b, d) or (C, b, d): mirror of the clients' memory terms
+    eta: np.ndarray | None = None  # Σ_i η_i
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """Static server settings (paper symbols: ``b`` clients, step ``γ``, ``p_i``, ``α_i``, ``l``)."""
+
+    b: int
+    gamma: float
+    p: np.ndarray
+    rule: str
+    memory: bool
+    alpha: np.ndarray  # α_i per client
+    l: int
+    oracle: str
+    prior: GaussianPrior
+    prior_on_server: bool
+    theta_star: np.ndarray | None = None
+
+
+def init_state(spec: ServerSpec, theta0: np.ndarray) -> ServerState:
+    """``θ_0`` (``(d,)``, or ``(C, d)`` for chains side by side) and zero memory."""
+    theta = np.array(theta0, dtype=np.float64, copy=True)
+    st = ServerState(k=0, theta=theta)
+    if spec.memory:
+        lead = theta.shape[:-1]
+        st.eta_i = np.zeros(lead + (spec.b, theta.shape[-1]))
+        st.eta = np.zeros_like(theta)
+    return st
+
+
+def refresh_anchor(spec: ServerSpec, st: ServerState) -> bool:
+    """Step 1: set ``ζ_k = θ_k`` when ``k ≡ 0 (mod l)``; returns whether it changed."""
+    if spec.oracle == "svrg" and st.k % spec.l == 0:
+        st.zeta = st.theta.copy()
+        st.zeta_version += 1
+        return True
+    return False
+
+
+def prior_term(spec: ServerSpec, theta: np.ndarray) -> np.ndarray | None:
+    """The server's exact prior contribution ``∇U_0(θ) [− ∇U_0(θ*)]``, or ``None`` when the
+    clients share the prior (or it is flat)."""
+    if not spec.prior_on_server or spec.prior.is_flat:
+        return None
+    t = spec.prior.grad(theta)
+    if spec.oracle == "star":
+        t = t - spec.prior.grad(spec.theta_star)
+    return t
+
+
+def server_step(spec: ServerSpec, st: ServerState, seed, g_hat: np.ndarray,
+                replied: np.ndarray) -> np.ndarray:
+    """Steps 3–5 for round ``k = st.k``; advances ``st`` to ``k + 1``.
+
+    ``g_hat``: the decoded messages ``ĝ_i``, shape ``(b, d)`` (or ``(C, b, d)``); only rows with
+    ``replied`` (``(b,)`` or ``(C, b)``) true are read. ``seed``: the chain's seed (or ``(C,)``
+    seeds). Returns the chains' ``skipped`` flags (a round is skipped, θ and the memory kept,
+    under the ``active-fraction`` rule when no client replied). Memory increments use ``ĝ_i``
+    as decoded, so the server's mirror of ``η_i`` equals the client's bit for bit.
+    """
+    k = st.k
+    skipped = participation.skips_round(replied, spec.rule)
+    w = participation.weights(replied, spec.p, spec.rule)
+    g = np.zeros_like(st.theta)
+    for i in np.flatnonzero(np.any(replied.reshape(-1, spec.b), axis=0)):  # index order
+        on = replied[..., i, None]
+        gi = g_hat[..., i, :]
+        g = np.where(on, g + w[..., i, None] * gi, g)
+        if spec.memory:
+            st.eta_i[..., i, :] = np.where(on, st.eta_i[..., i, :] + spec.alpha[i] * gi, st.eta_i[..., i, :])
+    if spec.memory:
+        g = g + st.eta
+        st.eta = st.eta_i.sum(axis=-2)
+    pt = prior_term(spec, st.theta)
+    if pt is not None:
+        g = g + pt
+    z = rng.normal(seed, rng.Stream.NOISE, k, 0, st.theta.shape[-1])
+    new = st.theta - spec.gamma * g + np.sqrt(2.0 * spec.gamma) * z
+    st.theta = np.where(np.asarray(skipped)[..., None], st.theta, new)
+    st.k += 1
+    return skipped
+
+
+def stack_replies(g_hat: dict[int, np.ndarray], b: int, d: int) -> tuple[np.ndarray, np.ndarray]:
+    """``{i: ĝ_i}`` of the clients whose reply was valid → ``(g_hat (b, d), replied (b,))``."""
+    arr = np.zeros((b, d))
+    replied = np.zeros(b, dtype=bool)
+    for i, g in g_hat.items():
+        arr[i] = g
+        replied[i] = True
+    return arr, replied

@@ -1,0 +1,79 @@
+"""θ*, the mode of the posterior, for QLSD*'s control variate (one path for every engine).
+
+QLSD* uses ``H_i(θ) = (N_i/n_i) Σ_{j∈S_i} [∇U_ij(θ) − ∇U_ij(θ*)] + …`` (ALGORITHMS.md), which
+needs ``θ* = argmin U``. It comes from the task in closed form (``theta-star = closed-form``) or
+from a federated gradient-descent phase run through the engine's own clients first
+(``theta-star = optimise``): ``θ ← θ − γ ∇U(θ)`` with ``∇U(θ) = Σ_i ∇U_i(θ) [+ ∇U_0(θ)]``.
+Each engine passes :func:`resolve_theta_star` the function that gets ``∇U(θ)`` from its clients;
+nothing else differs between them.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from qlsd_flwr.config import ConfigError, RunConfig
+from qlsd_flwr.core.potential import Task
+
+
+def needs_theta_star(cfg: RunConfig) -> bool:
+    """Whether the variant's oracle is centred at θ* (QLSD*, LSD*)."""
+    return cfg.oracle == "star"
+
+
+def closed_form_theta_star(cfg: RunConfig, task: Task) -> np.ndarray:
+    if task.theta_star is None:
+        raise ConfigError(
+            f"theta-star: task {task.name!r} has no closed-form θ*; set theta-star = optimise")
+    return np.asarray(task.theta_star, dtype=np.float64)
+
+
+def gd_step(theta: np.ndarray, grad: np.ndarray, lr: float) -> np.ndarray:
+    """One step of the federated optimisation phase that finds ``θ* = argmin U``."""
+    return theta - lr * grad
+
+
+def opt_converged(grad: np.ndarray, grad0_norm: float, tol: float) -> bool:
+    """``‖∇U(θ)‖ ≤ tol·(1 + ‖∇U(θ_0)‖)``: relative to the start, so the scale of U does not matter."""
+    return float(np.linalg.norm(grad)) <= tol * (1.0 + grad0_norm)
+
+
+def optimise_theta_star(cfg: RunConfig, theta0: np.ndarray,
+                        grad_fn: Callable[[np.ndarray], np.ndarray]) -> tuple[np.ndarray, int]:
+    """Federated gradient descent for ``θ* = argmin U``: ``θ ← θ − γ ∇U(θ)``.
+
+    ``grad_fn(θ)`` returns ``∇U(θ)`` as summed from the clients' full local gradients (plus the
+    prior); it is how each engine reaches its clients. Stops when
+    ``‖∇U‖ ≤ opt-tol·(1 + ‖∇U(θ_0)‖)`` or after ``opt-rounds`` rounds; returns ``(θ*, rounds)``.
+    """
+    theta = theta0.copy()
+    g = grad_fn(theta)
+    g0 = float(np.linalg.norm(g))
+    rounds = 0
+    for rounds in range(1, cfg.opt_rounds + 1):
+        theta = gd_step(theta, g, cfg.gamma)
+        g = grad_fn(theta)
+        if opt_converged(g, g0, cfg.opt_tol):
+            break
+    return theta, rounds
+
+
+def resolve_theta_star(cfg: RunConfig, task: Task, theta0: np.ndarray,
+                       grad_fn: Callable[[np.ndarray], np.ndarray] | None
+                       ) -> tuple[np.ndarray | None, dict]:
+    """``(θ*, facts for the summary)``; ``(None, {})`` when the variant needs no θ*.
+
+    ``grad_fn`` is ``None`` on a path that cannot run the optimisation phase (the legacy
+    adapter): ``theta-star = optimise`` is then refused with the key's name.
+    """
+    if not needs_theta_star(cfg):
+        return None, {}
+    if cfg.theta_star == "closed-form":
+        return closed_form_theta_star(cfg, task), {"theta_star": "closed-form"}
+    if grad_fn is None:
+        raise ConfigError("theta-star: this path supports only closed-form (the legacy Flower API has "
+                          "no message type for the optimisation phase; use the Message-API strategy)")
+    ts, rounds = optimise_theta_star(cfg, theta0, grad_fn)
+    return ts, {"theta_star": "optimise", "opt_rounds": rounds}

@@ -1,0 +1,1 @@
+"""Offline and hub datasets and partitioners."""

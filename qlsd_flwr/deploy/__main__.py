@@ -1,0 +1,5 @@
+import sys
+
+from qlsd_flwr.deploy.cli import main
+
+sys.exit(main())

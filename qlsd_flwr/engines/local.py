@@ -1,0 +1,118 @@
+"""The framework-free path: the same algorithm as the Flower strategy, in one process.
+
+One Python loop over rounds and clients calling exactly the functions the Flower
+``ClientApp`` and ``Strategy`` call (:func:`qlsd_flwr.core.oracles.client_round`,
+:func:`qlsd_flwr.core.server_step.server_step`), with the message encoded and decoded as it would be
+on the wire. For one seed it produces the same chain, bit for bit, as Flower does.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from qlsd_flwr.config import RunConfig
+from qlsd_flwr.core import participation
+from qlsd_flwr.core import server_step as sampler
+from qlsd_flwr.core.oracles import (
+    ClientState,
+    client_round,
+    full_local_grad,
+    set_anchor,
+)
+from qlsd_flwr.core.potential import Task
+from qlsd_flwr.core.theta_star import resolve_theta_star
+from qlsd_flwr.outputs.checkpoint import resume_dir
+from qlsd_flwr.outputs.observer import RunOutputs
+from qlsd_flwr.outputs.progress import progress_bar
+from qlsd_flwr.protocol import build
+from qlsd_flwr.protocol.client import handle
+from qlsd_flwr.protocol.divergence import DivergenceError, divergence_message
+from qlsd_flwr.protocol.server import QLSDServer
+from qlsd_flwr.tasks import loading
+
+
+@dataclass
+class RunResult:
+    summary: dict
+    run_dir: Path | None
+    trace: np.ndarray | None = None  # θ_1..θ_K when keep_trace
+    server: sampler.ServerState | None = None
+    clients: list = field(default_factory=list)
+
+
+def run_local(cfg: RunConfig, task: Task | None = None, write: bool = True,
+              keep_trace: bool = False, progress: bool | None = None, wire: bool = True) -> RunResult:
+    """Run one chain of ``cfg`` without Flower.
+
+    ``wire=True`` runs the very protocol the Flower apps run (:class:`~qlsd_flwr.protocol.server.QLSDServer`
+    on one side, :func:`qlsd_flwr.protocol.client.handle` on the other, messages encoded as bytes), with
+    direct calls in place of Flower. ``wire=False`` skips the encoding, the protocol counters and
+    the outputs and calls the numerics directly (``decode(encode(q)) == q`` is tested on its own):
+    the same chain, faster, for statistical tests.
+    """
+    task = task if task is not None else loading.load_task(cfg)
+    d = task.dim
+    blocks = build.blocks_for(cfg, task)
+    specs = [build.client_spec(cfg, i, task.clients[i].n_data, d, task.prior, blocks) for i in range(cfg.b)]
+    states = [ClientState() for _ in range(cfg.b)]
+    resuming = resume_dir(cfg) is not None
+    if resuming and not wire:
+        raise ValueError("resume needs the protocol path (wire=True)")
+    theta_star, ts_info = (None, {}) if resuming else resolve_theta_star(  # resume: θ* is in the checkpoint
+        cfg, task, build.theta0_of(task),
+        lambda th: build.combine_grads(cfg, task.prior, [full_local_grad(s, task.clients[s.index], th) for s in specs], th))
+    bar = progress_bar(cfg.num_rounds, cfg.get("progress") if progress is None else progress, f"{cfg.variant} local")
+    if not wire:
+        return _run_direct(cfg, task, specs, states, theta_star, keep_trace, bar)
+    server = QLSDServer(cfg, task, keep_trace=keep_trace, engine_label="local",
+                        observer=RunOutputs(cfg, task.dim) if write else None)
+    server.begin(theta_star, ts_info)
+    bar.update(server.state.k)
+    try:
+        for _ in range(server.state.k, cfg.num_rounds):
+            for i in server.begin_round():
+                fields = server.fields_for(i)
+                saved = copy.copy(states[i])  # handle() rebinds the state's arrays, never writes into them
+                try:
+                    reply = handle(specs[i], task.clients[i], states[i], cfg.seed, fields, d)
+                except Exception as exc:  # as Flower does: an error reply, the client's state unchanged
+                    states[i] = saved
+                    server.accept(i, None, error=f"{type(exc).__name__}: {exc}")
+                    continue
+                server.accept(i, reply)
+            server.end_round()
+            bar.update(1)
+    finally:
+        bar.close()
+    summary = server.finish()
+    trace = np.array(server.trace) if keep_trace else None
+    return RunResult(summary=summary, run_dir=server.run_dir, trace=trace, server=server.state, clients=states)
+
+
+def _run_direct(cfg, task, specs, states, theta_star, keep_trace, bar) -> RunResult:
+    spec = build.server_spec(cfg, task, theta_star, build.blocks_for(cfg, task))
+    st = sampler.init_state(spec, build.theta0_of(task))
+    trace = np.empty((cfg.num_rounds, task.dim)) if keep_trace else None
+    for k in range(cfg.num_rounds):
+        sampler.refresh_anchor(spec, st)
+        anchor, version = (st.zeta, st.zeta_version) if cfg.oracle == "svrg" else (theta_star, 0)
+        g_hat = {}
+        for i in np.flatnonzero(participation.active_mask(cfg.seed, k, cfg.p)):
+            if cfg.oracle in ("svrg", "star") and states[i].anchor_version != version:
+                set_anchor(specs[i], task.clients[i], states[i], anchor, version)
+            try:
+                g_hat[int(i)] = client_round(specs[i], task.clients[i], states[i], cfg.seed, k, st.theta)[1]
+            except ValueError as exc:  # the message cannot be formed: the chain has run away
+                raise DivergenceError(divergence_message(k + 1, cfg.gamma) + f" [{exc}]") from exc
+        sampler.server_step(spec, st, cfg.seed, *sampler.stack_replies(g_hat, cfg.b, task.dim))
+        if not np.all(np.isfinite(st.theta)):
+            raise DivergenceError(divergence_message(k + 1, cfg.gamma))
+        if keep_trace:
+            trace[k] = st.theta
+        bar.update(1)
+    bar.close()
+    return RunResult(summary={"engine": "local-direct"}, run_dir=None, trace=trace, server=st, clients=states)

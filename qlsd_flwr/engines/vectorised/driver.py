@@ -1,0 +1,289 @@
+"""The vectorised engine's driver: configurations and chains side by side, blocks of rounds on a
+backend, outputs, checkpoints and divergence (see :mod:`qlsd_flwr.engines.vectorised`)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+
+from qlsd_flwr.config import RunConfig
+from qlsd_flwr.core.oracles import full_local_grad
+from qlsd_flwr.core.potential import Task
+from qlsd_flwr.core.theta_star import resolve_theta_star
+from qlsd_flwr.engines.vectorised.numba_backend import NumbaGaussian
+from qlsd_flwr.engines.vectorised.numpy_backend import NumpyGeneric, Sequential
+from qlsd_flwr.engines.vectorised.results import (
+    ChainStats,
+    VectorisedResult,
+    chain_seeds,
+)
+from qlsd_flwr.outputs import checkpoint as ckpt
+from qlsd_flwr.outputs.progress import progress_bar
+from qlsd_flwr.outputs.recorder import Recorder, _jsonable, make_run_dir
+from qlsd_flwr.protocol import build
+from qlsd_flwr.protocol.divergence import DivergenceError, divergence_message
+from qlsd_flwr.protocol.server import summary_extra
+from qlsd_flwr.tasks import loading
+from qlsd_flwr.tasks.gaussian import GaussianLocal
+
+# run-config keys that may differ between configurations run side by side
+SIDE_BY_SIDE_KEYS = ("variant", "s", "gamma", "l", "alpha", "compressor", "encoding", "run-name",
+                     "output-dir", "progress", "verbose", "engine", "theta-star", "opt-rounds",
+                     "opt-tol", "client-cpus", "reply-timeout")
+
+
+def _is_gaussian(task: Task) -> bool:
+    return all(type(c) is GaussianLocal for c in task.clients)
+
+
+def backend_for(cfgs, task: Task, backend: str = "auto") -> str:
+    """``"numba"`` (Gaussian fast path) or ``"numpy"`` (any task); raises if ``numba`` is
+    requested but does not apply."""
+    cfgs = [cfgs] if isinstance(cfgs, RunConfig) else list(cfgs)
+    ok = _is_gaussian(task) and all(build.blocks_for(c, task) is None for c in cfgs)
+    if backend == "auto":
+        return "numba" if ok else "numpy"
+    if backend not in ("numba", "numpy"):
+        raise ValueError(f"backend: unknown value {backend!r}; allowed: auto, numba, numpy")
+    if backend == "numba" and not ok:
+        raise ValueError("backend 'numba' needs the Gaussian task and one QSGD norm per vector "
+                         "(block-norm = vector)")
+    return backend
+
+
+def _check_side_by_side(cfgs: list[RunConfig]) -> None:
+    ref = cfgs[0]
+    for c in cfgs[1:]:
+        bad = [k for k in ref.raw if k not in SIDE_BY_SIDE_KEYS and str(ref.raw[k]) != str(c.raw[k])]
+        if bad:
+            raise ValueError(f"run_side_by_side: configurations differ in {', '.join(bad)}; only "
+                             f"{', '.join(SIDE_BY_SIDE_KEYS)} may differ")
+        if (c.variant == "sgld") != (ref.variant == "sgld"):
+            raise ValueError("run_side_by_side: sgld pools the data on one client; run it apart")
+
+
+def run_vectorised(cfg: RunConfig, task: Task | None = None, write: bool = True,
+                   keep_trace: bool = False, progress: bool | None = None, wire: bool = True,
+                   backend: str = "auto", block_rounds: int | None = None,
+                   threads: int | None = None) -> VectorisedResult:
+    """Run ``cfg.num_chains`` chains of ``cfg`` side by side (chain ``c``: seed ``seed + c``).
+
+    Args:
+        cfg: the run configuration (any ``engine`` value; this function is the engine).
+        task: the task, built from ``cfg`` when ``None``.
+        write: write the run folder (:mod:`qlsd_flwr.outputs.recorder`).
+        keep_trace: return every state ``θ_1..θ_K`` of every chain, ``(C, K, d)``.
+        progress: show a progress bar (rounds/s, chain-iterations/s); default: ``cfg``'s.
+        wire: accepted for signature compatibility with ``run_local``; code lengths are always
+            exact and nothing is actually encoded.
+        backend: ``"auto"``, ``"numba"`` or ``"numpy"``.
+        block_rounds: rounds per compiled call; default adapts to about 0.25 s a block.
+        threads: worker threads of the numba backend, one group of chains each (default: the
+            cores this process may use).
+    """
+    return run_side_by_side([cfg], task=task, write=write, keep_trace=keep_trace, progress=progress,
+                            backend=backend, block_rounds=block_rounds, threads=threads)[0]
+
+
+def run_side_by_side(cfgs, task: Task | None = None, write: bool = False, keep_trace: bool = False,
+                     progress: bool | None = None, backend: str = "auto",
+                     block_rounds: int | None = None, threads: int | None = None,
+                     labels=None) -> list[VectorisedResult]:
+    """Run several configurations (each with its ``num_chains`` chains) in one pass.
+
+    The configurations may differ only in :data:`SIDE_BY_SIDE_KEYS` (variant, ``s``, ``γ``, ``l``,
+    ``α``...). Their chain ``c`` shares seed ``seed + c`` and so every random draw; the numba
+    backend computes the shared draws and minibatch sums once. Returns one
+    :class:`VectorisedResult` per configuration, in order. ``labels`` name the progress bar.
+    """
+    cfgs = list(cfgs)
+    if not cfgs:
+        raise ValueError("run_side_by_side: no configuration given")
+    _check_side_by_side(cfgs)
+    ref = cfgs[0]
+    task = task if task is not None else loading.load_task(ref)
+    which = backend_for(cfgs, task, backend)
+    d, nchain, K = task.dim, ref.num_chains, ref.num_rounds
+    parts = [_parts(cfg, task) for cfg in cfgs]
+    stats = [ChainStats(nchain, d) for _ in cfgs]
+    ck_on = write and any(ckpt.enabled(c) for c in cfgs)
+    if ck_on and len(cfgs) > 1:
+        raise ValueError("run_side_by_side: checkpoint-every and resume need a single configuration")
+    resume = None
+    if ck_on and ckpt.resume_dir(ref) is not None:
+        resume = ckpt.load_for_resume(ref, "vectorised")
+        if resume[1]["backend"] != which:
+            raise ValueError(f"resume: the checkpoint was written by the {resume[1]['backend']} backend, "
+                             f"this run uses {which}; pass backend={resume[1]['backend']!r}")
+    recs, run_dirs = [], []
+    for cfg in cfgs:
+        rec = run_dir = None
+        if write:
+            conf = cfg.to_dict()
+            conf["engine_detail"] = {"engine": "vectorised", "backend": which,
+                                     "chain_seeds": "seed + c for chain c"}
+            if resume is not None:
+                run_dir = resume[0]
+                rec = Recorder(run_dir, conf, d, nchain, cfg.burn_in, cfg.thin,
+                               resume=ckpt.recorder_part(resume[1], resume[2]))
+            else:
+                run_dir = make_run_dir(cfg.get("output-dir"), cfg.get("run-name"), cfg.variant)
+                rec = Recorder(run_dir, conf, d, nchain, cfg.burn_in, cfg.thin, raw_draws=ck_on)
+        recs.append(rec)
+        run_dirs.append(run_dir)
+    traces = [np.empty((nchain, K, d)) for _ in cfgs] if keep_trace else None
+    show = ref.get("progress") if progress is None else progress
+    name = labels or (cfgs[0].variant if len(cfgs) == 1 else f"{len(cfgs)} configs")
+    bar = progress_bar(K, show, f"{name} vectorised x{nchain}")
+    if which == "numba":
+        runner = NumbaGaussian(cfgs, task, parts, stats, threads)
+    else:
+        runner = Sequential([NumpyGeneric(cfg, task, *pt, st) for cfg, pt, st in zip(cfgs, parts, stats)])
+    t0 = time.perf_counter()
+    k = 0
+    last_ckpt = None
+    if resume is not None:
+        k = last_ckpt = int(resume[1]["k"])
+        _restore(runner, stats[0], resume[2])
+        bar.update(k)
+    every = int(ref.get("checkpoint-every")) if ck_on else 0
+    R = block_rounds or runner.initial_block()
+    need_states = write or keep_trace
+    try:
+        while k < K:
+            R = min(R, K - k)
+            if every:
+                R = min(R, every - k % every)  # blocks end on checkpoint rounds
+            tb = time.perf_counter()
+            outs = runner.run_block(k, R, need_states)
+            dt = time.perf_counter() - tb
+            for v, out in enumerate(outs):
+                bad = _first_bad_round(out, runner.theta_of(v), R)
+                if bad is not None:
+                    _diverge(cfgs[v], recs, v, k, bad, out, traces, dt / len(cfgs), run_dirs[v], last_ckpt)
+                if keep_trace:
+                    traces[v][:, k:k + R] = out["states"]
+                if recs[v] is not None:
+                    _record_block(recs[v], k, R, out, dt / len(cfgs))
+            k += R
+            if every and k % every == 0:
+                _save_checkpoint(ref, which, runner, stats[0], recs[0], run_dirs[0], k)
+                last_ckpt = k
+            bar.update(R)
+            if show:
+                bar.set_postfix({"chain-it/s": f"{R * nchain * len(cfgs) / max(dt, 1e-9):,.0f}"}, refresh=False)
+            if block_rounds is None:
+                R = runner.next_block(R, dt)
+    finally:
+        bar.close()
+        runner.close()
+    wall = time.perf_counter() - t0
+    results = []
+    for v, cfg in enumerate(cfgs):
+        st = stats[v]
+        st.rounds = K
+        info = {"engine": "vectorised", "backend": which, "num_chains": nchain,
+                "chain_seeds": chain_seeds(cfg).tolist(), "chain_seed_rule": "seed + c",
+                "side_by_side": len(cfgs), "engine_seconds": wall,
+                "chain_iterations_per_second": K * nchain * len(cfgs) / max(wall, 1e-12),
+                "stats": st.to_dict(), **runner.info(), **parts[v][3]}
+        if resume is not None:
+            info["resumed_from_round"] = int(resume[1]["k"])
+        extra = summary_extra(cfg, task, info)
+        if recs[v] is not None:
+            summary = recs[v].close(extra)
+            summary["per_chain_round"] = {kk: val / nchain for kk, val in summary["per_round"].items()}
+            (run_dirs[v] / "summary.json").write_text(json.dumps(summary, indent=2, default=_jsonable))
+        else:
+            summary = extra
+        results.append(VectorisedResult(summary=summary, run_dir=run_dirs[v], stats=st,
+                                        theta=runner.theta_of(v).copy(),
+                                        trace=traces[v] if keep_trace else None, backend=which,
+                                        extra=runner.info()))
+    return results
+
+
+def _parts(cfg: RunConfig, task: Task):
+    """Client specs, server spec, θ* and its facts for ``cfg`` (as the other engines build them)."""
+    d = task.dim
+    build.warn_if_unstable(cfg, task)
+    blocks = build.blocks_for(cfg, task)
+    specs = [build.client_spec(cfg, i, task.clients[i].n_data, d, task.prior, blocks) for i in range(cfg.b)]
+    theta0 = build.theta0_of(task)
+    theta_star, ts_info = resolve_theta_star(
+        cfg, task, theta0,
+        lambda th: build.combine_grads(cfg, task.prior, [full_local_grad(s, task.clients[s.index], th) for s in specs], th))
+    spec = build.server_spec(cfg, task, theta_star, blocks)
+    return specs, spec, theta_star, ts_info
+
+
+def _record_block(rec: Recorder, k0: int, R: int, out: dict, dt: float) -> None:
+    act, skp = out["n_active"].sum(axis=0), out["skipped"].sum(axis=0)
+    be, bb, by = out["bits_exact"].sum(axis=0), out["bits_bound"].sum(axis=0), out["bytes"].sum(axis=0)
+    states = out["states"]
+    for r in range(R):
+        j = k0 + r + 1
+        rec.record_round({"round": j, "n_active": int(act[r]), "n_replied": int(act[r]) ,
+                          "n_rejected": 0, "skipped": int(skp[r]), "bits_bound": float(bb[r]),
+                          "bits_exact": int(be[r]), "bytes_payload": int(by[r]), "bytes_message": 0,
+                          "seconds": dt / R})
+        if rec.keeps(j):
+            rec.record_sample(j, states[:, r])
+
+
+def _first_bad_round(out: dict, theta: np.ndarray, R: int) -> int | None:
+    """Index in the block of the first round whose state is not finite (or not computed because
+    a client's message could not be formed), or ``None`` when the whole block is fine."""
+    if out.get("error") is None and np.all(np.isfinite(theta)):
+        return None
+    states = out.get("states")
+    if states is None:
+        return 0  # not recorded: somewhere in this block
+    ok = np.isfinite(states).all(axis=(0, 2))  # (R,)
+    bad = np.flatnonzero(~ok)
+    return int(bad[0]) if bad.size else R - 1
+
+
+def _diverge(cfg, recs, v, k0, bad, out, traces, dt, run_dir, last_ckpt) -> None:
+    """Record the block's rounds before ``bad``, close every recorder cleanly, raise."""
+    if traces is not None and bad:
+        traces[v][:, k0:k0 + bad] = out["states"][:, :bad]
+    exact = out.get("states") is not None
+    where = "" if exact else f" (within rounds {k0 + 1}..{k0 + len(out['skipped'][0])})"
+    reason = out.get("error") or "θ is not finite"
+    if recs[v] is not None and bad:
+        _record_block(recs[v], k0, bad, out, dt)
+    msg = divergence_message(k0 + bad + 1, cfg.gamma, run_dir if recs[v] is not None else None,
+                                  last_ckpt, where) + f" [{reason}]"
+    for w, rec in enumerate(recs):
+        if rec is not None:
+            rec.close({"diverged_at_round": k0 + bad + 1, "error": msg} if w == v else {"stopped": msg})
+            recs[w] = None
+    raise DivergenceError(msg)
+
+
+def _stats_arrays(st: ChainStats) -> dict:
+    return {f"st_{n}": getattr(st, n) for n in ("sum_theta", "sum_theta2", "sum_f", "sum_f2", "n_active",
+                                               "skipped", "bits_exact", "bits_bound", "bytes_payload",
+                                               "subset_ties")}
+
+
+def _save_checkpoint(cfg, backend, runner, st: ChainStats, rec: Recorder, run_dir, k: int) -> None:
+    r = runner if isinstance(runner, NumbaGaussian) else runner.runners[0]
+    rec_meta, rec_arrays = rec.checkpoint_state()
+    arrays = {**{f"run_{n}": a for n, a in r.checkpoint_arrays().items()}, **_stats_arrays(st),
+              **{f"rec_{n}": a for n, a in rec_arrays.items()}}
+    meta = {"kind": "vectorised", "backend": backend, "k": k, "config": cfg.raw,
+            "stats": {"n_kept": st.n_kept, "rounds": st.rounds}, "recorder": rec_meta}
+    ckpt.save(ckpt.path_in(run_dir), arrays, meta)
+
+
+def _restore(runner, st: ChainStats, arrays: dict) -> None:
+    r = runner if isinstance(runner, NumbaGaussian) else runner.runners[0]
+    r.restore({n[4:]: a for n, a in arrays.items() if n.startswith("run_")})
+    for n, a in arrays.items():
+        if n.startswith("st_"):
+            getattr(st, n[3:])[...] = a
+    st.n_kept = int(r.kept[0]) if isinstance(r, NumbaGaussian) else int(arrays["run_n_kept"])

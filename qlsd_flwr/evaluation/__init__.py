@@ -1,0 +1,1 @@
+"""Metrics, HPD errors, reference samplers, predictive evaluation, the readable report."""

@@ -1,0 +1,141 @@
+"""The Flower ``ClientApp``: decodes θ, calls the core, encodes the reply. No numerics here.
+
+* ``query``  — handshake: which client index (``partition-id`` of the node config) this node
+  is, its ``N_i`` and ``d``; with ``report = "memory"`` also its own η_i and update count
+  (the end-of-run check that ``η = Σ_i η_i``).
+* ``train``  — ``phase = "sample"``: one round of :func:`qlsd_flwr.core.oracles.client_round`, the
+  reply carrying the encoded compressed message; ``phase = "grad"``: the full local
+  gradient ``∇U_i(θ)`` for the optimisation phase that finds θ*.
+
+Per-client state (η_i, its update count, the anchor ζ or θ*, and ``∇U_i(ζ)``) lives in
+``context.state`` and survives across rounds.
+
+Node config (``flower-supernode --node-config``): ``partition-id`` (required, the client
+index ``i``), ``num-partitions`` (informative) and optionally ``data-path``, an ``.npz`` file
+with this node's own partition (see :func:`qlsd_flwr.protocol.build.load_partition`); without it
+the node builds partition ``i`` itself (the Gaussian task generates it from its keys).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.clientapp import ClientApp
+
+from qlsd_flwr.config import resolve
+from qlsd_flwr.core.oracles import ClientState
+from qlsd_flwr.flower.records import RECORD, config_record, record_fields
+from qlsd_flwr.protocol import build
+from qlsd_flwr.protocol.client import handle
+from qlsd_flwr.protocol.wire import arr_to_bytes, bytes_to_arr
+from qlsd_flwr.tasks import loading
+
+STATE = "qlsd-state"
+
+
+@functools.lru_cache(maxsize=4096)  # one entry per client this process hosts (Ray: many)
+def setup_for_config(cfg_json: str, i: int, data_path: str | None = None):
+    """``(cfg, potential, spec, d)`` of client ``i`` under the run config ``cfg_json`` (JSON),
+    built once per config and client in each process."""
+    cfg = resolve(json.loads(cfg_json))
+    pot, prior, d, blocks = loading.load_client(cfg, i, data_path=data_path)
+    spec = build.client_spec(cfg, i, pot.n_data, d, prior, blocks)
+    return cfg, pot, spec, d
+
+
+_CFG_JSON: dict = {}  # run config items (hashable) -> its JSON: one json.dumps per config, not per message
+
+
+def client_setup(context: Context, overrides: dict | None, overrides_json: str):
+    """``(cfg, potential, spec, d)`` of this node's client, built once per run config."""
+    try:
+        items = frozenset(context.run_config.items())
+        cfg_json = _CFG_JSON.get((items, overrides_json))
+        if cfg_json is None:
+            cfg_json = _CFG_JSON[(items, overrides_json)] = run_config_of(context, overrides)
+    except TypeError:  # an unhashable value: the JSON itself is the key
+        cfg_json = run_config_of(context, overrides)
+    return setup_for_config(cfg_json, client_index(context), data_path_of(context))
+
+
+def client_index(context: Context) -> int:
+    try:
+        return int(context.node_config["partition-id"])
+    except KeyError as exc:
+        raise KeyError("node config lacks 'partition-id' (start the SuperNode with "
+                       "--node-config 'partition-id=<i> num-partitions=<b>')") from exc
+
+
+def data_path_of(context: Context) -> str | None:
+    path = context.node_config.get("data-path")
+    return str(path) if path not in (None, "") else None
+
+
+def load_state(context: Context) -> ClientState:
+    st = ClientState()
+    try:
+        rec = config_record(context.state, STATE)
+    except KeyError:
+        return st
+    d = int(rec["dim"])
+    if "eta" in rec:
+        st.eta = bytes_to_arr(rec["eta"], d)
+    st.eta_count = int(rec.get("eta_count", 0))
+    st.anchor_version = int(rec.get("anchor_version", -1))
+    if "anchor" in rec:
+        st.anchor = bytes_to_arr(rec["anchor"], d)
+    if "anchor_grad" in rec:
+        st.anchor_grad = bytes_to_arr(rec["anchor_grad"], d)
+    return st
+
+
+def save_state(context: Context, st: ClientState, d: int) -> None:
+    rec = ConfigRecord({"dim": d, "eta_count": st.eta_count, "anchor_version": st.anchor_version})
+    for name in ("eta", "anchor", "anchor_grad"):
+        val = getattr(st, name)
+        if val is not None:
+            rec[name] = arr_to_bytes(val)
+    context.state[STATE] = rec
+
+
+def run_config_of(context: Context, overrides: dict | None) -> str:
+    merged = {**dict(context.run_config), **(overrides or {})}
+    return json.dumps(merged, sort_keys=True, default=str)
+
+
+def _reply(message: Message, fields: dict) -> Message:
+    return Message(RecordDict({RECORD: ConfigRecord(fields)}), reply_to=message)
+
+
+def make_client_app(overrides: dict | None = None, mods=None) -> ClientApp:
+    """A ClientApp; ``overrides`` are run-config values (for programmatic simulations)."""
+    app = ClientApp(mods=mods or [])
+    overrides_json = json.dumps(overrides or {}, sort_keys=True, default=str)
+
+    @app.query()
+    def query(message: Message, context: Context) -> Message:
+        i = client_index(context)
+        _, pot, _, d = client_setup(context, overrides, overrides_json)
+        fields = {"client": i, "n_data": int(pot.n_data), "dim": int(d)}
+        rec = record_fields(message.content)
+        if rec is not None and rec.get("report") == "memory":
+            st = load_state(context)
+            fields["eta_count"] = int(st.eta_count)
+            if st.eta is not None:
+                fields["eta"] = arr_to_bytes(st.eta)
+        return _reply(message, fields)
+
+    @app.train()
+    def train(message: Message, context: Context) -> Message:
+        cfg, pot, spec, d = client_setup(context, overrides, overrides_json)
+        st = load_state(context)
+        reply = handle(spec, pot, st, cfg.seed, dict(config_record(message.content)), d)
+        save_state(context, st, d)
+        return _reply(message, reply)
+
+    return app
+
+
+app = make_client_app()

@@ -1,0 +1,116 @@
+"""A thin adapter for apps still on Flower's legacy API (``flwr.server.strategy.Strategy`` with
+a ``NumPyClient``). It runs the same round protocol (:class:`~qlsd_flwr.protocol.server.QLSDServer`,
+:func:`qlsd_flwr.protocol.client.handle`) and gives the same chain as the Message-API strategy.
+
+What the compatibility layer allows, and how it is mapped:
+
+* per-client payloads: ``configure_fit`` returns one ``FitIns`` per active client, its config
+  carrying the same fields as the Message API (bytes values are allowed in legacy configs);
+* client identity: the server only sees ``ClientProxy.cid`` (a node id), so the first round
+  asks each proxy for its ``partition-id`` with ``get_properties``;
+* per-client state: a ``NumPyClient`` is rebuilt for every message; it keeps its state in the
+  ``context.state`` of the ``client_fn`` that built it;
+* the reply's encoded message travels in the ``FitRes`` metrics (bytes scalars);
+* limits: the legacy round loop cannot run the θ* optimisation phase with its own message
+  type, so QLSD* needs ``theta-star = closed-form`` here, and rounds are driven by Flower's
+  ``ServerConfig(num_rounds)`` (one fit round = one Langevin step).
+"""
+
+from __future__ import annotations
+
+from flwr.common import (
+    FitIns,
+    GetPropertiesIns,
+    Parameters,
+    ndarrays_to_parameters,
+)
+from flwr.server.strategy import Strategy as LegacyStrategy
+
+from qlsd_flwr.config import RunConfig
+from qlsd_flwr.core.potential import Task
+from qlsd_flwr.core.theta_star import resolve_theta_star
+from qlsd_flwr.flower.client_app import (
+    load_state,
+    run_config_of,
+    save_state,
+    setup_for_config,
+)
+from qlsd_flwr.outputs.observer import RunOutputs
+from qlsd_flwr.protocol import build
+from qlsd_flwr.protocol.client import handle
+from qlsd_flwr.protocol.server import QLSDServer
+
+
+class LegacyQLSDStrategy(LegacyStrategy):
+    """QLSD family on ``flwr.server.strategy.Strategy`` (see module docstring)."""
+
+    def __init__(self, cfg: RunConfig, task: Task, run_dir=None, write: bool = True, keep_trace: bool = False):
+        theta_star, ts_info = resolve_theta_star(cfg, task, build.theta0_of(task), grad_fn=None)
+        self.cfg = cfg
+        self.server = QLSDServer(cfg, task, keep_trace, "flower-legacy",
+                                 observer=RunOutputs(cfg, task.dim, run_dir) if write else None)
+        self.server.begin(theta_star, ts_info)
+        self.index_of: dict[str, int] = {}
+        self.rounds_done = 0
+
+    def initialize_parameters(self, client_manager) -> Parameters:
+        return ndarrays_to_parameters([self.server.state.theta])
+
+    def _map_clients(self, client_manager, server_round: int) -> None:
+        client_manager.wait_for(self.cfg.b)
+        for proxy in client_manager.all().values():
+            if proxy.cid not in self.index_of:
+                res = proxy.get_properties(GetPropertiesIns({}), timeout=600, group_id=str(server_round))
+                self.index_of[proxy.cid] = int(res.properties["partition-id"])
+
+    def configure_fit(self, server_round, parameters, client_manager):
+        self._map_clients(client_manager, server_round)
+        proxy_of = {i: p for p in client_manager.all().values() if (i := self.index_of.get(p.cid)) is not None}
+        return [(proxy_of[i], FitIns(parameters, self.server.fields_for(i)))
+                for i in self.server.begin_round()]
+
+    def aggregate_fit(self, server_round, results, failures):
+        for proxy, fit_res in results:
+            self.server.accept(self.index_of.get(proxy.cid), dict(fit_res.metrics))
+        for failure in failures:
+            proxy = failure[0] if isinstance(failure, tuple) else None
+            self.server.accept(self.index_of.get(proxy.cid) if proxy else None, None, error=str(failure))
+        row = self.server.end_round()
+        self.rounds_done += 1
+        if self.rounds_done == self.cfg.num_rounds:
+            self.server.finish()
+        return ndarrays_to_parameters([self.server.state.theta]), {k: float(v) for k, v in row.items()}
+
+    def configure_evaluate(self, server_round, parameters, client_manager) -> list[tuple]:
+        return []
+
+    def aggregate_evaluate(self, server_round, results, failures):
+        return None, {}
+
+    def evaluate(self, server_round, parameters):
+        return None
+
+
+def make_numpy_client_fn(overrides: dict | None = None):
+    """A ``client_fn(context)`` building the legacy ``NumPyClient`` for the same core."""
+    from flwr.client import NumPyClient
+
+    class QLSDNumPyClient(NumPyClient):
+        def __init__(self, context):
+            self.context = context
+            self.index = int(context.node_config["partition-id"])
+
+        def get_properties(self, config):
+            return {"partition-id": self.index}
+
+        def fit(self, parameters, config):
+            cfg, pot, spec, d = setup_for_config(run_config_of(self.context, overrides), self.index)
+            st = load_state(self.context)
+            reply = handle(spec, pot, st, cfg.seed, dict(config), d)
+            save_state(self.context, st, d)
+            return [], int(pot.n_data), reply
+
+        def evaluate(self, parameters, config):
+            return 0.0, 0, {}
+
+    return lambda context: QLSDNumPyClient(context).to_client()

@@ -1,0 +1,117 @@
+"""Node management: which Flower node runs client ``i``, and what each node reports about itself.
+
+The round protocol addresses clients by index ``i`` (the node config's ``partition-id``); Flower
+addresses nodes by id. :class:`NodeRegistry` keeps the map: a handshake before the first round
+(every node answers a ``QUERY`` with its ``client`` index and ``dim``), the re-mapping of nodes
+that join later (a restarted SuperNode), and the end-of-run query of each client's own memory
+term for the memory audit (:meth:`~qlsd_flwr.protocol.server.QLSDServer.memory_check`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+from flwr.serverapp import Grid
+
+from qlsd_flwr.flower.records import RECORD, config_record
+from qlsd_flwr.protocol.wire import bytes_to_arr
+
+log = logging.getLogger("qlsd_flwr")
+
+
+class HandshakeError(RuntimeError):
+    """The expected clients did not all announce themselves."""
+
+
+def _hello(node: int, **extra) -> Message:
+    return Message(RecordDict({RECORD: ConfigRecord({"hello": 1, **extra})}), node, MessageType.QUERY)
+
+
+class NodeRegistry:
+    """The map client index ``i`` → Flower node id for ``b`` clients of dimension ``d``."""
+
+    def __init__(self, b: int, d: int):
+        self.b, self.d = b, d
+        self.node_of: dict[int, int] = {}
+        self._foreign: set[int] = set()  # node ids that are none of our clients (or dead ones)
+        self.rejoined: dict[int, list[int]] = {}  # client -> rounds it came back as a new node
+
+    def handshake(self, grid: Grid, timeout: float) -> None:
+        """Wait for the ``b`` clients and map client index → node id (``partition-id``)."""
+        b = self.b
+        deadline = time.time() + timeout
+        while len(nodes := list(grid.get_node_ids())) < b:
+            if time.time() > deadline:
+                raise HandshakeError(f"expected {b} client nodes, only {len(nodes)} connected after "
+                                     f"{timeout:.0f} s (check num-clients and that every SuperNode is up, "
+                                     f"each with --node-config 'partition-id=<i> num-partitions={b}'; "
+                                     f"the wait is reply-timeout)")
+            time.sleep(0.2)
+        seen: dict[int, int] = {}
+        for msg in grid.send_and_receive([_hello(n) for n in nodes], timeout=timeout):
+            if msg.has_error():
+                raise HandshakeError(f"node {msg.metadata.src_node_id} failed the handshake: {msg.error.reason}")
+            rec = config_record(msg.content)
+            i, d = int(rec["client"]), int(rec["dim"])
+            if d != self.d:
+                raise HandshakeError(f"client {i} has dim {d}, the server expects {self.d}")
+            if i in seen:
+                raise HandshakeError(f"two nodes claim partition-id {i}")
+            seen[i] = msg.metadata.src_node_id
+        missing = sorted(set(range(b)) - set(seen))
+        if missing:
+            raise HandshakeError(f"no node answered for partition-id(s) {missing}; got {sorted(seen)} "
+                                 f"(num-clients = {b})")
+        self.node_of = {i: seen[i] for i in range(b)}
+        self._foreign = set(nodes) - set(self.node_of.values())
+
+    def rediscover(self, grid: Grid, server_round: int, timeout: float) -> None:
+        """Map nodes that joined after the handshake (a SuperNode restarted without node
+        authentication registers under a new node id): ask each new node its ``partition-id``
+        and send client ``i``'s messages to it from now on. Its state is empty, so it answers
+        ``resync`` and gets the anchor and the η_i mirror the round after (see
+        :mod:`qlsd_flwr.protocol.wire`). Nodes that do not answer, or are none of our clients,
+        are not asked again."""
+        new = set(grid.get_node_ids()) - set(self.node_of.values()) - self._foreign
+        if not new:
+            return
+        self._foreign |= new
+        for msg in grid.send_and_receive([_hello(n) for n in sorted(new)], timeout=timeout):
+            node = msg.metadata.src_node_id
+            if msg.has_error() or node not in new:
+                continue
+            try:
+                rec = config_record(msg.content)
+                i, d = int(rec["client"]), int(rec["dim"])
+            except (KeyError, TypeError, ValueError):
+                continue
+            if 0 <= i < self.b and d == self.d:
+                log.info("round %d: client %d rejoined as node %d (was node %d)", server_round, i, node,
+                         self.node_of.get(i, -1))
+                if i in self.node_of:
+                    self._foreign.add(self.node_of[i])  # the dead node's id may still look online
+                self.node_of[i] = node
+                self._foreign.discard(node)
+                self.rejoined.setdefault(i, []).append(server_round)
+
+    def memory_reports(self, grid: Grid, timeout: float) -> dict[int, tuple[np.ndarray, int]]:
+        """Each client's own ``(η_i, update count)`` from its ``context.state``; clients that do
+        not answer, or answer from another node than theirs, are left out."""
+        msgs = [_hello(self.node_of[i], report="memory") for i in range(self.b)]
+        got: dict[int, tuple[np.ndarray, int]] = {}
+        for msg in grid.send_and_receive(msgs, timeout=timeout):
+            if msg.has_error():
+                continue
+            try:
+                rec = config_record(msg.content)
+                i = int(rec["client"])
+                if self.node_of.get(i) != msg.metadata.src_node_id:
+                    continue
+                eta = bytes_to_arr(rec["eta"], self.d) if "eta" in rec else np.zeros(self.d)
+                got[i] = (eta, int(rec.get("eta_count", 0)))
+            except (KeyError, TypeError, ValueError):
+                continue
+        return got

@@ -1,0 +1,194 @@
+"""Checkpoint and resume: a killed run continues where its last checkpoint left it.
+
+``checkpoint-every = N`` (rounds; ``0``, the default, switches it off) makes a writing run save
+``checkpoint.npz`` in its run folder after every ``N``-th round. The file holds everything the
+chain needs to go on: ``θ_k``, the anchor ``ζ`` and its version, the server's ``η_i`` mirrors and
+``η``, the per-client memory counters and anchor versions, the round counter ``k`` (the random
+streams are counter-based, keyed by ``(seed, stream, round, client)``, so ``k`` *is* the state
+of every stream), ``θ*``, the rejection and bit totals, and the position of the output
+recorder (draws and metric rows written so far, the running sums of the summary). The
+vectorised engine saves its per-chain state and streamed statistics instead.
+
+It is written atomically: a temporary file in the same folder, flushed and ``fsync``-ed, then
+``os.replace``-d over the old one (and the folder ``fsync``-ed), so a kill at any moment leaves
+either the previous complete checkpoint or the new complete one. Before it is written, the
+draws and metric rows it counts are flushed and ``fsync``-ed, so the files on disk always hold
+at least what the checkpoint says. In checkpointing runs the draws stream to an append-only
+raw file ``draws.f8`` (HDF5 is not crash-safe: a process killed while ``samples.nc`` is open
+for writing can leave it unreadable); ``samples.nc`` is built from it when the run ends.
+
+Resume: ``qlsd-flwr run --set resume=<run folder>`` (or ``simulate.run({"resume": path})``)
+reads the folder's ``config.json``, applies the keys given with it (only those in
+:data:`RESUME_FREE_KEYS` may differ from the original, e.g. ``num-rounds``, ``progress``, or
+``engine`` among ``local``/``inprocess``/``ray``, which run the same chain), truncates
+``draws.f8`` and ``metrics.csv`` to the checkpoint's round and appends to them. The resumed
+chain is bitwise the chain an uninterrupted run with the same seed produces, and the final
+``samples.nc``/``metrics.csv`` hold each round exactly once.
+
+On the Flower path the clients' ``context.state`` (their ``η_i`` and anchor cache) may be gone
+after a restart: the resumed server marks every client as needing a resync, so its first
+message to each client carries the anchor (ζ or θ*) and the server's mirror of the client's
+``η_i`` with its update count; the client installs them and computes the round exactly as it
+would have (see :mod:`qlsd_flwr.protocol.wire`), with no ``resync`` round lost.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from qlsd_flwr.config import ConfigError, RunConfig
+
+NAME = "checkpoint.npz"
+FORMAT = 1
+# keys that may differ between a run and its resumption (they do not change the chain)
+RESUME_FREE_KEYS = ("num-rounds", "progress", "verbose", "checkpoint-every", "resume", "engine",
+                    "client-cpus", "reply-timeout", "output-dir", "run-name", "device")
+_SAME_CHAIN_ENGINES = ("local", "inprocess", "ray")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, damaged or belongs to another run."""
+
+
+def path_in(run_dir) -> Path:
+    return Path(run_dir) / NAME
+
+
+def due(cfg: RunConfig, rounds_done: int) -> bool:
+    """Whether a checkpoint is written after ``rounds_done`` rounds."""
+    n = cfg.checkpoint_every
+    return n > 0 and rounds_done > 0 and rounds_done % n == 0
+
+
+def enabled(cfg: RunConfig) -> bool:
+    return cfg.checkpoint_every > 0 or bool(cfg.get("resume"))
+
+
+def resume_dir(cfg: RunConfig) -> Path | None:
+    r = str(cfg.get("resume") or "")
+    return Path(r) if r else None
+
+
+# ------------------------------------------------------------------------------ file I/O
+def save(path, arrays: dict, meta: dict) -> None:
+    """Write ``arrays`` and the JSON ``meta`` to ``path`` atomically (temp file, fsync, replace)."""
+    path = Path(path)
+    buf = io.BytesIO()
+    payload = {f"a_{k}": np.asarray(v) for k, v in arrays.items() if v is not None}
+    payload["meta"] = np.frombuffer(json.dumps({"format": FORMAT, **meta}, default=_jsonable).encode(), dtype=np.uint8)
+    np.savez(buf, **payload)
+    for stale in path.parent.glob(".checkpoint-*.tmp"):  # left by a write that was killed
+        try:
+            stale.unlink()
+        except OSError:
+            pass
+    fd, tmp = tempfile.mkstemp(prefix=".checkpoint-", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(buf.getbuffer())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    _fsync_dir(path.parent)
+
+
+def load(path) -> tuple[dict, dict]:
+    """``(meta, arrays)`` of a checkpoint file; raises :class:`CheckpointError` if unreadable."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"no checkpoint at {path} (was the run started with checkpoint-every > 0?)")
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            meta = json.loads(bytes(z["meta"]).decode())
+            arrays = {k[2:]: z[k] for k in z.files if k.startswith("a_")}
+    except Exception as exc:  # a damaged file: zip, npy or JSON errors
+        raise CheckpointError(f"cannot read checkpoint {path}: {type(exc).__name__}: {exc}") from exc
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {path} has format {meta.get('format')!r}, expected {FORMAT}")
+    return meta, arrays
+
+
+def _fsync_dir(d: Path) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def fsync_file(f) -> None:
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def _jsonable(x):
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    if isinstance(x, np.integer):
+        return int(x)
+    if isinstance(x, np.floating):
+        return float(x)
+    return str(x)
+
+
+# ------------------------------------------------------------------------------ resume
+def resume_overrides(overrides: dict | None) -> dict:
+    """With ``resume`` set, the run folder's original configuration with ``overrides`` on top
+    (keys outside :data:`RESUME_FREE_KEYS` must agree with the original); else ``overrides``."""
+    overrides = dict(overrides or {})
+    r = overrides.get("resume", "")
+    if not r:
+        return overrides
+    run_dir = Path(str(r))
+    conf = run_dir / "config.json"
+    if not conf.exists():
+        raise ConfigError(f"resume: {run_dir} is not a run folder (no config.json)")
+    original = json.loads(conf.read_text())["config"]
+    norm = {str(k).replace("_", "-"): v for k, v in overrides.items()}
+    bad = [k for k, v in norm.items() if k not in RESUME_FREE_KEYS and k in original and str(original[k]) != str(v)]
+    if bad:
+        raise ConfigError(f"resume: {', '.join(bad)} differ from the run being resumed "
+                          f"({', '.join(f'{k}={original[k]!r}' for k in bad)}); only "
+                          f"{', '.join(RESUME_FREE_KEYS)} may change")
+    return {**original, **norm, "resume": str(run_dir)}
+
+
+def load_for_resume(cfg: RunConfig, kind: str) -> tuple[Path, dict, dict]:
+    """The run folder, meta and arrays of the checkpoint ``cfg`` resumes, checked against ``cfg``."""
+    run_dir = resume_dir(cfg)
+    meta, arrays = load(path_in(run_dir))
+    if (run_dir / "summary.json").exists():
+        raise ConfigError(f"resume: the run in {run_dir} already finished (summary.json exists)")
+    if meta.get("kind") != kind:
+        raise ConfigError(f"resume: the checkpoint in {run_dir} was written by a {meta.get('kind')} "
+                          f"engine run; resume it with engine = "
+                          f"{'vectorised' if meta.get('kind') == 'vectorised' else 'local, inprocess or ray'}")
+    old = meta["config"]
+    bad = [k for k in set(old) | set(cfg.raw) if k not in RESUME_FREE_KEYS and str(old.get(k)) != str(cfg.raw.get(k))]
+    if bad:
+        raise ConfigError(f"resume: {', '.join(sorted(bad))} differ from the checkpointed run in {run_dir}")
+    if int(meta["k"]) > cfg.num_rounds:
+        raise ConfigError(f"resume: the checkpoint is at round {meta['k']}, past num-rounds = {cfg.num_rounds}")
+    return run_dir, meta, arrays
+
+
+def recorder_part(meta: dict, arrays: dict) -> dict:
+    """The output recorder's saved position (for :class:`qlsd_flwr.outputs.recorder.Recorder`)."""
+    return {**meta["recorder"], **{k[4:]: v for k, v in arrays.items() if k.startswith("rec_")}}

@@ -1,0 +1,236 @@
+"""A run's output folder, the same on every engine.
+
+``<output-dir>/<run-name>/``
+  * ``samples.nc`` — ArviZ InferenceData (netCDF4/HDF5): group ``posterior`` with variable
+    ``theta`` of dims ``(chain, draw, theta_dim_0)``, streamed to disk in chunks as the chain
+    runs (memory stays flat). ``arviz.from_netcdf(path)`` loads it.
+  * ``metrics.csv`` — one row per round: active and replying clients, rejected replies, bits
+    (analytic bound, exact code length), bytes (payload, Flower message) and seconds.
+  * ``config.json`` — the resolved configuration.
+  * ``summary.json`` — totals, and posterior error when the task knows its posterior.
+  * with ``checkpoint-every > 0``: ``checkpoint.npz`` (:mod:`qlsd_flwr.outputs.checkpoint`), and while
+    the run goes on ``draws.f8``, the kept draws as an append-only raw file (a kill cannot
+    damage it) from which ``samples.nc`` is built when the run ends.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import time
+from pathlib import Path
+
+import h5netcdf
+import numpy as np
+
+METRIC_FIELDS = ["round", "n_active", "n_replied", "n_rejected", "skipped", "bits_bound",
+                 "bits_exact", "bytes_payload", "bytes_message", "seconds"]
+
+
+def make_run_dir(output_dir: str | os.PathLike, run_name: str, variant: str) -> Path:
+    name = run_name or f"{time.strftime('%Y%m%d-%H%M%S')}-{variant}"
+    path = Path(output_dir) / name
+    i = 1
+    while path.exists():
+        path = Path(output_dir) / f"{name}-{i}"
+        i += 1
+    path.mkdir(parents=True)
+    return path
+
+
+CHUNK_BYTES = 1 << 22  # an HDF5 chunk of samples.nc holds at most ~4 MiB (one draw at least)
+
+
+def _chunk_draws(num_chains: int, dim: int, chunk: int) -> int:
+    """Draws per HDF5 chunk: ``chunk`` (≤ 4096), fewer when a chunk would pass ``CHUNK_BYTES``
+    (a LeNet-5 chain, d = 61,706, gets 8 draws a chunk, so a short run's file is not 250 MB)."""
+    return max(1, min(chunk, 4096, CHUNK_BYTES // (8 * max(1, num_chains * dim))))
+
+
+class Recorder:
+    """Writes samples, per-round metrics, config and summary of one run.
+
+    ``raw_draws=True`` (checkpointing runs) streams the kept draws to the append-only file
+    ``draws.f8`` (float64, ``(draw, chain, d)``) and builds ``samples.nc`` from it at
+    :meth:`close`: unlike an HDF5 file open for writing, it survives a kill, and
+    :meth:`checkpoint_state` / ``resume`` cut it back to a checkpoint's position exactly.
+    ``resume`` (a position from :meth:`checkpoint_state`) reopens a run folder and appends.
+    """
+
+    RAW = "draws.f8"
+
+    def __init__(self, run_dir: Path, config: dict, dim: int, num_chains: int, burn_in: int,
+                 thin: int, chunk: int = 512, raw_draws: bool = False, resume: dict | None = None):
+        self.dir = Path(run_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.burn_in, self.thin, self.chunk = burn_in, thin, chunk
+        self.dim, self.num_chains = dim, num_chains
+        self.raw_draws = raw_draws or resume is not None
+        self._buf: list[np.ndarray] = []
+        self.n_draws = 0
+        self.totals = {k: 0 for k in ("n_active", "n_replied", "n_rejected", "skipped",
+                                      "bits_bound", "bits_exact", "bytes_payload", "bytes_message")}
+        self.rounds = 0
+        self.sum_theta = np.zeros((num_chains, dim))
+        self.sum_theta2 = np.zeros((num_chains, dim))
+        self.t0 = time.perf_counter()
+        self._nc = None
+        if resume is not None:
+            self._reopen(resume)
+            return
+        (self.dir / "config.json").write_text(json.dumps(config, indent=2, default=_jsonable))
+        self._csv_file = open(self.dir / "metrics.csv", "w", newline="")
+        self._csv = csv.DictWriter(self._csv_file, fieldnames=METRIC_FIELDS, extrasaction="ignore")
+        self._csv.writeheader()
+        if self.raw_draws:
+            self._raw = open(self.dir / self.RAW, "wb")
+        else:
+            self._open_nc(self.dir / "samples.nc")
+
+    def _open_nc(self, path: Path) -> None:
+        num_chains, dim, chunk = self.num_chains, self.dim, self.chunk
+        self._nc = h5netcdf.File(path, "w")
+        g = self._nc.create_group("posterior")
+        g.dimensions = {"chain": num_chains, "draw": None, "theta_dim_0": dim}
+        self._theta = g.create_variable("theta", ("chain", "draw", "theta_dim_0"), dtype="f8",
+                                        chunks=(num_chains, _chunk_draws(num_chains, dim, chunk), dim))
+        g.create_variable("chain", ("chain",), data=np.arange(num_chains))
+        g.create_variable("theta_dim_0", ("theta_dim_0",), data=np.arange(dim))
+        g.attrs["inference_library"] = "qlsd_flwr"
+        self._group = g
+
+    def _reopen(self, pos: dict) -> None:
+        """Continue a run folder from a checkpoint position: cut ``metrics.csv`` and ``draws.f8``
+        back to it (anything written after the checkpoint goes) and append from there."""
+        csv_path, raw_path = self.dir / "metrics.csv", self.dir / self.RAW
+        n_csv, n_raw = int(pos["csv_bytes"]), int(pos["n_draws"]) * self.num_chains * self.dim * 8
+        for path, n in ((csv_path, n_csv), (raw_path, n_raw)):
+            have = path.stat().st_size if path.exists() else -1
+            if have < n:
+                raise RuntimeError(f"cannot resume: {path} holds {max(have, 0)} bytes, the checkpoint "
+                                   f"counts {n} (the file was changed or lost after the checkpoint)")
+            os.truncate(path, n)
+        self._csv_file = open(csv_path, "a", newline="")
+        self._csv = csv.DictWriter(self._csv_file, fieldnames=METRIC_FIELDS, extrasaction="ignore")
+        self._raw = open(raw_path, "ab")
+        self.n_draws, self.rounds = int(pos["n_draws"]), int(pos["rounds"])
+        self.totals = dict(pos["totals"])
+        self.sum_theta = np.array(pos["sum_theta"], dtype=np.float64).reshape(self.num_chains, self.dim)
+        self.sum_theta2 = np.array(pos["sum_theta2"], dtype=np.float64).reshape(self.num_chains, self.dim)
+        self.t0 = time.perf_counter() - float(pos.get("elapsed", 0.0))
+
+    def checkpoint_state(self) -> tuple[dict, dict]:
+        """Flush and ``fsync`` what was written so far; returns ``(meta, arrays)`` of the position."""
+        if not self.raw_draws:
+            raise RuntimeError("checkpoint_state needs a Recorder made with raw_draws=True")
+        self._flush()
+        from qlsd_flwr.outputs.checkpoint import fsync_file
+
+        fsync_file(self._raw)
+        fsync_file(self._csv_file)
+        meta = {"n_draws": self.n_draws, "rounds": self.rounds, "totals": dict(self.totals),
+                "csv_bytes": self._csv_file.tell(), "elapsed": time.perf_counter() - self.t0}
+        return meta, {"sum_theta": self.sum_theta.copy(), "sum_theta2": self.sum_theta2.copy()}
+
+    def keeps(self, j: int) -> bool:
+        """Whether sample ``θ_j`` (after ``j`` rounds) is kept after burn-in and thinning."""
+        return j > self.burn_in and (j - self.burn_in - 1) % self.thin == 0
+
+    def record_round(self, row: dict) -> None:
+        self._csv.writerow(row)
+        self.rounds += 1
+        for key in self.totals:
+            self.totals[key] += float(row.get(key, 0) or 0)
+
+    def record_sample(self, j: int, theta: np.ndarray) -> None:
+        """Offer ``θ_j`` (shape ``(d,)`` or ``(chains, d)``); kept if past burn-in and on the thinning grid."""
+        if not self.keeps(j):
+            return
+        th = np.asarray(theta, dtype=np.float64).reshape(self.num_chains, self.dim)
+        self._buf.append(th.copy())
+        self.sum_theta += th
+        self.sum_theta2 += th * th
+        if len(self._buf) >= self.chunk:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._buf:
+            return
+        if self.raw_draws:
+            block = np.stack(self._buf, axis=0)  # (n, chain, d)
+            self._raw.write(np.ascontiguousarray(block, dtype="<f8").tobytes())
+            self.n_draws += block.shape[0]
+        else:
+            block = np.stack(self._buf, axis=1)  # (chain, n, d)
+            n0 = self._theta.shape[1]
+            self._group.resize_dimension("draw", n0 + block.shape[1])
+            self._theta[:, n0:, :] = block
+            self.n_draws = n0 + block.shape[1]
+        self._buf.clear()
+        self._csv_file.flush()
+
+    def posterior_moments(self) -> tuple[np.ndarray, np.ndarray]:
+        """Running per-chain sample mean and variance of the kept draws."""
+        n = max(self.n_draws + len(self._buf), 1)
+        mean = self.sum_theta / n
+        return mean, np.maximum(self.sum_theta2 / n - mean**2, 0.0)
+
+    def close(self, extra: dict | None = None) -> dict:
+        self._flush()
+        if self.raw_draws:
+            self._build_nc()
+        else:
+            self._group.create_variable("draw", ("draw",), data=np.asarray(self._draw_rounds_all(), dtype=np.int64))
+            self._nc.close()
+        self._csv_file.close()
+        mean, var = self.posterior_moments()
+        summary = {
+            "rounds": self.rounds,
+            "draws_kept": self.n_draws,
+            "wall_seconds": time.perf_counter() - self.t0,
+            "totals": self.totals,
+            "per_round": {k: v / max(self.rounds, 1) for k, v in self.totals.items()},
+            "sample_mean": mean.mean(axis=0).tolist(),
+            "sample_var": var.mean(axis=0).tolist(),
+        }
+        summary.update(extra or {})
+        (self.dir / "summary.json").write_text(json.dumps(summary, indent=2, default=_jsonable))
+        return summary
+
+    def _build_nc(self) -> None:
+        """``samples.nc`` from ``draws.f8`` (written to a temporary name, then renamed)."""
+        self._raw.close()
+        raw_path, tmp = self.dir / self.RAW, self.dir / "samples.nc.tmp"
+        self._open_nc(tmp)
+        n, c, d = self.n_draws, self.num_chains, self.dim
+        if n:
+            self._group.resize_dimension("draw", n)
+            mm = np.memmap(raw_path, dtype="<f8", mode="r", shape=(n, c, d))
+            for a in range(0, n, self.chunk):
+                z = min(n, a + self.chunk)
+                self._theta[:, a:z, :] = np.transpose(np.asarray(mm[a:z]), (1, 0, 2))
+            del mm
+        self._group.create_variable("draw", ("draw",), data=np.asarray(self._draw_rounds_all(), dtype=np.int64))
+        self._nc.close()
+        os.replace(tmp, self.dir / "samples.nc")
+        os.unlink(raw_path)
+
+    def _draw_rounds_all(self) -> list[int]:
+        return list(range(self.burn_in + 1, self.burn_in + 1 + self.n_draws * self.thin, self.thin))
+
+
+def _jsonable(x):
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    if isinstance(x, (np.integer,)):
+        return int(x)
+    if isinstance(x, (np.floating,)):
+        return float(x)
+    return str(x)
+
+
+def load_samples(run_dir: str | os.PathLike) -> np.ndarray:
+    """The kept samples of a run as an array ``(chain, draw, d)``."""
+    with h5netcdf.File(Path(run_dir) / "samples.nc", "r") as f:
+        return np.asarray(f["posterior"]["theta"][...])

@@ -1,0 +1,41 @@
+"""The client's round protocol, with no Flower in it (the ClientApp only translates records).
+
+:func:`handle` takes the fields the server sent (see :mod:`qlsd_flwr.protocol.wire`) and the client's
+state, and returns the reply fields: for ``phase = "grad"`` the full local gradient, for
+``phase = "sample"`` the encoded compressed message of :func:`qlsd_flwr.core.oracles.client_round`,
+or ``status = "resync"`` when the client's cached anchor or memory counter disagrees with the
+server's. An ``anchor`` or ``eta`` (with ``eta_count``) in the fields is installed *before* that
+check, so a client whose state was lost (a restarted node, a resumed run: the server then
+sends both unasked) computes exactly the reply it would have computed with its old state.
+"""
+
+from __future__ import annotations
+
+from qlsd_flwr.core.oracles import (
+    ClientSpec,
+    ClientState,
+    client_round,
+    full_local_grad,
+    set_anchor,
+)
+from qlsd_flwr.core.potential import LocalPotential
+from qlsd_flwr.protocol.wire import arr_to_bytes, bytes_to_arr
+
+
+def handle(spec: ClientSpec, pot: LocalPotential, st: ClientState, seed: int, fields: dict, d: int) -> dict:
+    i = spec.index
+    theta = bytes_to_arr(fields["theta"], d)
+    if fields["phase"] == "grad":
+        return {"client": i, "status": "ok", "payload": arr_to_bytes(full_local_grad(spec, pot, theta))}
+    if "eta" in fields:
+        st.eta = bytes_to_arr(fields["eta"], d)
+        st.eta_count = int(fields["eta_count"])
+    if "anchor" in fields:
+        set_anchor(spec, pot, st, bytes_to_arr(fields["anchor"], d), int(fields["anchor_version"]))
+    stale_anchor = spec.oracle in ("svrg", "star") and st.anchor_version != int(fields["anchor_version"])
+    stale_eta = spec.memory and st.eta_count != int(fields["eta_count"])
+    if stale_anchor or stale_eta:
+        return {"client": i, "status": "resync"}
+    q, _ = client_round(spec, pot, st, seed, int(fields["round"]), theta)
+    return {"client": i, "status": "ok", "payload": spec.compressor.encode(q),
+            "anchor_version": st.anchor_version}

@@ -1,0 +1,32 @@
+"""A chain that runs away: how it is detected and what the user is told."""
+
+from __future__ import annotations
+
+from qlsd_flwr.compression.format import QuantiseError
+
+
+class DivergenceError(ValueError):
+    """θ became non-finite: the step size is too large for the target (or the start too far)."""
+
+
+# what a client's compressor says when θ has run away (a client's error reply carries the text)
+_OVERFLOW = tuple(e.message for e in (QuantiseError.NON_FINITE, QuantiseError.NORM_OVERFLOW,
+                                      QuantiseError.IDENTITY_NON_FINITE))
+
+
+def is_overflow(reason) -> bool:
+    """Whether an error (or a client's error reply) says the message could not be formed
+    because the gradient overflowed or is not finite."""
+    return any(m in str(reason) for m in _OVERFLOW)
+
+
+def divergence_message(round_: int, gamma: float, run_dir=None, last_checkpoint: int | None = None,
+                       where: str = "", why: str = "θ is not finite") -> str:
+    msg = (f"the chain diverged at round {round_}{where}: {why}. The step size gamma = {gamma:g} "
+           f"is too large for this target; rerun with a smaller gamma (e.g. gamma={gamma / 10:g}).")
+    if run_dir is not None:
+        msg += (f" The samples and metrics of rounds 1..{round_ - 1} are in {run_dir} (the run folder "
+                f"was closed cleanly)")
+        msg += (f"; the last good checkpoint is at round {last_checkpoint}." if last_checkpoint
+                else "; no checkpoint was written.")
+    return msg

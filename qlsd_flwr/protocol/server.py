@@ -1,0 +1,297 @@
+"""The server's round protocol, with no Flower in it: who is asked, what they are sent, what
+is accepted, and the bookkeeping. Flower strategies (Message API and legacy) only translate
+between this and their message types.
+
+A round ``k``:  ``begin_round(k)`` → the active clients;  ``fields_for(i)`` → what client ``i``
+is sent;  ``accept(i, reply_fields, error, message_bytes)`` per reply;  ``end_round()`` → the
+server step and the records.
+
+It does no I/O. An optional *observer* (:class:`~qlsd_flwr.outputs.observer.RunOutputs` writes
+the run folder and the checkpoints) is told of each round and of the end, and on
+:meth:`QLSDServer.begin` may hand back a checkpoint's :meth:`~QLSDServer.snapshot` to restore:
+the server then marks every client as needing a resync, so that the first message to each
+client after the restart carries the anchor and its ``η_i`` mirror (a client whose state was
+lost computes the very reply it would have). A non-finite ``θ`` after a step stops the observer
+cleanly and raises :class:`~qlsd_flwr.protocol.divergence.DivergenceError` naming the round and
+suggesting a smaller ``gamma``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import numpy as np
+
+from qlsd_flwr.compression.format import DecodeError
+from qlsd_flwr.config import RunConfig
+from qlsd_flwr.core import participation
+from qlsd_flwr.core import server_step as sampler
+from qlsd_flwr.core.potential import Task
+from qlsd_flwr.protocol import build
+from qlsd_flwr.protocol.divergence import (
+    DivergenceError,
+    divergence_message,
+    is_overflow,
+)
+from qlsd_flwr.protocol.wire import ReplyError, arr_to_bytes, parse_fields
+
+log = logging.getLogger("qlsd_flwr")
+
+
+class QLSDServer:
+    """State and bookkeeping of one chain on the server side.
+
+    ``observer``: ``None`` (nothing is written), or an object with ``resume_snapshot()``,
+    ``on_begin(server)``, ``on_round(server, row)``, ``on_stop(server, extra) -> summary`` and
+    the attributes ``run_dir`` and ``last_checkpoint`` (see :mod:`qlsd_flwr.outputs.observer`).
+    """
+
+    def __init__(self, cfg: RunConfig, task: Task, keep_trace: bool = False,
+                 engine_label: str = "flower", observer=None):
+        self.cfg, self.task, self.d = cfg, task, task.dim
+        build.warn_if_unstable(cfg, task)
+        self.blocks = build.blocks_for(cfg, task)
+        self.compressors = [build.compressor_for(cfg, i, self.blocks) for i in range(cfg.b)]
+        self.keep_trace, self.engine_label, self.observer = keep_trace, engine_label, observer
+        self.trace: list[np.ndarray] = []
+        self.spec: sampler.ServerSpec | None = None
+        self.state: sampler.ServerState | None = None
+        self.anchor_acked = np.full(cfg.b, -2, dtype=np.int64)  # anchor version each client holds
+        self.eta_count = np.zeros(cfg.b, dtype=np.int64)  # memory updates applied per client
+        self.needs_resync = np.zeros(cfg.b, dtype=bool)
+        self.rejected: dict[str, int] = {}
+        self.missed_rounds: dict[int, list[int]] = {}
+        self.ts_info: dict = {}
+        self.summary_data: dict = {}
+        self.persist: dict = {}  # JSON facts a front end keeps in the checkpoint (e.g. rejoined nodes)
+        self.resumed_from: int | None = None
+
+    @property
+    def run_dir(self):
+        return None if self.observer is None else self.observer.run_dir
+
+    # ---- set-up -------------------------------------------------------------------------
+    def begin(self, theta_star: np.ndarray | None, ts_info: dict | None = None,
+              theta0: np.ndarray | None = None) -> None:
+        """Start the chain at ``θ_0`` (the task's unless given), or where the observer's checkpoint
+        left it (``theta_star`` and ``ts_info`` are then the checkpoint's)."""
+        snap = self.observer.resume_snapshot() if self.observer is not None else None
+        if snap is not None:
+            self.restore(*snap)
+        else:
+            self.ts_info = ts_info or {}
+            self.spec = build.server_spec(self.cfg, self.task, theta_star, self.blocks)
+            self.state = sampler.init_state(self.spec, build.theta0_of(self.task) if theta0 is None else theta0)
+        if self.observer is not None:
+            self.observer.on_begin(self)
+
+    # ---- checkpoints: the state as plain arrays and JSON ------------------------------------
+    def snapshot(self) -> tuple[dict, dict]:
+        """``(arrays, meta)``: the chain's whole state after round ``k``, for a checkpoint."""
+        st = self.state
+        arrays = {"theta": st.theta, "zeta": st.zeta, "eta_i": st.eta_i, "eta": st.eta,
+                  "theta_star": self.spec.theta_star, "anchor_acked": self.anchor_acked,
+                  "eta_count": self.eta_count, "needs_resync": self.needs_resync}
+        meta = {"kind": "server", "k": int(st.k), "zeta_version": int(st.zeta_version),
+                "config": self.cfg.raw, "rejected": self.rejected,
+                "missed_rounds": {str(i): r for i, r in self.missed_rounds.items()},
+                "ts_info": self.ts_info, "persist": self.persist}
+        return arrays, meta
+
+    def restore(self, meta: dict, a: dict) -> None:
+        """The state of a :meth:`snapshot`; every client is marked as needing a resync."""
+        cfg = self.cfg
+        self.ts_info = dict(meta["ts_info"])
+        theta_star = a.get("theta_star")
+        self.spec = build.server_spec(cfg, self.task, None if theta_star is None else theta_star.copy(), self.blocks)
+        st = sampler.init_state(self.spec, a["theta"])
+        st.k = int(meta["k"])
+        st.zeta_version = int(meta["zeta_version"])
+        if "zeta" in a:
+            st.zeta = a["zeta"].copy()
+        if self.spec.memory:
+            st.eta_i, st.eta = a["eta_i"].copy(), a["eta"].copy()
+        self.state = st
+        self.anchor_acked = a["anchor_acked"].astype(np.int64)
+        self.eta_count = a["eta_count"].astype(np.int64)
+        # the clients may have lost their state with the restart: the first message to each
+        # carries the anchor and its η_i mirror (fields_for), so no round is lost to a resync
+        self.needs_resync = np.ones(cfg.b, dtype=bool)
+        self.rejected = dict(meta["rejected"])
+        self.missed_rounds = {int(i): list(r) for i, r in meta["missed_rounds"].items()}
+        self.persist = dict(meta.get("persist", {}))
+        self.resumed_from = st.k
+        log.info("resumed at round %d from a checkpoint", st.k)
+
+    def anchor(self):
+        if self.cfg.oracle == "svrg":
+            return self.state.zeta, self.state.zeta_version
+        if self.cfg.oracle == "star":
+            return self.spec.theta_star, 0
+        return None, -1
+
+    # ---- one round ----------------------------------------------------------------------
+    def begin_round(self) -> list[int]:
+        """Refresh the anchor and draw ``A_{k+1}``; returns the active client indices."""
+        self._t0 = time.perf_counter()
+        sampler.refresh_anchor(self.spec, self.state)
+        self._active = [int(i) for i in np.flatnonzero(participation.active_mask(self.cfg.seed, self.state.k, self.cfg.p))]
+        self._g_hat: dict[int, np.ndarray] = {}
+        self._answered: set[int] = set()
+        self._overflow: dict[int, str] = {}  # clients whose codec overflowed (θ running away)
+        self._bounds: list[float] = []
+        self._row = {"bits_bound": 0.0, "bits_exact": 0, "bytes_payload": 0, "bytes_message": 0, "n_rejected": 0}
+        return list(self._active)
+
+    def fields_for(self, i: int) -> dict:
+        """What client ``i`` is sent this round (see :mod:`qlsd_flwr.protocol.wire`)."""
+        st = self.state
+        anchor, version = self.anchor()
+        fields = {"phase": "sample", "round": st.k, "client": i, "theta": arr_to_bytes(st.theta),
+                  "anchor_version": int(version), "eta_count": int(self.eta_count[i])}
+        if anchor is not None and (self.anchor_acked[i] != version or self.needs_resync[i]):
+            fields["anchor"] = arr_to_bytes(anchor)
+        if self.cfg.memory and self.needs_resync[i]:
+            fields["eta"] = arr_to_bytes(st.eta_i[i])
+        return fields
+
+    def accept(self, i: int | None, fields: dict | None, error: str | None = None, message_bytes: int = 0) -> None:
+        """Take one reply: validate, decode, or reject and count it."""
+        if not isinstance(i, (int, np.integer)) or isinstance(i, bool) or int(i) not in self._active \
+                or int(i) in self._answered:
+            self._reject("unexpected_sender")
+            return
+        i = int(i)
+        self._answered.add(i)
+        if error is not None:
+            if is_overflow(error):
+                self._overflow[i] = str(error)
+            self._reject("client_error")
+            log.debug("client %d: error reply: %s", i, error)
+            return
+        try:
+            rep = parse_fields(fields, i)
+            if rep["status"] == "resync":
+                self.needs_resync[i] = True
+                self._count("resync")
+                return
+            if self.cfg.oracle in ("svrg", "star") and rep["anchor_version"] != self.anchor()[1]:
+                self._reject("stale_anchor")  # computed with another ζ/θ*: not this round's H_i
+                return
+            comp = self.compressors[i]
+            q = comp.decode(rep["payload"], self.d)
+            g = comp.dequantise(q)
+            if not np.all(np.isfinite(g)):
+                raise ReplyError("non-finite values")
+        except (ReplyError, DecodeError) as exc:
+            self._reject("malformed" if isinstance(exc, ReplyError) else "decode_error")
+            log.debug("client %d: rejected reply: %s", i, exc)
+            return
+        except Exception as exc:  # noqa: BLE001 — a reply must never stop the server
+            self._reject("malformed")
+            log.warning("client %d: rejected a reply the validators missed: %s: %s", i, type(exc).__name__, exc)
+            return
+        self._g_hat[i] = g
+        self.anchor_acked[i] = rep["anchor_version"]
+        self.needs_resync[i] = False
+        if self.cfg.memory:
+            self.eta_count[i] += 1
+        r = self._row
+        self._bounds.append(comp.bound_bits(self.d))  # summed exactly (fsum) in end_round
+        # the exact length of the code this client sent (the decoder counts what it read)
+        r["bits_exact"] += q.code_bits if getattr(q, "code_bits", None) is not None else comp.code_length_bits(q)
+        r["bytes_payload"] += len(rep["payload"])
+        r["bytes_message"] += message_bytes
+
+    def end_round(self) -> dict:
+        """The server step for this round, and its records; returns the round's row."""
+        k = self.state.k
+        for i in set(self._active) - self._answered:
+            self._reject("no_reply")
+        for i in set(self._active) - set(self._g_hat):
+            self.missed_rounds.setdefault(i, []).append(k + 1)
+        if self._active and set(self._overflow) == set(self._active):
+            # every active client's gradient overflowed its codec at θ_k: the chain has run away
+            self._diverged(k + 1, "every active client's message overflows the codec "
+                                  f"[{self._overflow[min(self._overflow)]}]")
+        # replies arrive in any order: an exactly rounded sum keeps the row a function of the seed
+        self._row["bits_bound"] = math.fsum(self._bounds)
+        g_hat, replied = sampler.stack_replies(self._g_hat, self.cfg.b, self.d)
+        skipped = bool(sampler.server_step(self.spec, self.state, self.cfg.seed, g_hat, replied))
+        if not np.all(np.isfinite(self.state.theta)):
+            self._diverged(k + 1)
+        row = {"round": k + 1, "n_active": len(self._active), "n_replied": len(self._g_hat),
+               "skipped": int(skipped), **self._row, "seconds": time.perf_counter() - self._t0}
+        if self.keep_trace:
+            self.trace.append(self.state.theta.copy())
+        if self.observer is not None:
+            self.observer.on_round(self, row)
+        return row
+
+    def _diverged(self, round_: int, why: str = "θ is not finite") -> None:
+        """Stop the observer (samples up to the last finite θ) and raise DivergenceError."""
+        obs = self.observer
+        msg = divergence_message(round_, self.cfg.gamma, obs.run_dir if obs is not None else None,
+                                 obs.last_checkpoint if obs is not None else None, why=why)
+        log.error(msg)
+        if obs is not None:
+            self.ts_info = {**self.ts_info, "diverged_at_round": round_, "error": msg}
+            self.finish()
+            self.observer = None
+        raise DivergenceError(msg)
+
+    def finish(self) -> dict:
+        """The run's summary facts; the observer closes its outputs with them."""
+        extra = summary_extra(self.cfg, self.task, {
+            "engine": self.engine_label, **self.ts_info, "rejected": dict(self.rejected),
+            "missed_rounds": {str(i): r for i, r in sorted(self.missed_rounds.items())}})
+        if self.resumed_from is not None:
+            extra["resumed_from_round"] = self.resumed_from
+        self.summary_data = self.observer.on_stop(self, extra) if self.observer is not None else extra
+        return self.summary_data
+
+    def memory_check(self, reports: dict[int, tuple[np.ndarray, int]]) -> dict:
+        """Compare the server's mirrors with the clients' own ``(η_i, update count)``:
+        ``max_abs_eta_minus_sum`` = ``max |η − Σ_i η_i^{client}|`` (when all reported) and
+        ``max_abs_mirror_diff`` = ``max_i |η_i^{mirror} − η_i^{client}|``."""
+        st, b = self.state, self.cfg.b
+        # a client not heard from since a resume (or a restart) holds no η_i yet: not comparable
+        pending = sorted(i for i in reports if self.needs_resync[i])
+        got = {i: v for i, v in reports.items() if not self.needs_resync[i]}
+        out: dict = {"clients_reported": sorted(got), "clients_pending_resync": pending,
+                     "max_abs_eta": float(np.max(np.abs(st.eta))),
+                     "eta_count_agrees": {str(i): bool(c == self.eta_count[i]) for i, (_, c) in sorted(got.items())}}
+        if got:
+            out["max_abs_mirror_diff"] = float(max(np.max(np.abs(st.eta_i[i] - e)) for i, (e, _) in got.items()))
+        if len(got) == b:
+            total = np.sum([got[i][0] for i in range(b)], axis=0)
+            out["max_abs_eta_minus_sum"] = float(np.max(np.abs(st.eta - total)))
+        if out.get("max_abs_mirror_diff", 0.0) > 1e-9 * (1.0 + float(np.max(np.abs(st.eta_i)))):
+            log.warning("memory check: server mirrors and clients' η_i differ: %s", out)
+        return out
+
+    # ---- helpers ------------------------------------------------------------------------
+    def _reject(self, why: str) -> None:
+        self._row["n_rejected"] += 1
+        self._count(why)
+
+    def _count(self, why: str) -> None:
+        self.rejected[why] = self.rejected.get(why, 0) + 1
+
+
+def summary_extra(cfg: RunConfig, task: Task, extra: dict) -> dict:
+    """Facts every engine adds to its summary."""
+    out = dict(extra)
+    out.update({"variant": cfg.variant, "task": task.name, "b": cfg.b, "d": task.dim,
+                "gamma": cfg.gamma, "num_rounds": cfg.num_rounds, "seed": cfg.seed})
+    out.update(task.meta.get("summary_extra", {}))  # e.g. dataset, partition counts, prior used
+    if task.posterior_mean is not None:
+        out["posterior_mean_exact"] = np.asarray(task.posterior_mean).tolist()
+        out["posterior_var_exact"] = np.asarray(task.posterior_var).tolist()
+        # ULA with exact gradients on this Gaussian target has variance 1/(τ(1 − γτ/2)), τ = 1/var:
+        # the discretisation bias every variant carries at this γ, before any gradient noise.
+        v = np.asarray(task.posterior_var)
+        out["ula_var_exact"] = (v / (1.0 - cfg.gamma / (2.0 * v))).tolist()
+    return out

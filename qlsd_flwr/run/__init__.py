@@ -1,0 +1,1 @@
+"""Running a configured job: engines behind one entry point, outputs, checkpoints, the CLI."""

@@ -1,0 +1,75 @@
+"""Loading a run's data: every client's (server side, local engines) or one client's own (a
+SuperNode), from the task registry or a partition file. Reads files; the protocol never calls it."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from qlsd_flwr.config import ConfigError, RunConfig
+from qlsd_flwr.core.potential import GaussianPrior, Task
+from qlsd_flwr.protocol.build import blocks_for
+
+
+def load_task(cfg: RunConfig) -> Task:
+    """The run's task with all clients' data (server side, tests, local engines)."""
+    name = cfg.task
+    pooled = cfg.variant == "sgld"
+    if name == "gaussian":
+        from qlsd_flwr.tasks.gaussian import build_gaussian_task
+
+        return build_gaussian_task(b=int(cfg.get("num-clients")), d=cfg.dim,
+                                   data_seed=cfg.data_seed, prior_var=cfg.prior_var,
+                                   pooled=pooled)
+    if name in ("logistic", "mnist"):
+        from qlsd_flwr.tasks import registry
+
+        return registry.build(cfg, pooled=pooled)
+    raise ConfigError(f"task: unknown value {name!r}")
+
+
+def load_client(cfg: RunConfig, i: int, data_path: str | None = None):
+    """Client ``i``'s own data only (what a SuperNode loads): ``(potential, prior, d, blocks)``.
+
+    ``data_path`` (node config ``data-path``): an ``.npz`` with this node's partition only,
+    see :func:`load_partition`."""
+    name = cfg.task
+    if data_path:
+        return load_partition(cfg, data_path)
+    if name == "gaussian" and cfg.variant != "sgld":
+        from qlsd_flwr.tasks.gaussian import GaussianLocal, client_data
+
+        d = cfg.dim
+        pot = GaussianLocal(client_data(i, d, cfg.data_seed))
+        return pot, GaussianPrior(var=cfg.prior_var), d, None
+    if name in ("logistic", "mnist"):
+        from qlsd_flwr.tasks import registry
+
+        return registry.load_client(cfg, i)
+    task = load_task(cfg)
+    return task.clients[i], task.prior, task.dim, blocks_for(cfg, task)
+
+
+def load_partition(cfg: RunConfig, path: str):
+    """One node's partition from an ``.npz`` file: ``y`` of shape ``(N_i, d)`` for the Gaussian
+    task; ``X``, ``y`` and ``n_classes`` for logistic/mnist (softmax regression). Write one
+    with :func:`qlsd_flwr.deploy.flwr_cli.write_partition`. Returns ``(potential, prior, d, blocks)``."""
+    name = cfg.task
+    with np.load(path, allow_pickle=False) as z:
+        arrays = {k: z[k] for k in z.files}
+    if name == "gaussian":
+        from qlsd_flwr.tasks.gaussian import GaussianLocal
+
+        pot = GaussianLocal(arrays["y"])
+        if pot.dim != cfg.dim:
+            raise ConfigError(f"data-path {path}: points have d = {pot.dim}, the run config says "
+                              f"dim = {cfg.get('dim')}")
+        return pot, GaussianPrior(var=cfg.prior_var), pot.dim, None
+    if name == "logistic" and "X" in arrays:
+        from qlsd_flwr.tasks.logistic import LogisticLocal
+
+        pot = LogisticLocal(arrays["X"], arrays["y"], int(arrays["n_classes"]))
+        prior_var = float(arrays["prior_var"]) if "prior_var" in arrays else cfg.prior_var
+        blocks = (pot.dim,) if cfg.block_norm == "tensor" else None
+        return pot, GaussianPrior(var=prior_var), pot.dim, blocks
+    raise ConfigError(f"data-path: task {name!r} cannot load a partition file (only gaussian and "
+                      f"logistic); leave data-path unset")
