@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 from torch import nn
 
-from qlsd_flwr.data.datasets import ArrayDataset
+from qlsd_flwr.data import ArrayDataset
 
 
 def load(seed: int) -> ArrayDataset:

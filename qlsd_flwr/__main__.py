@@ -1,5 +1,5 @@
 import sys
 
-from qlsd_flwr.run.cli import main
+from qlsd_flwr.cli import main
 
 sys.exit(main())

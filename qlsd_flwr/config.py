@@ -247,27 +247,23 @@ def resolve(overrides: Mapping[str, Any] | None = None) -> RunConfig:
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"{key}: expected a number, got {raw[key]!r}") from exc
 
-    b = num("num-clients", int)
-    if b < 1:
-        raise ConfigError(f"num-clients must be >= 1 (got {b})")
-    dim = num("dim", int)
-    if dim < 1:
-        raise ConfigError(f"dim must be >= 1 (got {raw['dim']})")
+    def at_least_one(key):
+        v = num(key, int)
+        if v < 1:
+            raise ConfigError(f"{key} must be >= 1 (got {v})")
+        return v
+
+    b = at_least_one("num-clients")
+    dim = at_least_one("dim")
     gamma = num("gamma")
     if not (gamma > 0 and math.isfinite(gamma)):
         raise ConfigError(f"gamma must be a finite number > 0 (got {raw['gamma']!r})")
-    K = num("num-rounds", int)
-    if K < 1:
-        raise ConfigError(f"num-rounds must be >= 1 (got {K})")
+    K = at_least_one("num-rounds")
     burn = num("burn-in", int)
     if not 0 <= burn < K:
         raise ConfigError(f"burn-in must be in [0, num-rounds) = [0, {K}) (got {burn})")
-    thin = num("thin", int)
-    if thin < 1:
-        raise ConfigError(f"thin must be >= 1 (got {thin})")
-    chains = num("num-chains", int)
-    if chains < 1:
-        raise ConfigError(f"num-chains must be >= 1 (got {chains})")
+    thin = at_least_one("thin")
+    chains = at_least_one("num-chains")
     if chains > 1 and engine != "vectorised":
         raise ConfigError("num-chains > 1 needs engine = vectorised (Flower runs one chain per run)")
 

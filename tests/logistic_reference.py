@@ -11,7 +11,7 @@ towards acceptance 0.574), 2,000 warm-up + 25,000 kept iterations each. Stored i
 ``tests/data/breast_cancer_mala.npz``: the 99 % HPD threshold ``η`` (the 0.99 quantile of
 ``U`` over all 200,000 draws) and its Monte Carlo standard error (:func:`qlsd_flwr.evaluation.hpd.quantile_mcse`),
 the posterior mean and variance of ``θ``, ``U`` at every 5th draw (float32), the acceptance
-rates, the cache key (:func:`qlsd_flwr.evaluation.reference.cache_key`), a float-tolerant signature of
+rates, the cache key (:func:`qlsd_flwr.evaluation.reference_cache.cache_key`), a float-tolerant signature of
 the data and settings (:func:`data_signature`) and the settings.
 
 Regenerate (about 2–3 minutes on one core)::
@@ -39,6 +39,7 @@ if str(ROOT) not in sys.path:
 
 from qlsd_flwr.config import resolve  # noqa: E402
 from qlsd_flwr.evaluation import reference as R  # noqa: E402
+from qlsd_flwr.evaluation import reference_cache as RC  # noqa: E402
 from qlsd_flwr.tasks import loading  # noqa: E402
 
 PATH = Path(__file__).resolve().parent / "data" / "breast_cancer_mala.npz"
@@ -61,7 +62,7 @@ def _mala_settings() -> dict:
 
 def expected_key(task) -> str:
     """The key :func:`qlsd_flwr.evaluation.reference.mala` files these settings under (code + data, bytes)."""
-    return R.cache_key(task, "mala", _mala_settings())
+    return RC.cache_key(task, "mala", _mala_settings())
 
 
 def data_signature(task) -> dict:
@@ -73,7 +74,7 @@ def data_signature(task) -> dict:
     import hashlib
 
     h = hashlib.sha256()
-    h.update(json.dumps({"version": R._CACHE_VERSION, "settings": R._json_settings(_mala_settings()),
+    h.update(json.dumps({"version": RC._CACHE_VERSION, "settings": RC._json_settings(_mala_settings()),
                          "prior_var": float(task.prior.var), "dim": int(task.dim),
                          "n": [int(c.n_data) for c in task.clients]}, sort_keys=True).encode())
     for c in task.clients:

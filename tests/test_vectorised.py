@@ -16,7 +16,8 @@ import pytest
 
 from qlsd_flwr.compression.codec import elias_bits
 from qlsd_flwr.compression.format import QuantiseError
-from qlsd_flwr.compression.qsgd import QSGD, quantise_block_nb, sumsq_nb
+from qlsd_flwr.compression.qsgd import QSGD
+from qlsd_flwr.compression.qsgd_nb import quantise_block_nb, sumsq_nb
 from qlsd_flwr.config import resolve
 from qlsd_flwr.core import rng
 from qlsd_flwr.engines import vectorised as V

@@ -17,15 +17,11 @@ import numpy as np
 from numba import njit
 
 from qlsd_flwr.compression.elias import omega_len_nb
+from qlsd_flwr.compression.format import DecodeFault
 
-# error codes of the decoding kernels (0 = valid); decode_body turns them into messages
+# the decoding kernels return a DecodeFault value (0 = valid); plain ints, frozen into the code
 (_OK, _TRUNC_OMEGA, _ABOVE, _TRUNC_NORM, _TRUNC_SIGN, _TRAILING, _PADDING, _NEG_ZERO,
- _NONFINITE, _NEG_NORM, _ABOVE_S, _ZERO_NORM) = range(12)
-_MESSAGES = {_TRUNC_OMEGA: "truncated Elias omega code", _TRUNC_NORM: "truncated norm",
-             _TRUNC_SIGN: "truncated sign bit", _TRAILING: "trailing bytes after the Elias code",
-             _PADDING: "nonzero padding", _NEG_ZERO: "negative zero level",
-             _NONFINITE: "non-finite norm", _NEG_NORM: "negative norm",
-             _ZERO_NORM: "nonzero level in a block with zero norm"}
+ _NONFINITE, _NEG_NORM, _ABOVE_S, _ZERO_NORM) = (int(f) for f in DecodeFault)
 
 
 @njit(cache=True)
@@ -269,5 +265,5 @@ def decode_body(body: bytes, d: int, blocks: np.ndarray, s: int, elias: bool,
     if err == _ABOVE_S:
         return f"level above s = {s}"
     if err:
-        return _MESSAGES[err]
+        return DecodeFault(err).message
     return norm_bits.astype(np.uint32).view(np.float32), levels, int(p)

@@ -17,7 +17,7 @@ from numba import njit
 from numba.cpython.unsafe.numbers import leading_zeros
 
 from qlsd_flwr.compression.format import OMEGA_GROUPS as _G
-from qlsd_flwr.compression.format import DecodeError
+from qlsd_flwr.compression.format import DecodeError, DecodeFault
 
 
 def _bitlen(x: np.ndarray) -> np.ndarray:
@@ -134,13 +134,13 @@ def _read_omega(bs: str, p: int, maxval: int) -> tuple[int, int]:
     n = 1
     while True:
         if p >= t:
-            raise DecodeError("truncated Elias omega code")
+            raise DecodeError(DecodeFault.TRUNC_OMEGA.message)
         if bs[p] == "0":
             p += 1
             break
         q = p + n + 1
         if q > t:
-            raise DecodeError("truncated Elias omega code")
+            raise DecodeError(DecodeFault.TRUNC_OMEGA.message)
         n = int(bs[p:q], 2)
         p = q
         if n > maxval:

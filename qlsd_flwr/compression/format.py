@@ -61,3 +61,35 @@ _QUANTISE_MESSAGES = {
 
 class DecodeError(ValueError):
     """A payload that is not a valid code for this compressor and ``d``."""
+
+
+class DecodeFault(IntEnum):
+    """Why a payload is not a valid code (0: it is). The compiled reader returns the value, the
+    Python reader raises :class:`DecodeError` with the same message (``ABOVE`` and ``ABOVE_S``
+    name the bound in their messages)."""
+
+    OK = 0
+    TRUNC_OMEGA = 1
+    ABOVE = 2  # an Elias omega value above its field's maximum
+    TRUNC_NORM = 3
+    TRUNC_SIGN = 4
+    TRAILING = 5
+    PADDING = 6
+    NEG_ZERO = 7
+    NONFINITE = 8
+    NEG_NORM = 9
+    ABOVE_S = 10
+    ZERO_NORM = 11
+
+    @property
+    def message(self) -> str:
+        return _DECODE_MESSAGES[self]
+
+
+_DECODE_MESSAGES = {
+    DecodeFault.TRUNC_OMEGA: "truncated Elias omega code", DecodeFault.TRUNC_NORM: "truncated norm",
+    DecodeFault.TRUNC_SIGN: "truncated sign bit", DecodeFault.TRAILING: "trailing bytes after the Elias code",
+    DecodeFault.PADDING: "nonzero padding", DecodeFault.NEG_ZERO: "negative zero level",
+    DecodeFault.NONFINITE: "non-finite norm", DecodeFault.NEG_NORM: "negative norm",
+    DecodeFault.ZERO_NORM: "nonzero level in a block with zero norm",
+}

@@ -38,7 +38,7 @@ from qlsd_flwr.compression.elias import (
     _omega_table,
     _read_omega,
 )
-from qlsd_flwr.compression.format import DecodeError
+from qlsd_flwr.compression.format import DecodeError, DecodeFault
 
 _BITCHARS = bytes.maketrans(b"\x00\x01", b"01")
 
@@ -85,14 +85,14 @@ def elias_fields(q) -> tuple[np.ndarray, np.ndarray]:
 def check_fields(norms: np.ndarray, levels: np.ndarray, blocks: tuple[int, ...], s: int) -> None:
     """The checks of a decoded message that the readers leave to the end."""
     if not np.all(np.isfinite(norms)):
-        raise DecodeError("non-finite norm")
+        raise DecodeError(DecodeFault.NONFINITE.message)
     if np.any(np.signbit(norms)):
-        raise DecodeError("negative norm")
+        raise DecodeError(DecodeFault.NEG_NORM.message)
     if np.any(np.abs(levels) > s):
         raise DecodeError(f"level above s = {s}")
     dead = np.repeat(norms == 0, blocks)
     if np.any(dead & (levels != 0)):
-        raise DecodeError("nonzero level in a block with zero norm")
+        raise DecodeError(DecodeFault.ZERO_NORM.message)
 
 
 def read_packed(body: bytes, d: int, blocks, level_bits: int):
@@ -102,7 +102,7 @@ def read_packed(body: bytes, d: int, blocks, level_bits: int):
     nbits = 32 * len(blocks) + d * w
     bits = np.unpackbits(np.frombuffer(body, dtype=np.uint8))
     if bits[nbits:].any():
-        raise DecodeError("nonzero padding")
+        raise DecodeError(DecodeFault.PADDING.message)
     bsz = np.asarray(blocks, dtype=np.int64)
     off = np.concatenate([[0], np.cumsum(32 + bsz * w)[:-1]])
     nidx = off[:, None] + np.arange(32)
@@ -114,7 +114,7 @@ def read_packed(body: bytes, d: int, blocks, level_bits: int):
     mag = f & ((1 << lb) - 1)
     neg = (f >> lb) == 1
     if np.any(neg & (mag == 0)):
-        raise DecodeError("negative zero level")
+        raise DecodeError(DecodeFault.NEG_ZERO.message)
     return norms, np.where(neg, -mag, mag), nbits
 
 
@@ -131,7 +131,7 @@ def read_elias(body: bytes, d: int, blocks, s: int):
     start = 0
     for n in blocks:
         if p + 32 > t:
-            raise DecodeError("truncated norm")
+            raise DecodeError(DecodeFault.TRUNC_NORM.message)
         norm_bits.append(int(bs[p:p + 32], 2))
         p += 32
         count, p = _read_omega(bs, p, n + 1)
@@ -150,7 +150,7 @@ def read_elias(body: bytes, d: int, blocks, s: int):
                 g, p = _read_omega(bs, p, n - pos)
             pos += g
             if p >= t:
-                raise DecodeError("truncated sign bit")
+                raise DecodeError(DecodeFault.TRUNC_SIGN.message)
             neg = bs[p] == "1"
             p += 1
             w = int(bsp[p:p + tw], 2)
@@ -166,7 +166,7 @@ def read_elias(body: bytes, d: int, blocks, s: int):
             levels[idx] = val
         start += n
     if (p + 7) // 8 != len(body):
-        raise DecodeError("trailing bytes after the Elias code")
+        raise DecodeError(DecodeFault.TRAILING.message)
     if "1" in bs[p:]:
-        raise DecodeError("nonzero padding")
+        raise DecodeError(DecodeFault.PADDING.message)
     return np.array(norm_bits, dtype=np.uint32).view(np.float32), levels, p

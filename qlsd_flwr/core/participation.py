@@ -47,15 +47,20 @@ def active_mask(seed, round_, p: np.ndarray) -> np.ndarray:
 def weights(replied: np.ndarray, p: np.ndarray, rule: str) -> np.ndarray:
     """Aggregation weights ``w_i`` (``0`` for clients without a valid reply)."""
     replied = np.asarray(replied, dtype=bool)
-    if rule == "unbiased":
+    if _rule(rule) is Aggregation.UNBIASED:
         return np.where(replied, 1.0 / p, 0.0)
-    if rule == "active-fraction":
-        n = replied.sum(axis=-1, keepdims=True)
-        b = replied.shape[-1]
-        return np.where(replied, b / np.maximum(n, 1), 0.0)
-    raise ValueError(f"aggregation: unknown rule {rule!r}; allowed: unbiased, active-fraction")
+    n = replied.sum(axis=-1, keepdims=True)
+    b = replied.shape[-1]
+    return np.where(replied, b / np.maximum(n, 1), 0.0)
 
 
 def skips_round(replied: np.ndarray, rule: str) -> np.ndarray:
     """Whether the round is skipped (active-fraction rule with no valid reply)."""
-    return np.logical_and(rule == "active-fraction", ~np.any(replied, axis=-1))
+    return np.logical_and(_rule(rule) is Aggregation.ACTIVE_FRACTION, ~np.any(replied, axis=-1))
+
+
+def _rule(rule) -> Aggregation:
+    try:
+        return Aggregation.of(rule) if isinstance(rule, str) else Aggregation(rule)
+    except (KeyError, ValueError):
+        raise ValueError(f"aggregation: unknown rule {rule!r}; allowed: unbiased, active-fraction") from None

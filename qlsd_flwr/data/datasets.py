@@ -114,26 +114,25 @@ def _finish(name, X_tr, y_tr, X_te, y_te, n_classes, input_shape, dtype, **meta)
 
 
 # ----------------------------------------------------------------------------- offline
+def _sklearn_table(name: str, loader, n_classes: int, test_frac: float, seed: int, dtype) -> ArrayDataset:
+    X, y = loader(return_X_y=True)
+    X_tr, X_te, y_tr, y_te = _split(X, y, test_frac, seed)
+    X_tr, X_te = _standardise(X_tr, X_te)
+    return _finish(name, X_tr, y_tr, X_te, y_te, n_classes, (X.shape[1],), dtype, seed=seed, test_frac=test_frac)
+
+
 def load_breast_cancer(test_frac: float = 0.2, seed: int = 0, dtype=np.float64) -> ArrayDataset:
     """Wisconsin breast cancer (569 × 30, binary), standardised on the training split."""
     from sklearn.datasets import load_breast_cancer as _lbc
 
-    X, y = _lbc(return_X_y=True)
-    X_tr, X_te, y_tr, y_te = _split(X, y, test_frac, seed)
-    X_tr, X_te = _standardise(X_tr, X_te)
-    return _finish("breast_cancer", X_tr, y_tr, X_te, y_te, 2, (X.shape[1],), dtype,
-                   seed=seed, test_frac=test_frac)
+    return _sklearn_table("breast_cancer", _lbc, 2, test_frac, seed, dtype)
 
 
 def load_digits(test_frac: float = 0.2, seed: int = 0, dtype=np.float64) -> ArrayDataset:
     """scikit-learn 8×8 digits (1,797 × 64, 10 classes), standardised on the training split."""
     from sklearn.datasets import load_digits as _ld
 
-    X, y = _ld(return_X_y=True)
-    X_tr, X_te, y_tr, y_te = _split(X, y, test_frac, seed)
-    X_tr, X_te = _standardise(X_tr, X_te)
-    return _finish("digits", X_tr, y_tr, X_te, y_te, 10, (X.shape[1],), dtype,
-                   seed=seed, test_frac=test_frac)
+    return _sklearn_table("digits", _ld, 10, test_frac, seed, dtype)
 
 
 def load_mnist_subset(test_frac: float = 0.2, seed: int = 0, dtype=np.float32) -> ArrayDataset:

@@ -16,41 +16,8 @@
 Nothing here fetches anything: runtime dependency installation is off everywhere.
 """
 
-from qlsd_flwr.deploy.certs import make_node_keypair, make_tls_certificates
-from qlsd_flwr.deploy.cluster import LocalDeployment
-from qlsd_flwr.deploy.flwr_cli import (
-                                       REPO,
-                                       app_config,
-                                       count_in_log,
-                                       flwr_cli,
-                                       flwr_run,
-                                       format_run_config,
-                                       register_node,
-                                       register_nodes,
-                                       run_log,
-                                       run_status,
-                                       stage_app,
-                                       wait_run,
-                                       write_connection,
-                                       write_partition,
-)
-from qlsd_flwr.deploy.processes import (
-                                       BIN,
-                                       RAY_JOBS_SCRIPT,
-                                       Proc,
-                                       flwr_env,
-                                       free_port,
-                                       node_config_arg,
-                                       ray_cluster_state,
-                                       ray_head_argv,
-                                       stop_all,
-                                       superlink_argv,
-                                       supernode_argv,
-                                       wait_port,
-)
-
-__all__ = ["make_node_keypair", "make_tls_certificates", "LocalDeployment", "REPO", "app_config",
-           "count_in_log", "flwr_cli", "flwr_run", "format_run_config", "register_node", "register_nodes",
-           "run_log", "run_status", "stage_app", "wait_run", "write_connection", "write_partition", "BIN",
-           "RAY_JOBS_SCRIPT", "Proc", "flwr_env", "free_port", "node_config_arg", "ray_cluster_state",
-           "ray_head_argv", "stop_all", "superlink_argv", "supernode_argv", "wait_port"]
+# one namespace for the package's helpers (``from qlsd_flwr import deploy as D``)
+from qlsd_flwr.deploy.certs import *  # noqa: E402, F403
+from qlsd_flwr.deploy.cluster import LocalDeployment  # noqa: E402, F401
+from qlsd_flwr.deploy.flwr_cli import *  # noqa: E402, F403
+from qlsd_flwr.deploy.processes import *  # noqa: E402, F403

@@ -8,6 +8,8 @@ import ipaddress
 import os
 from pathlib import Path
 
+__all__ = ["make_tls_certificates", "make_node_keypair"]
+
 
 # ---- certificates and keys ------------------------------------------------------------------
 def make_tls_certificates(out_dir: str | os.PathLike, hosts=("127.0.0.1", "localhost"),

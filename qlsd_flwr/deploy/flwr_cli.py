@@ -12,6 +12,8 @@ from pathlib import Path
 
 from qlsd_flwr.deploy.processes import BIN
 
+__all__ = ["REPO", "write_connection", "app_config", "stage_app", "flwr_cli", "format_run_config", "flwr_run", "run_status", "wait_run", "run_log", "register_node", "register_nodes", "count_in_log", "write_partition"]
+
 REPO = Path(__file__).resolve().parents[2]  # qlsd_flwr/deploy/flwr_cli.py -> the repository
 
 

@@ -194,6 +194,8 @@ RAY_JOBS_SCRIPT = """
 import json, sys
 import ray
 import ray._private.state as state
+
+__all__ = ["BIN", "free_port", "wait_port", "flwr_env", "Proc", "stop_all", "superlink_argv", "node_config_arg", "supernode_argv", "RAY_JOBS_SCRIPT", "ray_cluster_state", "ray_head_argv"]
 ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
 out = {"jobs": state.jobs(), "actors": list(state.actors().values()),
        "nodes": [n["NodeID"] for n in ray.nodes()]}

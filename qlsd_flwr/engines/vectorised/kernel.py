@@ -24,7 +24,7 @@ from numba import njit
 
 from qlsd_flwr.compression.codec import elias_bits
 from qlsd_flwr.compression.format import HEADER_BYTES, Encoding, QuantiseError
-from qlsd_flwr.compression.qsgd import quantise_block_nb, sumsq_nb
+from qlsd_flwr.compression.qsgd_nb import quantise_block_nb, sumsq_nb
 from qlsd_flwr.core import rng
 from qlsd_flwr.core.oracles import Oracle
 

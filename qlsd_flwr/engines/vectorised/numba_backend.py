@@ -12,6 +12,7 @@ from qlsd_flwr.compression.format import Encoding, QuantiseError
 from qlsd_flwr.compression.qsgd import QSGD
 from qlsd_flwr.core import rng
 from qlsd_flwr.core.oracles import Oracle
+from qlsd_flwr.core.participation import Aggregation
 from qlsd_flwr.engines.vectorised.kernel import (
     BlockOutputs,
     ChainArrays,
@@ -90,7 +91,7 @@ def kernel_params(cfgs, task, parts, noise_in_kernel: bool) -> KernelParams:
         l=np.array([p[1].l for p in parts], dtype=np.int64),
         gamma=gamma, sqrt2gamma=np.array([np.sqrt(2.0 * g) for g in gamma]),
         s=s, packed=packed, bound=bound, alpha=alpha, theta_star=theta_star, star_prior=star_prior,
-        active_fraction=spec0.rule == "active-fraction", burn_in=int(ref.burn_in), thin=int(ref.thin),
+        active_fraction=Aggregation.of(spec0.rule) is Aggregation.ACTIVE_FRACTION, burn_in=int(ref.burn_in), thin=int(ref.thin),
         prior_flat=bool(prior.is_flat), prior_on_server=bool(spec0.prior_on_server),
         noise_in_kernel=bool(noise_in_kernel),
         need_minibatch=bool(np.any(oracle != int(Oracle.FULL))), need_dither=bool(compressed.any()),

@@ -1,0 +1,96 @@
+"""The package's layering, checked on its source (README, "Architecture").
+
+* arrows point down: a package imports only packages below it in :data:`LAYERS`;
+* the mathematics (``core``, ``compression``) and the round protocol (``protocol``) import no
+  Flower, no torch and no file I/O;
+* a user who imports the strategy and the apps pulls in no experiment driver, no deployment
+  tooling and no torch;
+* no module is over 500 lines.
+"""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "qlsd_flwr"
+
+# bottom to top; a package may import its own layer's modules and those of lower layers
+LAYERS = [
+    {"plugins", "data"},
+    {"config"},
+    {"core", "compression", "outputs"},
+    {"protocol"},
+    {"tasks"},
+    {"engines", "flower", "evaluation"},
+    {"run"},
+    {"experiments", "deploy"},
+    {"cli", "__main__", "__init__"},
+]
+RANK = {name: r for r, layer in enumerate(LAYERS) for name in layer}
+PURE = ("core", "compression", "protocol")
+NO_IO = {"flwr", "torch", "os", "io", "pathlib", "json", "csv", "pickle", "tempfile", "shutil", "h5netcdf",
+         "h5py", "subprocess", "socket"}
+
+
+def _modules():
+    for f in sorted(PKG.rglob("*.py")):
+        rel = f.relative_to(PKG)
+        top = rel.parts[0] if len(rel.parts) > 1 else rel.stem
+        yield f, top, ast.parse(f.read_text())
+
+
+def _imports(tree):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module
+        elif isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+
+
+def test_every_package_has_a_layer():
+    tops = {top for _, top, _ in _modules()}
+    assert tops <= set(RANK), tops - set(RANK)
+
+
+def test_imports_point_down():
+    bad = []
+    for f, top, tree in _modules():
+        for m in _imports(tree):
+            parts = m.split(".")
+            if parts[0] == "qlsd_flwr" and len(parts) > 1 and parts[1] != top and RANK[parts[1]] > RANK[top]:
+                bad.append(f"{f.relative_to(ROOT)} imports {m}")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_mathematics_and_the_protocol_import_no_flower_torch_or_io():
+    bad = []
+    for f, top, tree in _modules():
+        if top not in PURE:
+            continue
+        for m in _imports(tree):
+            if m.split(".")[0] in NO_IO:
+                bad.append(f"{f.relative_to(ROOT)} imports {m}")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "open":
+                bad.append(f"{f.relative_to(ROOT)}:{node.lineno} calls open()")
+    assert not bad, "\n".join(bad)
+
+
+def test_importing_the_strategy_pulls_in_no_experiment_deployment_or_torch():
+    code = ("import sys\n"
+            "import qlsd_flwr.flower.strategy, qlsd_flwr.flower.server_app, qlsd_flwr.flower.client_app\n"
+            "print(sorted({m.split('.')[1] for m in sys.modules if m.startswith('qlsd_flwr.')}))\n"
+            "print('torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    pkgs, torch = out.stdout.strip().splitlines()
+    for name in ("experiments", "deploy", "run", "engines", "evaluation"):
+        assert f"'{name}'" not in pkgs, pkgs
+    assert torch == "False"
+
+
+def test_no_module_is_over_500_lines():
+    long = {str(f.relative_to(ROOT)): n for f in PKG.rglob("*.py") if (n := len(f.read_text().splitlines())) > 500}
+    assert not long, long
