@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from qlsd_flwr.compression.elias import omega_len_nb
+from qlsd_flwr.compression.elias import _omega_small_nb, omega_len_nb
 from qlsd_flwr.compression.format import DecodeFault
 
 # the decoding kernels return a DecodeFault value (0 = valid); plain ints, frozen into the code
@@ -73,6 +73,32 @@ def elias_bits(levels, blocks):
         bits += 32 + omega_len_nb(k + 1)
         start += n
     return bits
+
+
+@njit(cache=True)
+def elias_bits_float(lev, nzpos):
+    """:func:`elias_bits` of one block whose levels are exact integers held as float64 (the
+    vectorised kernel's form), branch-free: ``bitlen(|ℓ|)`` is read off the float's exponent and
+    the nonzero positions are gathered without a branch (``nzpos``: scratch of length ``d``).
+    Measured: 3 of the kernel's 16 µs per chain-iteration with the generic loop, not with this."""
+    d = lev.shape[0]
+    lb = lev.view(np.uint64)
+    body = 0
+    for q in range(d):
+        e = np.int64((lb[q] >> np.uint64(52)) & np.uint64(0x7FF))
+        isnz = np.int64(e != 0)
+        bl = (e - 1022) * isnz + (1 - isnz)
+        body += isnz * (1 + bl + _omega_small_nb(bl - 1))
+    nz = 0
+    for q in range(d):
+        nzpos[nz] = q
+        nz += np.int64((lb[q] << np.uint64(1)) != 0)
+    prev = -1
+    for t in range(nz):
+        gap = nzpos[t] - prev
+        prev = nzpos[t]
+        body += omega_len_nb(gap)
+    return body + 32 + omega_len_nb(nz + 1)
 
 
 @njit(cache=True)

@@ -98,6 +98,16 @@ def sumsq_nb(a, lo, n):
     return val
 
 
+@njit(cache=True, inline="always")
+def _level(x, u, sf, norm64):
+    """``ℓ = sign(x)(⌊r⌋ + 1{ξ < r − ⌊r⌋})``, ``r = min(|x|·s/‖v‖, s)``, as an exact float."""
+    a = abs(x) * sf / norm64
+    r = a if a < sf else sf
+    fl = np.floor(r)
+    lv = fl + (1.0 if u < r - fl else 0.0)
+    return (0.0 - lv) if x < 0 else lv  # 0.0 - 0.0 = +0.0, as an int level 0
+
+
 @njit(cache=True)
 def quantise_block_nb(v, u, s, lev, gh, norm32_out):
     """One block of :meth:`QSGD.quantise_batch` then :meth:`QSGD.dequantise_batch`, compiled:
@@ -122,22 +132,19 @@ def quantise_block_nb(v, u, s, lev, gh, norm32_out):
     if norm32 > 0 and norm64 > 0:
         norm32_out[0] = norm32
         n32 = np.float64(norm32)
-        for q in range(d):
-            x = v[q]
-            a = abs(x) * sf / norm64
-            r = a if a < sf else sf
-            fl = np.floor(r)
-            lv = fl + (1.0 if u[q] < r - fl else 0.0)
-            lev[q] = (0.0 - lv) if x < 0 else lv  # 0.0 - 0.0 = +0.0, as an int level 0
-        # the branch stays out of the loops: for s a power of 2, ``· (1/s)`` equals the
-        # reference's ``/ s`` bit for bit and is faster
+        # for s a power of 2, ``· (1/s)`` equals the reference's ``/ s`` bit for bit and is
+        # faster; two loops keep that test out of the loop
         if (s & (s - 1)) == 0:
             inv_s = 1.0 / sf
             for q in range(d):
-                gh[q] = n32 * lev[q] * inv_s
+                lv = _level(v[q], u[q], sf, norm64)
+                lev[q] = lv
+                gh[q] = n32 * lv * inv_s
         else:
             for q in range(d):
-                gh[q] = n32 * lev[q] / sf
+                lv = _level(v[q], u[q], sf, norm64)
+                lev[q] = lv
+                gh[q] = n32 * lv / sf
     else:  # zero vector, or a norm that underflows float32: sent as zero
         norm32_out[0] = np.float32(0.0)
         for q in range(d):

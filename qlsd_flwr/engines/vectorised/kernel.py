@@ -22,7 +22,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
-from qlsd_flwr.compression.codec import elias_bits
+from qlsd_flwr.compression.codec import elias_bits_float
 from qlsd_flwr.compression.format import HEADER_BYTES, Encoding, QuantiseError
 from qlsd_flwr.compression.qsgd_nb import quantise_block_nb, sumsq_nb
 from qlsd_flwr.core import rng
@@ -233,7 +233,6 @@ def gauss_block(k0, R, prm, ch, out):
         bytes_r = np.zeros(V, dtype=np.int64)
         bound_r = np.zeros(V)
         n32 = np.empty(1, dtype=np.float32)
-        one_block = np.full(1, d, dtype=np.int64)
         th = theta[c].copy()
         zt = zeta[c].copy()
         ag = agrad[c].copy()
@@ -301,7 +300,7 @@ def gauss_block(k0, R, prm, ch, out):
                                 break
                             bits = packed[v, i]
                             if encoding[v] != _PACKED:  # QSGD's sparse code, or the shorter (auto)
-                                eb = elias_bits(lev, one_block)
+                                eb = elias_bits_float(lev, nzpos)
                                 bits = eb if encoding[v] == _ELIAS else min(eb, bits)
                             bytes_r[v] += HEADER_BYTES + (bits + 7) // 8
                         else:
