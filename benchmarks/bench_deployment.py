@@ -26,10 +26,10 @@ import statistics
 import sys
 import tempfile
 import time
+import tomllib
 from pathlib import Path
 
 import tomli_w
-import tomllib
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from qlsd_flwr import deploy as D  # noqa: E402

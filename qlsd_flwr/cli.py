@@ -18,9 +18,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
-
 import tomllib
+from pathlib import Path
 
 from qlsd_flwr.config import ConfigError
 

@@ -8,6 +8,7 @@ mistake costs a second, not an hour of sampling.
 
 from __future__ import annotations
 
+import difflib
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
@@ -102,11 +103,9 @@ def _per_client(key: str, raw: Any, b: int, cast) -> np.ndarray:
     return np.asarray(vals)
 
 
-def _int_level(x) -> int:
-    v = float(x)
-    if v != int(v):
-        raise ValueError(x)
-    return int(v)
+def integer(x) -> int:
+    """One per-client integer (``s_i``): an integral value, else ``ValueError``."""
+    return _integer("value", x)
 
 
 @dataclass(frozen=True)
@@ -143,6 +142,7 @@ class RunConfig:
     theta_star: str = "closed-form"
     engine: str = "ray"
     task: str = "gaussian"
+    num_clients: int = 20  # the data's clients (b is 1 for SGLD, which pools them)
     dim: int = 50  # d of the Gaussian task (other tasks: the model's)
     data_seed: int = 0
     opt_rounds: int = 500
@@ -150,6 +150,7 @@ class RunConfig:
     checkpoint_every: int = 0
     reply_timeout: float = 600.0
     verbose: bool = False
+    progress: bool = True
 
     def get(self, key: str) -> Any:
         return self.raw[key]
@@ -173,6 +174,26 @@ def _flag(key: str, value: Any) -> bool:
     if v in _TRUE or v in _FALSE:
         return v in _TRUE
     raise ConfigError(f"{key}: expected true or false, got {value!r}")
+
+
+def _integer(key: str, value: Any) -> int:
+    """An integer key: an int, or a number or string with an integral value (``"5"``, ``5.0``,
+    ``"1e3"``); a fraction (``4.9``), a bool, or anything else is refused, never truncated."""
+    if isinstance(value, (bool, np.bool_)):
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    try:
+        return int(str(value).strip())
+    except ValueError:
+        pass
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key}: expected an integer, got {value!r}") from None
+    if not math.isfinite(f) or f != math.floor(f):
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    return int(f)
 
 
 def _choice(key: str, value: Any, allowed) -> str:
@@ -229,7 +250,8 @@ def resolve(overrides: Mapping[str, Any] | None = None) -> RunConfig:
     for k, v in (overrides or {}).items():
         kk = str(k).replace("_", "-")
         if kk not in DEFAULTS:
-            close = [x for x in DEFAULTS if x.split("-")[0] == kk.split("-")[0]]
+            close = difflib.get_close_matches(kk, list(DEFAULTS), n=3, cutoff=0.6)
+            close += [x for x in DEFAULTS if x.split("-")[0] == kk.split("-")[0] and x not in close]
             hint = f" (did you mean {', '.join(close)}?)" if close else ""
             raise ConfigError(f"unknown config key {k!r}{hint}; allowed keys: {', '.join(DEFAULTS)}")
         raw[kk] = v
@@ -242,6 +264,8 @@ def resolve(overrides: Mapping[str, Any] | None = None) -> RunConfig:
     engine = _choice("engine", raw["engine"], ENGINES)
 
     def num(key, cast=float):
+        if cast is int:
+            return _integer(key, raw[key])
         try:
             return cast(raw[key])
         except (TypeError, ValueError) as exc:
@@ -269,7 +293,7 @@ def resolve(overrides: Mapping[str, Any] | None = None) -> RunConfig:
 
     # SGLD is centralised: the task's data is pooled into one client that always takes part.
     b_eff = 1 if variant == "sgld" else b
-    s = _per_client("s", raw["s"], b_eff, _int_level)
+    s = _per_client("s", raw["s"], b_eff, integer)
     if np.any(s < 1):
         raise ConfigError(f"s must be an integer >= 1 for every client (got {raw['s']!r})")
     p = _per_client("p", raw["p"], b_eff, float)
@@ -325,7 +349,7 @@ def resolve(overrides: Mapping[str, Any] | None = None) -> RunConfig:
         num_chains=chains, s=s.astype(np.int64), p=p.astype(np.float64),
         aggregation=aggregation, batch_fraction=bf, l=l, alpha=alpha, prior_var=prior_var,
         prior_on=prior_on, block_norm=block_norm, encoding=encoding, theta_star=theta_star,
-        engine=engine, task=task, dim=dim, data_seed=num("data-seed", int), opt_rounds=opt_rounds,
+        engine=engine, task=task, num_clients=b, dim=dim, data_seed=num("data-seed", int), opt_rounds=opt_rounds,
         opt_tol=opt_tol, checkpoint_every=ce, reply_timeout=reply_timeout,
-        verbose=_flag("verbose", raw["verbose"]),
+        verbose=_flag("verbose", raw["verbose"]), progress=_flag("progress", raw["progress"]),
     )

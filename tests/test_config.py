@@ -62,3 +62,54 @@ def test_a_step_beyond_the_stability_limit_is_warned_at_start(caplog):
         assert bool(warned) == unstable
         if unstable:
             assert "gamma = 0.00049" in warned[0] and f"{2.0 / tau:.3g}" in warned[0]
+
+
+@pytest.mark.parametrize("value, expected", [(True, True), ("true", True), ("yes", True), ("on", True), ("1", True),
+                                             (False, False), ("false", False), ("no", False), ("off", False),
+                                             ("0", False), (0, False)])
+def test_booleans_parse_the_usual_words(value, expected):
+    cfg = resolve({"verbose": value, "progress": value})
+    assert cfg.verbose is expected and cfg.progress is expected
+
+
+@pytest.mark.parametrize("overrides, words", [
+    ({"verbose": "maybe"}, ["verbose", "true or false", "maybe"]),
+    ({"progress": 2}, ["progress", "true or false"]),
+    ({"num-clients": 4.9}, ["num-clients", "expected an integer", "4.9"]),
+    ({"num-rounds": "100.5"}, ["num-rounds", "expected an integer"]),
+    ({"seed": True}, ["seed", "expected an integer"]),
+    ({"thin": "two"}, ["thin", "expected an integer"]),
+    ({"s": "2.5"}, ["s", "as integer values"]),
+    ({"opt-rounds": 0}, ["opt-rounds", ">= 1"]),
+    ({"opt-tol": -1}, ["opt-tol", "> 0"]),
+    ({"reply-timeout": 0}, ["reply-timeout", "> 0"]),
+    ({"num_rouns": 5}, ["unknown config key", "num-rounds"]),  # did-you-mean on the whole key
+])
+def test_parsing_rules_refuse_with_the_key(overrides, words):
+    with pytest.raises(ConfigError) as err:
+        resolve(overrides)
+    for w in words:
+        assert w in str(err.value), (w, str(err.value))
+
+
+def test_integral_values_are_integers():
+    from qlsd_flwr.tasks.loading import load_task
+
+    cfg = resolve({"num-clients": "7.0", "num-rounds": 300.0, "burn-in": "1e2", "s": "4.0", "checkpoint-every": "10"})
+    assert (cfg.b, cfg.num_rounds, cfg.burn_in, cfg.s.tolist(), cfg.checkpoint_every) == (7, 300, 100, [4] * 7, 10)
+    assert load_task(cfg).b == 7  # every reader takes the parsed value, not the raw one
+
+
+def test_the_flower_app_declares_every_key():
+    # Flower refuses a --run-config key its app does not declare: pyproject.toml declares them all
+    import tomllib
+    from pathlib import Path
+
+    from qlsd_flwr.config import DEFAULTS
+
+    py = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    declared = py["tool"]["flwr"]["app"]["config"]
+    assert list(declared) == list(DEFAULTS)
+    cfg = resolve(declared)  # and every declared value is valid
+    assert cfg.num_rounds == declared["num-rounds"]
+    assert py["project"]["requires-python"] == ">=3.11"  # what flwr 1.41 itself requires

@@ -82,6 +82,11 @@ def test_memory_bookkeeping_every_round(tmp_path):
     strat = QLSDStrategy(cfg, load_task(cfg), on_round=check)
     strat.start(grid=grid)
     assert len(checked) == 40 and checked[-1] > 0  # memory actually moved
+    # the end-of-run audit (each client's own η_i, queried through Flower) says the same
+    audit = strat.summary_data["memory_check"]
+    assert audit["clients_reported"] == list(range(cfg.b)) and audit["clients_pending_resync"] == []
+    assert audit["max_abs_eta_minus_sum"] == 0.0 and audit["max_abs_mirror_diff"] == 0.0
+    assert all(audit["eta_count_agrees"].values())
 
 
 def corrupting_mod(plan):
@@ -197,3 +202,88 @@ def test_message_nbytes_equals_deflating_the_whole_tree(private_ids, monkeypatch
     ]
     for msg in shapes:
         assert message_nbytes(msg) == message_nbytes_reference(msg) > 0
+
+
+def _inprocess(o, **strategy_kwargs):
+    from qlsd_flwr.flower.client_app import make_client_app
+    from qlsd_flwr.flower.inprocess import InProcessGrid
+    from qlsd_flwr.flower.strategy import QLSDStrategy
+    from qlsd_flwr.tasks.loading import load_task
+
+    cfg = resolve(o)
+    grid = InProcessGrid(make_client_app(o), cfg.b, shuffle_seed=3)
+    return QLSDStrategy(cfg, load_task(cfg), keep_trace=True, **strategy_kwargs), grid
+
+
+def test_strategy_keeps_flowers_contract(tmp_path, monkeypatch):
+    """Flower's own Strategy.start drives the rounds: configure_train builds each round's
+    messages and aggregate_train reduces their replies (K calls each, on the live path);
+    start() honours initial_arrays, num_rounds, train_config and evaluate_fn, and refuses
+    evaluate_config (there is no client-side evaluation round) and a θ_0 of the wrong size."""
+    from flwr.app import Array, ArrayRecord
+    from flwr.serverapp.strategy import Strategy
+
+    from qlsd_flwr.flower.strategy import QLSDStrategy
+
+    o = {**BASE, "variant": "qlsd-pp", "p": "0.5", "s": "4", "num-rounds": 12, "output-dir": str(tmp_path)}
+    calls = {"configure": 0, "aggregate": 0, "loop": 0}
+    loop = Strategy.start
+
+    def counting_loop(self, *a, **k):
+        calls["loop"] += 1
+        return loop(self, *a, **k)
+
+    monkeypatch.setattr(Strategy, "start", counting_loop)
+    for name, key in (("configure_train", "configure"), ("aggregate_train", "aggregate")):
+        orig = getattr(QLSDStrategy, name)
+        monkeypatch.setattr(QLSDStrategy, name, lambda self, *a, _o=orig, _k=key, **k: (
+            calls.__setitem__(_k, calls[_k] + 1), _o(self, *a, **k))[1])
+    strat, grid = _inprocess(o)
+    seen = []
+    result = strat.start(grid, num_rounds=8, train_config=ConfigRecord({"lr-hint": 0.5}),
+                         evaluate_fn=lambda rnd, arrays: seen.append((rnd, arrays["theta"].numpy().copy())))
+    assert calls == {"configure": 8, "aggregate": 8, "loop": 1}
+    assert [r for r, _ in seen] == list(range(9))  # θ_0, then after every round
+    for k in range(1, 9):  # evaluate_fn sees θ_k, the sample aggregate_train returned
+        np.testing.assert_array_equal(seen[k][1], strat.trace[k - 1])
+    np.testing.assert_array_equal(result.arrays["theta"].numpy(), strat.trace[-1])
+    np.testing.assert_array_equal(strat.trace, local_trace({**o, "num-rounds": 8}))  # the same chain
+
+    # θ_0 from initial_arrays: the task's own θ_0 gives the very same chain; another one is used
+    strat, grid = _inprocess({**o, "run-name": "init"})
+    theta0 = np.zeros(strat.d)
+    strat.start(grid, initial_arrays=ArrayRecord({"theta": Array(theta0)}), num_rounds=8)
+    np.testing.assert_array_equal(strat.trace, local_trace({**o, "num-rounds": 8}))
+    strat, grid = _inprocess({**o, "run-name": "init2"})
+    got = []
+    strat.start(grid, initial_arrays=ArrayRecord({"a": Array(np.ones(20)), "b": Array(np.ones(30))}),
+                num_rounds=2, evaluate_fn=lambda rnd, arrays: got.append(arrays["theta"].numpy().copy()))
+    np.testing.assert_array_equal(got[0], np.ones(50))
+
+    strat, grid = _inprocess({**o, "run-name": "bad"})
+    with pytest.raises(ValueError, match="evaluate_config"):
+        strat.start(grid, evaluate_config=ConfigRecord({"x": 1}))
+    with pytest.raises(ValueError, match=r"initial_arrays: 49 values in 1 array\(s\), the model has d = 50"):
+        strat.start(grid, initial_arrays=ArrayRecord({"theta": Array(np.zeros(49))}))
+
+
+def test_train_config_travels_with_every_round_message(tmp_path):
+    from flwr.app import ConfigRecord as CR
+
+    from qlsd_flwr.flower.client_app import make_client_app
+    from qlsd_flwr.flower.inprocess import InProcessGrid
+    from qlsd_flwr.flower.strategy import QLSDStrategy
+    from qlsd_flwr.tasks.loading import load_task
+
+    o = {**BASE, "variant": "qlsd-sharp", "num-rounds": 3, "output-dir": str(tmp_path)}
+    cfg = resolve(o)
+    seen = []
+
+    def spy(msg, ctx, call_next):
+        if msg.metadata.message_type == "train":
+            seen.append(dict(msg.content["config"]) if "config" in msg.content else None)
+        return call_next(msg, ctx)
+
+    grid = InProcessGrid(make_client_app(o, mods=[spy]), cfg.b, shuffle_seed=1)
+    QLSDStrategy(cfg, load_task(cfg), write=False).start(grid, train_config=CR({"note": "x"}))
+    assert len(seen) == 3 * cfg.b and all(s == {"note": "x"} for s in seen)

@@ -14,7 +14,7 @@ import json
 import numpy as np
 import pytest
 
-from qlsd_flwr.compression.codec import elias_bits
+from qlsd_flwr.compression.codec import elias_bits, elias_bits_float
 from qlsd_flwr.compression.format import QuantiseError
 from qlsd_flwr.compression.qsgd import QSGD
 from qlsd_flwr.compression.qsgd_nb import quantise_block_nb, sumsq_nb
@@ -89,6 +89,17 @@ def test_numpy_backend_equals_reference_bitwise():
     assert a.stats.skipped.sum() > 0  # the active-fraction rule skipped some empty rounds
 
 
+def test_one_dimension_runs_the_reference_chain():
+    # at d = 1 numpy sums (b, 1) arrays over axis 0 pairwise; the kernel would not: auto picks numpy
+    task = build_gaussian_task(b=20, d=1, data_seed=0)
+    o = {"variant": "qlsd-pp", "s": "16", "dim": 1}
+    ref = run_local(_cfg(o, 200), task=task, write=False, keep_trace=True, progress=False)
+    res = V.run_vectorised(_cfg(o, 200, chains=2), task=task, write=False, keep_trace=True, progress=False)
+    assert res.backend == "numpy" and np.array_equal(res.trace[0], ref.trace)
+    with pytest.raises(ValueError, match="dim >= 2"):
+        V.run_vectorised(_cfg(o, 10, chains=2), task=task, write=False, progress=False, backend="numba")
+
+
 def test_side_by_side_equals_separate_runs():
     base = {"seed": 5}
     combos = [{"variant": "qlsd-sharp", "s": "16"}, {"variant": "qlsd-star", "s": "65536", "gamma": 2e-4},
@@ -135,6 +146,20 @@ def test_output_folder_and_metrics(tmp_path):
 
 
 @pytest.mark.parametrize("encoding", ["auto", "elias", "packed"])
+def test_kernel_counts_the_bits_of_every_encoding(encoding):
+    # the numba kernel's bit and byte counts, through its own encoding mapping, equal the numpy
+    # backend's (which calls QSGD.code_length_bits_batch), chain by chain and message by message
+    over = {"variant": "qlsd-sharp", "s": "4", "p": "0.5", "encoding": encoding}
+    a, b = (V.run_vectorised(_cfg(over, 40, chains=2), task=TASK, write=False, progress=False, backend=be)
+            for be in ("numba", "numpy"))
+    for name in ("bits_exact", "bytes_payload", "n_active"):  # integers: exactly
+        assert np.array_equal(getattr(a.stats, name), getattr(b.stats, name)), name
+    # the analytic bound is a float sum over 800 messages, added in another order by each backend
+    np.testing.assert_allclose(a.stats.bits_bound, b.stats.bits_bound, rtol=800 * 2**-52)
+    assert a.stats.bits_exact.sum() > 0
+
+
+@pytest.mark.parametrize("encoding", ["auto", "elias", "packed"])
 def test_compiled_quantise_and_code_length_match_qsgd(encoding):
     # the compiled twins the kernel calls, against QSGD's numpy reference: ĝ, levels, bits, errors
     gen = np.random.default_rng(0)
@@ -153,6 +178,7 @@ def test_compiled_quantise_and_code_length_match_qsgd(encoding):
                 bits = comp._packed_bits(d)
                 if encoding != "packed":
                     eb = elias_bits(lev, np.array([d]))
+                    assert elias_bits_float(lev, np.empty(d, np.int64)) == eb  # the kernel's twin
                     bits = eb if encoding == "elias" else min(eb, bits)
                 assert bits == int(comp.code_length_bits_batch(levels)[0]), (d, s, scale)
     bad = np.array([1.0, np.nan])

@@ -44,6 +44,7 @@ class QuantiseError(IntEnum):
     DITHER = 2
     NORM_OVERFLOW = 3
     IDENTITY_NON_FINITE = 4
+    IDENTITY_OVERFLOW = 5
 
     @property
     def message(self) -> str:
@@ -56,6 +57,7 @@ _QUANTISE_MESSAGES = {
     QuantiseError.DITHER: "QSGD: the dither u must lie in [0, 1)",
     QuantiseError.NORM_OVERFLOW: "QSGD: a block norm exceeds the float32 range (about 3.4e38)",
     QuantiseError.IDENTITY_NON_FINITE: "Identity: cannot send a non-finite vector",
+    QuantiseError.IDENTITY_OVERFLOW: "Identity: vector exceeds the float32 range",
 }
 
 

@@ -40,7 +40,7 @@ class Identity:
         with np.errstate(over="ignore"):
             x = v.astype(self._wire)
         if not np.all(np.isfinite(x)):
-            raise ValueError("Identity: vector exceeds the float32 range")
+            raise ValueError(QuantiseError.IDENTITY_OVERFLOW.message)
         return x.astype(np.float64)
 
     def quantise_batch(self, V: np.ndarray, U=None) -> np.ndarray:

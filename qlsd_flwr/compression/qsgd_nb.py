@@ -15,6 +15,8 @@ from numba import njit
 
 from qlsd_flwr.compression.format import QuantiseError
 
+_NON_FINITE, _NORM_OVERFLOW = int(QuantiseError.NON_FINITE), int(QuantiseError.NORM_OVERFLOW)  # frozen into the code
+
 
 @njit(cache=True)
 def _sumsq_leaf_nb(a, lo, n):
@@ -124,10 +126,10 @@ def quantise_block_nb(v, u, s, lev, gh, norm32_out):
     if not math.isfinite(norm64):
         for q in range(d):
             if not math.isfinite(v[q]):
-                return 1  # QuantiseError.NON_FINITE
+                return _NON_FINITE
     norm32 = np.float32(norm64)
     if not math.isfinite(norm32):
-        return 3  # QuantiseError.NORM_OVERFLOW
+        return _NORM_OVERFLOW
     sf = np.float64(s)
     if norm32 > 0 and norm64 > 0:
         norm32_out[0] = norm32

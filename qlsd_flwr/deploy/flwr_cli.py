@@ -61,8 +61,9 @@ def stage_app(dst: str | os.PathLike, src: str | os.PathLike = REPO,
     ``[tool.flwr.federations]``: with that section present, ``flwr run`` (1.41) migrates
     those simulation federations into ``$FLWR_HOME/config.toml`` and comments the section
     out of the file, i.e. it would edit the repository's ``pyproject.toml``."""
-    import tomli_w
     import tomllib
+
+    import tomli_w
 
     src, dst = Path(src), Path(dst)
     dst.mkdir(parents=True, exist_ok=True)

@@ -65,7 +65,7 @@ def run_local(cfg: RunConfig, task: Task | None = None, write: bool = True,
     theta_star, ts_info = (None, {}) if resuming else resolve_theta_star(  # resume: θ* is in the checkpoint
         cfg, task, build.theta0_of(task),
         lambda th: build.combine_grads(cfg, task.prior, [full_local_grad(s, task.clients[s.index], th) for s in specs], th))
-    bar = progress_bar(cfg.num_rounds, cfg.get("progress") if progress is None else progress, f"{cfg.variant} local")
+    bar = progress_bar(cfg.num_rounds, cfg.progress if progress is None else progress, f"{cfg.variant} local")
     if not wire:
         return _run_direct(cfg, task, specs, states, theta_star, keep_trace, bar)
     server = QLSDServer(cfg, task, keep_trace=keep_trace, engine_label="local",

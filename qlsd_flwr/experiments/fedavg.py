@@ -191,7 +191,7 @@ def run_fedavg(overrides: dict, num_rounds: int | None = None, local_epochs: int
     log = {"replies": [], "bytes": [], "seconds": [], "history": []}
     sink: dict = {}
     R = int(fed["num_rounds"])
-    bar = progress_bar(R, bool(cfg.get("progress")) if progress is None else progress, "fedavg flower-ray")
+    bar = progress_bar(R, cfg.progress if progress is None else progress, "fedavg flower-ray")
     evaluator = make_model()
 
     def probs_of(state_dict, X_t):

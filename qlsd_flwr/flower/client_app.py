@@ -12,7 +12,7 @@ Per-client state (η_i, its update count, the anchor ζ or θ*, and ``∇U_i(ζ)
 
 Node config (``flower-supernode --node-config``): ``partition-id`` (required, the client
 index ``i``), ``num-partitions`` (informative) and optionally ``data-path``, an ``.npz`` file
-with this node's own partition (see :func:`qlsd_flwr.protocol.build.load_partition`); without it
+with this node's own partition (see :func:`qlsd_flwr.tasks.loading.load_partition`); without it
 the node builds partition ``i`` itself (the Gaussian task generates it from its keys).
 """
 

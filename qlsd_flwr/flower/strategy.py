@@ -231,7 +231,9 @@ class QLSDStrategy(Strategy):
         ``initial_arrays``: ``θ_0`` (default: the task's); ``num_rounds``: ``K`` (default:
         ``num-rounds``); ``timeout``: seconds to wait for replies (default: ``reply-timeout``);
         ``train_config``: sent to the clients with every round's message; ``evaluate_fn(round,
-        arrays)``: called by Flower before the first round and after each with ``θ_k``.
+        arrays)``: called by Flower before the first round and after each with the current
+        ``θ`` (Flower counts the rounds of this start from 1: after a resume at round ``k_0``,
+        its round ``r`` is the chain's ``θ_{k_0 + r}``).
         ``evaluate_config`` has no use here (there is no client-side evaluation round) and is
         refused. Returns Flower's ``Result`` with ``arrays`` = the last sample ``θ_K``.
         """
@@ -265,7 +267,7 @@ class QLSDStrategy(Strategy):
         saved = self.server.persist.get("rejoined", {})
         self.nodes.rejoined.update({int(i): list(r) for i, r in saved.items()})
         self.server.persist["rejoined"] = self.nodes.rejoined  # kept in the checkpoints
-        self._bar = progress_bar(K, bool(cfg.get("progress")), f"{cfg.variant} {self.server.engine_label}")
+        self._bar = progress_bar(K, cfg.progress, f"{cfg.variant} {self.server.engine_label}")
         self._bar.update(self.state.k)
         try:
             result = super().start(_RepliesAsTheyArrive(grid, self._note_sent),

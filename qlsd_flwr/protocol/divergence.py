@@ -10,8 +10,7 @@ class DivergenceError(ValueError):
 
 
 # what a client's compressor says when θ has run away (a client's error reply carries the text)
-_OVERFLOW = tuple(e.message for e in (QuantiseError.NON_FINITE, QuantiseError.NORM_OVERFLOW,
-                                      QuantiseError.IDENTITY_NON_FINITE))
+_OVERFLOW = tuple(e.message for e in QuantiseError if e not in (QuantiseError.OK, QuantiseError.DITHER))
 
 
 def is_overflow(reason) -> bool:

@@ -25,7 +25,7 @@ import time
 import numpy as np
 
 from qlsd_flwr.compression.format import DecodeError
-from qlsd_flwr.config import RunConfig
+from qlsd_flwr.config import ConfigError, RunConfig
 from qlsd_flwr.core import participation
 from qlsd_flwr.core import server_step as sampler
 from qlsd_flwr.core.potential import Task
@@ -77,6 +77,9 @@ class QLSDServer:
               theta0: np.ndarray | None = None) -> None:
         """Start the chain at ``θ_0`` (the task's unless given), or where the observer's checkpoint
         left it (``theta_star`` and ``ts_info`` are then the checkpoint's)."""
+        if self.observer is None and str(self.cfg.get("resume") or ""):
+            raise ConfigError("resume: continuing a run needs its run folder (the checkpoint is read "
+                              "and the outputs appended to); run with write=True")
         snap = self.observer.resume_snapshot() if self.observer is not None else None
         if snap is not None:
             self.restore(*snap)
@@ -238,8 +241,7 @@ class QLSDServer:
         log.error(msg)
         if obs is not None:
             self.ts_info = {**self.ts_info, "diverged_at_round": round_, "error": msg}
-            self.finish()
-            self.observer = None
+            self.finish()  # the observer closes its folder (samples up to round_ - 1), keeps run_dir
         raise DivergenceError(msg)
 
     def finish(self) -> dict:

@@ -17,7 +17,7 @@ def load_task(cfg: RunConfig) -> Task:
     if name == "gaussian":
         from qlsd_flwr.tasks.gaussian import build_gaussian_task
 
-        return build_gaussian_task(b=int(cfg.get("num-clients")), d=cfg.dim,
+        return build_gaussian_task(b=cfg.num_clients, d=cfg.dim,
                                    data_seed=cfg.data_seed, prior_var=cfg.prior_var,
                                    pooled=pooled)
     if name in ("logistic", "mnist"):

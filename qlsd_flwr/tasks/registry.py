@@ -90,7 +90,7 @@ def spec_of(cfg: RunConfig) -> DataSpec:
     if not is_plugin(model):
         model = model.lower().replace("-", "").replace("_", "")
     return DataSpec(task=task, dataset=ds, partition=part, partition_kw=tuple(sorted(kw.items())),
-                    b=int(cfg.get("num-clients")), data_seed=cfg.data_seed,
+                    b=cfg.num_clients, data_seed=cfg.data_seed,
                     model=model if task == "mnist" else "logistic-numpy",
                     device=str(cfg.get("device")).strip().lower(), prior_var=pv, prior_source=src)
 
@@ -256,7 +256,7 @@ def build(cfg: RunConfig, pooled: bool = False, torch_dtype: str | None = None) 
 
 def load_client(cfg: RunConfig, i: int):
     """Client ``i``'s potential only: ``(potential, prior, d, blocks)`` as
-    :func:`qlsd_flwr.protocol.build.load_client` returns it (``blocks`` ``None`` unless
+    :func:`qlsd_flwr.tasks.loading.load_client` returns it (``blocks`` ``None`` unless
     ``block-norm = tensor``)."""
     spec = spec_of(cfg)
     pooled = cfg.variant == "sgld"

@@ -70,7 +70,7 @@ the engine saves ``checkpoint.npz`` there: every chain's state (θ, ζ, ``∇U_i
 the streamed statistics and the recorder's position. ``resume = <run folder>`` continues from it,
 bitwise as if the run had never stopped (:mod:`qlsd_flwr.outputs.checkpoint`). A chain whose θ becomes
 non-finite (or whose gradient overflows the codec) stops the run with
-:class:`~qlsd_flwr.outputs.checkpoint.DivergenceError` (a ``ValueError``) naming the round and suggesting a
+:class:`~qlsd_flwr.protocol.divergence.DivergenceError` (a ``ValueError``) naming the round and suggesting a
 smaller ``gamma``; rounds before it are recorded and the run folder is closed cleanly.
 
 Whether or not it writes, a run streams per-chain statistics of the kept draws (after burn-in,

@@ -40,16 +40,20 @@ def _is_gaussian(task: Task) -> bool:
 
 def backend_for(cfgs, task: Task, backend: str = "auto") -> str:
     """``"numba"`` (Gaussian fast path) or ``"numpy"`` (any task); raises if ``numba`` is
-    requested but does not apply."""
+    requested but does not apply.
+
+    Not at ``d = 1``: there numpy sums a ``(b, 1)`` array over its first axis pairwise (the axis
+    is contiguous), while the kernel adds rows one after another, as numpy does for ``d ≥ 2``;
+    the last bits of ``η = Σ η_i`` and of minibatch sums would differ from the reference."""
     cfgs = [cfgs] if isinstance(cfgs, RunConfig) else list(cfgs)
-    ok = _is_gaussian(task) and all(build.blocks_for(c, task) is None for c in cfgs)
+    ok = _is_gaussian(task) and task.dim >= 2 and all(build.blocks_for(c, task) is None for c in cfgs)
     if backend == "auto":
         return "numba" if ok else "numpy"
     if backend not in ("numba", "numpy"):
         raise ValueError(f"backend: unknown value {backend!r}; allowed: auto, numba, numpy")
     if backend == "numba" and not ok:
-        raise ValueError("backend 'numba' needs the Gaussian task and one QSGD norm per vector "
-                         "(block-norm = vector)")
+        raise ValueError("backend 'numba' needs the Gaussian task with dim >= 2 and one QSGD norm "
+                         "per vector (block-norm = vector)")
     return backend
 
 
@@ -134,7 +138,7 @@ def run_side_by_side(cfgs, task: Task | None = None, write: bool = False, keep_t
         recs.append(rec)
         run_dirs.append(run_dir)
     traces = [np.empty((nchain, K, d)) for _ in cfgs] if keep_trace else None
-    show = ref.get("progress") if progress is None else progress
+    show = ref.progress if progress is None else progress
     name = labels or (cfgs[0].variant if len(cfgs) == 1 else f"{len(cfgs)} configs")
     bar = progress_bar(K, show, f"{name} vectorised x{nchain}")
     if which == "numba":
@@ -148,7 +152,7 @@ def run_side_by_side(cfgs, task: Task | None = None, write: bool = False, keep_t
         k = last_ckpt = int(resume[1]["k"])
         _restore(runner, stats[0], resume[2])
         bar.update(k)
-    every = int(ref.get("checkpoint-every")) if ck_on else 0
+    every = ref.checkpoint_every if ck_on else 0
     R = block_rounds or runner.initial_block()
     need_states = write or keep_trace
     try:
