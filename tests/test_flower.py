@@ -287,3 +287,24 @@ def test_train_config_travels_with_every_round_message(tmp_path):
     grid = InProcessGrid(make_client_app(o, mods=[spy]), cfg.b, shuffle_seed=1)
     QLSDStrategy(cfg, load_task(cfg), write=False).start(grid, train_config=CR({"note": "x"}))
     assert len(seen) == 3 * cfg.b and all(s == {"note": "x"} for s in seen)
+
+
+def test_a_short_simulation_fails_fast_with_the_command_that_sizes_it(tmp_path, monkeypatch, caplog):
+    # the simulation engine has every SuperNode from the start: fewer than num-clients is an
+    # error naming the remedy, said at once, not a silent wait until reply-timeout (600 s)
+    import logging
+
+    from qlsd_flwr.flower import nodes
+    from qlsd_flwr.flower.client_app import make_client_app
+    from qlsd_flwr.flower.inprocess import InProcessGrid
+
+    monkeypatch.setattr(nodes, "SIMULATION_GRACE", 0.3)
+    o = {**BASE, "variant": "qlsd-sharp", "num-clients": 3, "output-dir": str(tmp_path)}
+    grid = InProcessGrid(make_client_app(o), 2)
+    grid.pull_interval = 0.1  # what Flower's in-memory simulation grid has
+    registry = nodes.NodeRegistry(3, 50)
+    with caplog.at_level(logging.WARNING, logger="qlsd_flwr"):
+        with pytest.raises(nodes.HandshakeError, match=r"num-clients = 3 but the simulation has 2 SuperNodes.*"
+                                                       r"--num-supernodes 3"):
+            registry.handshake(grid, timeout=600.0)
+    assert "waiting for 3 client nodes, 2 connected" in caplog.text

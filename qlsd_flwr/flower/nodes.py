@@ -22,6 +22,9 @@ from qlsd_flwr.protocol.wire import bytes_to_arr
 log = logging.getLogger("qlsd_flwr")
 
 
+SIMULATION_GRACE = 10.0  # seconds a short node count may stay unchanged on the simulation engine
+
+
 class HandshakeError(RuntimeError):
     """The expected clients did not all announce themselves."""
 
@@ -40,11 +43,29 @@ class NodeRegistry:
         self.rejoined: dict[int, list[int]] = {}  # client -> rounds it came back as a new node
 
     def handshake(self, grid: Grid, timeout: float) -> None:
-        """Wait for the ``b`` clients and map client index → node id (``partition-id``)."""
+        """Wait for the ``b`` clients and map client index → node id (``partition-id``).
+
+        Says at once what it waits for (``waiting for 20 client nodes, 2 connected``), again
+        when the count changes. On Flower's simulation engine (a grid that polls in process)
+        every SuperNode exists from the start, so a count that stays short for
+        :data:`SIMULATION_GRACE` seconds fails at once, with the command that sets the
+        federation's size; a deployment waits up to ``timeout`` (``reply-timeout``) for
+        SuperNodes that start later."""
         b = self.b
-        deadline = time.time() + timeout
+        start = time.time()
+        simulation = getattr(grid, "pull_interval", None) is not None
+        said, changed = -1, start
         while len(nodes := list(grid.get_node_ids())) < b:
-            if time.time() > deadline:
+            now = time.time()
+            if len(nodes) != said:
+                log.warning("waiting for %d client nodes, %d connected", b, len(nodes))
+                said, changed = len(nodes), now
+            if simulation and now - changed > SIMULATION_GRACE:
+                raise HandshakeError(
+                    f"num-clients = {b} but the simulation has {len(nodes)} SuperNodes: set the "
+                    f"federation's size with `flwr federation simulation-config <federation> "
+                    f"--num-supernodes {b}`, or run with num-clients = {len(nodes)}")
+            if now - start > timeout:
                 raise HandshakeError(f"expected {b} client nodes, only {len(nodes)} connected after "
                                      f"{timeout:.0f} s (check num-clients and that every SuperNode is up, "
                                      f"each with --node-config 'partition-id=<i> num-partitions={b}'; "
