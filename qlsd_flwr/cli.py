@@ -1,17 +1,4 @@
-"""Command line: ``qlsd-flwr demo | run | plot``.
-
-* ``qlsd-flwr demo [key=value ...]`` — the main job (:mod:`qlsd_flwr.experiments.mainjob`): QLSD++ on the
-  offline MNIST subset, split non-IID (dominant label) over 20 virtual clients on Flower's Ray
-  engine, next to Flower's FedAvg on the same clients; prints one comparison table and writes
-  plots, the posterior samples and ``comparison.json`` (about 5 minutes on 2 cores).
-  ``key=value`` overrides go to QLSD++ (shared keys such as ``num-clients`` to both), plus
-  ``fedavg-rounds``, ``fedavg-epochs``, ``fedavg-lr``.
-* ``qlsd-flwr demo --toy [key=value ...]`` — the toy Gaussian demo (QLSD++, 20 clients, Ray,
-  about 1 minute), whose table compares the samples with the exact posterior.
-* ``qlsd-flwr run --config conf/gaussian.toml [--set key=value ...]`` — any configuration, on
-  the engine its ``engine`` key names.
-* ``qlsd-flwr plot RUN_DIR`` — (re)draw a run's overview plot.
-"""
+"""Command line: ``qlsd-flwr demo | run | plot`` (the text of ``--help`` is :data:`HELP`)."""
 
 from __future__ import annotations
 
@@ -21,7 +8,27 @@ import sys
 import tomllib
 from pathlib import Path
 
+from qlsd_flwr import __version__
 from qlsd_flwr.config import ConfigError
+
+HELP = """QLSD, QLSD#, QLSD* and QLSD++ (Vono et al., AISTATS 2022): federated Langevin sampling on Flower.
+
+  qlsd-flwr demo [key=value ...]
+      The main job: QLSD++ on the offline MNIST subset, split non-IID (dominant label) over 20
+      virtual clients on Flower's Ray engine, next to Flower's FedAvg on the same clients. Prints
+      one comparison table; writes plots, the posterior samples and comparison.json (a few
+      minutes on 2 cores). key=value overrides go to QLSD++ (shared keys such as num-clients to
+      both), plus fedavg-rounds, fedavg-epochs, fedavg-lr.
+  qlsd-flwr demo --toy [key=value ...]
+      The toy Gaussian demo (QLSD++, 20 clients, Ray, about a minute); its table compares the
+      samples with the exact posterior.
+  qlsd-flwr run --config conf/gaussian_qlsdpp_ray.toml [--set key=value ...]
+      Any configuration, on the engine its `engine` key names (ray, inprocess, local, vectorised).
+  qlsd-flwr plot RUN_DIR
+      Draw a run's overview plot again.
+
+Every key, its default and its allowed values: qlsd_flwr/config.py (DEFAULTS) and the README.
+"""
 
 # the toy Gaussian demo (``qlsd-flwr demo --toy``; also conf/gaussian_qlsdpp_ray.toml)
 DEMO = {"task": "gaussian", "variant": "qlsd-pp", "num-clients": 20, "dim": 50, "num-rounds": 300,
@@ -50,9 +57,23 @@ def _auto(v: str):
     return v.strip('"')
 
 
+class InputError(Exception):
+    """A file or folder given on the command line cannot be used (one line, exit code 2)."""
+
+
 def load_config_file(path: str) -> dict:
     """A TOML file: either flat keys or a ``[tool.flwr.app.config]`` table."""
-    data = tomllib.loads(Path(path).read_text())
+    f = Path(path)
+    if not f.exists():
+        raise InputError(f"config file {path}: not found")
+    if f.is_dir():
+        raise InputError(f"config file {path}: is a folder, not a TOML file")
+    try:
+        data = tomllib.loads(f.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise InputError(f"config file {path}: TOML syntax error: {exc}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"config file {path}: cannot be read ({exc})") from None
     return data.get("tool", {}).get("flwr", {}).get("app", {}).get("config", data)
 
 
@@ -71,8 +92,9 @@ def execute(overrides: dict) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="qlsd-flwr", description=__doc__,
+    ap = argparse.ArgumentParser(prog="qlsd-flwr", description=HELP,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--version", action="version", version=f"qlsd-flwr {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="the main job: QLSD++ vs FedAvg on heterogeneous MNIST (Ray)")
     d.add_argument("--toy", action="store_true",
@@ -97,11 +119,21 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "plot":
             from qlsd_flwr.evaluation.report import plot_run
 
-            for path in plot_run(Path(args.run_dir)):
+            run_dir = Path(args.run_dir)
+            if not (run_dir / "summary.json").is_file() and not (run_dir / "metrics.csv").is_file():
+                raise InputError(f"plot: {args.run_dir} is not a run folder (no summary.json or metrics.csv)")
+            for path in plot_run(run_dir):
                 print(path)
             return 0
     except ConfigError as exc:
         print(f"configuration error: {exc}", file=sys.stderr)
+        return 2
+    except InputError as exc:
+        print(f"qlsd-flwr: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # an output folder that cannot be made or written, a full disk, ...
+        where = f" {exc.filename}" if getattr(exc, "filename", None) else ""
+        print(f"qlsd-flwr: cannot write or read{where}: {exc.strerror or exc}", file=sys.stderr)
         return 2
     return 1
 

@@ -1,0 +1,55 @@
+"""The command line: plain help, a version, one-line errors (exit code 2) naming the file."""
+
+import pytest
+
+from qlsd_flwr import __version__
+from qlsd_flwr.cli import main
+
+
+def test_help_is_plain_and_names_a_file_that_exists(capsys):
+    from pathlib import Path
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "``" not in out and ":mod:" not in out
+    assert "conf/gaussian_qlsdpp_ray.toml" in out
+    assert (Path(__file__).resolve().parents[1] / "conf" / "gaussian_qlsdpp_ray.toml").is_file()
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out.strip() == f"qlsd-flwr {__version__}"
+
+
+def _one_line_error(capsys, argv) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+def test_bad_config_files_are_one_line_errors(tmp_path, capsys):
+    missing = tmp_path / "nope.toml"
+    assert "nope.toml: not found" in _one_line_error(capsys, ["run", "--config", str(missing)])
+    assert "is a folder" in _one_line_error(capsys, ["run", "--config", str(tmp_path)])
+    bad = tmp_path / "bad.toml"
+    bad.write_text("gamma = = 1\n")
+    assert "bad.toml: TOML syntax error" in _one_line_error(capsys, ["run", "--config", str(bad)])
+    typo = tmp_path / "typo.toml"
+    typo.write_text('gama = 0.1\n')
+    assert "did you mean gamma" in _one_line_error(capsys, ["run", "--config", str(typo)])
+
+
+def test_plot_of_a_folder_that_is_no_run(tmp_path, capsys):
+    assert "is not a run folder" in _one_line_error(capsys, ["plot", str(tmp_path / "missing")])
+
+
+def test_an_output_folder_that_cannot_be_made(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")  # a file where the output folder's parent should be
+    err = _one_line_error(capsys, ["run", "--set", "engine=local", "--set", "num-rounds=2", "--set", "burn-in=0",
+                                   "--set", f"output-dir={blocker}/out", "--set", "progress=false"])
+    assert "cannot write or read" in err and "file" in err
