@@ -35,6 +35,8 @@ ALIASES = {"qlsd#": "qlsd-sharp", "qlsd*": "qlsd-star", "qlsd++": "qlsd-pp",
            "lsd*": "lsd-star", "lsd++": "lsd-pp"}
 ENGINES = ("ray", "inprocess", "local", "vectorised")
 TASKS = ("gaussian", "logistic", "mnist")
+# "external": the clients bring their own potentials (qlsd_flwr.flower.make_client_app(potential_fn)),
+# set by QLSDStrategy's keyword constructor; "<module>:<callable>" names a task plug-in.
 
 DEFAULTS: dict[str, Any] = {
     # what to sample
@@ -208,6 +210,21 @@ PARTITION_NAMES = ("auto", "natural", "iid", "dirichlet", "pathological", "domin
                    "dominant", "heterogeneous", "non_iid", "shards")
 
 
+def _task_key(value: Any) -> str:
+    from qlsd_flwr.plugins import is_plugin, load_object
+
+    if is_plugin(value):
+        try:
+            load_object(value, "task")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+        return str(value).strip()
+    v = str(value).strip().lower()
+    if v == "external":
+        return v
+    return _choice("task", v, TASKS + ("<module>:<callable>",))
+
+
 def _check_data_keys(raw: dict) -> None:
     """``dataset``, ``partition``, ``partition-alpha``, ``model`` and ``device`` (checked for every
     task, so a typo is caught even before it matters)."""
@@ -260,7 +277,7 @@ def resolve(overrides: Mapping[str, Any] | None = None) -> RunConfig:
     name = ALIASES.get(name, name)
     variant = _choice("variant", name, tuple(VARIANTS))
     oracle, compressed, memory = VARIANTS[variant]
-    task = _choice("task", raw["task"], TASKS)
+    task = _task_key(raw["task"])
     engine = _choice("engine", raw["engine"], ENGINES)
 
     def num(key, cast=float):

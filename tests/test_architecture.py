@@ -22,7 +22,7 @@ LAYERS = [
     {"config"},
     {"core", "compression", "outputs"},
     {"protocol"},
-    {"tasks"},
+    {"tasks", "potentials"},
     {"engines", "flower", "evaluation"},
     {"run"},
     {"experiments", "deploy"},

@@ -70,7 +70,7 @@ def test_memory_bookkeeping_every_round(tmp_path):
 
     o = {**BASE, "variant": "qlsd-pp", "p": "0.5", "s": "2", "num-rounds": 40, "output-dir": str(tmp_path)}
     cfg = resolve(o)
-    grid = InProcessGrid(make_client_app(o), cfg.b, shuffle_seed=5)
+    grid = InProcessGrid(make_client_app(overrides=o), cfg.b, shuffle_seed=5)
     checked = []
 
     def check(strategy):
@@ -79,7 +79,7 @@ def test_memory_bookkeeping_every_round(tmp_path):
         np.testing.assert_array_equal(strategy.state.eta, etas.sum(axis=0))
         checked.append(float(np.abs(strategy.state.eta).sum()))
 
-    strat = QLSDStrategy(cfg, load_task(cfg), on_round=check)
+    strat = QLSDStrategy.from_config(cfg, load_task(cfg), on_round=check)
     strat.start(grid=grid)
     assert len(checked) == 40 and checked[-1] > 0  # memory actually moved
     # the end-of-run audit (each client's own η_i, queried through Flower) says the same
@@ -143,7 +143,7 @@ def test_node_restarting_with_empty_state_is_resynchronised(tmp_path):
 
     o = {**BASE, "variant": "qlsd-pp", "p": "1.0", "s": "4", "num-rounds": 20, "output-dir": str(tmp_path)}
     cfg = resolve(o)
-    grid = InProcessGrid(make_client_app(o), cfg.b)
+    grid = InProcessGrid(make_client_app(overrides=o), cfg.b)
     seen = []
 
     def hook(strategy):
@@ -154,7 +154,7 @@ def test_node_restarting_with_empty_state_is_resynchronised(tmp_path):
             np.testing.assert_array_equal(strategy.state.eta_i, client_etas(grid, cfg.b, strategy.d))
         seen.append(k)
 
-    strat = QLSDStrategy(cfg, load_task(cfg), on_round=hook)
+    strat = QLSDStrategy.from_config(cfg, load_task(cfg), on_round=hook)
     strat.start(grid=grid)
     assert strat.rejected.get("resync") == 1
     # reset after 8 rounds: in round 9 the node answers "resync" (counted as inactive), and
@@ -211,8 +211,8 @@ def _inprocess(o, **strategy_kwargs):
     from qlsd_flwr.tasks.loading import load_task
 
     cfg = resolve(o)
-    grid = InProcessGrid(make_client_app(o), cfg.b, shuffle_seed=3)
-    return QLSDStrategy(cfg, load_task(cfg), keep_trace=True, **strategy_kwargs), grid
+    grid = InProcessGrid(make_client_app(overrides=o), cfg.b, shuffle_seed=3)
+    return QLSDStrategy.from_config(cfg, load_task(cfg), keep_trace=True, **strategy_kwargs), grid
 
 
 def test_strategy_keeps_flowers_contract(tmp_path, monkeypatch):
@@ -284,8 +284,8 @@ def test_train_config_travels_with_every_round_message(tmp_path):
             seen.append(dict(msg.content["config"]) if "config" in msg.content else None)
         return call_next(msg, ctx)
 
-    grid = InProcessGrid(make_client_app(o, mods=[spy]), cfg.b, shuffle_seed=1)
-    QLSDStrategy(cfg, load_task(cfg), write=False).start(grid, train_config=CR({"note": "x"}))
+    grid = InProcessGrid(make_client_app(overrides=o, mods=[spy]), cfg.b, shuffle_seed=1)
+    QLSDStrategy.from_config(cfg, load_task(cfg), write=False).start(grid, train_config=CR({"note": "x"}))
     assert len(seen) == 3 * cfg.b and all(s == {"note": "x"} for s in seen)
 
 
@@ -300,7 +300,7 @@ def test_a_short_simulation_fails_fast_with_the_command_that_sizes_it(tmp_path, 
 
     monkeypatch.setattr(nodes, "SIMULATION_GRACE", 0.3)
     o = {**BASE, "variant": "qlsd-sharp", "num-clients": 3, "output-dir": str(tmp_path)}
-    grid = InProcessGrid(make_client_app(o), 2)
+    grid = InProcessGrid(make_client_app(overrides=o), 2)
     grid.pull_interval = 0.1  # what Flower's in-memory simulation grid has
     registry = nodes.NodeRegistry(3, 50)
     with caplog.at_level(logging.WARNING, logger="qlsd_flwr"):

@@ -106,11 +106,12 @@ def format_run_config(overrides: dict) -> str:
     return " ".join(parts)
 
 
-def flwr_run(app_dir, connection: str, env: dict, run_config: dict | None = None) -> int:
-    """``flwr run <app_dir> <connection> --run-config ... --format json``; returns the run id."""
+def flwr_run(app_dir, connection: str, env: dict, run_config: dict | str | os.PathLike | None = None) -> int:
+    """``flwr run <app_dir> <connection> --run-config ... --format json``; returns the run id.
+    ``run_config``: a dict of values, or a TOML file's path."""
     args = ["run", str(app_dir), connection, "--format", "json"]
     if run_config:
-        args += ["--run-config", format_run_config(run_config)]
+        args += ["--run-config", format_run_config(run_config) if isinstance(run_config, dict) else str(run_config)]
     cp = flwr_cli(args, env)
     out = _json_out(cp)
     if not out.get("success") or out.get("run-id") is None:

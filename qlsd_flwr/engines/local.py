@@ -32,6 +32,7 @@ from qlsd_flwr.protocol import build
 from qlsd_flwr.protocol.client import handle
 from qlsd_flwr.protocol.divergence import DivergenceError, divergence_message
 from qlsd_flwr.protocol.server import QLSDServer
+from qlsd_flwr.protocol.wire import vectors_to_bytes
 from qlsd_flwr.tasks import loading
 
 
@@ -75,7 +76,7 @@ def run_local(cfg: RunConfig, task: Task | None = None, write: bool = True,
     try:
         for _ in range(server.state.k, cfg.num_rounds):
             for i in server.begin_round():
-                fields = server.fields_for(i)
+                fields = vectors_to_bytes(server.fields_for(i))  # a message as bytes, as on a wire
                 saved = copy.copy(states[i])  # handle() rebinds the state's arrays, never writes into them
                 try:
                     reply = handle(specs[i], task.clients[i], states[i], cfg.seed, fields, d)

@@ -1,32 +1,43 @@
 """The Flower ``ClientApp``: decodes θ, calls the core, encodes the reply. No numerics here.
 
+:func:`make_client_app` is the public client side. Give it ``potential_fn(context) -> potential``
+(your model and this node's data, as a :class:`~qlsd_flwr.core.potential.LocalPotential`; see
+:mod:`qlsd_flwr.potentials` for numpy, torch and log-density adapters) and it handles the whole
+protocol; without one, it builds the run config's task (the app of ``pyproject.toml``).
+
 * ``query``  — handshake: which client index (``partition-id`` of the node config) this node
   is, its ``N_i`` and ``d``; with ``report = "memory"`` also its own η_i and update count
   (the end-of-run check that ``η = Σ_i η_i``).
 * ``train``  — ``phase = "sample"``: one round of :func:`qlsd_flwr.core.oracles.client_round`, the
   reply carrying the encoded compressed message; ``phase = "grad"``: the full local
-  gradient ``∇U_i(θ)`` for the optimisation phase that finds θ*.
+  gradient ``∇U_i(θ)`` for the optimisation phase that finds θ*. ``θ`` comes in an
+  ``ArrayRecord``, the client's settings (oracle, ``s_i``, ``α_i``, …) beside it
+  (:mod:`qlsd_flwr.flower.records`), so a client needs no run config of its own.
 
 Per-client state (η_i, its update count, the anchor ζ or θ*, and ``∇U_i(ζ)``) lives in
-``context.state`` and survives across rounds.
+``context.state`` and survives across rounds; a node that lost it answers ``resync`` and is
+brought back by the server (:mod:`qlsd_flwr.protocol.wire`).
 
 Node config (``flower-supernode --node-config``): ``partition-id`` (required, the client
-index ``i``), ``num-partitions`` (informative) and optionally ``data-path``, an ``.npz`` file
-with this node's own partition (see :func:`qlsd_flwr.tasks.loading.load_partition`); without it
-the node builds partition ``i`` itself (the Gaussian task generates it from its keys).
+index ``i``; Flower's simulation engine sets it), ``num-partitions`` (informative) and optionally
+``data-path``, an ``.npz`` file with this node's own partition (see
+:func:`qlsd_flwr.tasks.loading.load_partition`); without it the node builds partition ``i`` itself
+(the Gaussian task generates it from its keys).
 """
 
 from __future__ import annotations
 
 import functools
 import json
+from typing import Callable
 
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
 from qlsd_flwr.config import resolve
 from qlsd_flwr.core.oracles import ClientState
-from qlsd_flwr.flower.records import RECORD, config_record, record_fields
+from qlsd_flwr.core.potential import LocalPotential
+from qlsd_flwr.flower.records import RECORD, config_record, from_content, record_fields
 from qlsd_flwr.protocol import build
 from qlsd_flwr.protocol.client import handle
 from qlsd_flwr.protocol.wire import arr_to_bytes, bytes_to_arr
@@ -109,15 +120,64 @@ def _reply(message: Message, fields: dict) -> Message:
     return Message(RecordDict({RECORD: ConfigRecord(fields)}), reply_to=message)
 
 
-def make_client_app(overrides: dict | None = None, mods=None) -> ClientApp:
-    """A ClientApp; ``overrides`` are run-config values (for programmatic simulations)."""
+@functools.lru_cache(maxsize=4096)
+def _spec(settings_items: tuple, i: int, n_data: int, d: int):
+    return build.client_spec_from_settings(dict(settings_items), i, n_data, d)
+
+
+def check_potential(pot, where: str) -> LocalPotential:
+    """``pot`` if it has what a client needs (``n_data``, ``dim``, ``grad_sum``, ``value``);
+    ``TypeError`` naming what is missing otherwise."""
+    missing = [a for a in ("n_data", "dim", "grad_sum", "value") if not hasattr(pot, a)]
+    if missing:
+        raise TypeError(f"{where} returned {type(pot).__name__}, which lacks {', '.join(missing)} (a "
+                        "LocalPotential has n_data, dim, grad_sum(theta, idx) and value(theta); see "
+                        "qlsd_flwr.potentials)")
+    return pot
+
+
+def make_client_app(potential_fn: Callable[[Context], LocalPotential] | None = None, *,
+                    overrides: dict | None = None, mods=None) -> ClientApp:
+    """The QLSD ``ClientApp``.
+
+    Parameters
+    ----------
+    potential_fn : callable, optional
+        ``potential_fn(context) -> LocalPotential``: this node's local potential
+        ``U_i(θ) = Σ_j U_ij(θ)`` (its data and your model), for example a
+        :class:`qlsd_flwr.potentials.TorchPotential` on the partition
+        ``context.node_config["partition-id"]``. Called once per run and node; the result is
+        kept. Without it, the app builds the run config's task (``task``, ``dataset``, …).
+    overrides : dict, optional
+        Run-config values laid over ``context.run_config`` (the built-in task only).
+    mods : list, optional
+        Flower client mods.
+
+    Returns
+    -------
+    flwr.clientapp.ClientApp
+        Answers the handshake and memory-report queries and the sampling and gradient rounds of
+        :class:`qlsd_flwr.flower.QLSDStrategy`, keeping the client's state in ``context.state``.
+    """
     app = ClientApp(mods=mods or [])
     overrides_json = json.dumps(overrides or {}, sort_keys=True, default=str)
+    potentials: dict = {}  # (run id, partition id) -> the user's potential, made once
+
+    def potential_of(context: Context):
+        """``(potential, d, cfg or None)`` of this node."""
+        if potential_fn is None:
+            cfg, pot, _, d = client_setup(context, overrides, overrides_json)
+            return pot, d, cfg
+        key = (context.run_id, client_index(context))
+        if key not in potentials:
+            potentials[key] = check_potential(potential_fn(context), "potential_fn")
+        pot = potentials[key]
+        return pot, int(pot.dim), None
 
     @app.query()
     def query(message: Message, context: Context) -> Message:
         i = client_index(context)
-        _, pot, _, d = client_setup(context, overrides, overrides_json)
+        pot, d, _ = potential_of(context)
         fields = {"client": i, "n_data": int(pot.n_data), "dim": int(d)}
         rec = record_fields(message.content)
         if rec is not None and rec.get("report") == "memory":
@@ -129,9 +189,18 @@ def make_client_app(overrides: dict | None = None, mods=None) -> ClientApp:
 
     @app.train()
     def train(message: Message, context: Context) -> Message:
-        cfg, pot, spec, d = client_setup(context, overrides, overrides_json)
+        pot, d, cfg = potential_of(context)
+        fields, settings = from_content(message.content)
+        i = client_index(context)
+        if settings is not None:
+            spec, seed = _spec(tuple(sorted(settings.items())), i, int(pot.n_data), d)
+        elif cfg is not None:  # a server that sends no settings: the run config's
+            spec, seed = client_setup(context, overrides, overrides_json)[2], cfg.seed
+        else:
+            raise ValueError("the server sent no client settings (record 'qlsd-settings'); use "
+                             "qlsd_flwr.flower.QLSDStrategy on the server")
         st = load_state(context)
-        reply = handle(spec, pot, st, cfg.seed, dict(config_record(message.content)), d)
+        reply = handle(spec, pot, st, seed, fields, d)
         save_state(context, st, d)
         return _reply(message, reply)
 

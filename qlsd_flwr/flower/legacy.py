@@ -39,6 +39,7 @@ from qlsd_flwr.outputs.observer import RunOutputs
 from qlsd_flwr.protocol import build
 from qlsd_flwr.protocol.client import handle
 from qlsd_flwr.protocol.server import QLSDServer
+from qlsd_flwr.protocol.wire import vectors_to_bytes
 
 
 class LegacyQLSDStrategy(LegacyStrategy):
@@ -66,7 +67,7 @@ class LegacyQLSDStrategy(LegacyStrategy):
     def configure_fit(self, server_round, parameters, client_manager):
         self._map_clients(client_manager, server_round)
         proxy_of = {i: p for p in client_manager.all().values() if (i := self.index_of.get(p.cid)) is not None}
-        return [(proxy_of[i], FitIns(parameters, self.server.fields_for(i)))
+        return [(proxy_of[i], FitIns(parameters, vectors_to_bytes(self.server.fields_for(i))))
                 for i in self.server.begin_round()]
 
     def aggregate_fit(self, server_round, results, failures):

@@ -1,11 +1,56 @@
 """Flower records ↔ the protocol's fields: the one place that knows where in a Flower message
-the QLSD fields travel (a ``ConfigRecord`` named ``"qlsd"``)."""
+the QLSD fields travel.
+
+A server → client message holds:
+
+* ``"arrays"`` — an ``ArrayRecord`` with ``θ_k`` under ``"theta"`` (Flower's own name for a
+  strategy's arrays, so Flower's array mods see it) and, when sent, the anchor ``"anchor"`` and the
+  memory mirror ``"eta"`` (float64 vectors of length ``d``);
+* ``"qlsd"`` — a ``ConfigRecord`` with the protocol's scalar fields (:mod:`qlsd_flwr.protocol.wire`);
+* ``"qlsd-settings"`` — a ``ConfigRecord`` with the client's settings
+  (:func:`qlsd_flwr.protocol.build.client_settings`).
+
+A reply holds one ``ConfigRecord`` ``"qlsd"``, whose ``payload`` is the encoded compressed message
+(bytes: a QSGD code is not an array).
+"""
 
 from __future__ import annotations
 
-from flwr.app import ConfigRecord
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
+
+from qlsd_flwr.protocol.wire import VECTORS
 
 RECORD = "qlsd"
+ARRAYS = "arrays"
+SETTINGS = "qlsd-settings"
+
+
+def to_content(fields: dict, settings: dict | None = None) -> RecordDict:
+    """A server → client message's content from the protocol's fields (vectors as arrays)."""
+    arrays = {k: Array(np.asarray(v, dtype=np.float64)) for k, v in fields.items() if k in VECTORS}
+    content = RecordDict({RECORD: ConfigRecord({k: v for k, v in fields.items() if k not in VECTORS})})
+    if arrays:
+        content[ARRAYS] = ArrayRecord(arrays)
+    if settings is not None:
+        content[SETTINGS] = ConfigRecord(settings)
+    return content
+
+
+def from_content(content) -> tuple[dict, dict | None]:
+    """``(fields, settings)`` of a server → client message (vectors as float64 arrays; a legacy
+    sender's bytes are left as they are). ``KeyError`` if there is no ``"qlsd"`` record."""
+    fields = dict(config_record(content))
+    arrays = content[ARRAYS] if ARRAYS in content else None
+    if isinstance(arrays, ArrayRecord):
+        for k in VECTORS:
+            if k in arrays:
+                fields[k] = arrays[k].numpy()
+    try:
+        settings = dict(config_record(content, SETTINGS))
+    except KeyError:
+        settings = None
+    return fields, settings
 
 
 def config_record(content, name: str = RECORD):

@@ -31,7 +31,7 @@ def make_server_app(overrides: dict | None = None, sink: dict | None = None,
         cfg = resolve({**dict(context.run_config), **(overrides or {})})
         quiet_flower(cfg.verbose)
         task = loading.load_task(cfg)
-        strategy = QLSDStrategy(cfg, task, **(strategy_kwargs or {}))
+        strategy = QLSDStrategy.from_config(cfg, task, **(strategy_kwargs or {}))
         strategy.start(grid=grid)
         if sink is not None:
             sink["strategy"] = strategy

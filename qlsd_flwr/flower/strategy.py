@@ -7,11 +7,9 @@ builds one ``Message`` per active client from the protocol's fields; :meth:`aggr
 hands every reply back to the protocol (validated, decoded or rejected and counted) and takes
 the server step, returning the new sample ``θ_{k+1}`` as the round's ``ArrayRecord``.
 
-Parameters (all from the run config, see :mod:`qlsd_flwr.config`; defaults in brackets):
-    variant [qlsd-pp], gamma γ [4.9e-4], p ``p_i`` [1.0], s ``s_i`` [16], aggregation
-    [unbiased], l [100], alpha α [auto = 1/(ω+1)], batch-fraction [0.1], prior-var [flat],
-    prior-on [server], theta-star [closed-form], num-rounds K [2000], burn-in [500], thin [1],
-    seed [0], reply-timeout [600 s].
+In your own ``ServerApp``, build it with keyword parameters (see :class:`QLSDStrategy`); the
+clients run :func:`qlsd_flwr.flower.make_client_app` with your potential. The project's own
+app builds it from a run config (:meth:`QLSDStrategy.from_config`).
 
 What :meth:`start` adds around Flower's loop, and why:
 
@@ -37,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 import numpy as np
@@ -47,24 +46,23 @@ from flwr.app import (
     Message,
     MessageType,
     MetricRecord,
-    RecordDict,
 )
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
-from qlsd_flwr.config import RunConfig
-from qlsd_flwr.core.potential import Task
+from qlsd_flwr.config import RunConfig, resolve
+from qlsd_flwr.core.potential import GaussianPrior, Task
 from qlsd_flwr.core.theta_star import resolve_theta_star
 from qlsd_flwr.flower.nodes import NodeRegistry
-from qlsd_flwr.flower.records import RECORD, config_record, record_fields
+from qlsd_flwr.flower.records import config_record, record_fields, to_content
 from qlsd_flwr.flower.sizing import message_nbytes
 from qlsd_flwr.outputs.checkpoint import resume_dir
 from qlsd_flwr.outputs.observer import RunOutputs
-from qlsd_flwr.outputs.progress import progress_bar
+from qlsd_flwr.outputs.progress import announce, progress_bar
 from qlsd_flwr.protocol import build
 from qlsd_flwr.protocol.divergence import DivergenceError
 from qlsd_flwr.protocol.server import QLSDServer
-from qlsd_flwr.protocol.wire import arr_to_bytes, bytes_to_arr
+from qlsd_flwr.protocol.wire import bytes_to_arr
 
 log = logging.getLogger("qlsd_flwr")
 
@@ -118,31 +116,127 @@ class _RepliesAsTheyArrive:
 
 
 class QLSDStrategy(Strategy):
-    """QLSD, QLSD#, QLSD*, QLSD++ and the uncompressed LSD*/LSD++/SGLD (see module docstring).
+    """QLSD, QLSD#, QLSD*, QLSD++ and the uncompressed LSD*/LSD++/SGLD as a Flower strategy.
+
+    The server needs only what a server has: the number of clients, the dimension, the prior
+    and, for QLSD*/LSD*, θ* when it is known. Each client's potential ``U_i`` stays on its
+    node (:func:`qlsd_flwr.flower.make_client_app`). Run it with ``strategy.start(grid,
+    initial_arrays=...)`` in a ``ServerApp``; the samples go to ``<output_dir>/<run_name>/``
+    (``samples.nc`` for ArviZ, ``metrics.csv``, ``summary.json``).
 
     Parameters
     ----------
-    cfg : RunConfig
-        The validated run configuration (:func:`qlsd_flwr.config.resolve`).
-    task : Task
-        The target: ``d``, the prior ``U_0`` and, for QLSD*, θ* in closed form.
-    run_dir : path, optional
-        The run folder (default: ``<output-dir>/<run-name>``, made at start).
+    num_clients : int
+        ``b``, the number of clients; each node's ``partition-id`` is its index ``i`` in ``0..b-1``.
+    dim : int
+        ``d``, the length of θ (all trainable parameters, flattened in the order of your model's
+        ``named_parameters()``).
+    variant : str, default "qlsd-pp"
+        ``qlsd`` (full local gradients), ``qlsd-sharp`` (QLSD#, minibatches), ``qlsd-star``
+        (QLSD*, control variate at θ*), ``qlsd-pp`` (QLSD++: SVRG anchor ζ and memory η_i),
+        ``lsd-star``, ``lsd-pp`` (uncompressed), ``sgld`` (one pooled client).
+    gamma : float, default 4.9e-4
+        γ, the Langevin step size: ``θ_{k+1} = θ_k − γ G_k + sqrt(2γ) Z_{k+1}``.
+    num_rounds : int, default 2000
+        ``K``, the number of rounds (one sample each).
+    burn_in : int, default 500
+        Rounds dropped before samples are kept.
+    thin : int, default 1
+        Keep every ``thin``-th sample after burn-in.
+    p : float or sequence of float, default 1.0
+        ``p_i``, each client's probability to take part in a round (one value for all, or one
+        per client).
+    s : int or sequence of int, default 16
+        ``s_i``, QSGD's number of levels (``s = 2^k`` is "k bits").
+    aggregation : str, default "unbiased"
+        ``unbiased`` (weights ``1/p_i``) or ``active-fraction`` (``b/|A_k|``, Algorithm 1).
+    l : int, default 100
+        The SVRG anchor period (QLSD++).
+    alpha : float or "auto", default "auto"
+        α, the memory rate of QLSD++; ``auto`` is ``1/(ω_i + 1)``.
+    batch_fraction : float, default 0.1
+        Minibatch size ``n_i = max(1, ⌊N_i · batch_fraction⌋)``.
+    prior_var : float or "flat", default "flat"
+        σ², the variance of the Gaussian prior ``U_0(θ) = ‖θ‖²/(2σ²)`` (``flat``: none).
+    prior_on : str, default "server"
+        Keep ``∇U_0`` on the ``server``, or share it over the ``clients`` (weights ``1/b``).
+    blocks : sequence of int, optional
+        Sizes of θ's tensors, for one QSGD norm per tensor (``block_norm = "tensor"``).
+    block_norm : str, default "vector"
+        One QSGD norm for the whole ``vector``, or one per ``tensor`` (needs ``blocks``).
+    encoding : str, default "auto"
+        ``elias`` (QSGD's sparse code), ``packed`` (dense), ``auto`` (the shorter, per message).
+    theta_star : array_like, optional
+        θ*, the mode of the posterior, for QLSD*/LSD*; without it they first find θ* by a
+        federated gradient descent through the same clients (``opt_rounds``, ``opt_tol``).
+    seed : int, default 0
+        The run's seed: participation, minibatches, quantisation and noise are functions of it.
+    output_dir, run_name : str, default "outputs", "" (a timestamped name)
+        The run folder is ``<output_dir>/<run_name>``.
     write : bool, default True
-        Write the run folder (samples, metrics, summary, checkpoints).
+        Write the run folder.
     keep_trace : bool, default False
-        Keep every ``θ_k`` in memory (``self.trace``).
+        Keep every ``θ_k`` in memory (``strategy.trace``).
     on_round : callable, optional
-        Called with the strategy after each round.
-    engine_label : str, default "flower"
-        The ``engine`` recorded in the summary.
-    failure_sink : dict, optional
-        Receives a ``DivergenceError`` under ``"error"``.
+        ``on_round(strategy)``, called after each round (monitoring).
+    **config
+        Any other run-config key (``checkpoint_every``, ``reply_timeout``, ``progress``,
+        ``verbose``, ``opt_rounds``, ``opt_tol``, ``compressor``, …; see ``qlsd-flwr config``),
+        with ``_`` or ``-``. A bad value raises :class:`qlsd_flwr.config.ConfigError` naming it.
+
+    Examples
+    --------
+    >>> strategy = QLSDStrategy(num_clients=10, dim=291, gamma=1e-3, prior_var=5.0)  # doctest: +SKIP
+    >>> strategy.start(grid, initial_arrays=ArrayRecord(potential.named_arrays()))  # doctest: +SKIP
     """
 
-    def __init__(self, cfg: RunConfig, task: Task, run_dir=None, write: bool = True,
-                 keep_trace: bool = False, on_round=None, engine_label: str = "flower",
-                 failure_sink: dict | None = None):
+    def __init__(self, *, num_clients: int, dim: int, variant: str = "qlsd-pp", gamma: float = 4.9e-4,
+                 num_rounds: int = 2000, burn_in: int = 500, thin: int = 1, p=1.0, s=16,
+                 aggregation: str = "unbiased", l: int = 100, alpha="auto", batch_fraction: float = 0.1,
+                 prior_var="flat", prior_on: str = "server", blocks=None, block_norm: str = "vector",
+                 encoding: str = "auto", theta_star=None, seed: int = 0, output_dir: str = "outputs",
+                 run_name: str = "", write: bool = True, keep_trace: bool = False, on_round=None,
+                 **config):
+        def joined(v):
+            return ",".join(str(x) for x in v) if isinstance(v, (list, tuple, np.ndarray)) else v
+
+        keys = {"task": "external", "num-clients": num_clients, "dim": dim, "variant": variant,
+                "gamma": gamma, "num-rounds": num_rounds, "burn-in": burn_in, "thin": thin, "p": joined(p),
+                "s": joined(s), "aggregation": aggregation, "l": l, "alpha": alpha,
+                "batch-fraction": batch_fraction, "prior-var": prior_var, "prior-on": prior_on,
+                "block-norm": block_norm, "encoding": encoding, "seed": seed, "output-dir": output_dir,
+                "run-name": run_name, "theta-star": "optimise" if theta_star is None else "closed-form",
+                **{k.replace("_", "-"): v for k, v in config.items()}}
+        cfg = resolve(keys)
+        if cfg.block_norm == "tensor" and not blocks:
+            raise ValueError("block_norm = 'tensor' needs blocks (the sizes of θ's tensors)")
+        if blocks is not None and sum(int(x) for x in blocks) != cfg.dim:
+            raise ValueError(f"blocks: the sizes add up to {sum(int(x) for x in blocks)}, dim is {cfg.dim}")
+        if theta_star is not None:
+            theta_star = np.asarray(theta_star, dtype=np.float64).ravel()
+            if theta_star.shape != (cfg.dim,) or not np.all(np.isfinite(theta_star)):
+                raise ValueError(f"theta_star: expected {cfg.dim} finite values, got shape {theta_star.shape}")
+        task = Task(name="external", dim=cfg.dim, clients=[], prior=GaussianPrior(var=cfg.prior_var),
+                    theta_star=theta_star, meta={"blocks": tuple(int(x) for x in blocks)} if blocks else {})
+        self._setup(cfg, task, write=write, keep_trace=keep_trace, on_round=on_round)
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig, task: Task, run_dir=None, write: bool = True,
+                    keep_trace: bool = False, on_round=None, engine_label: str = "flower",
+                    failure_sink: dict | None = None) -> "QLSDStrategy":
+        """The strategy of a validated run config (:func:`qlsd_flwr.config.resolve`) and its task
+        (``d``, the prior, θ* when known; the clients' potentials are not used). ``run_dir``: the
+        run folder (default ``<output-dir>/<run-name>``); ``write``: write it; ``keep_trace``: keep
+        every ``θ_k`` in ``self.trace``; ``on_round(strategy)``: called after each round;
+        ``engine_label``: recorded in the summary; ``failure_sink``: receives a
+        ``DivergenceError`` under ``"error"``."""
+        self = cls.__new__(cls)
+        self._setup(cfg, task, run_dir, write, keep_trace, on_round, engine_label, failure_sink)
+        return self
+
+    def _setup(self, cfg: RunConfig, task: Task, run_dir=None, write: bool = True,
+               keep_trace: bool = False, on_round=None, engine_label: str = "flower",
+               failure_sink: dict | None = None) -> None:
         self.cfg, self.task, self.d = cfg, task, task.dim
         self.server = QLSDServer(cfg, task, keep_trace, engine_label,
                                  observer=RunOutputs(cfg, task.dim, run_dir) if write else None)
@@ -181,7 +275,7 @@ class QLSDStrategy(Strategy):
         msgs = []
         for i in self.server.begin_round():
             node = self.nodes.node_of[i]
-            content = RecordDict({RECORD: ConfigRecord(self.server.fields_for(i))})
+            content = to_content(self.server.fields_for(i), self.server.settings[i])
             if config:
                 content["config"] = config
             msgs.append(Message(content, node, MessageType.TRAIN, group_id=str(k + 1)))
@@ -267,8 +361,14 @@ class QLSDStrategy(Strategy):
         saved = self.server.persist.get("rejoined", {})
         self.nodes.rejoined.update({int(i): list(r) for i, r in saved.items()})
         self.server.persist["rejoined"] = self.nodes.rejoined  # kept in the checkpoints
+        if self.run_dir is not None:
+            announce(f"{cfg.variant}: writing {Path(self.run_dir).resolve()}", cfg.progress)
         self._bar = progress_bar(K, cfg.progress, f"{cfg.variant} {self.server.engine_label}")
         self._bar.update(self.state.k)
+        flwr_log = logging.getLogger("flwr")
+        level = flwr_log.level
+        if not cfg.verbose:  # Flower logs every round at INFO: the progress line replaces that
+            flwr_log.setLevel(max(level, logging.WARNING))
         try:
             result = super().start(_RepliesAsTheyArrive(grid, self._note_sent),
                                    ArrayRecord({"theta": Array(np.asarray(self.state.theta))}),
@@ -276,18 +376,22 @@ class QLSDStrategy(Strategy):
                                    train_config=train_config, evaluate_fn=evaluate_fn)
         finally:
             self._bar.close()
+            flwr_log.setLevel(level)
         extra: dict = {"rejoined": {str(i): r for i, r in sorted(self.nodes.rejoined.items())}}
         if cfg.memory:
             extra["memory_check"] = self.server.memory_check(self.nodes.memory_reports(grid, self._timeout))
         self.server.ts_info = {**self.server.ts_info, **extra}  # finish() puts ts_info in the summary
         self.server.finish()
+        if self.run_dir is not None:
+            announce(f"{cfg.variant}: {self.state.k} rounds done; samples in "
+                     f"{Path(self.run_dir).resolve() / 'samples.nc'} (arviz.from_netcdf)", cfg.progress)
         result.arrays = ArrayRecord({"theta": Array(np.asarray(self.state.theta))})
         return result
 
     def _full_grad(self, grid: Grid, theta: np.ndarray, timeout: float) -> np.ndarray:
         """``∇U(θ)`` from every client's full local gradient (the θ* optimisation phase)."""
-        msgs = [Message(RecordDict({RECORD: ConfigRecord({"phase": "grad", "round": -1, "client": i,
-                                                          "theta": arr_to_bytes(theta)})}),
+        msgs = [Message(to_content({"phase": "grad", "round": -1, "client": i, "theta": theta},
+                                   self.server.settings[i]),
                         self.nodes.node_of[i], MessageType.TRAIN) for i in range(self.cfg.b)]
         grads: dict[int, np.ndarray] = {}
         for msg in grid.send_and_receive(msgs, timeout=timeout):

@@ -65,3 +65,12 @@ def progress_bar(total: int, enabled: bool, desc: str, stream=None, interval: fl
 
     return tqdm(total=total, desc=desc, unit="round", file=stream, dynamic_ncols=True,
                 mininterval=0.5, smoothing=0.05)
+
+
+def announce(message: str, enabled: bool, stream=None) -> None:
+    """One line beside the progress display (where a run writes, what it wrote): the place a
+    user of ``flwr log`` looks."""
+    if enabled:
+        stream = stream or sys.stderr
+        stream.write(message + "\n")
+        stream.flush()

@@ -3,7 +3,11 @@
 ``<output-dir>/<run-name>/``
   * ``samples.nc`` — ArviZ InferenceData (netCDF4/HDF5): group ``posterior`` with variable
     ``theta`` of dims ``(chain, draw, theta_dim_0)``, streamed to disk in chunks as the chain
-    runs (memory stays flat). ``arviz.from_netcdf(path)`` loads it.
+    runs (memory stays flat); group ``sample_stats`` with, per kept draw, the ``round`` it was
+    taken at and that round's active, replying and rejected clients and exact uplink bits (the
+    round's row of ``metrics.csv``; on the vectorised engine, totals over its chains); provenance attributes
+    (package and Flower versions, the seed, a hash of the configuration) on both groups.
+    ``draw`` counts the kept draws from 0, as ArviZ does. ``arviz.from_netcdf(path)`` loads it.
   * ``metrics.csv`` — one row per round: active and replying clients, rejected replies, bits
     (analytic bound, exact code length), bytes (payload, Flower message) and seconds.
   * ``config.json`` — the resolved configuration.
@@ -62,6 +66,7 @@ class Recorder:
 
     def __init__(self, run_dir: Path, config: dict, dim: int, num_chains: int, burn_in: int,
                  thin: int, chunk: int = 512, raw_draws: bool = False, resume: dict | None = None):
+        self.provenance = provenance(config)
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.burn_in, self.thin, self.chunk = burn_in, thin, chunk
@@ -97,7 +102,8 @@ class Recorder:
                                         chunks=(num_chains, _chunk_draws(num_chains, dim, chunk), dim))
         g.create_variable("chain", ("chain",), data=np.arange(num_chains))
         g.create_variable("theta_dim_0", ("theta_dim_0",), data=np.arange(dim))
-        g.attrs["inference_library"] = "qlsd_flwr"
+        for k, v in self.provenance.items():
+            g.attrs[k] = v
         self._group = g
 
     def _reopen(self, pos: dict) -> None:
@@ -181,8 +187,7 @@ class Recorder:
         if self.raw_draws:
             self._build_nc()
         else:
-            self._group.create_variable("draw", ("draw",), data=np.asarray(self._draw_rounds_all(), dtype=np.int64))
-            self._nc.close()
+            self._finish_nc()
         self._csv_file.close()
         mean, var = self.posterior_moments()
         summary = {
@@ -211,13 +216,60 @@ class Recorder:
                 z = min(n, a + self.chunk)
                 self._theta[:, a:z, :] = np.transpose(np.asarray(mm[a:z]), (1, 0, 2))
             del mm
-        self._group.create_variable("draw", ("draw",), data=np.asarray(self._draw_rounds_all(), dtype=np.int64))
-        self._nc.close()
+        self._finish_nc()
         os.replace(tmp, self.dir / "samples.nc")
         os.unlink(raw_path)
 
     def _draw_rounds_all(self) -> list[int]:
         return list(range(self.burn_in + 1, self.burn_in + 1 + self.n_draws * self.thin, self.thin))
+
+    def _finish_nc(self) -> None:
+        """The ``draw`` coordinate, the ``sample_stats`` group, and close ``samples.nc``."""
+        n, c = self.n_draws, self.num_chains
+        self._group.create_variable("draw", ("draw",), data=np.arange(n, dtype=np.int64))
+        rounds = np.asarray(self._draw_rounds_all(), dtype=np.int64)
+        self._csv_file.flush()
+        by_round = {}
+        with open(self.dir / "metrics.csv", newline="") as f:
+            for row in csv.DictReader(f):
+                by_round[int(row["round"])] = row
+        g = self._nc.create_group("sample_stats")
+        g.dimensions = {"chain": c, "draw": n}
+        g.create_variable("chain", ("chain",), data=np.arange(c))
+        g.create_variable("draw", ("draw",), data=np.arange(n, dtype=np.int64))
+        g.create_variable("round", ("chain", "draw"), data=np.broadcast_to(rounds, (c, n)).copy())
+        for name in STAT_FIELDS:
+            col = np.array([float(by_round[int(r)][name]) if int(r) in by_round else np.nan for r in rounds])
+            g.create_variable(name, ("chain", "draw"), data=np.broadcast_to(col, (c, n)).copy())
+        for k, v in self.provenance.items():
+            g.attrs[k] = v
+        for k, v in self.provenance.items():
+            self._nc.attrs[k] = v
+        self._nc.close()
+
+
+STAT_FIELDS = ["n_active", "n_replied", "n_rejected", "bits_exact"]  # sample_stats, per kept draw
+
+
+def provenance(config: dict) -> dict:
+    """Attributes that say what made a file: the package and Flower versions, the run's seed
+    and variant, and a hash of its whole configuration."""
+    import hashlib
+
+    from qlsd_flwr import __version__
+
+    try:
+        from importlib.metadata import version
+
+        flwr_version = version("flwr")
+    except Exception:  # noqa: BLE001 — provenance must never stop a run
+        flwr_version = "unknown"
+    raw = config.get("config", config) if isinstance(config, dict) else {}
+    text = json.dumps(raw, sort_keys=True, default=_jsonable)
+    return {"inference_library": "qlsd_flwr", "inference_library_version": __version__,
+            "flwr_version": flwr_version, "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "seed": str(raw.get("seed", "")), "variant": str(raw.get("variant", "")),
+            "config_sha256": hashlib.sha256(text.encode()).hexdigest()}
 
 
 def _jsonable(x):

@@ -73,17 +73,63 @@ def alpha_of(cfg: RunConfig, i: int, d: int, blocks=None) -> float:
 
 def batch_size(cfg: RunConfig, n_data: int) -> int:
     """``n_i = max(1, ⌊N_i · batch-fraction⌋)`` (the paper's toy: ``⌊N_i/10⌋``)."""
-    return max(1, int(np.floor(n_data * cfg.batch_fraction)))
+    return minibatch_size(cfg.batch_fraction, n_data)
+
+
+def minibatch_size(fraction: float, n_data: int) -> int:
+    return max(1, int(np.floor(n_data * fraction)))
+
+
+def client_settings(cfg: RunConfig, i: int, d: int, prior: GaussianPrior, blocks=None) -> dict:
+    """What client ``i`` needs to compute its message, as plain scalars (the server sends them
+    with every message, so that a client needs no run config of its own): the oracle, QSGD's
+    ``s_i`` (0: no compression), the encoding and norm blocks, memory and ``α_i``, the
+    batch fraction, its share ``w_i`` of the prior ``U_0`` and the prior's variance, the seed."""
+    return {
+        "oracle": cfg.oracle, "memory": bool(cfg.memory), "alpha": float(alpha_of(cfg, i, d, blocks)),
+        "s": int(cfg.s[i]) if cfg.compressed else 0, "encoding": cfg.encoding,
+        "blocks": ",".join(str(int(x)) for x in blocks) if blocks else "",
+        "batch_fraction": float(cfg.batch_fraction), "prior_var": float(prior.var),
+        "prior_mean": float(prior.mean), "prior_weight": (1.0 / cfg.b) if cfg.prior_on == "clients" else 0.0,
+        "seed": int(cfg.seed),
+    }
+
+
+_ORACLES = ("full", "minibatch", "star", "svrg")
+_ENCODINGS = ("auto", "elias", "packed")
+
+
+def client_spec_from_settings(settings: dict, i: int, n_data: int, d: int) -> tuple[ClientSpec, int]:
+    """``(spec, seed)`` of client ``i`` from :func:`client_settings` (as received: every value
+    is checked, and a bad one raises ``ValueError`` naming it)."""
+    try:
+        oracle, encoding = str(settings["oracle"]), str(settings["encoding"])
+        s, seed = int(settings["s"]), int(settings["seed"])
+        alpha, bf = float(settings["alpha"]), float(settings["batch_fraction"])
+        prior_var, w = float(settings["prior_var"]), float(settings["prior_weight"])
+        prior_mean = float(settings.get("prior_mean", 0.0))
+        memory = bool(settings["memory"])
+        blocks_s = str(settings["blocks"])
+        blocks = tuple(int(x) for x in blocks_s.split(",")) if blocks_s else None
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:
+        raise ValueError(f"client settings: missing or malformed value ({type(exc).__name__}: {exc})") from None
+    checks = {"oracle": oracle in _ORACLES, "encoding": encoding in _ENCODINGS, "s": 0 <= s < 2 ** 31,
+              "alpha": 0.0 <= alpha <= 1.0, "batch_fraction": 0.0 < bf <= 1.0, "prior_var": prior_var > 0,
+              "prior_mean": np.isfinite(prior_mean),
+              "prior_weight": 0.0 <= w <= 1.0, "seed": 0 <= seed < 2 ** 63,
+              "blocks": blocks is None or (all(x > 0 for x in blocks) and sum(blocks) == d)}
+    if bad := [k for k, ok in checks.items() if not ok]:
+        raise ValueError(f"client settings: bad value for {', '.join(bad)}")
+    compressor = QSGD(s=s, blocks=blocks, encoding=encoding) if s else Identity()
+    return ClientSpec(index=i, oracle=oracle, batch_size=minibatch_size(bf, n_data), compressor=compressor,
+                      memory=memory, alpha=alpha, prior=GaussianPrior(var=prior_var, mean=prior_mean),
+                      prior_weight=w), seed
 
 
 def client_spec(cfg: RunConfig, i: int, n_data: int, d: int, prior: GaussianPrior,
                 blocks=None) -> ClientSpec:
-    return ClientSpec(
-        index=i, oracle=cfg.oracle, batch_size=batch_size(cfg, n_data),
-        compressor=compressor_for(cfg, i, blocks), memory=cfg.memory,
-        alpha=alpha_of(cfg, i, d, blocks), prior=prior,
-        prior_weight=(1.0 / cfg.b) if cfg.prior_on == "clients" else 0.0,
-    )
+    """Client ``i``'s :class:`ClientSpec`: the one the server's :func:`client_settings` give it."""
+    return client_spec_from_settings(client_settings(cfg, i, d, prior, blocks), i, n_data, d)[0]
 
 
 def server_spec(cfg: RunConfig, task: Task, theta_star: np.ndarray | None, blocks=None) -> ServerSpec:

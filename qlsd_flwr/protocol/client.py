@@ -19,19 +19,19 @@ from qlsd_flwr.core.oracles import (
     set_anchor,
 )
 from qlsd_flwr.core.potential import LocalPotential
-from qlsd_flwr.protocol.wire import arr_to_bytes, bytes_to_arr
+from qlsd_flwr.protocol.wire import arr_to_bytes, vector
 
 
 def handle(spec: ClientSpec, pot: LocalPotential, st: ClientState, seed: int, fields: dict, d: int) -> dict:
     i = spec.index
-    theta = bytes_to_arr(fields["theta"], d)
+    theta = vector(fields["theta"], d)
     if fields["phase"] == "grad":
         return {"client": i, "status": "ok", "payload": arr_to_bytes(full_local_grad(spec, pot, theta))}
     if "eta" in fields:
-        st.eta = bytes_to_arr(fields["eta"], d)
+        st.eta = vector(fields["eta"], d)
         st.eta_count = int(fields["eta_count"])
     if "anchor" in fields:
-        set_anchor(spec, pot, st, bytes_to_arr(fields["anchor"], d), int(fields["anchor_version"]))
+        set_anchor(spec, pot, st, vector(fields["anchor"], d), int(fields["anchor_version"]))
     stale_anchor = spec.oracle in ("svrg", "star") and st.anchor_version != int(fields["anchor_version"])
     stale_eta = spec.memory and st.eta_count != int(fields["eta_count"])
     if stale_anchor or stale_eta:

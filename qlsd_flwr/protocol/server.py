@@ -35,7 +35,7 @@ from qlsd_flwr.protocol.divergence import (
     divergence_message,
     is_overflow,
 )
-from qlsd_flwr.protocol.wire import ReplyError, arr_to_bytes, parse_fields
+from qlsd_flwr.protocol.wire import ReplyError, parse_fields
 
 log = logging.getLogger("qlsd_flwr")
 
@@ -54,6 +54,7 @@ class QLSDServer:
         build.warn_if_unstable(cfg, task)
         self.blocks = build.blocks_for(cfg, task)
         self.compressors = [build.compressor_for(cfg, i, self.blocks) for i in range(cfg.b)]
+        self.settings = [build.client_settings(cfg, i, self.d, task.prior, self.blocks) for i in range(cfg.b)]
         self.keep_trace, self.engine_label, self.observer = keep_trace, engine_label, observer
         self.trace: list[np.ndarray] = []
         self.spec: sampler.ServerSpec | None = None
@@ -149,15 +150,16 @@ class QLSDServer:
         return list(self._active)
 
     def fields_for(self, i: int) -> dict:
-        """What client ``i`` is sent this round (see :mod:`qlsd_flwr.protocol.wire`)."""
+        """What client ``i`` is sent this round (see :mod:`qlsd_flwr.protocol.wire`); its settings,
+        sent beside, are ``self.settings[i]``."""
         st = self.state
         anchor, version = self.anchor()
-        fields = {"phase": "sample", "round": st.k, "client": i, "theta": arr_to_bytes(st.theta),
+        fields = {"phase": "sample", "round": st.k, "client": i, "theta": st.theta,
                   "anchor_version": int(version), "eta_count": int(self.eta_count[i])}
         if anchor is not None and (self.anchor_acked[i] != version or self.needs_resync[i]):
-            fields["anchor"] = arr_to_bytes(anchor)
+            fields["anchor"] = anchor
         if self.cfg.memory and self.needs_resync[i]:
-            fields["eta"] = arr_to_bytes(st.eta_i[i])
+            fields["eta"] = st.eta_i[i]
         return fields
 
     def accept(self, i: int | None, fields: dict | None, error: str | None = None, message_bytes: int = 0) -> None:
@@ -180,14 +182,20 @@ class QLSDServer:
                 self.needs_resync[i] = True
                 self._count("resync")
                 return
-            if self.cfg.oracle in ("svrg", "star") and rep["anchor_version"] != self.anchor()[1]:
-                self._reject("stale_anchor")  # computed with another ζ/θ*: not this round's H_i
+            # every oracle: a version other than the round's (−1 without an anchor) is either a
+            # reply computed with another ζ/θ* (not this round's H_i) or a forged value (2^63
+            # would not fit anchor_acked); either way nothing of it is kept
+            if rep["anchor_version"] != self.anchor()[1]:
+                self._reject("stale_anchor")
                 return
             comp = self.compressors[i]
             q = comp.decode(rep["payload"], self.d)
             g = comp.dequantise(q)
             if not np.all(np.isfinite(g)):
                 raise ReplyError("non-finite values")
+            # everything the reply adds to the round, computed before any state changes
+            bound = comp.bound_bits(self.d)
+            bits = q.code_bits if getattr(q, "code_bits", None) is not None else comp.code_length_bits(q)
         except (ReplyError, DecodeError) as exc:
             self._reject("malformed" if isinstance(exc, ReplyError) else "decode_error")
             log.debug("client %d: rejected reply: %s", i, exc)
@@ -202,9 +210,8 @@ class QLSDServer:
         if self.cfg.memory:
             self.eta_count[i] += 1
         r = self._row
-        self._bounds.append(comp.bound_bits(self.d))  # summed exactly (fsum) in end_round
-        # the exact length of the code this client sent (the decoder counts what it read)
-        r["bits_exact"] += q.code_bits if getattr(q, "code_bits", None) is not None else comp.code_length_bits(q)
+        self._bounds.append(bound)  # summed exactly (fsum) in end_round
+        r["bits_exact"] += bits  # the exact length of the code this client sent (the decoder counts what it read)
         r["bytes_payload"] += len(rep["payload"])
         r["bytes_message"] += message_bytes
 

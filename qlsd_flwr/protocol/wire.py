@@ -1,10 +1,15 @@
 """What travels between the ServerApp and a ClientApp, as plain Python values.
 
-Server → client (one ``ConfigRecord`` named ``"qlsd"`` per message):
-  ``phase`` (``"sample"`` or ``"grad"``), ``round`` k, ``client`` i, ``theta`` (θ_k, float64
-  bytes), ``anchor_version``, ``eta_count`` (how many memory updates the server has applied
+Server → client:
+  ``phase`` (``"sample"`` or ``"grad"``), ``round`` k, ``client`` i, ``theta`` (θ_k),
+  ``anchor_version``, ``eta_count`` (how many memory updates the server has applied
   for this client) and, only when the server believes the client lacks them, ``anchor``
-  (ζ or θ*) and ``eta`` (the server's mirror of η_i).
+  (ζ or θ*) and ``eta`` (the server's mirror of η_i). The vectors (:data:`VECTORS`) are float64
+  arrays; on Flower's Message API they travel in ``ArrayRecord`` objects (see
+  :mod:`qlsd_flwr.flower.records`), on the legacy API and the ``local`` engine as little-endian
+  float64 bytes (:func:`vectors_to_bytes`). Beside them, the client's settings
+  (:func:`qlsd_flwr.protocol.build.client_settings`): what it needs to compute its message, so a
+  client needs no run config of its own.
 Client → server:
   ``client`` i, ``status`` (``"ok"`` or ``"resync"``), ``payload`` (the *encoded* compressed
   message: QSGD-coded bytes, never a dense float vector) and ``anchor_version`` used. The
@@ -28,6 +33,24 @@ import numpy as np
 
 def arr_to_bytes(x: np.ndarray) -> bytes:
     return np.ascontiguousarray(x, dtype="<f8").tobytes()
+
+
+VECTORS = ("theta", "anchor", "eta")  # the fields holding a vector of R^d
+
+
+def vectors_to_bytes(fields: dict) -> dict:
+    """``fields`` with its vectors as float64 bytes (the legacy API and the ``local`` engine)."""
+    return {k: (arr_to_bytes(v) if k in VECTORS else v) for k, v in fields.items()}
+
+
+def vector(x, d: int) -> np.ndarray:
+    """A vector field as a float64 ``(d,)`` array, from an array or from float64 bytes;
+    ``ValueError`` naming the shape or length otherwise."""
+    if isinstance(x, np.ndarray):
+        if x.shape != (d,):
+            raise ValueError(f"expected a vector of shape ({d},), got shape {x.shape}")
+        return np.array(x, dtype=np.float64)  # a copy: the caller may keep it as its state
+    return bytes_to_arr(x, d)
 
 
 def bytes_to_arr(b: bytes, d: int) -> np.ndarray:

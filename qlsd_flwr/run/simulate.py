@@ -62,8 +62,8 @@ def run_inprocess(cfg: RunConfig, overrides: dict, shuffle_seed: int | None = No
     from qlsd_flwr.flower.strategy import QLSDStrategy
 
     quiet_flower(cfg.verbose)
-    grid = InProcessGrid(make_client_app(overrides, mods), cfg.b, shuffle_seed=shuffle_seed, is_up=is_up)
-    strategy = QLSDStrategy(cfg, loading.load_task(cfg), **{"engine_label": "flower-inprocess", **(strategy_kwargs or {})})
+    grid = InProcessGrid(make_client_app(overrides=overrides, mods=mods), cfg.b, shuffle_seed=shuffle_seed, is_up=is_up)
+    strategy = QLSDStrategy.from_config(cfg, loading.load_task(cfg), **{"engine_label": "flower-inprocess", **(strategy_kwargs or {})})
     strategy.start(grid=grid)
     return strategy
 
@@ -98,7 +98,7 @@ def run_ray(cfg: RunConfig, overrides: dict, mods=None, strategy_kwargs: dict | 
     failure: dict = {}
     kwargs = {"engine_label": "flower-ray", "failure_sink": failure, **(strategy_kwargs or {})}
     run_simulation(server_app=make_server_app(overrides, sink, kwargs),
-                   client_app=make_client_app(overrides, mods), num_supernodes=cfg.b,
+                   client_app=make_client_app(overrides=overrides, mods=mods), num_supernodes=cfg.b,
                    backend_config=ray_backend_config(cfg), verbose_logging=cfg.verbose)
     if "error" in failure:  # e.g. the chain diverged: the ServerApp's error, not Flower's
         raise failure["error"]

@@ -7,6 +7,7 @@ import numpy as np
 
 from qlsd_flwr.config import ConfigError, RunConfig
 from qlsd_flwr.core.potential import GaussianPrior, Task
+from qlsd_flwr.plugins import is_plugin
 from qlsd_flwr.protocol.build import blocks_for
 
 
@@ -24,7 +25,34 @@ def load_task(cfg: RunConfig) -> Task:
         from qlsd_flwr.tasks import registry
 
         return registry.build(cfg, pooled=pooled)
+    if name == "external":
+        raise ConfigError("task = external: the clients bring their own potentials "
+                          "(qlsd_flwr.flower.make_client_app(potential_fn)), so only a Flower run with "
+                          "that ClientApp can sample it; name a task plug-in (task = 'module:callable') "
+                          "to run it on every engine")
+    if is_plugin(name):
+        return plugin_task(cfg, pooled)
     raise ConfigError(f"task: unknown value {name!r}")
+
+
+def plugin_task(cfg: RunConfig, pooled: bool = False) -> Task:
+    """A task plug-in's :class:`Task`: ``task = "my_pkg.my_task:make"`` with ``make(num_clients,
+    data_seed) -> Task`` (see :mod:`qlsd_flwr.plugins`); with ``pooled`` (SGLD) its clients are
+    pooled into one."""
+    from qlsd_flwr.plugins import load_object
+
+    task = load_object(cfg.task, "task")(cfg.num_clients, cfg.data_seed)
+    if not isinstance(task, Task):
+        raise ConfigError(f"task: {cfg.task!r} returned {type(task).__name__}, not a qlsd_flwr Task")
+    if len(task.clients) != cfg.num_clients:
+        raise ConfigError(f"task: {cfg.task!r} made {len(task.clients)} clients, num-clients = {cfg.num_clients}")
+    if pooled:
+        from qlsd_flwr.potentials import Pooled
+
+        task = Task(name=task.name, dim=task.dim, clients=[Pooled(task.clients)], prior=task.prior,
+                    theta_star=task.theta_star, posterior_mean=task.posterior_mean,
+                    posterior_var=task.posterior_var, theta0=task.theta0, meta=task.meta)
+    return task
 
 
 def load_client(cfg: RunConfig, i: int, data_path: str | None = None):

@@ -211,7 +211,10 @@ def resolve_device(device: str | torch.device = "cpu") -> torch.device:
 
 
 class TorchPotential:
-    """``U_i(θ) = Σ_j cross_entropy(model_θ(x_ij), y_ij)`` on the flat parameter vector ``θ``.
+    """``U_i(θ) = Σ_j loss(model_θ(x_ij), y_ij)`` on the flat parameter vector ``θ``.
+
+    ``loss``: a per-example loss ``loss(outputs, y) -> (n,)`` (default: cross-entropy of logits,
+    a classifier), or give ``log_likelihood(outputs, y) -> (n,)`` instead (``U_ij = −log p``).
 
     ``θ`` goes in and gradients come out as ``float64`` numpy vectors (the order of
     ``model.parameters()``, as ``parameters_to_vector``); inside, torch computes in the
@@ -221,7 +224,15 @@ class TorchPotential:
     """
 
     def __init__(self, model: nn.Module, X, y, device: str = "cpu", batch_size: int = 1024,
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None, loss=None, log_likelihood=None):
+        if loss is not None and log_likelihood is not None:
+            raise ValueError("give loss or log_likelihood, not both")
+        if log_likelihood is not None:
+            self._loss_sum = lambda out, y: -log_likelihood(out, y).sum()
+        elif loss is not None:
+            self._loss_sum = lambda out, y: loss(out, y).sum()
+        else:  # one fused reduction, as before the option existed (same bits)
+            self._loss_sum = lambda out, y: F.cross_entropy(out, y, reduction="sum")
         self.device = resolve_device(device)
         if dtype is not None:
             model = model.to(dtype)
@@ -230,8 +241,9 @@ class TorchPotential:
         self.dtype = self.params[0].dtype
         X = torch.as_tensor(np.asarray(X) if not torch.is_tensor(X) else X)
         self.X = X.to(self.device, self.dtype)
-        self.y = torch.as_tensor(np.asarray(y) if not torch.is_tensor(y) else y,
-                                 dtype=torch.long).to(self.device)
+        y = torch.as_tensor(np.asarray(y) if not torch.is_tensor(y) else y)
+        # class labels stay integers; regression targets take the model's dtype
+        self.y = (y.long() if not y.is_floating_point() else y.to(self.dtype)).to(self.device)
         if len(self.X) != len(self.y):
             raise ValueError(f"X has {len(self.X)} rows but y has {len(self.y)}")
         self.n_data = int(len(self.y))
@@ -252,6 +264,12 @@ class TorchPotential:
         h.update(self.X.detach().cpu().numpy().tobytes())
         h.update(self.y.detach().cpu().numpy().tobytes())
         return h.digest()
+
+    def named_arrays(self) -> dict:
+        """The trainable parameters by name, in ``named_parameters()`` order (θ's layout), as
+        detached tensors: ``ArrayRecord(pot.named_arrays())`` is the ``initial_arrays`` of a
+        :class:`qlsd_flwr.flower.QLSDStrategy`."""
+        return {n: p.detach().cpu() for n, p in self.model.named_parameters() if p.requires_grad}
 
     def theta0(self) -> np.ndarray:
         """The model's current parameters (e.g. its default random init) as a flat vector."""
@@ -280,7 +298,7 @@ class TorchPotential:
             p.grad = None
         any_ = False
         for sel in self._chunks(idx):
-            loss = F.cross_entropy(self.model(self.X[sel]), self.y[sel], reduction="sum")
+            loss = self._loss_sum(self.model(self.X[sel]), self.y[sel])
             loss.backward()
             any_ = True
         if not any_:
@@ -293,8 +311,7 @@ class TorchPotential:
         total = 0.0
         with torch.no_grad():
             for sel in self._chunks(None):
-                total += float(F.cross_entropy(self.model(self.X[sel]), self.y[sel],
-                                               reduction="sum").double())
+                total += float(self._loss_sum(self.model(self.X[sel]), self.y[sel]).double())
         return total
 
     def predict_proba(self, theta_samples: np.ndarray, X, batch_size: int | None = None) -> np.ndarray:

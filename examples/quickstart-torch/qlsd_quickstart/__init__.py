@@ -1,0 +1,1 @@
+"""QLSD++ on a small Bayesian neural network for scikit-learn's wine data."""

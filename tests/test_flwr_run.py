@@ -1,0 +1,112 @@
+"""``flwr run`` in Flower's local simulation, as a Flower user runs it (the front-door issue).
+
+A real ``flower-superlink --simulation`` is started here on a free port of 127.0.0.1 and stopped
+by its PID; ``FLWR_LOCAL_SUPERLINK_HTTP_API_PORT`` points ``flwr``'s default ``local`` connection
+at it (``flwr run`` would otherwise start its own, detached, that no test could stop). Runtime
+dependency installation is off (the environment already has everything; the runtime install
+would fetch the dependencies from the index). The federation has 4 SuperNodes, set with
+``flwr federation simulation-config``, the command the README gives.
+
+* ``flwr run . --run-config <file>``: the repository's own app from a config file; its samples
+  equal the ``local`` engine's, bit for bit.
+* ``flwr run examples/quickstart-torch``: a user's project (own model and data, public API only);
+  its samples equal the same posterior as a task plug-in on the ``local`` and ``vectorised``
+  engines, bit for bit.
+* Every ``conf/*.toml`` is a valid ``--run-config`` file for the app (keys declared, values valid).
+"""
+
+from __future__ import annotations
+
+import sys
+import tomllib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from qlsd_flwr import deploy as D
+from qlsd_flwr.config import resolve
+from qlsd_flwr.deploy.processes import BIN, Proc
+from qlsd_flwr.outputs.recorder import load_samples
+from qlsd_flwr.run.simulate import run
+
+pytestmark = pytest.mark.deployment  # one worker at a time with Ray and the deployments
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "quickstart-torch"
+B = 4
+
+
+def _declared() -> dict:
+    with open(REPO / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)["tool"]["flwr"]["app"]["config"]
+
+
+@pytest.mark.parametrize("conf", sorted((REPO / "conf").glob("*.toml")), ids=lambda p: p.name)
+def test_every_conf_file_is_a_valid_run_config(conf):
+    with open(conf, "rb") as f:
+        values = tomllib.load(f)
+    assert set(values) <= set(_declared()), set(values) - set(_declared())  # flwr refuses undeclared keys
+    resolve({**_declared(), **values})
+
+
+@pytest.fixture(scope="module")
+def local_sim(tmp_path_factory):
+    root = tmp_path_factory.mktemp("flwr-run")
+    port = D.free_port()
+    env = D.flwr_env(root / "flwr-home", {"FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(port),
+                                          "FLWR_LOCAL_CONTROL_API_PORT": str(D.free_port())})
+    link = Proc("superlink", [str(BIN / "flower-superlink"), "--insecure", "--simulation", "--isolation",
+                              "subprocess", "--host", "127.0.0.1", "--port", str(port),
+                              "--disable-runtime-dependency-installation"],
+                env, root / "superlink.log", cwd=root).start()
+    try:
+        D.wait_port(port, proc=link)
+        cp = D.flwr_cli(["federation", "simulation-config", "--num-supernodes", str(B),
+                         "--client-resources-num-cpus", "1"], env, cwd=root)
+        assert cp.returncode == 0, cp.stdout + cp.stderr
+        yield root, env
+    finally:
+        link.stop()
+    assert not link.alive()
+
+
+def _flwr_run(app: Path, run_config, env: dict) -> None:
+    """``flwr run <app> local --run-config ...`` to the end; the run's own status (``flwr ls``)
+    must be completed (``flwr run`` exits 0 once the run is submitted)."""
+    run_id = D.flwr_run(app, "local", env, run_config)
+    row = D.wait_run(run_id, "local", env, timeout=300, poll=1.0, ls_every=3.0)
+    assert row["status"] == "finished:completed", (row, D.run_log(run_id, "local", env))
+
+
+def test_flwr_run_dot_from_a_conf_file(local_sim):
+    root, env = local_sim
+    out = root / "out"
+    with open(REPO / "conf" / "gaussian_qlsdpp_ray.toml", "rb") as f:
+        values = tomllib.load(f)
+    values.update({"num-clients": B, "num-rounds": 30, "burn-in": 5, "output-dir": str(out),
+                   "run-name": "dot", "progress": False})
+    conf = root / "run.toml"
+    conf.write_text("".join(D.format_run_config({k: v}).replace("=", " = ", 1) + "\n" for k, v in values.items()))
+    _flwr_run(REPO, conf, env)
+    theirs = load_samples(out / "dot")
+    mine = run({**values, "engine": "local", "output-dir": str(root / "ref"), "run-name": "dot"})
+    assert theirs.shape == (1, 25, 50)
+    assert np.array_equal(theirs, load_samples(mine.run_dir))
+
+
+def test_example_project_through_flwr_run(local_sim, monkeypatch):
+    root, env = local_sim
+    out = root / "out-example"
+    _flwr_run(EXAMPLE, {"num-rounds": 30, "burn-in": 10, "output-dir": str(out)}, env)
+    theirs = load_samples(out / "quickstart")
+    monkeypatch.syspath_prepend(str(EXAMPLE))
+    with open(EXAMPLE / "pyproject.toml", "rb") as f:
+        c = tomllib.load(f)["tool"]["flwr"]["app"]["config"]
+    for engine in ("local", "vectorised"):
+        mine = run({"task": "qlsd_quickstart.task:make_task", "num-clients": B, "gamma": c["gamma"],
+                    "s": c["s"], "seed": c["seed"], "num-rounds": 30, "burn-in": 10, "engine": engine,
+                    "progress": False, "output-dir": str(root / "ref"), "run-name": engine})
+        assert np.array_equal(theirs, load_samples(mine.run_dir)), engine
+    assert theirs.shape == (1, 20, 275)
+    sys.modules.pop("qlsd_quickstart", None)

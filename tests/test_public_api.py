@@ -1,0 +1,235 @@
+"""The public API for users' own models (the front-door issue): ``QLSDStrategy(**kwargs)`` on the
+server with only server-side facts, ``make_client_app(potential_fn)`` on the clients, the potential
+adapters of :mod:`qlsd_flwr.potentials`, and task plug-ins that run on every engine.
+
+The reference is always a chain the project already trusts (the built-in Gaussian task, whose
+engines agree bit for bit and whose samples match the exact posterior in
+``test_gaussian_posterior.py``): a user's potential that computes the same numbers in the same
+order must give the same chain, bit for bit.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import sys
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord
+
+from qlsd_flwr.flower import QLSDStrategy, make_client_app
+from qlsd_flwr.flower.inprocess import InProcessGrid
+from qlsd_flwr.outputs.recorder import load_samples
+from qlsd_flwr.potentials import (
+    LogDensityPotential,
+    NumpyPotential,
+    Pooled,
+    TorchPotential,
+)
+from qlsd_flwr.protocol.build import client_spec_from_settings
+from qlsd_flwr.run.simulate import run
+from qlsd_flwr.tasks.gaussian import GaussianLocal, build_gaussian_task, client_data
+
+B, D, K = 4, 5, 25
+SAMPLER = {"variant": "qlsd-pp", "gamma": 2e-3, "num_rounds": K, "burn_in": 5, "s": 8, "l": 10, "p": 0.75,
+           "prior_var": 4.0, "seed": 3}
+
+
+def _config_keys(kw: dict) -> dict:
+    return {k.replace("_", "-"): (str(v) if k in ("s", "p") else v) for k, v in kw.items()}
+
+
+def _user_app(kind: str):
+    def potential_fn(context):
+        i = int(context.node_config["partition-id"])
+        y = client_data(i, D, 0)
+        ref = GaussianLocal(y)
+        if kind == "numpy":
+            return NumpyPotential(ref.grad_sum, ref.value, n_data=len(y), dim=D)
+        return ref
+
+    return make_client_app(potential_fn)
+
+
+def test_strategy_documents_every_keyword_with_its_default():
+    sig = inspect.signature(QLSDStrategy.__init__)
+    doc = QLSDStrategy.__doc__
+    for name, par in sig.parameters.items():
+        if name in ("self", "config"):
+            continue
+        assert par.kind is inspect.Parameter.KEYWORD_ONLY, name
+        assert re.search(rf"^\s+{name}\b.*:", doc, re.M) or f", {name}" in doc, f"{name} undocumented"
+    assert "**config" in doc
+
+
+@pytest.mark.parametrize("kind", ["numpy", "plain"])
+def test_user_potential_through_the_public_api_equals_the_builtin_chain(tmp_path, kind):
+    # server: only b, d, the prior and the settings; clients: their own potentials
+    task = build_gaussian_task(B, D, 0, prior_var=4.0)
+    strategy = QLSDStrategy(num_clients=B, dim=D, output_dir=str(tmp_path), run_name="user",
+                            progress=False, **SAMPLER)
+    theta0 = np.linspace(-1, 1, D)
+    strategy.start(InProcessGrid(_user_app(kind), B, shuffle_seed=1),
+                   initial_arrays=ArrayRecord({"w": Array(theta0)}))
+    assert strategy.task.clients == []  # the server never held any client's data
+    ref_task = task
+    ref_task.theta0 = theta0
+    ref = run({**_config_keys(SAMPLER), "num-clients": B, "dim": D, "engine": "local", "progress": False,
+               "output-dir": str(tmp_path), "run-name": "ref"}, task=ref_task)
+    assert np.array_equal(load_samples(strategy.run_dir), load_samples(ref.run_dir))
+    mc = strategy.summary_data["memory_check"]  # the clients' own η_i equal the server's mirrors
+    assert mc["clients_reported"] == list(range(B)) and mc["max_abs_mirror_diff"] == 0.0
+    assert all(mc["eta_count_agrees"].values())
+
+
+def test_theta_goes_downlink_as_an_array_record_with_the_client_settings(tmp_path):
+    seen = []
+
+    def spy(msg, ctx, call_next):
+        if msg.metadata.message_type == "train":
+            seen.append(msg.content)
+        return call_next(msg, ctx)
+
+    app = make_client_app(lambda c: GaussianLocal(client_data(int(c.node_config["partition-id"]), D, 0)),
+                          mods=[spy])
+    strategy = QLSDStrategy(num_clients=B, dim=D, write=False, progress=False, **{**SAMPLER, "num_rounds": 3, "burn_in": 0})
+    strategy.start(InProcessGrid(app, B))
+    assert seen
+    for content in seen:
+        arrays = content["arrays"]
+        assert isinstance(arrays, ArrayRecord) and arrays["theta"].numpy().shape == (D,)
+        assert "theta" not in content["qlsd"]  # no θ as bytes in a ConfigRecord
+        settings = content["qlsd-settings"]
+        assert isinstance(settings, ConfigRecord) and settings["s"] == 8 and settings["oracle"] == "svrg"
+
+
+def test_client_settings_are_checked_and_name_the_bad_value():
+    good = {"oracle": "svrg", "memory": True, "alpha": 0.5, "s": 8, "encoding": "auto", "blocks": "",
+            "batch_fraction": 0.1, "prior_var": 1.0, "prior_mean": 0.0, "prior_weight": 0.0, "seed": 0}
+    client_spec_from_settings(good, 0, 10, D)
+    for key, bad in [("oracle", "sgd"), ("s", -1), ("alpha", 2.0), ("batch_fraction", 0.0), ("prior_var", -1.0),
+                     ("blocks", "2,2"), ("seed", -5)]:
+        with pytest.raises(ValueError, match=key):
+            client_spec_from_settings({**good, key: bad}, 0, 10, D)
+    with pytest.raises(ValueError, match="missing"):
+        client_spec_from_settings({k: v for k, v in good.items() if k != "alpha"}, 0, 10, D)
+
+
+def test_a_potential_fn_returning_something_else_is_a_counted_client_error(tmp_path):
+    strategy = QLSDStrategy(num_clients=B, dim=D, write=False, progress=False, **{**SAMPLER, "num_rounds": 2, "burn_in": 0})
+    with pytest.raises(Exception, match="potential_fn returned list, which lacks n_data, dim, grad_sum, value"):
+        strategy.start(InProcessGrid(make_client_app(lambda c: [1, 2]), B))
+
+
+def test_strategy_refuses_bad_keywords_naming_them():
+    with pytest.raises(ValueError, match="gamma"):
+        QLSDStrategy(num_clients=B, dim=D, gamma=-1.0, write=False)
+    with pytest.raises(ValueError, match="did you mean gamma"):
+        QLSDStrategy(num_clients=B, dim=D, gama=1e-3, write=False)
+    with pytest.raises(ValueError, match="theta_star"):
+        QLSDStrategy(num_clients=B, dim=D, variant="qlsd-star", theta_star=np.zeros(D + 1), write=False)
+    with pytest.raises(ValueError, match="blocks"):
+        QLSDStrategy(num_clients=B, dim=D, blocks=[2, 2], write=False)
+
+
+def test_log_density_potential_matches_the_closed_form():
+    # U_ij = ‖θ − y_j‖²/2: autograd in float64 against the closed form; both sum the same
+    # d-vectors, so they agree to a few ulps of the largest term (N · max|θ − y|)
+    y = client_data(1, D, 0)
+    ref = GaussianLocal(y)
+    pot = LogDensityPotential(lambda th, batch: -0.5 * ((th - batch) ** 2).sum(dim=1), y, D, batch_size=7)
+    theta = np.linspace(-2, 2, D)
+    idx = np.array([0, 3, 5, 8])
+    scale = len(y) * np.abs(theta[None] - y).max()
+    assert np.allclose(pot.grad_sum(theta), ref.grad_sum(theta), rtol=0, atol=64 * np.finfo(float).eps * scale)
+    assert np.allclose(pot.grad_sum(theta, idx), ref.grad_sum(theta, idx), rtol=0, atol=1e-12)
+    assert pot.value(theta) == pytest.approx(ref.value(theta), rel=1e-12)
+    assert pot.n_data == len(y) and pot.dim == D
+
+
+def test_torch_potential_takes_a_per_example_loss_or_log_likelihood():
+    torch.manual_seed(0)
+    net = torch.nn.Linear(3, 2).double()
+    X, y = torch.randn(11, 3, dtype=torch.float64), torch.randint(0, 2, (11,))
+    ce = TorchPotential(net, X, y)
+    ll = TorchPotential(net, X, y, log_likelihood=lambda out, t: -torch.nn.functional.cross_entropy(out, t, reduction="none"))
+    theta = ce.theta0() + 0.1
+    assert np.allclose(ce.grad_sum(theta), ll.grad_sum(theta), rtol=1e-12, atol=1e-12)
+    assert ce.value(theta) == pytest.approx(ll.value(theta), rel=1e-12)
+    reg = TorchPotential(torch.nn.Linear(3, 1).double(), X, torch.randn(11, 1, dtype=torch.float64),
+                         loss=lambda out, t: 0.5 * ((out - t) ** 2).sum(dim=1))
+    assert reg.grad_sum(reg.theta0()).shape == (reg.dim,)
+    names = list(ce.named_arrays())
+    assert names == ["weight", "bias"] and ArrayRecord(ce.named_arrays())["weight"].numpy().shape == (2, 3)
+    with pytest.raises(ValueError, match="not both"):
+        TorchPotential(net, X, y, loss=lambda o, t: o, log_likelihood=lambda o, t: o)
+
+
+def test_pooled_potential_sums_its_clients():
+    parts = [GaussianLocal(client_data(i, D, 0)) for i in range(3)]
+    pool, whole = Pooled(parts), GaussianLocal(np.concatenate([p.y for p in parts]))
+    theta = np.linspace(0, 1, D)
+    idx = np.array([0, parts[0].n_data, parts[0].n_data + parts[1].n_data + 2])
+    assert pool.n_data == whole.n_data
+    assert np.allclose(pool.grad_sum(theta), whole.grad_sum(theta), atol=1e-9)
+    assert np.allclose(pool.grad_sum(theta, idx), whole.grad_sum(theta, idx), atol=1e-12)
+
+
+# ---- a task plug-in runs on every engine and gives the same chain ------------------------------
+def make_task(num_clients: int, data_seed: int):
+    """A user's task plug-in (``task = "test_public_api:make_task"``): the toy Gaussian, built
+    from the public names only."""
+    from qlsd_flwr.potentials import GaussianPrior, Task
+
+    clients = [NumpyPotential(GaussianLocal(client_data(i, D, data_seed)).grad_sum,
+                              GaussianLocal(client_data(i, D, data_seed)).value,
+                              n_data=len(client_data(i, D, data_seed)), dim=D) for i in range(num_clients)]
+    return Task(name="user-gaussian", dim=D, clients=clients, prior=GaussianPrior(var=4.0))
+
+
+@pytest.mark.parametrize("variant", ["qlsd-pp", "qlsd-sharp"])
+def test_a_task_plugin_gives_the_builtin_chain_on_every_non_ray_engine(tmp_path, monkeypatch, variant):
+    # the Ray engine runs a user's task in the flwr-run test (test_flwr_run.py)
+    monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).parent))
+    base = {**_config_keys(SAMPLER), "variant": variant, "num-clients": B, "dim": D, "prior-var": 4.0,
+            "progress": False, "output-dir": str(tmp_path)}
+    ref = load_samples(run({**base, "engine": "local", "run-name": "builtin"}).run_dir)
+    for engine in ("local", "inprocess", "vectorised"):
+        out = run({**base, "task": "test_public_api:make_task", "engine": engine, "run-name": engine})
+        assert np.array_equal(load_samples(out.run_dir), ref), engine
+    sys.modules.pop("test_public_api", None)
+
+
+@pytest.mark.parametrize("variant", ["qlsd", "qlsd-sharp", "qlsd-pp", "sgld"])
+def test_a_forged_anchor_version_is_a_counted_rejection_and_changes_nothing(variant):
+    # Flower's records carry 2^63 (it does not fit the server's int64 bookkeeping): the reply is
+    # rejected and counted, and the round ends exactly as if that client had not replied
+    from qlsd_flwr.config import resolve
+    from qlsd_flwr.core.oracles import ClientState
+    from qlsd_flwr.protocol.client import handle
+    from qlsd_flwr.protocol.server import QLSDServer
+    from qlsd_flwr.protocol.wire import vectors_to_bytes
+
+    cfg = resolve({"variant": variant, "num-clients": 3, "dim": D, "s": "8", "num-rounds": 5, "burn-in": 0,
+                   "progress": False})
+    task = build_gaussian_task(cfg.b, D, 0) if variant != "sgld" else build_gaussian_task(3, D, 0, pooled=True)
+
+    def one_round(forge: bool):
+        server = QLSDServer(cfg, task)
+        server.begin(task.theta_star)
+        specs = [client_spec_from_settings(server.settings[i], i, task.clients[i].n_data, D)[0] for i in range(cfg.b)]
+        for i in server.begin_round():
+            reply = handle(specs[i], task.clients[i], ClientState(), cfg.seed,
+                           vectors_to_bytes(server.fields_for(i)), D)
+            if forge and i == 0:
+                reply["anchor_version"] = 2 ** 63
+            server.accept(i, reply)
+        server.end_round()
+        return server
+
+    forged, honest = one_round(True), one_round(False)
+    assert forged.rejected == {"stale_anchor": 1}
+    assert 0 in forged.missed_rounds and 0 not in honest.missed_rounds
+    assert forged.anchor_acked[0] == -2 and forged.eta_count[0] == 0  # nothing of the reply was kept
