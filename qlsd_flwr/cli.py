@@ -10,6 +10,7 @@ from pathlib import Path
 
 from qlsd_flwr import __version__
 from qlsd_flwr.config import ConfigError
+from qlsd_flwr.keys import help_text, markdown_table, pyproject_block
 
 HELP = """QLSD, QLSD#, QLSD* and QLSD++ (Vono et al., AISTATS 2022): federated Langevin sampling on Flower.
 
@@ -26,8 +27,10 @@ HELP = """QLSD, QLSD#, QLSD* and QLSD++ (Vono et al., AISTATS 2022): federated L
       Any configuration, on the engine its `engine` key names (ray, inprocess, local, vectorised).
   qlsd-flwr plot RUN_DIR
       Draw a run's overview plot again.
-
-Every key, its default and its allowed values: qlsd_flwr/config.py (DEFAULTS) and the README.
+  qlsd-flwr config [--toml | --markdown]
+      Every run-config key with its default, paper symbol, allowed values and meaning (--toml: the
+      [tool.flwr.app.config] block; --markdown: the README's table). `qlsd-flwr run --help` lists
+      them too.
 """
 
 # the toy Gaussian demo (``qlsd-flwr demo --toy``; also conf/gaussian_qlsdpp_ray.toml)
@@ -85,10 +88,34 @@ def execute(overrides: dict) -> int:
     outcome = simulate.run(overrides)
     print("\nQLSD run finished\n" + table(outcome.summary, outcome.run_dir))
     if outcome.run_dir is not None:
+        import json
+
+        task = json.loads((outcome.run_dir / "config.json").read_text())["resolved"]["task"]
+        if task in ("logistic", "mnist"):  # the held-out predictive: evaluation.json and ArviZ's groups
+            from qlsd_flwr.evaluation.evaluate import evaluate_run
+
+            ev = evaluate_run(outcome.run_dir)
+            print(f"  held-out: accuracy {100 * ev['accuracy']:.1f} %, nNLL {ev['nnll']:.4f}, ECE {ev['ece']:.4f}"
+                  " (evaluation.json; log_likelihood and predictions in samples.nc)")
         for p in plot_run(outcome.run_dir):
             print(f"  plot: {p}")
         print(f"  samples load with: arviz.from_netcdf('{outcome.run_dir / 'samples.nc'}')")
     return 0
+
+
+def _sigterm_stops_cleanly():
+    """SIGTERM (a scheduler's stop, ``kill``) raises KeyboardInterrupt("SIGTERM") in the main
+    thread, so the engines close their outputs as on Ctrl-C instead of dying with files open.
+    Returns the handler it replaced (``None`` off the main thread)."""
+    import signal
+    import threading
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt("SIGTERM")
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, handler)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,12 +127,31 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--toy", action="store_true",
                    help="run the toy Gaussian demo instead (about 1 minute)")
     d.add_argument("sets", nargs="*", help="key=value overrides")
-    r = sub.add_parser("run", help="run a configuration")
+    from qlsd_flwr.keys import help_text
+
+    r = sub.add_parser("run", help="run a configuration", formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog="run-config keys (key = default (symbol), then meaning and allowed values):\n\n"
+                              + help_text())
     r.add_argument("--config", help="TOML file with run-config keys")
     r.add_argument("--set", dest="sets", action="append", default=[], help="key=value (repeatable)")
     p = sub.add_parser("plot", help="draw a run's overview plot")
     p.add_argument("run_dir")
+    c = sub.add_parser("config", help="every run-config key with its default and allowed values")
+    fmt = c.add_mutually_exclusive_group()
+    fmt.add_argument("--toml", action="store_true", help="as the [tool.flwr.app.config] block")
+    fmt.add_argument("--markdown", action="store_true", help="as the README's table")
     args = ap.parse_args(argv)
+    previous = _sigterm_stops_cleanly()
+    try:
+        return _dispatch(args)
+    finally:
+        if previous is not None:
+            import signal
+
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _dispatch(args) -> int:
     try:
         if args.cmd == "demo":
             if args.toy:
@@ -116,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "run":
             base = load_config_file(args.config) if args.config else {}
             return execute({**base, **parse_sets(args.sets)})
+        if args.cmd == "config":
+            print(pyproject_block() if args.toml else markdown_table() if args.markdown else help_text(), end="")
+            return 0
         if args.cmd == "plot":
             from qlsd_flwr.evaluation.report import plot_run
 
@@ -128,6 +177,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"configuration error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as exc:
+        sig = "SIGTERM" if str(exc) == "SIGTERM" else "Ctrl-C"
+        print(f"qlsd-flwr: stopped by {sig}; the run folder holds every draw and round so far "
+              "(samples.nc, metrics.csv, summary.json with 'stopped')", file=sys.stderr)
+        return 143 if sig == "SIGTERM" else 130
     except InputError as exc:
         print(f"qlsd-flwr: {exc}", file=sys.stderr)
         return 2

@@ -1,8 +1,9 @@
 """The run configuration: one flat key/value mapping drives every engine.
 
-The keys are the ones of ``[tool.flwr.app.config]`` in ``pyproject.toml`` and of the files
-in ``conf/`` (``flwr run . --run-config conf/x.toml``). :func:`resolve` checks every key at
-start-up and raises :class:`ConfigError` naming the bad key and its allowed values, so a
+The keys, their types, ranges, defaults and meanings are the table of :mod:`qlsd_flwr.keys`
+(also ``[tool.flwr.app.config]`` in ``pyproject.toml``, the files in ``conf/``, ``qlsd-flwr
+config``). :func:`resolve` reads every key by the table's rules, then checks what involves
+several keys, and raises :class:`ConfigError` naming the bad key and its allowed values, so a
 mistake costs a second, not an hour of sampling.
 """
 
@@ -15,10 +16,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-
-class ConfigError(ValueError):
-    """A run configuration value is missing, unknown or out of range."""
-
+from qlsd_flwr.keys import DEFAULTS, ConfigError, flag, parse  # noqa: F401 (DEFAULTS, ConfigError: re-exported)
 
 # variant -> (oracle, compressed?, memory?)
 #   oracle: "full" ∇U_i(θ); "minibatch" QLSD#; "star" control variate at θ*; "svrg" QLSD++.
@@ -38,64 +36,9 @@ TASKS = ("gaussian", "logistic", "mnist")
 # "external": the clients bring their own potentials (qlsd_flwr.flower.make_client_app(potential_fn)),
 # set by QLSDStrategy's keyword constructor; "<module>:<callable>" names a task plug-in.
 
-DEFAULTS: dict[str, Any] = {
-    # what to sample
-    "task": "gaussian",
-    "num-clients": 20,
-    "dim": 50,
-    "data-seed": 0,
-    "dataset": "auto",  # auto: breast_cancer (task logistic), mnist_subset (task mnist)
-    "partition": "auto",  # auto: dirichlet (logistic), dominant_label (mnist)
-    "partition-alpha": 0.5,
-    "model": "logistic",  # task mnist: logistic | mlp | lenet5
-    "device": "cpu",  # torch models (task mnist): cpu | cuda | cuda:<k>
-    "prior-var": "flat",
-    "prior-on": "server",
-    # the sampler
-    "variant": "qlsd-pp",
-    "num-rounds": 2000,
-    "burn-in": 500,
-    "thin": 1,
-    "gamma": 4.9e-4,
-    "seed": 0,
-    "num-chains": 1,
-    "compressor": "qsgd",
-    "s": "16",
-    "block-norm": "vector",
-    "encoding": "auto",
-    "p": "1.0",
-    "aggregation": "unbiased",
-    "batch-fraction": 0.1,
-    "l": 100,
-    "alpha": "auto",
-    "theta-star": "closed-form",
-    "opt-rounds": 500,
-    "opt-tol": 1e-6,
-    # how to run it
-    "engine": "ray",
-    "output-dir": "outputs",
-    "run-name": "",
-    "progress": True,
-    "verbose": False,
-    "client-cpus": 0.5,
-    "reply-timeout": 600.0,
-    "checkpoint-every": 0,  # write checkpoint.npz every N rounds (0: off); see qlsd_flwr.outputs.checkpoint
-    "resume": "",  # a run folder: continue that run from its checkpoint
-}
 
-
-def _per_client(key: str, raw: Any, b: int, cast) -> np.ndarray:
-    """A scalar or comma-separated list, broadcast to one value per client."""
-    if isinstance(raw, str):
-        parts = [x.strip() for x in raw.split(",") if x.strip()]
-    elif isinstance(raw, (list, tuple, np.ndarray)):
-        parts = list(raw)
-    else:
-        parts = [raw]
-    try:
-        vals = [cast(x) for x in parts]
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{key}: cannot read {raw!r} as {cast.__name__} values") from exc
+def _per_client(key: str, vals: list, b: int) -> np.ndarray:
+    """A key's values (one, or one per client; see :func:`qlsd_flwr.keys.parse`), one per client."""
     if len(vals) == 1:
         vals = vals * b
     if len(vals) != b:
@@ -103,11 +46,6 @@ def _per_client(key: str, raw: Any, b: int, cast) -> np.ndarray:
             f"{key}: mismatched dimensions: {len(vals)} values given but num-clients = {b}"
             " (give one value for all clients, or exactly one per client)")
     return np.asarray(vals)
-
-
-def integer(x) -> int:
-    """One per-client integer (``s_i``): an integral value, else ``ValueError``."""
-    return _integer("value", x)
 
 
 @dataclass(frozen=True)
@@ -165,39 +103,6 @@ class RunConfig:
         return {"config": dict(self.raw), "resolved": d}
 
 
-_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
-
-
-def _flag(key: str, value: Any) -> bool:
-    """A boolean key: a bool, or one of true/false, 1/0, yes/no, on/off (never ``bool("no")``)."""
-    if isinstance(value, (bool, np.bool_)):
-        return bool(value)
-    v = str(value).strip().lower()
-    if v in _TRUE or v in _FALSE:
-        return v in _TRUE
-    raise ConfigError(f"{key}: expected true or false, got {value!r}")
-
-
-def _integer(key: str, value: Any) -> int:
-    """An integer key: an int, or a number or string with an integral value (``"5"``, ``5.0``,
-    ``"1e3"``); a fraction (``4.9``), a bool, or anything else is refused, never truncated."""
-    if isinstance(value, (bool, np.bool_)):
-        raise ConfigError(f"{key}: expected an integer, got {value!r}")
-    if isinstance(value, (int, np.integer)):
-        return int(value)
-    try:
-        return int(str(value).strip())
-    except ValueError:
-        pass
-    try:
-        f = float(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{key}: expected an integer, got {value!r}") from None
-    if not math.isfinite(f) or f != math.floor(f):
-        raise ConfigError(f"{key}: expected an integer, got {value!r}")
-    return int(f)
-
-
 def _choice(key: str, value: Any, allowed) -> str:
     v = str(value).strip().lower()
     if v not in allowed:
@@ -205,7 +110,7 @@ def _choice(key: str, value: Any, allowed) -> str:
     return v
 
 
-MODELS = ("logistic", "mlp", "lenet5")
+MODELS = ("logistic", "mlp", "lenet5", "resnet20", "lenet", "resnet", "linear")
 PARTITION_NAMES = ("auto", "natural", "iid", "dirichlet", "pathological", "dominant_label",
                    "dominant", "heterogeneous", "non_iid", "shards")
 
@@ -239,12 +144,6 @@ def _check_data_keys(raw: dict) -> None:
         except ValueError as exc:
             raise ConfigError(f"dataset: {exc} (or 'auto')") from exc
     _choice("partition", str(raw["partition"]).strip().lower().replace("-", "_"), PARTITION_NAMES)
-    try:
-        pa = float(raw["partition-alpha"])
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"partition-alpha: expected a number, got {raw['partition-alpha']!r}") from exc
-    if not (pa > 0 and math.isfinite(pa)):
-        raise ConfigError(f"partition-alpha must be a finite number > 0 (got {raw['partition-alpha']!r})")
     if is_plugin(raw["model"]):
         from qlsd_flwr.plugins import load_object
 
@@ -273,100 +172,49 @@ def resolve(overrides: Mapping[str, Any] | None = None) -> RunConfig:
             raise ConfigError(f"unknown config key {k!r}{hint}; allowed keys: {', '.join(DEFAULTS)}")
         raw[kk] = v
 
+    v = {key: parse(key, raw[key]) for key in DEFAULTS}  # every key by its own rules (keys.py)
     name = str(raw["variant"]).strip().lower()
     name = ALIASES.get(name, name)
     variant = _choice("variant", name, tuple(VARIANTS))
     oracle, compressed, memory = VARIANTS[variant]
     task = _task_key(raw["task"])
     engine = _choice("engine", raw["engine"], ENGINES)
-
-    def num(key, cast=float):
-        if cast is int:
-            return _integer(key, raw[key])
-        try:
-            return cast(raw[key])
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"{key}: expected a number, got {raw[key]!r}") from exc
-
-    def at_least_one(key):
-        v = num(key, int)
-        if v < 1:
-            raise ConfigError(f"{key} must be >= 1 (got {v})")
-        return v
-
-    b = at_least_one("num-clients")
-    dim = at_least_one("dim")
-    gamma = num("gamma")
-    if not (gamma > 0 and math.isfinite(gamma)):
-        raise ConfigError(f"gamma must be a finite number > 0 (got {raw['gamma']!r})")
-    K = at_least_one("num-rounds")
-    burn = num("burn-in", int)
-    if not 0 <= burn < K:
+    b, dim, gamma, K = v["num-clients"], v["dim"], v["gamma"], v["num-rounds"]
+    burn, thin, chains = v["burn-in"], v["thin"], v["num-chains"]
+    if not burn < K:
         raise ConfigError(f"burn-in must be in [0, num-rounds) = [0, {K}) (got {burn})")
-    thin = at_least_one("thin")
-    chains = at_least_one("num-chains")
     if chains > 1 and engine != "vectorised":
         raise ConfigError("num-chains > 1 needs engine = vectorised (Flower runs one chain per run)")
 
     # SGLD is centralised: the task's data is pooled into one client that always takes part.
     b_eff = 1 if variant == "sgld" else b
-    s = _per_client("s", raw["s"], b_eff, integer)
-    if np.any(s < 1):
-        raise ConfigError(f"s must be an integer >= 1 for every client (got {raw['s']!r})")
-    p = _per_client("p", raw["p"], b_eff, float)
-    if np.any(~(p > 0)) or np.any(p > 1) or not np.all(np.isfinite(p)):
-        raise ConfigError(f"p must be in (0, 1] for every client (got {raw['p']!r})")
+    s = _per_client("s", v["s"], b_eff)
+    p = _per_client("p", v["p"], b_eff).astype(np.float64)
+    if variant == "sgld" and np.any(p != 1.0):
+        raise ConfigError(f"p must be 1 for variant sgld (centralised: its one pooled client takes part in "
+                          f"every round; got {raw['p']!r})")
     aggregation = _choice("aggregation", raw["aggregation"], ("unbiased", "active-fraction"))
-    bf = num("batch-fraction")
-    if not 0 < bf <= 1:
-        raise ConfigError(f"batch-fraction must be in (0, 1] (got {raw['batch-fraction']!r})")
-    l = num("l", int)
-    if l < 1:
-        raise ConfigError(f"l must be an integer >= 1 (got {raw['l']!r})")
-    if str(raw["alpha"]).strip().lower() == "auto":
-        alpha = None
-    else:
-        alpha = num("alpha")
-        if not 0 <= alpha <= 1:
-            raise ConfigError(f"alpha must be in [0, 1] or 'auto' = 1/(omega+1) (got {raw['alpha']!r})")
-    pv = str(raw["prior-var"]).strip().lower()
-    if pv in ("flat", "inf", "none"):
-        prior_var = math.inf
-    else:
-        prior_var = num("prior-var")
-        if not prior_var > 0:
-            raise ConfigError(f"prior-var must be > 0 or 'flat' (got {raw['prior-var']!r})")
+    alpha = None if v["alpha"] == "auto" else float(v["alpha"])
+    prior_var = math.inf if isinstance(v["prior-var"], str) else float(v["prior-var"])
     prior_on = _choice("prior-on", raw["prior-on"], ("server", "clients"))
     block_norm = _choice("block-norm", raw["block-norm"], ("vector", "tensor"))
     encoding = _choice("encoding", raw["encoding"], ("auto", "elias", "packed"))
     _choice("compressor", raw["compressor"], ("qsgd", "identity"))
-    if str(raw["compressor"]).lower() == "identity":
+    if str(raw["compressor"]).strip().lower() == "identity":
         compressed = False
     theta_star = _choice("theta-star", raw["theta-star"], ("closed-form", "optimise"))
-    opt_rounds = num("opt-rounds", int)
-    if opt_rounds < 1:
-        raise ConfigError(f"opt-rounds must be an integer >= 1 (got {raw['opt-rounds']!r})")
-    opt_tol = num("opt-tol")
-    if not (opt_tol > 0 and math.isfinite(opt_tol)):
-        raise ConfigError(f"opt-tol must be a finite number > 0 (got {raw['opt-tol']!r})")
-    reply_timeout = num("reply-timeout")
-    if not reply_timeout > 0:
-        raise ConfigError(f"reply-timeout must be a number of seconds > 0 (got {raw['reply-timeout']!r})")
-    ce = num("checkpoint-every", int)
-    if ce < 0 or ce != num("checkpoint-every"):
-        raise ConfigError(f"checkpoint-every must be an integer >= 0 (0: off) (got {raw['checkpoint-every']!r})")
-    if hasattr(raw["resume"], "__fspath__"):
-        raw["resume"] = str(raw["resume"])
-    if not isinstance(raw["resume"], str):
-        raise ConfigError(f"resume must be a run folder path or '' (got {raw['resume']!r})")
+    raw["resume"] = v["resume"]
+    rn = v["run-name"]
+    if rn in (".", "..") or "/" in rn or "\\" in rn:  # one folder inside output-dir, never outside it
+        raise ConfigError(f"run-name must be one folder name inside output-dir, without '/' or '..' (got {rn!r})")
     _check_data_keys(raw)
     return RunConfig(
         raw=raw, variant=variant, oracle=oracle, compressed=compressed, memory=memory, b=b_eff,
-        gamma=gamma, num_rounds=K, burn_in=burn, thin=thin, seed=num("seed", int),
-        num_chains=chains, s=s.astype(np.int64), p=p.astype(np.float64),
-        aggregation=aggregation, batch_fraction=bf, l=l, alpha=alpha, prior_var=prior_var,
+        gamma=gamma, num_rounds=K, burn_in=burn, thin=thin, seed=v["seed"],
+        num_chains=chains, s=s.astype(np.int64), p=p,
+        aggregation=aggregation, batch_fraction=v["batch-fraction"], l=v["l"], alpha=alpha, prior_var=prior_var,
         prior_on=prior_on, block_norm=block_norm, encoding=encoding, theta_star=theta_star,
-        engine=engine, task=task, num_clients=b, dim=dim, data_seed=num("data-seed", int), opt_rounds=opt_rounds,
-        opt_tol=opt_tol, checkpoint_every=ce, reply_timeout=reply_timeout,
-        verbose=_flag("verbose", raw["verbose"]), progress=_flag("progress", raw["progress"]),
+        engine=engine, task=task, num_clients=b, dim=dim, data_seed=v["data-seed"], opt_rounds=v["opt-rounds"],
+        opt_tol=v["opt-tol"], checkpoint_every=v["checkpoint-every"], reply_timeout=v["reply-timeout"],
+        verbose=v["verbose"], progress=v["progress"],
     )

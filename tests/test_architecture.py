@@ -19,7 +19,7 @@ PKG = ROOT / "qlsd_flwr"
 # bottom to top; a package may import its own layer's modules and those of lower layers
 LAYERS = [
     {"plugins", "data"},
-    {"config"},
+    {"config", "keys"},
     {"core", "compression", "outputs"},
     {"protocol"},
     {"tasks", "potentials"},

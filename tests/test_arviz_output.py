@@ -49,3 +49,60 @@ def test_samples_nc_is_arviz_ready(tmp_path, engine, chains, ck):
     axes = az.plot_trace(idata, var_names=["theta"])
     assert axes.shape == (1, 2)
     matplotlib.pyplot.close("all")
+
+
+def test_classification_runs_get_loo_ready_groups_and_named_coordinates(tmp_path, capsys):
+    # the CLI's run on a classification task evaluates the held-out set and adds ArviZ's groups
+    from qlsd_flwr.cli import main
+    from qlsd_flwr.config import resolve
+    from qlsd_flwr.tasks import registry
+    from qlsd_flwr.tasks.logistic import predict_proba
+
+    sets = {"task": "logistic", "engine": "vectorised", "num-chains": 2, "num-rounds": 60, "burn-in": 20,
+            "gamma": 1e-3, "num-clients": 4, "output-dir": str(tmp_path), "run-name": "lg", "progress": False}
+    assert main(["run", *sum((["--set", f"{k}={v}"] for k, v in sets.items()), [])]) == 0
+    assert "held-out: accuracy" in capsys.readouterr().out
+    idata = az.from_netcdf(tmp_path / "lg" / "samples.nc")
+    assert {"posterior", "sample_stats", "log_likelihood", "predictions", "observed_data"} <= set(idata.groups())
+    X, y, K, _ = registry.test_set(resolve(sets))
+    th = idata.posterior["theta"].values
+    ll = idata.log_likelihood["y"].values
+    assert ll.shape == (2, 40, len(y)) and np.array_equal(idata.observed_data["y"].values, y)
+    prob = predict_proba(th[1, 7][None], X, K)
+    assert np.allclose(ll[1, 7], np.log(prob[np.arange(len(y)), y]), rtol=0, atol=1e-12)
+    pred = idata.predictions["y"].values
+    assert pred.min() >= 0 and pred.max() < K
+    # the draws' labels follow the predictive: the mean over draws is close to its probabilities
+    assert np.abs((pred == 1).mean(axis=(0, 1)) - predict_proba(th.reshape(-1, th.shape[-1]), X, K)[:, 1]).max() < 0.35
+    loo = az.loo(idata)
+    assert np.isfinite(loo.elpd_loo) and loo.n_data_points == len(y)
+    p = X.shape[1]
+    labels = idata.posterior["theta_dim_0"].values.tolist()
+    assert labels[:2] == ["W[0,0]", "W[0,1]"] and labels[-K:] == [f"b[{k}]" for k in range(K)]
+    assert len(labels) == (p + 1) * K
+
+
+def test_tensor_labels_name_each_parameter_entry():
+    from qlsd_flwr.tasks.registry import tensor_labels
+
+    assert tensor_labels([("fc.weight", (2, 3)), ("fc.bias", (2,))]) == [
+        "fc.weight[0,0]", "fc.weight[0,1]", "fc.weight[0,2]", "fc.weight[1,0]", "fc.weight[1,1]", "fc.weight[1,2]",
+        "fc.bias[0]", "fc.bias[1]"]
+
+
+def test_the_overview_plot_shows_the_coordinates_the_data_moved_and_every_chain(tmp_path):
+    from qlsd_flwr.evaluation.report import (
+        informative_coordinates,
+        plot_run,
+        rolling_mean,
+    )
+
+    rng = np.random.default_rng(0)
+    s = rng.normal(size=(2, 100, 6))  # centred noise, as an uninformed (prior-only) coordinate
+    s[..., 4] += 10.0  # the data moved coordinates 4 and 1
+    s[..., 1] -= 5.0
+    assert informative_coordinates(s, 2) == [1, 4]
+    assert np.allclose(rolling_mean([1, 2, 3, 4], 2), [1, 1.5, 2.5, 3.5])
+    out = run({**BASE, "engine": "vectorised", "num-chains": 2, "output-dir": str(tmp_path), "run-name": "p"})
+    (path,) = plot_run(out.run_dir)
+    assert path.stat().st_size > 10_000

@@ -113,3 +113,81 @@ def test_the_flower_app_declares_every_key():
     cfg = resolve(declared)  # and every declared value is valid
     assert cfg.num_rounds == declared["num-rounds"]
     assert py["project"]["requires-python"] == ">=3.11"  # what flwr 1.41 itself requires
+
+
+# ---- the key table (qlsd_flwr/keys.py) drives validation, pyproject, --help, `config`, the README --
+def _bad_value(key):
+    return {"int": 1.5, "float": "x", "bool": "maybe", "choice": "nonsense", "text": 5, "ints": "x",
+            "floats": "x", "float|word": "x"}[key.kind]
+
+
+def test_every_key_of_the_table_is_validated_and_named():
+    from qlsd_flwr.keys import KEYS
+
+    for key in KEYS:
+        with pytest.raises(ConfigError) as err:
+            resolve({key.name: _bad_value(key)})
+        assert key.name in str(err.value), (key.name, str(err.value))
+
+
+@pytest.mark.parametrize("overrides, words", [
+    ({"gamma": True}, ["gamma", "expected a number"]),  # TOML gamma = true is not γ = 1
+    ({"num-rounds": True}, ["num-rounds", "expected an integer"]),
+    ({"num-rounds": 2.9}, ["num-rounds", "expected an integer"]),
+    ({"num-rounds": float("inf")}, ["num-rounds", "expected an integer"]),
+    ({"s": 2**40}, ["s", "at most"]),
+    ({"seed": -1}, ["seed", "[0, 2^63 - 1]"]),
+    ({"seed": 1e23}, ["seed", "[0, 2^63 - 1]"]),
+    ({"dim": 1e9}, ["dim", "at most"]),
+    ({"num-clients": 1e6}, ["num-clients", "at most"]),
+    ({"reply-timeout": float("nan")}, ["reply-timeout", "expected a number"]),
+    ({"client-cpus": -4}, ["client-cpus", "> 0"]),
+    ({"opt-rounds": -3}, ["opt-rounds", ">= 1"]),
+    ({"run-name": "a\x00b"}, ["run-name", "NUL"]),
+    ({"progress": "no way"}, ["progress", "true or false"]),
+    ({"variant": "sgld", "p": 0.5}, ["p must be 1 for variant sgld"]),
+])
+def test_each_parsing_rule_has_a_failing_case(overrides, words):
+    with pytest.raises(ConfigError) as err:
+        resolve(overrides)
+    for w in words:
+        assert w in str(err.value), (w, str(err.value))
+
+
+@pytest.mark.parametrize("value, expected", [(True, True), ("yes", True), ("on", True), (1, True), ("1", True),
+                                             (False, False), ("no", False), ("off", False), ("0", False)])
+def test_booleans_read_the_usual_words(value, expected):
+    assert resolve({"verbose": value}).verbose is expected
+
+
+def test_pyproject_declares_the_table_with_valid_values():
+    import tomllib
+    from pathlib import Path
+
+    from qlsd_flwr.keys import KEYS, parse, pyproject_block
+
+    py = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    declared = py["tool"]["flwr"]["app"]["config"]
+    assert list(declared) == [k.name for k in KEYS]
+    for name, value in declared.items():
+        parse(name, value)
+    assert list(tomllib.loads(pyproject_block())["tool"]["flwr"]["app"]["config"]) == list(declared)
+
+
+def test_readme_help_and_config_command_come_from_the_table(capsys):
+    from pathlib import Path
+
+    from qlsd_flwr.cli import main
+    from qlsd_flwr.keys import KEYS, markdown_table
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert markdown_table() in readme
+    assert main(["config"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"  {k.name} = " in out for k in KEYS)
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    out = capsys.readouterr().out
+    assert all(f"  {k.name} = " in out for k in KEYS) and "allowed: qlsd, qlsd-sharp" in out
+    assert main(["config", "--toml"]) == 0
+    assert capsys.readouterr().out.startswith("[tool.flwr.app.config]\ntask = ")

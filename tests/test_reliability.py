@@ -203,6 +203,13 @@ def test_divergence_stops_with_a_clear_error_and_keeps_the_outputs(engine, tmp_p
     meta, arrays = ckpt.load(ckpt.path_in(run_dir))  # the last good checkpoint is kept
     assert meta["k"] == (r - 1) // 5 * 5 and meta["k"] < r
     assert f"last good checkpoint is at round {meta['k']}" in str(info.value)
+    # the suggested step is below the stability limit the start-up warning names (2/τ; it
+    # suggests 1/τ), not just a tenth of the step that diverged
+    from qlsd_flwr.tasks.gaussian import build_gaussian_task
+
+    tau = 1.0 / float(np.min(build_gaussian_task(20, 50, 0).posterior_var))
+    suggested = float(re.search(r"e\.g\. gamma=([0-9.e+-]+)\)", str(info.value)).group(1))
+    assert suggested <= 1.0 / tau * (1 + 1e-3) and suggested < 2.0 / tau
 
 
 # ---------------------------------------------------------------------------------------------

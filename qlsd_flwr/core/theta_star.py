@@ -10,12 +10,15 @@ nothing else differs between them.
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import numpy as np
 
 from qlsd_flwr.config import ConfigError, RunConfig
 from qlsd_flwr.core.potential import Task
+
+log = logging.getLogger("qlsd_flwr")
 
 
 def needs_theta_star(cfg: RunConfig) -> bool:
@@ -41,12 +44,14 @@ def opt_converged(grad: np.ndarray, grad0_norm: float, tol: float) -> bool:
 
 
 def optimise_theta_star(cfg: RunConfig, theta0: np.ndarray,
-                        grad_fn: Callable[[np.ndarray], np.ndarray]) -> tuple[np.ndarray, int]:
+                        grad_fn: Callable[[np.ndarray], np.ndarray], info: dict | None = None
+                        ) -> tuple[np.ndarray, int]:
     """Federated gradient descent for ``θ* = argmin U``: ``θ ← θ − γ ∇U(θ)``.
 
     ``grad_fn(θ)`` returns ``∇U(θ)`` as summed from the clients' full local gradients (plus the
     prior); it is how each engine reaches its clients. Stops when
     ``‖∇U‖ ≤ opt-tol·(1 + ‖∇U(θ_0)‖)`` or after ``opt-rounds`` rounds; returns ``(θ*, rounds)``.
+    ``info`` (a dict) receives ``opt_converged`` and ``opt_grad_norm`` (``‖∇U(θ*)‖``).
     """
     theta = theta0.copy()
     g = grad_fn(theta)
@@ -57,6 +62,9 @@ def optimise_theta_star(cfg: RunConfig, theta0: np.ndarray,
         g = grad_fn(theta)
         if opt_converged(g, g0, cfg.opt_tol):
             break
+    if info is not None:
+        info["opt_converged"] = bool(opt_converged(g, g0, cfg.opt_tol))
+        info["opt_grad_norm"] = float(np.linalg.norm(g))
     return theta, rounds
 
 
@@ -75,5 +83,11 @@ def resolve_theta_star(cfg: RunConfig, task: Task, theta0: np.ndarray,
     if grad_fn is None:
         raise ConfigError("theta-star: this path supports only closed-form (the legacy Flower API has "
                           "no message type for the optimisation phase; use the Message-API strategy)")
-    ts, rounds = optimise_theta_star(cfg, theta0, grad_fn)
-    return ts, {"theta_star": "optimise", "opt_rounds": rounds}
+    info: dict = {}
+    ts, rounds = optimise_theta_star(cfg, theta0, grad_fn, info)
+    if not info["opt_converged"]:
+        # QLSD*'s control variate assumes Σ_i ∇U_i(θ*) = 0: what is left of ∇U(θ*) biases every step
+        log.warning("theta-star: the optimisation stopped at opt-rounds = %d with ‖∇U(θ*)‖ = %.3g, above "
+                    "opt-tol·(1 + ‖∇U(θ_0)‖); QLSD*/LSD* drift by that gradient. Raise opt-rounds (or gamma, "
+                    "if stable), or give θ* in closed form", rounds, info["opt_grad_norm"])
+    return ts, {"theta_star": "optimise", "opt_rounds": rounds, **info}

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 
-from qlsd_flwr.deploy.certs import make_node_keypair, make_tls_certificates
+from qlsd_flwr.deploy.certs import (
+    KeyFileError,
+    make_node_keypair,
+    make_tls_certificates,
+)
 from qlsd_flwr.deploy.flwr_cli import stage_app, write_partition
 from qlsd_flwr.deploy.processes import ray_cluster_state
 
@@ -21,10 +25,12 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("out_dir")
     c.add_argument("--host", action="append", help="SuperLink IP or DNS name (repeatable); "
                    "default 127.0.0.1 and localhost")
-    c.add_argument("--days", type=int, default=365)
+    c.add_argument("--days", type=int, default=365, help="validity in days (>= 1)")
+    c.add_argument("--force", action="store_true", help="replace existing files (default: keep them, refuse)")
     k = sub.add_parser("node-key", help="SuperNode auth key pair <name>, <name>.pub (EC P-384, OpenSSH)")
     k.add_argument("out_dir")
     k.add_argument("name")
+    k.add_argument("--force", action="store_true", help="replace an existing pair (default: keep it, refuse)")
     s = sub.add_parser("stage-app", help="copy the app for `flwr run`, with every config key declared")
     s.add_argument("dst")
     s.add_argument("--config", help="a run-config TOML, e.g. conf/deploy.toml")
@@ -53,13 +59,22 @@ def main(argv: list[str] | None = None) -> int:
                 out[key] = val
         return out
 
-    if args.cmd == "certs":
-        paths = make_tls_certificates(args.out_dir, tuple(args.host or ("127.0.0.1", "localhost")), args.days)
-        print("\n".join(f"{k}: {v}" for k, v in paths.items()))
-    elif args.cmd == "node-key":
-        priv, pub = make_node_keypair(args.out_dir, args.name)
-        print(f"private: {priv}\npublic:  {pub}")
-    elif args.cmd == "stage-app":
+    try:
+        if args.cmd == "certs":
+            paths = make_tls_certificates(args.out_dir, tuple(args.host or ("127.0.0.1", "localhost")), args.days,
+                                          force=args.force)
+            print("\n".join(f"{k}: {v}" for k, v in paths.items()))
+            return 0
+        if args.cmd == "node-key":
+            priv, pub = make_node_keypair(args.out_dir, args.name, force=args.force)
+            print(f"private: {priv}\npublic:  {pub}")
+            return 0
+    except (KeyFileError, OSError) as exc:
+        import sys
+
+        print(f"qlsd_flwr.deploy {args.cmd}: {exc}", file=sys.stderr)
+        return 2
+    if args.cmd == "stage-app":
         print(stage_app(args.dst, config_file=args.config, overrides=overrides(args)))
     elif args.cmd == "partition":
         print(write_partition(overrides(args), args.partition_id, args.out))

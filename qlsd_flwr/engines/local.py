@@ -56,6 +56,7 @@ def run_local(cfg: RunConfig, task: Task | None = None, write: bool = True,
     the same chain, faster, for statistical tests.
     """
     task = task if task is not None else loading.load_task(cfg)
+    build.check_clients(task)
     d = task.dim
     blocks = build.blocks_for(cfg, task)
     specs = [build.client_spec(cfg, i, task.clients[i].n_data, d, task.prior, blocks) for i in range(cfg.b)]
@@ -74,24 +75,32 @@ def run_local(cfg: RunConfig, task: Task | None = None, write: bool = True,
     server.begin(theta_star, ts_info)
     bar.update(server.state.k)
     try:
-        for _ in range(server.state.k, cfg.num_rounds):
-            for i in server.begin_round():
-                fields = vectors_to_bytes(server.fields_for(i))  # a message as bytes, as on a wire
-                saved = copy.copy(states[i])  # handle() rebinds the state's arrays, never writes into them
-                try:
-                    reply = handle(specs[i], task.clients[i], states[i], cfg.seed, fields, d)
-                except Exception as exc:  # as Flower does: an error reply, the client's state unchanged
-                    states[i] = saved
-                    server.accept(i, None, error=f"{type(exc).__name__}: {exc}")
-                    continue
-                server.accept(i, reply)
-            server.end_round()
-            bar.update(1)
+        _rounds(cfg, server, specs, states, task, d, bar)
+    except BaseException as exc:  # Ctrl-C, SIGTERM (the CLI makes it KeyboardInterrupt), an error
+        server.stop(f"{type(exc).__name__}: {exc}".rstrip(": "))
+        raise
     finally:
         bar.close()
     summary = server.finish()
     trace = np.array(server.trace) if keep_trace else None
     return RunResult(summary=summary, run_dir=server.run_dir, trace=trace, server=server.state, clients=states)
+
+
+def _rounds(cfg, server, specs, states, task, d, bar) -> None:
+    """The protocol's rounds from the server's ``k`` to ``K``, clients called directly."""
+    for _ in range(server.state.k, cfg.num_rounds):
+        for i in server.begin_round():
+            fields = vectors_to_bytes(server.fields_for(i))  # a message as bytes, as on a wire
+            saved = copy.copy(states[i])  # handle() rebinds the state's arrays, never writes into them
+            try:
+                reply = handle(specs[i], task.clients[i], states[i], cfg.seed, fields, d)
+            except Exception as exc:  # as Flower does: an error reply, the client's state unchanged
+                states[i] = saved
+                server.accept(i, None, error=f"{type(exc).__name__}: {exc}")
+                continue
+            server.accept(i, reply)
+        server.end_round()
+        bar.update(1)
 
 
 def _run_direct(cfg, task, specs, states, theta_star, keep_trace, bar) -> RunResult:
@@ -108,10 +117,11 @@ def _run_direct(cfg, task, specs, states, theta_star, keep_trace, bar) -> RunRes
             try:
                 g_hat[int(i)] = client_round(specs[i], task.clients[i], states[i], cfg.seed, k, st.theta)[1]
             except ValueError as exc:  # the message cannot be formed: the chain has run away
-                raise DivergenceError(divergence_message(k + 1, cfg.gamma) + f" [{exc}]") from exc
+                raise DivergenceError(divergence_message(k + 1, cfg.gamma, stable=build.stable_gamma(task))
+                                      + f" [{exc}]") from exc
         sampler.server_step(spec, st, cfg.seed, *sampler.stack_replies(g_hat, cfg.b, task.dim))
         if not np.all(np.isfinite(st.theta)):
-            raise DivergenceError(divergence_message(k + 1, cfg.gamma))
+            raise DivergenceError(divergence_message(k + 1, cfg.gamma, stable=build.stable_gamma(task)))
         if keep_trace:
             trace[k] = st.theta
         bar.update(1)

@@ -111,10 +111,49 @@ def evaluate_run(run_dir: str | os.PathLike, max_samples: int | None = 200, writ
         raise ValueError("evaluate_run needs a classification task (logistic or mnist); the "
                          "Gaussian task's errors are in summary.json")
     X_te, y_te, _, _ = registry.test_set(cfg)
-    out = evaluate_samples(load_samples(run_dir), registry.predictor_of(cfg), X_te, y_te,
+    predictor = registry.predictor_of(cfg)
+    samples = load_samples(run_dir)
+    out = evaluate_samples(samples, predictor, X_te, y_te,
                            max_samples, n_bins,
                            plot_path=run_dir / "reliability.png" if write else None,
                            title=title or f"{cfg.variant} on {cfg.get('task')}")
     if write:
         (run_dir / "evaluation.json").write_text(json.dumps(out, indent=2))
+        write_predictive_groups(run_dir / "samples.nc", samples, predictor, X_te, y_te, cfg.seed)
     return out
+
+
+def write_predictive_groups(path: str | os.PathLike, samples: np.ndarray, predictor, X: np.ndarray,
+                            y: np.ndarray, seed: int) -> None:
+    """Add ArviZ's held-out groups to ``samples.nc``: ``log_likelihood`` (``y``: ``log p(y_j | θ)``
+    per chain, draw and test point, what ``az.loo`` and ``az.waic`` read), ``predictions``
+    (``y``: one label drawn from each draw's predictive ``p(· | x_j, θ)``, seeded by the run's
+    seed) and ``observed_data`` (``y``: the held-out labels), each over the dim ``test_point``.
+    Every draw is evaluated (one predictive pass per draw)."""
+    import h5netcdf
+
+    c, n, _ = samples.shape
+    y = np.asarray(y, dtype=np.int64)
+    ll = np.empty((c, n, len(y)))
+    pred = np.empty((c, n, len(y)), dtype=np.int64)
+    gen = np.random.default_rng([int(seed), 0x5052_4544])  # "PRED": its own stream
+    for ci in range(c):
+        for di in range(n):
+            prob = predictor.predict_proba(samples[ci, di][None], X)
+            ll[ci, di] = np.log(np.maximum(prob[np.arange(len(y)), y], np.finfo(float).tiny))
+            cum = np.cumsum(prob, axis=1)
+            u = gen.random(len(y))[:, None] * cum[:, -1:]
+            pred[ci, di] = np.minimum((u > cum).sum(axis=1), prob.shape[1] - 1)
+    with h5netcdf.File(path, "a") as f:
+        for name, data, dims in (("log_likelihood", ll, ("chain", "draw", "test_point")),
+                                 ("predictions", pred, ("chain", "draw", "test_point")),
+                                 ("observed_data", y, ("test_point",))):
+            if name in f.groups:
+                del f[name]
+            g = f.create_group(name)
+            g.dimensions = {d: data.shape[i] for i, d in enumerate(dims)}
+            for i, d in enumerate(dims):
+                g.create_variable(d, (d,), data=np.arange(data.shape[i]))
+            g.create_variable("y", dims, data=data)
+            for k, v in f["posterior"].attrs.items():
+                g.attrs[k] = v

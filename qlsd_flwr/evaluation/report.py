@@ -50,8 +50,35 @@ def table(summary: dict, run_dir: Path | None) -> str:
     return "\n".join(f"  {k:<{w}}  {v}" for k, v in rows)
 
 
+def informative_coordinates(samples: np.ndarray, n: int = 3) -> list[int]:
+    """The ``n`` coordinates the data moved most: the largest ``|posterior mean| / posterior sd``
+    over all chains (a corner pixel's weight, which only the prior shapes, scores near 0)."""
+    flat = samples.reshape(-1, samples.shape[-1])
+    score = np.abs(flat.mean(axis=0)) / np.maximum(flat.std(axis=0), 1e-300)
+    return sorted(np.argsort(-score, kind="stable")[:min(n, samples.shape[-1])].tolist())
+
+
+def rolling_mean(x: np.ndarray, window: int) -> np.ndarray:
+    """Mean over the last ``window`` values (fewer at the start)."""
+    c = np.cumsum(np.concatenate([[0.0], np.asarray(x, dtype=np.float64)]))
+    i = np.arange(1, len(x) + 1)
+    lo = np.maximum(i - window, 0)
+    return (c[i] - c[lo]) / (i - lo)
+
+
+def coordinate_labels(run_dir: Path, d: int) -> list[str]:
+    """``θ[<label>]`` for each coordinate, from ``samples.nc``'s ``theta_dim_0`` coordinate."""
+    import h5netcdf
+
+    with h5netcdf.File(Path(run_dir) / "samples.nc", "r") as f:
+        lab = f["posterior"]["theta_dim_0"][...]
+    return [f"θ[{x.decode() if isinstance(x, bytes) else x}]" for x in np.asarray(lab).tolist()][:d]
+
+
 def plot_run(run_dir: Path) -> list[Path]:
-    """Trace, marginal against the exact posterior (if known), and bits per round."""
+    """``overview.png``: for the three most informative coordinates (:func:`informative_coordinates`),
+    the trace of every chain and the marginal against the exact posterior (when known); below,
+    the uplink bits per round as a rolling mean. Legends sit outside the data."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -60,35 +87,52 @@ def plot_run(run_dir: Path) -> list[Path]:
     run_dir = Path(run_dir)
     summary = json.loads((run_dir / "summary.json").read_text())
     samples = load_samples(run_dir)  # (chain, draw, d)
-    out = []
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    j = 0
-    x = samples[0, :, j]
-    axes[0].plot(x, lw=0.6)
-    axes[0].set(title=f"trace of θ[{j}] (after burn-in)", xlabel="draw", ylabel=f"θ[{j}]")
-    axes[1].hist(x, bins=40, density=True, alpha=0.6, label="samples")
-    if "posterior_mean_exact" in summary:
-        m, v = summary["posterior_mean_exact"][j], summary["posterior_var_exact"][j]
-        g = np.linspace(m - 4 * np.sqrt(v), m + 4 * np.sqrt(v), 200)
-        axes[1].plot(g, np.exp(-(g - m) ** 2 / (2 * v)) / np.sqrt(2 * np.pi * v), "k", label="exact posterior")
-        if "ula_var_exact" in summary:
-            u = summary["ula_var_exact"][j]
-            axes[1].plot(g, np.exp(-(g - m) ** 2 / (2 * u)) / np.sqrt(2 * np.pi * u), "k--", lw=1,
-                         label="ULA at this γ (exact gradients)")
-    axes[1].set(title=f"marginal of θ[{j}]", xlabel=f"θ[{j}]", ylabel="density")
-    axes[1].legend()
+    C, n, d = samples.shape
+    coords = informative_coordinates(samples) if n else [0]
+    labels = coordinate_labels(run_dir, d)
+    fig = plt.figure(figsize=(14, 3.0 * (len(coords) + 1)))
+    grid = fig.add_gridspec(len(coords) + 1, 2, width_ratios=(2, 1))
+    colours = plt.cm.tab10(np.arange(C) % 10)
+    for row, j in enumerate(coords):
+        tr, mg = fig.add_subplot(grid[row, 0]), fig.add_subplot(grid[row, 1])
+        for c in range(C):
+            tr.plot(samples[c, :, j], lw=0.6, color=colours[c], label=f"chain {c}")
+            mg.hist(samples[c, :, j], bins=30, density=True, alpha=0.35, color=colours[c])
+        tr.set(ylabel=labels[j], xlabel="draw (after burn-in and thinning)" if row == len(coords) - 1 else None)
+        if row == 0:
+            tr.set_title(f"traces of the {len(coords)} coordinates the data moved most (|mean|/sd), {C} chain(s)")
+            mg.set_title("marginals")
+        if "posterior_mean_exact" in summary:
+            m, v = summary["posterior_mean_exact"][j], summary["posterior_var_exact"][j]
+            g = np.linspace(m - 4 * np.sqrt(v), m + 4 * np.sqrt(v), 200)
+            mg.plot(g, np.exp(-(g - m) ** 2 / (2 * v)) / np.sqrt(2 * np.pi * v), "k", label="exact posterior")
+            if "ula_var_exact" in summary:
+                u = summary["ula_var_exact"][j]
+                mg.plot(g, np.exp(-(g - m) ** 2 / (2 * u)) / np.sqrt(2 * np.pi * u), "k--", lw=1,
+                        label="ULA at this γ (exact gradients)")
+        mg.set(xlabel=labels[j])
+        if row == 0:
+            if C > 1:
+                tr.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small", frameon=False)
+            if mg.get_legend_handles_labels()[0]:
+                mg.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize="small", frameon=False)
+    bits = fig.add_subplot(grid[len(coords), :])
     with open(run_dir / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     r = np.array([float(x["round"]) for x in rows])
+    window = max(1, len(rows) // 50)
     for key, label in (("bits_exact", "exact code"), ("bits_bound", "QSGD bound")):
-        axes[2].plot(r, [float(x[key]) for x in rows], lw=0.8, label=label)
-    axes[2].plot(r, [8 * float(x["bytes_message"]) for x in rows], lw=0.8, label="Flower message (×8)")
-    axes[2].set(title="uplink per round", xlabel="round", ylabel="bits", yscale="log")
-    axes[2].legend()
+        bits.plot(r, rolling_mean([float(x[key]) for x in rows], window), lw=1.0, label=label)
+    msg = [8 * float(x["bytes_message"]) for x in rows]
+    if any(msg):
+        bits.plot(r, rolling_mean(msg, window), lw=1.0, label="Flower message (×8)")
+    bits.set(title=f"uplink bits per round, rolling mean over {window} rounds", xlabel="round", ylabel="bits")
+    if any(v > 0 for v in msg) or len(rows):
+        bits.set_yscale("log")
+    bits.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small", frameon=False)
     fig.suptitle(f"{summary.get('variant')} on {summary.get('task')} ({summary.get('engine')})")
     fig.tight_layout()
     path = run_dir / "overview.png"
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
-    out.append(path)
-    return out
+    return [path]

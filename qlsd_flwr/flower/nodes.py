@@ -23,6 +23,7 @@ log = logging.getLogger("qlsd_flwr")
 
 
 SIMULATION_GRACE = 10.0  # seconds a short node count may stay unchanged on the simulation engine
+PROBE_TIMEOUT = 10.0  # seconds to wait for a client's node before another may take its place
 
 
 class HandshakeError(RuntimeError):
@@ -41,6 +42,7 @@ class NodeRegistry:
         self.node_of: dict[int, int] = {}
         self._foreign: set[int] = set()  # node ids that are none of our clients (or dead ones)
         self.rejoined: dict[int, list[int]] = {}  # client -> rounds it came back as a new node
+        self.refused_claims: dict[int, list[int]] = {}  # client -> nodes refused its partition-id
 
     def handshake(self, grid: Grid, timeout: float) -> None:
         """Wait for the ``b`` clients and map client index → node id (``partition-id``).
@@ -77,6 +79,9 @@ class NodeRegistry:
                 raise HandshakeError(f"node {msg.metadata.src_node_id} failed the handshake: {msg.error.reason}")
             rec = config_record(msg.content)
             i, d = int(rec["client"]), int(rec["dim"])
+            if int(rec.get("n_data", 1)) < 1:
+                raise HandshakeError(f"client {i} (node {msg.metadata.src_node_id}) holds no data points: "
+                                     "every client needs at least one (check its partition)")
             if d != self.d:
                 raise HandshakeError(f"client {i} has dim {d}, the server expects {self.d}")
             if i in seen:
@@ -95,11 +100,17 @@ class NodeRegistry:
         and send client ``i``'s messages to it from now on. Its state is empty, so it answers
         ``resync`` and gets the anchor and the η_i mirror the round after (see
         :mod:`qlsd_flwr.protocol.wire`). Nodes that do not answer, or are none of our clients,
-        are not asked again."""
+        are not asked again.
+
+        A newcomer takes client ``i``'s place only if the node that serves ``i`` no longer answers
+        (asked once, waiting at most :data:`PROBE_TIMEOUT` seconds): a node that claims the
+        ``partition-id`` of a live client is refused and counted (``refused_claims``), so it never
+        receives θ, the anchor or a memory mirror, and never has a reply used."""
         new = set(grid.get_node_ids()) - set(self.node_of.values()) - self._foreign
         if not new:
             return
         self._foreign |= new
+        claims: dict[int, int] = {}
         for msg in grid.send_and_receive([_hello(n) for n in sorted(new)], timeout=timeout):
             node = msg.metadata.src_node_id
             if msg.has_error() or node not in new:
@@ -107,16 +118,46 @@ class NodeRegistry:
             try:
                 rec = config_record(msg.content)
                 i, d = int(rec["client"]), int(rec["dim"])
-            except (KeyError, TypeError, ValueError):
+            except (KeyError, TypeError, ValueError, OverflowError):
                 continue
             if 0 <= i < self.b and d == self.d:
-                log.info("round %d: client %d rejoined as node %d (was node %d)", server_round, i, node,
-                         self.node_of.get(i, -1))
-                if i in self.node_of:
-                    self._foreign.add(self.node_of[i])  # the dead node's id may still look online
-                self.node_of[i] = node
-                self._foreign.discard(node)
-                self.rejoined.setdefault(i, []).append(server_round)
+                if i in claims:  # two newcomers for one client: neither is trusted
+                    self._refuse(i, node, server_round, "another new node claims it too")
+                    continue
+                claims[i] = node
+        alive = self._answering(grid, [i for i in claims if i in self.node_of], min(timeout, PROBE_TIMEOUT))
+        for i, node in sorted(claims.items()):
+            if i in alive:
+                self._refuse(i, node, server_round, f"node {self.node_of[i]} still serves it")
+                continue
+            log.info("round %d: client %d rejoined as node %d (was node %d)", server_round, i, node,
+                     self.node_of.get(i, -1))
+            if i in self.node_of:
+                self._foreign.add(self.node_of[i])  # the dead node's id may still look online
+            self.node_of[i] = node
+            self._foreign.discard(node)
+            self.rejoined.setdefault(i, []).append(server_round)
+
+    def _answering(self, grid: Grid, clients: list[int], timeout: float) -> set[int]:
+        """The clients among ``clients`` whose mapped node answers a handshake as that client."""
+        if not clients:
+            return set()
+        by_node = {self.node_of[i]: i for i in clients}
+        out = set()
+        for msg in grid.send_and_receive([_hello(n) for n in by_node], timeout=timeout):
+            node = msg.metadata.src_node_id
+            if msg.has_error() or node not in by_node:
+                continue
+            try:
+                if int(config_record(msg.content)["client"]) == by_node[node]:
+                    out.add(by_node[node])
+            except (KeyError, TypeError, ValueError, OverflowError):
+                continue
+        return out
+
+    def _refuse(self, i: int, node: int, server_round: int, why: str) -> None:
+        log.warning("round %d: node %d claims partition-id %d, refused (%s)", server_round, node, i, why)
+        self.refused_claims.setdefault(i, []).append(int(node))
 
     def memory_reports(self, grid: Grid, timeout: float) -> dict[int, tuple[np.ndarray, int]]:
         """Each client's own ``(η_i, update count)`` from its ``context.state``; clients that do

@@ -374,10 +374,14 @@ class QLSDStrategy(Strategy):
                                    ArrayRecord({"theta": Array(np.asarray(self.state.theta))}),
                                    num_rounds=max(K - self.state.k, 0), timeout=self._timeout,
                                    train_config=train_config, evaluate_fn=evaluate_fn)
+        except BaseException as exc:  # Ctrl-C, SIGTERM, a failed grid: close the outputs so far
+            self.server.stop(f"{type(exc).__name__}: {exc}".rstrip(": "))
+            raise
         finally:
             self._bar.close()
             flwr_log.setLevel(level)
-        extra: dict = {"rejoined": {str(i): r for i, r in sorted(self.nodes.rejoined.items())}}
+        extra: dict = {"rejoined": {str(i): r for i, r in sorted(self.nodes.rejoined.items())},
+                       "refused_claims": {str(i): r for i, r in sorted(self.nodes.refused_claims.items())}}
         if cfg.memory:
             extra["memory_check"] = self.server.memory_check(self.nodes.memory_reports(grid, self._timeout))
         self.server.ts_info = {**self.server.ts_info, **extra}  # finish() puts ts_info in the summary

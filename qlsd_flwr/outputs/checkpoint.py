@@ -52,8 +52,8 @@ RESUME_FREE_KEYS = ("num-rounds", "progress", "verbose", "checkpoint-every", "re
 _SAME_CHAIN_ENGINES = ("local", "inprocess", "ray")
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, damaged or belongs to another run."""
+class CheckpointError(ConfigError):
+    """A checkpoint is missing, damaged or belongs to another run (one line, naming the file)."""
 
 
 def path_in(run_dir) -> Path:
@@ -160,9 +160,14 @@ def resume_overrides(overrides: dict | None) -> dict:
     conf = run_dir / "config.json"
     if not conf.exists():
         raise ConfigError(f"resume: {run_dir} is not a run folder (no config.json)")
-    original = json.loads(conf.read_text())["config"]
+    try:
+        original = json.loads(conf.read_text())["config"]
+        if not isinstance(original, dict):
+            raise TypeError("'config' is not a table")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"resume: {conf} cannot be read ({type(exc).__name__}: {exc})") from None
     norm = {str(k).replace("_", "-"): v for k, v in overrides.items()}
-    bad = [k for k, v in norm.items() if k not in RESUME_FREE_KEYS and k in original and str(original[k]) != str(v)]
+    bad = [k for k, v in norm.items() if k not in RESUME_FREE_KEYS and k in original and not same_value(k, original[k], v)]
     if bad:
         raise ConfigError(f"resume: {', '.join(bad)} differ from the run being resumed "
                           f"({', '.join(f'{k}={original[k]!r}' for k in bad)}); only "
@@ -174,19 +179,85 @@ def load_for_resume(cfg: RunConfig, kind: str) -> tuple[Path, dict, dict]:
     """The run folder, meta and arrays of the checkpoint ``cfg`` resumes, checked against ``cfg``."""
     run_dir = resume_dir(cfg)
     meta, arrays = load(path_in(run_dir))
-    if (run_dir / "summary.json").exists():
+    if (run_dir / "summary.json").exists() and not _stopped(run_dir / "summary.json"):
         raise ConfigError(f"resume: the run in {run_dir} already finished (summary.json exists)")
     if meta.get("kind") != kind:
         raise ConfigError(f"resume: the checkpoint in {run_dir} was written by a {meta.get('kind')} "
                           f"engine run; resume it with engine = "
                           f"{'vectorised' if meta.get('kind') == 'vectorised' else 'local, inprocess or ray'}")
+    validate(meta, arrays, path_in(run_dir))
     old = meta["config"]
-    bad = [k for k in set(old) | set(cfg.raw) if k not in RESUME_FREE_KEYS and str(old.get(k)) != str(cfg.raw.get(k))]
+    bad = [k for k in set(old) | set(cfg.raw)
+           if k not in RESUME_FREE_KEYS and not same_value(k, old.get(k), cfg.raw.get(k))]
     if bad:
         raise ConfigError(f"resume: {', '.join(sorted(bad))} differ from the checkpointed run in {run_dir}")
     if int(meta["k"]) > cfg.num_rounds:
         raise ConfigError(f"resume: the checkpoint is at round {meta['k']}, past num-rounds = {cfg.num_rounds}")
     return run_dir, meta, arrays
+
+
+def same_value(key: str, a, b) -> bool:
+    """Whether two values of ``key`` mean the same (``p = 1`` and ``"1.0"`` do), read by the key
+    table's rules; values that do not parse are compared as text."""
+    from qlsd_flwr.keys import BY_NAME, parse
+
+    if key in BY_NAME and a is not None and b is not None:
+        try:
+            pa, pb = parse(key, a), parse(key, b)
+            if BY_NAME[key].kind == "choice":
+                return str(pa).strip().lower() == str(pb).strip().lower()
+            return pa == pb
+        except ConfigError:
+            pass
+    return str(a) == str(b)
+
+
+def _stopped(summary_path: Path) -> bool:
+    """A summary written when the run was stopped (Ctrl-C, SIGTERM): the run may go on."""
+    try:
+        return "stopped" in json.loads(summary_path.read_text())
+    except (OSError, ValueError):
+        return False
+
+
+def validate(meta: dict, arrays: dict, path) -> None:
+    """Check a checkpoint's contents before any state is built from them (a valid CRC says the
+    bytes are those written, not that they are sane): ``CheckpointError`` naming the field."""
+    def bad(why: str) -> CheckpointError:
+        return CheckpointError(f"checkpoint {path}: {why}")
+
+    try:
+        k = meta["k"]
+        rec = meta["recorder"]
+        if not isinstance(meta["config"], dict):
+            raise bad("'config' is not a table")
+        for name, v in (("k", k), *((f"recorder.{f}", rec[f]) for f in ("n_draws", "rounds", "csv_bytes"))):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise bad(f"{name} must be an integer >= 0 (got {v!r})")
+        if rec["rounds"] > k and meta.get("kind") == "server":
+            raise bad(f"recorder.rounds = {rec['rounds']} is past k = {k}")
+        if not isinstance(rec["totals"], dict):
+            raise bad("recorder.totals is not a table")
+    except KeyError as exc:
+        raise bad(f"missing field {exc}") from None
+    for name, a in arrays.items():
+        if a.dtype.kind == "f" and not np.all(np.isfinite(a)):
+            if name in ("theta_star",):
+                continue
+            raise bad(f"array {name!r} has non-finite values")
+    if meta.get("kind") == "server":
+        theta = arrays.get("theta")
+        if theta is None or theta.ndim != 1:
+            raise bad("array 'theta' must be one vector")
+        d = theta.shape[0]
+        for name in ("anchor_acked", "eta_count", "needs_resync"):
+            if name not in arrays or arrays[name].ndim != 1:
+                raise bad(f"array {name!r} missing or not one vector")
+        b = arrays["anchor_acked"].shape[0]
+        for name, shape in (("eta_count", (b,)), ("needs_resync", (b,)), ("eta_i", (b, d)), ("eta", (d,)),
+                            ("zeta", (d,)), ("theta_star", (d,))):
+            if name in arrays and arrays[name].shape != shape:
+                raise bad(f"array {name!r} has shape {arrays[name].shape}, expected {shape}")
 
 
 def recorder_part(meta: dict, arrays: dict) -> dict:

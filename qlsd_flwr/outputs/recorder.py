@@ -3,7 +3,9 @@
 ``<output-dir>/<run-name>/``
   * ``samples.nc`` — ArviZ InferenceData (netCDF4/HDF5): group ``posterior`` with variable
     ``theta`` of dims ``(chain, draw, theta_dim_0)``, streamed to disk in chunks as the chain
-    runs (memory stays flat); group ``sample_stats`` with, per kept draw, the ``round`` it was
+    runs (memory stays flat: the kept draws go to ``draws.f8``, an append-only raw file that a
+    kill cannot damage, and ``samples.nc`` is built from it when the run stops, whatever stops
+    it: the end, a divergence, Ctrl-C or SIGTERM); group ``sample_stats`` with, per kept draw, the ``round`` it was
     taken at and that round's active, replying and rejected clients and exact uplink bits (the
     round's row of ``metrics.csv``; on the vectorised engine, totals over its chains); provenance attributes
     (package and Flower versions, the seed, a hash of the configuration) on both groups.
@@ -12,9 +14,8 @@
     (analytic bound, exact code length), bytes (payload, Flower message) and seconds.
   * ``config.json`` — the resolved configuration.
   * ``summary.json`` — totals, and posterior error when the task knows its posterior.
-  * with ``checkpoint-every > 0``: ``checkpoint.npz`` (:mod:`qlsd_flwr.outputs.checkpoint`), and while
-    the run goes on ``draws.f8``, the kept draws as an append-only raw file (a kill cannot
-    damage it) from which ``samples.nc`` is built when the run ends.
+  * while the run goes on, ``draws.f8`` (see above); with ``checkpoint-every > 0``,
+    ``checkpoint.npz`` (:mod:`qlsd_flwr.outputs.checkpoint`).
 """
 
 from __future__ import annotations
@@ -32,8 +33,20 @@ METRIC_FIELDS = ["round", "n_active", "n_replied", "n_rejected", "skipped", "bit
                  "bits_exact", "bytes_payload", "bytes_message", "seconds"]
 
 
+def check_run_name(run_name: str) -> str:
+    """A run name is one folder name inside ``output-dir``: no path separator, not ``.`` or ``..``
+    (a run must never write outside its output folder)."""
+    name = str(run_name)
+    if name in (".", "..") or "/" in name or "\\" in name or os.sep in name or "\x00" in name:
+        from qlsd_flwr.keys import ConfigError
+
+        raise ConfigError(f"run-name must be one folder name inside output-dir, without '/', '..' or NUL "
+                          f"(got {run_name!r})")
+    return name
+
+
 def make_run_dir(output_dir: str | os.PathLike, run_name: str, variant: str) -> Path:
-    name = run_name or f"{time.strftime('%Y%m%d-%H%M%S')}-{variant}"
+    name = check_run_name(run_name) or f"{time.strftime('%Y%m%d-%H%M%S')}-{variant}"
     path = Path(output_dir) / name
     i = 1
     while path.exists():
@@ -55,23 +68,29 @@ def _chunk_draws(num_chains: int, dim: int, chunk: int) -> int:
 class Recorder:
     """Writes samples, per-round metrics, config and summary of one run.
 
-    ``raw_draws=True`` (checkpointing runs) streams the kept draws to the append-only file
-    ``draws.f8`` (float64, ``(draw, chain, d)``) and builds ``samples.nc`` from it at
-    :meth:`close`: unlike an HDF5 file open for writing, it survives a kill, and
+    The kept draws stream to the append-only file ``draws.f8`` (float64, ``(draw, chain, d)``)
+    and :meth:`close` builds ``samples.nc`` from it: unlike an HDF5 file open for writing, a raw
+    file survives a kill (an HDF5 file left open by SIGTERM was unreadable), and
     :meth:`checkpoint_state` / ``resume`` cut it back to a checkpoint's position exactly.
     ``resume`` (a position from :meth:`checkpoint_state`) reopens a run folder and appends.
+    ``raw_draws`` is accepted for compatibility and ignored (always on).
     """
 
     RAW = "draws.f8"
 
     def __init__(self, run_dir: Path, config: dict, dim: int, num_chains: int, burn_in: int,
-                 thin: int, chunk: int = 512, raw_draws: bool = False, resume: dict | None = None):
+                 thin: int, chunk: int = 512, raw_draws: bool = False, resume: dict | None = None,
+                 labels=None):
         self.provenance = provenance(config)
+        # names of θ's coordinates (``W[3,1]``, ``conv1.weight[0,0,2,4]``): the ``theta_dim_0``
+        # coordinate ArviZ shows (``theta[W[3,1]]``); integers when the task has none
+        self.labels = list(labels) if labels is not None and len(labels) == dim else None
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
+        self._lock = lock_run_dir(self.dir)  # before any file of the folder is touched
         self.burn_in, self.thin, self.chunk = burn_in, thin, chunk
         self.dim, self.num_chains = dim, num_chains
-        self.raw_draws = raw_draws or resume is not None
+        self.raw_draws = True
         self._buf: list[np.ndarray] = []
         self.n_draws = 0
         self.totals = {k: 0 for k in ("n_active", "n_replied", "n_rejected", "skipped",
@@ -88,10 +107,7 @@ class Recorder:
         self._csv_file = open(self.dir / "metrics.csv", "w", newline="")
         self._csv = csv.DictWriter(self._csv_file, fieldnames=METRIC_FIELDS, extrasaction="ignore")
         self._csv.writeheader()
-        if self.raw_draws:
-            self._raw = open(self.dir / self.RAW, "wb")
-        else:
-            self._open_nc(self.dir / "samples.nc")
+        self._raw = open(self.dir / self.RAW, "wb")
 
     def _open_nc(self, path: Path) -> None:
         num_chains, dim, chunk = self.num_chains, self.dim, self.chunk
@@ -101,7 +117,13 @@ class Recorder:
         self._theta = g.create_variable("theta", ("chain", "draw", "theta_dim_0"), dtype="f8",
                                         chunks=(num_chains, _chunk_draws(num_chains, dim, chunk), dim))
         g.create_variable("chain", ("chain",), data=np.arange(num_chains))
-        g.create_variable("theta_dim_0", ("theta_dim_0",), data=np.arange(dim))
+        if self.labels is None:
+            g.create_variable("theta_dim_0", ("theta_dim_0",), data=np.arange(dim))
+        else:
+            import h5py
+
+            g.create_variable("theta_dim_0", ("theta_dim_0",), data=np.array(self.labels, dtype=object),
+                              dtype=h5py.string_dtype())
         for k, v in self.provenance.items():
             g.attrs[k] = v
         self._group = g
@@ -128,8 +150,6 @@ class Recorder:
 
     def checkpoint_state(self) -> tuple[dict, dict]:
         """Flush and ``fsync`` what was written so far; returns ``(meta, arrays)`` of the position."""
-        if not self.raw_draws:
-            raise RuntimeError("checkpoint_state needs a Recorder made with raw_draws=True")
         self._flush()
         from qlsd_flwr.outputs.checkpoint import fsync_file
 
@@ -163,16 +183,9 @@ class Recorder:
     def _flush(self) -> None:
         if not self._buf:
             return
-        if self.raw_draws:
-            block = np.stack(self._buf, axis=0)  # (n, chain, d)
-            self._raw.write(np.ascontiguousarray(block, dtype="<f8").tobytes())
-            self.n_draws += block.shape[0]
-        else:
-            block = np.stack(self._buf, axis=1)  # (chain, n, d)
-            n0 = self._theta.shape[1]
-            self._group.resize_dimension("draw", n0 + block.shape[1])
-            self._theta[:, n0:, :] = block
-            self.n_draws = n0 + block.shape[1]
+        block = np.stack(self._buf, axis=0)  # (n, chain, d)
+        self._raw.write(np.ascontiguousarray(block, dtype="<f8").tobytes())
+        self.n_draws += block.shape[0]
         self._buf.clear()
         self._csv_file.flush()
 
@@ -183,11 +196,11 @@ class Recorder:
         return mean, np.maximum(self.sum_theta2 / n - mean**2, 0.0)
 
     def close(self, extra: dict | None = None) -> dict:
+        """Build ``samples.nc``, write ``summary.json`` (with ``extra``), release the folder. A
+        run that was stopped (``extra`` has ``stopped``) with a checkpoint keeps ``draws.f8``, so
+        that it can resume from that checkpoint."""
         self._flush()
-        if self.raw_draws:
-            self._build_nc()
-        else:
-            self._finish_nc()
+        self._build_nc(keep_raw=bool(extra) and "stopped" in extra and (self.dir / "checkpoint.npz").exists())
         self._csv_file.close()
         mean, var = self.posterior_moments()
         summary = {
@@ -201,9 +214,10 @@ class Recorder:
         }
         summary.update(extra or {})
         (self.dir / "summary.json").write_text(json.dumps(summary, indent=2, default=_jsonable))
+        self._lock.close()  # releases the folder for a resume
         return summary
 
-    def _build_nc(self) -> None:
+    def _build_nc(self, keep_raw: bool = False) -> None:
         """``samples.nc`` from ``draws.f8`` (written to a temporary name, then renamed)."""
         self._raw.close()
         raw_path, tmp = self.dir / self.RAW, self.dir / "samples.nc.tmp"
@@ -218,7 +232,8 @@ class Recorder:
             del mm
         self._finish_nc()
         os.replace(tmp, self.dir / "samples.nc")
-        os.unlink(raw_path)
+        if not keep_raw:
+            os.unlink(raw_path)
 
     def _draw_rounds_all(self) -> list[int]:
         return list(range(self.burn_in + 1, self.burn_in + 1 + self.n_draws * self.thin, self.thin))
@@ -246,6 +261,30 @@ class Recorder:
         for k, v in self.provenance.items():
             self._nc.attrs[k] = v
         self._nc.close()
+
+
+def lock_run_dir(run_dir: Path):
+    """An exclusive lock on ``<run_dir>/.lock`` for as long as a run writes the folder (two runs,
+    e.g. two resumes of one folder, would corrupt each other's files); ``ConfigError`` naming the
+    folder and the process that holds it. The lock goes with the process, however it ends."""
+    import fcntl
+
+    f = open(run_dir / ".lock", "a+")
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.read().strip() or "?"
+        f.close()
+        from qlsd_flwr.keys import ConfigError
+
+        raise ConfigError(f"run folder {run_dir} is in use by another run (process {holder}); wait for it "
+                          "to end, or resume into another copy of the folder") from None
+    f.seek(0)
+    f.truncate()
+    f.write(str(os.getpid()))
+    f.flush()
+    return f
 
 
 STAT_FIELDS = ["n_active", "n_replied", "n_rejected", "bits_exact"]  # sample_stats, per kept draw

@@ -12,16 +12,65 @@ import numpy as np
 
 from qlsd_flwr.compression.identity import Identity
 from qlsd_flwr.compression.qsgd import QSGD
-from qlsd_flwr.config import RunConfig
+from qlsd_flwr.config import ConfigError, RunConfig
 from qlsd_flwr.core.oracles import ClientSpec
 from qlsd_flwr.core.potential import GaussianPrior, Task
 from qlsd_flwr.core.server_step import ServerSpec
 
 
+def check_clients(task: Task) -> None:
+    """Every client holds at least one data point (``N_i ≥ 1``); ``ConfigError`` naming the first
+    that does not (its oracle would divide by zero every round)."""
+    for i, c in enumerate(task.clients):
+        if int(c.n_data) < 1:
+            raise ConfigError(f"client {i} holds no data points: every client needs at least one "
+                              f"(check the partition, num-clients = {task.b})")
+
+
 def warn_if_unstable(cfg: RunConfig, task: Task) -> None:
-    """Log :func:`stability_warning`'s message, if any (every engine calls this at start)."""
+    """Log :func:`stability_warning`'s and :func:`participation_warnings`' messages (every engine
+    calls this at start); a run in which no client is expected to take part at all is refused."""
+    log = logging.getLogger("qlsd_flwr")
     if (why := stability_warning(cfg, task)) is not None:
-        logging.getLogger("qlsd_flwr").warning(why)
+        log.warning(why)
+    for why in participation_warnings(cfg, task):
+        log.warning(why)
+
+
+def participation_warnings(cfg: RunConfig, task: Task) -> list[str]:
+    """What extreme participation probabilities ``p_i`` do to the chain, in words.
+
+    * ``K Σ_i p_i < 1``: no reply is expected in the whole run; the chain would sample the prior
+      alone (or drift, under a flat prior): refused (``ConfigError``).
+    * ``K p_i < 1``: client ``i`` is expected to take part in less than one round.
+    * unbiased aggregation weighs a reply by ``1/p_i``: on a target whose curvature is known (the
+      Gaussian task, ``∇²U_i = N_i I``), ``γ N_i / p_i ≥ 2`` means one weighted step overshoots
+      the mode (θ is thrown far, the exact-gradient iteration diverges); elsewhere ``min p_i <
+      0.01`` is flagged as a weight of over 100."""
+    p, K = np.asarray(cfg.p, dtype=np.float64), int(cfg.num_rounds)
+    if K * float(p.sum()) < 1.0:
+        raise ConfigError(f"p: K · Σ_i p_i = {K * float(p.sum()):.3g} < 1 (num-rounds = {K}): no client is "
+                          "expected to take part in the whole run, so the chain would sample the prior alone; "
+                          "raise p or num-rounds")
+    out = []
+    rare = np.flatnonzero(K * p < 1.0)
+    if rare.size:
+        out.append(f"p: client(s) {rare[:5].tolist()}{' …' if rare.size > 5 else ''} are expected to take part "
+                   f"in fewer than one of the {K} rounds (K · p_i < 1); their data barely enter the chain")
+    if cfg.aggregation == "unbiased":
+        if task.posterior_var is not None and task.clients and cfg.oracle != "svrg":
+            over = cfg.gamma * task.n_data[: cfg.b] / p
+            if float(over.max()) >= 2.0:
+                i = int(np.argmax(over))
+                out.append(f"p: client {i}'s reply is weighted 1/p_i = {1 / p[i]:.3g} (aggregation = unbiased), so "
+                           f"one step moves θ by γ N_i / p_i = {over[i]:.3g} ≥ 2 times its distance to the "
+                           f"client's mode: θ will be thrown far; raise p, lower gamma, or use "
+                           f"aggregation = active-fraction")
+        elif float(p.min()) < 0.01:
+            out.append(f"p: min p_i = {float(p.min()):.3g}: with aggregation = unbiased a reply is weighted "
+                       f"up to {1 / float(p.min()):.3g}×, which multiplies its noise; check the traces, or use "
+                       "aggregation = active-fraction")
+    return out
 
 
 def stability_warning(cfg: RunConfig, task: Task) -> str | None:
@@ -37,6 +86,14 @@ def stability_warning(cfg: RunConfig, task: Task) -> str | None:
     return (f"gamma = {cfg.gamma:g} is beyond this target's stability limit 2/τ = {2.0 / tau:.3g} "
             f"(τ = {tau:.4g}, the posterior precision, grows with the clients' data): the chain will "
             f"diverge; choose gamma below {2.0 / tau:.3g} (e.g. {1.0 / tau:.3g}, γτ = 1)")
+
+
+def stable_gamma(task: Task) -> float | None:
+    """``1/τ`` (``γτ = 1``, half the stability limit ``2/τ``) on a target whose posterior precision
+    ``τ`` is known; ``None`` otherwise. The start-up warning and the divergence error suggest it."""
+    if task.posterior_var is None:
+        return None
+    return float(np.min(task.posterior_var))
 
 
 def blocks_for(cfg: RunConfig, task: Task) -> tuple[int, ...] | None:

@@ -20,9 +20,13 @@ def is_overflow(reason) -> bool:
 
 
 def divergence_message(round_: int, gamma: float, run_dir=None, last_checkpoint: int | None = None,
-                       where: str = "", why: str = "θ is not finite") -> str:
+                       where: str = "", why: str = "θ is not finite", stable: float | None = None) -> str:
+    """``stable``: a step known to be stable on this target (``1/τ``, see
+    :func:`qlsd_flwr.protocol.build.stable_gamma`); the suggestion is never above it, so it agrees
+    with the start-up warning."""
+    suggest = gamma / 10 if stable is None else min(gamma / 10, stable)
     msg = (f"the chain diverged at round {round_}{where}: {why}. The step size gamma = {gamma:g} "
-           f"is too large for this target; rerun with a smaller gamma (e.g. gamma={gamma / 10:g}).")
+           f"is too large for this target; rerun with a smaller gamma (e.g. gamma={suggest:.3g}).")
     if run_dir is not None:
         msg += (f" The samples and metrics of rounds 1..{round_ - 1} are in {run_dir} (the run folder "
                 f"was closed cleanly)")

@@ -244,12 +244,23 @@ class QLSDServer:
         """Stop the observer (samples up to the last finite θ) and raise DivergenceError."""
         obs = self.observer
         msg = divergence_message(round_, self.cfg.gamma, obs.run_dir if obs is not None else None,
-                                 obs.last_checkpoint if obs is not None else None, why=why)
+                                 obs.last_checkpoint if obs is not None else None, why=why,
+                                 stable=build.stable_gamma(self.task))
         log.error(msg)
         if obs is not None:
             self.ts_info = {**self.ts_info, "diverged_at_round": round_, "error": msg}
             self.finish()  # the observer closes its folder (samples up to round_ - 1), keeps run_dir
         raise DivergenceError(msg)
+
+    def stop(self, reason: str) -> None:
+        """Close the outputs of a run stopped before its end (Ctrl-C, SIGTERM, an error): the run
+        folder then holds every draw and round so far, readable (``samples.nc``, ``summary.json``
+        with ``stopped``). Does nothing once the outputs are closed."""
+        if self.observer is None or getattr(self.observer, "recorder", None) is None:
+            return
+        k = int(self.state.k) if self.state is not None else 0
+        self.ts_info = {**self.ts_info, "stopped": reason, "stopped_at_round": k}
+        self.finish()
 
     def finish(self) -> dict:
         """The run's summary facts; the observer closes its outputs with them."""

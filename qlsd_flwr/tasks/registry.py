@@ -224,10 +224,12 @@ def build(cfg: RunConfig, pooled: bool = False, torch_dtype: str | None = None) 
     predictor = None
     if spec.task == "logistic":
         blocks, theta0 = (d,), np.zeros(d)
+        labels = logistic_labels(ds.n_features, ds.n_classes)
     elif _numpy_logistic(spec, torch_dtype):  # mnist, model logistic: torch's init, numpy layout
         K, p = ds.n_classes, ds.n_features
         blocks = (p * K, K)
         theta0 = torch_to_numpy_logistic(_torch_model(spec, ds).state_dict())
+        labels = logistic_labels(p, K)
     else:  # a fresh module's init: the shared module holds whatever θ was last loaded into it
         import torch
 
@@ -235,6 +237,7 @@ def build(cfg: RunConfig, pooled: bool = False, torch_dtype: str | None = None) 
         blocks = tuple(clients[0].blocks)
         theta0 = torch.nn.utils.parameters_to_vector(
             [q for q in fresh.parameters() if q.requires_grad]).detach().double().numpy()
+        labels = tensor_labels((n, tuple(q.shape)) for n, q in fresh.named_parameters() if q.requires_grad)
     predictor = predictor_of(cfg, torch_dtype) if predictor is None else predictor
     description = _partition.describe(parts, ds.y_train)
     summary = {
@@ -250,8 +253,19 @@ def build(cfg: RunConfig, pooled: bool = False, torch_dtype: str | None = None) 
               "n_features": ds.n_features, "partition": spec.partition,
               "partition_description": description, "X_test": ds.X_test, "y_test": ds.y_test,
               "blocks": blocks, "pooled": bool(pooled), "model": spec.model, "spec": spec,
-              "predictor": predictor, "summary_extra": summary},
+              "predictor": predictor, "summary_extra": summary, "param_labels": labels},
     )
+
+
+def logistic_labels(p: int, K: int) -> list[str]:
+    """θ's coordinates of the softmax regression, in its layout ``(p + 1, K)``: ``W[feature,class]``
+    then ``b[class]``."""
+    return [f"W[{j},{k}]" for j in range(p) for k in range(K)] + [f"b[{k}]" for k in range(K)]
+
+
+def tensor_labels(named_shapes) -> list[str]:
+    """θ's coordinates of a torch model: ``<parameter>[i,j,...]`` in ``named_parameters()`` order."""
+    return [f"{name}[{','.join(map(str, ix))}]" for name, shape in named_shapes for ix in np.ndindex(*shape)]
 
 
 def load_client(cfg: RunConfig, i: int):

@@ -131,10 +131,11 @@ def run_side_by_side(cfgs, task: Task | None = None, write: bool = False, keep_t
             if resume is not None:
                 run_dir = resume[0]
                 rec = Recorder(run_dir, conf, d, nchain, cfg.burn_in, cfg.thin,
-                               resume=ckpt.recorder_part(resume[1], resume[2]))
+                               resume=ckpt.recorder_part(resume[1], resume[2]), labels=task.meta.get("param_labels"))
             else:
                 run_dir = make_run_dir(cfg.get("output-dir"), cfg.get("run-name"), cfg.variant)
-                rec = Recorder(run_dir, conf, d, nchain, cfg.burn_in, cfg.thin, raw_draws=ck_on)
+                rec = Recorder(run_dir, conf, d, nchain, cfg.burn_in, cfg.thin, raw_draws=ck_on,
+                               labels=task.meta.get("param_labels"))
         recs.append(rec)
         run_dirs.append(run_dir)
     traces = [np.empty((nchain, K, d)) for _ in cfgs] if keep_trace else None
@@ -166,7 +167,8 @@ def run_side_by_side(cfgs, task: Task | None = None, write: bool = False, keep_t
             for v, out in enumerate(outs):
                 bad = _first_bad_round(out, runner.theta_of(v), R)
                 if bad is not None:
-                    _diverge(cfgs[v], recs, v, k, bad, out, traces, dt / len(cfgs), run_dirs[v], last_ckpt)
+                    _diverge(cfgs[v], recs, v, k, bad, out, traces, dt / len(cfgs), run_dirs[v], last_ckpt,
+                             build.stable_gamma(task))
                 if keep_trace:
                     traces[v][:, k:k + R] = out["states"]
                 if recs[v] is not None:
@@ -180,6 +182,12 @@ def run_side_by_side(cfgs, task: Task | None = None, write: bool = False, keep_t
                 bar.set_postfix({"chain-it/s": f"{R * nchain * len(cfgs) / max(dt, 1e-9):,.0f}"}, refresh=False)
             if block_rounds is None:
                 R = runner.next_block(R, dt)
+    except BaseException as exc:  # Ctrl-C, SIGTERM, an error: every run folder keeps its draws so far
+        for w, rec in enumerate(recs):
+            if rec is not None:
+                rec.close({"stopped": f"{type(exc).__name__}: {exc}".rstrip(": "), "stopped_at_round": k})
+                recs[w] = None
+        raise
     finally:
         bar.close()
         runner.close()
@@ -212,6 +220,7 @@ def run_side_by_side(cfgs, task: Task | None = None, write: bool = False, keep_t
 def _parts(cfg: RunConfig, task: Task):
     """Client specs, server spec, θ* and its facts for ``cfg`` (as the other engines build them)."""
     d = task.dim
+    build.check_clients(task)
     build.warn_if_unstable(cfg, task)
     blocks = build.blocks_for(cfg, task)
     specs = [build.client_spec(cfg, i, task.clients[i].n_data, d, task.prior, blocks) for i in range(cfg.b)]
@@ -250,7 +259,7 @@ def _first_bad_round(out: dict, theta: np.ndarray, R: int) -> int | None:
     return int(bad[0]) if bad.size else R - 1
 
 
-def _diverge(cfg, recs, v, k0, bad, out, traces, dt, run_dir, last_ckpt) -> None:
+def _diverge(cfg, recs, v, k0, bad, out, traces, dt, run_dir, last_ckpt, stable=None) -> None:
     """Record the block's rounds before ``bad``, close every recorder cleanly, raise."""
     if traces is not None and bad:
         traces[v][:, k0:k0 + bad] = out["states"][:, :bad]
@@ -260,7 +269,7 @@ def _diverge(cfg, recs, v, k0, bad, out, traces, dt, run_dir, last_ckpt) -> None
     if recs[v] is not None and bad:
         _record_block(recs[v], k0, bad, out, dt)
     msg = divergence_message(k0 + bad + 1, cfg.gamma, run_dir if recs[v] is not None else None,
-                                  last_ckpt, where) + f" [{reason}]"
+                             last_ckpt, where, stable=stable) + f" [{reason}]"
     for w, rec in enumerate(recs):
         if rec is not None:
             rec.close({"diverged_at_round": k0 + bad + 1, "error": msg} if w == v else {"stopped": msg})

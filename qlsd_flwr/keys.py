@@ -1,0 +1,315 @@
+"""The run configuration's keys: one declarative table (:data:`KEYS`).
+
+Each :class:`Key` gives the type, the allowed range or choices, the default, the paper's symbol
+and one line of documentation. The table drives:
+
+* validation — :func:`parse` reads one value by its key's rules (called by
+  :func:`qlsd_flwr.config.resolve` for every key, before the checks that involve several keys);
+* ``[tool.flwr.app.config]`` in ``pyproject.toml`` — :func:`pyproject_block` (a test checks that
+  the declared keys are the table's and their values valid);
+* ``qlsd-flwr config`` and ``qlsd-flwr run --help`` — :func:`help_text`;
+* the README's key table — :func:`markdown_table` (a test checks that the README holds it).
+
+Parsing rules, the same for a TOML file, ``--set``, ``flwr run --run-config`` and Python:
+booleans are ``true/false/yes/no/on/off/1/0`` (anything else is refused, never ``bool("no")``);
+integers refuse fractions, booleans and infinities (``4.9`` is an error, not 4); numbers refuse
+booleans (TOML ``gamma = true`` is an error, not γ = 1), NaN and infinities unless allowed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+class ConfigError(ValueError):
+    """A run configuration value is missing, unknown or out of range."""
+
+
+@dataclass(frozen=True)
+class Key:
+    """One run-config key. ``kind``: ``int``, ``float``, ``bool``, ``choice``, ``text``,
+    ``ints`` / ``floats`` (one value or one per client, comma-separated), or ``float|word``
+    (a number, or one of ``words``). ``lo``/``hi`` bound numbers (``open_lo``/``open_hi``: strict)."""
+
+    name: str
+    default: Any
+    kind: str
+    doc: str
+    symbol: str = ""
+    lo: float | None = None
+    hi: float | None = None
+    open_lo: bool = False
+    open_hi: bool = False
+    choices: tuple = ()
+    words: tuple = ()
+    group: str = "run"
+    cap: float | None = None  # a safety limit (memory, overflow), not part of the key's meaning
+
+    def allowed(self) -> str:
+        """The allowed values, in words (``an integer >= 1``, ``(0, 1]``, ``qlsd, qlsd-sharp, …``)."""
+        if self.kind == "bool":
+            return "true or false"
+        if self.kind == "choice":
+            return ", ".join(self.choices)
+        if self.kind == "text":
+            return "text"
+        rng = _range_text(self)
+        if rng.startswith(("(", "[")):
+            rng = "in " + rng
+        cap = f" (at most {_num(self.cap)})" if self.cap is not None else ""
+        word = " or " + " or ".join(f"'{w}'" for w in self.words) if self.words else ""
+        what = "an integer" if self.kind in ("int", "ints") else "a finite number"
+        return f"{what} {rng}".rstrip() + cap + word
+
+
+def _range_text(k: Key) -> str:
+    if k.lo is not None and k.hi is not None:
+        return f"{'(' if k.open_lo else '['}{_num(k.lo)}, {_num(k.hi)}{')' if k.open_hi else ']'}"
+    if k.lo is not None:
+        return f"{'>' if k.open_lo else '>='} {_num(k.lo)}"
+    if k.hi is not None:
+        return f"{'<' if k.open_hi else '<='} {_num(k.hi)}"
+    return ""
+
+
+def _num(x: float) -> str:
+    if x == SEED_MAX:
+        return "2^63 - 1"
+    return str(int(x)) if float(x).is_integer() and abs(x) < 1e15 else f"{x:g}"
+
+
+SAMPLE, SAMPLER, RUN = "what to sample", "the sampler", "how to run it"
+SEED_MAX = 2**63 - 1
+KEYS: tuple[Key, ...] = (
+    # what to sample
+    Key("task", "gaussian", "choice", "the target: the toy Gaussian, Bayesian logistic regression (numpy), a torch "
+        "classifier (any dataset), or a task plug-in '<module>:<callable>'", "",
+        choices=("gaussian", "logistic", "mnist", "<module>:<callable>"), group=SAMPLE),
+    Key("num-clients", 20, "int", "number of clients", "b", lo=1, cap=100_000, group=SAMPLE),
+    Key("dim", 50, "int", "dimension of the Gaussian task (other tasks: the model's)", "d", lo=1, cap=100_000,
+        group=SAMPLE),
+    Key("data-seed", 0, "int", "seed of the data, its split and the model's initial weights", "", lo=0, hi=2**32 - 1,
+        group=SAMPLE),
+    Key("dataset", "auto", "text", "breast_cancer, digits, mnist_subset, synthetic (offline); mnist, fashion_mnist, "
+        "femnist, cifar10, svhn (hub); '<module>:<callable>'; auto: breast_cancer (logistic), mnist_subset (mnist)",
+        group=SAMPLE),
+    Key("partition", "auto", "choice", "how the data is split over clients (auto: dirichlet for logistic, "
+        "dominant_label for mnist)", choices=("auto", "natural", "iid", "dirichlet", "pathological",
+                                              "dominant_label"), group=SAMPLE),
+    Key("partition-alpha", 0.5, "float", "Dirichlet concentration of the dirichlet split", "", lo=0, open_lo=True,
+        group=SAMPLE),
+    Key("model", "logistic", "text", "torch model of task mnist: logistic, mlp, lenet5, resnet20, or "
+        "'<module>:<callable>'", group=SAMPLE),
+    Key("device", "cpu", "text", "torch device: cpu, cuda, cuda:<k> (the CUDA path has not run here)", group=SAMPLE),
+    Key("prior-var", "flat", "float|word", "variance of the Gaussian prior U_0 (flat: none; logistic and torch "
+        "tasks use their own default when flat)", "σ₀²", lo=0, open_lo=True, words=("flat", "none", "inf"), group=SAMPLE),
+    Key("prior-on", "server", "choice", "where ∇U_0 is added: on the server, or shared by the clients (1/b each)",
+        choices=("server", "clients"), group=SAMPLE),
+    # the sampler
+    Key("variant", "qlsd-pp", "choice", "QLSD, QLSD# (minibatch), QLSD* (control variate at θ*), QLSD++ (SVRG "
+        "anchor and memory), LSD*, LSD++ (uncompressed), SGLD (centralised)", "",
+        choices=("qlsd", "qlsd-sharp", "qlsd-star", "qlsd-pp", "lsd-star", "lsd-pp", "sgld"), group=SAMPLER),
+    Key("num-rounds", 2000, "int", "number of rounds (one sample each)", "K", lo=1, cap=10**12, group=SAMPLER),
+    Key("burn-in", 500, "int", "rounds dropped before samples are kept (< num-rounds)", "", lo=0, cap=10**12,
+        group=SAMPLER),
+    Key("thin", 1, "int", "keep every thin-th sample after burn-in", "", lo=1, cap=10**12, group=SAMPLER),
+    Key("gamma", 4.9e-4, "float", "Langevin step size", "γ", lo=0, open_lo=True, group=SAMPLER),
+    Key("seed", 0, "int", "the run's seed (participation, minibatches, quantisation, noise)", "", lo=0, hi=SEED_MAX,
+        group=SAMPLER),
+    Key("num-chains", 1, "int", "independent chains (engine vectorised)", "", lo=1, cap=100_000, group=SAMPLER),
+    Key("compressor", "qsgd", "choice", "the uplink compressor (identity: none)", "C", choices=("qsgd", "identity"),
+        group=SAMPLER),
+    Key("s", "16", "ints", "QSGD levels, one value or one per client ('2,4,...'); s = 2^k is 'k bits'", "s_i",
+        lo=1, cap=2**31 - 1, group=SAMPLER),
+    Key("block-norm", "vector", "choice", "one QSGD norm for the whole vector, or one per tensor",
+        choices=("vector", "tensor"), group=SAMPLER),
+    Key("encoding", "auto", "choice", "QSGD's sparse Elias code, the dense packed code, or the shorter per message",
+        choices=("auto", "elias", "packed"), group=SAMPLER),
+    Key("p", "1.0", "floats", "participation probabilities, one value or one per client", "p_i", lo=0, hi=1,
+        open_lo=True, group=SAMPLER),
+    Key("aggregation", "unbiased", "choice", "weights 1/p_i (the supplement's theory) or b/|A_k| (Algorithm 1)",
+        choices=("unbiased", "active-fraction"), group=SAMPLER),
+    Key("batch-fraction", 0.1, "float", "minibatch size n_i = max(1, floor(N_i * fraction))", "n_i/N_i", lo=0, hi=1,
+        open_lo=True, group=SAMPLER),
+    Key("l", 100, "int", "SVRG anchor period (QLSD++, LSD++)", "l", lo=1, cap=10**12, group=SAMPLER),
+    Key("alpha", "auto", "float|word", "memory rate of QLSD++ (auto: 1/(ω_i+1); 0: no memory)", "α", lo=0, hi=1,
+        words=("auto",), group=SAMPLER),
+    Key("theta-star", "closed-form", "choice", "QLSD*/LSD*'s θ*: the task's closed form, or a federated gradient "
+        "descent first", "θ*", choices=("closed-form", "optimise"), group=SAMPLER),
+    Key("opt-rounds", 500, "int", "most rounds of the θ* descent", "", lo=1, cap=10**9, group=SAMPLER),
+    Key("opt-tol", 1e-6, "float", "the θ* descent stops when ‖∇U‖ falls below this", "", lo=0, open_lo=True,
+        group=SAMPLER),
+    # how to run it
+    Key("engine", "ray", "choice", "Flower's Ray engine, in-process Flower, the framework-free loop, or many chains "
+        "vectorised", choices=("ray", "inprocess", "local", "vectorised"), group=RUN),
+    Key("output-dir", "outputs", "text", "where run folders go (relative: to the working directory; under flwr run, "
+        "the SuperLink's)", group=RUN),
+    Key("run-name", "", "text", "the run folder's name ('': a timestamp and the variant)", group=RUN),
+    Key("progress", True, "bool", "a progress bar in a terminal, a line every 15 s in a log", group=RUN),
+    Key("verbose", False, "bool", "Flower's and Ray's own logs", group=RUN),
+    Key("client-cpus", 0.5, "float", "CPUs per virtual client on the Ray engine", "", lo=0, open_lo=True, cap=1024,
+        group=RUN),
+    Key("reply-timeout", 600.0, "float", "seconds to wait for replies and for nodes", "", lo=0, open_lo=True,
+        cap=10**7, group=RUN),
+    Key("checkpoint-every", 0, "int", "write checkpoint.npz every N rounds (0: off)", "", lo=0, cap=10**12, group=RUN),
+    Key("resume", "", "text", "a run folder to continue from its checkpoint ('': a new run)", group=RUN),
+)
+BY_NAME = {k.name: k for k in KEYS}
+DEFAULTS: dict[str, Any] = {k.name: k.default for k in KEYS}
+
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+def flag(key: str, value: Any) -> bool:
+    """A boolean: a bool, or one of true/false, 1/0, yes/no, on/off (never ``bool("no")``)."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    v = str(value).strip().lower()
+    if v in _TRUE or v in _FALSE:
+        return v in _TRUE
+    raise ConfigError(f"{key}: expected true or false, got {value!r}")
+
+
+def integer(key: str, value: Any) -> int:
+    """An integer: an int, or a number or string with an integral value (``"5"``, ``5.0``,
+    ``"1e3"``); a fraction (``4.9``), a bool, an infinity or anything else is refused."""
+    if isinstance(value, (bool, np.bool_)):
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    try:
+        return int(str(value).strip())
+    except ValueError:
+        pass
+    try:
+        f = float(value)
+    except (TypeError, ValueError, OverflowError):
+        raise ConfigError(f"{key}: expected an integer, got {value!r}") from None
+    if not math.isfinite(f) or f != math.floor(f):
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    return int(f)
+
+
+def number(key: str, value: Any) -> float:
+    """A real number; a bool, text that is no number, or NaN is refused."""
+    if isinstance(value, (bool, np.bool_)):
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    try:
+        f = float(value)
+    except (TypeError, ValueError, OverflowError):
+        raise ConfigError(f"{key}: expected a number, got {value!r}") from None
+    if math.isnan(f):
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    return f
+
+
+def _in_range(k: Key, x: float) -> bool:
+    if not math.isfinite(x):
+        return False
+    if k.lo is not None and (x <= k.lo if k.open_lo else x < k.lo):
+        return False
+    if k.hi is not None and (x >= k.hi if k.open_hi else x > k.hi):
+        return False
+    return k.cap is None or x <= k.cap
+
+
+def _range_error(k: Key, value: Any) -> ConfigError:
+    return ConfigError(f"{k.name} must be {k.allowed()} (got {value!r})")
+
+
+def parse(name: str, value: Any) -> Any:
+    """``value`` read by the rules of key ``name`` (see the module docstring); ``ConfigError``
+    naming the key and its allowed values otherwise. Per-client keys (``s``, ``p``) return the
+    list of values as given (their count is checked against ``num-clients`` by ``resolve``)."""
+    k = BY_NAME[name]
+    if k.kind == "bool":
+        return flag(name, value)
+    if k.kind == "int":
+        x = integer(name, value)
+        if not _in_range(k, x):
+            raise _range_error(k, value)
+        return x
+    if k.kind == "float":
+        x = number(name, value)
+        if not _in_range(k, x):
+            raise _range_error(k, value)
+        return x
+    if k.kind == "float|word":
+        if isinstance(value, str) and value.strip().lower() in k.words:
+            return value.strip().lower()
+        x = number(name, value)
+        if not _in_range(k, x):
+            raise _range_error(k, value)
+        return x
+    if k.kind in ("ints", "floats"):
+        parts = _parts(value)
+        try:
+            vals = [integer(name, x) if k.kind == "ints" else number(name, x) for x in parts]
+        except ConfigError:
+            what = "integer" if k.kind == "ints" else "number"
+            raise ConfigError(f"{name}: cannot read {value!r} as {what} values") from None
+        if not vals or not all(_in_range(k, x) for x in vals):
+            raise ConfigError(f"{name} must be {k.allowed()} for every client (got {value!r})")
+        return vals
+    if k.kind == "text":
+        if hasattr(value, "__fspath__"):
+            value = str(value)
+        if not isinstance(value, str):
+            raise ConfigError(f"{name} must be text (got {value!r})")
+        if "\x00" in value:
+            raise ConfigError(f"{name} must not contain a NUL character (got {value!r})")
+        return value
+    return value  # choice: resolve() reads it with its aliases and plug-ins
+
+
+def _parts(raw: Any) -> list:
+    if isinstance(raw, str):
+        return [x.strip() for x in raw.split(",") if x.strip()]
+    if isinstance(raw, (list, tuple, np.ndarray)):
+        return list(raw)
+    return [raw]
+
+
+# ---- what the table generates ------------------------------------------------------------------
+def _toml(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def pyproject_block(values: dict | None = None) -> str:
+    """``[tool.flwr.app.config]`` with every key (``values`` over the defaults)."""
+    vals = {**DEFAULTS, **(values or {})}
+    return "[tool.flwr.app.config]\n" + "".join(f"{k.name} = {_toml(vals[k.name])}\n" for k in KEYS)
+
+
+def help_text(width: int = 100) -> str:
+    """Every key with its default, symbol, allowed values and meaning, grouped (plain text)."""
+    import textwrap
+
+    out = []
+    for group in (SAMPLE, SAMPLER, RUN):
+        out.append(f"{group}:")
+        for k in (k for k in KEYS if k.group == group):
+            sym = f" ({k.symbol})" if k.symbol else ""
+            head = f"  {k.name} = {_toml(k.default)}{sym}"
+            body = f"{k.doc}; allowed: {k.allowed()}" if k.kind not in ("text",) else k.doc
+            out.append(head)
+            out.extend(textwrap.wrap(body, width, initial_indent="      ", subsequent_indent="      "))
+    return "\n".join(out) + "\n"
+
+
+def markdown_table() -> str:
+    """The README's key table."""
+    rows = ["| key | meaning | symbol | allowed | default |", "|---|---|---|---|---|"]
+    for k in KEYS:
+        allowed = k.allowed() if k.kind != "text" else "text"
+        rows.append(f"| `{k.name}` | {k.doc.replace('|', '/')} | {k.symbol} | {allowed.replace('|', '/')} | "
+                    f"`{_toml(k.default)}` |")
+    return "\n".join(rows) + "\n"

@@ -1,0 +1,273 @@
+"""Hardening (issue 14): a hostile or broken client, or a careless configuration, never ends or
+silently poisons a run; each case is refused with a one-line reason naming the key, or counted.
+
+(Reply validation of forged values: ``test_public_api.py``; key parsing: ``test_config.py``;
+malformed replies and kills: ``test_reliability.py``.)
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+from flwr.app import Context, RecordDict
+
+from qlsd_flwr.config import ConfigError, resolve
+from qlsd_flwr.flower import QLSDStrategy, make_client_app
+from qlsd_flwr.flower.inprocess import InProcessGrid
+from qlsd_flwr.flower.nodes import HandshakeError
+from qlsd_flwr.potentials import GaussianPrior, NumpyPotential, Task
+from qlsd_flwr.run.simulate import run
+from qlsd_flwr.tasks.gaussian import GaussianLocal, client_data
+
+B, D = 3, 4
+BASE = {"num-clients": B, "dim": D, "num-rounds": 12, "burn-in": 2, "progress": False, "s": "8"}
+
+
+def _app():
+    return make_client_app(lambda c: GaussianLocal(client_data(int(c.node_config["partition-id"]), D, 0)))
+
+
+def test_a_node_claiming_a_live_clients_partition_id_is_refused_and_changes_nothing(tmp_path):
+    seen_by: dict[int, int] = {}
+
+    def spy(msg, ctx, call_next):
+        if msg.metadata.message_type == "train":
+            seen_by[ctx.node_id] = seen_by.get(ctx.node_id, 0) + 1
+        return call_next(msg, ctx)
+
+    def chain(intrude: bool):
+        app = make_client_app(lambda c: GaussianLocal(client_data(int(c.node_config["partition-id"]), D, 0)),
+                              mods=[spy])
+        grid = InProcessGrid(app, B)
+        intruder = 99_000_001
+
+        def on_round(strategy):
+            if intrude and strategy.state.k == 3:  # joins mid-run, claiming client 0's slot
+                grid.node_ids.append(intruder)
+                grid.contexts[intruder] = Context(run_id=1, node_id=intruder, state=RecordDict(), run_config={},
+                                                  node_config={"partition-id": 0, "num-partitions": B})
+
+        st = QLSDStrategy(num_clients=B, dim=D, num_rounds=12, burn_in=2, s=8, write=False, keep_trace=True,
+                          progress=False, on_round=on_round)
+        st.start(grid)
+        return st, intruder
+
+    honest, _ = chain(False)
+    seen_by.clear()
+    attacked, intruder = chain(True)
+    assert np.array_equal(np.array(attacked.trace), np.array(honest.trace))  # the chain is untouched
+    assert intruder not in seen_by  # it never received θ, an anchor or a mirror
+    assert attacked.nodes.refused_claims == {0: [intruder]}
+    assert attacked.summary_data["refused_claims"] == {"0": [intruder]}
+
+
+def test_a_client_without_data_is_refused_at_the_start(tmp_path, monkeypatch):
+    # every engine: a clear error naming the client, not a ZeroDivisionError every round
+    def potential(c):
+        i = int(c.node_config["partition-id"])
+        return GaussianLocal(client_data(i, D, 0)[: (0 if i == 1 else None)])
+
+    with pytest.raises(HandshakeError, match="client 1 .*holds no data points"):
+        QLSDStrategy(num_clients=B, dim=D, write=False, progress=False).start(
+            InProcessGrid(make_client_app(potential), B))
+    with pytest.raises(ValueError, match="n_data and dim must be >= 1"):  # the adapter says it at once
+        NumpyPotential(lambda th, idx: th, lambda th: 0.0, 0, D)
+    task = Task(name="t", dim=D, clients=[GaussianLocal(client_data(0, D, 0)),
+                                          GaussianLocal(np.zeros((0, D)))], prior=GaussianPrior(var=1.0))
+    from qlsd_flwr.engines.local import run_local
+
+    with pytest.raises(ConfigError, match="client 1 holds no data points"):
+        run_local(resolve({**BASE, "num-clients": 2, "engine": "local"}), task=task, write=False)
+
+
+def test_theta_star_optimisation_that_stops_short_says_so(tmp_path, caplog):
+    o = {**BASE, "variant": "qlsd-star", "theta-star": "optimise", "opt-rounds": 2, "engine": "local",
+         "gamma": 1e-4, "output-dir": str(tmp_path)}
+    with caplog.at_level(logging.WARNING, logger="qlsd_flwr"):
+        out = run(o)
+    assert "theta-star: the optimisation stopped at opt-rounds = 2" in caplog.text
+    assert out.summary["opt_converged"] is False and out.summary["opt_grad_norm"] > 0
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="qlsd_flwr"):
+        out = run({**o, "opt-rounds": 5000, "gamma": 1e-3, "run-name": "ok"})
+    assert out.summary["opt_converged"] is True and "theta-star" not in caplog.text
+
+
+def test_extreme_participation_is_refused_or_named():
+    from qlsd_flwr.protocol.build import participation_warnings
+    from qlsd_flwr.tasks.loading import load_task
+
+    with pytest.raises(ConfigError, match="no client is expected to take part"):
+        participation_warnings(resolve({**BASE, "p": 1e-6}), load_task(resolve(BASE)))
+    cfg = resolve({**BASE, "num-clients": 20, "dim": 50, "p": 1e-3, "num-rounds": 500, "variant": "qlsd-sharp"})
+    why = participation_warnings(cfg, load_task(cfg))
+    assert any("fewer than one of the 500 rounds" in w for w in why)
+    assert any("weighted 1/p_i = 1e+03" in w and "thrown far" in w for w in why)
+    cfg = resolve({**BASE, "p": 0.5})
+    assert participation_warnings(cfg, load_task(cfg)) == []
+    with pytest.raises(ConfigError, match="p: K"):  # an engine refuses it at start
+        run({**BASE, "p": 1e-6, "engine": "local"})
+
+
+@pytest.mark.parametrize("name", ["../escape", "/tmp/abs", "a/b", "..", "."])
+def test_a_run_name_never_writes_outside_the_output_dir(name):
+    with pytest.raises(ConfigError, match="run-name must be one folder name inside output-dir"):
+        resolve({"run-name": name})
+
+
+def test_sgld_refuses_partial_participation():
+    with pytest.raises(ConfigError, match="p must be 1 for variant sgld"):
+        resolve({"variant": "sgld", "p": "0.5"})
+    assert resolve({"variant": "sgld"}).p.tolist() == [1.0]
+
+
+@pytest.mark.parametrize("engine", ["local", "vectorised"])
+def test_sigterm_leaves_a_readable_run_folder_with_every_draw_so_far(tmp_path, engine):
+    # the default run (no checkpointing): SIGTERM mid-run, then the folder is complete and readable
+    import csv
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from qlsd_flwr.outputs.recorder import load_samples
+
+    sets = {"engine": engine, "num-rounds": 10**7, "burn-in": 10, "dim": 5, "num-clients": 4,
+            "output-dir": str(tmp_path), "run-name": "t", "progress": False}
+    if engine == "vectorised":
+        sets["num-chains"] = 2
+    argv = [sys.executable, "-m", "qlsd_flwr", "run", *sum((["--set", f"{k}={v}"] for k, v in sets.items()), [])]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    metrics = tmp_path / "t" / "metrics.csv"
+    deadline = time.time() + 300  # a cold numba cache compiles first; the signal goes once rounds run
+    while time.time() < deadline and proc.poll() is None and (not metrics.exists() or metrics.stat().st_size < 2000):
+        time.sleep(0.2)
+    assert proc.poll() is None and metrics.stat().st_size >= 2000, proc.communicate()
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, (out, err)
+    assert "stopped by SIGTERM" in err and "Traceback" not in err
+    summary = json.loads((tmp_path / "t" / "summary.json").read_text())
+    assert summary["stopped"].startswith("KeyboardInterrupt")
+    with open(metrics) as f:
+        rounds = [int(r["round"]) for r in csv.DictReader(f)]
+    samples = load_samples(tmp_path / "t")  # readable: the draws of every recorded round past burn-in
+    assert samples.shape[1] == len([r for r in rounds if r > 10]) > 0
+    assert np.all(np.isfinite(samples)) and not (tmp_path / "t" / "draws.f8").exists()
+
+
+def test_keys_are_private_from_their_first_byte_and_never_overwritten(tmp_path, monkeypatch, capsys):
+    import os
+    import stat
+
+    from qlsd_flwr.deploy import certs
+    from qlsd_flwr.deploy.cli import main as deploy_main
+
+    created = []
+    real_open = os.open
+
+    def spy(path, flags, mode=0o777, *a, **kw):  # the mode each file is created with
+        created.append((os.path.basename(path), mode))
+        return real_open(path, flags, mode, *a, **kw)
+
+    monkeypatch.setattr(certs.os, "open", spy)
+    paths = certs.make_tls_certificates(tmp_path / "c")
+    priv, pub = certs.make_node_keypair(tmp_path / "k", "node0")
+    modes = dict(created)
+    assert modes["ca.key"] == modes["server.key"] == modes["node0"] == 0o600
+    for p in (paths["ca_key"], paths["server_key"], priv):
+        assert stat.S_IMODE(p.stat().st_mode) == 0o600
+    before = paths["ca_key"].read_bytes()
+    assert deploy_main(["certs", str(tmp_path / "c")]) == 2  # kept, with the remedy
+    assert "exist" in capsys.readouterr().err and paths["ca_key"].read_bytes() == before
+    assert deploy_main(["node-key", str(tmp_path / "k"), "node0"]) == 2
+    assert deploy_main(["certs", str(tmp_path / "c"), "--force"]) == 0 and paths["ca_key"].read_bytes() != before
+    capsys.readouterr()
+    for argv, words in ((["certs", str(tmp_path / "d"), "--days", "0"], "--days must be an integer >= 1"),
+                        (["certs", str(tmp_path / "d"), "--days", "-5"], "--days must be an integer >= 1"),
+                        (["certs", str(tmp_path / "d"), "--host", ""], "--host must be a non-empty")):
+        assert deploy_main(argv) == 2
+        err = capsys.readouterr().err
+        assert words in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "d" / "ca.key").exists()
+
+
+def test_a_stopped_checkpointed_run_resumes_bitwise_and_a_second_resume_is_locked_out(tmp_path):
+    # Ctrl-C/SIGTERM closes the folder (samples so far readable) and the run resumes from its
+    # checkpoint to the very chain of an uninterrupted run; while a run writes its folder, a
+    # second run on the same folder is refused before it touches a file
+    from qlsd_flwr.config import resolve
+    from qlsd_flwr.engines.local import run_local
+    from qlsd_flwr.outputs.recorder import load_samples, lock_run_dir
+
+    o = {**BASE, "engine": "local", "num-rounds": 40, "checkpoint-every": 10, "output-dir": str(tmp_path)}
+    ref = load_samples(run({**o, "run-name": "ref"}).run_dir)
+    calls = {"n": 0}
+
+    class Stop(KeyboardInterrupt):
+        pass
+
+    import qlsd_flwr.protocol.server as server_mod
+
+    real_end = server_mod.QLSDServer.end_round
+
+    def end_round(self):
+        calls["n"] += 1
+        if calls["n"] == 25:
+            raise Stop("SIGTERM")
+        return real_end(self)
+
+    server_mod.QLSDServer.end_round = end_round
+    try:
+        with pytest.raises(Stop):
+            run_local(resolve({**o, "run-name": "cut"}))
+    finally:
+        server_mod.QLSDServer.end_round = real_end
+    cut = tmp_path / "cut"
+    assert load_samples(cut).shape[1] == 24 - 2  # rounds 3..24 kept, readable after the stop
+    holder = lock_run_dir(cut)  # another run writing this folder
+    with pytest.raises(ConfigError, match="is in use by another run"):
+        run({"resume": str(cut), "progress": False})
+    holder.close()
+    assert np.array_equal(load_samples(run({"resume": str(cut), "progress": False}).run_dir), ref)
+
+
+def test_resume_compares_values_not_spellings_and_names_a_broken_config(tmp_path):
+    from qlsd_flwr.outputs.checkpoint import resume_overrides
+
+    o = {**BASE, "engine": "local", "num-rounds": 20, "checkpoint-every": 5, "p": "1.0",
+         "output-dir": str(tmp_path), "run-name": "r"}
+    run(o)
+    assert resume_overrides({"resume": str(tmp_path / "r"), "p": 1})["resume"] == str(tmp_path / "r")
+    with pytest.raises(ConfigError, match="p differ"):
+        resume_overrides({"resume": str(tmp_path / "r"), "p": 0.5})
+    (tmp_path / "r" / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="config.json cannot be read"):
+        resume_overrides({"resume": str(tmp_path / "r")})
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda m, a: m.update(k=-100), "k must be an integer >= 0"),
+    (lambda m, a: m["recorder"].update(n_draws=-1), "recorder.n_draws must be an integer >= 0"),
+    (lambda m, a: m.pop("recorder"), "missing field 'recorder'"),
+    (lambda m, a: a.update(theta=np.zeros(D + 1)), "'eta_i' has shape"),
+    (lambda m, a: a.update(theta=np.full(D, np.nan)), "'theta' has non-finite values"),
+])
+def test_a_checkpoint_with_bad_contents_is_refused_by_name(tmp_path, change, words):
+    from qlsd_flwr.outputs import checkpoint as ckpt
+
+    o = {**BASE, "engine": "local", "num-rounds": 20, "checkpoint-every": 5, "variant": "qlsd-pp",
+         "output-dir": str(tmp_path), "run-name": "r"}
+    run({**o, "num-rounds": 10})  # a run whose checkpoint is at round 10, then edited
+    (tmp_path / "r" / "summary.json").unlink()
+    meta, arrays = ckpt.load(ckpt.path_in(tmp_path / "r"))
+    meta.pop("format")
+    change(meta, arrays)
+    ckpt.save(ckpt.path_in(tmp_path / "r"), arrays, meta)  # a valid file with bad contents
+    with pytest.raises(ConfigError, match=words):
+        run({"resume": str(tmp_path / "r"), "num-rounds": 20, "progress": False})
