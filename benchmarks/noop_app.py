@@ -75,18 +75,20 @@ def shape_apps(rounds: int, b: int, on_round, d: int = 50, payload_bytes: int = 
                        reply_to=msg)
 
     import numpy as np
+    from flwr.app import Array
 
     from qlsd_flwr.config import resolve
     from qlsd_flwr.core.potential import GaussianPrior
     from qlsd_flwr.flower.records import to_content
     from qlsd_flwr.protocol.build import client_settings
 
-    theta = np.zeros(d)
+    theta = Array(np.zeros(d))  # one per round in the strategy; the same here
     settings = client_settings(resolve({"num-clients": b, "dim": d}), 0, d, GaussianPrior())
 
     def content_for(r: int, i: int) -> RecordDict:
-        # QLSD++'s message as the strategy builds it: θ in an ArrayRecord, the scalars, the settings
-        return to_content({"phase": "sample", "round": r - 1, "client": i, "theta": theta,
-                           "anchor_version": 0, "eta_count": r - 1}, settings)
+        # QLSD++'s message as the strategy builds it: θ in an ArrayRecord, the scalars, and the
+        # settings in the first round only
+        return to_content({"phase": "sample", "round": r - 1, "client": i, "theta": np.zeros(d),
+                           "anchor_version": 0, "eta_count": r - 1}, settings if r == 1 else None, theta)
 
     return _server_app(rounds, b, on_round, content_for, lambda reply: dict(reply.content["qlsd"])), client

@@ -138,11 +138,16 @@ KEYS: tuple[Key, ...] = (
     Key("l", 100, "int", "SVRG anchor period (QLSD++, LSD++)", "l", lo=1, cap=10**12, group=SAMPLER),
     Key("alpha", "auto", "float|word", "memory rate of QLSD++ (auto: 1/(ω_i+1); 0: no memory)", "α", lo=0, hi=1,
         words=("auto",), group=SAMPLER),
+    Key("norm-bound", "auto", "float|word", "limit on a reply's decoded norm ‖ĝ_i‖ (a Byzantine reply is rejected "
+        "as norm_bound): auto = 1000 × the round's median norm; a number; off", "", lo=0, open_lo=True,
+        words=("auto", "off"), group=SAMPLER),
     Key("theta-star", "closed-form", "choice", "QLSD*/LSD*'s θ*: the task's closed form, or a federated gradient "
         "descent first", "θ*", choices=("closed-form", "optimise"), group=SAMPLER),
     Key("opt-rounds", 500, "int", "most rounds of the θ* descent", "", lo=1, cap=10**9, group=SAMPLER),
     Key("opt-tol", 1e-6, "float", "the θ* descent stops when ‖∇U‖ falls below this", "", lo=0, open_lo=True,
         group=SAMPLER),
+    Key("opt-accept-unconverged", False, "bool", "sample with a θ* whose descent stopped at opt-rounds above "
+        "opt-tol (QLSD*/LSD* then drift by ∇U(θ*)); otherwise that is an error", group=SAMPLER),
     # how to run it
     Key("engine", "ray", "choice", "Flower's Ray engine, in-process Flower, the framework-free loop, or many chains "
         "vectorised", choices=("ray", "inprocess", "local", "vectorised"), group=RUN),

@@ -191,3 +191,33 @@ def test_readme_help_and_config_command_come_from_the_table(capsys):
     assert all(f"  {k.name} = " in out for k in KEYS) and "allowed: qlsd, qlsd-sharp" in out
     assert main(["config", "--toml"]) == 0
     assert capsys.readouterr().out.startswith("[tool.flwr.app.config]\ntask = ")
+
+
+def test_config_fuzz_every_key_any_toml_value_one_line_error_naming_the_key_or_a_valid_config():
+    # random TOML values of every type for every key: either resolve() accepts the configuration,
+    # or it refuses with one line naming the key; nothing else (no other exception, no traceback)
+    import datetime
+
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from qlsd_flwr.keys import KEYS
+
+    toml_value = st.one_of(
+        st.booleans(), st.integers(min_value=-(2**63), max_value=2**63 - 1),
+        st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12),
+        st.sampled_from(["auto", "flat", "off", "1e3", "0.5", "2,4", "qlsd-pp", "", "\x00", "../x"]),
+        st.lists(st.integers(-5, 40), max_size=4), st.dates().map(lambda d: datetime.datetime(d.year, d.month, d.day)),
+    )
+
+    @settings(max_examples=600, derandomize=True, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(st.sampled_from([k.name for k in KEYS]), toml_value)
+    def prop(key, value):
+        try:
+            resolve({key: value})
+        except ConfigError as exc:
+            msg = str(exc)
+            assert key in msg and "\n" not in msg, (key, value, msg)
+
+    prop()

@@ -82,11 +82,14 @@ def test_a_client_without_data_is_refused_at_the_start(tmp_path, monkeypatch):
         run_local(resolve({**BASE, "num-clients": 2, "engine": "local"}), task=task, write=False)
 
 
-def test_theta_star_optimisation_that_stops_short_says_so(tmp_path, caplog):
+def test_theta_star_optimisation_that_stops_short_is_an_error_unless_accepted(tmp_path, caplog):
     o = {**BASE, "variant": "qlsd-star", "theta-star": "optimise", "opt-rounds": 2, "engine": "local",
          "gamma": 1e-4, "output-dir": str(tmp_path)}
+    with pytest.raises(ConfigError, match="stopped at opt-rounds = 2 .*opt-accept-unconverged = true"):
+        run(o)
+    assert not list(tmp_path.iterdir())  # refused before any run folder was made
     with caplog.at_level(logging.WARNING, logger="qlsd_flwr"):
-        out = run(o)
+        out = run({**o, "opt-accept-unconverged": True})
     assert "theta-star: the optimisation stopped at opt-rounds = 2" in caplog.text
     assert out.summary["opt_converged"] is False and out.summary["opt_grad_norm"] > 0
     caplog.clear()
@@ -271,3 +274,45 @@ def test_a_checkpoint_with_bad_contents_is_refused_by_name(tmp_path, change, wor
     ckpt.save(ckpt.path_in(tmp_path / "r"), arrays, meta)  # a valid file with bad contents
     with pytest.raises(ConfigError, match=words):
         run({"resume": str(tmp_path / "r"), "num-rounds": 20, "progress": False})
+
+
+def _attacker(mode: str):
+    """A client mod rewriting client 0's real reply: ``max`` sets its QSGD norm to float32's
+    largest value (a valid code: every check of the format passes); ``silent`` drops it."""
+    import struct
+
+    from flwr.app import ConfigRecord
+
+    def mod(msg, ctx, call_next):
+        reply = call_next(msg, ctx)
+        if msg.metadata.message_type != "train" or int(ctx.node_config["partition-id"]) != 0:
+            return reply
+        if mode == "silent":
+            raise RuntimeError("client 0 is silent")
+        rec = reply.content["qlsd"]
+        if rec.get("status") == "ok":
+            p = bytes(rec["payload"])
+            reply.content["qlsd"] = ConfigRecord({**dict(rec), "payload": p[:5] + struct.pack(">f", 3.4028235e38) + p[9:]})
+        return reply
+
+    return mod
+
+
+@pytest.mark.parametrize("variant", ["qlsd", "qlsd-pp"])
+def test_one_attacker_sending_the_largest_valid_reply_every_round_is_held_off(tmp_path, variant):
+    # the test-sized Byzantine benchmark (benchmarks/bench_byzantine.py): 200 rounds, through
+    # Flower's in-process path; with the norm bound the chain is exactly the one in which the
+    # attacker is silent, every attack counted as norm_bound; without it θ is thrown far
+    from qlsd_flwr.outputs.recorder import load_samples
+
+    o = {"variant": variant, "num-clients": 5, "dim": 5, "num-rounds": 200, "burn-in": 0, "s": "16", "l": 20,
+         "engine": "inprocess", "progress": False, "output-dir": str(tmp_path)}
+    guarded = run({**o, "run-name": "guarded"}, mods=[_attacker("max")])
+    silent = run({**o, "run-name": "silent"}, mods=[_attacker("silent")])
+    assert np.array_equal(load_samples(guarded.run_dir), load_samples(silent.run_dir))
+    rejected = guarded.summary["rejected"]
+    assert rejected.get("norm_bound", 0) + rejected.get("resync", 0) == 200 and rejected["norm_bound"] >= 100
+    honest = run({**o, "run-name": "honest"})
+    assert honest.summary["rejected"].get("norm_bound", 0) == 0  # no honest reply is ever rejected here
+    off = run({**o, "run-name": "off", "norm-bound": "off"}, mods=[_attacker("max")])
+    assert np.abs(load_samples(off.run_dir)).max() > 1e30

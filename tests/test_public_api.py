@@ -89,20 +89,35 @@ def test_theta_goes_downlink_as_an_array_record_with_the_client_settings(tmp_pat
 
     def spy(msg, ctx, call_next):
         if msg.metadata.message_type == "train":
-            seen.append(msg.content)
+            seen.append((ctx.node_id, msg.content))
         return call_next(msg, ctx)
 
     app = make_client_app(lambda c: GaussianLocal(client_data(int(c.node_config["partition-id"]), D, 0)),
                           mods=[spy])
-    strategy = QLSDStrategy(num_clients=B, dim=D, write=False, progress=False, **{**SAMPLER, "num_rounds": 3, "burn_in": 0})
-    strategy.start(InProcessGrid(app, B))
+    grid = InProcessGrid(app, B)
+    strategy = QLSDStrategy(num_clients=B, dim=D, write=False, progress=False, keep_trace=True,
+                            **{**SAMPLER, "num_rounds": 6, "burn_in": 0})
+    strategy.start(grid)
     assert seen
-    for content in seen:
+    first: set = set()
+    for node, content in seen:
         arrays = content["arrays"]
         assert isinstance(arrays, ArrayRecord) and arrays["theta"].numpy().shape == (D,)
         assert "theta" not in content["qlsd"]  # no θ as bytes in a ConfigRecord
-        settings = content["qlsd-settings"]
-        assert isinstance(settings, ConfigRecord) and settings["s"] == 8 and settings["oracle"] == "svrg"
+        # the settings travel with the first message to each client only; it keeps them
+        assert ("qlsd-settings" in content) == (node not in first)
+        if node not in first:
+            settings = content["qlsd-settings"]
+            assert isinstance(settings, ConfigRecord) and settings["s"] == 8 and settings["oracle"] == "svrg"
+            first.add(node)
+    # a node that lost its state (a restart) asks again (resync) and gets them: the chain goes on
+    for nid in grid.node_ids:
+        grid.contexts[nid].state = type(grid.contexts[nid].state)()
+    again = QLSDStrategy(num_clients=B, dim=D, write=False, progress=False, keep_trace=True,
+                         **{**SAMPLER, "num_rounds": 6, "burn_in": 0})
+    again._settings_sent = set(range(B))  # as if the settings had gone before the restart
+    again.start(grid)
+    assert again.summary_data["rejected"].get("resync", 0) >= 1 and np.all(np.isfinite(again.trace))
 
 
 def test_client_settings_are_checked_and_name_the_bad_value():

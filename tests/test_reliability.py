@@ -272,9 +272,9 @@ class ReplyFuzzer:
                 server.accept(i, self._reply(server, clients, i))
             elif fields is not NO_REPLY:
                 server.accept(j, fields)
+        server.end_round()  # a reply over the norm limit is rejected here, with the round's others in view
         accepted = j in server._g_hat
         counted = sum(server.rejected.values()) - before
-        server.end_round()
         return server, {"accepted": accepted, "counted": counted}
 
 
@@ -310,6 +310,7 @@ def _hostile(valid: dict, d: int):
         st.tuples(st.integers(0, len(payload) - 1), st.integers(1, 255)).map(  # a corrupted byte
             lambda t: payload[:t[0]] + bytes([payload[t[0]] ^ t[1]]) + payload[t[0] + 1:]),
         st.sampled_from([float("nan"), float("inf"), -float("inf"), -1.0]).map(lambda v: _set_norm(payload, v)),
+        st.sampled_from([3.4028235e38, 1e30, 1e12]).map(lambda v: _set_norm(payload, v)),  # huge, valid norms
         st.integers(0, 2**32 - 1).filter(lambda x: x != d).map(  # wrong d in the header
             lambda x: payload[:1] + struct.pack("<I", x) + payload[5:]),
         st.integers(0, 255).map(lambda t: bytes([t]) + payload[1:]),  # any encoding tag
@@ -323,6 +324,8 @@ def _hostile(valid: dict, d: int):
         st.one_of(st.integers(-3, 10), any_value).map(lambda c: with_(client=c)),  # another client id
         st.one_of(st.text(max_size=6), any_value).map(lambda s: with_(status=s)),
         st.one_of(st.integers(-3, 5), any_value).map(lambda v: with_(anchor_version=v)),
+        st.sampled_from([2**63, 2**64, -(2**63) - 1, float("nan"), float("inf"), "NaN"]).map(  # overflow, NaN
+            lambda v: with_(anchor_version=v)),
         keys.map(lambda k: {kk: vv for kk, vv in valid.items() if kk != k}),  # a key missing
         st.dictionaries(keys, any_value, max_size=5),  # anything
         st.one_of(st.none(), st.text(max_size=5), st.binary(max_size=5), st.lists(st.integers(), max_size=3)),

@@ -17,6 +17,7 @@ import numpy as np
 
 from qlsd_flwr.config import ConfigError, RunConfig
 from qlsd_flwr.core.potential import Task
+from qlsd_flwr.keys import flag
 
 log = logging.getLogger("qlsd_flwr")
 
@@ -87,7 +88,11 @@ def resolve_theta_star(cfg: RunConfig, task: Task, theta0: np.ndarray,
     ts, rounds = optimise_theta_star(cfg, theta0, grad_fn, info)
     if not info["opt_converged"]:
         # QLSD*'s control variate assumes Σ_i ∇U_i(θ*) = 0: what is left of ∇U(θ*) biases every step
-        log.warning("theta-star: the optimisation stopped at opt-rounds = %d with ‖∇U(θ*)‖ = %.3g, above "
-                    "opt-tol·(1 + ‖∇U(θ_0)‖); QLSD*/LSD* drift by that gradient. Raise opt-rounds (or gamma, "
-                    "if stable), or give θ* in closed form", rounds, info["opt_grad_norm"])
+        why = (f"theta-star: the optimisation stopped at opt-rounds = {rounds} with ‖∇U(θ*)‖ = "
+               f"{info['opt_grad_norm']:.3g}, above opt-tol·(1 + ‖∇U(θ_0)‖); QLSD*/LSD* would drift by that "
+               "gradient. Raise opt-rounds (or gamma, if stable), give θ* in closed form, or set "
+               "opt-accept-unconverged = true")
+        if not flag("opt-accept-unconverged", cfg.raw.get("opt-accept-unconverged", False)):
+            raise ConfigError(why)
+        log.warning(why)
     return ts, {"theta_star": "optimise", "opt_rounds": rounds, **info}

@@ -37,7 +37,13 @@ from flwr.clientapp import ClientApp
 from qlsd_flwr.config import resolve
 from qlsd_flwr.core.oracles import ClientState
 from qlsd_flwr.core.potential import LocalPotential
-from qlsd_flwr.flower.records import RECORD, config_record, from_content, record_fields
+from qlsd_flwr.flower.records import (
+    RECORD,
+    SETTINGS,
+    config_record,
+    from_content,
+    record_fields,
+)
 from qlsd_flwr.protocol import build
 from qlsd_flwr.protocol.client import handle
 from qlsd_flwr.protocol.wire import arr_to_bytes, bytes_to_arr
@@ -192,13 +198,17 @@ def make_client_app(potential_fn: Callable[[Context], LocalPotential] | None = N
         pot, d, cfg = potential_of(context)
         fields, settings = from_content(message.content)
         i = client_index(context)
+        # the settings come with the first message to a node (and after a resync); kept in its state
+        if settings is not None:
+            context.state[SETTINGS] = ConfigRecord(settings)
+        elif SETTINGS in context.state:
+            settings = dict(context.state[SETTINGS])
         if settings is not None:
             spec, seed = _spec(tuple(sorted(settings.items())), i, int(pot.n_data), d)
-        elif cfg is not None:  # a server that sends no settings: the run config's
+        elif cfg is not None:  # the project's own app: the run config gives the same settings
             spec, seed = client_setup(context, overrides, overrides_json)[2], cfg.seed
-        else:
-            raise ValueError("the server sent no client settings (record 'qlsd-settings'); use "
-                             "qlsd_flwr.flower.QLSDStrategy on the server")
+        else:  # state lost (a restarted node): ask for the settings, the anchor and the mirror
+            return _reply(message, {"client": i, "status": "resync"})
         st = load_state(context)
         reply = handle(spec, pot, st, seed, fields, d)
         save_state(context, st, d)

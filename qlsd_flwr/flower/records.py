@@ -8,7 +8,9 @@ A server → client message holds:
   memory mirror ``"eta"`` (float64 vectors of length ``d``);
 * ``"qlsd"`` — a ``ConfigRecord`` with the protocol's scalar fields (:mod:`qlsd_flwr.protocol.wire`);
 * ``"qlsd-settings"`` — a ``ConfigRecord`` with the client's settings
-  (:func:`qlsd_flwr.protocol.build.client_settings`).
+  (:func:`qlsd_flwr.protocol.build.client_settings`), in the first message to each client and
+  after a resync only (the client keeps them in ``context.state``; a record costs Flower about
+  80 µs a message to build and serialise).
 
 A reply holds one ``ConfigRecord`` ``"qlsd"``, whose ``payload`` is the encoded compressed message
 (bytes: a QSGD code is not an array).
@@ -26,9 +28,12 @@ ARRAYS = "arrays"
 SETTINGS = "qlsd-settings"
 
 
-def to_content(fields: dict, settings: dict | None = None) -> RecordDict:
-    """A server → client message's content from the protocol's fields (vectors as arrays)."""
-    arrays = {k: Array(np.asarray(v, dtype=np.float64)) for k, v in fields.items() if k in VECTORS}
+def to_content(fields: dict, settings: dict | None = None, theta: Array | None = None) -> RecordDict:
+    """A server → client message's content from the protocol's fields (vectors as arrays).
+    ``theta``: ``θ_k`` already made an :class:`Array` (one per round, shared by its messages:
+    making an ``Array`` serialises the vector)."""
+    arrays = {k: (theta if k == "theta" and theta is not None else Array(np.asarray(v, dtype=np.float64)))
+              for k, v in fields.items() if k in VECTORS}
     content = RecordDict({RECORD: ConfigRecord({k: v for k, v in fields.items() if k not in VECTORS})})
     if arrays:
         content[ARRAYS] = ArrayRecord(arrays)

@@ -20,10 +20,26 @@ def quiet_flower(verbose: bool) -> None:
     logging.getLogger("qlsd_flwr").setLevel(logging.DEBUG if verbose else logging.INFO)
 
 
+def evaluate_held_out(cfg, run_dir) -> None:
+    """For a classification task, the held-out evaluation (``evaluation.json``, the reliability
+    diagram) and ArviZ's ``log_likelihood``, ``predictions`` and ``observed_data`` groups in
+    ``samples.nc``, as ``qlsd-flwr run`` writes them; nothing for other tasks."""
+    if run_dir is None or cfg.task not in ("logistic", "mnist"):
+        return
+    from qlsd_flwr.evaluation.evaluate import evaluate_run
+    from qlsd_flwr.outputs.progress import announce
+
+    ev = evaluate_run(run_dir)
+    announce(f"{cfg.variant}: held-out accuracy {100 * ev['accuracy']:.1f} %, nNLL {ev['nnll']:.4f}, "
+             f"ECE {ev['ece']:.4f} (evaluation.json; log_likelihood in samples.nc)", cfg.progress)
+
+
 def make_server_app(overrides: dict | None = None, sink: dict | None = None,
-                    strategy_kwargs: dict | None = None) -> ServerApp:
+                    strategy_kwargs: dict | None = None, evaluate: bool = False) -> ServerApp:
     """A ServerApp; ``overrides`` are run-config values, ``sink`` receives the finished strategy
-    (the ServerApp runs in the caller's process under ``run_simulation``)."""
+    (the ServerApp runs in the caller's process under ``run_simulation``); ``evaluate``: the
+    held-out evaluation at the end (:func:`evaluate_held_out`; the app of ``flwr run``, whereas
+    ``qlsd-flwr run`` evaluates after any engine)."""
     app = ServerApp()
 
     @app.main()
@@ -33,10 +49,12 @@ def make_server_app(overrides: dict | None = None, sink: dict | None = None,
         task = loading.load_task(cfg)
         strategy = QLSDStrategy.from_config(cfg, task, **(strategy_kwargs or {}))
         strategy.start(grid=grid)
+        if evaluate:
+            evaluate_held_out(cfg, strategy.run_dir)
         if sink is not None:
             sink["strategy"] = strategy
 
     return app
 
 
-app = make_server_app()
+app = make_server_app(evaluate=True)

@@ -244,6 +244,7 @@ class QLSDStrategy(Strategy):
         self.failure_sink = failure_sink
         self.on_round = on_round  # called with the strategy after each round (tests, monitoring)
         self._sent: dict[int, int] = {}  # node id -> client, this round
+        self._settings_sent: set[int] = set()  # clients sent their settings (see configure_train)
         self._sent_ids: dict[str, int] = {}  # message id -> client (replies the SuperLink made)
         self._grid: Grid | None = None  # the real grid (node management talks to it directly)
         self._timeout = cfg.reply_timeout
@@ -273,9 +274,14 @@ class QLSDStrategy(Strategy):
         self.nodes.rediscover(self._grid or grid, k + 1, self._timeout)
         self._sent = {}
         msgs = []
+        theta = Array(np.asarray(self.state.theta, dtype=np.float64))  # one per round, for every message
         for i in self.server.begin_round():
             node = self.nodes.node_of[i]
-            content = to_content(self.server.fields_for(i), self.server.settings[i])
+            # the client's settings go with the first message to each client and after a resync
+            # (a node that lost its state answers resync): a record less per message otherwise
+            first = i not in self._settings_sent or bool(self.server.needs_resync[i])
+            content = to_content(self.server.fields_for(i), self.server.settings[i] if first else None, theta)
+            self._settings_sent.add(i)
             if config:
                 content["config"] = config
             msgs.append(Message(content, node, MessageType.TRAIN, group_id=str(k + 1)))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from qlsd_flwr.config import RunConfig
 from qlsd_flwr.outputs import checkpoint as ckpt
-from qlsd_flwr.outputs.recorder import Recorder, make_run_dir
+from qlsd_flwr.outputs.recorder import Recorder, deferred_signals, make_run_dir
 
 log = logging.getLogger("qlsd_flwr")
 
@@ -55,8 +55,9 @@ class RunOutputs:
 
     def on_round(self, server, row: dict) -> None:
         k = row["round"]
-        self.recorder.record_round(row)
-        self.recorder.record_sample(k, server.state.theta)
+        with deferred_signals():  # the row and its draw together (a stop then finds them consistent)
+            self.recorder.record_round(row)
+            self.recorder.record_sample(k, server.state.theta)
         if ckpt.due(self.cfg, k):
             self.save_checkpoint(server)
 

@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
@@ -31,6 +32,23 @@ import numpy as np
 
 METRIC_FIELDS = ["round", "n_active", "n_replied", "n_rejected", "skipped", "bits_bound",
                  "bits_exact", "bytes_payload", "bytes_message", "seconds"]
+
+
+@contextlib.contextmanager
+def deferred_signals():
+    """Hold SIGINT and SIGTERM until the block ends (main thread only): a round's metrics row and
+    its draw are written together or not at all, so a stop leaves a consistent folder."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def check_run_name(run_name: str) -> str:

@@ -35,6 +35,7 @@ from qlsd_flwr.protocol.divergence import (
     divergence_message,
     is_overflow,
 )
+from qlsd_flwr.protocol.norm_guard import NormGuard
 from qlsd_flwr.protocol.wire import ReplyError, parse_fields
 
 log = logging.getLogger("qlsd_flwr")
@@ -55,6 +56,8 @@ class QLSDServer:
         self.blocks = build.blocks_for(cfg, task)
         self.compressors = [build.compressor_for(cfg, i, self.blocks) for i in range(cfg.b)]
         self.settings = [build.client_settings(cfg, i, self.d, task.prior, self.blocks) for i in range(cfg.b)]
+        self.norm_guard = NormGuard(cfg.raw.get("norm-bound", "auto"))
+        self._norm_warned: set[int] = set()
         self.keep_trace, self.engine_label, self.observer = keep_trace, engine_label, observer
         self.trace: list[np.ndarray] = []
         self.spec: sampler.ServerSpec | None = None
@@ -97,7 +100,8 @@ class QLSDServer:
         st = self.state
         arrays = {"theta": st.theta, "zeta": st.zeta, "eta_i": st.eta_i, "eta": st.eta,
                   "theta_star": self.spec.theta_star, "anchor_acked": self.anchor_acked,
-                  "eta_count": self.eta_count, "needs_resync": self.needs_resync}
+                  "eta_count": self.eta_count, "needs_resync": self.needs_resync,
+                  "norm_history": self.norm_guard.state()}
         meta = {"kind": "server", "k": int(st.k), "zeta_version": int(st.zeta_version),
                 "config": self.cfg.raw, "rejected": self.rejected,
                 "missed_rounds": {str(i): r for i, r in self.missed_rounds.items()},
@@ -123,6 +127,7 @@ class QLSDServer:
         # the clients may have lost their state with the restart: the first message to each
         # carries the anchor and its η_i mirror (fields_for), so no round is lost to a resync
         self.needs_resync = np.ones(cfg.b, dtype=bool)
+        self.norm_guard.restore(a.get("norm_history", np.zeros(0)))
         self.rejected = dict(meta["rejected"])
         self.missed_rounds = {int(i): list(r) for i, r in meta["missed_rounds"].items()}
         self.persist = dict(meta.get("persist", {}))
@@ -143,6 +148,7 @@ class QLSDServer:
         sampler.refresh_anchor(self.spec, self.state)
         self._active = [int(i) for i in np.flatnonzero(participation.active_mask(self.cfg.seed, self.state.k, self.cfg.p))]
         self._g_hat: dict[int, np.ndarray] = {}
+        self._pending: dict[int, tuple] = {}  # valid replies, committed at end_round after the norm check
         self._answered: set[int] = set()
         self._overflow: dict[int, str] = {}  # clients whose codec overflowed (θ running away)
         self._bounds: list[float] = []
@@ -204,20 +210,44 @@ class QLSDServer:
             self._reject("malformed")
             log.warning("client %d: rejected a reply the validators missed: %s: %s", i, type(exc).__name__, exc)
             return
-        self._g_hat[i] = g
-        self.anchor_acked[i] = rep["anchor_version"]
-        self.needs_resync[i] = False
-        if self.cfg.memory:
-            self.eta_count[i] += 1
-        r = self._row
-        self._bounds.append(bound)  # summed exactly (fsum) in end_round
-        r["bits_exact"] += bits  # the exact length of the code this client sent (the decoder counts what it read)
-        r["bytes_payload"] += len(rep["payload"])
-        r["bytes_message"] += message_bytes
+        self._pending[i] = (g, rep["anchor_version"], bound, bits, len(rep["payload"]), message_bytes)
+
+    def _commit(self) -> None:
+        """This round's valid replies under the norm limit (:mod:`qlsd_flwr.protocol.norm_guard`)
+        become the round's ``ĝ_i``, in client order; those over it are rejected (``norm_bound``)
+        and leave no trace. The clients' own η_i then differ from the mirrors for the rejected
+        ones, which the counters catch (a ``resync`` next time)."""
+        norms = {i: float(np.linalg.norm(p[0])) for i, p in self._pending.items()}
+        limit = self.norm_guard.limit(norms.values())
+        kept = []
+        for i in sorted(self._pending):
+            g, version, bound, bits, nbytes, mbytes = self._pending[i]
+            if not norms[i] <= limit:
+                self._reject("norm_bound")
+                # the first time a client is held off is news; every round after, a count
+                level = logging.DEBUG if i in self._norm_warned else logging.WARNING
+                self._norm_warned.add(i)
+                log.log(level, "client %d: reply norm %.3g over the limit %.3g (norm-bound): rejected "
+                        "(counted in summary.json 'rejected')", i, norms[i], limit)
+                continue
+            self._g_hat[i] = g
+            self.anchor_acked[i] = version
+            self.needs_resync[i] = False
+            if self.cfg.memory:
+                self.eta_count[i] += 1
+            r = self._row
+            self._bounds.append(bound)  # summed exactly (fsum) in end_round
+            r["bits_exact"] += bits  # the exact length of the code this client sent (the decoder counts what it read)
+            r["bytes_payload"] += nbytes
+            r["bytes_message"] += mbytes
+            kept.append(norms[i])
+        self.norm_guard.record(kept)
+        self._pending = {}
 
     def end_round(self) -> dict:
         """The server step for this round, and its records; returns the round's row."""
         k = self.state.k
+        self._commit()
         for i in set(self._active) - self._answered:
             self._reject("no_reply")
         for i in set(self._active) - set(self._g_hat):

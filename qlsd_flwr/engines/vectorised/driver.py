@@ -21,7 +21,12 @@ from qlsd_flwr.engines.vectorised.results import (
 )
 from qlsd_flwr.outputs import checkpoint as ckpt
 from qlsd_flwr.outputs.progress import progress_bar
-from qlsd_flwr.outputs.recorder import Recorder, _jsonable, make_run_dir
+from qlsd_flwr.outputs.recorder import (
+    Recorder,
+    _jsonable,
+    deferred_signals,
+    make_run_dir,
+)
 from qlsd_flwr.protocol import build
 from qlsd_flwr.protocol.divergence import DivergenceError, divergence_message
 from qlsd_flwr.protocol.server import summary_extra
@@ -236,6 +241,11 @@ def _record_block(rec: Recorder, k0: int, R: int, out: dict, dt: float) -> None:
     act, skp = out["n_active"].sum(axis=0), out["skipped"].sum(axis=0)
     be, bb, by = out["bits_exact"].sum(axis=0), out["bits_bound"].sum(axis=0), out["bytes"].sum(axis=0)
     states = out["states"]
+    with deferred_signals():  # the block's rows and draws together (a stop then finds them consistent)
+        _record_rows(rec, k0, R, act, skp, be, bb, by, states, dt)
+
+
+def _record_rows(rec, k0, R, act, skp, be, bb, by, states, dt) -> None:
     for r in range(R):
         j = k0 + r + 1
         rec.record_round({"round": j, "n_active": int(act[r]), "n_replied": int(act[r]) ,
