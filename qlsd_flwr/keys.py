@@ -160,6 +160,8 @@ KEYS: tuple[Key, ...] = (
         group=RUN),
     Key("reply-timeout", 600.0, "float", "seconds to wait for replies and for nodes", "", lo=0, open_lo=True,
         cap=10**7, group=RUN),
+    Key("node-keys", "", "text", "a folder with node0.pub, node1.pub, …: with node authentication, client i must be "
+        "the node that registered the key nodei.pub ('': any node may claim partition-id i)", group=RUN),
     Key("checkpoint-every", 0, "int", "write checkpoint.npz every N rounds (0: off)", "", lo=0, cap=10**12, group=RUN),
     Key("resume", "", "text", "a run folder to continue from its checkpoint ('': a new run)", group=RUN),
 )
@@ -312,9 +314,11 @@ def help_text(width: int = 100) -> str:
 
 def markdown_table() -> str:
     """The README's key table."""
+    def cell(text: str) -> str:  # '<module>' would be read as an HTML tag, '|' as a column
+        return text.replace("|", "/").replace("<", "&lt;").replace(">", "&gt;")
+
     rows = ["| key | meaning | symbol | allowed | default |", "|---|---|---|---|---|"]
     for k in KEYS:
         allowed = k.allowed() if k.kind != "text" else "text"
-        rows.append(f"| `{k.name}` | {k.doc.replace('|', '/')} | {k.symbol} | {allowed.replace('|', '/')} | "
-                    f"`{_toml(k.default)}` |")
+        rows.append(f"| `{k.name}` | {cell(k.doc)} | {k.symbol} | {cell(allowed)} | `{_toml(k.default)}` |")
     return "\n".join(rows) + "\n"

@@ -316,3 +316,32 @@ def test_one_attacker_sending_the_largest_valid_reply_every_round_is_held_off(tm
     assert honest.summary["rejected"].get("norm_bound", 0) == 0  # no honest reply is ever rejected here
     off = run({**o, "run-name": "off", "norm-bound": "off"}, mods=[_attacker("max")])
     assert np.abs(load_samples(off.run_dir)).max() > 1e30
+
+
+def test_node_keys_bind_each_partition_to_its_registered_key(tmp_path):
+    # with node authentication the SuperLink knows each node's key (Grid.get_nodes()); node-keys
+    # makes partition i the node whose key is <folder>/node<i>.pub (the real SuperLink: the
+    # secured deployment test); here the grid reports keys as the SuperLink does
+    from flwr.proto.node_pb2 import NodeInfo
+
+    from qlsd_flwr.deploy.certs import make_node_keypair
+
+    pubs = [make_node_keypair(tmp_path / "keys", f"node{i}")[1] for i in range(B)]
+    impostor_pub = make_node_keypair(tmp_path / "other", "impostor")[1]
+
+    class KeyedGrid(InProcessGrid):
+        def get_nodes(self):
+            keys = [p.read_bytes() for p in pubs] + [impostor_pub.read_bytes()]
+            return [NodeInfo(node_id=n, public_key=keys[k]) for k, n in enumerate(self.node_ids)]
+
+    grid = KeyedGrid(_app(), B)
+    impostor = 99_000_003
+    grid.node_ids.append(impostor)  # a registered node claiming partition 0 from the start
+    grid.contexts[impostor] = Context(run_id=1, node_id=impostor, state=RecordDict(), run_config={},
+                                      node_config={"partition-id": 0, "num-partitions": B})
+    st = QLSDStrategy(num_clients=B, dim=D, num_rounds=4, burn_in=1, write=False, progress=False,
+                      node_keys=str(tmp_path / "keys"))
+    st.start(grid)
+    assert st.nodes.refused_claims == {0: [impostor]} and st.nodes.node_of[0] == grid.node_ids[0]
+    with pytest.raises(ConfigError, match="node-keys: .*node0.pub"):
+        QLSDStrategy(num_clients=B, dim=D, write=False, node_keys=str(tmp_path / "nowhere"))

@@ -34,11 +34,46 @@ def _hello(node: int, **extra) -> Message:
     return Message(RecordDict({RECORD: ConfigRecord({"hello": 1, **extra})}), node, MessageType.QUERY)
 
 
+def normalise_key(data: bytes) -> bytes | None:
+    """A public key (PEM, OpenSSH or DER) as DER SubjectPublicKeyInfo bytes; ``None`` if unreadable."""
+    from cryptography.hazmat.primitives import serialization as ser
+
+    for load in (ser.load_pem_public_key, ser.load_ssh_public_key, ser.load_der_public_key):
+        try:
+            key = load(data)
+        except Exception:  # noqa: BLE001 — try the next format
+            continue
+        return key.public_bytes(ser.Encoding.DER, ser.PublicFormat.SubjectPublicKeyInfo)
+    return None
+
+
+def load_bound_keys(folder: str, b: int) -> dict[int, bytes]:
+    """``node-keys``: client ``i``'s node must have registered ``<folder>/node<i>.pub`` (what
+    ``python -m qlsd_flwr.deploy node-key <folder> node<i>`` writes); ``ValueError`` naming a
+    missing or unreadable file."""
+    from pathlib import Path
+
+    out = {}
+    for i in range(b):
+        path = Path(folder) / f"node{i}.pub"
+        try:
+            key = normalise_key(path.read_bytes())
+        except OSError as exc:
+            raise ValueError(f"node-keys: {path}: {exc.strerror or exc}") from None
+        if key is None:
+            raise ValueError(f"node-keys: {path} is not a public key (PEM or OpenSSH)")
+        out[i] = key
+    return out
+
+
 class NodeRegistry:
     """The map client index ``i`` → Flower node id for ``b`` clients of dimension ``d``."""
 
-    def __init__(self, b: int, d: int):
+    def __init__(self, b: int, d: int, bound_keys: dict[int, bytes] | None = None):
         self.b, self.d = b, d
+        # client i -> the DER public key its node must have registered with (node authentication)
+        self.bound_keys = bound_keys or {}
+        self._keys_seen: dict[int, bytes | None] = {}  # node id -> its registered key (DER)
         self.node_of: dict[int, int] = {}
         self._foreign: set[int] = set()  # node ids that are none of our clients (or dead ones)
         self.rejoined: dict[int, list[int]] = {}  # client -> rounds it came back as a new node
@@ -74,10 +109,35 @@ class NodeRegistry:
                                      f"the wait is reply-timeout)")
             time.sleep(0.2)
         seen: dict[int, int] = {}
+        asked: set[int] = set()
+        while True:
+            self._ask(grid, [n for n in nodes if n not in asked], timeout, seen)
+            asked |= set(nodes)
+            missing = sorted(set(range(b)) - set(seen))
+            # a refused node (node-keys) may have filled the count before a rightful one came up:
+            # a deployment waits for it within reply-timeout; a simulation has no one else to wait for
+            if not missing or simulation or time.time() - start > timeout:
+                break
+            time.sleep(1.0)
+            nodes = list(grid.get_node_ids())
+        if missing:
+            raise HandshakeError(f"no node answered for partition-id(s) {missing}; got {sorted(seen)} "
+                                 f"(num-clients = {b})")
+        self.node_of = {i: seen[i] for i in range(b)}
+        self._foreign = set(nodes) - set(self.node_of.values())
+
+    def _ask(self, grid: Grid, nodes: list[int], timeout: float, seen: dict[int, int]) -> None:
+        """Handshake with ``nodes``: each valid claim of a client index goes into ``seen``."""
+        if not nodes:
+            return
         for msg in grid.send_and_receive([_hello(n) for n in nodes], timeout=timeout):
             if msg.has_error():
                 raise HandshakeError(f"node {msg.metadata.src_node_id} failed the handshake: {msg.error.reason}")
             rec = config_record(msg.content)
+            if not self._key_matches(grid, int(rec["client"]), msg.metadata.src_node_id):
+                self._refuse(int(rec["client"]), msg.metadata.src_node_id, 0, "its key is not the one bound "
+                             "to that partition (node-keys)")
+                continue
             i, d = int(rec["client"]), int(rec["dim"])
             if int(rec.get("n_data", 1)) < 1:
                 raise HandshakeError(f"client {i} (node {msg.metadata.src_node_id}) holds no data points: "
@@ -87,12 +147,6 @@ class NodeRegistry:
             if i in seen:
                 raise HandshakeError(f"two nodes claim partition-id {i}")
             seen[i] = msg.metadata.src_node_id
-        missing = sorted(set(range(b)) - set(seen))
-        if missing:
-            raise HandshakeError(f"no node answered for partition-id(s) {missing}; got {sorted(seen)} "
-                                 f"(num-clients = {b})")
-        self.node_of = {i: seen[i] for i in range(b)}
-        self._foreign = set(nodes) - set(self.node_of.values())
 
     def rediscover(self, grid: Grid, server_round: int, timeout: float) -> None:
         """Map nodes that joined after the handshake (a SuperNode restarted without node
@@ -121,6 +175,9 @@ class NodeRegistry:
             except (KeyError, TypeError, ValueError, OverflowError):
                 continue
             if 0 <= i < self.b and d == self.d:
+                if not self._key_matches(grid, i, node):
+                    self._refuse(i, node, server_round, "its key is not the one bound to that partition (node-keys)")
+                    continue
                 if i in claims:  # two newcomers for one client: neither is trusted
                     self._refuse(i, node, server_round, "another new node claims it too")
                     continue
@@ -154,6 +211,17 @@ class NodeRegistry:
             except (KeyError, TypeError, ValueError, OverflowError):
                 continue
         return out
+
+    def _key_matches(self, grid: Grid, i: int, node: int) -> bool:
+        """With ``node-keys``: whether ``node`` registered the public key bound to client ``i``
+        (Flower's ``Grid.get_nodes()`` gives each node's registered key); always true without."""
+        if not self.bound_keys:
+            return True
+        want = self.bound_keys.get(i)
+        if node not in self._keys_seen:  # one look-up of the SuperLink's nodes for the new ones
+            for info in grid.get_nodes():
+                self._keys_seen[int(info.node_id)] = normalise_key(bytes(getattr(info, "public_key", b"") or b""))
+        return want is not None and self._keys_seen.get(int(node)) == want
 
     def _refuse(self, i: int, node: int, server_round: int, why: str) -> None:
         log.warning("round %d: node %d claims partition-id %d, refused (%s)", server_round, node, i, why)

@@ -50,10 +50,10 @@ from flwr.app import (
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
-from qlsd_flwr.config import RunConfig, resolve
+from qlsd_flwr.config import ConfigError, RunConfig, resolve
 from qlsd_flwr.core.potential import GaussianPrior, Task
 from qlsd_flwr.core.theta_star import resolve_theta_star
-from qlsd_flwr.flower.nodes import NodeRegistry
+from qlsd_flwr.flower.nodes import NodeRegistry, load_bound_keys
 from qlsd_flwr.flower.records import config_record, record_fields, to_content
 from qlsd_flwr.flower.sizing import message_nbytes
 from qlsd_flwr.outputs.checkpoint import resume_dir
@@ -240,7 +240,12 @@ class QLSDStrategy(Strategy):
         self.cfg, self.task, self.d = cfg, task, task.dim
         self.server = QLSDServer(cfg, task, keep_trace, engine_label,
                                  observer=RunOutputs(cfg, task.dim, run_dir) if write else None)
-        self.nodes = NodeRegistry(cfg.b, task.dim)
+        keys_dir = str(cfg.get("node-keys") or "")
+        try:
+            bound = load_bound_keys(keys_dir, cfg.b) if keys_dir else None
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        self.nodes = NodeRegistry(cfg.b, task.dim, bound)
         self.failure_sink = failure_sink
         self.on_round = on_round  # called with the strategy after each round (tests, monitoring)
         self._sent: dict[int, int] = {}  # node id -> client, this round

@@ -13,9 +13,12 @@ It is written atomically: a temporary file in the same folder, flushed and ``fsy
 ``os.replace``-d over the old one (and the folder ``fsync``-ed), so a kill at any moment leaves
 either the previous complete checkpoint or the new complete one. Before it is written, the
 draws and metric rows it counts are flushed and ``fsync``-ed, so the files on disk always hold
-at least what the checkpoint says. In checkpointing runs the draws stream to an append-only
-raw file ``draws.f8`` (HDF5 is not crash-safe: a process killed while ``samples.nc`` is open
-for writing can leave it unreadable); ``samples.nc`` is built from it when the run ends.
+at least what the checkpoint says. The draws always stream to an append-only raw file
+``draws.f8`` (HDF5 is not crash-safe: a process killed while ``samples.nc`` is open for writing
+can leave it unreadable); ``samples.nc`` is built from it when the run stops. A run stopped by
+Ctrl-C or SIGTERM after a checkpoint keeps ``draws.f8`` and may resume (``summary.json`` then
+has ``stopped``); a second process on a folder that a run is writing is refused
+(:func:`qlsd_flwr.outputs.recorder.lock_run_dir`).
 
 Resume: ``qlsd-flwr run --set resume=<run folder>`` (or ``simulate.run({"resume": path})``)
 reads the folder's ``config.json``, applies the keys given with it (only those in
