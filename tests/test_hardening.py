@@ -277,25 +277,17 @@ def test_a_checkpoint_with_bad_contents_is_refused_by_name(tmp_path, change, wor
 
 
 def _attacker(mode: str):
-    """A client mod rewriting client 0's real reply: ``max`` sets its QSGD norm to float32's
-    largest value (a valid code: every check of the format passes); ``silent`` drops it."""
-    import struct
+    """The benchmark's attacker (``benchmarks/bench_byzantine.py``): a client mod rewriting client
+    0's real reply to float32's largest QSGD norm (``max``), or dropping it (``silent``)."""
+    import sys
+    from pathlib import Path
 
-    from flwr.app import ConfigRecord
-
-    def mod(msg, ctx, call_next):
-        reply = call_next(msg, ctx)
-        if msg.metadata.message_type != "train" or int(ctx.node_config["partition-id"]) != 0:
-            return reply
-        if mode == "silent":
-            raise RuntimeError("client 0 is silent")
-        rec = reply.content["qlsd"]
-        if rec.get("status") == "ok":
-            p = bytes(rec["payload"])
-            reply.content["qlsd"] = ConfigRecord({**dict(rec), "payload": p[:5] + struct.pack(">f", 3.4028235e38) + p[9:]})
-        return reply
-
-    return mod
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        from bench_byzantine import attacker
+    finally:
+        sys.path.pop(0)
+    return attacker(mode)
 
 
 @pytest.mark.parametrize("variant", ["qlsd", "qlsd-pp"])
