@@ -104,18 +104,20 @@ def execute(overrides: dict) -> int:
 
 
 def _sigterm_stops_cleanly():
-    """SIGTERM (a scheduler's stop, ``kill``) raises KeyboardInterrupt("SIGTERM") in the main
-    thread, so the engines close their outputs as on Ctrl-C instead of dying with files open.
-    Returns the handler it replaced (``None`` off the main thread)."""
+    """SIGTERM (a scheduler's stop, ``kill``) and SIGINT (Ctrl-C) stop a run the same way: a
+    ``KeyboardInterrupt`` in the main thread, deferred while a round's row and draw are being
+    written (:func:`qlsd_flwr.outputs.recorder.stop_signal`), so the engines close their outputs
+    consistently instead of dying with files open. Returns the handlers it replaced (``None``
+    off the main thread)."""
     import signal
     import threading
 
-    def handler(signum, frame):
-        raise KeyboardInterrupt("SIGTERM")
+    from qlsd_flwr.outputs.recorder import stop_signal
 
     if threading.current_thread() is not threading.main_thread():
         return None
-    return signal.signal(signal.SIGTERM, handler)
+    names = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT"}
+    return {sig: signal.signal(sig, lambda signum, frame: stop_signal(names[signum])) for sig in names}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         if previous is not None:
             import signal
 
-            signal.signal(signal.SIGTERM, previous)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
 def _dispatch(args) -> int:

@@ -337,3 +337,47 @@ def test_node_keys_bind_each_partition_to_its_registered_key(tmp_path):
     assert st.nodes.refused_claims == {0: [impostor]} and st.nodes.node_of[0] == grid.node_ids[0]
     with pytest.raises(ConfigError, match="node-keys: .*node0.pub"):
         QLSDStrategy(num_clients=B, dim=D, write=False, node_keys=str(tmp_path / "nowhere"))
+
+
+def test_review_cases_values_norms_and_closing(tmp_path):
+    from qlsd_flwr.outputs.checkpoint import same_value
+    from qlsd_flwr.outputs.recorder import Recorder
+    from qlsd_flwr.protocol.norm_guard import NormGuard
+
+    # resume compares meanings: aliases, one value against one per client, a key an older
+    # checkpoint lacks against its default; a plug-in path as written
+    assert same_value("variant", "qlsd++", "qlsd-pp") and same_value("p", "0.5", "0.5,0.5,0.5")
+    assert not same_value("p", "0.5", "0.5,0.25") and same_value("norm-bound", None, "auto")
+    assert not same_value("task", "m:Gauss", "m:gauss")
+    # a round whose median norm is 0 (QSGD may code an honest message as zeros) bounds nothing by 0
+    g = NormGuard("auto")
+    assert g.limit([0.0, 0.0, 3.0]) == float("inf")
+    g.record([0.0, 2.0, 2.0, 4.0])
+    assert g.limit([0.0, 0.0, 3.0]) == 1000 * 2.0
+    # a recorder closes once, and releases its folder whatever happens
+    rec = Recorder(tmp_path / "r", {}, 2, 1, 0, 1)
+    rec.record_round({"round": 1, "n_active": 1, "n_replied": 1, "n_rejected": 0, "bits_exact": 8})
+    rec.record_sample(1, np.zeros(2))
+    assert rec.close({})["draws_kept"] == 1 and rec.close({}) == {}
+    Recorder(tmp_path / "r2", {}, 2, 1, 0, 1).close({})  # the lock went with the first close
+
+
+def test_a_norm_rejection_marks_the_client_out_of_step():
+    # the client applied its memory update: the server marks it for a resync at once, as a
+    # restored server would (so a resumed run takes the very same path)
+    from qlsd_flwr.core.oracles import ClientState
+    from qlsd_flwr.protocol.build import client_spec_from_settings
+    from qlsd_flwr.protocol.client import handle
+    from qlsd_flwr.protocol.server import QLSDServer
+    from qlsd_flwr.protocol.wire import vectors_to_bytes
+    from qlsd_flwr.tasks.gaussian import build_gaussian_task
+
+    cfg = resolve({**BASE, "variant": "qlsd-pp", "norm-bound": 1e-9})
+    task = build_gaussian_task(B, D, 0)
+    server = QLSDServer(cfg, task)
+    server.begin(None)
+    for i in server.begin_round():
+        spec = client_spec_from_settings(server.settings[i], i, task.clients[i].n_data, D)[0]
+        server.accept(i, handle(spec, task.clients[i], ClientState(), cfg.seed, vectors_to_bytes(server.fields_for(i)), D))
+    server.end_round()
+    assert server.rejected["norm_bound"] == B and server.needs_resync.all()

@@ -24,6 +24,7 @@ log = logging.getLogger("qlsd_flwr")
 
 SIMULATION_GRACE = 10.0  # seconds a short node count may stay unchanged on the simulation engine
 PROBE_TIMEOUT = 10.0  # seconds to wait for a client's node before another may take its place
+REASK_ROUNDS = 20  # rounds before a refused node is asked again
 
 
 class HandshakeError(RuntimeError):
@@ -74,6 +75,7 @@ class NodeRegistry:
         # client i -> the DER public key its node must have registered with (node authentication)
         self.bound_keys = bound_keys or {}
         self._keys_seen: dict[int, bytes | None] = {}  # node id -> its registered key (DER)
+        self._refused_at: dict[int, int] = {}  # refused node id -> the round it was refused in
         self.node_of: dict[int, int] = {}
         self._foreign: set[int] = set()  # node ids that are none of our clients (or dead ones)
         self.rejoined: dict[int, list[int]] = {}  # client -> rounds it came back as a new node
@@ -133,7 +135,13 @@ class NodeRegistry:
         for msg in grid.send_and_receive([_hello(n) for n in nodes], timeout=timeout):
             if msg.has_error():
                 raise HandshakeError(f"node {msg.metadata.src_node_id} failed the handshake: {msg.error.reason}")
-            rec = config_record(msg.content)
+            try:
+                rec = config_record(msg.content)
+                int(rec["client"]), int(rec["dim"])
+            except (KeyError, TypeError, ValueError, OverflowError):
+                log.warning("node %d answered the handshake with a malformed record: ignored",
+                            msg.metadata.src_node_id)
+                continue
             if not self._key_matches(grid, int(rec["client"]), msg.metadata.src_node_id):
                 self._refuse(int(rec["client"]), msg.metadata.src_node_id, 0, "its key is not the one bound "
                              "to that partition (node-keys)")
@@ -160,11 +168,18 @@ class NodeRegistry:
         (asked once, waiting at most :data:`PROBE_TIMEOUT` seconds): a node that claims the
         ``partition-id`` of a live client is refused and counted (``refused_claims``), so it never
         receives θ, the anchor or a memory mirror, and never has a reply used."""
+        # a refused node is asked again every REASK_ROUNDS rounds: the node it was refused for
+        # may have died since, and then it is the client's way back
+        again = {n for n, r in self._refused_at.items() if server_round - r >= REASK_ROUNDS}
+        self._foreign -= again
+        for n in again:
+            del self._refused_at[n]
         new = set(grid.get_node_ids()) - set(self.node_of.values()) - self._foreign
         if not new:
             return
         self._foreign |= new
         claims: dict[int, int] = {}
+        doubled: set[int] = set()
         for msg in grid.send_and_receive([_hello(n) for n in sorted(new)], timeout=timeout):
             node = msg.metadata.src_node_id
             if msg.has_error() or node not in new:
@@ -178,8 +193,11 @@ class NodeRegistry:
                 if not self._key_matches(grid, i, node):
                     self._refuse(i, node, server_round, "its key is not the one bound to that partition (node-keys)")
                     continue
-                if i in claims:  # two newcomers for one client: neither is trusted
+                if i in claims or i in doubled:  # two newcomers for one client: neither is trusted
                     self._refuse(i, node, server_round, "another new node claims it too")
+                    if i in claims:
+                        self._refuse(i, claims.pop(i), server_round, "another new node claims it too")
+                    doubled.add(i)
                     continue
                 claims[i] = node
         alive = self._answering(grid, [i for i in claims if i in self.node_of], min(timeout, PROBE_TIMEOUT))
@@ -224,6 +242,7 @@ class NodeRegistry:
         return want is not None and self._keys_seen.get(int(node)) == want
 
     def _refuse(self, i: int, node: int, server_round: int, why: str) -> None:
+        self._refused_at[int(node)] = server_round
         log.warning("round %d: node %d claims partition-id %d, refused (%s)", server_round, node, i, why)
         self.refused_claims.setdefault(i, []).append(int(node))
 

@@ -393,8 +393,13 @@ class QLSDStrategy(Strategy):
             flwr_log.setLevel(level)
         extra: dict = {"rejoined": {str(i): r for i, r in sorted(self.nodes.rejoined.items())},
                        "refused_claims": {str(i): r for i, r in sorted(self.nodes.refused_claims.items())}}
-        if cfg.memory:
-            extra["memory_check"] = self.server.memory_check(self.nodes.memory_reports(grid, self._timeout))
+        try:  # the audit waits for the nodes (up to reply-timeout): a stop there keeps the outputs too
+            if cfg.memory:
+                extra["memory_check"] = self.server.memory_check(self.nodes.memory_reports(grid, self._timeout))
+        except BaseException as exc:
+            self.server.ts_info = {**self.server.ts_info, **extra}
+            self.server.stop(f"{type(exc).__name__}: {exc}".rstrip(": "))
+            raise
         self.server.ts_info = {**self.server.ts_info, **extra}  # finish() puts ts_info in the summary
         self.server.finish()
         if self.run_dir is not None:

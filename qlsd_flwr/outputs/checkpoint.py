@@ -200,18 +200,32 @@ def load_for_resume(cfg: RunConfig, kind: str) -> tuple[Path, dict, dict]:
 
 
 def same_value(key: str, a, b) -> bool:
-    """Whether two values of ``key`` mean the same (``p = 1`` and ``"1.0"`` do), read by the key
-    table's rules; values that do not parse are compared as text."""
-    from qlsd_flwr.keys import BY_NAME, parse
+    """Whether two values of ``key`` mean the same, read by the key table's rules: ``p = 1`` and
+    ``"1.0"`` agree, so do ``"0.5"`` and ``"0.5,0.5,0.5"`` (one value for all clients), variant
+    aliases (``qlsd++``/``qlsd-pp``), and a key missing from an older checkpoint and its default;
+    a task plug-in's ``module:callable`` is compared as written (it is case-sensitive)."""
+    from qlsd_flwr.config import ALIASES
+    from qlsd_flwr.keys import BY_NAME, DEFAULTS, parse
 
-    if key in BY_NAME and a is not None and b is not None:
+    if key in DEFAULTS:
+        a = DEFAULTS[key] if a is None else a
+        b = DEFAULTS[key] if b is None else b
+    if key in BY_NAME:
         try:
             pa, pb = parse(key, a), parse(key, b)
-            if BY_NAME[key].kind == "choice":
-                return str(pa).strip().lower() == str(pb).strip().lower()
-            return pa == pb
         except ConfigError:
-            pass
+            return str(a) == str(b)
+        if BY_NAME[key].kind == "choice":
+            na, nb = str(pa).strip(), str(pb).strip()
+            if ":" in na or ":" in nb:  # a plug-in path
+                return na == nb
+            na, nb = na.lower(), nb.lower()
+            return ALIASES.get(na, na) == ALIASES.get(nb, nb)
+        if isinstance(pa, list) and isinstance(pb, list):
+            if len(pa) != len(pb):  # one value for all clients against one per client
+                short, long_ = (pa, pb) if len(pa) < len(pb) else (pb, pa)
+                return len(short) == 1 and all(x == short[0] for x in long_)
+        return pa == pb
     return str(a) == str(b)
 
 
@@ -234,6 +248,8 @@ def validate(meta: dict, arrays: dict, path) -> None:
         rec = meta["recorder"]
         if not isinstance(meta["config"], dict):
             raise bad("'config' is not a table")
+        if not isinstance(rec, dict):
+            raise bad("'recorder' is not a table")
         for name, v in (("k", k), *((f"recorder.{f}", rec[f]) for f in ("n_draws", "rounds", "csv_bytes"))):
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise bad(f"{name} must be an integer >= 0 (got {v!r})")
@@ -245,10 +261,13 @@ def validate(meta: dict, arrays: dict, path) -> None:
         raise bad(f"missing field {exc}") from None
     for name, a in arrays.items():
         if a.dtype.kind == "f" and not np.all(np.isfinite(a)):
-            if name in ("theta_star",):
-                continue
             raise bad(f"array {name!r} has non-finite values")
     if meta.get("kind") == "server":
+        zv = meta.get("zeta_version")
+        if isinstance(zv, bool) or not isinstance(zv, int):
+            raise bad(f"zeta_version must be an integer (got {zv!r})")
+        if not isinstance(meta.get("rejected"), dict) or not isinstance(meta.get("missed_rounds"), dict):
+            raise bad("'rejected' and 'missed_rounds' must be tables")
         theta = arrays.get("theta")
         if theta is None or theta.ndim != 1:
             raise bad("array 'theta' must be one vector")

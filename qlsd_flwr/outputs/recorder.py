@@ -34,21 +34,32 @@ METRIC_FIELDS = ["round", "n_active", "n_replied", "n_rejected", "skipped", "bit
                  "bits_exact", "bytes_payload", "bytes_message", "seconds"]
 
 
+_CRITICAL = {"depth": 0, "pending": None}  # a stop signal that came while a round was being written
+
+
 @contextlib.contextmanager
 def deferred_signals():
-    """Hold SIGINT and SIGTERM until the block ends (main thread only): a round's metrics row and
-    its draw are written together or not at all, so a stop leaves a consistent folder."""
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    """A round's metrics row and its draw are written together or not at all: a stop signal
+    (:func:`stop_signal`, which the CLI's SIGTERM and SIGINT handlers call) that comes meanwhile
+    is raised as ``KeyboardInterrupt`` when the block ends. (Masking the signal would not do:
+    CPython runs handlers in the main thread whichever thread the kernel hands the signal to.)"""
+    _CRITICAL["depth"] += 1
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        _CRITICAL["depth"] -= 1
+        if _CRITICAL["depth"] == 0 and _CRITICAL["pending"] is not None:
+            name, _CRITICAL["pending"] = _CRITICAL["pending"], None
+            raise KeyboardInterrupt(name)
+
+
+def stop_signal(name: str) -> None:
+    """From a signal handler: stop now (``KeyboardInterrupt(name)``), or at the end of the round
+    being written (:func:`deferred_signals`)."""
+    if _CRITICAL["depth"]:
+        _CRITICAL["pending"] = name
+        return
+    raise KeyboardInterrupt(name)
 
 
 def check_run_name(run_name: str) -> str:
@@ -106,6 +117,7 @@ class Recorder:
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._lock = lock_run_dir(self.dir)  # before any file of the folder is touched
+        self._closed = False
         self.burn_in, self.thin, self.chunk = burn_in, thin, chunk
         self.dim, self.num_chains = dim, num_chains
         self.raw_draws = True
@@ -217,9 +229,15 @@ class Recorder:
         """Build ``samples.nc``, write ``summary.json`` (with ``extra``), release the folder. A
         run that was stopped (``extra`` has ``stopped``) with a checkpoint keeps ``draws.f8``, so
         that it can resume from that checkpoint."""
-        self._flush()
-        self._build_nc(keep_raw=bool(extra) and "stopped" in extra and (self.dir / "checkpoint.npz").exists())
-        self._csv_file.close()
+        if self._closed:  # once: a second close (an error path after a divergence) does nothing
+            return {}
+        self._closed = True
+        try:
+            self._flush()
+            self._build_nc(keep_raw=bool(extra) and "stopped" in extra and (self.dir / "checkpoint.npz").exists())
+        finally:
+            self._csv_file.close()
+            self._lock.close()  # releases the folder, whatever happened
         mean, var = self.posterior_moments()
         summary = {
             "rounds": self.rounds,
@@ -232,7 +250,6 @@ class Recorder:
         }
         summary.update(extra or {})
         (self.dir / "summary.json").write_text(json.dumps(summary, indent=2, default=_jsonable))
-        self._lock.close()  # releases the folder for a resume
         return summary
 
     def _build_nc(self, keep_raw: bool = False) -> None:
@@ -272,7 +289,8 @@ class Recorder:
         g.create_variable("draw", ("draw",), data=np.arange(n, dtype=np.int64))
         g.create_variable("round", ("chain", "draw"), data=np.broadcast_to(rounds, (c, n)).copy())
         for name in STAT_FIELDS:
-            col = np.array([float(by_round[int(r)][name]) if int(r) in by_round else np.nan for r in rounds])
+            col = np.array([float(by_round[int(r)].get(name) or "nan") if int(r) in by_round else np.nan
+                            for r in rounds])
             g.create_variable(name, ("chain", "draw"), data=np.broadcast_to(col, (c, n)).copy())
         for k, v in self.provenance.items():
             g.attrs[k] = v

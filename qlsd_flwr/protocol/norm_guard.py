@@ -49,15 +49,18 @@ class NormGuard:
         if self.mode == "fixed":
             return self.fixed
         norms = sorted(float(x) for x in round_norms)
-        if len(norms) >= 3:
-            return FACTOR * float(np.median(norms))
+        if len(norms) >= 3 and (m := float(np.median(norms))) > 0:
+            return FACTOR * m
+        # few replies, or a median of zero (QSGD may code an honest message as all zeros): the
+        # recent accepted non-zero norms are the reference
         if len(self.history) >= 3:
             return FACTOR * float(np.median(np.asarray(self.history)))
         return float("inf")
 
     def record(self, accepted_norms) -> None:
-        """Remember the accepted norms (in client order, so a resumed run sees the same history)."""
-        self.history.extend(float(x) for x in accepted_norms)
+        """Remember the accepted non-zero norms (in client order, so a resumed run sees the same
+        history)."""
+        self.history.extend(float(x) for x in accepted_norms if x > 0)
 
     def state(self) -> np.ndarray:
         return np.asarray(self.history, dtype=np.float64)

@@ -224,6 +224,9 @@ class QLSDServer:
             g, version, bound, bits, nbytes, mbytes = self._pending[i]
             if not norms[i] <= limit:
                 self._reject("norm_bound")
+                # the client applied its own memory update: mark it as out of step now, as a
+                # restored server would, so that a resumed run takes the very same path
+                self.needs_resync[i] = True
                 # the first time a client is held off is news; every round after, a count
                 level = logging.DEBUG if i in self._norm_warned else logging.WARNING
                 self._norm_warned.add(i)

@@ -127,40 +127,45 @@ def run_side_by_side(cfgs, task: Task | None = None, write: bool = False, keep_t
             raise ValueError(f"resume: the checkpoint was written by the {resume[1]['backend']} backend, "
                              f"this run uses {which}; pass backend={resume[1]['backend']!r}")
     recs, run_dirs = [], []
-    for cfg in cfgs:
-        rec = run_dir = None
-        if write:
-            conf = cfg.to_dict()
-            conf["engine_detail"] = {"engine": "vectorised", "backend": which,
-                                     "chain_seeds": "seed + c for chain c"}
-            if resume is not None:
-                run_dir = resume[0]
-                rec = Recorder(run_dir, conf, d, nchain, cfg.burn_in, cfg.thin,
-                               resume=ckpt.recorder_part(resume[1], resume[2]), labels=task.meta.get("param_labels"))
-            else:
-                run_dir = make_run_dir(cfg.get("output-dir"), cfg.get("run-name"), cfg.variant)
-                rec = Recorder(run_dir, conf, d, nchain, cfg.burn_in, cfg.thin, raw_draws=ck_on,
-                               labels=task.meta.get("param_labels"))
-        recs.append(rec)
-        run_dirs.append(run_dir)
-    traces = [np.empty((nchain, K, d)) for _ in cfgs] if keep_trace else None
-    show = ref.progress if progress is None else progress
-    name = labels or (cfgs[0].variant if len(cfgs) == 1 else f"{len(cfgs)} configs")
-    bar = progress_bar(K, show, f"{name} vectorised x{nchain}")
-    if which == "numba":
-        runner = NumbaGaussian(cfgs, task, parts, stats, threads)
-    else:
-        runner = Sequential([NumpyGeneric(cfg, task, *pt, st) for cfg, pt, st in zip(cfgs, parts, stats)])
-    t0 = time.perf_counter()
     k = 0
-    last_ckpt = None
-    if resume is not None:
-        k = last_ckpt = int(resume[1]["k"])
-        _restore(runner, stats[0], resume[2])
-        bar.update(k)
-    every = ref.checkpoint_every if ck_on else 0
-    R = block_rounds or runner.initial_block()
-    need_states = write or keep_trace
+    try:  # a stop while the recorders are open (numba compiling, a restore) closes them too
+        for cfg in cfgs:
+            rec = run_dir = None
+            if write:
+                conf = cfg.to_dict()
+                conf["engine_detail"] = {"engine": "vectorised", "backend": which,
+                                         "chain_seeds": "seed + c for chain c"}
+                if resume is not None:
+                    run_dir = resume[0]
+                    rec = Recorder(run_dir, conf, d, nchain, cfg.burn_in, cfg.thin,
+                                   resume=ckpt.recorder_part(resume[1], resume[2]), labels=task.meta.get("param_labels"))
+                else:
+                    run_dir = make_run_dir(cfg.get("output-dir"), cfg.get("run-name"), cfg.variant)
+                    rec = Recorder(run_dir, conf, d, nchain, cfg.burn_in, cfg.thin, raw_draws=ck_on,
+                                   labels=task.meta.get("param_labels"))
+            recs.append(rec)
+            run_dirs.append(run_dir)
+        traces = [np.empty((nchain, K, d)) for _ in cfgs] if keep_trace else None
+        show = ref.progress if progress is None else progress
+        name = labels or (cfgs[0].variant if len(cfgs) == 1 else f"{len(cfgs)} configs")
+        bar = progress_bar(K, show, f"{name} vectorised x{nchain}")
+        if which == "numba":
+            runner = NumbaGaussian(cfgs, task, parts, stats, threads)
+        else:
+            runner = Sequential([NumpyGeneric(cfg, task, *pt, st) for cfg, pt, st in zip(cfgs, parts, stats)])
+        t0 = time.perf_counter()
+        k = 0
+        last_ckpt = None
+        if resume is not None:
+            k = last_ckpt = int(resume[1]["k"])
+            _restore(runner, stats[0], resume[2])
+            bar.update(k)
+        every = ref.checkpoint_every if ck_on else 0
+        R = block_rounds or runner.initial_block()
+        need_states = write or keep_trace
+    except BaseException as exc:
+        _close_stopped(recs, exc, k)
+        raise
     try:
         while k < K:
             R = min(R, K - k)
@@ -188,10 +193,7 @@ def run_side_by_side(cfgs, task: Task | None = None, write: bool = False, keep_t
             if block_rounds is None:
                 R = runner.next_block(R, dt)
     except BaseException as exc:  # Ctrl-C, SIGTERM, an error: every run folder keeps its draws so far
-        for w, rec in enumerate(recs):
-            if rec is not None:
-                rec.close({"stopped": f"{type(exc).__name__}: {exc}".rstrip(": "), "stopped_at_round": k})
-                recs[w] = None
+        _close_stopped(recs, exc, k)
         raise
     finally:
         bar.close()
@@ -235,6 +237,14 @@ def _parts(cfg: RunConfig, task: Task):
         lambda th: build.combine_grads(cfg, task.prior, [full_local_grad(s, task.clients[s.index], th) for s in specs], th))
     spec = build.server_spec(cfg, task, theta_star, blocks)
     return specs, spec, theta_star, ts_info
+
+
+def _close_stopped(recs: list, exc: BaseException, k: int) -> None:
+    """Close every open recorder of a stopped run (its folder keeps the draws so far)."""
+    for w, rec in enumerate(recs):
+        if rec is not None:
+            recs[w] = None
+            rec.close({"stopped": f"{type(exc).__name__}: {exc}".rstrip(": "), "stopped_at_round": k})
 
 
 def _record_block(rec: Recorder, k0: int, R: int, out: dict, dt: float) -> None:
