@@ -90,11 +90,10 @@ def execute(overrides: dict) -> int:
     if outcome.run_dir is not None:
         import json
 
-        task = json.loads((outcome.run_dir / "config.json").read_text())["resolved"]["task"]
-        if task in ("logistic", "mnist"):  # the held-out predictive: evaluation.json and ArviZ's groups
-            from qlsd_flwr.evaluation.evaluate import evaluate_run
+        from qlsd_flwr.evaluation.evaluate import evaluate_classification
 
-            ev = evaluate_run(outcome.run_dir)
+        task = json.loads((outcome.run_dir / "config.json").read_text())["resolved"]["task"]
+        if (ev := evaluate_classification(task, outcome.run_dir)) is not None:  # held-out: json + ArviZ groups
             print(f"  held-out: accuracy {100 * ev['accuracy']:.1f} %, nNLL {ev['nnll']:.4f}, ECE {ev['ece']:.4f}"
                   " (evaluation.json; log_likelihood and predictions in samples.nc)")
         for p in plot_run(outcome.run_dir):

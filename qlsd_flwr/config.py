@@ -204,9 +204,6 @@ def resolve(overrides: Mapping[str, Any] | None = None) -> RunConfig:
         compressed = False
     theta_star = _choice("theta-star", raw["theta-star"], ("closed-form", "optimise"))
     raw["resume"] = v["resume"]
-    rn = v["run-name"]
-    if rn in (".", "..") or "/" in rn or "\\" in rn:  # one folder inside output-dir, never outside it
-        raise ConfigError(f"run-name must be one folder name inside output-dir, without '/' or '..' (got {rn!r})")
     _check_data_keys(raw)
     return RunConfig(
         raw=raw, variant=variant, oracle=oracle, compressed=compressed, memory=memory, b=b_eff,

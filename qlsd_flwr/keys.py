@@ -269,8 +269,18 @@ def parse(name: str, value: Any) -> Any:
             raise ConfigError(f"{name} must be text (got {value!r})")
         if "\x00" in value:
             raise ConfigError(f"{name} must not contain a NUL character (got {value!r})")
-        return value
+        return check_run_name(value) if name == "run-name" else value
     return value  # choice: resolve() reads it with its aliases and plug-ins
+
+
+def check_run_name(run_name: Any) -> str:
+    """A run name is one folder name inside ``output-dir``: no path separator, not ``.`` or ``..``,
+    no NUL (a run must never write outside its output folder); ``ConfigError`` otherwise."""
+    name = str(run_name)
+    if name in (".", "..") or "/" in name or "\\" in name or "\x00" in name:
+        raise ConfigError(f"run-name must be one folder name inside output-dir, without '/', '..' or NUL "
+                          f"(got {run_name!r})")
+    return name
 
 
 def _parts(raw: Any) -> list:

@@ -77,7 +77,7 @@ def run_local(cfg: RunConfig, task: Task | None = None, write: bool = True,
     try:
         _rounds(cfg, server, specs, states, task, d, bar)
     except BaseException as exc:  # Ctrl-C, SIGTERM (the CLI makes it KeyboardInterrupt), an error
-        server.stop(f"{type(exc).__name__}: {exc}".rstrip(": "))
+        server.stop(exc)
         raise
     finally:
         bar.close()

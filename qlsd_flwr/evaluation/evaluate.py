@@ -123,6 +123,17 @@ def evaluate_run(run_dir: str | os.PathLike, max_samples: int | None = 200, writ
     return out
 
 
+CLASSIFICATION_TASKS = ("logistic", "mnist")
+
+
+def evaluate_classification(task: str, run_dir) -> dict | None:
+    """:func:`evaluate_run` for a classification task's run folder (its ``evaluation.json`` and
+    ArviZ's held-out groups); ``None`` for other tasks. What the CLI and the ServerApp call."""
+    if run_dir is None or task not in CLASSIFICATION_TASKS:
+        return None
+    return evaluate_run(run_dir)
+
+
 def write_predictive_groups(path: str | os.PathLike, samples: np.ndarray, predictor, X: np.ndarray,
                             y: np.ndarray, seed: int) -> None:
     """Add ArviZ's held-out groups to ``samples.nc``: ``log_likelihood`` (``y``: ``log p(y_j | θ)``

@@ -24,12 +24,11 @@ def evaluate_held_out(cfg, run_dir) -> None:
     """For a classification task, the held-out evaluation (``evaluation.json``, the reliability
     diagram) and ArviZ's ``log_likelihood``, ``predictions`` and ``observed_data`` groups in
     ``samples.nc``, as ``qlsd-flwr run`` writes them; nothing for other tasks."""
-    if run_dir is None or cfg.task not in ("logistic", "mnist"):
-        return
-    from qlsd_flwr.evaluation.evaluate import evaluate_run
+    from qlsd_flwr.evaluation.evaluate import evaluate_classification
     from qlsd_flwr.outputs.progress import announce
 
-    ev = evaluate_run(run_dir)
+    if (ev := evaluate_classification(cfg.task, run_dir)) is None:
+        return
     announce(f"{cfg.variant}: held-out accuracy {100 * ev['accuracy']:.1f} %, nNLL {ev['nnll']:.4f}, "
              f"ECE {ev['ece']:.4f} (evaluation.json; log_likelihood in samples.nc)", cfg.progress)
 

@@ -386,7 +386,7 @@ class QLSDStrategy(Strategy):
                                    num_rounds=max(K - self.state.k, 0), timeout=self._timeout,
                                    train_config=train_config, evaluate_fn=evaluate_fn)
         except BaseException as exc:  # Ctrl-C, SIGTERM, a failed grid: close the outputs so far
-            self.server.stop(f"{type(exc).__name__}: {exc}".rstrip(": "))
+            self.server.stop(exc)
             raise
         finally:
             self._bar.close()
@@ -398,7 +398,7 @@ class QLSDStrategy(Strategy):
                 extra["memory_check"] = self.server.memory_check(self.nodes.memory_reports(grid, self._timeout))
         except BaseException as exc:
             self.server.ts_info = {**self.server.ts_info, **extra}
-            self.server.stop(f"{type(exc).__name__}: {exc}".rstrip(": "))
+            self.server.stop(exc)
             raise
         self.server.ts_info = {**self.server.ts_info, **extra}  # finish() puts ts_info in the summary
         self.server.finish()

@@ -51,7 +51,7 @@ class RunOutputs:
             return
         self.run_dir = self.run_dir or make_run_dir(cfg.get("output-dir"), cfg.get("run-name"), cfg.variant)
         self.recorder = Recorder(self.run_dir, cfg.to_dict(), self.dim, 1, cfg.burn_in, cfg.thin,
-                                 raw_draws=ckpt.enabled(cfg), labels=server.task.meta.get("param_labels"))
+                                 labels=server.task.meta.get("param_labels"))
 
     def on_round(self, server, row: dict) -> None:
         k = row["round"]

@@ -62,19 +62,9 @@ def stop_signal(name: str) -> None:
     raise KeyboardInterrupt(name)
 
 
-def check_run_name(run_name: str) -> str:
-    """A run name is one folder name inside ``output-dir``: no path separator, not ``.`` or ``..``
-    (a run must never write outside its output folder)."""
-    name = str(run_name)
-    if name in (".", "..") or "/" in name or "\\" in name or os.sep in name or "\x00" in name:
-        from qlsd_flwr.keys import ConfigError
-
-        raise ConfigError(f"run-name must be one folder name inside output-dir, without '/', '..' or NUL "
-                          f"(got {run_name!r})")
-    return name
-
-
 def make_run_dir(output_dir: str | os.PathLike, run_name: str, variant: str) -> Path:
+    from qlsd_flwr.keys import check_run_name  # a run never writes outside output-dir
+
     name = check_run_name(run_name) or f"{time.strftime('%Y%m%d-%H%M%S')}-{variant}"
     path = Path(output_dir) / name
     i = 1
@@ -102,13 +92,12 @@ class Recorder:
     file survives a kill (an HDF5 file left open by SIGTERM was unreadable), and
     :meth:`checkpoint_state` / ``resume`` cut it back to a checkpoint's position exactly.
     ``resume`` (a position from :meth:`checkpoint_state`) reopens a run folder and appends.
-    ``raw_draws`` is accepted for compatibility and ignored (always on).
     """
 
     RAW = "draws.f8"
 
     def __init__(self, run_dir: Path, config: dict, dim: int, num_chains: int, burn_in: int,
-                 thin: int, chunk: int = 512, raw_draws: bool = False, resume: dict | None = None,
+                 thin: int, chunk: int = 512, resume: dict | None = None,
                  labels=None):
         self.provenance = provenance(config)
         # names of θ's coordinates (``W[3,1]``, ``conv1.weight[0,0,2,4]``): the ``theta_dim_0``
@@ -120,7 +109,6 @@ class Recorder:
         self._closed = False
         self.burn_in, self.thin, self.chunk = burn_in, thin, chunk
         self.dim, self.num_chains = dim, num_chains
-        self.raw_draws = True
         self._buf: list[np.ndarray] = []
         self.n_draws = 0
         self.totals = {k: 0 for k in ("n_active", "n_replied", "n_rejected", "skipped",

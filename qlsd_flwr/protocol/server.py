@@ -285,12 +285,13 @@ class QLSDServer:
             self.finish()  # the observer closes its folder (samples up to round_ - 1), keeps run_dir
         raise DivergenceError(msg)
 
-    def stop(self, reason: str) -> None:
+    def stop(self, why: BaseException | str) -> None:
         """Close the outputs of a run stopped before its end (Ctrl-C, SIGTERM, an error): the run
         folder then holds every draw and round so far, readable (``samples.nc``, ``summary.json``
-        with ``stopped``). Does nothing once the outputs are closed."""
+        with ``stopped``, the exception as text). Does nothing once the outputs are closed."""
         if self.observer is None or getattr(self.observer, "recorder", None) is None:
             return
+        reason = f"{type(why).__name__}: {why}".rstrip(": ") if isinstance(why, BaseException) else str(why)
         k = int(self.state.k) if self.state is not None else 0
         self.ts_info = {**self.ts_info, "stopped": reason, "stopped_at_round": k}
         self.finish()

@@ -138,10 +138,11 @@ def run_side_by_side(cfgs, task: Task | None = None, write: bool = False, keep_t
                 if resume is not None:
                     run_dir = resume[0]
                     rec = Recorder(run_dir, conf, d, nchain, cfg.burn_in, cfg.thin,
-                                   resume=ckpt.recorder_part(resume[1], resume[2]), labels=task.meta.get("param_labels"))
+                                   resume=ckpt.recorder_part(resume[1], resume[2]),
+                                   labels=task.meta.get("param_labels"))
                 else:
                     run_dir = make_run_dir(cfg.get("output-dir"), cfg.get("run-name"), cfg.variant)
-                    rec = Recorder(run_dir, conf, d, nchain, cfg.burn_in, cfg.thin, raw_draws=ck_on,
+                    rec = Recorder(run_dir, conf, d, nchain, cfg.burn_in, cfg.thin,
                                    labels=task.meta.get("param_labels"))
             recs.append(rec)
             run_dirs.append(run_dir)
@@ -244,6 +245,7 @@ def _close_stopped(recs: list, exc: BaseException, k: int) -> None:
     for w, rec in enumerate(recs):
         if rec is not None:
             recs[w] = None
+            # the same text as QLSDServer.stop's
             rec.close({"stopped": f"{type(exc).__name__}: {exc}".rstrip(": "), "stopped_at_round": k})
 
 
