@@ -183,8 +183,9 @@ def resolve(overrides: Mapping[str, Any] | None = None) -> RunConfig:
     burn, thin, chains = v["burn-in"], v["thin"], v["num-chains"]
     if not burn < K:
         raise ConfigError(f"burn-in must be in [0, num-rounds) = [0, {K}) (got {burn})")
-    if chains > 1 and engine != "vectorised":
-        raise ConfigError("num-chains > 1 needs engine = vectorised (Flower runs one chain per run)")
+    if chains > 1 and engine == "local":
+        raise ConfigError(f"num-chains = {chains} needs engine = ray, inprocess or vectorised (the local engine "
+                          "runs one chain); allowed engines for several chains: ray, inprocess, vectorised")
 
     # SGLD is centralised: the task's data is pooled into one client that always takes part.
     b_eff = 1 if variant == "sgld" else b

@@ -120,7 +120,7 @@ KEYS: tuple[Key, ...] = (
     Key("gamma", 4.9e-4, "float", "Langevin step size", "γ", lo=0, open_lo=True, group=SAMPLER),
     Key("seed", 0, "int", "the run's seed (participation, minibatches, quantisation, noise)", "", lo=0, hi=SEED_MAX,
         group=SAMPLER),
-    Key("num-chains", 1, "int", "independent chains (engine vectorised)", "", lo=1, cap=100_000, group=SAMPLER),
+    Key("num-chains", 1, "int", "independent chains in one run (chain c: seed + c; every engine but local)", "", lo=1, cap=100_000, group=SAMPLER),
     Key("compressor", "qsgd", "choice", "the uplink compressor (identity: none)", "C", choices=("qsgd", "identity"),
         group=SAMPLER),
     Key("s", "16", "ints", "QSGD levels, one value or one per client ('2,4,...'); s = 2^k is 'k bits'", "s_i",
@@ -158,6 +158,9 @@ KEYS: tuple[Key, ...] = (
     Key("verbose", False, "bool", "Flower's and Ray's own logs", group=RUN),
     Key("client-cpus", 0.5, "float", "CPUs per virtual client on the Ray engine", "", lo=0, open_lo=True, cap=1024,
         group=RUN),
+    Key("torch-threads", "auto", "float|word", "torch's threads in each process that computes gradients (auto: "
+        "⌊client-cpus⌋, at least 1, in a Ray actor or a SuperNode; the process's cores on the other engines)", "",
+        lo=1, cap=1024, words=("auto",), group=RUN),
     Key("reply-timeout", 600.0, "float", "seconds to wait for replies and for nodes", "", lo=0, open_lo=True,
         cap=10**7, group=RUN),
     Key("node-keys", "", "text", "a folder with node0.pub, node1.pub, …: with node authentication, client i must be "

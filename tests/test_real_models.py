@@ -144,8 +144,8 @@ def test_qlsd_pp_hpd_error_against_mala():
 
 @pytest.mark.ray
 def test_fedavg_comparison_end_to_end_on_ray(tmp_path, capsys):
-    """The main job's comparison in a small configuration: QLSD++ (framework-free engine, 300
-    rounds) then Flower's FedAvg on the Ray engine (3 clients, 2 rounds), softmax regression on
+    """The main job's comparison in a small configuration: QLSD++ (its 4 chains on the vectorised
+    engine, 300 rounds) then Flower's FedAvg on the Ray engine (3 clients, 2 rounds), softmax regression on
     breast cancer. Checks the printed table and ``comparison.json``: every metric finite and in
     range, both methods better than chance by a clear margin (the test set is 114 points, 63 %
     in the majority class; a broken client update or aggregation stays near or below that), and
@@ -156,7 +156,7 @@ def test_fedavg_comparison_end_to_end_on_ray(tmp_path, capsys):
     rc = run_main_job({"task": "logistic", "dataset": "breast_cancer", "model": "logistic",
                        "partition": "auto", "num-clients": b, "prior-var": 0.02, "s": "16",
                        "l": 20, "gamma": GAMMA, "batch-fraction": 0.2, "num-rounds": 300,
-                       "burn-in": 100, "thin": 2, "engine": "local", "progress": False,
+                       "burn-in": 100, "thin": 2, "engine": "vectorised", "progress": False,
                        "output-dir": str(tmp_path), "run-name": "job", "fedavg-rounds": R,
                        "fedavg-epochs": 1})
     assert rc == 0
@@ -176,10 +176,15 @@ def test_fedavg_comparison_end_to_end_on_ray(tmp_path, capsys):
         assert m["accuracy"] > 0.85, (name, m["accuracy"])
     assert math.isfinite(fa["wall_seconds_rounds"]) and fa["wall_seconds_rounds"] > 0
     assert q["rounds"] == 300 and 0 < q["bits_total"] < 32 * 62 * b * 300
+    conv = q["convergence"]  # R-hat and ESS over the 4 chains, of quantities a user reads
+    assert conv["chains"] == 4 and conv["draws"] == 100
+    assert all(math.isfinite(conv[k]) and conv[k] > 0.9 for k in ("rhat_loglik", "rhat_pred_max"))
+    assert conv["ess_bulk_loglik"] > 0 and conv["rhat_pred_p99"] <= conv["rhat_pred_max"]  # ESS may pass 400 (antithetic)
     # the printed table: header and one row per method, every cell filled
     lines = out.splitlines()
     head = next(i for i, l in enumerate(lines) if l.startswith("method"))
-    for col in ("acc %", "nNLL", "ECE", "Brier", "OOD AUROC", "uplink bits", "bits/round", "rounds", "wall"):
+    for col in ("acc %", "nNLL", "ECE", "Brier", "OOD AUROC", "R-hat ll", "ESS ll", "R-hat p", "ESS p",
+                "uplink bits", "bits/round", "rounds", "wall"):
         assert col in lines[head]
     rows = lines[head + 2: head + 4]
     assert rows[0].startswith("QLSD++") and rows[1].startswith("FedAvg")

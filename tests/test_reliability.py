@@ -45,10 +45,19 @@ KILLER = textwrap.dedent("""
     end_round = server.QLSDServer.end_round
     def killing_end_round(self):
         row = end_round(self)
-        if self.state.k == kill_after:
+        if self.state.k == kill_after and self.observer is not None:  # not a chain of a ChainSet
             die(self.observer.recorder)
         return row
     server.QLSDServer.end_round = killing_end_round
+
+    from qlsd_flwr.protocol import chains
+    chain_set_end_round = chains.ChainSet.end_round
+    def killing_chain_set_end_round(self):
+        row = chain_set_end_round(self)
+        if self.state.k == kill_after:
+            die(self.observer.recorder)
+        return row
+    chains.ChainSet.end_round = killing_chain_set_end_round
 
     record_block = driver._record_block
     def killing_record_block(rec, k0, R, out, dt):
@@ -86,6 +95,9 @@ CASES = {
     "local-star-optimise": ({"engine": "local", "variant": "qlsd-star", "theta-star": "optimise",
                              "s": "8", "prior-var": 5.0, "p": "0.7"}, {}, 2),
     "inprocess": ({"engine": "inprocess", "variant": "qlsd-pp", "p": "0.5", "s": "4"}, {"shuffle_seed": 7}, 3),
+    # three chains in one Flower run (protocol.chains): every chain's state in one checkpoint
+    "inprocess-3-chains": ({"engine": "inprocess", "variant": "qlsd-pp", "p": "0.5", "s": "4", "num-chains": 3},
+                           {"shuffle_seed": 9}, 6),
     "vectorised-numba": ({"engine": "vectorised", "variant": "qlsd-pp", "p": "0.5", "s": "4", "num-chains": 3},
                          {"block_rounds": 4}, 4),
     "vectorised-numpy": ({"engine": "vectorised", "variant": "qlsd-pp", "p": "0.5", "s": "4", "num-chains": 2},

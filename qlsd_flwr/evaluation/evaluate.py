@@ -118,9 +118,44 @@ def evaluate_run(run_dir: str | os.PathLike, max_samples: int | None = 200, writ
                            plot_path=run_dir / "reliability.png" if write else None,
                            title=title or f"{cfg.variant} on {cfg.get('task')}")
     if write:
+        ll = write_predictive_groups(run_dir / "samples.nc", samples, predictor, X_te, y_te, cfg.seed)
+        out["convergence"] = convergence(ll)
         (run_dir / "evaluation.json").write_text(json.dumps(out, indent=2))
-        write_predictive_groups(run_dir / "samples.nc", samples, predictor, X_te, y_te, cfg.seed)
     return out
+
+
+RHAT_TARGET = 1.05  # the main job's bar (Vehtari et al. 2021 recommend < 1.01 for final results)
+
+
+def convergence(ll: np.ndarray) -> dict:
+    """R-hat and bulk ESS (ArviZ's rank-normalised split versions, Vehtari et al. 2021) of what a
+    user reads off the posterior, from the held-out log-likelihood ``ll`` ``(chain, draw, point)``:
+
+    * the predictive probability of each test point's label, ``p(y_j | x_j, θ)`` per draw:
+      the worst R-hat over the test points, the 99th percentile, and the smallest bulk ESS;
+    * the held-out log-likelihood ``Σ_j log p(y_j | x_j, θ)`` per draw: its R-hat and bulk ESS.
+
+    With fewer than 2 chains or 4 draws, R-hat cannot be computed: the values are ``None`` and
+    ``why`` says so."""
+    import arviz as az
+
+    c, n, _ = ll.shape
+    if c < 2 or n < 4:
+        return {"chains": int(c), "draws": int(n), "rhat_pred_max": None, "rhat_pred_p99": None,
+                "ess_bulk_pred_min": None, "rhat_loglik": None, "ess_bulk_loglik": None,
+                "why": "R-hat needs at least 2 chains and 4 draws"}
+    probs = az.convert_to_dataset({"p": np.exp(ll)})
+    total = az.convert_to_dataset({"ll": ll.sum(axis=2)})
+    rp = np.asarray(az.rhat(probs)["p"].values, dtype=np.float64)
+    ep = np.asarray(az.ess(probs, method="bulk")["p"].values, dtype=np.float64)
+    finite = np.isfinite(rp)  # a point whose probability is 1.0 in every draw has no R-hat
+    return {"chains": int(c), "draws": int(n),
+            "rhat_pred_max": float(np.max(rp[finite])) if finite.any() else None,
+            "rhat_pred_p99": float(np.quantile(rp[finite], 0.99)) if finite.any() else None,
+            "ess_bulk_pred_min": float(np.min(ep[np.isfinite(ep)])) if np.isfinite(ep).any() else None,
+            "rhat_loglik": float(az.rhat(total)["ll"].values),
+            "ess_bulk_loglik": float(az.ess(total, method="bulk")["ll"].values),
+            "target": RHAT_TARGET}
 
 
 CLASSIFICATION_TASKS = ("logistic", "mnist")
@@ -135,12 +170,12 @@ def evaluate_classification(task: str, run_dir) -> dict | None:
 
 
 def write_predictive_groups(path: str | os.PathLike, samples: np.ndarray, predictor, X: np.ndarray,
-                            y: np.ndarray, seed: int) -> None:
+                            y: np.ndarray, seed: int) -> np.ndarray:
     """Add ArviZ's held-out groups to ``samples.nc``: ``log_likelihood`` (``y``: ``log p(y_j | θ)``
     per chain, draw and test point, what ``az.loo`` and ``az.waic`` read), ``predictions``
     (``y``: one label drawn from each draw's predictive ``p(· | x_j, θ)``, seeded by the run's
     seed) and ``observed_data`` (``y``: the held-out labels), each over the dim ``test_point``.
-    Every draw is evaluated (one predictive pass per draw)."""
+    Every draw is evaluated (one predictive pass per draw). Returns the log-likelihood array."""
     import h5netcdf
 
     c, n, _ = samples.shape
@@ -168,3 +203,4 @@ def write_predictive_groups(path: str | os.PathLike, samples: np.ndarray, predic
             g.create_variable("y", dims, data=data)
             for k, v in f["posterior"].attrs.items():
                 g.attrs[k] = v
+    return ll

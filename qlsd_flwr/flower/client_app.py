@@ -45,9 +45,10 @@ from qlsd_flwr.flower.records import (
     record_fields,
 )
 from qlsd_flwr.protocol import build
-from qlsd_flwr.protocol.client import handle
+from qlsd_flwr.protocol.client import handle, handle_chains
 from qlsd_flwr.protocol.wire import arr_to_bytes, bytes_to_arr
 from qlsd_flwr.tasks import loading
+from qlsd_flwr.tasks.threads import apply_torch_threads
 
 STATE = "qlsd-state"
 
@@ -58,6 +59,7 @@ def setup_for_config(cfg_json: str, i: int, data_path: str | None = None):
     built once per config and client in each process."""
     cfg = resolve(json.loads(cfg_json))
     pot, prior, d, blocks = loading.load_client(cfg, i, data_path=data_path)
+    apply_torch_threads(cfg.raw)  # after the potential: a torch task has imported torch by now
     spec = build.client_spec(cfg, i, pot.n_data, d, prior, blocks)
     return cfg, pot, spec, d
 
@@ -90,10 +92,16 @@ def data_path_of(context: Context) -> str | None:
     return str(path) if path not in (None, "") else None
 
 
-def load_state(context: Context) -> ClientState:
+def state_key(chain: int | None) -> str:
+    """The ``context.state`` record of a chain's client state: ``qlsd-state`` for a one-chain run,
+    ``qlsd-state.<c>`` for chain ``c`` of a several-chain run."""
+    return STATE if chain is None else f"{STATE}.{int(chain)}"
+
+
+def load_state(context: Context, chain: int | None = None) -> ClientState:
     st = ClientState()
     try:
-        rec = config_record(context.state, STATE)
+        rec = config_record(context.state, state_key(chain))
     except KeyError:
         return st
     d = int(rec["dim"])
@@ -108,13 +116,19 @@ def load_state(context: Context) -> ClientState:
     return st
 
 
-def save_state(context: Context, st: ClientState, d: int) -> None:
+def save_state(context: Context, st: ClientState, d: int, chain: int | None = None) -> None:
     rec = ConfigRecord({"dim": d, "eta_count": st.eta_count, "anchor_version": st.anchor_version})
     for name in ("eta", "anchor", "anchor_grad"):
         val = getattr(st, name)
         if val is not None:
             rec[name] = arr_to_bytes(val)
-    context.state[STATE] = rec
+    context.state[state_key(chain)] = rec
+
+
+def held_chains(context: Context) -> list[int]:
+    """The chains of a several-chain run whose state this node holds."""
+    head = STATE + "."
+    return sorted(int(k[len(head):]) for k in context.state if k.startswith(head) and k[len(head):].isdigit())
 
 
 def run_config_of(context: Context, overrides: dict | None) -> str:
@@ -177,6 +191,7 @@ def make_client_app(potential_fn: Callable[[Context], LocalPotential] | None = N
         key = (context.run_id, client_index(context))
         if key not in potentials:
             potentials[key] = check_potential(potential_fn(context), "potential_fn")
+            apply_torch_threads({**dict(context.run_config), **(overrides or {})})
         pot = potentials[key]
         return pot, int(pot.dim), None
 
@@ -187,10 +202,15 @@ def make_client_app(potential_fn: Callable[[Context], LocalPotential] | None = N
         fields = {"client": i, "n_data": int(pot.n_data), "dim": int(d)}
         rec = record_fields(message.content)
         if rec is not None and rec.get("report") == "memory":
-            st = load_state(context)
-            fields["eta_count"] = int(st.eta_count)
-            if st.eta is not None:
-                fields["eta"] = arr_to_bytes(st.eta)
+            if chains := held_chains(context):  # a several-chain run: one entry a chain
+                sts = [load_state(context, c) for c in chains]
+                fields.update({"chains": chains, "eta_count": [int(st.eta_count) for st in sts],
+                               "eta": [b"" if st.eta is None else arr_to_bytes(st.eta) for st in sts]})
+            else:
+                st = load_state(context)
+                fields["eta_count"] = int(st.eta_count)
+                if st.eta is not None:
+                    fields["eta"] = arr_to_bytes(st.eta)
         return _reply(message, fields)
 
     @app.train()
@@ -209,6 +229,11 @@ def make_client_app(potential_fn: Callable[[Context], LocalPotential] | None = N
             spec, seed = client_setup(context, overrides, overrides_json)[2], cfg.seed
         else:  # state lost (a restarted node): ask for the settings, the anchor and the mirror
             return _reply(message, {"client": i, "status": "resync"})
+        if "chains" in fields:  # several chains: chain c with its own state and seed + c
+            reply, states = handle_chains(spec, pot, lambda c: load_state(context, c), seed, fields, d)
+            for c, st in states.items():
+                save_state(context, st, d, c)
+            return _reply(message, reply)
         st = load_state(context)
         reply = handle(spec, pot, st, seed, fields, d)
         save_state(context, st, d)

@@ -26,7 +26,7 @@ from flwr.common import (
 )
 from flwr.server.strategy import Strategy as LegacyStrategy
 
-from qlsd_flwr.config import RunConfig
+from qlsd_flwr.config import ConfigError, RunConfig
 from qlsd_flwr.core.potential import Task
 from qlsd_flwr.core.theta_star import resolve_theta_star
 from qlsd_flwr.flower.client_app import (
@@ -46,6 +46,9 @@ class LegacyQLSDStrategy(LegacyStrategy):
     """QLSD family on ``flwr.server.strategy.Strategy`` (see module docstring)."""
 
     def __init__(self, cfg: RunConfig, task: Task, run_dir=None, write: bool = True, keep_trace: bool = False):
+        if cfg.num_chains > 1:
+            raise ConfigError(f"num-chains = {cfg.num_chains}: the legacy strategy runs one chain; use the "
+                              "Message-API strategy (engine = ray or inprocess) for several chains in one run")
         theta_star, ts_info = resolve_theta_star(cfg, task, build.theta0_of(task), grad_fn=None)
         self.cfg = cfg
         self.server = QLSDServer(cfg, task, keep_trace, "flower-legacy",

@@ -17,7 +17,7 @@ from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
 from qlsd_flwr.flower.records import RECORD, config_record
-from qlsd_flwr.protocol.wire import bytes_to_arr
+from qlsd_flwr.protocol.wire import memory_report
 
 log = logging.getLogger("qlsd_flwr")
 
@@ -246,11 +246,12 @@ class NodeRegistry:
         log.warning("round %d: node %d claims partition-id %d, refused (%s)", server_round, node, i, why)
         self.refused_claims.setdefault(i, []).append(int(node))
 
-    def memory_reports(self, grid: Grid, timeout: float) -> dict[int, tuple[np.ndarray, int]]:
-        """Each client's own ``(η_i, update count)`` from its ``context.state``; clients that do
+    def memory_reports(self, grid: Grid, timeout: float) -> dict[int, dict[int, tuple[np.ndarray, int]]]:
+        """Each client's own ``{chain: (η_i, update count)}`` from its ``context.state`` (chain 0
+        alone in a one-chain run; :func:`qlsd_flwr.protocol.wire.memory_report`); clients that do
         not answer, or answer from another node than theirs, are left out."""
         msgs = [_hello(self.node_of[i], report="memory") for i in range(self.b)]
-        got: dict[int, tuple[np.ndarray, int]] = {}
+        got: dict[int, dict[int, tuple[np.ndarray, int]]] = {}
         for msg in grid.send_and_receive(msgs, timeout=timeout):
             if msg.has_error():
                 continue
@@ -259,8 +260,7 @@ class NodeRegistry:
                 i = int(rec["client"])
                 if self.node_of.get(i) != msg.metadata.src_node_id:
                     continue
-                eta = bytes_to_arr(rec["eta"], self.d) if "eta" in rec else np.zeros(self.d)
-                got[i] = (eta, int(rec.get("eta_count", 0)))
+                got[i] = memory_report(rec, self.d)
             except (KeyError, TypeError, ValueError):
                 continue
         return got

@@ -60,8 +60,8 @@ from qlsd_flwr.outputs.checkpoint import resume_dir
 from qlsd_flwr.outputs.observer import RunOutputs
 from qlsd_flwr.outputs.progress import announce, progress_bar
 from qlsd_flwr.protocol import build
+from qlsd_flwr.protocol.chains import make_server
 from qlsd_flwr.protocol.divergence import DivergenceError
-from qlsd_flwr.protocol.server import QLSDServer
 from qlsd_flwr.protocol.wire import bytes_to_arr
 
 log = logging.getLogger("qlsd_flwr")
@@ -238,8 +238,9 @@ class QLSDStrategy(Strategy):
                keep_trace: bool = False, on_round=None, engine_label: str = "flower",
                failure_sink: dict | None = None) -> None:
         self.cfg, self.task, self.d = cfg, task, task.dim
-        self.server = QLSDServer(cfg, task, keep_trace, engine_label,
-                                 observer=RunOutputs(cfg, task.dim, run_dir) if write else None)
+        # one chain: QLSDServer; num-chains > 1: a ChainSet, one message per client for all its chains
+        self.server = make_server(cfg, task, keep_trace, engine_label,
+                                  observer=RunOutputs(cfg, task.dim, run_dir) if write else None)
         keys_dir = str(cfg.get("node-keys") or "")
         try:
             bound = load_bound_keys(keys_dir, cfg.b) if keys_dir else None
@@ -280,12 +281,16 @@ class QLSDStrategy(Strategy):
         self._sent = {}
         msgs = []
         theta = Array(np.asarray(self.state.theta, dtype=np.float64))  # one per round, for every message
+        C = self.cfg.num_chains
         for i in self.server.begin_round():
             node = self.nodes.node_of[i]
             # the client's settings go with the first message to each client and after a resync
             # (a node that lost its state answers resync): a record less per message otherwise
             first = i not in self._settings_sent or bool(self.server.needs_resync[i])
-            content = to_content(self.server.fields_for(i), self.server.settings[i] if first else None, theta)
+            fields = self.server.fields_for(i)
+            # several chains: the round's shared (C, d) array when client i is active in every chain
+            shared = theta if len(fields.get("chains", ())) in (0, C) else None
+            content = to_content(fields, self.server.settings[i] if first else None, shared)
             self._settings_sent.add(i)
             if config:
                 content["config"] = config
@@ -395,7 +400,10 @@ class QLSDStrategy(Strategy):
                        "refused_claims": {str(i): r for i, r in sorted(self.nodes.refused_claims.items())}}
         try:  # the audit waits for the nodes (up to reply-timeout): a stop there keeps the outputs too
             if cfg.memory:
-                extra["memory_check"] = self.server.memory_check(self.nodes.memory_reports(grid, self._timeout))
+                reports = self.nodes.memory_reports(grid, self._timeout)
+                if cfg.num_chains == 1:
+                    reports = {i: r[0] for i, r in reports.items() if 0 in r}
+                extra["memory_check"] = self.server.memory_check(reports)
         except BaseException as exc:
             self.server.ts_info = {**self.server.ts_info, **extra}
             self.server.stop(exc)

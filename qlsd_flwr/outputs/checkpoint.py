@@ -262,24 +262,40 @@ def validate(meta: dict, arrays: dict, path) -> None:
     for name, a in arrays.items():
         if a.dtype.kind == "f" and not np.all(np.isfinite(a)):
             raise bad(f"array {name!r} has non-finite values")
-    if meta.get("kind") == "server":
-        zv = meta.get("zeta_version")
-        if isinstance(zv, bool) or not isinstance(zv, int):
-            raise bad(f"zeta_version must be an integer (got {zv!r})")
-        if not isinstance(meta.get("rejected"), dict) or not isinstance(meta.get("missed_rounds"), dict):
-            raise bad("'rejected' and 'missed_rounds' must be tables")
-        theta = arrays.get("theta")
-        if theta is None or theta.ndim != 1:
-            raise bad("array 'theta' must be one vector")
-        d = theta.shape[0]
-        for name in ("anchor_acked", "eta_count", "needs_resync"):
-            if name not in arrays or arrays[name].ndim != 1:
-                raise bad(f"array {name!r} missing or not one vector")
-        b = arrays["anchor_acked"].shape[0]
-        for name, shape in (("eta_count", (b,)), ("needs_resync", (b,)), ("eta_i", (b, d)), ("eta", (d,)),
-                            ("zeta", (d,)), ("theta_star", (d,))):
-            if name in arrays and arrays[name].shape != shape:
-                raise bad(f"array {name!r} has shape {arrays[name].shape}, expected {shape}")
+    if meta.get("kind") == "server" and "chains" in meta:  # a several-chain run (protocol.chains)
+        C, metas = meta["chains"], meta.get("chain_meta")
+        if isinstance(C, bool) or not isinstance(C, int) or C < 2:
+            raise bad(f"chains must be an integer >= 2 (got {C!r})")
+        if not isinstance(metas, list) or len(metas) != C or not all(isinstance(m, dict) for m in metas):
+            raise bad(f"chain_meta must be a list of {C} tables")
+        for c, m in enumerate(metas):
+            if m.get("k") != k:
+                raise bad(f"chain_meta[{c}].k = {m.get('k')!r}, the checkpoint is at k = {k}")
+            _check_server_chain(m, {n[len(f"c{c}."):]: a for n, a in arrays.items() if n.startswith(f"c{c}.")},
+                                lambda why, c=c: bad(f"chain {c}: {why}"))
+    elif meta.get("kind") == "server":
+        _check_server_chain(meta, arrays, bad)
+
+
+def _check_server_chain(meta: dict, arrays: dict, bad) -> None:
+    """One chain's fields in a server checkpoint (:meth:`QLSDServer.snapshot`)."""
+    zv = meta.get("zeta_version")
+    if isinstance(zv, bool) or not isinstance(zv, int):
+        raise bad(f"zeta_version must be an integer (got {zv!r})")
+    if not isinstance(meta.get("rejected"), dict) or not isinstance(meta.get("missed_rounds"), dict):
+        raise bad("'rejected' and 'missed_rounds' must be tables")
+    theta = arrays.get("theta")
+    if theta is None or theta.ndim != 1:
+        raise bad("array 'theta' must be one vector")
+    d = theta.shape[0]
+    for name in ("anchor_acked", "eta_count", "needs_resync"):
+        if name not in arrays or arrays[name].ndim != 1:
+            raise bad(f"array {name!r} missing or not one vector")
+    b = arrays["anchor_acked"].shape[0]
+    for name, shape in (("eta_count", (b,)), ("needs_resync", (b,)), ("eta_i", (b, d)), ("eta", (d,)),
+                        ("zeta", (d,)), ("theta_star", (d,))):
+        if name in arrays and arrays[name].shape != shape:
+            raise bad(f"array {name!r} has shape {arrays[name].shape}, expected {shape}")
 
 
 def recorder_part(meta: dict, arrays: dict) -> dict:

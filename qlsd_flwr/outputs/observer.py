@@ -1,9 +1,10 @@
-"""The run folder and the checkpoints of a one-chain run, written by observing its protocol server.
+"""The run folder and the checkpoints of a Flower-path run (one chain, or the ``num-chains`` chains of a
+:class:`~qlsd_flwr.protocol.chains.ChainSet`), written by observing its protocol server.
 
 :class:`RunOutputs` is handed to :class:`~qlsd_flwr.protocol.server.QLSDServer` as its
 ``observer``: the server computes and keeps the chain's state; this object makes the run folder
 (:func:`~qlsd_flwr.outputs.recorder.make_run_dir`), records every round and kept draw
-(:class:`~qlsd_flwr.outputs.recorder.Recorder`), writes ``checkpoint.npz`` every
+(:class:`~qlsd_flwr.outputs.recorder.Recorder`; ``server.state.theta`` is ``(d,)`` or ``(C, d)``), writes ``checkpoint.npz`` every
 ``checkpoint-every`` rounds from the server's :meth:`~QLSDServer.snapshot`, and with ``resume``
 set reads the checkpoint back for the server to restore. Every engine with one chain per run
 (local, in-process, Ray, deployment, legacy) uses it.
@@ -45,12 +46,12 @@ class RunOutputs:
         if self._resume is not None:
             self.run_dir, meta, arrays = self._resume
             self.last_checkpoint = int(meta["k"])
-            self.recorder = Recorder(self.run_dir, cfg.to_dict(), self.dim, 1, cfg.burn_in, cfg.thin,
+            self.recorder = Recorder(self.run_dir, cfg.to_dict(), self.dim, cfg.num_chains, cfg.burn_in, cfg.thin,
                                      resume=ckpt.recorder_part(meta, arrays),
                                      labels=server.task.meta.get("param_labels"))
             return
         self.run_dir = self.run_dir or make_run_dir(cfg.get("output-dir"), cfg.get("run-name"), cfg.variant)
-        self.recorder = Recorder(self.run_dir, cfg.to_dict(), self.dim, 1, cfg.burn_in, cfg.thin,
+        self.recorder = Recorder(self.run_dir, cfg.to_dict(), self.dim, cfg.num_chains, cfg.burn_in, cfg.thin,
                                  labels=server.task.meta.get("param_labels"))
 
     def on_round(self, server, row: dict) -> None:

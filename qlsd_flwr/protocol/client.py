@@ -19,7 +19,12 @@ from qlsd_flwr.core.oracles import (
     set_anchor,
 )
 from qlsd_flwr.core.potential import LocalPotential
-from qlsd_flwr.protocol.wire import arr_to_bytes, vector
+from qlsd_flwr.protocol.wire import (
+    arr_to_bytes,
+    bundle_reply,
+    unbundle_request,
+    vector,
+)
 
 
 def handle(spec: ClientSpec, pot: LocalPotential, st: ClientState, seed: int, fields: dict, d: int) -> dict:
@@ -39,3 +44,15 @@ def handle(spec: ClientSpec, pot: LocalPotential, st: ClientState, seed: int, fi
     q, _ = client_round(spec, pot, st, seed, int(fields["round"]), theta)
     return {"client": i, "status": "ok", "payload": spec.compressor.encode(q),
             "anchor_version": st.anchor_version}
+
+
+def handle_chains(spec: ClientSpec, pot: LocalPotential, load_state, seed: int, fields: dict,
+                  d: int) -> tuple[dict, dict[int, ClientState]]:
+    """A several-chain message (:func:`qlsd_flwr.protocol.wire.bundle_request`): chain ``c`` is
+    :func:`handle` with its own state ``load_state(c)`` and seed ``seed + c`` (so it is the chain
+    a one-chain run with that seed computes). Returns the reply fields and the chains' states
+    (the caller keeps them)."""
+    per = unbundle_request(fields, d)
+    states = {c: load_state(c) for c in per}
+    replies = {c: handle(spec, pot, states[c], seed + c, f, d) for c, f in per.items()}
+    return bundle_reply(spec.index, replies), states

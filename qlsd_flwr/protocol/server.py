@@ -50,9 +50,10 @@ class QLSDServer:
     """
 
     def __init__(self, cfg: RunConfig, task: Task, keep_trace: bool = False,
-                 engine_label: str = "flower", observer=None):
+                 engine_label: str = "flower", observer=None, warn: bool = True):
         self.cfg, self.task, self.d = cfg, task, task.dim
-        build.warn_if_unstable(cfg, task)
+        if warn:  # a chain of a several-chain run (protocol.chains) leaves it to the first chain
+            build.warn_if_unstable(cfg, task)
         self.blocks = build.blocks_for(cfg, task)
         self.compressors = [build.compressor_for(cfg, i, self.blocks) for i in range(cfg.b)]
         self.settings = [build.client_settings(cfg, i, self.d, task.prior, self.blocks) for i in range(cfg.b)]
@@ -88,11 +89,16 @@ class QLSDServer:
         if snap is not None:
             self.restore(*snap)
         else:
-            self.ts_info = ts_info or {}
-            self.spec = build.server_spec(self.cfg, self.task, theta_star, self.blocks)
-            self.state = sampler.init_state(self.spec, build.theta0_of(self.task) if theta0 is None else theta0)
+            self.start_chain(theta_star, ts_info, theta0)
         if self.observer is not None:
             self.observer.on_begin(self)
+
+    def start_chain(self, theta_star: np.ndarray | None, ts_info: dict | None = None,
+                    theta0: np.ndarray | None = None) -> None:
+        """The chain at ``θ_0`` (the task's unless given), round 0."""
+        self.ts_info = ts_info or {}
+        self.spec = build.server_spec(self.cfg, self.task, theta_star, self.blocks)
+        self.state = sampler.init_state(self.spec, build.theta0_of(self.task) if theta0 is None else theta0)
 
     # ---- checkpoints: the state as plain arrays and JSON ------------------------------------
     def snapshot(self) -> tuple[dict, dict]:
@@ -283,7 +289,9 @@ class QLSDServer:
         if obs is not None:
             self.ts_info = {**self.ts_info, "diverged_at_round": round_, "error": msg}
             self.finish()  # the observer closes its folder (samples up to round_ - 1), keeps run_dir
-        raise DivergenceError(msg)
+        err = DivergenceError(msg)
+        err.why = why  # a several-chain run (protocol.chains) words its own message with it
+        raise err
 
     def stop(self, why: BaseException | str) -> None:
         """Close the outputs of a run stopped before its end (Ctrl-C, SIGTERM, an error): the run

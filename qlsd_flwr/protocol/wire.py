@@ -87,3 +87,136 @@ def parse_fields(rec: dict | None, expected_client: int) -> dict:
     except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise ReplyError(f"missing or bad anchor_version: {exc!r}") from exc
     return {"status": status, "payload": bytes(payload), "anchor_version": version}
+
+
+# ---- several chains in one message ------------------------------------------------------------
+# A run of C > 1 chains (num-chains; chain c draws every random number from seed + c) asks client
+# i once a round for every chain in which i is active, in one message. Server → client:
+#   ``chains`` (the chain indices, increasing), ``theta`` (an (m, d) array, row j = chain
+#   chains[j]), ``anchor_version`` and ``eta_count`` (lists, one entry a chain), and when some
+#   chains send them, ``anchor`` / ``eta`` ((n, d) arrays) with ``anchor_chains`` / ``eta_chains``
+#   naming their rows; ``phase``, ``round`` and ``client`` as for one chain.
+# Client → server: ``client``, ``chains`` (as asked), and one entry a chain in ``status``,
+# ``payload`` (b"" for a resync) and ``anchor_version``. Each chain's message is compressed,
+# counted and validated on its own, exactly as a one-chain reply. A one-chain run keeps the
+# one-chain fields above (no ``chains``), so its messages are unchanged.
+MAX_CHAIN = 2 ** 31  # a chain index is a non-negative int below this
+
+
+def bundle_request(per_chain: dict[int, dict]) -> dict:
+    """One message's fields from the per-chain fields of one client (see above)."""
+    chains = sorted(per_chain)
+    first = per_chain[chains[0]]
+    out = {"phase": first["phase"], "round": first["round"], "client": first["client"], "chains": chains,
+           "theta": np.stack([np.asarray(per_chain[c]["theta"], dtype=np.float64) for c in chains]),
+           "anchor_version": [int(per_chain[c]["anchor_version"]) for c in chains],
+           "eta_count": [int(per_chain[c]["eta_count"]) for c in chains]}
+    for name in ("anchor", "eta"):
+        rows = [c for c in chains if name in per_chain[c]]
+        if rows:
+            out[f"{name}_chains"] = rows
+            out[name] = np.stack([np.asarray(per_chain[c][name], dtype=np.float64) for c in rows])
+    return out
+
+
+def _chain_list(x, name: str) -> list[int]:
+    if not isinstance(x, (list, tuple)) or not x:
+        raise ValueError(f"{name}: expected a non-empty list of chain indices")
+    out = []
+    for c in x:
+        if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or not 0 <= int(c) < MAX_CHAIN:
+            raise ValueError(f"{name}: bad chain index {c!r}")
+        out.append(int(c))
+    if any(b <= a for a, b in zip(out, out[1:])):
+        raise ValueError(f"{name}: chain indices must increase")
+    return out
+
+
+def matrix(x, m: int, d: int) -> np.ndarray:
+    """An ``(m, d)`` float64 array from an array or from float64 bytes; ``ValueError`` otherwise."""
+    if isinstance(x, np.ndarray):
+        if x.shape != (m, d):
+            raise ValueError(f"expected an array of shape ({m}, {d}), got shape {x.shape}")
+        return np.array(x, dtype=np.float64)
+    return bytes_to_arr(x, m * d).reshape(m, d)
+
+
+def _int_list(x, m: int, name: str) -> list[int]:
+    if not isinstance(x, (list, tuple)) or len(x) != m:
+        raise ValueError(f"{name}: expected a list of {m} integers")
+    if any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) for v in x):
+        raise ValueError(f"{name}: expected integers")
+    return [int(v) for v in x]
+
+
+def unbundle_request(fields: dict, d: int) -> dict[int, dict]:
+    """The per-chain fields of a several-chain message (:func:`bundle_request`); ``ValueError``
+    naming the field when it is malformed."""
+    chains = _chain_list(fields.get("chains"), "chains")
+    m = len(chains)
+    theta = matrix(fields["theta"], m, d)
+    versions = _int_list(fields.get("anchor_version"), m, "anchor_version")
+    counts = _int_list(fields.get("eta_count"), m, "eta_count")
+    per = {c: {"phase": fields["phase"], "round": fields["round"], "client": fields["client"],
+               "theta": theta[j], "anchor_version": versions[j], "eta_count": counts[j]}
+           for j, c in enumerate(chains)}
+    for name in ("anchor", "eta"):
+        if f"{name}_chains" not in fields:
+            continue
+        rows = _chain_list(fields[f"{name}_chains"], f"{name}_chains")
+        if not set(rows) <= set(chains):
+            raise ValueError(f"{name}_chains: names a chain the message does not carry")
+        vals = matrix(fields[name], len(rows), d)
+        for j, c in enumerate(rows):
+            per[c][name] = vals[j]
+    return per
+
+
+def bundle_reply(client: int, per_chain: dict[int, dict]) -> dict:
+    """One reply's fields from the per-chain replies of :func:`qlsd_flwr.protocol.client.handle`."""
+    chains = sorted(per_chain)
+    return {"client": int(client), "chains": chains,
+            "status": [str(per_chain[c]["status"]) for c in chains],
+            "payload": [bytes(per_chain[c].get("payload", b"")) for c in chains],
+            "anchor_version": [int(per_chain[c].get("anchor_version", -1)) for c in chains]}
+
+
+def unbundle_reply(rec: dict | None, asked: list[int]) -> dict[int, dict]:
+    """The per-chain reply fields (each then checked by :func:`parse_fields`) of a reply to a
+    message that asked for the chains ``asked``. A reply without ``chains`` may only be a
+    ``resync`` (a client that lost its settings), which then holds for every chain asked.
+    :class:`ReplyError` when the reply does not answer exactly the chains asked."""
+    if not isinstance(rec, dict):
+        raise ReplyError("reply has no 'qlsd' record")
+    if "chains" not in rec:
+        if rec.get("status") == "resync":
+            return {c: {"client": rec.get("client"), "status": "resync"} for c in asked}
+        raise ReplyError("reply to a several-chain message lacks 'chains'")
+    try:
+        chains = _chain_list(rec["chains"], "chains")
+    except ValueError as exc:
+        raise ReplyError(str(exc)) from None
+    if chains != list(asked):
+        raise ReplyError(f"reply answers chains {chains[:8]}, the message asked {list(asked)[:8]}")
+    cols = {}
+    for name in ("status", "payload", "anchor_version"):
+        v = rec.get(name)
+        if not isinstance(v, (list, tuple)) or len(v) != len(chains):
+            raise ReplyError(f"{name}: expected one entry per chain ({len(chains)})")
+        cols[name] = v
+    return {c: {"client": rec.get("client"), "status": cols["status"][j], "payload": cols["payload"][j],
+                "anchor_version": cols["anchor_version"][j]} for j, c in enumerate(chains)}
+
+
+def memory_report(rec: dict, d: int) -> dict[int, tuple[np.ndarray, int]]:
+    """A client's memory report (the end-of-run audit) per chain: ``{c: (η_i, update count)}``
+    (chain 0 for a one-chain client); ``ValueError`` when malformed."""
+    if "chains" not in rec:
+        eta = bytes_to_arr(rec["eta"], d) if "eta" in rec else np.zeros(d)
+        return {0: (eta, int(rec.get("eta_count", 0)))}
+    chains = _chain_list(rec["chains"], "chains")
+    etas, counts = rec.get("eta"), _int_list(rec.get("eta_count"), len(chains), "eta_count")
+    if not isinstance(etas, (list, tuple)) or len(etas) != len(chains):
+        raise ValueError("eta: expected one entry per chain")
+    return {c: (bytes_to_arr(e, d) if len(e) else np.zeros(d), counts[j])
+            for j, (c, e) in enumerate(zip(chains, etas))}

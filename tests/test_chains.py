@@ -1,0 +1,195 @@
+"""Several chains in one Flower run (``num-chains``; :mod:`qlsd_flwr.protocol.chains`).
+
+Chain ``c`` of a Flower run must be chain ``c`` of the vectorised engine and the one-chain run
+with seed ``seed + c``, bit for bit, whatever order the replies come in; its samples file holds
+every chain (R-hat from one run); each chain's replies are validated and counted on its own; and
+the Gaussian posterior checks of ``test_gaussian_posterior`` hold for every chain.
+"""
+
+import numpy as np
+import pytest
+from flwr.app import ConfigRecord, Message, RecordDict
+from gaussian_theory import check_chain, variance_band
+
+from qlsd_flwr.config import ConfigError, resolve
+from qlsd_flwr.engines.vectorised import run_vectorised
+from qlsd_flwr.flower.records import RECORD, config_record
+from qlsd_flwr.outputs.recorder import load_samples
+from qlsd_flwr.protocol import wire
+from qlsd_flwr.run import simulate
+from qlsd_flwr.run.simulate import run_inprocess, run_ray
+from qlsd_flwr.tasks.gaussian import build_gaussian_task
+
+BASE = {"task": "gaussian", "num-clients": 5, "dim": 6, "num-rounds": 40, "burn-in": 5, "gamma": 1e-3,
+        "progress": False, "seed": 3, "l": 7, "s": "4"}
+
+
+def _inprocess(o, **kw):
+    o = {**BASE, "engine": "inprocess", **o}
+    return run_inprocess(resolve(o), o, strategy_kwargs={"keep_trace": True, "write": False}, **kw)
+
+
+def _trace(strategy) -> np.ndarray:
+    tr = np.stack(strategy.trace)
+    return np.moveaxis(tr, 0, 1) if tr.ndim == 3 else tr  # (C, K, d), or (K, d) for one chain
+
+
+@pytest.mark.parametrize("variant, p", [("qlsd-pp", "0.5"), ("qlsd-star", "0.6"), ("qlsd-sharp", "1.0"),
+                                        ("lsd-pp", "0.7"), ("qlsd", "0.5")])
+def test_chain_c_is_the_vectorised_chain_c_and_the_one_chain_run_with_seed_plus_c(variant, p):
+    o = {"variant": variant, "p": p, "num-chains": 3}
+    flower = _trace(_inprocess(o, shuffle_seed=11))  # replies taken in a shuffled order
+    vec = run_vectorised(resolve({**BASE, **o, "engine": "vectorised"}), write=False, keep_trace=True,
+                         backend="numpy").trace
+    assert flower.shape == vec.shape == (3, 40, 6)
+    assert np.array_equal(flower, vec)
+    one = _trace(_inprocess({"variant": variant, "p": p, "seed": BASE["seed"] + 2}))
+    assert np.array_equal(flower[2], one)
+    assert not np.array_equal(flower[0], flower[1])  # the chains are not copies
+
+
+@pytest.mark.ray
+def test_a_ray_run_of_four_chains_writes_them_all_and_arviz_reads_rhat(tmp_path):
+    import arviz as az
+
+    o = {**BASE, "engine": "ray", "variant": "qlsd-pp", "p": "0.8", "num-chains": 4, "num-rounds": 30,
+         "output-dir": str(tmp_path), "run-name": "ray4"}
+    strat = run_ray(resolve(o), o, strategy_kwargs={"keep_trace": True})
+    vec = run_vectorised(resolve({**o, "engine": "vectorised"}), write=False, keep_trace=True, backend="numpy")
+    assert np.array_equal(_trace(strat), vec.trace)
+    draws = load_samples(tmp_path / "ray4")
+    assert draws.shape == (4, 25, 6) and np.array_equal(draws, vec.trace[:, 5:])
+    idata = az.from_netcdf(tmp_path / "ray4" / "samples.nc")
+    rhat = az.rhat(idata)["theta"].values
+    assert rhat.shape == (6,) and np.all(np.isfinite(rhat))
+    s = strat.summary_data
+    assert s["num_chains"] == 4 and s["rejected"] == {} and set(s["memory_check"]) == {f"chain{c}" for c in range(4)}
+    for c in range(4):
+        mc = s["memory_check"][f"chain{c}"]
+        assert mc["max_abs_eta_minus_sum"] == 0.0 and all(mc["eta_count_agrees"].values())
+
+
+def test_every_chain_of_a_flower_run_samples_the_gaussian_posterior():
+    """``test_gaussian_posterior``'s check (derived variance band, batch-means z-test of the mean)
+    on each of 2 chains of one in-process Flower run of QLSD++ at p = 0.25."""
+    gamma, K, burn, s = 2e-4, 3000, 300, 2**16
+    task = build_gaussian_task(b=20, d=50, data_seed=0)
+    o = {"variant": "qlsd-pp", "gamma": gamma, "num-rounds": K, "burn-in": 0, "p": "0.25", "s": str(s),
+         "l": 50, "seed": 1, "progress": False, "engine": "inprocess", "num-chains": 2}
+    from qlsd_flwr.flower.client_app import make_client_app
+    from qlsd_flwr.flower.inprocess import InProcessGrid
+    from qlsd_flwr.flower.strategy import QLSDStrategy
+
+    cfg = resolve(o)
+    strat = QLSDStrategy.from_config(cfg, task, write=False, keep_trace=True)
+    strat.start(grid=InProcessGrid(make_client_app(overrides=o), cfg.b))
+    tr = _trace(strat)
+    band = variance_band(task, "qlsd-pp", gamma, 0.25, s)
+    for c in range(2):
+        out = check_chain(tr[c, burn:], task, gamma, band)
+        assert out["mean_ok"] and out["var_ok"], (c, out)
+
+
+def _corrupt_chain(chain: int, client: int):
+    """A client mod that zeroes the QSGD norm of one chain's payload in one client's replies (a
+    decodable message with another value is not what we want here: a bad code is)."""
+    def mod(msg: Message, context, call_next) -> Message:
+        reply = call_next(msg, context)
+        if reply.has_error() or int(context.node_config["partition-id"]) != client:
+            return reply
+        rec = dict(config_record(reply.content))
+        if "chains" in rec and chain in rec["chains"]:
+            j = rec["chains"].index(chain)
+            payload = list(rec["payload"])
+            payload[j] = payload[j][:3]  # truncated: the decoder refuses it
+            rec["payload"] = payload
+        return Message(RecordDict({RECORD: ConfigRecord(rec)}), reply_to=msg)
+    return mod
+
+
+def test_a_bad_reply_for_one_chain_is_rejected_in_that_chain_only():
+    o = {"variant": "qlsd-pp", "p": "1.0", "num-chains": 3}
+    clean = _trace(_inprocess(o))
+    strat = _inprocess(o, mods=[_corrupt_chain(1, client=2)])
+    bad = _trace(strat)
+    assert np.array_equal(bad[0], clean[0]) and np.array_equal(bad[2], clean[2])
+    assert not np.array_equal(bad[1], clean[1])
+    per_chain = strat.summary_data["rejected_per_chain"]
+    assert per_chain[0] == {} and per_chain[2] == {}
+    # every round of chain 1 loses client 2's message: 39 bad codes, and one resync (the client
+    # applied its memory update for a message the server refused; its counter then disagrees)
+    assert per_chain[1] == {"decode_error": 39, "resync": 1}
+    assert strat.summary_data["missed_rounds"]["1"]["2"] == list(range(1, 41))
+
+
+@pytest.mark.parametrize("reply", [
+    {"client": 0, "status": "ok", "payload": b"x", "anchor_version": 0},  # one payload for 2 chains
+    {"client": 0, "chains": [0], "status": ["ok"], "payload": [b"x"], "anchor_version": [0]},  # chain 1 missing
+    {"client": 0, "chains": [1, 0], "status": ["ok"] * 2, "payload": [b""] * 2, "anchor_version": [0] * 2},
+    {"client": 0, "chains": [0, 1], "status": ["ok"], "payload": [b""] * 2, "anchor_version": [0] * 2},
+    {"client": 0, "chains": [0, True], "status": ["ok"] * 2, "payload": [b""] * 2, "anchor_version": [0] * 2},
+    {"client": 0, "chains": [0, 2 ** 40], "status": ["ok"] * 2, "payload": [b""] * 2, "anchor_version": [0] * 2},
+    None,
+])
+def test_a_malformed_several_chain_reply_is_refused_for_every_chain_asked(reply):
+    with pytest.raises(wire.ReplyError):
+        wire.unbundle_reply(reply, [0, 1])
+
+
+def test_a_resync_without_chains_holds_for_every_chain_and_requests_round_trip():
+    assert wire.unbundle_reply({"client": 4, "status": "resync"}, [0, 2]) == {
+        0: {"client": 4, "status": "resync"}, 2: {"client": 4, "status": "resync"}}
+    th = np.arange(12.0).reshape(2, 6)
+    per = {0: {"phase": "sample", "round": 3, "client": 4, "theta": th[0], "anchor_version": 1, "eta_count": 2},
+           2: {"phase": "sample", "round": 3, "client": 4, "theta": th[1], "anchor_version": 1, "eta_count": 5,
+               "anchor": -th[1], "eta": th[1] * 2}}
+    back = wire.unbundle_request(wire.bundle_request(per), 6)
+    assert set(back) == {0, 2} and "anchor" not in back[0]
+    for c in per:
+        for k, v in per[c].items():
+            assert np.array_equal(back[c][k], v), (c, k)
+    with pytest.raises(ValueError, match="anchor_chains"):
+        wire.unbundle_request({**wire.bundle_request(per), "anchor_chains": [1]}, 6)
+
+
+def test_several_chains_are_refused_by_name_where_they_cannot_run():
+    with pytest.raises(ConfigError, match="num-chains = 2 needs engine = ray, inprocess or vectorised"):
+        resolve({"engine": "local", "num-chains": 2})
+    from qlsd_flwr.flower.legacy import LegacyQLSDStrategy
+    from qlsd_flwr.tasks.loading import load_task
+
+    cfg = resolve({**BASE, "engine": "ray", "num-chains": 2})
+    with pytest.raises(ConfigError, match="legacy strategy runs one chain"):
+        LegacyQLSDStrategy(cfg, load_task(cfg), write=False)
+
+
+def test_a_written_inprocess_run_of_three_chains_has_them_in_its_samples(tmp_path):
+    o = {**BASE, "engine": "inprocess", "variant": "qlsd-pp", "p": "0.5", "num-chains": 3,
+         "output-dir": str(tmp_path), "run-name": "three"}
+    res = simulate.run(o)
+    draws = load_samples(tmp_path / "three")
+    assert draws.shape == (3, 35, 6)
+    vec = run_vectorised(resolve({**o, "engine": "vectorised"}), write=False, keep_trace=True, backend="numpy")
+    assert np.array_equal(draws, vec.trace[:, 5:])
+    assert res.summary["num_chains"] == 3 and res.summary["draws_kept"] == 35
+
+
+def test_torch_threads_are_set_by_the_rule_of_each_engine():
+    """``torch-threads = auto``: ⌊client-cpus⌋ (at least 1) in a Ray actor, the process's cores in
+    one-process engines and in the ServerApp's process; a number everywhere; a bad value by name."""
+    from qlsd_flwr.tasks.threads import apply_torch_threads, cores, torch_threads
+
+    assert torch_threads({"engine": "ray", "client-cpus": 0.5}) == 1
+    assert torch_threads({"engine": "ray", "client-cpus": 2.5}) == 2
+    assert torch_threads({"engine": "ray", "client-cpus": 0.5}, client=False) == cores()
+    assert torch_threads({"engine": "inprocess"}) == torch_threads({"engine": "vectorised"}) == cores()
+    assert torch_threads({"engine": "ray", "torch-threads": 3}) == 3
+    with pytest.raises(ConfigError, match="torch-threads"):
+        torch_threads({"torch-threads": "many"})
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        assert apply_torch_threads({"torch-threads": 1}) == 1 and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
