@@ -96,6 +96,92 @@ def oracle(spec: ClientSpec, pot: LocalPotential, state: ClientState, theta: np.
     return h
 
 
+def batched(pot: LocalPotential) -> bool:
+    """Whether ``pot`` computes many ``grad_sum`` at once (``grad_sum_batch``)."""
+    return callable(getattr(pot, "grad_sum_batch", None))
+
+
+def full_local_grad_batch(spec: ClientSpec, pot: LocalPotential, thetas: np.ndarray) -> np.ndarray:
+    """:func:`full_local_grad` of each row of ``thetas`` ``(C, d)``, bit for bit (``(C, d)``)."""
+    if not batched(pot):
+        return np.stack([full_local_grad(spec, pot, t) for t in thetas])
+    return pot.grad_sum_batch(thetas) + spec.prior_weight * spec.prior.grad(thetas)
+
+
+def oracle_batch(spec: ClientSpec, pot: LocalPotential, thetas: np.ndarray, idx: np.ndarray | None,
+                 anchor: np.ndarray | None = None, anchor_grad: np.ndarray | None = None) -> np.ndarray:
+    """``H_i`` for ``C`` chains at once: ``thetas`` ``(C, d)``, ``idx`` ``(C, n_i)`` (row ``c``: chain
+    ``c``'s minibatch; ``None`` for the full oracle), ``anchor`` the control variate's point
+    (QLSD*: ``θ*``, ``(d,)``; QLSD++: each chain's ``ζ``, ``(C, d)``), ``anchor_grad`` each
+    chain's ``∇U_i(ζ)`` ``(C, d)`` (QLSD++). Returns ``(C, d)``.
+
+    Row ``c`` equals :func:`oracle` with a state holding ``anchor[c]`` and ``anchor_grad[c]``,
+    bit for bit: the same expression, evaluated elementwise over the chain axis, on
+    ``pot.grad_sum_batch`` (bitwise equal to ``grad_sum`` row by row, see
+    :meth:`qlsd_flwr.tasks.logistic.LogisticLocal.grad_sum_batch`). The control variate's two
+    gradients (at ``θ`` and at the anchor, on the same minibatch) are one call of ``2C`` rows.
+    A potential without ``grad_sum_batch`` is called row by row through :func:`oracle`.
+    """
+    thetas = np.asarray(thetas, dtype=np.float64)
+    C = thetas.shape[0]
+    if not batched(pot):
+        out = np.empty_like(thetas)
+        for c in range(C):
+            st = ClientState(anchor=None if anchor is None else (anchor if anchor.ndim == 1 else anchor[c]),
+                             anchor_grad=None if anchor_grad is None else anchor_grad[c])
+            out[c] = oracle(spec, pot, st, thetas[c], None if idx is None else idx[c])
+        return out
+    w = spec.prior_weight
+    if spec.oracle == "full":
+        return full_local_grad_batch(spec, pot, thetas)
+    scale = pot.n_data / idx.shape[-1]
+    if spec.oracle == "minibatch":
+        return scale * pot.grad_sum_batch(thetas, idx) + w * spec.prior.grad(thetas)
+    c = np.broadcast_to(anchor, thetas.shape)
+    g = pot.grad_sum_batch(np.concatenate([thetas, c]), np.concatenate([idx, idx]))
+    h = scale * (g[:C] - g[C:]) + w * (spec.prior.grad(thetas) - spec.prior.grad(c))
+    if spec.oracle == "svrg":
+        h = h + anchor_grad
+    return h
+
+
+def batched_clients(specs, pots) -> bool:
+    """Whether :func:`oracle_batch_clients` computes these clients together (else client by
+    client): one potential class with ``grad_sum_clients``, one oracle kind, one prior."""
+    cls = type(pots[0])
+    return (callable(getattr(cls, "grad_sum_clients", None)) and all(type(p) is cls for p in pots)
+            and all(s.oracle == specs[0].oracle for s in specs) and all(s.prior == specs[0].prior for s in specs))
+
+
+def oracle_batch_clients(specs, pots, thetas: np.ndarray, idxs, anchor: np.ndarray | None = None,
+                         anchor_grads: np.ndarray | None = None) -> np.ndarray:
+    """:func:`oracle_batch` of ``G`` clients at once: ``specs``, ``pots`` and ``idxs`` (``(C, n_i)``,
+    any ``n_i``, or ``None`` for the full oracle) per client, ``thetas``/``anchor`` as there
+    (shared by the clients), ``anchor_grads`` ``(C, G, d)``. Returns ``(C, G, d)`` whose ``[:, g]``
+    equals ``oracle_batch(specs[g], pots[g], ...)`` bit for bit: the same expression, with the
+    clients' ``N_i/n_i`` and ``w_i`` as arrays over the client axis (the same float64 numbers)
+    and ``grad_sum_clients`` of the potentials' class (bitwise equal to ``grad_sum`` slice by
+    slice). Clients that :func:`batched_clients` rejects are computed one by one."""
+    thetas = np.asarray(thetas, dtype=np.float64)
+    if not batched_clients(specs, pots):
+        return np.stack([oracle_batch(s, p, thetas, ix, anchor, None if anchor_grads is None else anchor_grads[:, g])
+                         for g, (s, p, ix) in enumerate(zip(specs, pots, idxs))], axis=1)
+    spec = specs[0]
+    grad = type(pots[0]).grad_sum_clients
+    w = np.array([s.prior_weight for s in specs])[:, None, None]  # (G, 1, 1)
+    if spec.oracle == "full":
+        return (grad(pots, thetas[None], [None] * len(pots))[:, 0] + w * spec.prior.grad(thetas)).transpose(1, 0, 2)
+    scale = np.array([p.n_data / np.shape(ix)[-1] for p, ix in zip(pots, idxs)])[:, None, None]
+    if spec.oracle == "minibatch":
+        return (scale * grad(pots, thetas[None], idxs)[:, 0] + w * spec.prior.grad(thetas)).transpose(1, 0, 2)
+    c = np.broadcast_to(anchor, thetas.shape)
+    g = grad(pots, np.stack([thetas, c]), idxs)  # (G, 2, C, d)
+    h = (scale * (g[:, 0] - g[:, 1]) + w * (spec.prior.grad(thetas) - spec.prior.grad(c))).transpose(1, 0, 2)
+    if spec.oracle == "svrg":
+        h = h + anchor_grads
+    return h
+
+
 def minibatch(seed: int, round_: int, spec: ClientSpec, n_data: int) -> np.ndarray | None:
     if spec.oracle == "full":
         return None

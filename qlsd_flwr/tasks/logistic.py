@@ -65,6 +65,101 @@ class LogisticLocal:
         r[np.arange(len(y)), y] -= 1.0
         return (Xa.T @ r).ravel()
 
+    def grad_sum_batch(self, thetas: np.ndarray, idx: np.ndarray | None = None) -> np.ndarray:
+        """:meth:`grad_sum` of many parameter vectors at once: ``thetas`` ``(C, d)``, ``idx``
+        ``(C, n)`` (row ``c``: the minibatch of ``thetas[c]``) or ``None`` (all data) → ``(C, d)``.
+
+        Row ``c`` equals ``grad_sum(thetas[c], idx[c])`` **bit for bit**, because it runs the
+        same floating-point operations on the same numbers:
+
+        * the two products are ``np.matmul`` over a stack of ``C`` matrices, and numpy's matmul
+          loop makes, for each matrix of the stack, the very BLAS call the one-row ``@`` makes
+          (``dgemm``, or ``dgemv`` / its own loop when a size is 1): the same sizes ``(n, p+1, K)``
+          and ``(p+1, n, K)``, transposition flags and leading dimensions, which numpy derives from
+          the inner two strides, the same here (C-contiguous ``Xa[idx]`` rows, its transpose, a
+          C-contiguous ``(p+1, K)`` view of ``θ``, a fresh C-contiguous output). No BLAS call of
+          another shape is made, so nothing depends on which kernel BLAS picks for a shape.
+          (An ``einsum``, or one ``(C·n, p+1) @ (p+1, K)`` product for the full-data case, would
+          call BLAS with other shapes and may sum in another order; it is not used.)
+        * the softmax is :func:`_softmax` itself on the ``(C·n, K)`` logits: a row maximum, a
+          subtraction, ``exp`` and a row sum over the same contiguous rows of ``K`` numbers
+          (elementwise operations and per-row reductions do not depend on the other rows);
+          subtracting 1 at the labels is exact bookkeeping of the same kind.
+
+        ``tests/test_batched_oracles.py`` checks the equality on many random cases.
+        """
+        th = np.asarray(thetas, dtype=np.float64)
+        if th.ndim != 2 or th.shape[1] != self.dim:
+            raise ValueError(f"thetas must have shape (C, {self.dim}), got {th.shape}")
+        C, p1, K = th.shape[0], self.n_features + 1, self.n_classes
+        if th.strides[1] != th.itemsize:  # the (p+1, K) views must be C-contiguous, as in _W
+            th = np.ascontiguousarray(th)
+        W = th.reshape(C, p1, K)
+        if idx is None:
+            Xa, y = self.Xa, np.tile(self.y, C)  # (N, p+1) broadcast against the stack
+            XaT = self.Xa.T
+        else:
+            idx = np.asarray(idx, dtype=np.int64)
+            if idx.ndim != 2 or idx.shape[0] != C:
+                raise ValueError(f"idx must have shape ({C}, n), got {idx.shape}")
+            Xa, y = self.Xa[idx], self.y[idx].ravel()  # (C, n, p+1) C-contiguous
+            XaT = Xa.transpose(0, 2, 1)
+        z = np.matmul(Xa, W)  # (C, n, K)
+        n = z.shape[1]
+        r = _softmax(z.reshape(C * n, K))
+        r[np.arange(C * n), y] -= 1.0
+        return np.matmul(XaT, r.reshape(C, n, K)).reshape(C, p1 * K)
+
+    @staticmethod
+    def grad_sum_clients(pots, thetas: np.ndarray, idxs) -> np.ndarray:
+        """:meth:`grad_sum` for several clients of one model at once: ``pots`` ``G`` potentials
+        (the same ``p`` and ``K``), ``thetas`` ``(A, C, d)`` (``A`` sets of ``C`` parameter
+        vectors, e.g. ``θ`` and the anchor ``ζ``), ``idxs`` one entry per client, ``(C, n_g)``
+        index arrays (any ``n_g``) or ``None`` (all its data) → ``(G, A, C, d)`` whose
+        ``[g, a, c]`` equals ``pots[g].grad_sum(thetas[a, c], idxs[g][c])`` bit for bit.
+
+        The argument of :meth:`grad_sum_batch` holds: each client's two products are stacked
+        ``np.matmul`` calls whose every matrix is one BLAS call of the one-row shapes and strides
+        (``(n_g, p+1) @ (p+1, K)`` and ``(p+1, n_g) @ (n_g, K)``; the rows gathered once into
+        C-contiguous ``(n_g, p+1)`` blocks shared by the ``A`` sets through a zero stride, the
+        products written into C-contiguous blocks). The softmax is :func:`_softmax` once on all
+        clients' rows of logits together: its operations are per row, so a row's result does
+        not depend on which rows sit beside it.
+        """
+        G = len(pots)
+        th = np.asarray(thetas, dtype=np.float64)
+        A, C, d = th.shape
+        p1, K = pots[0].n_features + 1, pots[0].n_classes
+        if any(pt.n_features + 1 != p1 or pt.n_classes != K for pt in pots) or d != p1 * K:
+            raise ValueError("grad_sum_clients: the potentials must share one model of dimension d")
+        if th.strides[2] != th.itemsize:
+            th = np.ascontiguousarray(th)
+        W = th.reshape(A, C, p1, K)
+        Xs, ys, ns = [], [], []
+        for g, (pt, ix) in enumerate(zip(pots, idxs)):
+            if ix is None:
+                Xs.append(pt.Xa)  # (N, p+1), shared by every chain through a zero stride
+                ys.append(np.broadcast_to(pt.y, (A, C, pt.n_data)))
+                ns.append(pt.n_data)
+                continue
+            ix = np.asarray(ix, dtype=np.int64)
+            if ix.ndim != 2 or ix.shape[0] != C:
+                raise ValueError(f"idxs[{g}] must have shape ({C}, n), got {ix.shape}")
+            Xs.append(pt.Xa[ix])  # (C, n, p+1) C-contiguous
+            ys.append(np.broadcast_to(pt.y[ix], (A, C, ix.shape[1])))
+            ns.append(ix.shape[1])
+        ends = np.cumsum([A * C * n for n in ns])
+        z = np.empty((int(ends[-1]) if G else 0, K))
+        for g, (Xa, n) in enumerate(zip(Xs, ns)):
+            np.matmul(Xa, W, out=z[ends[g] - A * C * n:ends[g]].reshape(A, C, n, K))
+        r = _softmax(z)
+        r[np.arange(r.shape[0]), np.concatenate([y.ravel() for y in ys])] -= 1.0
+        out = np.empty((G, A, C, d))
+        for g, (Xa, n) in enumerate(zip(Xs, ns)):
+            np.matmul(Xa.swapaxes(-1, -2), r[ends[g] - A * C * n:ends[g]].reshape(A, C, n, K),
+                      out=out[g].reshape(A, C, p1, K))
+        return out
+
     def values(self, theta: np.ndarray, idx: np.ndarray | None = None) -> np.ndarray:
         """The per-example ``U_ij(θ)`` (negative log-likelihoods)."""
         Xa, y = self._rows(idx)

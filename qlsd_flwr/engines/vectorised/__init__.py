@@ -40,7 +40,10 @@ Two backends
   :class:`~qlsd_flwr.core.potential.LocalPotential`. Randomness, quantisation, code lengths and
   the server step are vectorised over chains and clients with the very functions the other
   engines call (``rng``, ``participation``, ``QSGD.quantise_batch``...); the gradient oracle
-  calls :func:`qlsd_flwr.core.oracles.oracle` once per (chain, active client).
+  is :func:`qlsd_flwr.core.oracles.oracle_batch_clients` over chains and clients when the
+  potential has batched methods (the logistic task: bit for bit the per-client oracle, see
+  ``LogisticLocal.grad_sum_batch``), :func:`qlsd_flwr.core.oracles.oracle` once per (chain,
+  active client) otherwise (``NumpyGeneric(batched=False)`` keeps that path for any task).
 
 ``backend = "auto"`` picks ``numba`` when it applies.
 

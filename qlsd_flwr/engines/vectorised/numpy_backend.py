@@ -1,42 +1,191 @@
 """The numpy backend: any task, its chains vectorised over chains and clients.
 
-Randomness, quantisation, code lengths and the server step are the very functions the other
-engines call, over a leading chain axis (:mod:`qlsd_flwr.core.rng`,
-:mod:`qlsd_flwr.core.participation`, ``QSGD.quantise_batch``,
-:func:`qlsd_flwr.core.server_step.server_step`); the gradient oracle calls
-:func:`qlsd_flwr.core.oracles.oracle` once per (chain, active client).
+The random streams, quantisation, code lengths and the server step are those every engine uses:
+:mod:`qlsd_flwr.core.rng` (through the compiled twins the numba kernel calls, tested bit for bit
+against the numpy functions), the compiled QSGD twins (``quantise_block_nb``, ``elias_bits_float``:
+what the one-vector ``QSGD.quantise`` of every other engine runs; the numpy reference for
+compressors they do not cover) and :func:`qlsd_flwr.core.server_step.server_step`, over a leading
+chain axis.
+
+Two paths compute a round. Their chains, counts and statistics are bit for bit the same
+(``tests/test_batched_oracles.py`` runs both; ``tests/test_vectorised.py`` compares the default
+one with the reference loop):
+
+* ``batched`` (the default, :attr:`NumpyGeneric.BATCHED`): the oracles of a group of clients
+  active in every chain in one call of :func:`~qlsd_flwr.core.oracles.oracle_batch_clients`
+  (groups of consecutive clients, at most ~2^15 numbers per chains × clients × d array), the
+  others one call of :func:`~qlsd_flwr.core.oracles.oracle_batch` per client for its active
+  chains: batched array operations when the potential has ``grad_sum_clients`` /
+  ``grad_sum_batch``, as the logistic task does, bitwise equal to its ``grad_sum`` row by row;
+  row by row otherwise. A round's draws (participation, every client's minibatch and dither)
+  come from one compiled call, for the active (chain, client) pairs only; quantisation and exact
+  code lengths from another.
+* ``batched=False``: the former per-client path, kept as the reference: one
+  :func:`~qlsd_flwr.core.oracles.oracle` call per (chain, active client); streams, quantisation
+  and code lengths client after client through the numpy functions.
 """
 
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
-from qlsd_flwr.compression.format import HEADER_BYTES
+from qlsd_flwr.compression.codec import elias_bits_float
+from qlsd_flwr.compression.format import HEADER_BYTES, Encoding, QuantiseError
 from qlsd_flwr.compression.qsgd import QSGD
+from qlsd_flwr.compression.qsgd_nb import quantise_block_nb
 from qlsd_flwr.core import participation, rng
 from qlsd_flwr.core import server_step as sampler
-from qlsd_flwr.core.oracles import ClientState, full_local_grad, oracle
+from qlsd_flwr.core.oracles import (
+    ClientState,
+    batched_clients,
+    full_local_grad,
+    full_local_grad_batch,
+    oracle,
+    oracle_batch,
+    oracle_batch_clients,
+)
 from qlsd_flwr.engines.vectorised.results import chain_seeds, keeps
 from qlsd_flwr.protocol import build
 
+_PACKED, _ELIAS = int(Encoding.PACKED), int(Encoding.ELIAS)
+
+
+@njit(cache=True)
+def _qsgd_rows(H, U, active, clients, s, packed, enc, g_hat, bits):
+    """QSGD of every active (chain, client) row of ``H`` ``(C, b, d)`` with dither ``U``: ``ĝ`` into
+    ``g_hat`` and the exact code length into ``bits`` (rows left untouched where inactive). The
+    functions are the compiled twins the one-vector ``QSGD.quantise`` and the numba kernel call
+    (bitwise equal to ``QSGD.quantise_batch`` / ``dequantise_batch`` / ``code_length_bits_batch``,
+    tested in ``tests/test_vectorised.py``). Returns the :class:`QuantiseError` value of the first
+    row that cannot be quantised (0: every row was)."""
+    d = H.shape[2]
+    lev = np.empty(d)
+    nzpos = np.empty(d, np.int64)
+    n32 = np.empty(1, np.float32)
+    for c in range(H.shape[0]):
+        for t in range(clients.shape[0]):
+            i = clients[t]
+            if not active[c, i]:
+                continue
+            e = quantise_block_nb(H[c, i], U[c, i], s[t], lev, g_hat[c, i], n32)
+            if e != 0:
+                return e
+            bb = packed[t]
+            if enc[t] != _PACKED:  # QSGD's sparse code, or the shorter of the two (auto)
+                eb = elias_bits_float(lev, nzpos)
+                bb = eb if enc[t] == _ELIAS else min(eb, bb)
+            bits[c, i] = bb
+    return 0
+
+
+_PARTICIPATION = np.uint64(int(rng.Stream.PARTICIPATION))
+_MINIBATCH = np.uint64(int(rng.Stream.MINIBATCH))
+_DITHER = np.uint64(int(rng.Stream.DITHER))
+
+
+@njit(cache=True)
+def _draw_round(seeds, k, p, sub, Ns, ns, dithered, active, sel, ties, U):
+    """The round's random draws for every chain, from the compiled twins of :mod:`qlsd_flwr.core.rng`
+    the numba kernel uses (tested bit for bit against the numpy functions in ``tests/test_vectorised.py``):
+
+    * ``active[c, i]``: ``u < p_i`` with ``u`` the first uniform of ``(seed_c, PARTICIPATION, k, i)``,
+      as :func:`qlsd_flwr.core.participation.active_mask`; not drawn where ``p_i ≥ 1`` (``u < 1``);
+    * ``sel[t, c, :n]``: for the active chains of client ``sub[t]``, its minibatch, the
+      ``n = ns[t]``-subset of ``[0, Ns[t])`` of :func:`qlsd_flwr.core.rng.subset` (ascending), with
+      ``ties[t, c] = 1`` where two keys tie at the ``n``-th place (the caller then draws that
+      client's subsets with ``rng.subset`` itself);
+    * ``U[c, i]``: for active ``(c, i)`` with ``dithered[i]``, the QSGD dither, the first ``d``
+      uniforms of ``(seed_c, DITHER, k, i)``.
+
+    Nothing is drawn for inactive (chain, client) pairs: those numbers are never used."""
+    C, b, d = U.shape
+    nmax = max(1, Ns.max()) if Ns.shape[0] else 1
+    keys = np.empty(nmax, np.int64)
+    cand_i = np.empty(nmax, np.int64)
+    cand_k = np.empty(nmax, np.int64)
+    amb = np.empty(nmax, np.int64)
+    row = np.empty(nmax, np.int64)
+    ulo = np.empty(d, np.int64)
+    for c in range(C):
+        ksp = rng.key_seed_nb(seeds[c], _PARTICIPATION)
+        for i in range(b):
+            active[c, i] = True if p[i] >= 1.0 else rng.unif_nb(rng.key_rc_nb(ksp, k, i), 1) < p[i]
+        ksm = rng.key_seed_nb(seeds[c], _MINIBATCH)
+        for t in range(sub.shape[0]):
+            i = sub[t]
+            if active[c, i]:
+                ties[t, c] = rng.subset_nb(rng.key_rc_nb(ksm, k, i), Ns[t], ns[t], keys, cand_i, cand_k, amb, row)
+                for j in range(ns[t]):
+                    sel[t, c, j] = row[j]
+        ksd = rng.key_seed_nb(seeds[c], _DITHER)
+        for i in range(b):
+            if dithered[i] and active[c, i]:
+                rng.dither_nb(rng.key_rc_nb(ksd, k, i), d, U[c, i], ulo)
+
 
 class NumpyGeneric:
-    """Any task: vectorised over chains and clients, oracle calls per (chain, active client)."""
+    """Any task: vectorised over chains and clients (see the module docstring for the two paths)."""
 
-    def __init__(self, cfg, task, specs, spec, theta_star, ts_info, stats):
+    #: default of the ``batched`` argument (tests and benchmarks may switch it)
+    BATCHED = True
+
+    def __init__(self, cfg, task, specs, spec, theta_star, ts_info, stats, batched: bool | None = None):
         self.cfg, self.task, self.specs, self.spec = cfg, task, specs, spec
         self.stats = stats
         self.seeds = chain_seeds(cfg)
         nc, d, b = cfg.num_chains, task.dim, cfg.b
         self.d, self.b = d, b
         self.st = sampler.init_state(spec, np.tile(build.theta0_of(task), (nc, 1)))
-        # per (chain, client) client state: anchor cache (ζ or θ*) and memory η_i
-        self.states = [[ClientState() for _ in range(b)] for _ in range(nc)]
-        if cfg.oracle == "star":
-            for row in self.states:
-                for st in row:
-                    st.anchor = np.array(theta_star, dtype=np.float64, copy=True)
         self.bound = np.array([s.compressor.bound_bits(d) for s in specs])
+        self.batched = self.BATCHED if batched is None else bool(batched)
+        if not self.batched:
+            # per (chain, client) client state: anchor cache (ζ or θ*) and memory η_i
+            self.states = [[ClientState() for _ in range(b)] for _ in range(nc)]
+            if cfg.oracle == "star":
+                for row in self.states:
+                    for st in row:
+                        st.anchor = np.array(theta_star, dtype=np.float64, copy=True)
+            return
+        # the batched path keeps the clients' state as arrays over (chain, client)
+        self.theta_star = None if theta_star is None else np.array(theta_star, dtype=np.float64, copy=True)
+        self.anchor_grad = np.zeros((nc, b, d)) if cfg.oracle == "svrg" else None  # ∇U_i(ζ_c)
+        # minibatches: clients drawing an n_i-subset of N_i > n_i points; the others take all
+        self.seeds_u64 = np.asarray(self.seeds).astype(np.uint64)
+        self.n_data = np.array([task.clients[i].n_data for i in range(b)], dtype=np.int64)
+        self.n_batch = np.array([s.batch_size for s in specs], dtype=np.int64)
+        self.sub = np.array([i for i in range(b) if specs[i].oracle != "full"
+                             and self.n_batch[i] < self.n_data[i]], dtype=np.int64)
+        self.all_rows = [None if specs[i].oracle == "full" or i in self.sub else
+                         np.broadcast_to(np.arange(self.n_data[i], dtype=np.int64), (nc, self.n_data[i]))
+                         for i in range(b)]
+        # clients whose oracles are computed together (grad_sum_clients): consecutive runs of at
+        # most ~2^15 numbers per (chains × clients × d) array; larger groups spill the L2 cache
+        # and ran slower than client by client (measured on the digits task, d = 650)
+        cap = max(2, (1 << 15) // max(1, nc * d))
+        self.ogroups = [np.arange(j, min(j + cap, b)) for j in range(0, b, cap) if min(j + cap, b) - j > 1]
+        self.ogroups = [m for m in self.ogroups
+                        if batched_clients([specs[i] for i in m], [task.clients[i] for i in m])]
+        # compressors: QSGD with one norm per vector runs compiled; any other one by the numpy
+        # reference, one call per group of clients with the same compressor
+        comps = [s.compressor for s in specs]
+        fast = [i for i, c in enumerate(comps) if isinstance(c, QSGD) and c._blocks(d) == (d,)]
+        self.fast = np.array(fast, dtype=np.int64)
+        self.fast_s = np.array([comps[i].s for i in fast], dtype=np.int64)
+        self.fast_packed = np.array([comps[i]._packed_bits(d) for i in fast], dtype=np.int64)
+        self.fast_enc = np.array([int(Encoding.of(comps[i].encoding)) for i in fast], dtype=np.int64)
+        self.groups: list[tuple[object, np.ndarray]] = []
+        for i, c in enumerate(comps):
+            if i in fast:
+                continue
+            for g, (c2, members) in enumerate(self.groups):
+                if c2 == c:
+                    self.groups[g] = (c2, np.append(members, i))
+                    break
+            else:
+                self.groups.append((c, np.array([i], dtype=np.int64)))
+        self.qsgd = np.array([isinstance(c, QSGD) for c in comps])
+        self.p = np.asarray(cfg.p, dtype=np.float64)
 
     @property
     def theta(self) -> np.ndarray:
@@ -84,7 +233,8 @@ class NumpyGeneric:
         if st.zeta is not None:
             a["zeta"] = st.zeta
             if self.cfg.oracle == "svrg":
-                a["anchor_grad"] = np.array([[cs.anchor_grad for cs in row] for row in self.states])
+                a["anchor_grad"] = (self.anchor_grad.copy() if self.batched else
+                                    np.array([[cs.anchor_grad for cs in row] for row in self.states]))
         if st.eta_i is not None:
             a["eta_i"], a["eta"] = st.eta_i, st.eta
         return a
@@ -95,14 +245,135 @@ class NumpyGeneric:
         if "zeta" in a:
             st.zeta = a["zeta"].copy()
             if "anchor_grad" in a:
-                for c, row in enumerate(self.states):
-                    for i, cs in enumerate(row):
-                        cs.anchor = st.zeta[c].copy()
-                        cs.anchor_grad = a["anchor_grad"][c, i].copy()
+                if self.batched:
+                    self.anchor_grad = np.array(a["anchor_grad"], dtype=np.float64, copy=True)
+                else:
+                    for c, row in enumerate(self.states):
+                        for i, cs in enumerate(row):
+                            cs.anchor = st.zeta[c].copy()
+                            cs.anchor_grad = a["anchor_grad"][c, i].copy()
         if "eta_i" in a:
             st.eta_i, st.eta = a["eta_i"].copy(), a["eta"].copy()
 
     def _round(self, k: int, r: int, out: dict) -> None:
+        if self.batched:
+            self._round_batched(k, r, out)
+        else:
+            self._round_per_client(k, r, out)
+
+    def _draw(self, k: int):
+        """Round ``k``'s participation ``(C, b)``, every client's minibatches (``(C, n_i)`` int64
+        indices, or ``None`` for the full oracle) and the dither ``(C, b, d)`` (zeros where not
+        drawn), by :func:`_draw_round`. Equal to what :func:`participation.active_mask`,
+        :func:`rng.subset` and :func:`rng.uniform` give (rows of inactive pairs aside)."""
+        nc, b, d, sub = len(self.seeds), self.b, self.d, self.sub
+        ns = self.n_batch[sub]
+        active = np.empty((nc, b), dtype=np.bool_)
+        sel = np.zeros((sub.size, nc, max(1, int(ns.max()) if sub.size else 1)), dtype=np.int64)
+        ties = np.zeros((sub.size, nc), dtype=np.int64)
+        U = np.zeros((nc, b, d))
+        _draw_round(self.seeds_u64, k, self.p, sub, self.n_data[sub], ns, self.qsgd, active, sel, ties, U)
+        idxs = list(self.all_rows)
+        for t, i in enumerate(sub):
+            if ties[t].any():  # a tie at the n_i-th key (chance ~N_i·2^-53): the reference draw
+                idxs[i] = rng.subset(self.seeds, rng.Stream.MINIBATCH, k, int(i), int(self.n_data[i]), int(ns[t]))
+            else:
+                idxs[i] = sel[t, :, :ns[t]]
+        return active, idxs, U
+
+    def _round_batched(self, k: int, r: int, out: dict) -> None:
+        cfg, spec, task, d, b, st = self.cfg, self.spec, self.task, self.d, self.b, self.st
+        seeds = self.seeds
+        nc = len(seeds)
+        st.k = k
+        if sampler.refresh_anchor(spec, st):  # ζ_k = θ_k, and ∇U_i(ζ) for every client
+            for i in range(b):
+                self.anchor_grad[:, i] = full_local_grad_batch(self.specs[i], task.clients[i], st.zeta)
+        active, idxs, u = self._draw(k)  # (C, b), b × (C, n_i) or None, (C, b, d)
+        on = active.any(axis=0)
+        h = np.zeros((nc, b, d))
+        ag = self.anchor_grad
+        done = ~on
+        anchor = st.zeta if cfg.oracle == "svrg" else self.theta_star
+        for m in self.ogroups:  # a group of clients active in every chain: together
+            if active[:, m].all():
+                h[:, m] = oracle_batch_clients([self.specs[i] for i in m], [task.clients[i] for i in m],
+                                               st.theta, [idxs[i] for i in m], anchor,
+                                               None if ag is None else ag[:, m])
+                done[m] = True
+        for i in np.flatnonzero(~done):
+            si, pot, act = self.specs[i], task.clients[i], active[:, i]
+            rows = slice(None) if act.all() else np.flatnonzero(act)
+            idx = idxs[i]
+            h[rows, i] = oracle_batch(si, pot, st.theta[rows], None if idx is None else idx[rows],
+                                      st.zeta[rows] if si.oracle == "svrg" else self.theta_star,
+                                      None if ag is None else ag[rows, i])
+        if cfg.memory:
+            h = np.where(active[:, :, None], h - st.eta_i, 0.0)  # send C(H_i − η_i)
+        g_hat = np.zeros((nc, b, d))
+        bits = np.zeros((nc, b), dtype=np.int64)
+        err = 0
+        if self.fast.size:
+            err = _qsgd_rows(h, u, active, self.fast, self.fast_s, self.fast_packed, self.fast_enc, g_hat, bits)
+        if err:  # the per-client path raises the error it would have raised, for the same client
+            self._quantise_per_client(h, u, active)
+            raise ValueError(QuantiseError(err).message)
+        for comp, members in self.groups:
+            mm = members[on[members]]
+            if not mm.size:
+                continue
+            hq = np.where(active[:, mm, None], h[:, mm], 0.0)  # inactive rows: zeros, never used
+            try:
+                if isinstance(comp, QSGD):
+                    norms, levels = comp.quantise_batch(hq, u[:, mm])
+                    g_hat[:, mm] = comp.dequantise_batch(norms, levels)
+                    bits[:, mm] = comp.code_length_bits_batch(levels)
+                else:
+                    g_hat[:, mm] = comp.quantise_batch(hq)
+                    bits[:, mm] = comp.code_length_bits_batch(g_hat[:, mm])
+            except ValueError:
+                self._quantise_per_client(h, u, active)
+                raise
+        nbytes = np.where(self.qsgd, HEADER_BYTES + (bits + 7) // 8, bits // 8)
+        out["n_active"][:, r] = active.sum(axis=1)
+        out["bits_exact"][:, r] = np.where(active, bits, 0).sum(axis=1)
+        # the bound is a float: added in client order, as the per-client path does (cumsum is sequential)
+        out["bits_bound"][:, r] = np.cumsum(np.where(active, self.bound, 0.0), axis=1)[:, -1]
+        out["bytes"][:, r] = np.where(active, nbytes, 0).sum(axis=1)
+        self._finish_round(k, r, out, g_hat, active)
+
+    def _quantise_per_client(self, h, u, active) -> None:
+        """Quantise client after client as the per-client path does (raises its first error)."""
+        for i in range(self.b):
+            act = active[:, i]
+            if not act.any():
+                continue
+            comp, hq = self.specs[i].compressor, np.where(act[:, None], h[:, i], 0.0)
+            if isinstance(comp, QSGD):
+                comp.quantise_batch(hq, u[:, i])
+            else:
+                comp.quantise_batch(hq)
+
+    def _finish_round(self, k, r, out, g_hat, active) -> None:
+        cfg, spec, st = self.cfg, self.spec, self.st
+        # every active client's reply is valid here: the replies are the active set
+        out["skipped"][:, r] = sampler.server_step(spec, st, self.seeds, g_hat, active)
+        s = self.stats
+        if keeps(np.asarray(k + 1), cfg.burn_in, cfg.thin):
+            th = st.theta
+            f = np.sqrt(np.sum(th * th, axis=1))
+            s.n_kept += 1
+            s.sum_theta += th
+            s.sum_theta2 += th * th
+            s.sum_f += f
+            s.sum_f2 += f * f
+        s.n_active += out["n_active"][:, r]
+        s.skipped += out["skipped"][:, r]
+        s.bits_exact += out["bits_exact"][:, r]
+        s.bits_bound += out["bits_bound"][:, r]
+        s.bytes_payload += out["bytes"][:, r]
+
+    def _round_per_client(self, k: int, r: int, out: dict) -> None:
         cfg, spec, task, d, b, st = self.cfg, self.spec, self.task, self.d, self.b, self.st
         seeds = self.seeds
         nc = len(seeds)
@@ -147,22 +418,7 @@ class NumpyGeneric:
             out["bits_exact"][act, r] += bits[act]
             out["bits_bound"][act, r] += self.bound[i]
             out["bytes"][act, r] += nbytes[act]
-        # every active client's reply is valid here: the replies are the active set
-        out["skipped"][:, r] = sampler.server_step(spec, st, seeds, g_hat, active)
-        s = self.stats
-        if keeps(np.asarray(k + 1), cfg.burn_in, cfg.thin):
-            th = st.theta
-            f = np.sqrt(np.sum(th * th, axis=1))
-            s.n_kept += 1
-            s.sum_theta += th
-            s.sum_theta2 += th * th
-            s.sum_f += f
-            s.sum_f2 += f * f
-        s.n_active += out["n_active"][:, r]
-        s.skipped += out["skipped"][:, r]
-        s.bits_exact += out["bits_exact"][:, r]
-        s.bits_bound += out["bits_bound"][:, r]
-        s.bytes_payload += out["bytes"][:, r]
+        self._finish_round(k, r, out, g_hat, active)
 
 
 class Sequential:
