@@ -147,14 +147,18 @@ def bare_torch(rounds: int) -> float:
 def lenet(rounds: int, engines=("local", "inprocess", "ray")) -> dict:
     from qlsd_flwr.run import simulate
 
-    out: dict = {"rounds": rounds, "bare_torch_s_per_round": bare_torch(rounds)}
+    first = bare_torch(rounds)  # before and after the engines: a change of the machine's load shows
+    out: dict = {"rounds": rounds}
     for eng in engines:
         res = simulate.run({**LENET, "engine": eng, "num-rounds": rounds})
         out[f"{eng}_s_per_round"] = statistics.fmean(_round_seconds(res.run_dir))
+    last = bare_torch(rounds)
+    out.update({"bare_torch_s_per_round": (first + last) / 2, "bare_torch_first_last": [first, last]})
+    for eng in engines:
         out[f"{eng}_ratio"] = out[f"{eng}_s_per_round"] / out["bare_torch_s_per_round"]
     from qlsd_flwr.tasks.threads import cores
 
-    out["threads"] = {"cores": cores(), "local/inprocess": "cores", "ray actor": "floor(client-cpus) = 1"}
+    out["threads"] = {"cores": cores(), "local/inprocess": "cores - 1 (at least 1)", "ray actor": "floor(client-cpus) = 1"}
     return out
 
 

@@ -159,7 +159,8 @@ KEYS: tuple[Key, ...] = (
     Key("client-cpus", 0.5, "float", "CPUs per virtual client on the Ray engine", "", lo=0, open_lo=True, cap=1024,
         group=RUN),
     Key("torch-threads", "auto", "float|word", "torch's threads in each process that computes gradients (auto: "
-        "⌊client-cpus⌋, at least 1, in a Ray actor or a SuperNode; the process's cores on the other engines)", "",
+        "⌊client-cpus⌋, at least 1, in a Ray actor or a SuperNode; the process's cores less one, at least 1, on the "
+        "other engines)", "",
         lo=1, cap=1024, words=("auto",), group=RUN),
     Key("reply-timeout", 600.0, "float", "seconds to wait for replies and for nodes", "", lo=0, open_lo=True,
         cap=10**7, group=RUN),

@@ -175,14 +175,15 @@ def test_a_written_inprocess_run_of_three_chains_has_them_in_its_samples(tmp_pat
 
 
 def test_torch_threads_are_set_by_the_rule_of_each_engine():
-    """``torch-threads = auto``: ⌊client-cpus⌋ (at least 1) in a Ray actor, the process's cores in
-    one-process engines and in the ServerApp's process; a number everywhere; a bad value by name."""
+    """``torch-threads = auto``: ⌊client-cpus⌋ (at least 1) in a Ray actor, one less than the
+    process's cores (at least 1) in one-process engines and in the ServerApp's process; a number
+    everywhere; a bad value by name."""
     from qlsd_flwr.tasks.threads import apply_torch_threads, cores, torch_threads
 
     assert torch_threads({"engine": "ray", "client-cpus": 0.5}) == 1
     assert torch_threads({"engine": "ray", "client-cpus": 2.5}) == 2
-    assert torch_threads({"engine": "ray", "client-cpus": 0.5}, client=False) == cores()
-    assert torch_threads({"engine": "inprocess"}) == torch_threads({"engine": "vectorised"}) == cores()
+    assert torch_threads({"engine": "ray", "client-cpus": 0.5}, client=False) == max(1, cores() - 1)
+    assert torch_threads({"engine": "inprocess"}) == torch_threads({"engine": "vectorised"}) == max(1, cores() - 1)
     assert torch_threads({"engine": "ray", "torch-threads": 3}) == 3
     with pytest.raises(ConfigError, match="torch-threads"):
         torch_threads({"torch-threads": "many"})
