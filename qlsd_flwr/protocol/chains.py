@@ -32,11 +32,11 @@ import time
 
 import numpy as np
 
-from qlsd_flwr.config import ConfigError, RunConfig
+from qlsd_flwr.config import RunConfig
 from qlsd_flwr.core.potential import Task
 from qlsd_flwr.protocol import build
 from qlsd_flwr.protocol.divergence import DivergenceError, divergence_message
-from qlsd_flwr.protocol.server import QLSDServer, summary_extra
+from qlsd_flwr.protocol.server import QLSDServer, resume_snapshot, summary_extra
 from qlsd_flwr.protocol.wire import ReplyError, bundle_request, unbundle_reply
 
 log = logging.getLogger("qlsd_flwr")
@@ -123,10 +123,7 @@ class ChainSet:
     def begin(self, theta_star: np.ndarray | None, ts_info: dict | None = None,
               theta0: np.ndarray | None = None) -> None:
         """Every chain at ``θ_0``, or where the observer's checkpoint left them."""
-        if self.observer is None and str(self.cfg.get("resume") or ""):
-            raise ConfigError("resume: continuing a run needs its run folder (the checkpoint is read "
-                              "and the outputs appended to); run with write=True")
-        snap = self.observer.resume_snapshot() if self.observer is not None else None
+        snap = resume_snapshot(self.cfg, self.observer)
         if snap is not None:
             self.restore(*snap)
         else:

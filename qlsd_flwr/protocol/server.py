@@ -82,10 +82,7 @@ class QLSDServer:
               theta0: np.ndarray | None = None) -> None:
         """Start the chain at ``θ_0`` (the task's unless given), or where the observer's checkpoint
         left it (``theta_star`` and ``ts_info`` are then the checkpoint's)."""
-        if self.observer is None and str(self.cfg.get("resume") or ""):
-            raise ConfigError("resume: continuing a run needs its run folder (the checkpoint is read "
-                              "and the outputs appended to); run with write=True")
-        snap = self.observer.resume_snapshot() if self.observer is not None else None
+        snap = resume_snapshot(self.cfg, self.observer)
         if snap is not None:
             self.restore(*snap)
         else:
@@ -341,6 +338,15 @@ class QLSDServer:
 
     def _count(self, why: str) -> None:
         self.rejected[why] = self.rejected.get(why, 0) + 1
+
+
+def resume_snapshot(cfg: RunConfig, observer) -> tuple[dict, dict] | None:
+    """With ``resume`` set, the observer's checkpoint ``(meta, arrays)`` to restore (a run that
+    writes nothing cannot resume: ``ConfigError``); ``None`` for a new run."""
+    if observer is None and str(cfg.get("resume") or ""):
+        raise ConfigError("resume: continuing a run needs its run folder (the checkpoint is read "
+                          "and the outputs appended to); run with write=True")
+    return observer.resume_snapshot() if observer is not None else None
 
 
 def summary_extra(cfg: RunConfig, task: Task, extra: dict) -> dict:
