@@ -180,7 +180,9 @@ class QLSDStrategy(Strategy):
     on_round : callable, optional
         ``on_round(strategy)``, called after each round (monitoring).
     **config
-        Any other run-config key (``checkpoint_every``, ``reply_timeout``, ``progress``,
+        Any other run-config key (``num_chains``: C chains in one run, chain ``c`` with seed
+        ``seed + c``, one message per client and round for all its chains, see
+        :mod:`qlsd_flwr.protocol.chains`; ``checkpoint_every``, ``reply_timeout``, ``progress``,
         ``verbose``, ``opt_rounds``, ``opt_tol``, ``compressor``, …; see ``qlsd-flwr config``),
         with ``_`` or ``-``. A bad value raises :class:`qlsd_flwr.config.ConfigError` naming it.
 
@@ -282,11 +284,13 @@ class QLSDStrategy(Strategy):
         msgs = []
         theta = Array(np.asarray(self.state.theta, dtype=np.float64))  # one per round, for every message
         C = self.cfg.num_chains
-        for i in self.server.begin_round():
+        active = self.server.begin_round()
+        resync = self.server.needs_resync  # once a round (a ChainSet combines its chains' flags)
+        for i in active:
             node = self.nodes.node_of[i]
             # the client's settings go with the first message to each client and after a resync
             # (a node that lost its state answers resync): a record less per message otherwise
-            first = i not in self._settings_sent or bool(self.server.needs_resync[i])
+            first = i not in self._settings_sent or bool(resync[i])
             fields = self.server.fields_for(i)
             # several chains: the round's shared (C, d) array when client i is active in every chain
             shared = theta if len(fields.get("chains", ())) in (0, C) else None

@@ -165,11 +165,14 @@ class ChainSet:
                 self._asked.setdefault(i, []).append(c)
         self._answered: set[int] = set()
         self._n_unattributed = 0
+        self._theta = self.state.theta  # (C, d), once a round: every message's θ rows come from it
         return sorted(self._asked)
 
     def fields_for(self, i: int) -> dict:
         """Client ``i``'s message: its active chains' fields in one (``wire.bundle_request``)."""
-        return bundle_request({c: self.chains[c].fields_for(i) for c in self._asked[i]})
+        asked = self._asked[i]
+        theta = self._theta if len(asked) == self.C else self._theta[asked]
+        return bundle_request({c: self.chains[c].fields_for(i) for c in asked}, theta)
 
     def accept(self, i: int | None, fields: dict | None, error: str | None = None, message_bytes: int = 0) -> None:
         """One client's reply: each chain it answers takes its part (validated on its own)."""

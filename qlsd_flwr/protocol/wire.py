@@ -103,12 +103,15 @@ def parse_fields(rec: dict | None, expected_client: int) -> dict:
 MAX_CHAIN = 2 ** 31  # a chain index is a non-negative int below this
 
 
-def bundle_request(per_chain: dict[int, dict]) -> dict:
-    """One message's fields from the per-chain fields of one client (see above)."""
+def bundle_request(per_chain: dict[int, dict], theta: np.ndarray | None = None) -> dict:
+    """One message's fields from the per-chain fields of one client (see above); ``theta``: the
+    chains' θ already stacked in chain order (the server stacks them once a round)."""
     chains = sorted(per_chain)
     first = per_chain[chains[0]]
+    if theta is None:
+        theta = np.stack([np.asarray(per_chain[c]["theta"], dtype=np.float64) for c in chains])
     out = {"phase": first["phase"], "round": first["round"], "client": first["client"], "chains": chains,
-           "theta": np.stack([np.asarray(per_chain[c]["theta"], dtype=np.float64) for c in chains]),
+           "theta": theta,
            "anchor_version": [int(per_chain[c]["anchor_version"]) for c in chains],
            "eta_count": [int(per_chain[c]["eta_count"]) for c in chains]}
     for name in ("anchor", "eta"):

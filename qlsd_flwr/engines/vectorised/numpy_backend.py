@@ -256,10 +256,12 @@ class NumpyGeneric:
             st.eta_i, st.eta = a["eta_i"].copy(), a["eta"].copy()
 
     def _round(self, k: int, r: int, out: dict) -> None:
+        self.st.k = k
+        refreshed = sampler.refresh_anchor(self.spec, self.st)  # ζ_k = θ_k every l rounds (QLSD++)
         if self.batched:
-            self._round_batched(k, r, out)
+            self._round_batched(k, r, out, refreshed)
         else:
-            self._round_per_client(k, r, out)
+            self._round_per_client(k, r, out, refreshed)
 
     def _draw(self, k: int):
         """Round ``k``'s participation ``(C, b)``, every client's minibatches (``(C, n_i)`` int64
@@ -281,12 +283,10 @@ class NumpyGeneric:
                 idxs[i] = sel[t, :, :ns[t]]
         return active, idxs, U
 
-    def _round_batched(self, k: int, r: int, out: dict) -> None:
-        cfg, spec, task, d, b, st = self.cfg, self.spec, self.task, self.d, self.b, self.st
-        seeds = self.seeds
-        nc = len(seeds)
-        st.k = k
-        if sampler.refresh_anchor(spec, st):  # ζ_k = θ_k, and ∇U_i(ζ) for every client
+    def _round_batched(self, k: int, r: int, out: dict, refreshed: bool) -> None:
+        cfg, task, d, b, st = self.cfg, self.task, self.d, self.b, self.st
+        nc = len(self.seeds)
+        if refreshed:  # ∇U_i(ζ) for every client at the new anchor
             for i in range(b):
                 self.anchor_grad[:, i] = full_local_grad_batch(self.specs[i], task.clients[i], st.zeta)
         active, idxs, u = self._draw(k)  # (C, b), b × (C, n_i) or None, (C, b, d)
@@ -373,12 +373,11 @@ class NumpyGeneric:
         s.bits_bound += out["bits_bound"][:, r]
         s.bytes_payload += out["bytes"][:, r]
 
-    def _round_per_client(self, k: int, r: int, out: dict) -> None:
-        cfg, spec, task, d, b, st = self.cfg, self.spec, self.task, self.d, self.b, self.st
+    def _round_per_client(self, k: int, r: int, out: dict, refreshed: bool) -> None:
+        cfg, task, d, b, st = self.cfg, self.task, self.d, self.b, self.st
         seeds = self.seeds
         nc = len(seeds)
-        st.k = k
-        if sampler.refresh_anchor(spec, st):  # ζ_k = θ_k, and ∇U_i(ζ) for every client
+        if refreshed:  # every (chain, client)'s cache of the new anchor and ∇U_i(ζ)
             for c in range(nc):
                 for i in range(b):
                     cs = self.states[c][i]
