@@ -194,3 +194,79 @@ def test_torch_threads_are_set_by_the_rule_of_each_engine():
         assert apply_torch_threads({"torch-threads": 1}) == 1 and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_diverging_chain_stops_the_run_naming_it_and_every_chain_keeps_its_draws(tmp_path):
+    from qlsd_flwr.protocol.divergence import DivergenceError
+
+    o = {**BASE, "engine": "inprocess", "num-chains": 3, "gamma": 5.0, "burn-in": 0, "num-rounds": 40,
+         "output-dir": str(tmp_path), "run-name": "away"}
+    with pytest.raises(DivergenceError, match=r"in chain \d \(seed \d\)") as err:
+        simulate.run(o)
+    summary = __import__("json").loads((tmp_path / "away" / "summary.json").read_text())
+    r = summary["diverged_at_round"]
+    assert f"round {r} in chain {summary['diverged_chain']}" in str(err.value)
+    draws = load_samples(tmp_path / "away")
+    assert draws.shape == (3, r - 1, 6) and np.all(np.isfinite(draws))
+
+
+def _stopped_three_chain_run(tmp_path):
+    """A 3-chain run with checkpoints, its summary marked as stopped (so it may resume)."""
+    import json
+
+    o = {**BASE, "engine": "inprocess", "variant": "qlsd-pp", "num-chains": 3, "num-rounds": 20,
+         "checkpoint-every": 10, "output-dir": str(tmp_path), "run-name": "ck"}
+    simulate.run(o)
+    run_dir = tmp_path / "ck"
+    (run_dir / "summary.json").write_text(json.dumps({"stopped": "KeyboardInterrupt"}))
+    return o, run_dir
+
+
+@pytest.mark.parametrize("tamper, words", [
+    (lambda m, a: a.pop("c1.eta_i"), "array 'c1.eta_i' is missing"),
+    (lambda m, a: m["chain_meta"][2].update(k=3), r"chain_meta\[2\].k = 3"),
+    (lambda m, a: m.update(rejected="x"), "'ts_info' and 'rejected' must be tables"),
+    (lambda m, a: m.update(chains=1), "chains must be an integer >= 2"),
+    (lambda m, a: a.update({"c0.theta": np.zeros((2, 6))}), "chain 0: array 'theta' must be one vector"),
+])
+def test_a_damaged_several_chain_checkpoint_is_refused_in_one_line(tmp_path, tamper, words):
+    from qlsd_flwr.outputs import checkpoint as ckpt
+
+    o, run_dir = _stopped_three_chain_run(tmp_path)
+    meta, arrays = ckpt.load(ckpt.path_in(run_dir))
+    meta.pop("format")
+    tamper(meta, arrays)
+    ckpt.save(ckpt.path_in(run_dir), arrays, meta)
+    with pytest.raises(ckpt.CheckpointError, match=words) as err:
+        ckpt.load_for_resume(resolve({**o, "resume": str(run_dir)}), "server")
+    assert "\n" not in str(err.value) and "checkpoint.npz" in str(err.value)
+
+
+def test_a_checkpoint_resumed_with_another_chain_count_is_refused_by_name(tmp_path):
+    from qlsd_flwr.outputs import checkpoint as ckpt
+
+    o, run_dir = _stopped_three_chain_run(tmp_path)
+    with pytest.raises(ckpt.CheckpointError, match="holds 3 chain\\(s\\), the run has num-chains = 2"):
+        ckpt.load_for_resume(resolve({**o, "num-chains": 2, "resume": str(run_dir)}), "server")
+
+
+def test_convergence_summarises_arviz_per_test_point_and_for_the_total_log_likelihood():
+    """The summary is ArviZ's own R-hat / bulk ESS on ``exp(ll)`` per point and on ``Σ_j ll``:
+    the worst point is the one whose chains were shifted apart, and the numbers are exactly ArviZ's."""
+    import arviz as az
+
+    from qlsd_flwr.evaluation.evaluate import convergence
+
+    gen = np.random.default_rng(7)
+    ll = -np.abs(gen.normal(0.5, 0.1, size=(4, 200, 5)))
+    ll[:, :, 3] -= np.arange(4)[:, None] * 0.3  # point 3: the chains disagree
+    out = convergence(ll)
+    per_point = [float(az.rhat(np.exp(ll[:, :, j]))) for j in range(5)]
+    assert out["rhat_pred_max"] == max(per_point) == per_point[3] and out["rhat_pred_max"] > 1.5
+    assert max(per_point[:3] + per_point[4:]) < 1.05  # the mixed points read as mixed
+    assert out["rhat_pred_p99"] == float(np.quantile(per_point, 0.99))
+    assert out["ess_bulk_pred_min"] == min(float(az.ess(np.exp(ll[:, :, j]), method="bulk")) for j in range(5))
+    assert out["rhat_loglik"] == float(az.rhat(ll.sum(axis=2)))
+    assert out["ess_bulk_loglik"] == float(az.ess(ll.sum(axis=2), method="bulk"))
+    one = convergence(ll[:1])
+    assert one["rhat_loglik"] is None and "2 chains" in one["why"]

@@ -178,8 +178,14 @@ def test_fedavg_comparison_end_to_end_on_ray(tmp_path, capsys):
     assert q["rounds"] == 300 and 0 < q["bits_total"] < 32 * 62 * b * 300
     conv = q["convergence"]  # R-hat and ESS over the 4 chains, of quantities a user reads
     assert conv["chains"] == 4 and conv["draws"] == 100
-    assert all(math.isfinite(conv[k]) and conv[k] > 0.9 for k in ("rhat_loglik", "rhat_pred_max"))
-    assert conv["ess_bulk_loglik"] > 0 and conv["rhat_pred_p99"] <= conv["rhat_pred_max"]  # ESS may pass 400 (antithetic)
+    # exactly the summary of the log-likelihood that samples.nc holds (what az.loo reads)
+    import h5netcdf
+
+    from qlsd_flwr.evaluation.evaluate import convergence
+
+    with h5netcdf.File(job / "qlsd-pp" / "samples.nc", "r") as f:
+        ll = np.asarray(f["log_likelihood"]["y"][...])
+    assert ll.shape == (4, 100, 114) and convergence(ll) == conv
     # the printed table: header and one row per method, every cell filled
     lines = out.splitlines()
     head = next(i for i, l in enumerate(lines) if l.startswith("method"))

@@ -189,6 +189,8 @@ def load_for_resume(cfg: RunConfig, kind: str) -> tuple[Path, dict, dict]:
                           f"engine run; resume it with engine = "
                           f"{'vectorised' if meta.get('kind') == 'vectorised' else 'local, inprocess or ray'}")
     validate(meta, arrays, path_in(run_dir))
+    if kind == "server":
+        _check_server_parts(cfg, meta, arrays, path_in(run_dir))
     old = meta["config"]
     bad = [k for k in set(old) | set(cfg.raw)
            if k not in RESUME_FREE_KEYS and not same_value(k, old.get(k), cfg.raw.get(k))]
@@ -262,6 +264,9 @@ def validate(meta: dict, arrays: dict, path) -> None:
     for name, a in arrays.items():
         if a.dtype.kind == "f" and not np.all(np.isfinite(a)):
             raise bad(f"array {name!r} has non-finite values")
+    if meta.get("kind") == "server" and not (isinstance(meta.get("ts_info"), dict)
+                                             and isinstance(meta.get("rejected"), dict)):
+        raise bad("'ts_info' and 'rejected' must be tables")
     if meta.get("kind") == "server" and "chains" in meta:  # a several-chain run (protocol.chains)
         C, metas = meta["chains"], meta.get("chain_meta")
         if isinstance(C, bool) or not isinstance(C, int) or C < 2:
@@ -275,6 +280,21 @@ def validate(meta: dict, arrays: dict, path) -> None:
                                 lambda why, c=c: bad(f"chain {c}: {why}"))
     elif meta.get("kind") == "server":
         _check_server_chain(meta, arrays, bad)
+
+
+def _check_server_parts(cfg: RunConfig, meta: dict, arrays: dict, path) -> None:
+    """What the run ``cfg`` will read from a server checkpoint is there: one chain per
+    ``num-chains`` and, for a variant with memory, each chain's ``η_i`` mirrors and ``η``."""
+    chains = meta.get("chains", 1)
+    if chains != cfg.num_chains:
+        raise CheckpointError(f"checkpoint {path}: it holds {chains} chain(s), the run has num-chains = "
+                              f"{cfg.num_chains}")
+    prefixes = [""] if chains == 1 else [f"c{c}." for c in range(chains)]
+    need = ("theta", "eta_i", "eta") if cfg.memory else ("theta",)
+    for pre in prefixes:
+        for name in need:
+            if pre + name not in arrays:
+                raise CheckpointError(f"checkpoint {path}: array {pre + name!r} is missing")
 
 
 def _check_server_chain(meta: dict, arrays: dict, bad) -> None:
