@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 from flwr.app import ConfigRecord, Message, RecordDict
 from gaussian_theory import check_chain, variance_band
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from qlsd_flwr.config import ConfigError, resolve
 from qlsd_flwr.engines.vectorised import run_vectorised
@@ -270,3 +272,64 @@ def test_convergence_summarises_arviz_per_test_point_and_for_the_total_log_likel
     assert out["ess_bulk_loglik"] == float(az.ess(ll.sum(axis=2), method="bulk"))
     one = convergence(ll[:1])
     assert one["rhat_loglik"] is None and "2 chains" in one["why"]
+
+
+def _chain_set_round():
+    """A 2-chain server (QLSD++, anchors in flight) at its round, with every client's valid reply."""
+    import copy
+
+    from qlsd_flwr.core.oracles import ClientState
+    from qlsd_flwr.protocol import build
+    from qlsd_flwr.protocol.chains import ChainSet
+    from qlsd_flwr.protocol.client import handle_chains
+    from qlsd_flwr.tasks.loading import load_task
+
+    cfg = resolve({**BASE, "engine": "inprocess", "variant": "qlsd-pp", "num-chains": 2, "num-clients": 3, "l": 2})
+    task = load_task(cfg)
+    specs = [build.client_spec(cfg, i, task.clients[i].n_data, 6, task.prior) for i in range(3)]
+    states = {i: {} for i in range(3)}
+    server = ChainSet(cfg, task)
+    server.begin(None)
+
+    def reply(i):
+        rep, sts = handle_chains(specs[i], task.clients[i], lambda c: states[i].get(c, ClientState()),
+                                 cfg.seed, server.fields_for(i), 6)
+        states[i].update(sts)
+        return rep
+
+    for _ in range(3):
+        for i in server.begin_round():
+            server.accept(i, reply(i))
+        server.end_round()
+    server.begin_round()
+    return copy.deepcopy(server), {i: reply(i) for i in range(3)}
+
+
+CHAIN_SET, VALID = _chain_set_round()
+_ANY = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(), st.text(max_size=5),
+                 st.binary(max_size=40), st.lists(st.one_of(st.integers(-3, 3), st.binary(max_size=20),
+                                                            st.text(max_size=3)), max_size=4))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(changes=st.dictionaries(st.sampled_from(["client", "chains", "status", "payload", "anchor_version", "x"]),
+                               st.one_of(st.just("DROP"), _ANY), max_size=3))
+def test_a_hostile_several_chain_reply_never_raises_and_each_chain_counts_what_it_refused(changes):
+    import copy
+
+    server = copy.deepcopy(CHAIN_SET)
+    rec = dict(VALID[0])
+    for k, v in changes.items():
+        rec.pop(k, None) if v == "DROP" else rec.__setitem__(k, v)
+    before = [sum(ch.rejected.values()) for ch in server.chains]
+    for i in (1, 2):
+        server.accept(i, VALID[i])
+    server.accept(0, rec)  # never raises
+    server.end_round()
+    assert np.all(np.isfinite(server.state.theta))
+    for c, ch in enumerate(server.chains):
+        took = 0 not in ch.missed_rounds or ch.state.k not in ch.missed_rounds[0]
+        # a chain that did not take client 0's part counted why (a resync is counted too)
+        assert took or sum(ch.rejected.values()) == before[c] + 1, (c, ch.rejected)
+        if rec == VALID[0]:
+            assert took
