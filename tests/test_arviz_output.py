@@ -125,3 +125,24 @@ def test_the_flwr_run_server_app_evaluates_classification_runs(tmp_path):
     assert {"log_likelihood", "predictions", "observed_data"} <= set(idata.groups())
     assert (out.run_dir / "evaluation.json").exists()
     evaluate_held_out(resolve({**sets, "task": "gaussian"}), out.run_dir)  # other tasks: nothing
+
+
+def test_a_run_folder_evaluated_twice_keeps_one_copy_of_each_heldout_group(tmp_path):
+    """Re-evaluating a classification run (e.g. a table script reusing its run folders) rewrites
+    the held-out groups in place: the same values, one group each, and the same summary."""
+    import h5netcdf
+
+    from qlsd_flwr.evaluation.evaluate import evaluate_run
+    from qlsd_flwr.run.simulate import run
+
+    o = run({"task": "logistic", "dataset": "breast_cancer", "num-clients": 3, "engine": "vectorised",
+             "num-chains": 2, "num-rounds": 60, "burn-in": 20, "gamma": 1e-4, "progress": False,
+             "output-dir": str(tmp_path), "run-name": "r"})
+    first = evaluate_run(o.run_dir)
+    with h5netcdf.File(o.run_dir / "samples.nc", "r") as f:
+        ll = np.asarray(f["log_likelihood"]["y"][...])
+    again = evaluate_run(o.run_dir)
+    with h5netcdf.File(o.run_dir / "samples.nc", "r") as f:
+        assert sorted(f.groups) == ["log_likelihood", "observed_data", "posterior", "predictions", "sample_stats"]
+        assert np.array_equal(np.asarray(f["log_likelihood"]["y"][...]), ll) and ll.shape == (2, 40, 114)
+    assert again == first

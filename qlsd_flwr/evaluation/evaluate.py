@@ -194,8 +194,13 @@ def write_predictive_groups(path: str | os.PathLike, samples: np.ndarray, predic
         for name, data, dims in (("log_likelihood", ll, ("chain", "draw", "test_point")),
                                  ("predictions", pred, ("chain", "draw", "test_point")),
                                  ("observed_data", y, ("test_point",))):
-            if name in f.groups:
-                del f[name]
+            if name in f.groups:  # evaluated before (h5netcdf cannot delete a group): overwrite in place
+                old = f.groups[name]["y"]
+                if old.shape != data.shape:
+                    raise ValueError(f"{path}: group {name!r} has shape {old.shape}, the draws give "
+                                     f"{data.shape}; evaluate a copy of the run folder without it")
+                old[...] = data
+                continue
             g = f.create_group(name)
             g.dimensions = {d: data.shape[i] for i, d in enumerate(dims)}
             for i, d in enumerate(dims):
