@@ -50,6 +50,28 @@ def test_chain_c_is_the_vectorised_chain_c_and_the_one_chain_run_with_seed_plus_
     assert not np.array_equal(flower[0], flower[1])  # the chains are not copies
 
 
+@pytest.mark.parametrize("variant", ["qlsd-pp", "qlsd-star", "qlsd-sharp"])
+def test_a_logistic_client_batches_its_chains_oracles_and_each_chain_is_still_the_reference(variant, monkeypatch):
+    # the logistic potential has grad_sum_batch: a several-chain message makes one batched
+    # gradient of its chains (client_rounds), a one-chain message the per-chain oracle; both
+    # equal the vectorised engine's chains bit for bit
+    from qlsd_flwr.core import oracles
+
+    o = {"task": "logistic", "dataset": "breast_cancer", "num-clients": 4, "variant": variant, "p": "0.6",
+         "num-chains": 3, "num-rounds": 25, "gamma": 1e-4, "batch-fraction": 0.1, "l": 6,
+         "theta-star": "optimise", "opt-accept-unconverged": True}
+    calls = []
+    real = oracles.oracle_batch
+    monkeypatch.setattr(oracles, "oracle_batch", lambda *a, **k: calls.append(len(a[2])) or real(*a, **k))
+    flower = _trace(_inprocess(o, shuffle_seed=5))
+    assert calls and set(calls) <= {1, 2, 3} and max(calls) == 3  # the chains that sample, in one batch
+    vec = run_vectorised(resolve({**BASE, **o, "engine": "vectorised"}), write=False, keep_trace=True,
+                         backend="numpy").trace
+    assert flower.shape == vec.shape and np.array_equal(flower, vec)
+    one = _trace(_inprocess({**o, "num-chains": 1, "seed": BASE["seed"] + 1}))
+    assert np.array_equal(flower[1], one)
+
+
 @pytest.mark.ray
 def test_a_ray_run_of_four_chains_writes_them_all_and_arviz_reads_rhat(tmp_path):
     import arviz as az

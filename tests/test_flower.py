@@ -308,3 +308,38 @@ def test_a_short_simulation_fails_fast_with_the_command_that_sizes_it(tmp_path, 
                                                        r"--num-supernodes 3"):
             registry.handshake(grid, timeout=600.0)
     assert "waiting for 3 client nodes, 2 connected" in caplog.text
+
+
+def test_replies_are_polled_soon_after_one_came_and_never_slower_than_the_grid(monkeypatch):
+    # the strategy's grid view on the simulation engine: every reply is yielded once; after a
+    # poll that brought one the next wait is 5 ms, an empty poll doubles it, capped at the
+    # grid's own pull_interval (a flat 0.1 s left the round's last reply waiting 0.05 s on average)
+    from types import SimpleNamespace
+
+    from qlsd_flwr.flower import strategy as S
+
+    class Grid:
+        pull_interval = 0.1
+
+        def __init__(self):
+            self.polls = 0
+            # poll number -> replies it brings: one at once, then a long silence, then two
+            self.script = {0: ["a"], 40: ["b", "c"]}
+
+        def push_messages(self, msgs):
+            return ["a", "b", "c"]
+
+        def pull_messages(self, ids):
+            got = self.script.get(self.polls, [])
+            self.polls += 1
+            return [SimpleNamespace(metadata=SimpleNamespace(reply_to_message_id=i)) for i in got]
+
+    waits = []
+    monkeypatch.setattr(S.time, "sleep", waits.append)
+    pushed = []
+    view = S._RepliesAsTheyArrive(Grid(), pushed.append)
+    got = [m.metadata.reply_to_message_id for m in view.send_and_receive(["m1", "m2", "m3"])]
+    assert got == ["a", "b", "c"] and pushed == [["m1", "m2", "m3"]]
+    assert waits[0] == S.FIRST_POLL_S  # right after a reply
+    assert waits[1:6] == [0.01, 0.02, 0.04, 0.08, 0.1]  # doubling while nothing comes
+    assert max(waits) == Grid.pull_interval and len(waits) == 40

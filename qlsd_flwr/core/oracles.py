@@ -194,8 +194,27 @@ def client_round(spec: ClientSpec, pot: LocalPotential, state: ClientState, seed
 
     Updates ``state.eta`` in place when memory is on. The caller encodes the message.
     """
-    idx = minibatch(seed, round_, spec, pot.n_data)
-    h = oracle(spec, pot, state, theta, idx)
+    return compress_round(spec, state, seed, round_, oracle(spec, pot, state, theta,
+                                                            minibatch(seed, round_, spec, pot.n_data)))
+
+
+def client_rounds(spec: ClientSpec, pot: LocalPotential, states: list[ClientState], seeds: list[int],
+                  round_: int, thetas: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+    """:func:`client_round` of several chains of one client (chain ``c``: ``states[c]``,
+    ``seeds[c]``, ``thetas[c]``), with the chains' oracles in one :func:`oracle_batch` call
+    (one batched gradient for a potential with ``grad_sum_batch``, bitwise equal to the
+    per-chain oracle; row by row otherwise). Element ``c`` equals ``client_round`` of chain
+    ``c`` bit for bit."""
+    idx = None if spec.oracle == "full" else np.stack([minibatch(s, round_, spec, pot.n_data) for s in seeds])
+    anchor = np.stack([st.anchor for st in states]) if spec.oracle in ("svrg", "star") else None
+    anchor_grad = np.stack([st.anchor_grad for st in states]) if spec.oracle == "svrg" else None
+    h = oracle_batch(spec, pot, thetas, idx, anchor, anchor_grad)
+    return [compress_round(spec, st, s, round_, h_c) for st, s, h_c in zip(states, seeds, h)]
+
+
+def compress_round(spec: ClientSpec, state: ClientState, seed: int, round_: int, h: np.ndarray):
+    """What :func:`client_round` does after the oracle ``h = H_i(θ_k)``: subtract the memory
+    ``η_i``, quantise with the round's dither, update the memory. Returns ``(q, ĝ_i)``."""
     if spec.memory:
         if state.eta is None:
             state.eta = np.zeros_like(h)

@@ -11,10 +11,13 @@ sends both unasked) computes exactly the reply it would have computed with its o
 
 from __future__ import annotations
 
+import numpy as np
+
 from qlsd_flwr.core.oracles import (
     ClientSpec,
     ClientState,
     client_round,
+    client_rounds,
     full_local_grad,
     set_anchor,
 )
@@ -27,11 +30,13 @@ from qlsd_flwr.protocol.wire import (
 )
 
 
-def handle(spec: ClientSpec, pot: LocalPotential, st: ClientState, seed: int, fields: dict, d: int) -> dict:
+def _prepare(spec: ClientSpec, pot: LocalPotential, st: ClientState, fields: dict, d: int):
+    """``(θ, None)`` for a sampling round this state can answer, ``(θ, reply)`` otherwise (the
+    full gradient of ``phase = "grad"``, or ``status = "resync"``)."""
     i = spec.index
     theta = vector(fields["theta"], d)
     if fields["phase"] == "grad":
-        return {"client": i, "status": "ok", "payload": arr_to_bytes(full_local_grad(spec, pot, theta))}
+        return theta, {"client": i, "status": "ok", "payload": arr_to_bytes(full_local_grad(spec, pot, theta))}
     if "eta" in fields:
         st.eta = vector(fields["eta"], d)
         st.eta_count = int(fields["eta_count"])
@@ -40,19 +45,42 @@ def handle(spec: ClientSpec, pot: LocalPotential, st: ClientState, seed: int, fi
     stale_anchor = spec.oracle in ("svrg", "star") and st.anchor_version != int(fields["anchor_version"])
     stale_eta = spec.memory and st.eta_count != int(fields["eta_count"])
     if stale_anchor or stale_eta:
-        return {"client": i, "status": "resync"}
-    q, _ = client_round(spec, pot, st, seed, int(fields["round"]), theta)
-    return {"client": i, "status": "ok", "payload": spec.compressor.encode(q),
+        return theta, {"client": i, "status": "resync"}
+    return theta, None
+
+
+def _sampled(spec: ClientSpec, st: ClientState, q) -> dict:
+    return {"client": spec.index, "status": "ok", "payload": spec.compressor.encode(q),
             "anchor_version": st.anchor_version}
+
+
+def handle(spec: ClientSpec, pot: LocalPotential, st: ClientState, seed: int, fields: dict, d: int) -> dict:
+    theta, reply = _prepare(spec, pot, st, fields, d)
+    if reply is not None:
+        return reply
+    q, _ = client_round(spec, pot, st, seed, int(fields["round"]), theta)
+    return _sampled(spec, st, q)
 
 
 def handle_chains(spec: ClientSpec, pot: LocalPotential, load_state, seed: int, fields: dict,
                   d: int) -> tuple[dict, dict[int, ClientState]]:
     """A several-chain message (:func:`qlsd_flwr.protocol.wire.bundle_request`): chain ``c`` is
     :func:`handle` with its own state ``load_state(c)`` and seed ``seed + c`` (so it is the chain
-    a one-chain run with that seed computes). Returns the reply fields and the chains' states
-    (the caller keeps them)."""
+    a one-chain run with that seed computes). The oracles of the chains that sample this round
+    are one :func:`qlsd_flwr.core.oracles.client_rounds` call (one batched gradient where the
+    potential has ``grad_sum_batch``; bit for bit the per-chain result). Returns the reply fields
+    and the chains' states (the caller keeps them)."""
     per = unbundle_request(fields, d)
     states = {c: load_state(c) for c in per}
-    replies = {c: handle(spec, pot, states[c], seed + c, f, d) for c, f in per.items()}
+    replies, ready = {}, {}  # ready: round -> [(chain, θ)]
+    for c, f in per.items():
+        theta, replies[c] = _prepare(spec, pot, states[c], f, d)
+        if replies[c] is None:
+            ready.setdefault(int(f["round"]), []).append((c, theta))
+    for k, group in ready.items():
+        chains = [c for c, _ in group]
+        outs = client_rounds(spec, pot, [states[c] for c in chains], [seed + c for c in chains], k,
+                             np.stack([theta for _, theta in group]))
+        for c, (q, _) in zip(chains, outs):
+            replies[c] = _sampled(spec, states[c], q)
     return bundle_reply(spec.index, replies), states
