@@ -19,7 +19,16 @@ import numpy as np
 
 @runtime_checkable
 class LocalPotential(Protocol):
-    """The data part of one client's potential, ``U_i^data(θ) = Σ_{j<N_i} U_ij(θ)``."""
+    """The data part of one client's potential, ``U_i^data(θ) = Σ_{j<N_i} U_ij(θ)``.
+
+    Optional: ``grad_sum_batch(thetas, idx=None)``, ``thetas`` ``(C, d)`` and ``idx`` ``(C, n)``
+    (row ``c``: the minibatch for ``thetas[c]``) or ``None``, returning ``(C, d)`` whose row ``c``
+    is ``grad_sum(thetas[c], idx[c])``. Where it exists, the vectorised engine and a
+    several-chain Flower client compute all their chains' gradients in one call
+    (:func:`qlsd_flwr.core.oracles.oracle_batch`). Make it bitwise equal to ``grad_sum`` row by
+    row if chains are to agree bit for bit across engines
+    (:meth:`qlsd_flwr.tasks.logistic.LogisticLocal.grad_sum_batch` shows how).
+    """
 
     n_data: int  # N_i
     dim: int  # d
