@@ -3,9 +3,10 @@
 
 1. ``--actor``: the ``ray`` engine on the LeNet-5 benchmark config of ``bench_chains.py`` with a
    client mod that times each ``train`` message inside the Ray actor (wall and the handler
-   thread's CPU time, torch's thread count), and the strategy's view: seconds from pushing a
-   round's messages to its last reply, and from the last reply to the next push (the server's
-   own work: decoding, the server step, recording, building the next messages).
+   thread's CPU time, torch's thread count), and the strategy's view: seconds from a round's
+   push to its last reply, the time ``aggregate_train`` held the replies (decoding, validation;
+   it overlaps the clients still at work), and from the last reply to the next push (the last
+   decode, the server step, recording, building the next messages).
 2. ``--transfer``: Ray alone, no Flower: an actor method that returns what it is given, called
    20 times a round over 4 actors (``num_cpus = 0.5``, as ``client-cpus`` sets) with a 494 KB
    argument (θ at d = 61,706) and a context of 300 bytes or of 1.48 MB (the QLSD++ client state
@@ -14,7 +15,9 @@
    QLSD++'s θ and ζ; R = 8: four chains) with ``torch.func.vmap(grad(functional_call))``
    against R plain backward passes.
 
-    python benchmarks/bench_lenet_parts.py --actor --transfer --vmap [--out FILE]
+4. ``--poll``: the strategy's reply poll before and after d8766a9, in turn (see :func:`poll`).
+
+    python benchmarks/bench_lenet_parts.py --actor --transfer --vmap --poll [--out FILE]
 """
 
 from __future__ import annotations
@@ -46,6 +49,22 @@ def _actor_mod(folder: str):
     return mod
 
 
+def _timed_stream(S, log: list):
+    """The strategy's reply stream, timed per round: when it starts (before the push), when the
+    round's last reply was pulled, and how long the consumer (``aggregate_train``: decoding,
+    validation) held each reply."""
+    real = S._RepliesAsTheyArrive._stream
+
+    def stream(self, msgs, timeout, interval):
+        t0, held, last = time.perf_counter(), 0.0, None
+        for msg in real(self, msgs, timeout, interval):
+            last = time.perf_counter()
+            yield msg
+            held += time.perf_counter() - last
+        log.append({"start": t0, "last_reply": last, "decode": held, "end": time.perf_counter()})
+    return real, stream
+
+
 def actor(rounds: int) -> dict:
     from bench_chains import LENET, _round_seconds
 
@@ -54,37 +73,59 @@ def actor(rounds: int) -> dict:
     from qlsd_flwr.run.simulate import run_ray
 
     folder = tempfile.mkdtemp(prefix="qlsd-actor-")
-    pushes, lasts = [], []
-    real = S._RepliesAsTheyArrive.send_and_receive
-
-    def spy(self, messages, *, timeout=None):
-        msgs = list(messages)
-        if not msgs:
-            return []
-        replies = real(self, msgs, timeout=timeout)
-        pushes.append(time.perf_counter())
-
-        def each():
-            yield from replies
-            lasts.append(time.perf_counter())
-        return each()
-
-    S._RepliesAsTheyArrive.send_and_receive = spy
+    log: list = []
+    real, S._RepliesAsTheyArrive._stream = _timed_stream(S, log)
     try:
         o = {**LENET, "engine": "ray", "num-rounds": rounds, "output-dir": tempfile.mkdtemp()}
         strat = run_ray(resolve(o), o, mods=[_actor_mod(folder)])
     finally:
-        S._RepliesAsTheyArrive.send_and_receive = real
-    rows = [line.split() for f in glob.glob(os.path.join(folder, "*.txt")) for line in open(f)]
-    train = [r for r in rows if r[2] == "train"][5 * 20:]  # the first 5 rounds warm the actors
+        S._RepliesAsTheyArrive._stream = real
+    rows = sorted(line.split() for f in glob.glob(os.path.join(folder, "*.txt")) for line in open(f))
+    train = [r for r in rows if r[2] == "train"][5 * 20:]  # in time order; the first 5 rounds warm the actors
     wall = [float(b) - float(a) for a, b, *_ in train]
     cpu = [float(r[3]) for r in train]
+    log = log[5:]
     return {"rounds": rounds, "s_per_round_mean": statistics.fmean(_round_seconds(strat.run_dir)),
             "train_message_wall_ms_median": 1e3 * statistics.median(wall),
             "train_message_cpu_ms_median": 1e3 * statistics.median(cpu),
             "torch_threads_in_actors": sorted({r[4] for r in train}),
-            "push_to_last_reply_s_median": statistics.median([b - a for a, b in zip(pushes, lasts)][5:]),
-            "last_reply_to_next_push_s_median": statistics.median([b - a for a, b in zip(lasts, pushes[1:])][5:])}
+            "push_to_last_reply_s_median": statistics.median([r["last_reply"] - r["start"] for r in log]),
+            "decoding_s_per_round_median": statistics.median([r["decode"] for r in log]),
+            "last_reply_to_next_push_s_median": statistics.median(
+                [n["start"] - r["end"] + (r["end"] - r["last_reply"]) for r, n in zip(log, log[1:])])}
+
+
+def poll(pairs: int) -> dict:
+    """Seconds per round with the strategy's reply poll as it is (5 ms after a reply, doubling
+    up to Flower's 0.1 s) and as it was before d8766a9 (a flat 0.1 s: ``FIRST_POLL_S = 0.1``
+    makes the same loop wait 0.1 s every time), run in turn: the toy (20 clients, d = 50,
+    40 rounds) and LeNet-5 (30 rounds) on Ray, and 1,000 toy clients (8 rounds, one pair)."""
+    from bench_chains import LENET, _round_seconds
+
+    import qlsd_flwr.flower.strategy as S
+    from qlsd_flwr.run import simulate
+
+    toy = {"variant": "qlsd-pp", "num-clients": 20, "dim": 50, "burn-in": 0, "p": "1.0", "s": "16",
+           "gamma": 4.9e-4, "progress": False, "engine": "ray", "output-dir": tempfile.mkdtemp()}  # bench_chains'
+    cases = {"toy": ({**toy, "num-rounds": 40}, 5, pairs),
+             "lenet": ({**LENET, "engine": "ray", "num-rounds": 30, "output-dir": tempfile.mkdtemp()}, 5, pairs),
+             "toy_1000_clients": ({**toy, "num-clients": 1000, "gamma": 4.9e-4 * 20 / 1000, "num-rounds": 8}, 2, 1)}
+    new = S.FIRST_POLL_S
+    out: dict = {}
+    for name, (o, skip, n) in cases.items():
+        res = {"flat_0.1s": [], "backoff": []}
+        for _ in range(n):
+            for label, first in (("flat_0.1s", 0.1), ("backoff", new)):
+                S.FIRST_POLL_S = first
+                try:
+                    t = _round_seconds(simulate.run(o).run_dir, skip=skip)
+                finally:
+                    S.FIRST_POLL_S = new
+                res[label].append(statistics.fmean(t))
+        res["backoff_over_flat"] = statistics.fmean(res["backoff"]) / statistics.fmean(res["flat_0.1s"])
+        out[name] = res
+        print(name, json.dumps(res), flush=True)
+    return out
 
 
 def transfer(batches: int = 10) -> dict:
@@ -164,6 +205,8 @@ def main() -> None:
     ap.add_argument("--actor", action="store_true")
     ap.add_argument("--transfer", action="store_true")
     ap.add_argument("--vmap", action="store_true")
+    ap.add_argument("--poll", action="store_true")
+    ap.add_argument("--pairs", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -175,6 +218,8 @@ def main() -> None:
     if a.transfer:
         res["transfer"] = transfer()
         print(json.dumps(res["transfer"], indent=1), flush=True)
+    if a.poll:
+        res["poll"] = poll(a.pairs)
     if a.actor:
         res["actor"] = actor(a.rounds)
         print(json.dumps(res["actor"], indent=1), flush=True)

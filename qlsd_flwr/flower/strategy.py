@@ -20,9 +20,10 @@ What :meth:`start` adds around Flower's loop, and why:
   summary;
 * one documented override of one step: on Flower's simulation engine the grid passed to
   Flower's loop hands replies to :meth:`aggregate_train` *as they arrive* (push, then pull: the
-  loop of ``send_and_receive``, with a wait from 5 ms after a reply came, doubling while none
-  comes, up to the grid's ``pull_interval``), so decoding overlaps the clients still at work and
-  the round's last reply is taken within milliseconds. Other grids (deployment, the in-process
+  loop of ``send_and_receive``, but waiting 5 ms after a poll that brought a reply and doubling
+  the wait after each empty one, up to the grid's ``pull_interval``), so decoding overlaps the
+  clients still at work, and a reply that follows others closely is taken within a few ms
+  instead of up to ``pull_interval`` later. Other grids (deployment, the in-process
   test grid) use ``send_and_receive`` as it is. The chain does not depend on the order replies
   are taken in.
 
@@ -121,8 +122,8 @@ class _RepliesAsTheyArrive:
             if not pending or (end is not None and time.time() >= end):
                 return
             # Replies of a round come in a stream: poll again soon after one came, back off
-            # (doubling) while none comes, never slower than Flower's own interval. A flat
-            # ``interval`` (0.1 s) left the round's last reply waiting 0.05 s on average.
+            # (10, 20, 40 ms, ...) while none comes, never slower than Flower's own interval. A
+            # flat ``interval`` (0.1 s) left the round's last reply waiting 0.05 s on average.
             wait = FIRST_POLL_S if arrived else min(interval, 2 * wait)
             time.sleep(min(wait, interval))
 
