@@ -50,7 +50,7 @@ def test_chain_c_is_the_vectorised_chain_c_and_the_one_chain_run_with_seed_plus_
     assert not np.array_equal(flower[0], flower[1])  # the chains are not copies
 
 
-@pytest.mark.parametrize("variant", ["qlsd-pp", "qlsd-star", "qlsd-sharp"])
+@pytest.mark.parametrize("variant", ["qlsd-pp", "qlsd-star", "qlsd-sharp", "qlsd", "lsd-pp"])
 def test_a_logistic_client_batches_its_chains_oracles_and_each_chain_is_still_the_reference(variant, monkeypatch):
     # the logistic potential has grad_sum_batch: a several-chain message makes one batched
     # gradient of its chains (client_rounds), a one-chain message the per-chain oracle; both
