@@ -13,7 +13,8 @@
    η_i, ζ, ∇U_i(ζ) that Flower's Ray backend passes with every message, both ways).
 3. ``--vmap``: one torch thread, LeNet-5, 64 images: the gradients at R parameter sets (R = 2:
    QLSD++'s θ and ζ; R = 8: four chains) with ``torch.func.vmap(grad(functional_call))``
-   against R plain backward passes.
+   against R plain backward passes; and 20 clients' gradients at one shared θ (vmapped over
+   the clients' 64-image minibatches) against 20 passes.
 
 4. ``--poll``: the strategy's reply poll before and after d8766a9, in turn (see :func:`poll`).
 
@@ -197,6 +198,29 @@ def vmap(reps: int = 10) -> dict:
             times[f.__name__] = 1e3 * (time.perf_counter() - t) / reps
         out[f"R={R}"] = {"vmap_ms": times["with_vmap"], "backward_passes_ms": times["one_by_one"],
                          "vmap_over_passes": times["with_vmap"] / times["one_by_one"]}
+    # the vectorised engine's case: 20 clients' minibatch gradients at one shared θ (one chain),
+    # vmapped over the clients' data, against 20 backward passes
+    G = 20
+    Xg, yg = torch.randn(G, 64, 1, 28, 28), torch.randint(0, 10, (G, 64))
+    over_clients = tvmap(grad(loss), in_dims=(None, 0, 0))
+
+    def clients_vmap():
+        over_clients(base, Xg, yg)
+
+    def clients_passes():
+        for g in range(G):
+            model.zero_grad(set_to_none=True)
+            F.cross_entropy(model(Xg[g]), yg[g], reduction="sum").backward()
+
+    times = {}
+    for f in (clients_vmap, clients_passes, clients_vmap, clients_passes):
+        f()
+        t = time.perf_counter()
+        for _ in range(reps // 2):
+            f()
+        times[f.__name__] = 1e3 * (time.perf_counter() - t) / (reps // 2)
+    out["clients=20, shared θ"] = {"vmap_ms": times["clients_vmap"], "backward_passes_ms": times["clients_passes"],
+                                   "vmap_over_passes": times["clients_vmap"] / times["clients_passes"]}
     return out
 
 
