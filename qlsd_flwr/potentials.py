@@ -50,13 +50,31 @@ class NumpyPotential:
         ``N_i``, the number of examples.
     dim : int
         ``d``, the length of θ.
+    grad_sum_batch : callable, optional
+        ``grad_sum_batch(thetas, idx) -> (C, d)``: ``grad_sum`` of every row of ``thetas``
+        ``(C, d)`` at once, row ``c`` on the minibatch ``idx[c]`` (``idx`` ``(C, n)``, or ``None``
+        for all examples). With it, the vectorised engine and a several-chain Flower client
+        compute all their chains' gradients in one call
+        (:func:`qlsd_flwr.core.oracles.oracle_batch`). Make row ``c`` bitwise equal to
+        ``grad_sum(thetas[c], idx[c])`` if chains are to agree bit for bit across engines.
     """
 
-    def __init__(self, grad_sum: Callable, value: Callable, n_data: int, dim: int):
+    def __init__(self, grad_sum: Callable, value: Callable, n_data: int, dim: int,
+                 grad_sum_batch: Callable | None = None):
         self._grad, self._value = grad_sum, value
         self.n_data, self.dim = int(n_data), int(dim)
         if self.n_data < 1 or self.dim < 1:
             raise ValueError(f"n_data and dim must be >= 1 (got {n_data}, {dim})")
+        if grad_sum_batch is not None:  # only then: the engines look for the method itself
+            self._grad_batch = grad_sum_batch
+            self.grad_sum_batch = self._batch
+
+    def _batch(self, thetas: np.ndarray, idx: np.ndarray | None = None) -> np.ndarray:
+        thetas = np.asarray(thetas, dtype=np.float64)
+        out = np.asarray(self._grad_batch(thetas, idx), dtype=np.float64)
+        if out.shape != thetas.shape:
+            raise ValueError(f"grad_sum_batch returned shape {out.shape}, expected {thetas.shape}")
+        return out
 
     def grad_sum(self, theta: np.ndarray, idx: np.ndarray | None = None) -> np.ndarray:
         return _vector(self._grad(theta, idx), self.dim, "grad_sum")

@@ -204,6 +204,48 @@ def make_task(num_clients: int, data_seed: int):
     return Task(name="user-gaussian", dim=D, clients=clients, prior=GaussianPrior(var=4.0))
 
 
+BATCH_CALLS: list = []
+
+
+def make_batched_task(num_clients: int, data_seed: int):
+    """The same plug-in with a user's ``grad_sum_batch`` (rows one by one: bitwise by
+    construction; it records the number of rows of each call)."""
+    from qlsd_flwr.potentials import GaussianPrior, Task
+
+    def potential(i):
+        local = GaussianLocal(client_data(i, D, data_seed))
+
+        def batch(thetas, idx):
+            BATCH_CALLS.append(len(thetas))
+            return np.stack([local.grad_sum(t, None if idx is None else ix)
+                             for t, ix in zip(thetas, [None] * len(thetas) if idx is None else idx)])
+        return NumpyPotential(local.grad_sum, local.value, n_data=len(local.y), dim=D, grad_sum_batch=batch)
+
+    return Task(name="user-gaussian-batched", dim=D, clients=[potential(i) for i in range(num_clients)],
+                prior=GaussianPrior(var=4.0))
+
+
+def test_a_users_batched_gradient_is_called_for_all_chains_and_keeps_the_chains(tmp_path, monkeypatch):
+    # NumpyPotential(grad_sum_batch=...): the vectorised engine and a several-chain Flower client
+    # hand it all their chains at once; the chains stay those of the plug-in without it
+    monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).parent))
+    import test_public_api as mod
+
+    base = {**_config_keys(SAMPLER), "variant": "qlsd-pp", "num-clients": B, "dim": D, "prior-var": 4.0,
+            "num-chains": 3, "progress": False, "output-dir": str(tmp_path)}
+    for engine in ("inprocess", "vectorised"):
+        ref = load_samples(run({**base, "task": "test_public_api:make_task", "engine": engine,
+                                "run-name": f"{engine}-plain"}).run_dir)
+        mod.BATCH_CALLS.clear()
+        out = run({**base, "task": "test_public_api:make_batched_task", "engine": engine, "run-name": engine})
+        assert mod.BATCH_CALLS and max(mod.BATCH_CALLS) >= 3, engine  # the chains (θ and ζ rows) in one call
+        assert np.array_equal(load_samples(out.run_dir), ref), engine
+    bad = NumpyPotential(lambda th, idx: th, lambda th: 0.0, 4, D, grad_sum_batch=lambda ths, idx: ths[:1])
+    with pytest.raises(ValueError, match=r"grad_sum_batch returned shape \(1, 5\), expected \(3, 5\)"):
+        bad.grad_sum_batch(np.zeros((3, D)))
+    sys.modules.pop("test_public_api", None)
+
+
 @pytest.mark.parametrize("variant", ["qlsd-pp", "qlsd-sharp"])
 def test_a_task_plugin_gives_the_builtin_chain_on_every_non_ray_engine(tmp_path, monkeypatch, variant):
     # the Ray engine runs a user's task in the flwr-run test (test_flwr_run.py)
