@@ -2,8 +2,9 @@
 
 The vectorised engine's batched logistic oracle is held to numpy's operations (one BLAS call per
 product, numpy's ``exp``) so that its chains equal every other engine's bit for bit. This
-script swaps ``LogisticLocal.grad_sum_clients`` for a numba loop (libm's ``exp``, its own
-summation order: equal to about 4e-16 relative, not bitwise) and measures the engine's rate both
+script swaps ``LogisticLocal.grad_sum_clients`` for the compiled kernel's gradient
+(``kernel._logistic_grad_rows``: libm's ``exp``, its own summation order; equal to about 4e-16
+relative, not bitwise) and measures the engine's rate both
 ways, alternating, on the configurations of ``bench_logistic.py`` (8 chains, one thread). It is
 not part of the package: it answers whether that contract is what costs the speed.
 
@@ -12,50 +13,31 @@ not part of the package: it answers whether that contract is what costs the spee
 
 from __future__ import annotations
 
-import math
 import sys
 from pathlib import Path
 
 import numpy as np
 from numba import njit
 
+from qlsd_flwr.engines.vectorised.kernel import _logistic_grad_rows
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
 @njit(cache=True)
 def _grads(Xa, y, offs, W, idx, idx_off, full, out):
-    """out[g, a, c] = Σ_rows Xa_rowᵀ (softmax(Xa_row W[a, c]) − e_y)."""
+    """out[g, a, c] = Σ_rows [x, 1]ᵀ (softmax([x, 1] W[a, c]) − e_y): the vectorised kernel's own
+    logistic gradient (``kernel._logistic_grad_rows``) for every (client, set, chain)."""
     G, A, C = out.shape[0], out.shape[1], out.shape[2]
-    p1, K = W.shape[2], W.shape[3]
+    K = W.shape[3]
     z = np.empty(K)
     for g in range(G):
         N = offs[g + 1] - offs[g]
         n = N if full[g] else (idx_off[g + 1] - idx_off[g]) // C
         for a in range(A):
             for c in range(C):
-                o = out[g, a, c]
-                o[:] = 0.0
-                w = W[a, c]
-                for j in range(n):
-                    row = offs[g] + (j if full[g] else idx[idx_off[g] + c * n + j])
-                    x = Xa[row]
-                    m = -np.inf
-                    for k in range(K):
-                        s = 0.0
-                        for q in range(p1):
-                            s += x[q] * w[q, k]
-                        z[k] = s
-                        if s > m:
-                            m = s
-                    tot = 0.0
-                    for k in range(K):
-                        z[k] = math.exp(z[k] - m)
-                        tot += z[k]
-                    for k in range(K):
-                        z[k] = z[k] / tot
-                    z[y[row]] -= 1.0
-                    for q in range(p1):
-                        xq = x[q]
-                        for k in range(K):
-                            o[q * K + k] += xq * z[k]
+                sel = idx[idx_off[g] + c * n:idx_off[g] + (c + 1) * n]
+                _logistic_grad_rows(Xa, y, offs[g], sel, n, full[g], W[a, c].ravel(), K, z, out[g, a, c])
 
 
 _cache = {}

@@ -215,12 +215,12 @@ def profile(args) -> list[dict]:
         exec(compile(s, mod.__file__, "exec"), mod.__dict__)
         combos = FIGURE if side else [("qlsd-star", 4)]
         cfgs = [cfg_for(task, v, b, K, C, 4.9e-4) for v, b in combos]
-        numba_backend.gauss_block = mod.gauss_block  # the backend calls the edited kernel
+        numba_backend.chains_block = mod.chains_block  # the backend calls the edited kernel
         try:
             run_side_by_side([cfg_for(task, v, b, 4, C, 4.9e-4) for v, b in combos], task=task, threads=1)
             best = min(timed(lambda: run_side_by_side(cfgs, task=task, threads=1))[1] for _ in range(2))
         finally:
-            numba_backend.gauss_block = kernel.gauss_block
+            numba_backend.chains_block = kernel.chains_block
         out.append({"part": label, "side_by_side": side, "us_cpu_per_chain_it": 1e6 * best / (K * C * len(combos))})
 
     for side in (False, True):

@@ -17,6 +17,10 @@ Columns, all measured in this one run (their ratios are what the script is for):
   compiling or loading its cache) is a warm-up, timed apart.
 * ``engine, per-client``: the same with ``NumpyGeneric.BATCHED = False``: the former path, one
   oracle call per (chain, client) (the "before" of this issue).
+* ``engine, numba kernel``: ``backend="numba"``: the compiled kernel the toy Gaussian uses, with
+  its logistic oracle (its own summation order and libm's ``exp``: the chains follow the
+  reference's within float rounding, not bit for bit; only when asked for). The kernel runs one
+  thread here (``NUMBA_NUM_THREADS = 1`` and one chain group), like every other column.
 * ``numpy loop``: the same step written here as a plain numpy loop vectorised over chains and
   clients (minibatch gradients at ``θ`` and ``ζ``, the SVRG anchor every ``l`` rounds, QSGD with
   dither and a float32 norm, the memory, the Langevin noise), with numpy's own generator (not our
@@ -267,18 +271,21 @@ class JaxColumn:
 
 
 # ---------------------------------------------------------------------------------- engine
-def engine_warmup(cfg, task, batched: bool) -> float:
+def engine_warmup(cfg, task, batched: bool, backend: str = "numpy") -> float:
     """One short run (numba compiling or loading its cache, first touches); its seconds."""
     t0 = time.perf_counter()
-    engine_rate(resolve({**cfg.raw, "num-rounds": 20, "burn-in": 10}), task, batched)
+    engine_rate(resolve({**cfg.raw, "num-rounds": 20, "burn-in": 10}), task, batched, backend)
     return time.perf_counter() - t0
 
 
-def engine_rate(cfg, task, batched: bool) -> float:
-    """The engine's loop rate (chain-iterations/s, set-up excluded) on the batched or per-client path."""
+def engine_rate(cfg, task, batched: bool, backend: str = "numpy") -> float:
+    """The engine's loop rate (chain-iterations/s, set-up excluded) on the batched or per-client
+    numpy path, or on the compiled kernel (``backend="numba"``: within float rounding of the
+    reference, not bitwise; asked for explicitly)."""
     NumpyGeneric.BATCHED = batched
     try:
-        res = run_vectorised(cfg, task=task, write=False, progress=False, backend="numpy")
+        res = run_vectorised(cfg, task=task, write=False, progress=False, backend=backend,
+                             threads=1)  # the kernel's chain groups: one thread, as every column
     finally:
         NumpyGeneric.BATCHED = True
     assert np.all(np.isfinite(res.theta)), "engine run diverged"
@@ -340,23 +347,27 @@ def main() -> None:
         info["jax_config"] = {"x64": True, "prng": "rbg", "devices": [str(dv) for dv in jax.devices()]}
     rows = []
     # rounds per timed run (multiples of l = 100, so every column refreshes the anchor as often)
-    rounds = {"breast_cancer": {"engine": 1500, "per-client": 300, "loop": 1500, "jax": 2000, "jax64": 500},
-              "digits": {"engine": 300, "per-client": 100, "loop": 300, "jax": 500, "jax64": 300}}
+    rounds = {"breast_cancer": {"engine": 1500, "per-client": 300, "loop": 1500, "jax": 2000, "jax64": 500,
+                                "numba": 10000},
+              "digits": {"engine": 300, "per-client": 100, "loop": 300, "jax": 500, "jax64": 300, "numba": 2000}}
     for dataset, b in CONFIGS:
         for variant in VARIANTS:
             R = {k: max(100, v // 5 // 100 * 100) if q else v for k, v in rounds[dataset].items()}
             cfg = make_cfg(dataset, b, variant, R["engine"])
             cfg_pc = make_cfg(dataset, b, variant, R["per-client"])
+            cfg_nb = make_cfg(dataset, b, variant, R["numba"])
             task = loading.load_task(cfg)
             P = Problem(cfg, task)
             row = {"dataset": dataset, "b": b, "d": task.dim, "chains": CHAINS, "variant": variant,
                    "N_i": P.N.tolist(), "n_i": P.n.tolist(), "rounds": R}
             print(f"{dataset} b={b} {variant}: warm-up ...", flush=True)
             warm = {"engine_s": engine_warmup(cfg, task, True),
-                    "engine_per_client_s": engine_warmup(cfg_pc, task, False)}
+                    "engine_per_client_s": engine_warmup(cfg_pc, task, False),
+                    "engine_numba_s": engine_warmup(cfg_nb, task, True, "numba")}
             numpy_loop(P, 5)
             cols = {"engine": lambda: engine_rate(cfg, task, True),
                     "engine_per_client": lambda: engine_rate(cfg_pc, task, False),
+                    "engine_numba": lambda: engine_rate(cfg_nb, task, True, "numba"),
                     "numpy_loop": lambda: R["loop"] * CHAINS / numpy_loop(P, R["loop"])}
             if have_jax:
                 jx = JaxColumn(P, 100, R["jax"] // 100)
@@ -377,7 +388,9 @@ def main() -> None:
             e = row["engine"]["chain_it_per_s"]
             row["ratios"] = {"engine/numpy_loop": e / row["numpy_loop"]["chain_it_per_s"],
                              "engine/per_client": e / row["engine_per_client"]["chain_it_per_s"]}
+            row["ratios"]["engine_numba/numpy_loop"] = row["engine_numba"]["chain_it_per_s"] / row["numpy_loop"]["chain_it_per_s"]
             if have_jax:
+                row["ratios"]["engine_numba/jax"] = row["engine_numba"]["chain_it_per_s"] / row["jax"]["chain_it_per_s"]
                 row["ratios"]["engine/jax"] = e / row["jax"]["chain_it_per_s"]
                 row["ratios"]["engine/jax_f64_keys"] = e / row["jax_f64_keys"]["chain_it_per_s"]
             rows.append(row)
@@ -394,7 +407,7 @@ def main() -> None:
 
 def print_table(out: dict) -> None:
     hdr = (f"{'task':<16}{'b':>3}{'d':>5} {'variant':<8}{'engine':>10}{'per-client':>12}{'numpy loop':>12}"
-           f"{'jax':>10}{'eng/loop':>10}{'eng/jax':>9}{'after/before':>14}")
+           f"{'jax':>10}{'eng/loop':>10}{'eng/jax':>9}{'after/before':>14}{'numba kernel':>14}{'numba/jax':>11}")
     print("\nchain-iterations per second (median; 8 chains, one thread each)\n" + hdr + "\n" + "-" * len(hdr))
     for r in out["rows"]:
         jx = r["jax"].get("chain_it_per_s")
@@ -402,7 +415,9 @@ def print_table(out: dict) -> None:
         print(f"{r['dataset']:<16}{r['b']:>3}{r['d']:>5} {r['variant']:<8}{r['engine']['chain_it_per_s']:>10,.0f}"
               f"{r['engine_per_client']['chain_it_per_s']:>12,.0f}{r['numpy_loop']['chain_it_per_s']:>12,.0f}"
               f"{(f'{jx:,.0f}' if jx else 'skipped'):>10}{r['ratios']['engine/numpy_loop']:>10.2f}"
-              f"{(f'{ej:.3f}' if ej else '-'):>9}{r['ratios']['engine/per_client']:>14.2f}")
+              f"{(f'{ej:.3f}' if ej else '-'):>9}{r['ratios']['engine/per_client']:>14.2f}"
+              f"{r['engine_numba']['chain_it_per_s']:>14,.0f}"
+              f"{(f'{nj:.2f}' if (nj := r['ratios'].get('engine_numba/jax')) else '-'):>11}")
     print("\nJAX with float64 subset keys (ablation): " + "; ".join(
         f"{r['dataset']} {r['variant']}: {r['jax_f64_keys']['chain_it_per_s']:,.0f}" for r in out["rows"]
         if "jax_f64_keys" in r))

@@ -204,6 +204,7 @@ def resolve(overrides: Mapping[str, Any] | None = None) -> RunConfig:
     if str(raw["compressor"]).strip().lower() == "identity":
         compressed = False
     theta_star = _choice("theta-star", raw["theta-star"], ("closed-form", "optimise"))
+    raw["vectorised-backend"] = _choice("vectorised-backend", raw["vectorised-backend"], ("auto", "numba", "numpy"))
     raw["resume"] = v["resume"]
     _check_data_keys(raw)
     return RunConfig(

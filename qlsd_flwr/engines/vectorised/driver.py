@@ -12,7 +12,7 @@ from qlsd_flwr.config import RunConfig
 from qlsd_flwr.core.oracles import full_local_grad
 from qlsd_flwr.core.potential import Task
 from qlsd_flwr.core.theta_star import resolve_theta_star
-from qlsd_flwr.engines.vectorised.numba_backend import NumbaGaussian
+from qlsd_flwr.engines.vectorised.numba_backend import NumbaChains
 from qlsd_flwr.engines.vectorised.numpy_backend import NumpyGeneric, Sequential
 from qlsd_flwr.engines.vectorised.results import (
     ChainStats,
@@ -32,6 +32,7 @@ from qlsd_flwr.protocol.divergence import DivergenceError, divergence_message
 from qlsd_flwr.protocol.server import summary_extra
 from qlsd_flwr.tasks import loading
 from qlsd_flwr.tasks.gaussian import GaussianLocal
+from qlsd_flwr.tasks.logistic import LogisticLocal
 
 # run-config keys that may differ between configurations run side by side
 SIDE_BY_SIDE_KEYS = ("variant", "s", "gamma", "l", "alpha", "compressor", "encoding", "run-name",
@@ -43,22 +44,30 @@ def _is_gaussian(task: Task) -> bool:
     return all(type(c) is GaussianLocal for c in task.clients)
 
 
+def _is_logistic(task: Task) -> bool:
+    return all(type(c) is LogisticLocal for c in task.clients)
+
+
 def backend_for(cfgs, task: Task, backend: str = "auto") -> str:
-    """``"numba"`` (Gaussian fast path) or ``"numpy"`` (any task); raises if ``numba`` is
+    """``"numba"`` (the compiled kernel) or ``"numpy"`` (any task); raises if ``numba`` is
     requested but does not apply.
 
-    Not at ``d = 1``: there numpy sums a ``(b, 1)`` array over its first axis pairwise (the axis
-    is contiguous), while the kernel adds rows one after another, as numpy does for ``d ≥ 2``;
-    the last bits of ``η = Σ η_i`` and of minibatch sums would differ from the reference."""
+    ``auto`` picks ``numba`` for the toy Gaussian, where its chains are the reference's bit for
+    bit. Not at ``d = 1``: there numpy sums a ``(b, 1)`` array over its first axis pairwise (the
+    axis is contiguous), while the kernel adds rows one after another, as numpy does for
+    ``d ≥ 2``; the last bits of ``η = Σ η_i`` and of minibatch sums would differ from the
+    reference. On the logistic task ``numba`` runs only when asked for: its gradient is equal to
+    the reference's within float rounding, not bit for bit (see :mod:`.kernel`)."""
     cfgs = [cfgs] if isinstance(cfgs, RunConfig) else list(cfgs)
-    ok = _is_gaussian(task) and task.dim >= 2 and all(build.blocks_for(c, task) is None for c in cfgs)
+    one_norm = all(build.blocks_for(c, task) is None for c in cfgs)
+    ok = _is_gaussian(task) and task.dim >= 2 and one_norm
     if backend == "auto":
         return "numba" if ok else "numpy"
     if backend not in ("numba", "numpy"):
         raise ValueError(f"backend: unknown value {backend!r}; allowed: auto, numba, numpy")
-    if backend == "numba" and not ok:
-        raise ValueError("backend 'numba' needs the Gaussian task with dim >= 2 and one QSGD norm "
-                         "per vector (block-norm = vector)")
+    if backend == "numba" and not (ok or (_is_logistic(task) and one_norm)):
+        raise ValueError("backend 'numba' needs the Gaussian task with dim >= 2 or the logistic task, "
+                         "and one QSGD norm per vector (block-norm = vector)")
     return backend
 
 
@@ -87,7 +96,8 @@ def run_vectorised(cfg: RunConfig, task: Task | None = None, write: bool = True,
         progress: show a progress bar (rounds/s, chain-iterations/s); default: ``cfg``'s.
         wire: accepted for signature compatibility with ``run_local``; code lengths are always
             exact and nothing is actually encoded.
-        backend: ``"auto"``, ``"numba"`` or ``"numpy"``.
+        backend: ``"auto"``, ``"numba"`` or ``"numpy"``; ``None`` reads the run config's
+            ``vectorised-backend`` (what ``engine = "vectorised"`` runs use).
         block_rounds: rounds per compiled call; default adapts to about 0.25 s a block.
         threads: worker threads of the numba backend, one group of chains each (default: the
             cores this process may use).
@@ -113,7 +123,7 @@ def run_side_by_side(cfgs, task: Task | None = None, write: bool = False, keep_t
     _check_side_by_side(cfgs)
     ref = cfgs[0]
     task = task if task is not None else loading.load_task(ref)
-    which = backend_for(cfgs, task, backend)
+    which = backend_for(cfgs, task, str(ref.get("vectorised-backend")) if backend is None else backend)
     d, nchain, K = task.dim, ref.num_chains, ref.num_rounds
     parts = [_parts(cfg, task) for cfg in cfgs]
     stats = [ChainStats(nchain, d) for _ in cfgs]
@@ -125,7 +135,7 @@ def run_side_by_side(cfgs, task: Task | None = None, write: bool = False, keep_t
         resume = ckpt.load_for_resume(ref, "vectorised")
         if resume[1]["backend"] != which:
             raise ValueError(f"resume: the checkpoint was written by the {resume[1]['backend']} backend, "
-                             f"this run uses {which}; pass backend={resume[1]['backend']!r}")
+                             f"this run uses {which}; set vectorised-backend = {resume[1]['backend']!r} (or pass backend=)")
     recs, run_dirs = [], []
     k = 0
     try:  # a stop while the recorders are open (numba compiling, a restore) closes them too
@@ -151,7 +161,7 @@ def run_side_by_side(cfgs, task: Task | None = None, write: bool = False, keep_t
         name = labels or (cfgs[0].variant if len(cfgs) == 1 else f"{len(cfgs)} configs")
         bar = progress_bar(K, show, f"{name} vectorised x{nchain}")
         if which == "numba":
-            runner = NumbaGaussian(cfgs, task, parts, stats, threads)
+            runner = NumbaChains(cfgs, task, parts, stats, threads)
         else:
             runner = Sequential([NumpyGeneric(cfg, task, *pt, st) for cfg, pt, st in zip(cfgs, parts, stats)])
         t0 = time.perf_counter()
@@ -306,7 +316,7 @@ def _stats_arrays(st: ChainStats) -> dict:
 
 
 def _save_checkpoint(cfg, backend, runner, st: ChainStats, rec: Recorder, run_dir, k: int) -> None:
-    r = runner if isinstance(runner, NumbaGaussian) else runner.runners[0]
+    r = runner if isinstance(runner, NumbaChains) else runner.runners[0]
     rec_meta, rec_arrays = rec.checkpoint_state()
     arrays = {**{f"run_{n}": a for n, a in r.checkpoint_arrays().items()}, **_stats_arrays(st),
               **{f"rec_{n}": a for n, a in rec_arrays.items()}}
@@ -316,9 +326,9 @@ def _save_checkpoint(cfg, backend, runner, st: ChainStats, rec: Recorder, run_di
 
 
 def _restore(runner, st: ChainStats, arrays: dict) -> None:
-    r = runner if isinstance(runner, NumbaGaussian) else runner.runners[0]
+    r = runner if isinstance(runner, NumbaChains) else runner.runners[0]
     r.restore({n[4:]: a for n, a in arrays.items() if n.startswith("run_")})
     for n, a in arrays.items():
         if n.startswith("st_"):
             getattr(st, n[3:])[...] = a
-    st.n_kept = int(r.kept[0]) if isinstance(r, NumbaGaussian) else int(arrays["run_n_kept"])
+    st.n_kept = int(r.kept[0]) if isinstance(r, NumbaChains) else int(arrays["run_n_kept"])

@@ -1,12 +1,17 @@
-"""The numba backend's kernel: blocks of rounds of toy-Gaussian chains, compiled.
+"""The numba backend's kernel: blocks of rounds of toy-Gaussian or logistic chains, compiled.
 
-It runs the algorithm of the other engines with the same floating-point operations in the same
-order, so its chains are theirs bit for bit. Each piece it needs is the compiled twin that sits
+On the toy Gaussian it runs the algorithm of the other engines with the same floating-point
+operations in the same order, so its chains are theirs bit for bit. On the logistic task it runs
+the same algorithm with one difference: its gradient (:func:`_logistic_grad_rows`) sums the
+rows' products in its own order and takes libm's ``exp``, where the reference calls BLAS and
+numpy's ``exp``; those gradients agree to a few units of the last place, not bit for bit, so
+its chains follow the reference's within float rounding (``tests/test_numba_logistic.py``). Each piece it needs is the compiled twin that sits
 beside its Python reference and is tested against it there: the random streams
 (:mod:`qlsd_flwr.core.rng`: keys, uniforms, the dither, the subset draw, Box–Muller), QSGD's
 quantise and dequantise and numpy's pairwise norm (:mod:`qlsd_flwr.compression.qsgd`), the exact
 Elias code length (:mod:`qlsd_flwr.compression.codec`). What is only here is what is special to
-the Gaussian task (its oracle in closed form over a minibatch sum of ``y``) and the loop itself,
+each task (the Gaussian's oracle in closed form over a minibatch sum of ``y``; the logistic
+oracle over the minibatch's rows) and the loop itself,
 whose server step is :func:`qlsd_flwr.core.server_step.server_step` written out per coordinate.
 
 Its inputs are three named tuples of arrays: :class:`KernelParams` (read only),
@@ -36,6 +41,7 @@ _NOISE = np.uint64(int(rng.Stream.NOISE))
 _FULL, _MINIBATCH, _STAR, _SVRG = (int(o) for o in (Oracle.FULL, Oracle.MINIBATCH, Oracle.STAR, Oracle.SVRG))
 _PACKED, _ELIAS = int(Encoding.PACKED), int(Encoding.ELIAS)
 _IDENTITY_NON_FINITE = int(QuantiseError.IDENTITY_NON_FINITE)
+GAUSSIAN, LOGISTIC = 0, 1  # KernelParams.task
 
 
 class KernelParams(NamedTuple):
@@ -45,9 +51,12 @@ class KernelParams(NamedTuple):
     p: np.ndarray  # (b,) participation probabilities p_i
     Ns: np.ndarray  # (b,) N_i
     ns: np.ndarray  # (b,) minibatch sizes n_i
-    y: np.ndarray  # (Σ N_i, d) every client's points, client after client
+    y: np.ndarray  # (Σ N_i, d) every client's points (logistic: its rows [x, 1]), client after client
     yoff: np.ndarray  # (b + 1,) where client i's rows start
-    ysum: np.ndarray  # (b, d) Σ_j y_ij
+    ysum: np.ndarray  # (b, d) Σ_j y_ij (Gaussian only)
+    labels: np.ndarray  # (Σ N_i,) class labels (logistic only; else empty)
+    n_classes: int  # K (logistic; θ is the row-major (p+1)×K matrix W), else 1
+    task: int  # GAUSSIAN or LOGISTIC
     oracle: np.ndarray  # (V,) Oracle values
     compressed: np.ndarray  # (V,) QSGD (True) or the float64 identity
     memory: np.ndarray  # (V,) η_i on
@@ -133,6 +142,84 @@ def _minibatch_sum(i, kmini, y, yoff, Ns, ns, acc, keys, cand_i, cand_k, amb, se
 
 
 @njit(cache=True)
+def _minibatch_rows(i, kmini, Ns, ns, keys, cand_i, cand_k, amb, sel):
+    """The minibatch's rows of client ``i`` into ``sel[:n]`` (ascending), as
+    :func:`qlsd_flwr.core.oracles.minibatch`; none drawn when ``n ≥ N`` (all rows, in order).
+    Returns 1 on a subset boundary tie."""
+    if ns[i] >= Ns[i]:
+        return 0
+    return rng.subset_nb(kmini, Ns[i], ns[i], keys, cand_i, cand_k, amb, sel)
+
+
+@njit(cache=True)
+def _logistic_grad_rows(X, labels, off, sel, n, all_rows, th, K, z, out):
+    """``out = Σ_j [x_j, 1]ᵀ (softmax([x_j, 1] W) − e_{y_j})`` over the rows ``off + sel[:n]``
+    (``off .. off + n − 1`` when ``all_rows``), ``W`` = ``th`` as a row-major ``(p+1)×K`` matrix:
+    :meth:`qlsd_flwr.tasks.logistic.LogisticLocal.grad_sum` with its own summation order and
+    libm's ``exp`` (equal to a few ulps, not bit for bit). ``z``: ``K`` scratch numbers."""
+    p1 = X.shape[1]
+    out[:] = 0.0
+    for jj in range(n):
+        row = off + (jj if all_rows else sel[jj])
+        m = -np.inf
+        for k in range(K):
+            t = 0.0
+            for q in range(p1):
+                t += X[row, q] * th[q * K + k]
+            z[k] = t
+            m = max(m, t)
+        tot = 0.0
+        for k in range(K):
+            z[k] = math.exp(z[k] - m)
+            tot += z[k]
+        for k in range(K):
+            z[k] = z[k] / tot
+        z[labels[row]] -= 1.0
+        for q in range(p1):
+            x = X[row, q]
+            for k in range(K):
+                out[q * K + k] += x * z[k]
+
+
+@njit(cache=True)
+def _logistic_full_grad(i, th, X, labels, yoff, Ns, K, z, sel, out, prior_flat, prior_w, prior_mean, prior_var):
+    """``∇U_i(θ)``: all of client ``i``'s rows plus its share of the prior
+    (:func:`qlsd_flwr.core.oracles.full_local_grad`)."""
+    _logistic_grad_rows(X, labels, yoff[i], sel, Ns[i], True, th, K, z, out)
+    for q in range(th.shape[0]):
+        pg = 0.0 if prior_flat else (th[q] - prior_mean) / prior_var
+        out[q] = out[q] + prior_w * pg
+
+
+@njit(cache=True)
+def _oracle_logistic(i, code, th, anchor, ag, X, labels, yoff, Ns, ns, sel, K, z, h, gb, prior_flat,
+                     prior_w, prior_mean, prior_var):
+    """``H_i(θ)`` of :func:`qlsd_flwr.core.oracles.oracle` for logistic client ``i`` (the same
+    expression, on :func:`_logistic_grad_rows`); ``sel`` holds the round's minibatch."""
+    d = th.shape[0]
+    if code == _FULL:
+        _logistic_full_grad(i, th, X, labels, yoff, Ns, K, z, sel, h, prior_flat, prior_w, prior_mean, prior_var)
+        return
+    N = Ns[i]
+    n = min(ns[i], N)
+    every = n >= N
+    scale = np.float64(N) / np.float64(n)
+    _logistic_grad_rows(X, labels, yoff[i], sel, n, every, th, K, z, h)
+    if code == _MINIBATCH:
+        for q in range(d):
+            pg = 0.0 if prior_flat else (th[q] - prior_mean) / prior_var
+            h[q] = scale * h[q] + prior_w * pg
+        return
+    _logistic_grad_rows(X, labels, yoff[i], sel, n, every, anchor, K, z, gb)
+    for q in range(d):
+        dp = 0.0 if prior_flat else (th[q] - prior_mean) / prior_var - (anchor[q] - prior_mean) / prior_var
+        h[q] = scale * (h[q] - gb[q]) + prior_w * dp
+    if code == _SVRG:
+        for q in range(d):
+            h[q] = h[q] + ag[q]
+
+
+@njit(cache=True)
 def _oracle_gauss(i, code, th, anchor, ag, acc, Ns, ns, ysum, h, prior_flat, prior_w, prior_mean,
             prior_var):
     """``H_i(θ)`` of :func:`qlsd_flwr.core.oracles.oracle` for Gaussian client ``i``, with the same
@@ -173,7 +260,7 @@ def _oracle_gauss(i, code, th, anchor, ag, acc, Ns, ns, ysum, h, prior_flat, pri
 
 
 @njit(nogil=True, cache=True)
-def gauss_block(k0, R, prm, ch, out):
+def chains_block(k0, R, prm, ch, out):
     """Rounds ``k0 .. k0+R-1`` of the chains in ``ch`` (a contiguous group), for every
     configuration ``v``; releases the GIL.
 
@@ -189,6 +276,7 @@ def gauss_block(k0, R, prm, ch, out):
     noise, states, m_act, m_skip = out.noise, out.states, out.m_act, out.m_skip
     m_bits, m_bound, m_bytes = out.m_bits, out.m_bound, out.m_bytes
     p, Ns, ns, y, yoff, ysum = prm.p, prm.Ns, prm.ns, prm.y, prm.yoff, prm.ysum
+    labels, K, task = prm.labels, prm.n_classes, prm.task
     oracle, memory, encoding, ell = prm.oracle, prm.memory, prm.encoding, prm.l
     s, packed, bound, alpha = prm.s, prm.packed, prm.bound, prm.alpha
     theta_star, star_prior = prm.theta_star, prm.star_prior
@@ -216,6 +304,8 @@ def gauss_block(k0, R, prm, ch, out):
         wts[i] = 1.0 / p[i]
     for c in range(nc):
         h = np.empty(d)
+        gb = np.empty(d)  # the logistic oracle's gradient at the anchor
+        zk = np.empty(K)  # its softmax
         acc = np.zeros(d)
         gh = np.empty(d)
         g = np.empty((V, d))
@@ -257,6 +347,10 @@ def gauss_block(k0, R, prm, ch, out):
                     for q in range(d):
                         zt[v, q] = th[v, q]
                     for i in range(b):
+                        if task == LOGISTIC:
+                            _logistic_full_grad(i, zt[v], y, labels, yoff, Ns, K, zk, sel, ag[v, i],
+                                                prior_flat, prior_w, prior_mean, prior_var)
+                            continue
                         fN = np.float64(Ns[i])
                         for q in range(d):
                             pg = 0.0 if prior_flat else (zt[v, q] - prior_mean) / prior_var
@@ -279,7 +373,10 @@ def gauss_block(k0, R, prm, ch, out):
                 for i in range(b):
                     if not active[i]:
                         continue
-                    if need_mini:
+                    if need_mini and task == LOGISTIC:
+                        ties_c += _minibatch_rows(i, rng.key_rc_nb(ks_mini, k, i), Ns, ns, keys, cand_i,
+                                                  cand_k, amb, sel)
+                    elif need_mini:
                         ties_c += _minibatch_sum(i, rng.key_rc_nb(ks_mini, k, i), y, yoff, Ns, ns, acc,
                                                  keys, cand_i, cand_k, amb, sel)
                     if need_dither:
@@ -287,8 +384,13 @@ def gauss_block(k0, R, prm, ch, out):
                     w = (np.float64(b) / np.float64(n_act)) if active_fraction else wts[i]
                     for v in range(V):
                         code = oracle[v]
-                        _oracle_gauss(i, code, th[v], theta_star[v] if code == _STAR else zt[v], ag[v, i],
-                                      acc, Ns, ns, ysum, h, prior_flat, prior_w, prior_mean, prior_var)
+                        if task == LOGISTIC:
+                            _oracle_logistic(i, code, th[v], theta_star[v] if code == _STAR else zt[v], ag[v, i],
+                                             y, labels, yoff, Ns, ns, sel, K, zk, h, gb, prior_flat, prior_w,
+                                             prior_mean, prior_var)
+                        else:
+                            _oracle_gauss(i, code, th[v], theta_star[v] if code == _STAR else zt[v], ag[v, i],
+                                          acc, Ns, ns, ysum, h, prior_flat, prior_w, prior_mean, prior_var)
                         if memory[v]:  # memory: send C(H_i − η_i)
                             for q in range(d):
                                 h[q] = h[q] - et_i[v, i, q]

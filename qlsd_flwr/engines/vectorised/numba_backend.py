@@ -1,6 +1,7 @@
-"""The numba backend: the toy Gaussian task's chains run by the compiled kernel
-(:mod:`.kernel`), ``V`` configurations × ``C`` chains, a block of rounds per call, the chains
-split into one contiguous group per thread."""
+"""The numba backend: the toy Gaussian task's chains (bit for bit the reference) or the logistic
+task's (within float rounding, on request) run by the compiled kernel (:mod:`.kernel`), ``V``
+configurations × ``C`` chains, a block of rounds per call, the chains split into one contiguous
+group per thread."""
 
 from __future__ import annotations
 
@@ -14,13 +15,16 @@ from qlsd_flwr.core import rng
 from qlsd_flwr.core.oracles import Oracle
 from qlsd_flwr.core.participation import Aggregation
 from qlsd_flwr.engines.vectorised.kernel import (
+    GAUSSIAN,
+    LOGISTIC,
     BlockOutputs,
     ChainArrays,
     KernelParams,
-    gauss_block,
+    chains_block,
 )
 from qlsd_flwr.engines.vectorised.results import chain_seeds
 from qlsd_flwr.protocol import build
+from qlsd_flwr.tasks.logistic import LogisticLocal
 
 _NOISE_CHECK: dict = {}
 
@@ -43,7 +47,9 @@ def kernel_params(cfgs, task, parts, noise_in_kernel: bool) -> KernelParams:
     in ``parts``), checking what the kernel supports."""
     ref = cfgs[0]
     V, d, b = len(cfgs), task.dim, ref.b
-    ys = [c.y for c in task.clients]
+    logistic = all(type(c) is LogisticLocal for c in task.clients)
+    # the Gaussian's points y_ij, or the logistic rows [x_ij, 1] (and their labels)
+    ys = [c.Xa if logistic else c.y for c in task.clients]
     specs0, spec0 = parts[0][0], parts[0][1]
     ns = np.array([s.batch_size for s in specs0], dtype=np.int64)
     s = np.ones((V, b), dtype=np.int64)
@@ -85,7 +91,9 @@ def kernel_params(cfgs, task, parts, noise_in_kernel: bool) -> KernelParams:
         Ns=np.array([c.n_data for c in task.clients], dtype=np.int64), ns=ns,
         y=np.ascontiguousarray(np.concatenate(ys)),
         yoff=np.concatenate([[0], np.cumsum([y.shape[0] for y in ys])]).astype(np.int64),
-        ysum=np.ascontiguousarray(np.stack([c.y_sum for c in task.clients])),
+        ysum=(np.zeros((b, d)) if logistic else np.ascontiguousarray(np.stack([c.y_sum for c in task.clients]))),
+        labels=(np.concatenate([c.y for c in task.clients]).astype(np.int64) if logistic else np.zeros(0, np.int64)),
+        n_classes=int(task.clients[0].n_classes) if logistic else 1, task=LOGISTIC if logistic else GAUSSIAN,
         oracle=oracle, compressed=compressed,
         memory=np.array([p[1].memory for p in parts], dtype=np.bool_), encoding=enc,
         l=np.array([p[1].l for p in parts], dtype=np.int64),
@@ -99,8 +107,9 @@ def kernel_params(cfgs, task, parts, noise_in_kernel: bool) -> KernelParams:
         prior_weight=float(specs0[0].prior_weight))
 
 
-class NumbaGaussian:
-    """Toy Gaussian fast path: ``V`` configurations × ``C`` chains, a block of rounds per call."""
+class NumbaChains:
+    """The compiled path (toy Gaussian; logistic on request): ``V`` configurations × ``C``
+    chains, a block of rounds per call."""
 
     def __init__(self, cfgs, task, parts, stats, threads):
         ref = cfgs[0]
@@ -165,7 +174,7 @@ class NumbaGaussian:
             m_bytes=np.zeros((nc, V, R), np.int64))
 
         def job(g):
-            gauss_block(k0, R, self.prm, ch.rows(*g), out.rows(*g))
+            chains_block(k0, R, self.prm, ch.rows(*g), out.rows(*g))
 
         if self.pool is None:
             job(self.groups[0])
