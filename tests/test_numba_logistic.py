@@ -51,25 +51,29 @@ def test_the_compiled_logistic_gradient_is_the_reference_within_its_rounding_bou
                 prob = np.exp(logits - logits.max(1, keepdims=True))
                 prob /= prob.sum(1, keepdims=True)
                 mag = prob + (np.arange(K) == y[idx][:, None])
-                row_err = (p1 + K + 8) * U * (np.abs(X[idx]) @ np.abs(W)).max(1, keepdims=True) + 1
+                # |δr_jk| ≤ (p+1+K+8)·u·(max_k |logit_jk| + 1)·(p_jk + [k=y]), |logit| ≤ |x|·|W|
+                row_err = (p1 + K + 8) * U * ((np.abs(X[idx]) @ np.abs(W)).max(1, keepdims=True) + 1)
                 bound = 4 * ((n + 2) * U * (np.abs(X[idx]).T @ mag)
-                             + np.abs(X[idx]).T @ (row_err * (p1 + K + 8) * U * mag)).ravel()
+                             + np.abs(X[idx]).T @ (row_err * mag)).ravel()
                 assert np.all(np.abs(got - ref) <= bound), (dataset, n, scale)
                 checked += 1
     assert checked == 6 * b
 
 
-@pytest.mark.parametrize("variant", ["qlsd-pp", "lsd-pp", "qlsd-star", "qlsd-sharp", "qlsd"])
-def test_the_compiled_logistic_chains_follow_the_reference_chains(variant):
+@pytest.mark.parametrize("variant, prior_on", [("qlsd-pp", "server"), ("qlsd-pp", "clients"), ("lsd-pp", "server"),
+                                               ("qlsd-star", "clients"), ("qlsd-sharp", "clients"), ("qlsd", "server")])
+def test_the_compiled_logistic_chains_follow_the_reference_chains(variant, prior_on):
     # the numpy backend's chains are the reference (bit for bit the Flower engines'). The
     # compiled gradient differs from it by a few ulps (above), which the chains carry; the
-    # Langevin map is a contraction on this log-concave posterior at this γ, so the difference
-    # stays at the rounding scale. One quantised message can also round its float32 norm the
+    # task's Gaussian prior (variance 0.02) makes the posterior strongly log-concave, and at
+    # this γ the Langevin map contracts, so the difference stays at the rounding scale. With
+    # prior-on = clients the oracles' prior terms (w_i ∇U_0 at θ and at the anchor) are
+    # exercised too. One quantised message can also round its float32 norm the
     # other way (chance ~2^24·1e-15 per message): ĝ then moves by 2^-24 relative, θ by about
     # γ·‖ĝ‖·2^-24 ≈ 1e-4·100·6e-8. The tolerance, 1e-8·max|θ|, covers that and is far below
     # what any wrong term would make (the chains move by ~1e-2 a round).
-    cfg = _cfg(variant=variant, **({"theta-star": "optimise", "opt-accept-unconverged": True}
-                                   if variant == "qlsd-star" else {}))
+    cfg = _cfg(variant=variant, **{"prior-on": prior_on}, **({"theta-star": "optimise", "opt-accept-unconverged": True}
+                                                             if variant == "qlsd-star" else {}))
     fast = run_vectorised(cfg, write=False, keep_trace=True, backend="numba")
     ref = run_vectorised(cfg, write=False, keep_trace=True, backend="numpy")
     assert fast.backend == "numba" and ref.backend == "numpy"
@@ -104,3 +108,21 @@ def test_the_run_config_key_chooses_the_backend(tmp_path):
     assert run({**gauss, "vectorised-backend": "numpy", "run-name": "d"}).detail.backend == "numpy"
     with pytest.raises(ConfigError, match="vectorised-backend: unknown value 'fast'; allowed: auto, numba, numpy"):
         resolve({"vectorised-backend": "fast"})
+
+
+def test_a_checkpoint_resumes_only_on_its_backend_and_the_refusal_names_the_key(tmp_path, monkeypatch):
+    # (bitwise kill-and-resume of this backend: test_reliability's case vectorised-numba-logistic)
+    monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).parent))
+    from test_reliability import run_and_kill
+
+    from qlsd_flwr.run.simulate import run
+
+    o = {"task": "logistic", "dataset": "breast_cancer", "num-clients": 4, "num-rounds": 40, "burn-in": 0,
+         "engine": "vectorised", "progress": False, "output-dir": str(tmp_path), "run-name": "r",
+         "vectorised-backend": "numba", "checkpoint-every": 4}
+    run_and_kill(o, 20, block_rounds=4)
+    with pytest.raises(ValueError, match=r"written by the numba backend, this run uses numpy; "
+                                         r"set vectorised-backend = 'numba'"):
+        run({"resume": str(tmp_path / "r"), "vectorised-backend": "numpy"})
+    out = run({"resume": str(tmp_path / "r"), "vectorised-backend": "numba"})
+    assert out.detail.backend == "numba" and out.summary["rounds"] == 40

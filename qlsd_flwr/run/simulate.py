@@ -45,7 +45,7 @@ def run(overrides: dict | None = None, **kwargs) -> Outcome:
     if cfg.engine == "vectorised":
         from qlsd_flwr.engines.vectorised import run_vectorised
 
-        res = run_vectorised(cfg, **{"backend": None, **kwargs})  # None: the run config's vectorised-backend
+        res = run_vectorised(cfg, **kwargs)
         return Outcome(res.summary, res.run_dir, res)
     if cfg.engine == "inprocess":
         strat = run_inprocess(cfg, overrides or {}, **kwargs)

@@ -43,9 +43,9 @@ Two backends
   libm's ``exp``, where the reference calls BLAS and numpy's ``exp``: equal to a few ulps, not
   bit for bit. Everything else is the shared kernel, so the chains follow the reference's within
   float rounding (``tests/test_numba_logistic.py`` derives and checks both bounds). Against a
-  JAX jit + vmap + scan version of the same step it measured 1.3-1.8× in 7 of 8 cases and
-  0.75× once, where the numpy backend measured 0.46-0.99× (``benchmarks/bench_logistic.py``,
-  two runs; ``benchmarks/RESULTS.md``).
+  JAX jit + vmap + scan version of the same step it measured 1.7-1.8× on breast_cancer, about
+  1.0× on digits QLSD++ and 0.75× on digits LSD++, where the numpy backend measured 0.46-0.99×
+  (``benchmarks/bench_logistic.py``; ``benchmarks/RESULTS.md``).
 * ``numpy`` — any :class:`~qlsd_flwr.core.potential.Task` whose clients implement
   :class:`~qlsd_flwr.core.potential.LocalPotential`. Randomness, quantisation, code lengths and
   the server step are vectorised over chains and clients with the very functions the other

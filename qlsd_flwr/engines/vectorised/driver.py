@@ -66,8 +66,8 @@ def backend_for(cfgs, task: Task, backend: str = "auto") -> str:
     if backend not in ("numba", "numpy"):
         raise ValueError(f"backend: unknown value {backend!r}; allowed: auto, numba, numpy")
     if backend == "numba" and not (ok or (_is_logistic(task) and one_norm)):
-        raise ValueError("backend 'numba' needs the Gaussian task with dim >= 2 or the logistic task, "
-                         "and one QSGD norm per vector (block-norm = vector)")
+        raise ValueError("vectorised-backend = numba needs the Gaussian task with dim >= 2 or the logistic task, "
+                         "and one QSGD norm per vector (block-norm = vector); allowed for this run: auto, numpy")
     return backend
 
 
@@ -84,7 +84,7 @@ def _check_side_by_side(cfgs: list[RunConfig]) -> None:
 
 def run_vectorised(cfg: RunConfig, task: Task | None = None, write: bool = True,
                    keep_trace: bool = False, progress: bool | None = None, wire: bool = True,
-                   backend: str = "auto", block_rounds: int | None = None,
+                   backend: str | None = None, block_rounds: int | None = None,
                    threads: int | None = None) -> VectorisedResult:
     """Run ``cfg.num_chains`` chains of ``cfg`` side by side (chain ``c``: seed ``seed + c``).
 
@@ -96,8 +96,8 @@ def run_vectorised(cfg: RunConfig, task: Task | None = None, write: bool = True,
         progress: show a progress bar (rounds/s, chain-iterations/s); default: ``cfg``'s.
         wire: accepted for signature compatibility with ``run_local``; code lengths are always
             exact and nothing is actually encoded.
-        backend: ``"auto"``, ``"numba"`` or ``"numpy"``; ``None`` reads the run config's
-            ``vectorised-backend`` (what ``engine = "vectorised"`` runs use).
+        backend: ``"auto"``, ``"numba"`` or ``"numpy"``; ``None`` (the default) reads the run
+            config's ``vectorised-backend`` (itself ``"auto"`` by default).
         block_rounds: rounds per compiled call; default adapts to about 0.25 s a block.
         threads: worker threads of the numba backend, one group of chains each (default: the
             cores this process may use).
@@ -107,7 +107,7 @@ def run_vectorised(cfg: RunConfig, task: Task | None = None, write: bool = True,
 
 
 def run_side_by_side(cfgs, task: Task | None = None, write: bool = False, keep_trace: bool = False,
-                     progress: bool | None = None, backend: str = "auto",
+                     progress: bool | None = None, backend: str | None = None,
                      block_rounds: int | None = None, threads: int | None = None,
                      labels=None) -> list[VectorisedResult]:
     """Run several configurations (each with its ``num_chains`` chains) in one pass.

@@ -196,7 +196,8 @@ class NumbaChains:
             st.n_active += out.m_act.sum(axis=1)
             st.skipped += out.m_skip.sum(axis=1)
             st.bits_exact += out.m_bits[:, v].sum(axis=1)
-            st.bits_bound += out.m_bound[:, v].sum(axis=1)
+            for r in range(out.m_bound.shape[2]):  # round by round: the float total must not depend on
+                st.bits_bound += out.m_bound[:, v, r]  # where blocks end (they follow timing and resumes)
             st.bytes_payload += out.m_bytes[:, v].sum(axis=1)
             st.subset_ties[:] = ch.ties
             outs.append({"n_active": out.m_act, "skipped": out.m_skip, "bits_exact": out.m_bits[:, v],
