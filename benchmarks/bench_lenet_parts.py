@@ -158,6 +158,18 @@ def transfer(batches: int = 10) -> dict:
     return out
 
 
+def _vmap_against_passes(with_vmap, passes, reps: int) -> dict:
+    """Milliseconds a call of each, interleaved (vmap, passes, vmap, passes), the second pair kept."""
+    ms = {}
+    for name, f in (("vmap", with_vmap), ("passes", passes)) * 2:
+        f()
+        t = time.perf_counter()
+        for _ in range(reps):
+            f()
+        ms[name] = 1e3 * (time.perf_counter() - t) / reps
+    return {"vmap_ms": ms["vmap"], "backward_passes_ms": ms["passes"], "vmap_over_passes": ms["vmap"] / ms["passes"]}
+
+
 def vmap(reps: int = 10) -> dict:
     import torch
     import torch.nn.functional as F
@@ -189,15 +201,7 @@ def vmap(reps: int = 10) -> dict:
                 model.zero_grad(set_to_none=True)
                 F.cross_entropy(model(X), y, reduction="sum").backward()
 
-        times = {}
-        for f in (with_vmap, one_by_one, with_vmap, one_by_one):  # interleaved, the second pair kept
-            f()
-            t = time.perf_counter()
-            for _ in range(reps):
-                f()
-            times[f.__name__] = 1e3 * (time.perf_counter() - t) / reps
-        out[f"R={R}"] = {"vmap_ms": times["with_vmap"], "backward_passes_ms": times["one_by_one"],
-                         "vmap_over_passes": times["with_vmap"] / times["one_by_one"]}
+        out[f"R={R}"] = _vmap_against_passes(with_vmap, one_by_one, reps)
     # the vectorised engine's case: 20 clients' minibatch gradients at one shared θ (one chain),
     # vmapped over the clients' data, against 20 backward passes
     G = 20
@@ -212,15 +216,7 @@ def vmap(reps: int = 10) -> dict:
             model.zero_grad(set_to_none=True)
             F.cross_entropy(model(Xg[g]), yg[g], reduction="sum").backward()
 
-    times = {}
-    for f in (clients_vmap, clients_passes, clients_vmap, clients_passes):
-        f()
-        t = time.perf_counter()
-        for _ in range(reps // 2):
-            f()
-        times[f.__name__] = 1e3 * (time.perf_counter() - t) / (reps // 2)
-    out["clients=20, shared θ"] = {"vmap_ms": times["clients_vmap"], "backward_passes_ms": times["clients_passes"],
-                                   "vmap_over_passes": times["clients_vmap"] / times["clients_passes"]}
+    out["clients=20, shared θ"] = _vmap_against_passes(clients_vmap, clients_passes, reps // 2)
     return out
 
 

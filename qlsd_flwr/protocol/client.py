@@ -70,17 +70,17 @@ def handle_chains(spec: ClientSpec, pot: LocalPotential, load_state, seed: int, 
     are one :func:`qlsd_flwr.core.oracles.client_rounds` call (one batched gradient where the
     potential has ``grad_sum_batch``; bit for bit the per-chain result). Returns the reply fields
     and the chains' states (the caller keeps them)."""
-    per = unbundle_request(fields, d)
+    per = unbundle_request(fields, d)  # one round for every chain: the message's
     states = {c: load_state(c) for c in per}
-    replies, ready = {}, {}  # ready: round -> [(chain, θ)]
+    replies, ready = {}, []  # ready: (chain, θ) of the chains that sample
     for c, f in per.items():
         theta, replies[c] = _prepare(spec, pot, states[c], f, d)
         if replies[c] is None:
-            ready.setdefault(int(f["round"]), []).append((c, theta))
-    for k, group in ready.items():
-        chains = [c for c, _ in group]
-        outs = client_rounds(spec, pot, [states[c] for c in chains], [seed + c for c in chains], k,
-                             np.stack([theta for _, theta in group]))
+            ready.append((c, theta))
+    if ready:
+        chains = [c for c, _ in ready]
+        outs = client_rounds(spec, pot, [states[c] for c in chains], [seed + c for c in chains],
+                             int(fields["round"]), np.stack([theta for _, theta in ready]))
         for c, (q, _) in zip(chains, outs):
             replies[c] = _sampled(spec, states[c], q)
     return bundle_reply(spec.index, replies), states
