@@ -91,6 +91,10 @@ class RunConfig:
     reply_timeout: float = 600.0
     verbose: bool = False
     progress: bool = True
+    gamma_auto: bool = False  # gamma = auto: γ is chosen before sampling (gamma is NaN until then)
+    metric: str = "identity"  # identity, diagonal, dense, or a .npy path
+    temperature: float = 1.0
+    init: str = "theta0"
 
     def get(self, key: str) -> Any:
         return self.raw[key]
@@ -179,7 +183,9 @@ def resolve(overrides: Mapping[str, Any] | None = None) -> RunConfig:
     oracle, compressed, memory = VARIANTS[variant]
     task = _task_key(raw["task"])
     engine = _choice("engine", raw["engine"], ENGINES)
-    b, dim, gamma, K = v["num-clients"], v["dim"], v["gamma"], v["num-rounds"]
+    b, dim, K = v["num-clients"], v["dim"], v["num-rounds"]
+    gamma_auto = v["gamma"] == "auto"
+    gamma = math.nan if gamma_auto else float(v["gamma"])
     burn, thin, chains = v["burn-in"], v["thin"], v["num-chains"]
     if not burn < K:
         raise ConfigError(f"burn-in must be in [0, num-rounds) = [0, {K}) (got {burn})")
@@ -206,6 +212,12 @@ def resolve(overrides: Mapping[str, Any] | None = None) -> RunConfig:
     theta_star = _choice("theta-star", raw["theta-star"], ("closed-form", "optimise"))
     raw["vectorised-backend"] = _choice("vectorised-backend", raw["vectorised-backend"], ("auto", "numba", "numpy"))
     raw["resume"] = v["resume"]
+    metric = _metric_key(raw["metric"])
+    raw["metric-from"] = _choice("metric-from", raw["metric-from"], ("curvature",))
+    init = _choice("init", raw["init"], ("theta0", "dispersed"))
+    raw["convergence-criterion"] = _choice("convergence-criterion", raw["convergence-criterion"],
+                                           ("auto", "theta", "predictive"))
+    _check_biased_aggregation(variant, oracle, aggregation, p, raw)
     _check_data_keys(raw)
     return RunConfig(
         raw=raw, variant=variant, oracle=oracle, compressed=compressed, memory=memory, b=b_eff,
@@ -215,5 +227,38 @@ def resolve(overrides: Mapping[str, Any] | None = None) -> RunConfig:
         prior_on=prior_on, block_norm=block_norm, encoding=encoding, theta_star=theta_star,
         engine=engine, task=task, num_clients=b, dim=dim, data_seed=v["data-seed"], opt_rounds=v["opt-rounds"],
         opt_tol=v["opt-tol"], checkpoint_every=v["checkpoint-every"], reply_timeout=v["reply-timeout"],
-        verbose=v["verbose"], progress=v["progress"],
+        verbose=v["verbose"], progress=v["progress"], gamma_auto=gamma_auto, metric=metric,
+        temperature=float(v["temperature"]), init=init,
     )
+
+
+def _metric_key(value: Any) -> str:
+    """``identity``, ``diagonal``, ``dense``, or the path of an existing ``.npy`` file."""
+    v = str(value).strip()
+    if v.lower() in ("identity", "diagonal", "dense"):
+        return v.lower()
+    if v.endswith(".npy"):
+        from pathlib import Path
+
+        if not Path(v).expanduser().is_file():
+            raise ConfigError(f"metric: no such file {v!r}; allowed: identity, diagonal, dense, or a path to a .npy")
+        return v
+    raise ConfigError(f"metric: unknown value {value!r}; allowed: identity, diagonal, dense, or a path to a .npy")
+
+
+def _check_biased_aggregation(variant: str, oracle: str, aggregation: str, p: np.ndarray, raw: dict) -> None:
+    """``active-fraction`` weighs a reply by ``b/|A_k|``, so ``E[w_i 1_i] = p_i E[b/|A_k|]``, which is 1
+    for every client only when the ``p_i`` are equal. A variant whose messages carry ``∇U_i`` itself
+    (no control variate: QLSD, QLSD#, SGLD) then follows ``Σ_i p_i E[b/|A|] ∇U_i``, a different
+    potential: its chain is centred off the posterior (61 posterior sd on a heterogeneous Gaussian with
+    p_i from 0.1 to 0.95). The control-variate variants send differences whose mean vanishes at the
+    mode, so only their spread changes. Refused unless ``accept-biased-aggregation`` is set."""
+    if aggregation != "active-fraction" or oracle in ("star", "svrg") or np.all(p == p[0]):
+        return
+    if flag("accept-biased-aggregation", raw.get("accept-biased-aggregation", False)):
+        return
+    raise ConfigError(
+        f"aggregation: active-fraction with unequal p_i (from {float(p.min()):g} to {float(p.max()):g}) biases "
+        f"{variant}: client i's gradient enters with mean weight p_i·E[b/|A_k|] ≠ 1, so the chain samples a "
+        "shifted target; use aggregation = unbiased, or a control-variate variant (qlsd-star, qlsd-pp, lsd-star, "
+        "lsd-pp), or set accept-biased-aggregation = true")

@@ -117,7 +117,20 @@ KEYS: tuple[Key, ...] = (
     Key("burn-in", 500, "int", "rounds dropped before samples are kept (< num-rounds)", "", lo=0, cap=10**12,
         group=SAMPLER),
     Key("thin", 1, "int", "keep every thin-th sample after burn-in", "", lo=1, cap=10**12, group=SAMPLER),
-    Key("gamma", 4.9e-4, "float", "Langevin step size", "γ", lo=0, open_lo=True, group=SAMPLER),
+    Key("gamma", 4.9e-4, "float|word", "Langevin step size; auto: 0.25 / λ_max of M^½ ∇²U(θ*) M^½, estimated by "
+        "power iteration on federated Hessian-vector products before sampling", "γ", lo=0, open_lo=True,
+        words=("auto",), group=SAMPLER),
+    Key("metric", "identity", "text", "the preconditioner M of the step θ − γ M g + √(2γT) M^½ Z: identity (the "
+        "paper's chain), diagonal, dense (d ≤ 2000; noise by its Cholesky factor), or a path to a .npy of d "
+        "positive numbers or an SPD d × d matrix", "M", group=SAMPLER),
+    Key("metric-from", "curvature", "choice", "how a diagonal or dense M is built: the inverse of the prior's "
+        "curvature plus the clients' curvature reports at θ* (one exchange before sampling)", "",
+        choices=("curvature",), group=SAMPLER),
+    Key("temperature", 1.0, "float", "the chain targets π^(1/T): T = 1 the posterior, T < 1 a cooled one (the "
+        "noise is scaled by √T)", "T", lo=0, open_lo=True, cap=1e6, group=SAMPLER),
+    Key("init", "theta0", "choice", "where chains start: the task's θ_0 (all chains alike), or dispersed: θ* + 2 "
+        "M^½ z_c per chain (prior scale without a metric), so that R-hat can show chains that have not met",
+        choices=("theta0", "dispersed"), group=SAMPLER),
     Key("seed", 0, "int", "the run's seed (participation, minibatches, quantisation, noise)", "", lo=0, hi=SEED_MAX,
         group=SAMPLER),
     Key("num-chains", 1, "int", "independent chains in one run (chain c: seed + c; every engine but local)", "", lo=1, cap=100_000, group=SAMPLER),
@@ -146,6 +159,12 @@ KEYS: tuple[Key, ...] = (
     Key("opt-rounds", 500, "int", "most rounds of the θ* descent", "", lo=1, cap=10**9, group=SAMPLER),
     Key("opt-tol", 1e-6, "float", "the θ* descent stops when ‖∇U‖ falls below this", "", lo=0, open_lo=True,
         group=SAMPLER),
+    Key("convergence-criterion", "auto", "choice", "what the convergence report's verdict reads: θ's coordinates, "
+        "or the held-out predictive (for networks, whose weights have symmetries); auto: predictive for torch "
+        "networks, theta otherwise", choices=("auto", "theta", "predictive"), group=SAMPLER),
+    Key("accept-biased-aggregation", False, "bool", "run aggregation = active-fraction with unequal p_i on a "
+        "variant without a control variate (QLSD, QLSD#, SGLD), whose chain is then centred off the posterior; "
+        "otherwise that is an error", group=SAMPLER),
     Key("opt-accept-unconverged", False, "bool", "sample with a θ* whose descent stopped at opt-rounds above "
         "opt-tol (QLSD*/LSD* then drift by ∇U(θ*)); otherwise that is an error", group=SAMPLER),
     # how to run it
@@ -255,7 +274,12 @@ def parse(name: str, value: Any) -> Any:
     if k.kind == "float|word":
         if isinstance(value, str) and value.strip().lower() in k.words:
             return value.strip().lower()
-        x = number(name, value)
+        try:
+            x = number(name, value)
+        except ConfigError:
+            if isinstance(value, str):  # a word that is not one of the key's: name them ('auto', 'flat', …)
+                raise _range_error(k, value) from None
+            raise
         if not _in_range(k, x):
             raise _range_error(k, value)
         return x

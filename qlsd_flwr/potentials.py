@@ -11,6 +11,12 @@ A client's local potential is ``U_i(θ) = Σ_{j<N_i} U_ij(θ)`` (the negative lo
 * :class:`LogDensityPotential` — a per-example log-density ``log_lik(θ, batch)`` written in torch
   (gradients by autograd).
 
+Priors for the server (``QLSDStrategy(prior=...)`` or a task plug-in's ``Task(prior=...)``):
+``GaussianPrior``, ``StudentTPrior``, ``LogHalfNormalPrior``, ``FunctionPrior`` (your own value and
+gradient) and ``BlockPrior`` (different priors on different coordinates); see
+:mod:`qlsd_flwr.core.priors`. A potential may also offer ``curvature_diag(θ)`` (and ``hessian(θ)``)
+for ``metric = diagonal`` (``dense``); otherwise the client estimates it from ``grad_sum``.
+
 Hand one to :func:`qlsd_flwr.flower.make_client_app` (``potential_fn(context)`` returns this node's),
 or build a :class:`qlsd_flwr.core.potential.Task` of them for a task plug-in
 (``task = "module:callable"``), which runs on every engine.
@@ -23,10 +29,12 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from qlsd_flwr.core.potential import GaussianPrior, LocalPotential, Task
+from qlsd_flwr.core.priors import BlockPrior, FunctionPrior, LogHalfNormalPrior, StudentTPrior
 
 # TorchPotential comes from the module __getattr__ below (it imports torch only when used)
 __all__ = ["NumpyPotential", "TorchPotential", "LogDensityPotential", "Pooled",  # noqa: F822
-           "Task", "GaussianPrior", "LocalPotential"]
+           "Task", "GaussianPrior", "LocalPotential",
+           "StudentTPrior", "LogHalfNormalPrior", "FunctionPrior", "BlockPrior"]
 
 
 def _vector(x, d: int, what: str) -> np.ndarray:

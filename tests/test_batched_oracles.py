@@ -209,11 +209,11 @@ def test_groups_of_clients_equal_per_client_runner():
                                     {"num-clients": 6, "partition": "iid"})):
         cfg = _cfg({"variant": "qlsd-pp", "s": "16", "l": 4, **over}, 25)
         parts = driver._parts(cfg, task)
-        ref = NumpyGeneric(cfg, task, *parts, ChainStats(3, task.dim), batched=False)
+        ref = NumpyGeneric(cfg, task, *parts[:4], ChainStats(3, task.dim), batched=False)
         ref.run_block(0, 25, False)
         b = cfg.b
         for groups in ([np.arange(b)], [np.arange(j, min(j + 2, b)) for j in range(0, b, 2)], []):
-            ng = NumpyGeneric(cfg, task, *parts, ChainStats(3, task.dim), batched=True)
+            ng = NumpyGeneric(cfg, task, *parts[:4], ChainStats(3, task.dim), batched=True)
             assert len(ng.ogroups) == 1 and len(ng.ogroups[0]) == b  # d = 62: one group
             ng.ogroups = groups
             ng.run_block(0, 25, False)
@@ -225,7 +225,7 @@ def test_round_draws_equal_the_reference_streams(monkeypatch):
     for the active (chain, client) pairs; a tie at the n_i-th key falls back to rng.subset."""
     cfg = _cfg({"variant": "qlsd-sharp", "s": "16", "p": "0.5"}, 20, chains=4)
     parts = driver._parts(cfg, TASK)
-    ng = NumpyGeneric(cfg, TASK, *parts, ChainStats(4, TASK.dim), batched=True)
+    ng = NumpyGeneric(cfg, TASK, *parts[:4], ChainStats(4, TASK.dim), batched=True)
     seeds, d = ng.seeds, TASK.dim
     for k in (0, 1, 7, 1234):
         active, idxs, U = ng._draw(k)
@@ -255,7 +255,7 @@ def test_checkpoint_arrays_carry_over_between_paths():
     parts = driver._parts(cfg, TASK)
 
     def runner(batched):
-        return NumpyGeneric(cfg, TASK, *parts, ChainStats(3, TASK.dim), batched=batched)
+        return NumpyGeneric(cfg, TASK, *parts[:4], ChainStats(3, TASK.dim), batched=batched)
 
     whole = runner(True)
     whole.run_block(0, 30, False)

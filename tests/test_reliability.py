@@ -106,6 +106,15 @@ CASES = {
                                    "num-chains": 2, "num-clients": 4}, {"block_rounds": 4}, 8),
     "vectorised-numpy": ({"engine": "vectorised", "variant": "qlsd-pp", "p": "0.5", "s": "4", "num-chains": 2},
                          {"block_rounds": 4, "backend": "numpy"}, 5),
+    # a metric, gamma = auto and dispersed starts: the resumed run takes M and γ from the checkpoint
+    "local-metric-auto": ({"engine": "local", "variant": "qlsd-pp", "p": "0.5", "s": "4", "metric": "diagonal",
+                           "gamma": "auto", "init": "dispersed"}, {}, 10),
+    "inprocess-3-chains-dense": ({"engine": "inprocess", "variant": "qlsd-pp", "p": "0.5", "s": "4", "num-chains": 3,
+                                  "metric": "dense", "gamma": "auto", "init": "dispersed", "temperature": 0.8},
+                                 {"shuffle_seed": 11}, 12),
+    "vectorised-numpy-metric": ({"engine": "vectorised", "variant": "qlsd-pp", "p": "0.5", "s": "4", "num-chains": 2,
+                                 "metric": "diagonal", "gamma": "auto", "init": "dispersed"},
+                                {"block_rounds": 4, "backend": "numpy"}, 13),
 }
 
 

@@ -46,11 +46,17 @@ class LocalPotential(Protocol):
 
 
 class Prior(Protocol):
-    """The prior potential ``U_0`` (negative log prior up to a constant)."""
+    """The prior potential ``U_0`` (negative log prior up to a constant): any object with these
+    (:mod:`qlsd_flwr.core.priors` has Student-t, log half-normal, a user's function and blocks).
+    ``curvature_diag`` (the diagonal of ``∇²U_0``) enters the metric; ``is_flat`` says ``U_0 = 0``."""
+
+    is_flat: bool
 
     def grad(self, theta: np.ndarray) -> np.ndarray: ...
 
     def value(self, theta: np.ndarray) -> float: ...
+
+    def curvature_diag(self, theta: np.ndarray) -> np.ndarray: ...
 
 
 @dataclass(frozen=True)
@@ -70,6 +76,10 @@ class GaussianPrior:
             return 0.0
         return float(np.sum((theta - self.mean) ** 2) / (2.0 * self.var))
 
+    def curvature_diag(self, theta: np.ndarray) -> np.ndarray:
+        """``∂²U_0/∂θ_j² = 1/var`` (0 for the flat prior)."""
+        return np.full(np.shape(theta), 0.0 if np.isinf(self.var) else 1.0 / self.var)
+
     @property
     def is_flat(self) -> bool:
         return bool(np.isinf(self.var))
@@ -87,7 +97,7 @@ class Task:
     name: str
     dim: int
     clients: Sequence[LocalPotential]
-    prior: GaussianPrior = field(default_factory=GaussianPrior)
+    prior: Prior = field(default_factory=GaussianPrior)  # any Prior when it stays on the server
     theta_star: np.ndarray | None = None
     posterior_mean: np.ndarray | None = None
     posterior_var: np.ndarray | None = None

@@ -7,7 +7,10 @@ Read next to Algorithm 2 of the paper (QLSD++; the other variants switch parts o
 3. ``g_{k+1} = Σ_{i∈A} w_i ĝ_i  [+ η_k]  + ∇U_0(θ_k) [− ∇U_0(θ*)]``          (:func:`server_step`)
    (prior terms only when the prior stays on the server; ``− ∇U_0(θ*)`` for QLSD*)
 4. ``η_{k+1}^{(i)} = η_k^{(i)} + α_i ĝ_i`` for ``i ∈ A``;  ``η_{k+1} = Σ_i η_{k+1}^{(i)}``
-5. ``θ_{k+1} = θ_k − γ g_{k+1} + √(2γ) Z_{k+1}``, ``Z`` from stream ``(seed, NOISE, k, 0)``
+5. ``θ_{k+1} = θ_k − γ g_{k+1} + √(2γ) Z_{k+1}``, ``Z`` from stream ``(seed, NOISE, k, 0)``;
+   with a metric ``M`` and a temperature ``T`` (:mod:`qlsd_flwr.core.metric`),
+   ``θ_{k+1} = θ_k − γ M g_{k+1} + √(2γT) M^{1/2} Z_{k+1}`` (the identity metric at ``T = 1`` runs
+   the paper's expression unchanged, so its chains are bit for bit those of before)
 
 Sums run over clients in ascending index order, always, so the result does not depend on
 the order replies arrive in. The server keeps a mirror of every ``η_i`` and recomputes
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from qlsd_flwr.core import participation, rng
+from qlsd_flwr.core.metric import Metric
 from qlsd_flwr.core.potential import GaussianPrior
 
 
@@ -57,6 +61,13 @@ class ServerSpec:
     prior: GaussianPrior
     prior_on_server: bool
     theta_star: np.ndarray | None = None
+    metric: Metric = Metric()  # M: identity, diagonal or dense (constant during the run)
+    temperature: float = 1.0  # T: the chain targets π^{1/T}
+
+    @property
+    def plain(self) -> bool:
+        """Whether the step is the paper's own (identity metric, ``T = 1``)."""
+        return self.metric.is_identity and self.temperature == 1.0
 
 
 def init_state(spec: ServerSpec, theta0: np.ndarray) -> ServerState:
@@ -122,7 +133,11 @@ def server_step(spec: ServerSpec, st: ServerState, seed, g_hat: np.ndarray,
     if pt is not None:
         g = g + pt
     z = rng.normal(seed, rng.Stream.NOISE, k, 0, st.theta.shape[-1])
-    new = st.theta - spec.gamma * g + np.sqrt(2.0 * spec.gamma) * z
+    if spec.plain:
+        new = st.theta - spec.gamma * g + np.sqrt(2.0 * spec.gamma) * z
+    else:
+        new = st.theta - spec.gamma * spec.metric.apply(g) \
+            + np.sqrt(2.0 * spec.gamma * spec.temperature) * spec.metric.apply_root(z)
     st.theta = np.where(np.asarray(skipped)[..., None], st.theta, new)
     st.k += 1
     return skipped

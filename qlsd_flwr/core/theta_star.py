@@ -45,9 +45,13 @@ def opt_converged(grad: np.ndarray, grad0_norm: float, tol: float) -> bool:
 
 
 def optimise_theta_star(cfg: RunConfig, theta0: np.ndarray,
-                        grad_fn: Callable[[np.ndarray], np.ndarray], info: dict | None = None
-                        ) -> tuple[np.ndarray, int]:
+                        grad_fn: Callable[[np.ndarray], np.ndarray], info: dict | None = None,
+                        lr: float | None = None, precondition=None) -> tuple[np.ndarray, int]:
     """Federated gradient descent for ``θ* = argmin U``: ``θ ← θ − γ ∇U(θ)``.
+
+    ``lr`` replaces ``γ`` as the step and ``precondition`` (a :class:`~qlsd_flwr.core.metric.Metric`)
+    makes it ``θ ← θ − lr M ∇U(θ)`` (:mod:`qlsd_flwr.core.precondition` does both for ``gamma =
+    auto`` and a metric).
 
     ``grad_fn(θ)`` returns ``∇U(θ)`` as summed from the clients' full local gradients (plus the
     prior); it is how each engine reaches its clients. Stops when
@@ -58,8 +62,9 @@ def optimise_theta_star(cfg: RunConfig, theta0: np.ndarray,
     g = grad_fn(theta)
     g0 = float(np.linalg.norm(g))
     rounds = 0
+    step = cfg.gamma if lr is None else float(lr)
     for rounds in range(1, cfg.opt_rounds + 1):
-        theta = gd_step(theta, g, cfg.gamma)
+        theta = gd_step(theta, g if precondition is None else precondition.apply(g), step)
         g = grad_fn(theta)
         if opt_converged(g, g0, cfg.opt_tol):
             break

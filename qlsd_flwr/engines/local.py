@@ -20,11 +20,10 @@ from qlsd_flwr.core import server_step as sampler
 from qlsd_flwr.core.oracles import (
     ClientState,
     client_round,
-    full_local_grad,
     set_anchor,
 )
 from qlsd_flwr.core.potential import Task
-from qlsd_flwr.core.theta_star import resolve_theta_star
+from qlsd_flwr.core import precondition
 from qlsd_flwr.outputs.checkpoint import resume_dir
 from qlsd_flwr.outputs.observer import RunOutputs
 from qlsd_flwr.outputs.progress import progress_bar
@@ -64,15 +63,15 @@ def run_local(cfg: RunConfig, task: Task | None = None, write: bool = True,
     resuming = resume_dir(cfg) is not None
     if resuming and not wire:
         raise ValueError("resume needs the protocol path (wire=True)")
-    theta_star, ts_info = (None, {}) if resuming else resolve_theta_star(  # resume: θ* is in the checkpoint
-        cfg, task, build.theta0_of(task),
-        lambda th: build.combine_grads(cfg, task.prior, [full_local_grad(s, task.clients[s.index], th) for s in specs], th))
+    prep = None if resuming else precondition.prepare(  # resume: θ*, M and γ are in the checkpoint
+        cfg, task, build.theta0_of(task), *build.direct_exchanges(cfg, task, specs))
+    theta_star, ts_info = (None, {}) if prep is None else (prep.theta_star, prep.info)
     bar = progress_bar(cfg.num_rounds, cfg.progress if progress is None else progress, f"{cfg.variant} local")
     if not wire:
-        return _run_direct(cfg, task, specs, states, theta_star, keep_trace, bar)
+        return _run_direct(precondition.apply(cfg, prep), task, specs, states, prep, keep_trace, bar)
     server = QLSDServer(cfg, task, keep_trace=keep_trace, engine_label="local",
                         observer=RunOutputs(cfg, task.dim) if write else None)
-    server.begin(theta_star, ts_info)
+    server.begin(theta_star, ts_info, None if prep is None or prep.theta0 is None else prep.theta0[0], prep)
     bar.update(server.state.k)
     try:
         _rounds(cfg, server, specs, states, task, d, bar)
@@ -103,9 +102,10 @@ def _rounds(cfg, server, specs, states, task, d, bar) -> None:
         bar.update(1)
 
 
-def _run_direct(cfg, task, specs, states, theta_star, keep_trace, bar) -> RunResult:
-    spec = build.server_spec(cfg, task, theta_star, build.blocks_for(cfg, task))
-    st = sampler.init_state(spec, build.theta0_of(task))
+def _run_direct(cfg, task, specs, states, prep, keep_trace, bar) -> RunResult:
+    theta_star = prep.theta_star
+    spec = build.server_spec(cfg, task, theta_star, build.blocks_for(cfg, task), prep.metric)
+    st = sampler.init_state(spec, build.theta0_of(task) if prep.theta0 is None else prep.theta0[0])
     trace = np.empty((cfg.num_rounds, task.dim)) if keep_trace else None
     for k in range(cfg.num_rounds):
         sampler.refresh_anchor(spec, st)
@@ -117,11 +117,11 @@ def _run_direct(cfg, task, specs, states, theta_star, keep_trace, bar) -> RunRes
             try:
                 g_hat[int(i)] = client_round(specs[i], task.clients[i], states[i], cfg.seed, k, st.theta)[1]
             except ValueError as exc:  # the message cannot be formed: the chain has run away
-                raise DivergenceError(divergence_message(k + 1, cfg.gamma, stable=build.stable_gamma(task))
+                raise DivergenceError(divergence_message(k + 1, cfg.gamma, stable=build.stable_gamma(task, prep.info))
                                       + f" [{exc}]") from exc
         sampler.server_step(spec, st, cfg.seed, *sampler.stack_replies(g_hat, cfg.b, task.dim))
         if not np.all(np.isfinite(st.theta)):
-            raise DivergenceError(divergence_message(k + 1, cfg.gamma, stable=build.stable_gamma(task)))
+            raise DivergenceError(divergence_message(k + 1, cfg.gamma, stable=build.stable_gamma(task, prep.info)))
         if keep_trace:
             trace[k] = st.theta
         bar.update(1)

@@ -76,8 +76,8 @@ def coordinate_labels(run_dir: Path, d: int) -> list[str]:
 
 
 def plot_run(run_dir: Path) -> list[Path]:
-    """``overview.png``: for the three most informative coordinates (:func:`informative_coordinates`),
-    the trace of every chain and the marginal against the exact posterior (when known); below,
+    """``overview.png``: for the most informative coordinates (:func:`informative_coordinates`) and
+    the two with the worst R-hat (``summary.json``'s convergence report), the trace of every chain and the marginal against the exact posterior (when known); below,
     the uplink bits per round as a rolling mean. Legends sit outside the data."""
     import matplotlib
 
@@ -88,7 +88,12 @@ def plot_run(run_dir: Path) -> list[Path]:
     summary = json.loads((run_dir / "summary.json").read_text())
     samples = load_samples(run_dir)  # (chain, draw, d)
     C, n, d = samples.shape
-    coords = informative_coordinates(samples) if n else [0]
+    conv = summary.get("convergence") or {}
+    worst = [int(j) for j in conv.get("worst_coordinates", []) if 0 <= int(j) < d][:2]
+    # the coordinates the data moved most, and those whose chains agree least (worst R-hat)
+    coords = informative_coordinates(samples, 3 if not worst else 2) if n else [0]
+    coords = coords + [j for j in worst if j not in coords]
+    rhat = dict(zip(conv.get("worst_coordinates", []), conv.get("worst_rhat", [])))
     labels = coordinate_labels(run_dir, d)
     fig = plt.figure(figsize=(14, 3.0 * (len(coords) + 1)))
     grid = fig.add_gridspec(len(coords) + 1, 2, width_ratios=(2, 1))
@@ -98,9 +103,11 @@ def plot_run(run_dir: Path) -> list[Path]:
         for c in range(C):
             tr.plot(samples[c, :, j], lw=0.6, color=colours[c], label=f"chain {c}")
             mg.hist(samples[c, :, j], bins=30, density=True, alpha=0.35, color=colours[c])
-        tr.set(ylabel=labels[j], xlabel="draw (after burn-in and thinning)" if row == len(coords) - 1 else None)
+        ylab = labels[j] + (f"\nR-hat {rhat[j]:.3g}" if j in rhat else "")
+        tr.set(ylabel=ylab, xlabel="draw (after burn-in and thinning)" if row == len(coords) - 1 else None)
         if row == 0:
-            tr.set_title(f"traces of the {len(coords)} coordinates the data moved most (|mean|/sd), {C} chain(s)")
+            tr.set_title(f"traces of the coordinates the data moved most (|mean|/sd)"
+                         f"{' and of the worst R-hat' if worst else ''}, {C} chain(s)")
             mg.set_title("marginals")
         if "posterior_mean_exact" in summary:
             m, v = summary["posterior_mean_exact"][j], summary["posterior_var_exact"][j]
@@ -130,7 +137,13 @@ def plot_run(run_dir: Path) -> list[Path]:
     if any(v > 0 for v in msg) or len(rows):
         bits.set_yscale("log")
     bits.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small", frameon=False)
-    fig.suptitle(f"{summary.get('variant')} on {summary.get('task')} ({summary.get('engine')})")
+    head = f"{summary.get('variant')} on {summary.get('task')} ({summary.get('engine')})"
+    if conv.get("verdict"):
+        rh = conv.get("rhat_max")
+        head += (f" — {conv['verdict']}: worst R-hat {rh:.3g} (target ≤ {conv.get('target', 1.05)}), "
+                 f"min bulk ESS {conv.get('ess_bulk_min') or 0:.0f}, starts {conv.get('starts')}") if rh is not None \
+            else f" — {conv['verdict']}"
+    fig.suptitle(head, color="black" if conv.get("verdict") in (None, "MIXED") else "firebrick")
     fig.tight_layout()
     path = run_dir / "overview.png"
     fig.savefig(path, dpi=100, bbox_inches="tight")

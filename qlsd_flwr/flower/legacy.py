@@ -28,7 +28,7 @@ from flwr.server.strategy import Strategy as LegacyStrategy
 
 from qlsd_flwr.config import ConfigError, RunConfig
 from qlsd_flwr.core.potential import Task
-from qlsd_flwr.core.theta_star import resolve_theta_star
+from qlsd_flwr.core import precondition
 from qlsd_flwr.flower.client_app import (
     load_state,
     run_config_of,
@@ -49,11 +49,12 @@ class LegacyQLSDStrategy(LegacyStrategy):
         if cfg.num_chains > 1:
             raise ConfigError(f"num-chains = {cfg.num_chains}: the legacy strategy runs one chain; use the "
                               "Message-API strategy (engine = ray or inprocess) for several chains in one run")
-        theta_star, ts_info = resolve_theta_star(cfg, task, build.theta0_of(task), grad_fn=None)
-        self.cfg = cfg
+        # no message type reaches the clients before sampling: θ* in closed form, metric from a file
+        prep = precondition.prepare(cfg, task, build.theta0_of(task), grad_fn=None, curv_fn=None)
         self.server = QLSDServer(cfg, task, keep_trace, "flower-legacy",
                                  observer=RunOutputs(cfg, task.dim, run_dir) if write else None)
-        self.server.begin(theta_star, ts_info)
+        self.server.begin(prep.theta_star, prep.info, None if prep.theta0 is None else prep.theta0[0], prep)
+        self.cfg = self.server.cfg
         self.index_of: dict[str, int] = {}
         self.rounds_done = 0
 

@@ -80,6 +80,7 @@ class NodeRegistry:
         self._foreign: set[int] = set()  # node ids that are none of our clients (or dead ones)
         self.rejoined: dict[int, list[int]] = {}  # client -> rounds it came back as a new node
         self.refused_claims: dict[int, list[int]] = {}  # client -> nodes refused its partition-id
+        self.n_data: dict[int, int] = {}  # client -> N_i its node claimed at the handshake
 
     def handshake(self, grid: Grid, timeout: float) -> None:
         """Wait for the ``b`` clients and map client index → node id (``partition-id``).
@@ -155,6 +156,7 @@ class NodeRegistry:
             if i in seen:
                 raise HandshakeError(f"two nodes claim partition-id {i}")
             seen[i] = msg.metadata.src_node_id
+            self.n_data[i] = int(rec.get("n_data", 1))  # N_i as claimed (the curvature reports' scale)
 
     def rediscover(self, grid: Grid, server_round: int, timeout: float) -> None:
         """Map nodes that joined after the handshake (a SuperNode restarted without node

@@ -55,7 +55,7 @@ from flwr.serverapp.strategy import Result, Strategy
 
 from qlsd_flwr.config import ConfigError, RunConfig, resolve
 from qlsd_flwr.core.potential import GaussianPrior, Task
-from qlsd_flwr.core.theta_star import resolve_theta_star
+from qlsd_flwr.core import precondition
 from qlsd_flwr.flower.nodes import NodeRegistry, load_bound_keys
 from qlsd_flwr.flower.records import config_record, record_fields, to_content
 from qlsd_flwr.flower.sizing import message_nbytes
@@ -148,8 +148,27 @@ class QLSDStrategy(Strategy):
         ``qlsd`` (full local gradients), ``qlsd-sharp`` (QLSD#, minibatches), ``qlsd-star``
         (QLSD*, control variate at θ*), ``qlsd-pp`` (QLSD++: SVRG anchor ζ and memory η_i),
         ``lsd-star``, ``lsd-pp`` (uncompressed), ``sgld`` (one pooled client).
-    gamma : float, default 4.9e-4
-        γ, the Langevin step size: ``θ_{k+1} = θ_k − γ G_k + sqrt(2γ) Z_{k+1}``.
+    gamma : float or "auto", default 4.9e-4
+        γ, the Langevin step size: ``θ_{k+1} = θ_k − γ M G_k + sqrt(2γT) M^{1/2} Z_{k+1}``.
+        ``"auto"``: ``0.25 / λ_max(M^{1/2} ∇²U(θ*) M^{1/2})``, estimated before sampling by power
+        iteration on Hessian-vector products (gradient differences through the clients); the γ
+        chosen is logged and recorded (``summary.json``'s ``gamma``).
+    metric : str, default "identity"
+        ``M``, a constant preconditioner: ``identity`` (the paper's chain), ``diagonal``, ``dense``
+        (d ≤ 2000), or the path of a ``.npy`` with d positive numbers or an SPD d × d matrix.
+    metric_from : str, default "curvature"
+        How a ``diagonal``/``dense`` M is built: ``(prior curvature + Σ_i H_i)^{-1}`` from each
+        client's curvature report at θ* (its potential's ``curvature_diag``/``hessian``, else an
+        estimate from ``grad_sum``), one exchange before sampling, each report validated.
+    temperature : float, default 1.0
+        ``T``: the chain targets ``π^{1/T}`` (the noise is scaled by ``√T``).
+    init : str, default "theta0"
+        ``theta0``: every chain starts at ``initial_arrays`` (or θ_0); ``dispersed``: chain ``c``
+        at ``θ* + 2 M^{1/2} z_c``, so that R-hat can tell chains that have not met.
+    prior : object, optional
+        The server's prior ``U_0``, any object with ``value(θ)``, ``grad(θ)`` and optionally
+        ``curvature_diag(θ)`` (:mod:`qlsd_flwr.core.priors`: Student-t, log half-normal, a user's
+        function, blocks); default the Gaussian of ``prior_var``. Give one or the other.
     num_rounds : int, default 2000
         ``K``, the number of rounds (one sample each).
     burn_in : int, default 500
@@ -205,13 +224,14 @@ class QLSDStrategy(Strategy):
     >>> strategy.start(grid, initial_arrays=ArrayRecord(potential.named_arrays()))  # doctest: +SKIP
     """
 
-    def __init__(self, *, num_clients: int, dim: int, variant: str = "qlsd-pp", gamma: float = 4.9e-4,
+    def __init__(self, *, num_clients: int, dim: int, variant: str = "qlsd-pp", gamma: float | str = 4.9e-4,
                  num_rounds: int = 2000, burn_in: int = 500, thin: int = 1, p=1.0, s=16,
                  aggregation: str = "unbiased", l: int = 100, alpha="auto", batch_fraction: float = 0.1,
                  prior_var="flat", prior_on: str = "server", blocks=None, block_norm: str = "vector",
                  encoding: str = "auto", theta_star=None, seed: int = 0, output_dir: str = "outputs",
                  run_name: str = "", write: bool = True, keep_trace: bool = False, on_round=None,
-                 **config):
+                 metric: str = "identity", metric_from: str = "curvature", temperature: float = 1.0,
+                 init: str = "theta0", prior=None, **config):
         def joined(v):
             return ",".join(str(x) for x in v) if isinstance(v, (list, tuple, np.ndarray)) else v
 
@@ -221,6 +241,7 @@ class QLSDStrategy(Strategy):
                 "batch-fraction": batch_fraction, "prior-var": prior_var, "prior-on": prior_on,
                 "block-norm": block_norm, "encoding": encoding, "seed": seed, "output-dir": output_dir,
                 "run-name": run_name, "theta-star": "optimise" if theta_star is None else "closed-form",
+                "metric": metric, "metric-from": metric_from, "temperature": temperature, "init": init,
                 **{k.replace("_", "-"): v for k, v in config.items()}}
         cfg = resolve(keys)
         if cfg.block_norm == "tensor" and not blocks:
@@ -231,7 +252,16 @@ class QLSDStrategy(Strategy):
             theta_star = np.asarray(theta_star, dtype=np.float64).ravel()
             if theta_star.shape != (cfg.dim,) or not np.all(np.isfinite(theta_star)):
                 raise ValueError(f"theta_star: expected {cfg.dim} finite values, got shape {theta_star.shape}")
-        task = Task(name="external", dim=cfg.dim, clients=[], prior=GaussianPrior(var=cfg.prior_var),
+        if prior is not None:
+            if str(prior_var) != "flat":
+                raise ValueError("prior and prior_var: give one or the other (prior_var is the Gaussian prior's variance)")
+            missing = [a for a in ("value", "grad") if not callable(getattr(prior, a, None))]
+            if missing:
+                raise ValueError(f"prior: needs value(theta) and grad(theta); it lacks {', '.join(missing)}")
+            if not hasattr(prior, "is_flat"):
+                raise ValueError("prior: needs an is_flat attribute (False for a proper prior); see qlsd_flwr.core.priors")
+        task = Task(name="external", dim=cfg.dim, clients=[],
+                    prior=GaussianPrior(var=cfg.prior_var) if prior is None else prior,
                     theta_star=theta_star, meta={"blocks": tuple(int(x) for x in blocks)} if blocks else {})
         self._setup(cfg, task, write=write, keep_trace=keep_trace, on_round=on_round)
 
@@ -387,10 +417,18 @@ class QLSDStrategy(Strategy):
         K = cfg.num_rounds if num_rounds is None else int(num_rounds)
         self._grid = grid
         self.nodes.handshake(grid, self._timeout)
-        theta_star, ts_info = (None, {}) if resuming else resolve_theta_star(  # resume: θ* is in the checkpoint
+        prep = None if resuming else precondition.prepare(  # resume: θ*, M and γ are in the checkpoint
             cfg, self.task, build.theta0_of(self.task) if theta0 is None else theta0,
-            lambda th: self._full_grad(grid, th, self._timeout))
-        self.server.begin(theta_star, ts_info, theta0)
+            lambda th: self._full_grad(grid, th, self._timeout),
+            lambda th, kind: self._curvature(grid, th, kind, self._timeout),
+            n_data=[self.nodes.n_data.get(i, 1) for i in range(cfg.b)])
+        if prep is None:
+            self.server.begin(None, {}, theta0)
+        elif cfg.num_chains > 1:
+            self.server.begin(prep.theta_star, prep.info, theta0, prep)
+        else:
+            self.server.begin(prep.theta_star, prep.info, theta0 if prep.theta0 is None else prep.theta0[0], prep)
+        self.cfg = cfg = self.server.cfg  # with the step the preparation chose (gamma = auto) or the checkpoint's
         saved = self.server.persist.get("rejoined", {})
         self.nodes.rejoined.update({int(i): list(r) for i, r in saved.items()})
         self.server.persist["rejoined"] = self.nodes.rejoined  # kept in the checkpoints
@@ -433,16 +471,34 @@ class QLSDStrategy(Strategy):
         result.arrays = ArrayRecord({"theta": Array(np.asarray(self.state.theta))})
         return result
 
+    def _ask_every_client(self, grid: Grid, fields: dict, timeout: float) -> dict[int, bytes]:
+        """Send ``fields`` (with ``client = i``) to every client; ``{i: payload}`` of the replies,
+        each attributed to the node it came from (never to the index it claims)."""
+        msgs = [Message(to_content({**fields, "client": i}, self.server.settings[i]),
+                        self.nodes.node_of[i], MessageType.TRAIN) for i in range(self.cfg.b)]
+        client_of = {self.nodes.node_of[i]: i for i in range(self.cfg.b)}
+        out: dict[int, bytes] = {}
+        for msg in grid.send_and_receive(msgs, timeout=timeout):
+            i = client_of.get(msg.metadata.src_node_id)
+            if i is None or msg.has_error():
+                continue
+            rec = record_fields(msg.content) or {}
+            if isinstance(rec.get("payload"), (bytes, bytearray)):
+                out[i] = bytes(rec["payload"])
+        return out
+
+    def _curvature(self, grid: Grid, theta: np.ndarray, kind: str, timeout: float) -> dict[int, np.ndarray]:
+        """Every client's curvature report at ``θ`` (``metric-from = curvature``), as received:
+        :func:`qlsd_flwr.core.precondition.prepare` validates each."""
+        got = self._ask_every_client(grid, {"phase": "curvature", "round": -1, "theta": theta, "kind": kind},
+                                     timeout)
+        return {i: (np.frombuffer(b, dtype="<f8") if len(b) % 8 == 0 else b) for i, b in got.items()}
+
     def _full_grad(self, grid: Grid, theta: np.ndarray, timeout: float) -> np.ndarray:
         """``∇U(θ)`` from every client's full local gradient (the θ* optimisation phase)."""
-        msgs = [Message(to_content({"phase": "grad", "round": -1, "client": i, "theta": theta},
-                                   self.server.settings[i]),
-                        self.nodes.node_of[i], MessageType.TRAIN) for i in range(self.cfg.b)]
         grads: dict[int, np.ndarray] = {}
-        for msg in grid.send_and_receive(msgs, timeout=timeout):
-            if not msg.has_error():
-                rec = config_record(msg.content)
-                grads[int(rec["client"])] = bytes_to_arr(rec["payload"], self.d)
+        for i, b in self._ask_every_client(grid, {"phase": "grad", "round": -1, "theta": theta}, timeout).items():
+            grads[i] = bytes_to_arr(b, self.d)
         if len(grads) != self.cfg.b:
             raise RuntimeError(f"optimisation phase: {self.cfg.b - len(grads)} clients did not answer")
         return build.combine_grads(self.cfg, self.task.prior, [grads[i] for i in range(self.cfg.b)], theta)

@@ -317,6 +317,12 @@ def _check_server_chain(meta: dict, arrays: dict, bad) -> None:
                         ("zeta", (d,)), ("theta_star", (d,))):
         if name in arrays and arrays[name].shape != shape:
             raise bad(f"array {name!r} has shape {arrays[name].shape}, expected {shape}")
+    m = arrays.get("metric")
+    if m is not None and m.size and not (m.shape in ((d,), (d, d)) and np.all(m[m == m] > 0 if m.ndim == 1 else True)):
+        raise bad(f"array 'metric' must be empty, {d} positive numbers or a {d} × {d} matrix (got shape {m.shape})")
+    g = meta.get("gamma", 1.0)
+    if isinstance(g, bool) or not isinstance(g, (int, float)) or not (0 < g < float("inf")):
+        raise bad(f"gamma must be a positive finite number (got {g!r})")
 
 
 def recorder_part(meta: dict, arrays: dict) -> dict:

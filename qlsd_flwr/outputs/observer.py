@@ -42,7 +42,7 @@ class RunOutputs:
         return meta, arrays
 
     def on_begin(self, server) -> None:
-        cfg = self.cfg
+        self.cfg = cfg = server.cfg  # with the step chosen before sampling (gamma = auto) or the checkpoint's
         if self._resume is not None:
             self.run_dir, meta, arrays = self._resume
             self.last_checkpoint = int(meta["k"])

@@ -23,12 +23,15 @@ from __future__ import annotations
 import contextlib
 import csv
 import json
+import logging
 import os
 import time
 from pathlib import Path
 
 import h5netcdf
 import numpy as np
+
+log = logging.getLogger("qlsd_flwr")
 
 METRIC_FIELDS = ["round", "n_active", "n_replied", "n_rejected", "skipped", "bits_bound",
                  "bits_exact", "bytes_payload", "bytes_message", "seconds"]
@@ -100,6 +103,8 @@ class Recorder:
                  thin: int, chunk: int = 512, resume: dict | None = None,
                  labels=None):
         self.provenance = provenance(config)
+        self.config = config if isinstance(config, dict) else {}
+        self.convergence: dict | None = None
         # names of θ's coordinates (``W[3,1]``, ``conv1.weight[0,0,2,4]``): the ``theta_dim_0``
         # coordinate ArviZ shows (``theta[W[3,1]]``); integers when the task has none
         self.labels = list(labels) if labels is not None and len(labels) == dim else None
@@ -237,6 +242,11 @@ class Recorder:
             "sample_var": var.mean(axis=0).tolist(),
         }
         summary.update(extra or {})
+        if self.convergence is not None:
+            from qlsd_flwr.outputs.convergence import log_report
+
+            summary["convergence"] = self.convergence
+            log_report(self.convergence)
         (self.dir / "summary.json").write_text(json.dumps(summary, indent=2, default=_jsonable))
         return summary
 
@@ -252,11 +262,25 @@ class Recorder:
             for a in range(0, n, self.chunk):
                 z = min(n, a + self.chunk)
                 self._theta[:, a:z, :] = np.transpose(np.asarray(mm[a:z]), (1, 0, 2))
+            self.convergence = self._convergence(mm)
             del mm
         self._finish_nc()
         os.replace(tmp, self.dir / "samples.nc")
         if not keep_raw:
             os.unlink(raw_path)
+
+    def _convergence(self, draws) -> dict | None:
+        """The θ part of the convergence report (:mod:`qlsd_flwr.outputs.convergence`); never
+        stops the closing of a run."""
+        from qlsd_flwr.outputs import convergence as cv
+
+        raw = self.config.get("config", {}) if isinstance(self.config.get("config"), dict) else {}
+        try:
+            rep = cv.theta_report(draws, self.labels, dispersed=str(raw.get("init", "")) == "dispersed")
+            return cv.verdict(rep, criterion=cv.criterion_for(raw), raw=raw)
+        except Exception as exc:  # noqa: BLE001 — a report must never lose the samples
+            log.warning("convergence report failed: %s: %s", type(exc).__name__, exc)
+            return None
 
     def _draw_rounds_all(self) -> list[int]:
         return list(range(self.burn_in + 1, self.burn_in + 1 + self.n_draws * self.thin, self.thin))
@@ -284,7 +308,26 @@ class Recorder:
             g.attrs[k] = v
         for k, v in self.provenance.items():
             self._nc.attrs[k] = v
+        for k, v in self._run_attrs().items():  # what the step was: γ as used, M's kind, T, the verdict
+            self._group.attrs[k] = v
+            self._nc.attrs[k] = v
         self._nc.close()
+
+    def _run_attrs(self) -> dict:
+        res = self.config.get("resolved", {}) if isinstance(self.config.get("resolved"), dict) else {}
+        raw = self.config.get("config", {}) if isinstance(self.config.get("config"), dict) else {}
+        out = {}
+        if isinstance(res.get("gamma"), (int, float)):
+            out["gamma"] = float(res["gamma"])
+        if "metric" in raw:
+            out["metric"] = str(raw["metric"])
+        if isinstance(res.get("temperature"), (int, float)):
+            out["temperature"] = float(res["temperature"])
+        if self.convergence is not None:
+            out["convergence_verdict"] = str(self.convergence.get("verdict"))
+            if self.convergence.get("rhat_max") is not None:
+                out["rhat_max"] = float(self.convergence["rhat_max"])
+        return out
 
 
 def lock_run_dir(run_dir: Path):

@@ -7,12 +7,14 @@ engine) calls these same functions, so they all run the same algorithm.
 from __future__ import annotations
 
 import logging
+import math
 
 import numpy as np
 
 from qlsd_flwr.compression.identity import Identity
 from qlsd_flwr.compression.qsgd import QSGD
 from qlsd_flwr.config import ConfigError, RunConfig
+from qlsd_flwr.core.metric import Metric
 from qlsd_flwr.core.oracles import ClientSpec
 from qlsd_flwr.core.potential import GaussianPrior, Task
 from qlsd_flwr.core.server_step import ServerSpec
@@ -57,19 +59,21 @@ def participation_warnings(cfg: RunConfig, task: Task) -> list[str]:
     if rare.size:
         out.append(f"p: client(s) {rare[:5].tolist()}{' …' if rare.size > 5 else ''} are expected to take part "
                    f"in fewer than one of the {K} rounds (K · p_i < 1); their data barely enter the chain")
+    cv = cfg.oracle in ("star", "svrg")  # active-fraction is biased without a control variate unless p is equal
+    remedy = "aggregation = active-fraction" if cv or np.all(p == p[0]) else "a control-variate variant (qlsd-pp)"
     if cfg.aggregation == "unbiased":
-        if task.posterior_var is not None and task.clients and cfg.oracle != "svrg":
+        if task.posterior_var is not None and task.clients and cfg.oracle != "svrg" and np.isfinite(cfg.gamma):
             over = cfg.gamma * task.n_data[: cfg.b] / p
             if float(over.max()) >= 2.0:
                 i = int(np.argmax(over))
                 out.append(f"p: client {i}'s reply is weighted 1/p_i = {1 / p[i]:.3g} (aggregation = unbiased), so "
                            f"one step moves θ by γ N_i / p_i = {over[i]:.3g} ≥ 2 times its distance to the "
                            f"client's mode: θ will be thrown far; raise p, lower gamma, or use "
-                           f"aggregation = active-fraction")
+                           f"{remedy}")
         elif float(p.min()) < 0.01:
             out.append(f"p: min p_i = {float(p.min()):.3g}: with aggregation = unbiased a reply is weighted "
                        f"up to {1 / float(p.min()):.3g}×, which multiplies its noise; check the traces, or use "
-                       "aggregation = active-fraction")
+                       f"{remedy}")
     return out
 
 
@@ -78,8 +82,8 @@ def stability_warning(cfg: RunConfig, task: Task) -> str | None:
     with when the step ``gamma`` is beyond the stability limit of Langevin with exact
     gradients, ``γ < 2/τ_max`` (``τ`` the precision: the iteration multiplies the error by
     ``1 − γτ``), i.e. when the chain will diverge; ``None`` otherwise."""
-    if task.posterior_var is None:
-        return None
+    if task.posterior_var is None or not np.isfinite(cfg.gamma) or cfg.metric != "identity":
+        return None  # gamma = auto and a metric are checked against the estimated λ_max (core.precondition)
     tau = float(1.0 / np.min(task.posterior_var))
     if cfg.gamma * tau < 2.0:
         return None
@@ -88,9 +92,16 @@ def stability_warning(cfg: RunConfig, task: Task) -> str | None:
             f"diverge; choose gamma below {2.0 / tau:.3g} (e.g. {1.0 / tau:.3g}, γτ = 1)")
 
 
-def stable_gamma(task: Task) -> float | None:
-    """``1/τ`` (``γτ = 1``, half the stability limit ``2/τ``) on a target whose posterior precision
-    ``τ`` is known; ``None`` otherwise. The start-up warning and the divergence error suggest it."""
+def stable_gamma(task: Task, info: dict | None = None) -> float | None:
+    """The step the divergence error suggests: ``c/λ_max`` where the run estimated ``λ_max`` of
+    ``M^{1/2} ∇²U M^{1/2}`` before sampling (``info['lambda_max']``, :mod:`qlsd_flwr.core.precondition`,
+    ``c`` as ``gamma = auto``); else ``1/τ`` (``γτ = 1``, half the stability limit ``2/τ``) on a
+    target whose posterior precision ``τ`` is known; ``None`` otherwise."""
+    lam = (info or {}).get("lambda_max")
+    if isinstance(lam, (int, float)) and lam > 0:
+        from qlsd_flwr.core.metric import GAMMA_AUTO_C
+
+        return GAMMA_AUTO_C / float(lam)
     if task.posterior_var is None:
         return None
     return float(np.min(task.posterior_var))
@@ -141,13 +152,18 @@ def client_settings(cfg: RunConfig, i: int, d: int, prior: GaussianPrior, blocks
     """What client ``i`` needs to compute its message, as plain scalars (the server sends them
     with every message, so that a client needs no run config of its own): the oracle, QSGD's
     ``s_i`` (0: no compression), the encoding and norm blocks, memory and ``α_i``, the
-    batch fraction, its share ``w_i`` of the prior ``U_0`` and the prior's variance, the seed."""
+    batch fraction, its share ``w_i`` of the prior ``U_0`` and the prior's variance, the seed.
+    A prior other than Gaussian stays on the server (``ConfigError`` with ``prior-on = clients``)."""
+    if cfg.prior_on == "clients" and not isinstance(prior, GaussianPrior):
+        raise ConfigError(f"prior-on = clients: a {type(prior).__name__} stays on the server (only a Gaussian "
+                          "prior's two numbers travel to the clients); set prior-on = server")
     return {
         "oracle": cfg.oracle, "memory": bool(cfg.memory), "alpha": float(alpha_of(cfg, i, d, blocks)),
         "s": int(cfg.s[i]) if cfg.compressed else 0, "encoding": cfg.encoding,
         "blocks": ",".join(str(int(x)) for x in blocks) if blocks else "",
-        "batch_fraction": float(cfg.batch_fraction), "prior_var": float(prior.var),
-        "prior_mean": float(prior.mean), "prior_weight": (1.0 / cfg.b) if cfg.prior_on == "clients" else 0.0,
+        "batch_fraction": float(cfg.batch_fraction), "prior_var": float(getattr(prior, "var", math.inf)),
+        "prior_mean": float(getattr(prior, "mean", 0.0)),
+        "prior_weight": (1.0 / cfg.b) if cfg.prior_on == "clients" else 0.0,
         "seed": int(cfg.seed),
     }
 
@@ -189,11 +205,18 @@ def client_spec(cfg: RunConfig, i: int, n_data: int, d: int, prior: GaussianPrio
     return client_spec_from_settings(client_settings(cfg, i, d, prior, blocks), i, n_data, d)[0]
 
 
-def server_spec(cfg: RunConfig, task: Task, theta_star: np.ndarray | None, blocks=None) -> ServerSpec:
+def server_spec(cfg: RunConfig, task: Task, theta_star: np.ndarray | None, blocks=None,
+                metric: Metric | None = None) -> ServerSpec:
+    """The server step's settings; ``metric``: what :mod:`qlsd_flwr.core.precondition` settled
+    (the identity unless given)."""
+    if not np.isfinite(cfg.gamma):
+        raise ConfigError("gamma = auto: the step is chosen before sampling (core.precondition.prepare); "
+                          "this path started a chain without it")
     return ServerSpec(
         b=cfg.b, gamma=cfg.gamma, p=cfg.p, rule=cfg.aggregation, memory=cfg.memory,
         alpha=alphas(cfg, task.dim, blocks), l=cfg.l, oracle=cfg.oracle, prior=task.prior,
         prior_on_server=(cfg.prior_on == "server"), theta_star=theta_star,
+        metric=Metric() if metric is None else metric, temperature=float(cfg.temperature),
     )
 
 
@@ -210,3 +233,18 @@ def combine_grads(cfg: RunConfig, prior: GaussianPrior, grads, theta: np.ndarray
     if cfg.prior_on == "server":
         g = g + prior.grad(theta)
     return g
+
+
+def direct_exchanges(cfg: RunConfig, task: Task, specs):
+    """``(grad_fn, curv_fn)`` for the engines that call their clients directly (local, vectorised):
+    the very functions a ClientApp runs for the ``grad`` and ``curvature`` phases."""
+    from qlsd_flwr.core.metric import local_curvature
+    from qlsd_flwr.core.oracles import full_local_grad
+
+    def grad_fn(th):
+        return combine_grads(cfg, task.prior, [full_local_grad(s, task.clients[s.index], th) for s in specs], th)
+
+    def curv_fn(th, kind):
+        return {s.index: local_curvature(task.clients[s.index], th, kind, cfg.seed, s.index) for s in specs}
+
+    return grad_fn, curv_fn

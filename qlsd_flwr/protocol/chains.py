@@ -37,6 +37,7 @@ from qlsd_flwr.core.potential import Task
 from qlsd_flwr.protocol import build
 from qlsd_flwr.protocol.divergence import DivergenceError, divergence_message
 from qlsd_flwr.protocol.server import QLSDServer, resume_snapshot, summary_extra
+from qlsd_flwr.core import precondition
 from qlsd_flwr.protocol.wire import ReplyError, bundle_request, unbundle_reply
 
 log = logging.getLogger("qlsd_flwr")
@@ -121,15 +122,19 @@ class ChainSet:
 
     # ---- set-up and checkpoints ----------------------------------------------------------
     def begin(self, theta_star: np.ndarray | None, ts_info: dict | None = None,
-              theta0: np.ndarray | None = None) -> None:
-        """Every chain at ``θ_0``, or where the observer's checkpoint left them."""
+              theta0: np.ndarray | None = None, prep=None) -> None:
+        """Every chain at ``θ_0`` (chain ``c`` at ``prep.theta0[c]`` with ``init = dispersed``), or
+        where the observer's checkpoint left them."""
         snap = resume_snapshot(self.cfg, self.observer)
         if snap is not None:
             self.restore(*snap)
         else:
             self.ts_info = ts_info or {}
-            for ch in self.chains:
-                ch.start_chain(theta_star, ts_info, theta0)
+            starts = getattr(prep, "theta0", None)
+            for c, ch in enumerate(self.chains):
+                ch.start_chain(theta_star, ts_info, theta0 if starts is None else starts[c], prep)
+            if prep is not None:
+                self.cfg = precondition.apply(self.cfg, prep)
         if self.observer is not None:
             self.observer.on_begin(self)
 
@@ -139,7 +144,7 @@ class ChainSet:
         for c, ch in enumerate(self.chains):
             a, m = ch.snapshot()
             arrays.update({f"c{c}.{k}": v for k, v in a.items()})
-            metas.append({k: m[k] for k in ("k", "zeta_version", "rejected", "missed_rounds")})
+            metas.append({k: m[k] for k in ("k", "zeta_version", "gamma", "rejected", "missed_rounds")})
         meta = {"kind": "server", "k": self.state.k, "chains": self.C, "chain_meta": metas,
                 "zeta_version": metas[0]["zeta_version"], "config": self.cfg.raw,
                 "rejected": dict(self.unattributed), "missed_rounds": {}, "ts_info": self.ts_info,
@@ -151,6 +156,7 @@ class ChainSet:
             sub = {k[len(f"c{c}."):]: v for k, v in arrays.items() if k.startswith(f"c{c}.")}
             ch.restore({**meta["chain_meta"][c], "ts_info": meta["ts_info"], "persist": {}}, sub)
         self.ts_info = dict(meta["ts_info"])
+        self.cfg = dataclasses.replace(self.cfg, gamma=self.chains[0].cfg.gamma)  # the checkpoint's γ
         self.unattributed = dict(meta["rejected"])
         self.persist = dict(meta.get("persist", {}))
         self.resumed_from = self.state.k
@@ -223,7 +229,7 @@ class ChainSet:
         msg = divergence_message(round_, self.cfg.gamma, obs.run_dir if obs is not None else None,
                                  obs.last_checkpoint if obs is not None else None,
                                  where=f" in chain {c} (seed {int(self.cfg.seed) + c})",
-                                 why=getattr(exc, "why", "θ is not finite"), stable=build.stable_gamma(self.task))
+                                 why=getattr(exc, "why", "θ is not finite"), stable=build.stable_gamma(self.task, self.ts_info))
         log.error(msg)
         if obs is not None:
             self.ts_info = {**self.ts_info, "diverged_at_round": round_, "diverged_chain": c, "error": msg}

@@ -2,6 +2,7 @@
 
 :func:`handle` takes the fields the server sent (see :mod:`qlsd_flwr.protocol.wire`) and the client's
 state, and returns the reply fields: for ``phase = "grad"`` the full local gradient, for
+``phase = "curvature"`` its curvature report (:func:`qlsd_flwr.core.metric.local_curvature`), for
 ``phase = "sample"`` the encoded compressed message of :func:`qlsd_flwr.core.oracles.client_round`,
 or ``status = "resync"`` when the client's cached anchor or memory counter disagrees with the
 server's. An ``anchor`` or ``eta`` (with ``eta_count``) in the fields is installed *before* that
@@ -21,6 +22,7 @@ from qlsd_flwr.core.oracles import (
     full_local_grad,
     set_anchor,
 )
+from qlsd_flwr.core.metric import local_curvature
 from qlsd_flwr.core.potential import LocalPotential
 from qlsd_flwr.protocol.wire import (
     arr_to_bytes,
@@ -30,13 +32,19 @@ from qlsd_flwr.protocol.wire import (
 )
 
 
-def _prepare(spec: ClientSpec, pot: LocalPotential, st: ClientState, fields: dict, d: int):
+def _prepare(spec: ClientSpec, pot: LocalPotential, st: ClientState, fields: dict, d: int, seed: int = 0):
     """``(θ, None)`` for a sampling round this state can answer, ``(θ, reply)`` otherwise (the
     full gradient of ``phase = "grad"``, or ``status = "resync"``)."""
     i = spec.index
     theta = vector(fields["theta"], d)
     if fields["phase"] == "grad":
         return theta, {"client": i, "status": "ok", "payload": arr_to_bytes(full_local_grad(spec, pot, theta))}
+    if fields["phase"] == "curvature":  # metric-from = curvature: this client's ∇²U_i(θ*), data part
+        kind = str(fields["kind"])
+        if kind not in ("diagonal", "dense"):
+            raise ValueError(f"curvature: unknown kind {kind!r}; allowed: diagonal, dense")
+        h = local_curvature(pot, theta, kind, seed, i)
+        return theta, {"client": i, "status": "ok", "payload": arr_to_bytes(h.ravel())}
     if "eta" in fields:
         st.eta = vector(fields["eta"], d)
         st.eta_count = int(fields["eta_count"])
@@ -55,7 +63,7 @@ def _sampled(spec: ClientSpec, st: ClientState, q) -> dict:
 
 
 def handle(spec: ClientSpec, pot: LocalPotential, st: ClientState, seed: int, fields: dict, d: int) -> dict:
-    theta, reply = _prepare(spec, pot, st, fields, d)
+    theta, reply = _prepare(spec, pot, st, fields, d, seed)
     if reply is not None:
         return reply
     q, _ = client_round(spec, pot, st, seed, int(fields["round"]), theta)
@@ -74,7 +82,7 @@ def handle_chains(spec: ClientSpec, pot: LocalPotential, load_state, seed: int, 
     states = {c: load_state(c) for c in per}
     replies, ready = {}, []  # ready: (chain, θ) of the chains that sample
     for c, f in per.items():
-        theta, replies[c] = _prepare(spec, pot, states[c], f, d)
+        theta, replies[c] = _prepare(spec, pot, states[c], f, d, seed)
         if replies[c] is None:
             ready.append((c, theta))
     if ready:

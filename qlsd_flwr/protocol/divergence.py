@@ -24,9 +24,19 @@ def divergence_message(round_: int, gamma: float, run_dir=None, last_checkpoint:
     """``stable``: a step known to be stable on this target (``1/τ``, see
     :func:`qlsd_flwr.protocol.build.stable_gamma`); the suggestion is never above it, so it agrees
     with the start-up warning."""
-    suggest = gamma / 10 if stable is None else min(gamma / 10, stable)
-    msg = (f"the chain diverged at round {round_}{where}: {why}. The step size gamma = {gamma:g} "
-           f"is too large for this target; rerun with a smaller gamma (e.g. gamma={suggest:.3g}).")
+    if stable is not None and stable < gamma:  # the estimate says why: suggest it, not a blind γ/10
+        msg = (f"the chain diverged at round {round_}{where}: {why}. The step size gamma = {gamma:g} is above "
+               f"the step {stable:.3g} estimated from this target's curvature; rerun with a smaller gamma, within "
+               f"that estimate (gamma = auto chooses it; e.g. gamma={stable:.3g}).")
+    elif stable is not None:  # the step was within the estimate: the start or the gradients' noise
+        msg = (f"the chain diverged at round {round_}{where}: {why}. The step size gamma = {gamma:g} is within "
+               f"the step {stable:.3g} estimated from the curvature at θ*, so the chain left the region where "
+               f"that estimate holds (a far start, heavy gradient noise at low p or s); rerun with a smaller "
+               f"gamma, a larger p or s, or a metric (metric = diagonal; e.g. gamma={gamma / 4:.3g}).")
+    else:
+        msg = (f"the chain diverged at round {round_}{where}: {why}. The step size gamma = {gamma:g} "
+               f"is too large for this target; rerun with gamma = auto, which estimates the stable step from "
+               f"the curvature, or a smaller gamma (e.g. gamma={gamma / 10:.3g}).")
     if run_dir is not None:
         msg += (f" The samples and metrics of rounds 1..{round_ - 1} are in {run_dir} (the run folder "
                 f"was closed cleanly)")

@@ -18,6 +18,7 @@ suggesting a smaller ``gamma``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -27,7 +28,10 @@ import numpy as np
 from qlsd_flwr.compression.format import DecodeError
 from qlsd_flwr.config import ConfigError, RunConfig
 from qlsd_flwr.core import participation
+from qlsd_flwr.core import precondition
 from qlsd_flwr.core import server_step as sampler
+from qlsd_flwr.core.metric import Metric
+from qlsd_flwr.core.precondition import Prepared
 from qlsd_flwr.core.potential import Task
 from qlsd_flwr.protocol import build
 from qlsd_flwr.protocol.divergence import (
@@ -79,22 +83,27 @@ class QLSDServer:
 
     # ---- set-up -------------------------------------------------------------------------
     def begin(self, theta_star: np.ndarray | None, ts_info: dict | None = None,
-              theta0: np.ndarray | None = None) -> None:
+              theta0: np.ndarray | None = None, prep: Prepared | None = None) -> None:
         """Start the chain at ``θ_0`` (the task's unless given), or where the observer's checkpoint
-        left it (``theta_star`` and ``ts_info`` are then the checkpoint's)."""
+        left it (``theta_star``, ``ts_info``, the metric and ``γ`` are then the checkpoint's).
+        ``prep``: what :func:`qlsd_flwr.core.precondition.prepare` settled (metric, ``γ``)."""
         snap = resume_snapshot(self.cfg, self.observer)
         if snap is not None:
             self.restore(*snap)
         else:
-            self.start_chain(theta_star, ts_info, theta0)
+            self.start_chain(theta_star, ts_info, theta0, prep)
         if self.observer is not None:
             self.observer.on_begin(self)
 
     def start_chain(self, theta_star: np.ndarray | None, ts_info: dict | None = None,
-                    theta0: np.ndarray | None = None) -> None:
+                    theta0: np.ndarray | None = None, prep: Prepared | None = None) -> None:
         """The chain at ``θ_0`` (the task's unless given), round 0."""
         self.ts_info = ts_info or {}
-        self.spec = build.server_spec(self.cfg, self.task, theta_star, self.blocks)
+        metric = Metric()
+        if prep is not None:
+            self.cfg = precondition.apply(self.cfg, prep)
+            metric = prep.metric
+        self.spec = build.server_spec(self.cfg, self.task, theta_star, self.blocks, metric)
         self.state = sampler.init_state(self.spec, build.theta0_of(self.task) if theta0 is None else theta0)
 
     # ---- checkpoints: the state as plain arrays and JSON ------------------------------------
@@ -104,8 +113,8 @@ class QLSDServer:
         arrays = {"theta": st.theta, "zeta": st.zeta, "eta_i": st.eta_i, "eta": st.eta,
                   "theta_star": self.spec.theta_star, "anchor_acked": self.anchor_acked,
                   "eta_count": self.eta_count, "needs_resync": self.needs_resync,
-                  "norm_history": self.norm_guard.state()}
-        meta = {"kind": "server", "k": int(st.k), "zeta_version": int(st.zeta_version),
+                  "norm_history": self.norm_guard.state(), "metric": self.spec.metric.array()}
+        meta = {"kind": "server", "k": int(st.k), "zeta_version": int(st.zeta_version), "gamma": float(self.spec.gamma),
                 "config": self.cfg.raw, "rejected": self.rejected,
                 "missed_rounds": {str(i): r for i, r in self.missed_rounds.items()},
                 "ts_info": self.ts_info, "persist": self.persist}
@@ -116,7 +125,11 @@ class QLSDServer:
         cfg = self.cfg
         self.ts_info = dict(meta["ts_info"])
         theta_star = a.get("theta_star")
-        self.spec = build.server_spec(cfg, self.task, None if theta_star is None else theta_star.copy(), self.blocks)
+        if "gamma" in meta:  # the step the run was started with (gamma = auto chose it then)
+            self.cfg = cfg = dataclasses.replace(cfg, gamma=float(meta["gamma"]))
+        metric = Metric.from_array(a.get("metric"), self.d)
+        self.spec = build.server_spec(cfg, self.task, None if theta_star is None else theta_star.copy(), self.blocks,
+                                      metric)
         st = sampler.init_state(self.spec, a["theta"])
         st.k = int(meta["k"])
         st.zeta_version = int(meta["zeta_version"])
@@ -281,7 +294,7 @@ class QLSDServer:
         obs = self.observer
         msg = divergence_message(round_, self.cfg.gamma, obs.run_dir if obs is not None else None,
                                  obs.last_checkpoint if obs is not None else None, why=why,
-                                 stable=build.stable_gamma(self.task))
+                                 stable=build.stable_gamma(self.task, self.ts_info))
         log.error(msg)
         if obs is not None:
             self.ts_info = {**self.ts_info, "diverged_at_round": round_, "error": msg}
@@ -353,7 +366,8 @@ def summary_extra(cfg: RunConfig, task: Task, extra: dict) -> dict:
     """Facts every engine adds to its summary."""
     out = dict(extra)
     out.update({"variant": cfg.variant, "task": task.name, "b": cfg.b, "d": task.dim,
-                "gamma": cfg.gamma, "num_rounds": cfg.num_rounds, "seed": cfg.seed})
+                "gamma": cfg.gamma, "num_rounds": cfg.num_rounds, "seed": cfg.seed,
+                "temperature": cfg.temperature})
     out.update(task.meta.get("summary_extra", {}))  # e.g. dataset, partition counts, prior used
     if task.posterior_mean is not None:
         out["posterior_mean_exact"] = np.asarray(task.posterior_mean).tolist()

@@ -227,10 +227,13 @@ class TorchPotential:
                  dtype: torch.dtype | None = None, loss=None, log_likelihood=None):
         if loss is not None and log_likelihood is not None:
             raise ValueError("give loss or log_likelihood, not both")
+        self._per_example = None  # the per-example loss of a user's own loss or log-likelihood
         if log_likelihood is not None:
             self._loss_sum = lambda out, y: -log_likelihood(out, y).sum()
+            self._per_example = lambda out, y: -log_likelihood(out, y)
         elif loss is not None:
             self._loss_sum = lambda out, y: loss(out, y).sum()
+            self._per_example = loss
         else:  # one fused reduction, as before the option existed (same bits)
             self._loss_sum = lambda out, y: F.cross_entropy(out, y, reduction="sum")
         self.device = resolve_device(device)
@@ -305,6 +308,48 @@ class TorchPotential:
             return np.zeros(self.dim)
         g = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         return nn.utils.parameters_to_vector(g).detach().cpu().double().numpy()
+
+    def curvature_diag(self, theta: np.ndarray, chunk: int = 64) -> np.ndarray:
+        """The diagonal of this client's curvature at ``θ`` (``metric-from = curvature``), from
+        per-example gradients (``torch.func``):
+
+        * the default classifier (cross-entropy of logits): the Fisher information's diagonal
+          ``Σ_j Σ_c p_jc (∂ log p_jc / ∂θ)²``, ``p_jc`` the model's class probabilities. For
+          softmax outputs it equals the Gauss–Newton matrix's diagonal, the usual curvature of a
+          network (positive where the Hessian may not be);
+        * a user's ``loss`` / ``log_likelihood``: the empirical Fisher ``Σ_j (∇U_ij)²``.
+        """
+        from torch.func import functional_call, grad, vmap
+
+        self._load(theta)
+        names = [n for n, p in self.model.named_parameters() if p.requires_grad]
+        params = {n: p.detach() for n, p in self.model.named_parameters() if p.requires_grad}
+        buffers = dict(self.model.named_buffers())
+        per_example = self._per_example
+
+        def out_of(prm, x):
+            return functional_call(self.model, (prm, buffers), (x[None],))[0]
+
+        total = [torch.zeros_like(params[n]) for n in names]
+        with torch.no_grad():
+            n_classes = None if per_example is not None else int(self.model(self.X[:1]).shape[-1])
+        for a in range(0, self.n_data, chunk):
+            x, y = self.X[a:a + chunk], self.y[a:a + chunk]
+            if per_example is not None:
+                g = vmap(grad(lambda prm, xi, yi: per_example(out_of(prm, xi)[None], yi[None]).sum()),
+                         in_dims=(None, 0, 0))(params, x, y)
+                for t, n in zip(total, names):
+                    t += (g[n] ** 2).sum(0)
+                continue
+            with torch.no_grad():
+                p = F.softmax(self.model(x), dim=-1)
+            for c in range(n_classes):
+                g = vmap(grad(lambda prm, xi: F.log_softmax(out_of(prm, xi), dim=-1)[c]),
+                         in_dims=(None, 0))(params, x)
+                w = p[:, c]
+                for t, n in zip(total, names):
+                    t += torch.einsum("j,j...->...", w, g[n] ** 2)
+        return nn.utils.parameters_to_vector(total).detach().cpu().double().numpy()
 
     def value(self, theta: np.ndarray) -> float:
         self._load(theta)

@@ -3,15 +3,15 @@ backend, outputs, checkpoints and divergence (see :mod:`qlsd_flwr.engines.vector
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
 import numpy as np
 
 from qlsd_flwr.config import RunConfig
-from qlsd_flwr.core.oracles import full_local_grad
-from qlsd_flwr.core.potential import Task
-from qlsd_flwr.core.theta_star import resolve_theta_star
+from qlsd_flwr.core import precondition
+from qlsd_flwr.core.potential import GaussianPrior, Task
 from qlsd_flwr.engines.vectorised.numba_backend import NumbaChains
 from qlsd_flwr.engines.vectorised.numpy_backend import NumpyGeneric, Sequential
 from qlsd_flwr.engines.vectorised.results import (
@@ -60,7 +60,13 @@ def backend_for(cfgs, task: Task, backend: str = "auto") -> str:
     the reference's within float rounding, not bit for bit (see :mod:`.kernel`)."""
     cfgs = [cfgs] if isinstance(cfgs, RunConfig) else list(cfgs)
     one_norm = all(build.blocks_for(c, task) is None for c in cfgs)
-    ok = _is_gaussian(task) and task.dim >= 2 and one_norm
+    # the kernel's step is the paper's, with a Gaussian prior
+    plain = all(c.metric == "identity" and c.temperature == 1.0 for c in cfgs) and isinstance(task.prior, GaussianPrior)
+    ok = _is_gaussian(task) and task.dim >= 2 and one_norm and plain
+    if backend == "numba" and not plain:
+        raise ValueError("vectorised-backend = numba runs the paper's step only (metric = identity, temperature = 1, "
+                         "a Gaussian prior); "
+                         "allowed for this run: auto, numpy")
     if backend == "auto":
         return "numba" if ok else "numpy"
     if backend not in ("numba", "numpy"):
@@ -126,6 +132,8 @@ def run_side_by_side(cfgs, task: Task | None = None, write: bool = False, keep_t
     which = backend_for(cfgs, task, str(ref.get("vectorised-backend")) if backend is None else backend)
     d, nchain, K = task.dim, ref.num_chains, ref.num_rounds
     parts = [_parts(cfg, task) for cfg in cfgs]
+    cfgs = [dataclasses.replace(c, gamma=pt[1].gamma) if c.gamma_auto else c for c, pt in zip(cfgs, parts)]
+    ref = cfgs[0]
     stats = [ChainStats(nchain, d) for _ in cfgs]
     ck_on = write and any(ckpt.enabled(c) for c in cfgs)
     if ck_on and len(cfgs) > 1:
@@ -163,7 +171,7 @@ def run_side_by_side(cfgs, task: Task | None = None, write: bool = False, keep_t
         if which == "numba":
             runner = NumbaChains(cfgs, task, parts, stats, threads)
         else:
-            runner = Sequential([NumpyGeneric(cfg, task, *pt, st) for cfg, pt, st in zip(cfgs, parts, stats)])
+            runner = Sequential([NumpyGeneric(cfg, task, *pt[:4], st, theta0=pt[4]) for cfg, pt, st in zip(cfgs, parts, stats)])
         t0 = time.perf_counter()
         k = 0
         last_ckpt = None
@@ -189,7 +197,7 @@ def run_side_by_side(cfgs, task: Task | None = None, write: bool = False, keep_t
                 bad = _first_bad_round(out, runner.theta_of(v), R)
                 if bad is not None:
                     _diverge(cfgs[v], recs, v, k, bad, out, traces, dt / len(cfgs), run_dirs[v], last_ckpt,
-                             build.stable_gamma(task))
+                             build.stable_gamma(task, parts[v][3]))
                 if keep_trace:
                     traces[v][:, k:k + R] = out["states"]
                 if recs[v] is not None:
@@ -242,12 +250,9 @@ def _parts(cfg: RunConfig, task: Task):
     build.warn_if_unstable(cfg, task)
     blocks = build.blocks_for(cfg, task)
     specs = [build.client_spec(cfg, i, task.clients[i].n_data, d, task.prior, blocks) for i in range(cfg.b)]
-    theta0 = build.theta0_of(task)
-    theta_star, ts_info = resolve_theta_star(
-        cfg, task, theta0,
-        lambda th: build.combine_grads(cfg, task.prior, [full_local_grad(s, task.clients[s.index], th) for s in specs], th))
-    spec = build.server_spec(cfg, task, theta_star, blocks)
-    return specs, spec, theta_star, ts_info
+    prep = precondition.prepare(cfg, task, build.theta0_of(task), *build.direct_exchanges(cfg, task, specs))
+    spec = build.server_spec(precondition.apply(cfg, prep), task, prep.theta_star, blocks, prep.metric)
+    return specs, spec, prep.theta_star, prep.info, prep.theta0
 
 
 def _close_stopped(recs: list, exc: BaseException, k: int) -> None:

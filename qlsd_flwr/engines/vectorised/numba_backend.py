@@ -61,7 +61,7 @@ def kernel_params(cfgs, task, parts, noise_in_kernel: bool) -> KernelParams:
     enc = np.zeros(V, dtype=np.int64)
     compressed = np.zeros(V, dtype=np.bool_)
     prior = task.prior
-    for v, (specs, spec, ts, _) in enumerate(parts):
+    for v, (specs, spec, ts, *_) in enumerate(parts):
         comps = [sp.compressor for sp in specs]
         compressed[v] = isinstance(comps[0], QSGD)
         if not all(isinstance(c, QSGD) == compressed[v] for c in comps):
@@ -127,7 +127,9 @@ class NumbaChains:
             self.pool = ThreadPoolExecutor(max_workers=len(self.groups))
         self.noise_kernel = noise_in_kernel_ok()
         self.prm = kernel_params(cfgs, task, parts, self.noise_kernel)
-        theta = np.array(np.broadcast_to(build.theta0_of(task), (nc, V, d)), dtype=np.float64)
+        starts = parts[0][4]  # init = dispersed: each chain's θ_0 (the same for every configuration)
+        theta = np.array(np.broadcast_to(build.theta0_of(task) if starts is None else starts[:, None, :], (nc, V, d)),
+                         dtype=np.float64)
         # ∇U_i(ζ) (QLSD++) and η_i (memory): a last axis of 1 when no configuration uses them
         wide_ag = d if np.any(self.prm.oracle == int(Oracle.SVRG)) else 1
         wide_eta = d if self.prm.memory.any() else 1

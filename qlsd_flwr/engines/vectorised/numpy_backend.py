@@ -130,13 +130,15 @@ class NumpyGeneric:
     #: default of the ``batched`` argument (tests and benchmarks may switch it)
     BATCHED = True
 
-    def __init__(self, cfg, task, specs, spec, theta_star, ts_info, stats, batched: bool | None = None):
+    def __init__(self, cfg, task, specs, spec, theta_star, ts_info, stats, batched: bool | None = None,
+                 theta0: np.ndarray | None = None):
         self.cfg, self.task, self.specs, self.spec = cfg, task, specs, spec
         self.stats = stats
         self.seeds = chain_seeds(cfg)
         nc, d, b = cfg.num_chains, task.dim, cfg.b
         self.d, self.b = d, b
-        self.st = sampler.init_state(spec, np.tile(build.theta0_of(task), (nc, 1)))
+        # θ_0 of every chain: the task's, or each chain's own (init = dispersed, core.precondition)
+        self.st = sampler.init_state(spec, np.tile(build.theta0_of(task), (nc, 1)) if theta0 is None else theta0)
         self.bound = np.array([s.compressor.bound_bits(d) for s in specs])
         self.batched = self.BATCHED if batched is None else bool(batched)
         if not self.batched:

@@ -1,0 +1,300 @@
+"""The metric ``M`` (a constant preconditioner) of the Langevin step, and the numerics that choose it.
+
+With a metric the server's step is (ALGORITHMS.md, "Metric")
+
+    θ_{k+1} = θ_k − γ M g_{k+1} + √(2γT) M^{1/2} Z_{k+1},
+
+everything else (clients, compression, memory, participation, anchors) unchanged. For a fixed
+symmetric positive-definite ``M`` this is the unadjusted Langevin algorithm for ``π^{1/T}`` in the
+whitened coordinates ``φ = M^{-1/2} θ``: there ``U_M(φ) = U(M^{1/2} φ)`` has gradient
+``M^{1/2} ∇U(θ)``, and ``φ_{k+1} = φ_k − γ ∇U_M(φ_k) + √(2γT) Z`` is the paper's chain for the
+target ``exp(−U_M/T)``. Multiplying by ``M^{1/2}`` gives the step above; the unbiased, compressed
+``g`` stays unbiased after the linear map, so the paper's analysis (its bias of order ``γ``) holds
+in ``φ`` with the constants of ``∇²U_M = M^{1/2} ∇²U M^{1/2}``. A good ``M`` (close to the inverse
+Hessian) makes that matrix's eigenvalues alike, so one ``γ`` serves every direction.
+
+* :class:`Metric` — identity, diagonal (``d`` positive numbers) or dense (SPD ``d × d``, its lower
+  Cholesky factor ``L`` giving ``M^{1/2} Z`` as ``L Z``, as Stan's ``dense_e``).
+* :func:`metric_from_curvature` — ``M = (prior curvature + Σ_i H_i)^{-1}`` from the clients'
+  curvature reports at θ*, each validated and bounded (:func:`check_report`).
+* :func:`lambda_max` — the largest eigenvalue of ``M^{1/2} ∇²U M^{1/2}`` by power iteration on
+  Hessian-vector products (gradient differences through the engine's own clients);
+  :data:`GAMMA_AUTO_C` ``/ λ_max`` is ``gamma = auto``.
+* :func:`local_curvature` — what a client reports: its potential's own ``curvature_diag`` /
+  ``hessian`` when it has them, otherwise an estimate from ``grad_sum`` alone.
+* :func:`dispersed_starts` — chains started apart, for an honest R-hat.
+
+It is framework-free numpy; engines call it through :mod:`qlsd_flwr.core.precondition`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+import numpy as np
+
+from qlsd_flwr.config import ConfigError
+from qlsd_flwr.core import rng
+
+#: ``gamma = auto`` sets ``γ = c / λ_max(M^{1/2} ∇²U(θ*) M^{1/2})`` with this ``c``. With exact
+#: gradients on a Gaussian, a direction of curvature ``λ`` has stationary variance
+#: ``1/(λ (1 − γλ/2))`` (the discrete Lyapunov equation), so the stiffest direction's variance is
+#: inflated by at most ``1/(1 − c/2)``: 14 % (sd 7 %) at ``c = 0.25``; flatter directions less.
+#: Larger ``c`` mixes faster and costs more bias; the stability limit is ``c < 2``.
+GAMMA_AUTO_C = 0.25
+#: ``metric = dense`` keeps a ``d × d`` matrix and its factor on the server and asks each client
+#: for a ``d × d`` curvature: refused above this ``d`` (Stan's ``dense_e`` has the same trade-off).
+DENSE_MAX_DIM = 2000
+#: one client's curvature report may weigh at most this many times its share ``N_i`` of the
+#: (lower-median) honest clients' per-datum curvature before it is scaled down
+#: (:func:`metric_from_curvature`).
+REPORT_CAP = 10.0
+#: Hutchinson probes of :func:`local_curvature`'s estimate for potentials without ``curvature_diag``.
+HUTCHINSON_PROBES = 64
+
+
+class MetricError(ConfigError):
+    """A metric file or value that cannot be used (names the file or the key)."""
+
+
+@dataclass(frozen=True)
+class Metric:
+    """A constant metric ``M``: ``kind`` is ``identity``, ``diagonal`` (``m``: ``(d,)``) or
+    ``dense`` (``m``: ``(d, d)``, ``root``: its lower Cholesky factor)."""
+
+    kind: str = "identity"
+    m: np.ndarray | None = None
+    root: np.ndarray | None = None
+
+    @staticmethod
+    def diagonal(m) -> "Metric":
+        m = np.array(m, dtype=np.float64)
+        if m.ndim != 1 or not np.all(np.isfinite(m)) or not np.all(m > 0):
+            raise MetricError("metric: a diagonal metric needs finite positive numbers")
+        return Metric("diagonal", m, np.sqrt(m))
+
+    @staticmethod
+    def dense(M) -> "Metric":
+        M = np.array(M, dtype=np.float64)
+        if M.ndim != 2 or M.shape[0] != M.shape[1] or not np.all(np.isfinite(M)):
+            raise MetricError("metric: a dense metric needs a finite square matrix")
+        if not np.allclose(M, M.T, rtol=1e-10, atol=1e-12 * float(np.max(np.abs(M)))):
+            raise MetricError("metric: a dense metric must be symmetric")
+        M = 0.5 * (M + M.T)
+        try:
+            L = np.linalg.cholesky(M)
+        except np.linalg.LinAlgError:
+            raise MetricError("metric: a dense metric must be positive-definite") from None
+        return Metric("dense", M, L)
+
+    @property
+    def is_identity(self) -> bool:
+        return self.kind == "identity"
+
+    def apply(self, g: np.ndarray) -> np.ndarray:
+        """``M g`` for ``g`` of shape ``(..., d)``."""
+        if self.kind == "identity":
+            return g
+        if self.kind == "diagonal":
+            return self.m * g
+        return g @ self.m  # M symmetric: (M g_c)ᵀ = g_cᵀ M for every row
+
+    def apply_root(self, z: np.ndarray) -> np.ndarray:
+        """``M^{1/2} z`` (``L z`` for dense) for ``z`` of shape ``(..., d)``."""
+        if self.kind == "identity":
+            return z
+        if self.kind == "diagonal":
+            return self.root * z
+        return z @ self.root.T
+
+    def to_json(self):
+        """What ``summary.json`` records: ``"identity"``, ``d`` numbers, or a ``d × d`` list."""
+        return "identity" if self.kind == "identity" else self.m.tolist()
+
+    def array(self) -> np.ndarray:
+        """For checkpoints: an empty array for the identity, else ``m``."""
+        return np.zeros(0) if self.m is None else self.m
+
+    @staticmethod
+    def from_array(a: np.ndarray | None, d: int) -> "Metric":
+        """The inverse of :meth:`array` (a checkpoint's ``metric``)."""
+        if a is None or np.asarray(a).size == 0:
+            return Metric()
+        a = np.asarray(a, dtype=np.float64)
+        if a.shape == (d,):
+            return Metric.diagonal(a)
+        if a.shape == (d, d):
+            return Metric.dense(a)
+        raise MetricError(f"metric: expected {d} numbers or a {d} × {d} matrix, got shape {a.shape}")
+
+
+# ---- the clients' curvature -------------------------------------------------------------------
+def local_curvature(pot, theta: np.ndarray, kind: str, seed: int, client: int) -> np.ndarray:
+    """Client ``i``'s curvature of its data potential at ``θ``: ``(d,)`` (``kind = diagonal``) or
+    ``(d, d)`` (``dense``), positive semi-definite.
+
+    Uses the potential's own ``curvature_diag(θ)`` / ``hessian(θ)`` when it has them (the built-in
+    tasks do: exact, or the Gauss–Newton matrix). Otherwise it is estimated from ``grad_sum``
+    alone: the diagonal by Hutchinson's estimator ``E[v ⊙ H v]`` over :data:`HUTCHINSON_PROBES`
+    Rademacher probes ``v`` (from the stream ``(seed, INIT, −1, client)``), ``H v`` by central
+    differences; the dense matrix by central differences along each axis, symmetrised. Negative
+    values (noise, or a non-convex point) are set to zero: a metric needs only positive numbers,
+    and the server adds the prior's curvature.
+    """
+    d = theta.shape[0]
+    if kind == "diagonal" and hasattr(pot, "curvature_diag"):
+        h = np.asarray(pot.curvature_diag(theta), dtype=np.float64)
+    elif kind == "dense" and hasattr(pot, "hessian"):
+        h = np.asarray(pot.hessian(theta), dtype=np.float64)
+    elif kind == "diagonal":
+        u = rng.uniform(seed, rng.Stream.INIT, -1 & 0xFFFFFFFF, client, HUTCHINSON_PROBES * d)
+        V = np.where(u.reshape(HUTCHINSON_PROBES, d) < 0.5, -1.0, 1.0)
+        eps = _fd_step(theta)
+        h = np.zeros(d)
+        for v in V:
+            hv = (pot.grad_sum(theta + eps * v) - pot.grad_sum(theta - eps * v)) / (2.0 * eps)
+            h += v * hv
+        h /= HUTCHINSON_PROBES
+    else:
+        eps = _fd_step(theta)
+        h = np.empty((d, d))
+        for j in range(d):
+            e = np.zeros(d)
+            e[j] = eps
+            h[j] = (pot.grad_sum(theta + e) - pot.grad_sum(theta - e)) / (2.0 * eps)
+        h = 0.5 * (h + h.T)
+    if kind == "diagonal":
+        return np.maximum(h, 0.0)
+    w, Q = np.linalg.eigh(0.5 * (h + h.T))
+    return (Q * np.maximum(w, 0.0)) @ Q.T
+
+
+def _fd_step(theta: np.ndarray) -> float:
+    # central differences: error O(ε²·∇³U) against rounding O(u/ε); ε ≈ u^{1/3} on θ's scale
+    return 6e-6 * (1.0 + float(np.max(np.abs(theta))))
+
+
+class ReportError(ValueError):
+    """A curvature report the server refuses (counted as ``curvature_rejected``)."""
+
+
+def check_report(h, kind: str, d: int) -> np.ndarray:
+    """A client's curvature report as a float64 array, or :class:`ReportError` saying why: the wrong
+    length, a value that is not finite, a negative diagonal, an asymmetric or indefinite matrix."""
+    try:
+        a = np.asarray(h, dtype=np.float64)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ReportError(f"not an array of numbers ({type(exc).__name__})") from None
+    shape = (d,) if kind == "diagonal" else (d, d)
+    if kind == "dense" and a.shape == (d * d,):  # as it travels: the matrix row by row
+        a = a.reshape(d, d)
+    if a.shape != shape:
+        raise ReportError(f"expected shape {shape}, got {a.shape}")
+    if not np.all(np.isfinite(a)):
+        raise ReportError("non-finite values")
+    if kind == "diagonal":
+        if np.any(a < 0):
+            raise ReportError("negative curvature on the diagonal")
+        return a
+    scale = float(np.max(np.abs(a))) or 1.0
+    if not np.allclose(a, a.T, rtol=0.0, atol=1e-9 * scale):
+        raise ReportError("the matrix is not symmetric")
+    if float(np.linalg.eigvalsh(0.5 * (a + a.T))[0]) < -1e-9 * scale:
+        raise ReportError("the matrix is not positive semi-definite")
+    return 0.5 * (a + a.T)
+
+
+def _per_datum_scale(h: np.ndarray, n: int) -> float:
+    return float(np.max(np.diag(h) if h.ndim == 2 else h)) / max(int(n), 1)
+
+
+def metric_from_curvature(kind: str, reports: dict[int, np.ndarray], n_data, prior_curv: np.ndarray,
+                          d: int) -> tuple[Metric, dict]:
+    """``M = (P_0 + Σ_i H_i)^{-1}`` from the valid reports ``{i: H_i}`` and the prior's curvature
+    ``P_0`` (``(d,)``, the diagonal of ``∇²U_0``; zero for a flat prior). Returns the metric and the
+    facts for the summary.
+
+    Bounded influence: each report's per-datum scale ``max_j (H_i)_jj / N_i`` is compared with
+    the lower median of all reports' scales; a report above :data:`REPORT_CAP` times it is scaled
+    down to that cap (``curvature_scaled``). So, with at least half the reports honest, one client
+    can shrink ``M`` only as much as ``REPORT_CAP × N_i`` honest data points would: it slows the
+    chain in those directions and never biases it (any SPD ``M`` keeps ``π`` stationary up to
+    ``O(γ)``). A direction no report and no prior constrains gets the smallest curvature of the
+    others (``M`` must stay finite).
+    """
+    n_data = np.asarray(n_data)
+    scales = {i: _per_datum_scale(h, n_data[i] if i < n_data.size else 1) for i, h in reports.items()}
+    scaled = []
+    if scales:
+        s = np.sort(np.array(list(scales.values())))
+        ref = float(s[(len(s) - 1) // 2])  # the lower median: honest when at least half are
+        cap = REPORT_CAP * ref
+        for i in sorted(reports):
+            if ref > 0 and scales[i] > cap:
+                reports[i] = reports[i] * (cap / scales[i])
+                scaled.append(i)
+    info = {"curvature_reports": len(reports), "curvature_scaled": scaled}
+    if kind == "diagonal":
+        h = np.array(prior_curv, dtype=np.float64)
+        for i in sorted(reports):
+            h = h + reports[i]
+        pos = h[h > 0]
+        if pos.size == 0:
+            raise MetricError("metric-from = curvature: no client reported any curvature and the prior is flat; "
+                              "give a prior (prior-var) or metric = identity")
+        h = np.maximum(h, float(pos.min()))
+        return Metric.diagonal(1.0 / h), info
+    H = np.diag(np.asarray(prior_curv, dtype=np.float64))
+    for i in sorted(reports):
+        H = H + reports[i]
+    w, Q = np.linalg.eigh(0.5 * (H + H.T))
+    pos = w[w > 1e-12 * max(float(w.max()), 0.0)]
+    if pos.size == 0:
+        raise MetricError("metric-from = curvature: the summed curvature is zero; give a prior (prior-var) or "
+                          "metric = identity")
+    w = np.maximum(w, float(pos.min()))
+    M = (Q / w) @ Q.T
+    return Metric.dense(0.5 * (M + M.T)), info
+
+
+# ---- the step from the curvature -----------------------------------------------------------------
+def lambda_max(grad_fn, theta: np.ndarray, metric: Metric, seed: int, iters: int = 60,
+               tol: float = 1e-3) -> tuple[float, int]:
+    """``λ_max(M^{1/2} ∇²U(θ) M^{1/2})`` by power iteration; ``∇²U u`` by the central difference
+    ``(∇U(θ + εu) − ∇U(θ − εu)) / 2ε``, each ``∇U`` one exchange with every client (``grad_fn``).
+    Stops when the Rayleigh quotient changes by less than ``tol`` (relative) or after ``iters``
+    iterations; returns ``(λ, iterations)``. The start is random (stream ``(seed, INIT, −2, 0)``),
+    so it is not orthogonal to the top eigenvector."""
+    d = theta.shape[0]
+    v = rng.normal(seed, rng.Stream.INIT, -2 & 0xFFFFFFFF, 0, d)
+    v /= np.linalg.norm(v)
+    lam, it = 0.0, 0
+    for it in range(1, iters + 1):
+        u = metric.apply_root(v)
+        eps = _fd_step(theta) / max(float(np.max(np.abs(u))), 1e-300)
+        hu = (grad_fn(theta + eps * u) - grad_fn(theta - eps * u)) / (2.0 * eps)
+        w = metric.apply_root(hu) if metric.kind != "dense" else hu @ metric.root  # (M^{1/2})ᵀ H u
+        new = float(v @ w)
+        nw = float(np.linalg.norm(w))
+        if not np.isfinite(nw) or nw == 0.0:
+            break
+        v = w / nw
+        done = it > 3 and abs(new - lam) <= tol * abs(new)
+        lam = max(new, 0.0)
+        if done:
+            break
+    return lam, it
+
+
+def dispersed_starts(center: np.ndarray, scale: np.ndarray | Metric, chains: int, seed: int,
+                     spread: float = 2.0) -> np.ndarray:
+    """``C`` starting points ``θ_0^{(c)} = center + spread · S z_c`` with ``z_c`` standard normal
+    from chain ``c``'s stream ``(seed + c, INIT, 0, 0)`` and ``S`` the metric's root (about the
+    posterior's scale when ``M`` comes from the curvature) or a vector of scales. Over-dispersed
+    starts (``spread = 2``: twice the scale) are what make R-hat able to show non-convergence."""
+    d = center.shape[0]
+    out = np.empty((chains, d))
+    for c in range(chains):
+        z = rng.normal(int(seed) + c, rng.Stream.INIT, 0, 0, d)
+        step = scale.apply_root(z) if isinstance(scale, Metric) else np.asarray(scale) * z
+        out[c] = center + spread * step
+    return out

@@ -1,0 +1,210 @@
+"""What is settled before the first sampling round, on every engine: θ*, the metric ``M``, the
+step ``γ`` (for ``gamma = auto``) and the chains' starting points.
+
+Each engine hands :func:`prepare` two ways to reach its clients: ``grad_fn(θ)`` (``∇U(θ)`` summed
+over every client's full local gradient and the server's prior: the θ* phase's exchange) and
+``curv_fn(θ, kind)`` (every client's curvature report, ``{i: array}``, for ``metric-from =
+curvature``). Nothing else differs between engines, so a run is the same function of its seed on
+all of them. The order:
+
+1. θ*: the task's closed form, or the federated descent of :mod:`qlsd_flwr.core.theta_star`
+   (needed by QLSD*/LSD*, and as the point where the curvature is taken). With ``gamma = auto`` the
+   descent's own step is chosen the same way at ``θ_0``, and preconditioned by the metric there.
+2. ``M`` from the clients' curvature at θ* (:func:`qlsd_flwr.core.metric.metric_from_curvature`),
+   or from a ``.npy`` file, or the identity.
+3. ``λ_max(M^{1/2} ∇²U(θ*) M^{1/2})`` by power iteration on gradient differences, when ``gamma =
+   auto`` (``γ = c/λ_max``) or when a metric is used (the start-up check ``γ λ_max < 2``).
+4. ``init = dispersed``: chain ``c`` starts at ``θ* + 2 M^{1/2} z_c``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from qlsd_flwr.config import ConfigError, RunConfig
+from qlsd_flwr.core import metric as mt
+from qlsd_flwr.core.metric import Metric, MetricError
+from qlsd_flwr.core.potential import Task
+from qlsd_flwr.outputs.metric_file import metric_from_file
+from qlsd_flwr.core.theta_star import closed_form_theta_star, needs_theta_star, optimise_theta_star, resolve_theta_star
+
+log = logging.getLogger("qlsd_flwr")
+
+GradFn = Callable[[np.ndarray], np.ndarray]
+CurvFn = Callable[[np.ndarray, str], dict]
+
+
+@dataclass
+class Prepared:
+    """The outcome of :func:`prepare`: ``theta_star`` (for QLSD*/LSD*, else ``None``), the facts
+    for the summary (``info``), the metric, the step ``gamma`` and the chains' starts ``theta0``
+    (``(C, d)``, or ``None`` for the task's θ_0)."""
+
+    theta_star: np.ndarray | None
+    info: dict
+    metric: Metric
+    gamma: float
+    theta0: np.ndarray | None = None
+    lambda_max: float | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def uses_metric(cfg: RunConfig) -> bool:
+    return cfg.metric != "identity"
+
+
+def needs_curvature(cfg: RunConfig) -> bool:
+    return cfg.metric in ("diagonal", "dense")
+
+
+def needs_preparation(cfg: RunConfig) -> bool:
+    """Whether anything beyond θ* is settled before sampling."""
+    return uses_metric(cfg) or cfg.gamma_auto or cfg.init == "dispersed"
+
+
+def check(cfg: RunConfig, d: int) -> None:
+    """The metric keys against the task's ``d`` (``ConfigError`` naming the key)."""
+    if cfg.metric == "dense" and d > mt.DENSE_MAX_DIM:
+        raise ConfigError(f"metric: dense needs d ≤ {mt.DENSE_MAX_DIM} (this task has d = {d}); use diagonal")
+
+
+def prior_curvature(task: Task, theta: np.ndarray | None = None) -> np.ndarray:
+    """The diagonal of ``∇²U_0`` at ``θ`` (the prior's curvature; zero for a flat prior or one that
+    does not say)."""
+    pr = task.prior
+    theta = np.zeros(task.dim) if theta is None else theta
+    if hasattr(pr, "curvature_diag"):
+        h = np.asarray(pr.curvature_diag(theta), dtype=np.float64)
+        return np.where(np.isfinite(h) & (h > 0), h, 0.0)
+    return np.zeros(task.dim)
+
+
+def curvature_point(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | None,
+                    lr: float, metric0: Metric, info: dict) -> np.ndarray:
+    """θ* as the point where the curvature is taken: the closed form where the task has one,
+    otherwise the federated descent (preconditioned by ``metric0``, step ``lr``)."""
+    if task.theta_star is not None and (cfg.theta_star == "closed-form" or not needs_theta_star(cfg)):
+        info["theta_star"] = "closed-form"
+        return closed_form_theta_star(cfg, task)
+    if grad_fn is None:
+        raise ConfigError("metric/gamma = auto/init = dispersed: this path cannot reach its clients before "
+                          "sampling (the legacy Flower API); use the Message-API strategy, or metric = <file.npy> "
+                          "and a numeric gamma")
+    ts, rounds = optimise_theta_star(cfg, theta0, grad_fn, info, lr=lr, precondition=metric0)
+    info.update({"theta_star": "optimise", "opt_rounds": rounds})
+    if not info["opt_converged"]:
+        from qlsd_flwr.keys import flag
+
+        why = (f"theta-star: the descent to the point where the metric is taken stopped at opt-rounds = {rounds} "
+               f"with ‖∇U‖ = {info['opt_grad_norm']:.3g}; raise opt-rounds, or set opt-accept-unconverged = true")
+        if needs_theta_star(cfg) and not flag("opt-accept-unconverged", cfg.raw.get("opt-accept-unconverged")):
+            raise ConfigError(why)
+        log.warning(why + " (the metric and γ are taken there)")
+    return ts
+
+
+def prepare(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | None,
+            curv_fn: CurvFn | None, chains: int | None = None, n_data=None) -> Prepared:
+    """θ*, ``M``, ``γ`` and the chains' starts for ``cfg`` (see the module docstring). ``theta0``
+    is the task's (or the user's) starting point; ``chains`` the number of chains to start
+    (default ``num-chains``); ``n_data`` the clients' ``N_i`` (default the task's: a user's
+    ServerApp knows them from the handshake), the scale of their curvature reports."""
+    check(cfg, task.dim)
+    n_data = task.n_data if n_data is None else np.asarray(n_data, dtype=np.int64)
+    C = int(cfg.num_chains if chains is None else chains)
+    if not needs_preparation(cfg):
+        ts, info = resolve_theta_star(cfg, task, theta0, grad_fn)
+        return Prepared(ts, info, Metric(), cfg.gamma)
+    info: dict = {}
+    d = task.dim
+    metric0, lr0 = Metric(), cfg.gamma
+    if cfg.metric.endswith(".npy"):
+        metric0 = metric_from_file(cfg.metric, d)
+    elif needs_curvature(cfg) and (task.theta_star is None or cfg.theta_star == "optimise") and curv_fn is not None:
+        # the descent to θ* is preconditioned by the metric at θ_0 (a diagonal Newton-like step)
+        metric0, _ = _curvature_metric(cfg, task, theta0, curv_fn, n_data)
+    if cfg.gamma_auto and (task.theta_star is None or cfg.theta_star == "optimise") and grad_fn is not None:
+        lam0, _ = mt.lambda_max(grad_fn, theta0, metric0, cfg.seed)
+        lr0 = 1.0 / lam0 if lam0 > 0 else 1.0
+        info["opt_lr"] = lr0
+    needs_point = needs_theta_star(cfg) or needs_curvature(cfg) or cfg.gamma_auto or cfg.init == "dispersed"
+    point = curvature_point(cfg, task, theta0, grad_fn, lr0, metric0, info) if needs_point else theta0
+    # 2. the metric
+    if needs_curvature(cfg):
+        if curv_fn is None:
+            raise ConfigError("metric-from = curvature: this path cannot ask its clients for their curvature (the "
+                              "legacy Flower API); use the Message-API strategy, or metric = <file.npy>")
+        metric, cinfo = _curvature_metric(cfg, task, point, curv_fn, n_data)
+        info.update(cinfo)
+    else:
+        metric = metric0
+    # 3. the step
+    lam = None
+    gamma = cfg.gamma
+    if (cfg.gamma_auto or not metric.is_identity) and grad_fn is not None:
+        lam, iters = mt.lambda_max(grad_fn, point, metric, cfg.seed)
+        info.update({"lambda_max": lam, "lambda_max_iterations": iters})
+        stable = mt.GAMMA_AUTO_C / lam if lam > 0 else None
+        if cfg.gamma_auto:
+            if stable is None:
+                raise ConfigError("gamma = auto: the estimated curvature λ_max is zero (a flat potential); give a "
+                                  "numeric gamma")
+            gamma = stable
+            log.warning("gamma = auto: γ = %.4g = %g / λ_max, λ_max = %.4g (the largest eigenvalue of M^½ ∇²U(θ*) "
+                        "M^½, %d power iterations; metric %s)", gamma, mt.GAMMA_AUTO_C, lam, iters, metric.kind)
+        elif stable is not None and cfg.gamma * lam >= 2.0:
+            log.warning("gamma = %g is beyond the stability limit 2/λ_max = %.3g of this metric (λ_max = %.4g, "
+                        "estimated at θ*): the chain will diverge; choose gamma below it, e.g. %.3g (gamma = auto)",
+                        cfg.gamma, 2.0 / lam, lam, stable)
+    elif cfg.gamma_auto:
+        raise ConfigError("gamma = auto: this path cannot reach its clients before sampling (the legacy Flower "
+                          "API); give a numeric gamma")
+    if not math.isfinite(gamma) or gamma <= 0:
+        raise ConfigError(f"gamma: the chosen step {gamma!r} is not a positive number")
+    # 4. the starts
+    starts = None
+    if cfg.init == "dispersed":
+        scale: Metric | np.ndarray = metric
+        if metric.is_identity:
+            pv = prior_curvature(task, point)
+            scale = np.where(pv > 0, 1.0 / np.sqrt(np.where(pv > 0, pv, 1.0)), 1.0)
+        starts = mt.dispersed_starts(point, scale, C, cfg.seed, spread=2.0 * math.sqrt(cfg.temperature))
+        info["init"] = "dispersed"
+    info.update({"metric": metric.to_json(), "metric_kind": metric.kind, "gamma_used": gamma, "gamma_auto": bool(cfg.gamma_auto),
+                 "temperature": cfg.temperature})
+    ts = point if needs_theta_star(cfg) else None
+    return Prepared(ts, info, metric, gamma, starts, lam)
+
+
+def _curvature_metric(cfg: RunConfig, task: Task, point: np.ndarray, curv_fn: CurvFn, n_data: np.ndarray):
+    reports, refused = curv_fn(point, cfg.metric), {}
+    ok = {}
+    for i, h in reports.items():
+        try:
+            ok[int(i)] = mt.check_report(h, cfg.metric, task.dim)
+        except mt.ReportError as exc:
+            refused[int(i)] = str(exc)
+            log.warning("client %s: curvature report refused: %s (curvature_rejected)", i, exc)
+    try:
+        metric, cinfo = mt.metric_from_curvature(cfg.metric, ok, n_data, prior_curvature(task, point), task.dim)
+    except MetricError as exc:
+        raise ConfigError(str(exc)) from None
+    cinfo["curvature_rejected"] = {str(i): why for i, why in sorted(refused.items())}
+    for i in cinfo["curvature_scaled"]:
+        log.warning("client %d: curvature report scaled down to %g × the clients' per-datum curvature "
+                    "(curvature_scaled)", i, mt.REPORT_CAP)
+    return metric, cinfo
+
+
+def apply(cfg: RunConfig, prep: Prepared) -> RunConfig:
+    """``cfg`` with the step the preparation chose (``gamma = auto``)."""
+    import dataclasses
+
+    if cfg.gamma_auto or cfg.gamma != prep.gamma:
+        return dataclasses.replace(cfg, gamma=float(prep.gamma))
+    return cfg

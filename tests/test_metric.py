@@ -1,0 +1,352 @@
+"""The metric M, the temperature T, gamma = auto and dispersed starts (core.metric, core.precondition).
+
+The reference for a metric is exact: with exact gradients on a Gaussian target of precision P the
+chain is the linear recursion e_{k+1} = B e_k + √(2γT) M^{1/2} Z with B = I − γ M P, whose
+covariance after k rounds from a fixed start is Σ_k = B Σ_{k−1} Bᵀ + 2γT M (Σ_0 = 0) and whose
+stationary covariance solves the discrete Lyapunov equation Σ = B Σ Bᵀ + 2γT M. The sample
+covariance of C independent chains at round K has, for Gaussian draws, the standard error
+√((Σ_jj Σ_ll + Σ_jl²)/(C − 1)) per entry; the tests allow 5 of those (the draws are Gaussian, so
+that is a 1-in-10^6 event per entry).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import numpy as np
+import pytest
+from scipy.linalg import solve_discrete_lyapunov
+
+from qlsd_flwr.config import ConfigError, resolve
+from qlsd_flwr.core import metric as mt
+from qlsd_flwr.core import server_step as sampler
+from qlsd_flwr.core.metric import Metric
+from qlsd_flwr.core.potential import GaussianPrior, Task
+from qlsd_flwr.engines.vectorised import run_vectorised
+from qlsd_flwr.outputs.recorder import load_samples
+from qlsd_flwr.run.simulate import run
+
+
+class MatrixGaussian:
+    """``U_i(θ) = ½ (θ − μ_i)ᵀ A_i (θ − μ_i)``: one "data point" with a full precision matrix, its
+    exact Hessian and its batched gradient (so that thousands of chains run in seconds)."""
+
+    def __init__(self, A, mu):
+        self.A, self.mu = np.asarray(A, float), np.asarray(mu, float)
+        self.n_data, self.dim = 1, len(mu)
+
+    def grad_sum(self, theta, idx=None):
+        return self.A @ (theta - self.mu)
+
+    def grad_sum_batch(self, thetas, idx=None):
+        return (thetas - self.mu) @ self.A  # A symmetric
+
+    def value(self, theta):
+        e = theta - self.mu
+        return 0.5 * float(e @ self.A @ e)
+
+    def hessian(self, theta):
+        return self.A.copy()
+
+    def curvature_diag(self, theta):
+        return np.diag(self.A).copy()
+
+
+def ill_conditioned_task(d: int = 3, cond: float = 1e3, rho: float = 0.8) -> Task:
+    """Two clients whose summed precision P has condition number ≥ ``cond`` and correlations ``rho``."""
+    scales = np.geomspace(1.0, np.sqrt(cond), d)  # sd ratios: P's diagonal spans cond
+    R = np.full((d, d), rho) + (1 - rho) * np.eye(d)
+    P = np.diag(scales) @ R @ np.diag(scales)
+    A1 = 0.4 * P + 0.1 * np.diag(np.diag(P))  # the clients differ in shape, both positive-definite
+    A2 = 0.6 * P
+    P = A1 + A2
+    mu1, mu2 = np.linspace(-1, 1, d), np.linspace(2, 0, d)
+    theta_star = np.linalg.solve(P, A1 @ mu1 + A2 @ mu2)
+    assert np.linalg.cond(P) >= cond and np.all(np.abs(P[~np.eye(d, dtype=bool)]) > 0)  # not diagonal
+    return Task(name="matrix-gaussian", dim=d, clients=[MatrixGaussian(A1, mu1), MatrixGaussian(A2, mu2)],
+                prior=GaussianPrior(), theta_star=theta_star, theta0=theta_star.copy())
+
+
+def _exact(keys: dict, task: Task, chains: int, rounds: int, keep=False):
+    """``chains`` chains of exact-gradient ULA (QLSD's full oracle, no compression, p = 1) from θ*."""
+    cfg = resolve({"variant": "qlsd", "compressor": "identity", "num-clients": task.b, "dim": task.dim,
+                   "num-chains": chains, "num-rounds": rounds, "burn-in": rounds - 1, "progress": False,
+                   "vectorised-backend": "numpy", "theta-star": "closed-form", **keys})
+    return run_vectorised(cfg, task=task, write=False, keep_trace=keep)
+
+
+@pytest.mark.parametrize("metric,T", [("diagonal", 1.0), ("dense", 1.0), ("file", 0.5), ("identity", 1.0)])
+def test_stationary_covariance_is_the_discrete_lyapunov_solution(metric, T, tmp_path):
+    # the identity needs about κ rounds to forget its start: a milder target keeps it short
+    task = ill_conditioned_task(cond=1e3 if metric != "identity" else 30.0)
+    P = sum(c.A for c in task.clients)
+    keys = {"gamma": "auto", "temperature": T}
+    if metric == "file":  # an SPD metric that is not P^{-1}: the recursion holds for any M
+        G = np.array([[1.0, 0.3, 0.0], [0.3, 0.5, 0.1], [0.0, 0.1, 0.05]])
+        np.save(tmp_path / "m.npy", G)
+        keys["metric"] = str(tmp_path / "m.npy")
+    else:
+        keys["metric"] = metric
+    M = {"diagonal": np.diag(1.0 / np.diag(P)), "dense": np.linalg.inv(P), "identity": np.eye(3)}.get(metric)
+    if metric == "file":
+        M = G
+    # gamma = auto must be c / λ_max(M^½ P M^½); the rounds K are those after which the start is forgotten
+    L = np.linalg.cholesky(M)
+    lam = np.linalg.eigvalsh(L.T @ P @ L)
+    rho = 1.0 - mt.GAMMA_AUTO_C * lam.min() / lam.max()  # B's spectral radius at that γ
+    C, K = 2000, int(np.ceil(np.log(1e-5) / (2 * np.log(rho))))
+    res = _exact(keys, task, C, K, keep=False)
+    gamma = res.summary["gamma"]
+    assert gamma == pytest.approx(mt.GAMMA_AUTO_C / lam.max(), rel=1e-6)  # the power iteration's estimate
+    B = np.eye(3) - gamma * M @ P
+    sigma_inf = solve_discrete_lyapunov(B, 2 * gamma * T * M)
+    sig = np.zeros((3, 3))
+    for _ in range(K):
+        sig = B @ sig @ B.T + 2 * gamma * T * M
+    # K rounds reach the stationary law within 1e-3 of its own scale: the comparison is with Σ
+    assert np.max(np.abs(sig - sigma_inf) / np.sqrt(np.outer(np.diag(sigma_inf), np.diag(sigma_inf)))) < 1e-3
+    x = res.theta - task.theta_star  # the chains' last states, (C, d)
+    S = np.cov(x.T)
+    se = np.sqrt((np.outer(np.diag(sig), np.diag(sig)) + sig**2) / (C - 1))
+    assert np.max(np.abs(S - sigma_inf) / se) < 5.0, (S, sigma_inf)
+    assert np.max(np.abs(x.mean(axis=0)) / np.sqrt(np.diag(sig) / C)) < 5.0
+
+
+def test_a_mutated_step_fails_the_lyapunov_check():
+    """The check above can fail: M applied twice to the noise (M in place of M^½) is caught."""
+    task = ill_conditioned_task()
+    P = sum(c.A for c in task.clients)
+    M = np.diag(1.0 / np.diag(P))
+    orig = Metric.apply_root
+    try:
+        Metric.apply_root = lambda self, z: self.m * z if self.kind == "diagonal" else orig(self, z)
+        res = _exact({"gamma": "auto", "metric": "diagonal"}, task, 2000, 400)
+    finally:
+        Metric.apply_root = orig
+    gamma = res.summary["gamma"]
+    B = np.eye(3) - gamma * M @ P
+    sigma = solve_discrete_lyapunov(B, 2 * gamma * M)
+    S = np.cov((res.theta - task.theta_star).T)
+    se = np.sqrt((np.outer(np.diag(sigma), np.diag(sigma)) + sigma**2) / 1999)
+    assert np.max(np.abs(S - sigma) / se) > 5.0
+
+
+def test_identity_metric_at_t1_is_the_papers_step_bit_for_bit():
+    rng = np.random.default_rng(0)
+    spec = sampler.ServerSpec(b=3, gamma=1e-2, p=np.ones(3), rule="unbiased", memory=False, alpha=np.zeros(3),
+                              l=10, oracle="full", prior=GaussianPrior(2.0), prior_on_server=True)
+    st = sampler.init_state(spec, rng.normal(size=7))
+    theta0 = st.theta.copy()
+    g_hat = rng.normal(size=(3, 7))
+    sampler.server_step(spec, st, 5, g_hat, np.ones(3, bool))
+    from qlsd_flwr.core import rng as r
+
+    g = np.zeros(7)
+    for i in range(3):
+        g = g + 1.0 * g_hat[i]
+    g = g + theta0 / 2.0
+    z = r.normal(5, r.Stream.NOISE, 0, 0, 7)
+    assert np.array_equal(st.theta, theta0 - 1e-2 * g + np.sqrt(2e-2) * z)
+
+
+@pytest.mark.parametrize("metric", ["diagonal", "dense"])
+def test_engines_agree_bit_for_bit_with_a_metric_gamma_auto_and_dispersed_starts(metric, tmp_path):
+    base = {"num-chains": 3, "num-rounds": 40, "burn-in": 5, "progress": False, "output-dir": str(tmp_path),
+            "metric": metric, "gamma": "auto", "variant": "qlsd-pp", "init": "dispersed", "p": "0.6",
+            "dim": 6, "num-clients": 4, "l": 7, "s": "4", "temperature": 0.7}
+    a = run({**base, "engine": "inprocess", "run-name": "a"})
+    b = run({**base, "engine": "vectorised", "run-name": "b"})
+    sa, sb = load_samples(a.run_dir), load_samples(b.run_dir)
+    assert sa.shape == (3, 35, 6) and np.array_equal(sa, sb)
+    assert a.summary["gamma"] == b.summary["gamma"] and a.summary["metric_kind"] == metric
+    one = run({**base, "engine": "local", "num-chains": 1, "run-name": "c"})
+    c1 = run({**base, "engine": "vectorised", "num-chains": 1, "run-name": "d"})
+    assert np.array_equal(load_samples(one.run_dir), load_samples(c1.run_dir))
+    # the starts are dispersed: the chains' first draws are apart by about the posterior's scale
+    first = sa[:, 0, :]
+    assert np.min(np.abs(first[0] - first[1])) > 0
+
+
+def test_summary_and_samples_record_the_metric_and_the_step(tmp_path):
+    import h5netcdf
+
+    out = run({"engine": "local", "num-rounds": 30, "burn-in": 5, "progress": False, "output-dir": str(tmp_path),
+               "metric": "diagonal", "gamma": "auto", "dim": 4, "num-clients": 3, "run-name": "r"})
+    s = json.loads((out.run_dir / "summary.json").read_text())
+    assert isinstance(s["metric"], list) and len(s["metric"]) == 4 and all(m > 0 for m in s["metric"])
+    assert isinstance(s["gamma"], float) and s["gamma"] > 0 and s["gamma_auto"] is True
+    conf = json.loads((out.run_dir / "config.json").read_text())
+    assert conf["resolved"]["gamma"] == s["gamma"]
+    with h5netcdf.File(out.run_dir / "samples.nc", "r") as f:
+        assert f.attrs["gamma"] == s["gamma"] and f.attrs["metric"] == "diagonal"
+
+
+# ---- hostile curvature reports ------------------------------------------------------------------
+def test_check_report_refuses_each_kind_of_bad_report_by_name():
+    d = 4
+    for bad, why in ((np.full(d, np.nan), "non-finite"), (np.array([1.0, -1.0, 1.0, 1.0]), "negative"),
+                     (np.ones(d + 1), "shape"), ("text", "not an array"), (np.full(d, np.inf), "non-finite")):
+        with pytest.raises(mt.ReportError, match=why):
+            mt.check_report(bad, "diagonal", d)
+    A = np.eye(d)
+    A[0, 1] = 1.0
+    with pytest.raises(mt.ReportError, match="symmetric"):
+        mt.check_report(A, "dense", d)
+    with pytest.raises(mt.ReportError, match="semi-definite"):
+        mt.check_report(-np.eye(d), "dense", d)
+    assert mt.check_report(np.eye(d).ravel(), "dense", d).shape == (d, d)  # as it travels
+
+
+def test_one_huge_report_is_scaled_to_its_share_and_cannot_dominate_the_metric():
+    d, n = 3, np.array([10, 10, 10, 10])
+    honest = {i: np.full(d, 10.0 * (1 + 0.1 * i)) for i in range(4)}
+    ref, _ = mt.metric_from_curvature("diagonal", dict(honest), n, np.full(d, 1.0), d)
+    hostile = {**honest, 3: np.full(d, 1e30)}
+    got, info = mt.metric_from_curvature("diagonal", hostile, n, np.full(d, 1.0), d)
+    assert info["curvature_scaled"] == [3]
+    # one client weighs at most REPORT_CAP × an honest client's curvature: M shrinks by a bounded factor
+    assert np.all(got.m > ref.m / (mt.REPORT_CAP + 1))
+    assert np.all(np.isfinite(got.m)) and np.all(got.m > 0)
+
+
+def _curvature_mod(kind: str):
+    """A client mod that rewrites client 1's curvature reply (after the client computed it)."""
+    from flwr.app import ConfigRecord
+
+    from qlsd_flwr.flower.records import RECORD, from_content
+
+    def mod(msg, ctx, call_next):
+        out = call_next(msg, ctx)
+        fields, _ = from_content(msg.content)
+        if fields.get("phase") != "curvature" or int(ctx.node_config["partition-id"]) != 1:
+            return out
+        rec = dict(out.content[RECORD])
+        h = np.frombuffer(rec["payload"], dtype="<f8").copy()
+        bad = {"nan": np.full_like(h, np.nan), "negative": -h - 1.0, "huge": h * 1e12 + 1e12,
+               "short": h[:-1]}[kind]
+        rec["payload"] = bad.astype("<f8").tobytes()
+        out.content[RECORD] = ConfigRecord(rec)
+        return out
+
+    return mod
+
+
+@pytest.mark.parametrize("kind", ["nan", "negative", "huge", "short"])
+def test_a_hostile_curvature_reply_through_flower_is_refused_or_bounded(kind, tmp_path, caplog):
+    from qlsd_flwr.run.simulate import run_inprocess
+
+    o = {"engine": "inprocess", "num-rounds": 20, "burn-in": 5, "progress": False, "output-dir": str(tmp_path),
+         "metric": "diagonal", "gamma": "auto", "dim": 5, "num-clients": 4, "run-name": kind}
+    cfg = resolve(o)
+    caplog.set_level(logging.WARNING, logger="qlsd_flwr")
+    strat = run_inprocess(cfg, o, mods=[_curvature_mod(kind)])
+    s = strat.server.summary_data
+    m = np.array(s["metric"])
+    assert np.all(np.isfinite(m)) and np.all(m > 0)
+    honest = run({**o, "engine": "local", "run-name": kind + "-honest"}).summary
+    if kind == "huge":
+        assert s["curvature_scaled"] == [1] and s["curvature_rejected"] == {}
+        assert np.all(m > np.array(honest["metric"]) / (mt.REPORT_CAP + 1))
+    else:
+        assert list(s["curvature_rejected"]) == ["1"] and "curvature report refused" in caplog.text
+    assert np.all(np.isfinite(load_samples(strat.run_dir)))
+
+
+# ---- configurations -----------------------------------------------------------------------------
+def test_metric_keys_name_the_bad_value(tmp_path):
+    with pytest.raises(ConfigError, match="metric: unknown value 'diag'.*identity, diagonal, dense"):
+        resolve({"metric": "diag"})
+    with pytest.raises(ConfigError, match="metric: no such file"):
+        resolve({"metric": str(tmp_path / "none.npy")})
+    np.save(tmp_path / "bad.npy", np.array([1.0, -2.0]))
+    with pytest.raises(ConfigError, match="bad.npy"):
+        run({"metric": str(tmp_path / "bad.npy"), "dim": 2, "num-clients": 2, "engine": "local",
+             "num-rounds": 3, "burn-in": 0, "progress": False, "output-dir": str(tmp_path)})
+    with pytest.raises(ConfigError, match="dense needs d ≤"):
+        run({"metric": "dense", "dim": 2001, "num-clients": 2, "engine": "local", "num-rounds": 3,
+             "burn-in": 0, "progress": False, "output-dir": str(tmp_path)})
+    with pytest.raises(ConfigError, match="gamma must be"):
+        resolve({"gamma": "fast"})
+    with pytest.raises(ConfigError, match="temperature must be"):
+        resolve({"temperature": 0})
+    with pytest.raises(ValueError, match="vectorised-backend = numba runs the paper's step only"):
+        run({"metric": "diagonal", "engine": "vectorised", "vectorised-backend": "numba", "num-rounds": 3,
+             "burn-in": 0, "progress": False, "output-dir": str(tmp_path)})
+
+
+def test_active_fraction_with_unequal_p_is_refused_without_a_control_variate():
+    p = ",".join(str(x) for x in np.linspace(0.1, 0.95, 20))
+    for variant in ("qlsd", "qlsd-sharp"):
+        with pytest.raises(ConfigError, match="active-fraction.*biases.*unbiased.*accept-biased-aggregation"):
+            resolve({"variant": variant, "aggregation": "active-fraction", "p": p})
+    resolve({"variant": "qlsd", "aggregation": "active-fraction", "p": p, "accept-biased-aggregation": True})
+    resolve({"variant": "qlsd-pp", "aggregation": "active-fraction", "p": p})  # control variate: fine
+    resolve({"variant": "qlsd", "aggregation": "active-fraction", "p": "0.3"})  # equal p: unbiased
+
+
+def test_the_weight_warning_no_longer_recommends_a_biased_rule():
+    from qlsd_flwr.protocol import build
+    from qlsd_flwr.tasks.gaussian import build_gaussian_task
+
+    task = build_gaussian_task(20, 50, 0)
+    p = ",".join(["0.001"] + ["0.5"] * 19)
+    why = build.participation_warnings(resolve({"variant": "qlsd", "p": p, "gamma": 1e-2}), task)
+    assert why and all("active-fraction" not in w for w in why)
+    why = build.participation_warnings(resolve({"variant": "qlsd-star", "p": p, "gamma": 1e-2}), task)
+    assert any("active-fraction" in w for w in why)
+
+
+def test_divergence_suggests_the_estimated_step_not_a_blind_tenth(tmp_path):
+    from qlsd_flwr.protocol.divergence import DivergenceError
+
+    with pytest.raises(DivergenceError) as info:
+        run({"engine": "local", "metric": "diagonal", "gamma": 5.0, "num-rounds": 200, "burn-in": 0,
+             "progress": False, "output-dir": str(tmp_path), "dim": 5, "num-clients": 4})
+    msg = str(info.value)
+    assert "estimated from this target's curvature" in msg and "gamma = auto" in msg
+    assert "e.g. gamma=0.25" in msg  # c / λ_max with λ_max = 1 under the curvature metric (Gaussian task)
+
+
+# ---- the convergence report on a user's own ServerApp ---------------------------------------------
+def _user_run(tmp_path, name, **kw):
+    from qlsd_flwr.flower import QLSDStrategy, make_client_app
+    from qlsd_flwr.flower.inprocess import InProcessGrid
+    from qlsd_flwr.tasks.gaussian import GaussianLocal, client_data
+
+    B, D = 4, 5
+    app = make_client_app(lambda c: GaussianLocal(client_data(int(c.node_config["partition-id"]), D, 0)))
+    strategy = QLSDStrategy(num_clients=B, dim=D, output_dir=str(tmp_path), run_name=name, progress=False,
+                            variant="qlsd-pp", s=8, l=10, num_chains=4, init="dispersed", prior_var=4.0, **kw)
+    strategy.start(InProcessGrid(app, B, shuffle_seed=1))
+    return json.loads((tmp_path / name / "summary.json").read_text())["convergence"]
+
+
+def test_the_convergence_report_fires_on_a_user_app_that_has_not_mixed(tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="qlsd_flwr")
+    rep = _user_run(tmp_path, "stuck", gamma=1e-6, num_rounds=60, burn_in=10)
+    assert rep["verdict"] == "NOT MIXED" and rep["rhat_max"] > 1.5 and rep["starts"] == "dispersed"
+    assert "NOT MIXED" in caplog.text and rep["worst_names"][0] in caplog.text
+    import h5netcdf
+
+    with h5netcdf.File(tmp_path / "stuck" / "samples.nc", "r") as f:
+        assert f.attrs["convergence_verdict"] == "NOT MIXED"
+
+
+def test_the_convergence_report_is_quiet_on_a_user_app_that_has_mixed(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="qlsd_flwr")
+    rep = _user_run(tmp_path, "mixed", gamma="auto", metric="diagonal", num_rounds=500, burn_in=100)
+    assert rep["verdict"] == "MIXED" and rep["rhat_max"] <= 1.05 and rep["stationary"]
+    assert "NOT MIXED" not in caplog.text
+
+
+def test_a_trending_window_is_called_not_stationary():
+    from qlsd_flwr.outputs import convergence as cv
+
+    rng = np.random.default_rng(0)
+    n, c, d = 400, 4, 3
+    still = rng.normal(size=(n, c, d))
+    drift = still + np.linspace(0, 3, n)[:, None, None]  # every chain drifts the same way: R-hat cannot see it
+    assert cv.theta_report(still)["stationary"]
+    rep = cv.verdict(cv.theta_report(drift))
+    assert not rep["stationary"] and rep["verdict"] == "NOT MIXED" and "not stationary" in rep["message"]
