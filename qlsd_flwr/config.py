@@ -235,15 +235,15 @@ def resolve(overrides: Mapping[str, Any] | None = None) -> RunConfig:
 def _metric_key(value: Any) -> str:
     """``identity``, ``diagonal``, ``dense``, or the path of an existing ``.npy`` file."""
     v = str(value).strip()
-    if v.lower() in ("identity", "diagonal", "dense"):
+    if v.lower() in ("identity", "diagonal", "dense", "kronecker"):
         return v.lower()
     if v.endswith(".npy"):
         from pathlib import Path
 
         if not Path(v).expanduser().is_file():
-            raise ConfigError(f"metric: no such file {v!r}; allowed: identity, diagonal, dense, or a path to a .npy")
+            raise ConfigError(f"metric: no such file {v!r}; allowed: identity, diagonal, dense, kronecker, or a path to a .npy")
         return v
-    raise ConfigError(f"metric: unknown value {value!r}; allowed: identity, diagonal, dense, or a path to a .npy")
+    raise ConfigError(f"metric: unknown value {value!r}; allowed: identity, diagonal, dense, kronecker, or a path to a .npy")
 
 
 def _check_biased_aggregation(variant: str, oracle: str, aggregation: str, p: np.ndarray, raw: dict) -> None:

@@ -121,8 +121,9 @@ KEYS: tuple[Key, ...] = (
         "power iteration on federated Hessian-vector products before sampling", "γ", lo=0, open_lo=True,
         words=("auto",), group=SAMPLER),
     Key("metric", "identity", "text", "the preconditioner M of the step θ − γ M g + √(2γT) M^½ Z: identity (the "
-        "paper's chain), diagonal, dense (d ≤ 2000; noise by its Cholesky factor), or a path to a .npy of d "
-        "positive numbers or an SPD d × d matrix", "M", group=SAMPLER),
+        "paper's chain), diagonal, dense (d ≤ 2000; noise by its Cholesky factor), kronecker (one dense softmax "
+        "layer's K-FAC factors: the logistic tasks), or a path to a .npy of d positive numbers or an SPD d × d "
+        "matrix", "M", group=SAMPLER),
     Key("metric-from", "curvature", "choice", "how a diagonal or dense M is built: the inverse of the prior's "
         "curvature plus the clients' curvature reports at θ* (one exchange before sampling)", "",
         choices=("curvature",), group=SAMPLER),

@@ -58,12 +58,14 @@ class MetricError(ConfigError):
 
 @dataclass(frozen=True)
 class Metric:
-    """A constant metric ``M``: ``kind`` is ``identity``, ``diagonal`` (``m``: ``(d,)``) or
-    ``dense`` (``m``: ``(d, d)``, ``root``: its lower Cholesky factor)."""
+    """A constant metric ``M``: ``kind`` is ``identity``, ``diagonal`` (``m``: ``(d,)``),
+    ``dense`` (``m``: ``(d, d)``, ``root``: its lower Cholesky factor) or ``kronecker``
+    (``kron``: :class:`Kron`, one dense layer's Kronecker-factored curvature, K-FAC)."""
 
     kind: str = "identity"
     m: np.ndarray | None = None
     root: np.ndarray | None = None
+    kron: Kron | None = None
 
     @staticmethod
     def diagonal(m) -> "Metric":
@@ -91,27 +93,38 @@ class Metric:
         return self.kind == "identity"
 
     def apply(self, g: np.ndarray) -> np.ndarray:
-        """``M g`` for ``g`` of shape ``(..., d)``."""
+        """``M g`` for ``g`` of shape ``(d,)`` or ``(C, d)``. Matrix metrics act row by row, so that
+        chain ``c`` of a ``(C, d)`` step is the very computation of a one-chain step (one BLAS call
+        shape on every engine; a ``(C, d) @ (d, d)`` product could sum in another order)."""
         if self.kind == "identity":
             return g
         if self.kind == "diagonal":
             return self.m * g
-        return g @ self.m  # M symmetric: (M g_c)ᵀ = g_cᵀ M for every row
+        return _rows(lambda r: self.m @ r if self.kind == "dense" else self.kron.apply(r, -1.0), g)
 
     def apply_root(self, z: np.ndarray) -> np.ndarray:
-        """``M^{1/2} z`` (``L z`` for dense) for ``z`` of shape ``(..., d)``."""
+        """``M^{1/2} z`` (``L z`` for dense, the symmetric root for kronecker) for ``z`` of shape
+        ``(d,)`` or ``(C, d)``."""
         if self.kind == "identity":
             return z
         if self.kind == "diagonal":
             return self.root * z
-        return z @ self.root.T
+        return _rows(lambda r: self.root @ r if self.kind == "dense" else self.kron.apply(r, -0.5), z)
 
     def to_json(self):
-        """What ``summary.json`` records: ``"identity"``, ``d`` numbers, or a ``d × d`` list."""
-        return "identity" if self.kind == "identity" else self.m.tolist()
+        """What ``summary.json`` records: ``"identity"``, ``d`` numbers, a ``d × d`` list, or the
+        Kronecker factors' eigenvalues and the prior's curvature."""
+        if self.kind == "identity":
+            return "identity"
+        if self.kind == "kronecker":
+            return self.kron.describe()
+        return self.m.tolist()
 
     def array(self) -> np.ndarray:
-        """For checkpoints: an empty array for the identity, else ``m``."""
+        """For checkpoints: an empty array for the identity, ``m``, or the Kronecker factors
+        flattened behind the marker ``−1`` (a diagonal metric's first number is positive)."""
+        if self.kind == "kronecker":
+            return self.kron.flat()
         return np.zeros(0) if self.m is None else self.m
 
     @staticmethod
@@ -120,11 +133,67 @@ class Metric:
         if a is None or np.asarray(a).size == 0:
             return Metric()
         a = np.asarray(a, dtype=np.float64)
+        if a.ndim == 1 and a[0] == -1.0:
+            return Metric("kronecker", kron=Kron.from_flat(a, d))
         if a.shape == (d,):
             return Metric.diagonal(a)
         if a.shape == (d, d):
             return Metric.dense(a)
         raise MetricError(f"metric: expected {d} numbers or a {d} × {d} matrix, got shape {a.shape}")
+
+
+def _rows(f, x: np.ndarray) -> np.ndarray:
+    if x.ndim == 1:
+        return f(x)
+    return np.stack([f(r) for r in x])
+
+
+@dataclass(frozen=True)
+class Kron:
+    """One dense layer's curvature in Kronecker form (K-FAC, Martens & Grosse 2015): θ's
+    coordinates, reordered by ``perm``, are a ``(F̃, K)`` matrix ``V`` (``F̃`` inputs with the bias's
+    constant 1, ``K`` outputs), and ``∇²U ≈ G ⊗ Ā + λ_0 I`` with ``G = Σ_j x̃_j x̃_jᵀ`` and
+    ``Ā = (1/N) Σ_j (diag p_j − p_j p_jᵀ)`` (softmax outputs). With ``G = Q_G Λ_G Q_Gᵀ`` and
+    ``Ā = Q_A Λ_A Q_Aᵀ``, ``M^t V = Q_G [(Q_Gᵀ V Q_A) ⊙ den^t] Q_Aᵀ`` with ``den = λ_G λ_Aᵀ + λ_0``:
+    ``t = −1`` is ``M``, ``t = −1/2`` its symmetric root, each ``O(F̃² K)`` a row."""
+
+    perm: np.ndarray  # (d,) int: V.ravel()[j] = θ[perm[j]]
+    qg: np.ndarray  # (F̃, F̃)
+    qa: np.ndarray  # (K, K)
+    den: np.ndarray  # (F̃, K), positive
+
+    def apply(self, r: np.ndarray, t: float) -> np.ndarray:
+        F, K = self.den.shape
+        V = r[self.perm].reshape(F, K)
+        W = (self.qg.T @ V @ self.qa) * self.den**t
+        out = np.empty_like(r)
+        out[self.perm] = (self.qg @ W @ self.qa.T).ravel()
+        return out
+
+    def describe(self) -> dict:
+        F, K = self.den.shape
+        return {"kind": "kronecker", "inputs": F, "outputs": K,
+                "den_min": float(self.den.min()), "den_max": float(self.den.max())}
+
+    def flat(self) -> np.ndarray:
+        F, K = self.den.shape
+        return np.concatenate([[-1.0, F, K], self.qg.ravel(), self.qa.ravel(), self.den.ravel(),
+                               self.perm.astype(np.float64)])
+
+    @staticmethod
+    def from_flat(a: np.ndarray, d: int) -> "Kron":
+        try:
+            F, K = int(a[1]), int(a[2])
+            sizes = (F * F, K * K, F * K, d)
+            if F * K != d or a.size != 3 + sum(sizes) or F < 1 or K < 1:
+                raise ValueError("sizes")
+            parts = np.split(a[3:], np.cumsum(sizes)[:-1])
+            perm = parts[3].astype(np.int64)
+            if not np.array_equal(np.sort(perm), np.arange(d)) or not np.all(parts[2] > 0):
+                raise ValueError("values")
+        except (ValueError, IndexError, OverflowError):
+            raise MetricError(f"metric: not a Kronecker metric of d = {d} (bad sizes, order or values)") from None
+        return Kron(perm, parts[0].reshape(F, F), parts[1].reshape(K, K), parts[2].reshape(F, K))
 
 
 # ---- the clients' curvature -------------------------------------------------------------------
@@ -141,6 +210,13 @@ def local_curvature(pot, theta: np.ndarray, kind: str, seed: int, client: int) -
     and the server adds the prior's curvature.
     """
     d = theta.shape[0]
+    if kind == "kronecker":
+        if not hasattr(pot, "kron_factors"):
+            raise ValueError("metric = kronecker needs a potential with kron_factors(theta) (one dense softmax "
+                             "layer: the logistic tasks, TorchPotential of a single nn.Linear); use diagonal")
+        G, A, perm = pot.kron_factors(theta)
+        F, K = G.shape[0], A.shape[0]
+        return np.concatenate([[F, K], np.ravel(G), np.ravel(A), np.asarray(perm, dtype=np.float64)])
     if kind == "diagonal" and hasattr(pot, "curvature_diag"):
         h = np.asarray(pot.curvature_diag(theta), dtype=np.float64)
     elif kind == "dense" and hasattr(pot, "hessian"):
@@ -184,6 +260,8 @@ def check_report(h, kind: str, d: int) -> np.ndarray:
         a = np.asarray(h, dtype=np.float64)
     except (TypeError, ValueError, OverflowError) as exc:
         raise ReportError(f"not an array of numbers ({type(exc).__name__})") from None
+    if kind == "kronecker":
+        return _check_kron_report(a, d)
     shape = (d,) if kind == "diagonal" else (d, d)
     if kind == "dense" and a.shape == (d * d,):  # as it travels: the matrix row by row
         a = a.reshape(d, d)
@@ -201,6 +279,74 @@ def check_report(h, kind: str, d: int) -> np.ndarray:
     if float(np.linalg.eigvalsh(0.5 * (a + a.T))[0]) < -1e-9 * scale:
         raise ReportError("the matrix is not positive semi-definite")
     return 0.5 * (a + a.T)
+
+
+def _psd(a: np.ndarray, what: str) -> np.ndarray:
+    scale = float(np.max(np.abs(a))) or 1.0
+    if not np.allclose(a, a.T, rtol=0.0, atol=1e-9 * scale):
+        raise ReportError(f"{what} is not symmetric")
+    if float(np.linalg.eigvalsh(0.5 * (a + a.T))[0]) < -1e-9 * scale:
+        raise ReportError(f"{what} is not positive semi-definite")
+    return 0.5 * (a + a.T)
+
+
+def _check_kron_report(a: np.ndarray, d: int) -> dict:
+    """A Kronecker report ``[F̃, K, G (F̃²), A (K²), perm (d)]`` as a dict, or :class:`ReportError`."""
+    if a.ndim != 1 or a.size < 2:
+        raise ReportError("expected a flat Kronecker report")
+    if not np.all(np.isfinite(a)):
+        raise ReportError("non-finite values")
+    F, K = a[0], a[1]
+    if F != int(F) or K != int(K) or F < 1 or K < 1 or F * K != d:
+        raise ReportError(f"the layer's sizes {F:g} × {K:g} do not make d = {d}")
+    F, K = int(F), int(K)
+    if a.size != 2 + F * F + K * K + d:
+        raise ReportError(f"expected {2 + F * F + K * K + d} numbers, got {a.size}")
+    G = a[2:2 + F * F].reshape(F, F)
+    A = a[2 + F * F:2 + F * F + K * K].reshape(K, K)
+    perm = a[2 + F * F + K * K:]
+    if not np.array_equal(np.sort(perm), np.arange(d, dtype=np.float64)):
+        raise ReportError("perm is not an ordering of θ's coordinates")
+    return {"G": _psd(G, "G"), "A": _psd(A, "A"), "perm": perm.astype(np.int64)}
+
+
+def metric_from_kronecker(reports: dict[int, dict], n_data, prior_curv: np.ndarray, d: int) -> tuple[Metric, dict]:
+    """K-FAC's ``M = (G ⊗ Ā + λ_0 I)^{-1}`` (:class:`Kron`) from the valid reports. The layout
+    ``perm`` is the one most reports give (the others are refused, ``curvature_rejected``); each
+    report's per-datum scales ``tr G_i / N_i`` and ``tr A_i / N_i`` are capped at
+    :data:`REPORT_CAP` times the lower median, as for the diagonal. ``λ_0`` is the prior's mean
+    curvature (exact for the isotropic Gaussian prior)."""
+    n_data = np.asarray(n_data)
+    info: dict = {"curvature_reports": len(reports), "curvature_scaled": [], "curvature_rejected": {}}
+    if not reports:
+        raise MetricError("metric = kronecker: no valid curvature report")
+    keys = {i: r["perm"].tobytes() for i, r in reports.items()}
+    common = max(set(keys.values()), key=lambda k: sum(v == k for v in keys.values()))
+    for i in sorted(reports):
+        if keys[i] != common:
+            info["curvature_rejected"][str(i)] = "a layout (perm) other than the other clients'"
+            del reports[i]
+    n = {i: max(int(n_data[i]) if i < n_data.size else 1, 1) for i in reports}
+    for part in ("G", "A"):
+        sc = {i: float(np.trace(r[part])) / n[i] for i, r in reports.items()}
+        ref = float(np.sort(list(sc.values()))[(len(sc) - 1) // 2])
+        for i in sorted(reports):
+            if ref > 0 and sc[i] > REPORT_CAP * ref:
+                reports[i] = {**reports[i], part: reports[i][part] * (REPORT_CAP * ref / sc[i])}
+                info["curvature_scaled"].append(i)
+    G = sum(reports[i]["G"] for i in sorted(reports))
+    A = sum(reports[i]["A"] for i in sorted(reports)) / float(sum(n.values()))
+    lg, qg = np.linalg.eigh(G)
+    la, qa = np.linalg.eigh(A)
+    lam0 = float(np.mean(prior_curv))
+    den = np.outer(np.maximum(lg, 0.0), np.maximum(la, 0.0)) + lam0
+    pos = den[den > 0]
+    if pos.size == 0:
+        raise MetricError("metric = kronecker: the curvature is zero and the prior flat; give a prior (prior-var)")
+    den = np.maximum(den, max(float(pos.max()) * 1e-12, float(pos.min())))
+    info["curvature_scaled"] = sorted(set(info["curvature_scaled"]))
+    perm = reports[min(reports)]["perm"]
+    return Metric("kronecker", kron=Kron(perm, qg, qa, den)), info
 
 
 def _per_datum_scale(h: np.ndarray, n: int) -> float:
@@ -258,11 +404,11 @@ def metric_from_curvature(kind: str, reports: dict[int, np.ndarray], n_data, pri
 
 # ---- the step from the curvature -----------------------------------------------------------------
 def lambda_max(grad_fn, theta: np.ndarray, metric: Metric, seed: int, iters: int = 60,
-               tol: float = 1e-3) -> tuple[float, int]:
+               tol: float = 1e-2) -> tuple[float, int]:
     """``λ_max(M^{1/2} ∇²U(θ) M^{1/2})`` by power iteration; ``∇²U u`` by the central difference
     ``(∇U(θ + εu) − ∇U(θ − εu)) / 2ε``, each ``∇U`` one exchange with every client (``grad_fn``).
-    Stops when the Rayleigh quotient changes by less than ``tol`` (relative) or after ``iters``
-    iterations; returns ``(λ, iterations)``. The start is random (stream ``(seed, INIT, −2, 0)``),
+    Stops when the Rayleigh quotient changes by less than ``tol`` (relative; 1 % moves γ by 1 %,
+    far below what matters) or after ``iters`` iterations; returns ``(λ, iterations)``. The start is random (stream ``(seed, INIT, −2, 0)``),
     so it is not orthogonal to the top eigenvector."""
     d = theta.shape[0]
     v = rng.normal(seed, rng.Stream.INIT, -2 & 0xFFFFFFFF, 0, d)
@@ -272,7 +418,7 @@ def lambda_max(grad_fn, theta: np.ndarray, metric: Metric, seed: int, iters: int
         u = metric.apply_root(v)
         eps = _fd_step(theta) / max(float(np.max(np.abs(u))), 1e-300)
         hu = (grad_fn(theta + eps * u) - grad_fn(theta - eps * u)) / (2.0 * eps)
-        w = metric.apply_root(hu) if metric.kind != "dense" else hu @ metric.root  # (M^{1/2})ᵀ H u
+        w = metric.root.T @ hu if metric.kind == "dense" else metric.apply_root(hu)  # (M^{1/2})ᵀ H u
         new = float(v @ w)
         nw = float(np.linalg.norm(w))
         if not np.isfinite(nw) or nw == 0.0:

@@ -8,8 +8,9 @@ curvature``). Nothing else differs between engines, so a run is the same functio
 all of them. The order:
 
 1. θ*: the task's closed form, or the federated descent of :mod:`qlsd_flwr.core.theta_star`
-   (needed by QLSD*/LSD*, and as the point where the curvature is taken). With ``gamma = auto`` the
-   descent's own step is chosen the same way at ``θ_0``, and preconditioned by the metric there.
+   (needed by QLSD*/LSD*, and as the point where the curvature is taken). With a metric or
+   ``gamma = auto`` the descent is preconditioned, accelerated and stepped by ``1/λ_max``, in
+   :data:`DESCENT_STAGES` stages that each take the curvature again (:func:`curvature_point`).
 2. ``M`` from the clients' curvature at θ* (:func:`qlsd_flwr.core.metric.metric_from_curvature`),
    or from a ``.npy`` file, or the identity.
 3. ``λ_max(M^{1/2} ∇²U(θ*) M^{1/2})`` by power iteration on gradient differences, when ``gamma =
@@ -59,7 +60,7 @@ def uses_metric(cfg: RunConfig) -> bool:
 
 
 def needs_curvature(cfg: RunConfig) -> bool:
-    return cfg.metric in ("diagonal", "dense")
+    return cfg.metric in ("diagonal", "dense", "kronecker")
 
 
 def needs_preparation(cfg: RunConfig) -> bool:
@@ -84,10 +85,17 @@ def prior_curvature(task: Task, theta: np.ndarray | None = None) -> np.ndarray:
     return np.zeros(task.dim)
 
 
+#: stages of the descent to θ*: the metric and the descent's step are taken again at the start of each
+#: (a Newton-like refresh: a curvature far from the mode, e.g. at a noise scale σ = 1, misleads the first)
+DESCENT_STAGES = 4
+
+
 def curvature_point(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | None,
-                    lr: float, metric0: Metric, info: dict) -> np.ndarray:
+                    curv_fn: CurvFn | None, n_data, file_metric: Metric | None, info: dict) -> np.ndarray:
     """θ* as the point where the curvature is taken: the closed form where the task has one,
-    otherwise the federated descent (preconditioned by ``metric0``, step ``lr``)."""
+    otherwise the federated descent (:func:`qlsd_flwr.core.theta_star.optimise_theta_star`),
+    preconditioned by the metric and stepped by ``1/λ_max`` of that metric when there is one (or
+    ``gamma = auto``), in :data:`DESCENT_STAGES` stages that each take the curvature again."""
     if task.theta_star is not None and (cfg.theta_star == "closed-form" or not needs_theta_star(cfg)):
         info["theta_star"] = "closed-form"
         return closed_form_theta_star(cfg, task)
@@ -95,7 +103,25 @@ def curvature_point(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: Gra
         raise ConfigError("metric/gamma = auto/init = dispersed: this path cannot reach its clients before "
                           "sampling (the legacy Flower API); use the Message-API strategy, or metric = <file.npy> "
                           "and a numeric gamma")
-    ts, rounds = optimise_theta_star(cfg, theta0, grad_fn, info, lr=lr, precondition=metric0)
+    curv = needs_curvature(cfg) and curv_fn is not None
+    stages = DESCENT_STAGES if curv else 1
+    theta, rounds, g0 = theta0, 0, None
+    for stage in range(stages):
+        metric = file_metric if file_metric is not None else (
+            _curvature_metric(cfg, task, theta, curv_fn, n_data)[0] if curv else None)
+        lr = cfg.gamma
+        if cfg.gamma_auto or metric is not None:
+            lam, _ = mt.lambda_max(grad_fn, theta, metric or Metric(), cfg.seed, iters=20, tol=5e-2)
+            lr = 1.0 / lam if lam > 0 else 1.0
+            info.setdefault("opt_lr", []).append(lr)
+        if g0 is None:
+            g0 = float(np.linalg.norm(grad_fn(theta)))
+        budget = cfg.opt_rounds // stages + (cfg.opt_rounds % stages if stage == stages - 1 else 0)
+        theta, r = optimise_theta_star(cfg, theta, grad_fn, info, lr=lr, precondition=metric, max_rounds=budget,
+                                       g0_norm=g0)
+        rounds += r
+        if info["opt_converged"] or not np.all(np.isfinite(theta)):
+            break
     info.update({"theta_star": "optimise", "opt_rounds": rounds})
     if not info["opt_converged"]:
         from qlsd_flwr.keys import flag
@@ -105,7 +131,7 @@ def curvature_point(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: Gra
         if needs_theta_star(cfg) and not flag("opt-accept-unconverged", cfg.raw.get("opt-accept-unconverged")):
             raise ConfigError(why)
         log.warning(why + " (the metric and γ are taken there)")
-    return ts
+    return theta
 
 
 def prepare(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | None,
@@ -122,18 +148,12 @@ def prepare(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | No
         return Prepared(ts, info, Metric(), cfg.gamma)
     info: dict = {}
     d = task.dim
-    metric0, lr0 = Metric(), cfg.gamma
-    if cfg.metric.endswith(".npy"):
-        metric0 = metric_from_file(cfg.metric, d)
-    elif needs_curvature(cfg) and (task.theta_star is None or cfg.theta_star == "optimise") and curv_fn is not None:
-        # the descent to θ* is preconditioned by the metric at θ_0 (a diagonal Newton-like step)
-        metric0, _ = _curvature_metric(cfg, task, theta0, curv_fn, n_data)
-    if cfg.gamma_auto and (task.theta_star is None or cfg.theta_star == "optimise") and grad_fn is not None:
-        lam0, _ = mt.lambda_max(grad_fn, theta0, metric0, cfg.seed)
-        lr0 = 1.0 / lam0 if lam0 > 0 else 1.0
-        info["opt_lr"] = lr0
+    file_metric = metric_from_file(cfg.metric, d) if cfg.metric.endswith(".npy") else None
     needs_point = needs_theta_star(cfg) or needs_curvature(cfg) or cfg.gamma_auto or cfg.init == "dispersed"
-    point = curvature_point(cfg, task, theta0, grad_fn, lr0, metric0, info) if needs_point else theta0
+    point = curvature_point(cfg, task, theta0, grad_fn, curv_fn, n_data, file_metric, info) if needs_point else theta0
+    if not np.all(np.isfinite(point)):
+        raise ConfigError("theta-star: the descent to θ* left the finite numbers; give θ* in closed form, a smaller "
+                          "gamma (the descent's step without gamma = auto), or metric = identity")
     # 2. the metric
     if needs_curvature(cfg):
         if curv_fn is None:
@@ -142,7 +162,7 @@ def prepare(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | No
         metric, cinfo = _curvature_metric(cfg, task, point, curv_fn, n_data)
         info.update(cinfo)
     else:
-        metric = metric0
+        metric = file_metric or Metric()
     # 3. the step
     lam = None
     gamma = cfg.gamma
@@ -191,10 +211,14 @@ def _curvature_metric(cfg: RunConfig, task: Task, point: np.ndarray, curv_fn: Cu
             refused[int(i)] = str(exc)
             log.warning("client %s: curvature report refused: %s (curvature_rejected)", i, exc)
     try:
-        metric, cinfo = mt.metric_from_curvature(cfg.metric, ok, n_data, prior_curvature(task, point), task.dim)
+        if cfg.metric == "kronecker":
+            metric, cinfo = mt.metric_from_kronecker(ok, n_data, prior_curvature(task, point), task.dim)
+        else:
+            metric, cinfo = mt.metric_from_curvature(cfg.metric, ok, n_data, prior_curvature(task, point), task.dim)
     except MetricError as exc:
         raise ConfigError(str(exc)) from None
-    cinfo["curvature_rejected"] = {str(i): why for i, why in sorted(refused.items())}
+    cinfo["curvature_rejected"] = {**{str(i): why for i, why in sorted(refused.items())},
+                                   **cinfo.get("curvature_rejected", {})}
     for i in cinfo["curvature_scaled"]:
         log.warning("client %d: curvature report scaled down to %g × the clients' per-datum curvature "
                     "(curvature_scaled)", i, mt.REPORT_CAP)

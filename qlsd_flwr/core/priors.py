@@ -141,7 +141,13 @@ class BlockPrior:
         return out
 
 
-def is_gaussian(prior) -> bool:
-    from qlsd_flwr.core.potential import GaussianPrior
-
-    return isinstance(prior, GaussianPrior)
+def check_prior(prior, prior_var="flat") -> None:
+    """``ValueError`` naming what a user's ``prior`` lacks (``value``, ``grad``, ``is_flat``), or that
+    ``prior_var`` (the Gaussian prior's variance) was given too."""
+    if str(prior_var) != "flat":
+        raise ValueError("prior and prior_var: give one or the other (prior_var is the Gaussian prior's variance)")
+    missing = [a for a in ("value", "grad") if not callable(getattr(prior, a, None))]
+    if missing:
+        raise ValueError(f"prior: needs value(theta) and grad(theta); it lacks {', '.join(missing)}")
+    if not hasattr(prior, "is_flat"):
+        raise ValueError("prior: needs an is_flat attribute (False for a proper prior); see qlsd_flwr.core.priors")

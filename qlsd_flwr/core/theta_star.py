@@ -46,12 +46,14 @@ def opt_converged(grad: np.ndarray, grad0_norm: float, tol: float) -> bool:
 
 def optimise_theta_star(cfg: RunConfig, theta0: np.ndarray,
                         grad_fn: Callable[[np.ndarray], np.ndarray], info: dict | None = None,
-                        lr: float | None = None, precondition=None) -> tuple[np.ndarray, int]:
+                        lr: float | None = None, precondition=None, max_rounds: int | None = None,
+                        g0_norm: float | None = None) -> tuple[np.ndarray, int]:
     """Federated gradient descent for ``θ* = argmin U``: ``θ ← θ − γ ∇U(θ)``.
 
     ``lr`` replaces ``γ`` as the step and ``precondition`` (a :class:`~qlsd_flwr.core.metric.Metric`)
     makes it ``θ ← θ − lr M ∇U(θ)`` (:mod:`qlsd_flwr.core.precondition` does both for ``gamma =
-    auto`` and a metric).
+    auto`` and a metric); ``max_rounds`` replaces ``opt-rounds`` and ``g0_norm`` the start's
+    ``‖∇U(θ_0)‖`` in the stopping rule (a descent resumed in stages keeps the first stage's).
 
     ``grad_fn(θ)`` returns ``∇U(θ)`` as summed from the clients' full local gradients (plus the
     prior); it is how each engine reaches its clients. Stops when
@@ -60,18 +62,52 @@ def optimise_theta_star(cfg: RunConfig, theta0: np.ndarray,
     """
     theta = theta0.copy()
     g = grad_fn(theta)
-    g0 = float(np.linalg.norm(g))
+    g0 = float(np.linalg.norm(g)) if g0_norm is None else float(g0_norm)
     rounds = 0
     step = cfg.gamma if lr is None else float(lr)
-    for rounds in range(1, cfg.opt_rounds + 1):
-        theta = gd_step(theta, g if precondition is None else precondition.apply(g), step)
-        g = grad_fn(theta)
-        if opt_converged(g, g0, cfg.opt_tol):
-            break
+    budget = cfg.opt_rounds if max_rounds is None else int(max_rounds)
+    if precondition is None:
+        for rounds in range(1, budget + 1):
+            theta = gd_step(theta, g, step)
+            g = grad_fn(theta)
+            if opt_converged(g, g0, cfg.opt_tol):
+                break
+    else:
+        theta, g, rounds = _nesterov(cfg, theta, g, g0, grad_fn, step, precondition, budget)
     if info is not None:
         info["opt_converged"] = bool(opt_converged(g, g0, cfg.opt_tol))
         info["opt_grad_norm"] = float(np.linalg.norm(g))
     return theta, rounds
+
+
+def _nesterov(cfg, theta, g, g0, grad_fn, step, metric, budget):
+    """Preconditioned accelerated descent with adaptive restart (Nesterov; O'Donoghue & Candès
+    2015): ``y ← θ − lr M ∇U(θ)``, ``θ ← y + k/(k+3) (y − y_prev)``, the momentum reset whenever
+    it points uphill (``∇U(θ)ᵀ(y − y_prev) > 0``). About ``√κ`` times fewer rounds than plain
+    descent on a target of condition number ``κ`` in the metric; each round is one exchange.
+    Returns ``(θ, ∇U(θ), rounds)``."""
+    y_prev = theta.copy()
+    best = (float(np.linalg.norm(g)), theta.copy(), g.copy())
+    k = 0
+    rounds = 0
+    for rounds in range(1, budget + 1):
+        y = theta - step * metric.apply(g)
+        k = 0 if float(g @ (y - y_prev)) > 0 else k + 1
+        theta = y + (k / (k + 3.0)) * (y - y_prev)
+        y_prev = y
+        g = grad_fn(theta)
+        norm = float(np.linalg.norm(g))
+        if not np.isfinite(norm) or norm > 1e3 * best[0]:
+            # the step left the region where the curvature it was chosen from holds (a target that is
+            # not quadratic): back to the best point, half the step, no momentum
+            theta, g, step, k = best[1].copy(), best[2].copy(), step / 2.0, 0
+            y_prev = theta.copy()
+            continue
+        if norm < best[0]:
+            best = (norm, theta.copy(), g.copy())
+        if opt_converged(g, g0, cfg.opt_tol):
+            break
+    return theta, g, rounds
 
 
 def resolve_theta_star(cfg: RunConfig, task: Task, theta0: np.ndarray,

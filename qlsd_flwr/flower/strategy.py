@@ -56,6 +56,7 @@ from flwr.serverapp.strategy import Result, Strategy
 from qlsd_flwr.config import ConfigError, RunConfig, resolve
 from qlsd_flwr.core.potential import GaussianPrior, Task
 from qlsd_flwr.core import precondition
+from qlsd_flwr.core.priors import check_prior
 from qlsd_flwr.flower.nodes import NodeRegistry, load_bound_keys
 from qlsd_flwr.flower.records import config_record, record_fields, to_content
 from qlsd_flwr.flower.sizing import message_nbytes
@@ -253,13 +254,7 @@ class QLSDStrategy(Strategy):
             if theta_star.shape != (cfg.dim,) or not np.all(np.isfinite(theta_star)):
                 raise ValueError(f"theta_star: expected {cfg.dim} finite values, got shape {theta_star.shape}")
         if prior is not None:
-            if str(prior_var) != "flat":
-                raise ValueError("prior and prior_var: give one or the other (prior_var is the Gaussian prior's variance)")
-            missing = [a for a in ("value", "grad") if not callable(getattr(prior, a, None))]
-            if missing:
-                raise ValueError(f"prior: needs value(theta) and grad(theta); it lacks {', '.join(missing)}")
-            if not hasattr(prior, "is_flat"):
-                raise ValueError("prior: needs an is_flat attribute (False for a proper prior); see qlsd_flwr.core.priors")
+            check_prior(prior, prior_var)
         task = Task(name="external", dim=cfg.dim, clients=[],
                     prior=GaussianPrior(var=cfg.prior_var) if prior is None else prior,
                     theta_star=theta_star, meta={"blocks": tuple(int(x) for x in blocks)} if blocks else {})

@@ -318,8 +318,13 @@ def _check_server_chain(meta: dict, arrays: dict, bad) -> None:
         if name in arrays and arrays[name].shape != shape:
             raise bad(f"array {name!r} has shape {arrays[name].shape}, expected {shape}")
     m = arrays.get("metric")
-    if m is not None and m.size and not (m.shape in ((d,), (d, d)) and np.all(m[m == m] > 0 if m.ndim == 1 else True)):
-        raise bad(f"array 'metric' must be empty, {d} positive numbers or a {d} × {d} matrix (got shape {m.shape})")
+    if m is not None and m.size:
+        from qlsd_flwr.core.metric import Metric, MetricError
+
+        try:
+            Metric.from_array(m, d)
+        except MetricError as exc:
+            raise bad(f"array 'metric': {exc}") from None
     g = meta.get("gamma", 1.0)
     if isinstance(g, bool) or not isinstance(g, (int, float)) or not (0 < g < float("inf")):
         raise bad(f"gamma must be a positive finite number (got {g!r})")

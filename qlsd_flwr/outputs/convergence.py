@@ -154,6 +154,10 @@ def verdict(report: dict, predictive: dict | None = None, criterion: str = "thet
         names = ", ".join(f"{n} {v:.3g}" for n, v in zip(rep["worst_names"][:3], rep["worst_rhat"][:3]))
         parts.append(f"θ: R-hat max {rep['rhat_max']:.3g} ({names}), bulk ESS min {rep['ess_bulk_min']:.3g}, "
                      f"tail ESS min {rep['ess_tail_min']:.3g}")
+    pr = rep.get("predictive") or {}
+    if pr.get("rhat_pred_max") is not None:
+        parts.append(f"held-out predictive: worst test point R-hat {pr['rhat_pred_max']:.3g} (99th percentile "
+                     f"{pr['rhat_pred_p99']:.3g}), log-likelihood R-hat {pr['rhat_loglik']:.3g}")
     parts.append(f"{rep['chains']} chain(s) × {rep['draws']} draws, started at "
                  f"{'dispersed points' if rep['starts'] == 'dispersed' else 'one point (R-hat reads optimistic: init = dispersed)'}")
     if rep["chains"] < 2:

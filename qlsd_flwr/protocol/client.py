@@ -41,8 +41,8 @@ def _prepare(spec: ClientSpec, pot: LocalPotential, st: ClientState, fields: dic
         return theta, {"client": i, "status": "ok", "payload": arr_to_bytes(full_local_grad(spec, pot, theta))}
     if fields["phase"] == "curvature":  # metric-from = curvature: this client's ∇²U_i(θ*), data part
         kind = str(fields["kind"])
-        if kind not in ("diagonal", "dense"):
-            raise ValueError(f"curvature: unknown kind {kind!r}; allowed: diagonal, dense")
+        if kind not in ("diagonal", "dense", "kronecker"):
+            raise ValueError(f"curvature: unknown kind {kind!r}; allowed: diagonal, dense, kronecker")
         h = local_curvature(pot, theta, kind, seed, i)
         return theta, {"client": i, "status": "ok", "payload": arr_to_bytes(h.ravel())}
     if "eta" in fields:

@@ -65,6 +65,18 @@ class LogisticLocal:
         r[np.arange(len(y)), y] -= 1.0
         return (Xa.T @ r).ravel()
 
+    def curvature_diag(self, theta: np.ndarray) -> np.ndarray:
+        """The Hessian's diagonal (exact: for softmax regression the Hessian is the Gauss–Newton
+        matrix): ``Σ_j x̃_jf² p_jk (1 − p_jk)`` at coordinate ``(f, k)``."""
+        p = _softmax(self.Xa @ self._W(theta))
+        return ((self.Xa**2).T @ (p * (1.0 - p))).ravel()
+
+    def kron_factors(self, theta: np.ndarray):
+        """K-FAC's factors at ``θ`` (``metric = kronecker``): ``G = Σ_j x̃_j x̃_jᵀ``,
+        ``A = Σ_j (diag p_j − p_j p_jᵀ)`` and the layout (θ is already the ``(F̃, K)`` matrix)."""
+        p = _softmax(self.Xa @ self._W(theta))
+        return self.Xa.T @ self.Xa, np.diag(p.sum(axis=0)) - p.T @ p, np.arange(self.dim)
+
     def grad_sum_batch(self, thetas: np.ndarray, idx: np.ndarray | None = None) -> np.ndarray:
         """:meth:`grad_sum` of many parameter vectors at once: ``thetas`` ``(C, d)``, ``idx``
         ``(C, n)`` (row ``c``: the minibatch of ``thetas[c]``) or ``None`` (all data) → ``(C, d)``.

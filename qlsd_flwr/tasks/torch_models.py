@@ -309,6 +309,29 @@ class TorchPotential:
         g = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         return nn.utils.parameters_to_vector(g).detach().cpu().double().numpy()
 
+    def kron_factors(self, theta: np.ndarray):
+        """K-FAC's factors at ``θ`` for a model that is one ``nn.Linear`` (with bias) under the default
+        cross-entropy (softmax regression, :class:`LinearSoftmax`): ``G = Σ_j x̃_j x̃_jᵀ`` (inputs with a
+        constant 1), ``A = Σ_j (diag p_j − p_j p_jᵀ)``, and ``perm`` placing θ's coordinates (weight
+        ``(K, F)`` row by row, then the bias) as the ``(F̃, K)`` matrix of the metric. ``ValueError``
+        for any other model (``metric = kronecker`` covers one dense layer)."""
+        lin = [m for m in self.model.modules() if isinstance(m, nn.Linear)]
+        if self._per_example is not None or len(lin) != 1 or lin[0].bias is None or \
+                [p.data_ptr() for p in self.params] != [lin[0].weight.data_ptr(), lin[0].bias.data_ptr()]:
+            raise ValueError("metric = kronecker needs a model that is one nn.Linear with bias under the default "
+                             "cross-entropy (softmax regression); use metric = diagonal")
+        n_out, n_in = lin[0].weight.shape
+        self._load(theta)
+        with torch.no_grad():
+            x = torch.cat([self.X.reshape(self.n_data, -1).double(),
+                           torch.ones(self.n_data, 1, dtype=torch.float64, device=self.device)], dim=1)
+            p = F.softmax(self.model(self.X).double(), dim=-1)
+            G = (x.T @ x).cpu().numpy()
+            A = (torch.diag(p.sum(0)) - p.T @ p).cpu().numpy()
+        f, k = np.meshgrid(np.arange(n_in + 1), np.arange(n_out), indexing="ij")
+        perm = np.where(f < n_in, k * n_in + f, n_out * n_in + k).ravel()
+        return G, A, perm
+
     def curvature_diag(self, theta: np.ndarray, chunk: int = 64) -> np.ndarray:
         """The diagonal of this client's curvature at ``θ`` (``metric-from = curvature``), from
         per-example gradients (``torch.func``):

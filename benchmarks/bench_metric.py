@@ -1,0 +1,242 @@
+"""The metric against the identity: mixing and efficiency on real and ill-conditioned posteriors.
+
+    python benchmarks/bench_metric.py --regressions   # ill-conditioned Bayesian regressions vs a MALA reference
+    python benchmarks/bench_metric.py --logistic      # ESS per round and per second, logistic breast_cancer/digits
+    python benchmarks/bench_metric.py --mainjob       # the main job's chains (vectorised engine), metric vs identity
+
+Every run: the vectorised engine (the chains the Flower engines run, bit for bit), 4 chains from
+dispersed starts (``init = dispersed``), ``gamma = auto`` (so each metric gets the same rule for its
+step, ``0.25 / λ_max`` of its own preconditioned curvature). Results go to ``benchmarks/metric_*.json``
+and ``benchmarks/RESULTS.md`` quotes them with the command and the machine.
+
+**Regressions.** Bayesian linear regression ``y = Xβ + σε`` with correlated predictors (Toeplitz
+correlation ``ρ^{|i−j|}``, columns scaled over ``scale_span``), Student-t(3, 2.5) priors on β and
+``σ ~ HalfNormal(2)`` sampled as ``u = log σ`` (with its Jacobian), the data over 5 clients. The
+reference is MALA run in the coordinates whitened by the Cholesky factor of the inverse Hessian at
+the mode (``qlsd_flwr.evaluation.reference.mala`` on the transformed potential: Metropolis-adjusted,
+so exact whatever the conditioning), 4 chains × 20,000 draws. Reported: the largest
+``|mean − ref mean| / ref sd`` and the range of ``sd / ref sd`` over the coordinates, and R-hat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from qlsd_flwr.config import resolve  # noqa: E402
+from qlsd_flwr.core.potential import Task  # noqa: E402
+from qlsd_flwr.core.priors import BlockPrior, LogHalfNormalPrior, StudentTPrior  # noqa: E402
+from qlsd_flwr.engines.vectorised import run_vectorised  # noqa: E402
+
+
+def machine() -> dict:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    import os
+
+    return {"commit": commit, "cpus": os.cpu_count(), "python": platform.python_version(),
+            "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
+# ---- ill-conditioned regressions --------------------------------------------------------------------
+class RegressionLocal:
+    """``U_i(β, u) = Σ_j (y_j − x_jβ)² e^{−2u}/2 + u`` (Gaussian noise of sd ``σ = e^u``)."""
+
+    def __init__(self, X, y):
+        self.X, self.y = np.asarray(X, float), np.asarray(y, float)
+        self.n_data, self.dim = len(y), X.shape[1] + 1
+
+    def _parts(self, theta, idx):
+        X, y = (self.X, self.y) if idx is None else (self.X[idx], self.y[idx])
+        b, u = theta[:-1], theta[-1]
+        return X, y - X @ b, np.exp(-2.0 * u)
+
+    def grad_sum(self, theta, idx=None):
+        X, r, w = self._parts(theta, idx)
+        return np.concatenate([-(X.T @ r) * w, [len(r) - float(r @ r) * w]])
+
+    def value(self, theta):
+        X, r, w = self._parts(theta, None)
+        return 0.5 * float(r @ r) * w + len(r) * theta[-1]
+
+    def hessian(self, theta):
+        X, r, w = self._parts(theta, None)
+        p = X.shape[1]
+        H = np.empty((p + 1, p + 1))
+        H[:p, :p] = X.T @ X * w
+        H[:p, p] = H[p, :p] = 2.0 * (X.T @ r) * w
+        H[p, p] = 2.0 * float(r @ r) * w
+        return H
+
+
+def regression_task(p: int, rho: float, scale_span: float, n: int = 500, b: int = 5, seed: int = 0) -> Task:
+    rng = np.random.default_rng(seed)
+    R = rho ** np.abs(np.subtract.outer(np.arange(p), np.arange(p)))
+    Z = rng.multivariate_normal(np.zeros(p), R, size=n)
+    X = Z * np.geomspace(1.0, scale_span, p)
+    beta = rng.normal(size=p) / np.geomspace(1.0, scale_span, p) * (rng.random(p) < 0.7)
+    y = X @ beta + rng.normal(size=n)
+    parts = np.array_split(np.arange(n), b)
+    prior = BlockPrior([(slice(0, p), StudentTPrior(df=3.0, scale=2.5)), (slice(p, p + 1), LogHalfNormalPrior(2.0))],
+                       dim=p + 1)
+    return Task(name=f"regression-p{p}", dim=p + 1, clients=[RegressionLocal(X[i], y[i]) for i in parts],
+                prior=prior, theta0=np.zeros(p + 1))
+
+
+def mode_of(task: Task) -> np.ndarray:
+    from scipy.optimize import minimize
+
+    r = minimize(lambda t: (task.potential(t), task.grad_potential(t)), task.theta0, jac=True, method="BFGS",
+                 options={"gtol": 1e-10, "maxiter": 10_000})
+    return r.x
+
+
+def full_hessian(task: Task, theta: np.ndarray) -> np.ndarray:
+    H = sum(c.hessian(theta) for c in task.clients)
+    return H + np.diag(task.prior.curvature_diag(theta))
+
+
+def reference(task: Task, draws: int = 20_000, seed: int = 1) -> np.ndarray:
+    """MALA in whitened coordinates ``θ = θ* + L φ``, ``L Lᵀ = H(θ*)^{-1}``: ``(chains·draws, d)``."""
+    from qlsd_flwr.evaluation.reference import mala
+
+    ts = mode_of(task)
+    L = np.linalg.cholesky(np.linalg.inv(full_hessian(task, ts)))
+
+    class Whitened:
+        dim, theta0, name = task.dim, np.zeros(task.dim), task.name + "-whitened"
+
+        def potential(self, phi):
+            return task.potential(ts + L @ phi)
+
+        def grad_potential(self, phi):
+            return L.T @ task.grad_potential(ts + L @ phi)
+
+    res = mala(Whitened(), n_draws=draws, n_warmup=2000, n_chains=4, seed=seed, cache=False, init_scale=1.0)
+    phi = np.asarray(res.samples).reshape(-1, task.dim)
+    return ts + phi @ L.T
+
+
+def run_regressions(out: Path) -> dict:
+    cases = [("p4-rho0.9-span30", 4, 0.9, 30.0), ("p10-rho0.95-span100", 10, 0.95, 100.0),
+             ("p26-rho0.9-span300", 26, 0.9, 300.0)]
+    rows = {}
+    for name, p, rho, span in cases:
+        task = regression_task(p, rho, span)
+        ts = mode_of(task)
+        cond = float(np.linalg.cond(full_hessian(task, ts)))
+        t = time.perf_counter()
+        ref = reference(task)
+        t_ref = time.perf_counter() - t
+        m_ref, s_ref = ref.mean(axis=0), ref.std(axis=0)
+        rows[name] = {"d": task.dim, "hessian_condition": cond, "reference_seconds": t_ref}
+        from qlsd_flwr.protocol.divergence import DivergenceError
+
+        # LSD++ (minibatches, SVRG anchors, no compression) with each metric, then QLSD++ with QSGD: its
+        # noise scales with the message's norm, which the stiff coordinates set, and M multiplies it
+        # where the target is flat
+        for variant, metric, init in (("lsd-pp", "identity", "dispersed"), ("lsd-pp", "identity", "theta0"),
+                                      ("lsd-pp", "diagonal", "dispersed"), ("lsd-pp", "dense", "dispersed"),
+                                      ("qlsd-pp", "dense", "dispersed")):
+            cfg = resolve({"task": "gaussian", "num-clients": task.b, "dim": task.dim, "variant": variant, "s": "64",
+                           "l": 20, "batch-fraction": 0.2, "metric": metric, "gamma": "auto", "init": init,
+                           "num-chains": 4, "num-rounds": 4000, "burn-in": 1000, "theta-star": "optimise",
+                           "opt-rounds": 5000, "opt-accept-unconverged": True, "seed": 3, "progress": False,
+                           "vectorised-backend": "numpy"})
+            t = time.perf_counter()
+            key = f"{variant}{' s=64' if variant == 'qlsd-pp' else ''}, {metric}, init = {init}"
+            try:
+                res = run_vectorised(cfg, task=task, write=False, keep_trace=True)
+            except DivergenceError as exc:
+                rows[name][key] = {"diverged": str(exc)[:200]}
+                print(name, key, "diverged", flush=True)
+                continue
+            wall = time.perf_counter() - t
+            draws = res.trace[:, 1000:, :]
+            flat = draws.reshape(-1, task.dim)
+            from qlsd_flwr.evaluation.metrics import rhat_ess
+
+            diag = rhat_ess(draws)
+            z = np.abs(flat.mean(axis=0) - m_ref) / s_ref
+            ratio = flat.std(axis=0) / s_ref
+            rows[name][key] = {"gamma": res.summary["gamma"], "lambda_max": res.summary.get("lambda_max"),
+                                  "max_mean_err_ref_sd": float(z.max()), "sd_ratio_min": float(ratio.min()),
+                                  "sd_ratio_max": float(ratio.max()), "rhat_max": float(np.nanmax(diag["rhat"])),
+                                  "ess_bulk_min": float(np.nanmin(diag["ess_bulk"])), "wall_seconds": wall}
+            print(name, key, json.dumps(rows[name][key]), flush=True)
+    result = {"machine": machine(), "command": "python benchmarks/bench_metric.py --regressions", "cases": rows}
+    (out / "metric_regressions.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+# ---- logistic tasks and the main job: ESS per round and per second ------------------------------------
+def run_predictive(out: Path, which: str) -> dict:
+    from qlsd_flwr.evaluation import evaluate as E
+    from qlsd_flwr.experiments.mainjob import QLSD_MAIN
+    from qlsd_flwr.run.simulate import run
+
+    if which == "mainjob":
+        bases = {"mainjob": {**QLSD_MAIN, "engine": "vectorised"}}
+        metrics = [("identity (γ = 2e-3, the old default)", {"metric": "identity", "gamma": 2e-3}),
+                   ("identity, gamma = auto", {"metric": "identity", "gamma": "auto"}),
+                   ("diagonal", {"metric": "diagonal", "gamma": "auto"}),
+                   ("kronecker", {"metric": "kronecker", "gamma": "auto"})]
+    else:
+        common = {"task": "logistic", "num-clients": 10, "variant": "qlsd-pp", "s": "16", "l": 20, "num-chains": 4,
+                  "num-rounds": 2000, "burn-in": 1000, "engine": "vectorised", "seed": 0}
+        bases = {"breast_cancer": {**common, "dataset": "breast_cancer"}, "digits": {**common, "dataset": "digits"}}
+        metrics = [("identity, gamma = auto", {"metric": "identity", "gamma": "auto"}),
+                   ("diagonal", {"metric": "diagonal", "gamma": "auto"}),
+                   ("kronecker", {"metric": "kronecker", "gamma": "auto"})]
+    rows = {}
+    for task_name, base in bases.items():
+        rows[task_name] = {}
+        for label, ov in metrics:
+            cfg = {**base, **ov, "init": "dispersed", "progress": False, "output-dir": "/tmp/bench_metric",
+                   "vectorised-backend": "numpy"}
+            t = time.perf_counter()
+            q = run(cfg)
+            wall = time.perf_counter() - t
+            m = E.evaluate_run(q.run_dir)
+            c = m["convergence"]
+            K = int(cfg["num-rounds"])
+            rows[task_name][label] = {
+                "gamma": q.summary["gamma"], "lambda_max": q.summary.get("lambda_max"),
+                "accuracy": m["accuracy"], "nnll": m["nnll"], "ece": m["ece"],
+                "rhat_pred_max": c["rhat_pred_max"], "rhat_loglik": c["rhat_loglik"],
+                "ess_bulk_pred_min": c["ess_bulk_pred_min"], "ess_bulk_loglik": c["ess_bulk_loglik"],
+                "rhat_theta_max": q.summary["convergence"].get("rhat_max"),
+                "ess_pred_min_per_round": c["ess_bulk_pred_min"] / K,
+                "ess_pred_min_per_second": c["ess_bulk_pred_min"] / wall, "wall_seconds": wall, "rounds": K}
+            print(task_name, label, json.dumps(rows[task_name][label]), flush=True)
+    result = {"machine": machine(), "command": f"python benchmarks/bench_metric.py --{which}", "tasks": rows}
+    (out / f"metric_{which}.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--regressions", action="store_true")
+    ap.add_argument("--logistic", action="store_true")
+    ap.add_argument("--mainjob", action="store_true")
+    a = ap.parse_args()
+    out = ROOT / "benchmarks"
+    if a.regressions:
+        run_regressions(out)
+    if a.logistic:
+        run_predictive(out, "logistic")
+    if a.mainjob:
+        run_predictive(out, "mainjob")
+
+
+if __name__ == "__main__":
+    main()
