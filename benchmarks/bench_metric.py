@@ -3,6 +3,7 @@
     python benchmarks/bench_metric.py --regressions   # ill-conditioned Bayesian regressions vs a MALA reference
     python benchmarks/bench_metric.py --logistic      # ESS per round and per second, logistic breast_cancer/digits
     python benchmarks/bench_metric.py --mainjob       # the main job's chains (vectorised engine), metric vs identity
+    python benchmarks/bench_metric.py --bnn           # the quickstart's wine network against full-batch HMC
 
 Every run: the vectorised engine (the chains the Flower engines run, bit for bit), 4 chains from
 dispersed starts (``init = dispersed``), ``gamma = auto`` (so each metric gets the same rule for its
@@ -223,11 +224,70 @@ def run_predictive(out: Path, which: str) -> dict:
     return result
 
 
+# ---- a small Bayesian network against HMC ------------------------------------------------------------
+def run_bnn(out: Path, rounds: int = 4000) -> dict:
+    """The quickstart's wine network (13-16-3, tanh, d = 275, 4 clients, prior N(0, 5 I), float64)
+    against full-batch HMC (4 chains × 2,000 draws after 500 warm-up, 20 leapfrog steps): the
+    predictive's agreement (same argmax) and total variation (Izmailov et al. 2021) on the 178
+    inputs, against the TV between the two halves of the HMC reference (chains 0–1 against 2–3)."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "examples" / "quickstart-torch"))
+    from qlsd_quickstart.task import PRIOR_VAR, load_partition, make_model
+
+    from qlsd_flwr.core.potential import GaussianPrior
+    from qlsd_flwr.evaluation.reference import hmc
+    from qlsd_flwr.tasks.torch_models import TorchPotential
+
+    b = 4
+    clients = [TorchPotential(make_model(), *load_partition(i, b), dtype=torch.float64) for i in range(b)]
+    task = Task(name="wine-bnn-f64", dim=clients[0].dim, clients=clients, prior=GaussianPrior(var=PRIOR_VAR),
+                theta0=clients[0].theta0())
+    X = np.concatenate([load_partition(i, b)[0] for i in range(b)]).astype(np.float64)
+
+    def predictive(draws):
+        return clients[0].predict_proba(draws.reshape(-1, task.dim)[:: max(1, len(draws.reshape(-1, task.dim)) // 800)], X)
+
+    def tv(p, q):
+        return float(0.5 * np.abs(p - q).sum(axis=1).mean())
+
+    def agree(p, q):
+        return float(np.mean(p.argmax(1) == q.argmax(1)))
+
+    t = time.perf_counter()
+    ref = hmc(task, n_draws=2000, n_warmup=500, n_chains=4, seed=1, n_leapfrog=20, cache=False, init_scale=0.5)
+    t_ref = time.perf_counter() - t
+    S = np.asarray(ref.samples)
+    p_ref, p_a, p_b = predictive(S), predictive(S[:2]), predictive(S[2:])
+    rows = {"hmc": {"seconds": t_ref, "acceptance": float(np.mean(ref.acceptance)),
+                    "tv_between_halves": tv(p_a, p_b), "agreement_between_halves": agree(p_a, p_b)}}
+    print("hmc", json.dumps(rows["hmc"]), flush=True)
+    for label, ov in (("identity, gamma = auto", {"metric": "identity"}), ("diagonal", {"metric": "diagonal"})):
+        cfg = resolve({"task": "gaussian", "num-clients": b, "dim": task.dim, "variant": "qlsd-pp", "s": "16", "l": 20,
+                       "batch-fraction": 0.25, "gamma": "auto", "init": "dispersed", "num-chains": 4,
+                       "num-rounds": rounds, "burn-in": rounds // 2, "theta-star": "optimise", "opt-rounds": 2000,
+                       "opt-accept-unconverged": True, "seed": 3, "progress": False, "vectorised-backend": "numpy",
+                       **ov})
+        t = time.perf_counter()
+        res = run_vectorised(cfg, task=task, write=False, keep_trace=True)
+        wall = time.perf_counter() - t
+        draws = res.trace[:, rounds // 2:]
+        p = predictive(draws)
+        rows[label] = {"gamma": res.summary["gamma"], "tv_to_hmc": tv(p, p_ref), "agreement_with_hmc": agree(p, p_ref),
+                       "tv_ratio_to_hmc_halves": tv(p, p_ref) / rows["hmc"]["tv_between_halves"],
+                       "wall_seconds": wall, "rounds": rounds}
+        print(label, json.dumps(rows[label]), flush=True)
+    result = {"machine": machine(), "command": "python benchmarks/bench_metric.py --bnn", "rows": rows}
+    (out / "metric_bnn.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--regressions", action="store_true")
     ap.add_argument("--logistic", action="store_true")
     ap.add_argument("--mainjob", action="store_true")
+    ap.add_argument("--bnn", action="store_true")
     a = ap.parse_args()
     out = ROOT / "benchmarks"
     if a.regressions:
@@ -236,6 +296,8 @@ def main() -> None:
         run_predictive(out, "logistic")
     if a.mainjob:
         run_predictive(out, "mainjob")
+    if a.bnn:
+        run_bnn(out)
 
 
 if __name__ == "__main__":

@@ -462,3 +462,15 @@ def test_a_student_t_prior_on_the_server_through_the_public_api_is_the_task_plug
     with pytest.raises(ValueError, match="lacks grad"):
         QLSDStrategy(num_clients=B, dim=D, prior=type("P", (), {"value": lambda s, t: 0.0, "is_flat": False})(),
                      write=False)
+
+
+def test_a_wide_metric_with_compression_is_named(caplog, tmp_path):
+    task = ill_conditioned_task(cond=1e6)
+    caplog.set_level(logging.WARNING, logger="qlsd_flwr")
+    for variant, named in (("qlsd-star", True), ("lsd-star", False)):
+        caplog.clear()
+        cfg = resolve({"variant": variant, "num-clients": 2, "dim": 3, "num-rounds": 3, "burn-in": 0, "s": "64",
+                       "metric": "dense", "gamma": "auto", "progress": False, "vectorised-backend": "numpy",
+                       "theta-star": "closed-form"})
+        run_vectorised(cfg, task=task, write=False)
+        assert ("the compression noise" in caplog.text) is named

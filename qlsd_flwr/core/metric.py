@@ -48,6 +48,10 @@ DENSE_MAX_DIM = 2000
 #: (lower-median) honest clients' per-datum curvature before it is scaled down
 #: (:func:`metric_from_curvature`).
 REPORT_CAP = 10.0
+#: above this spread of ``M``'s scales, QSGD's noise (set by the message's norm, i.e. by the stiff
+#: coordinates) multiplied by ``M`` dominates the flat directions: measured on the regressions of
+#: ``benchmarks/bench_metric.py`` (spread 5.9e3: no effect; 2.6e5 and 2.2e6: sd up to 1.4× and 5.7×)
+COMPRESSED_SPREAD_WARN = 1e4
 #: Hutchinson probes of :func:`local_curvature`'s estimate for potentials without ``curvature_diag``.
 HUTCHINSON_PROBES = 64
 
@@ -110,6 +114,17 @@ class Metric:
         if self.kind == "diagonal":
             return self.root * z
         return _rows(lambda r: self.root @ r if self.kind == "dense" else self.kron.apply(r, -0.5), z)
+
+    def spread(self) -> float:
+        """``λ_max(M) / λ_min(M)``: how far apart the metric's scales are (1 for the identity)."""
+        if self.kind == "identity":
+            return 1.0
+        if self.kind == "diagonal":
+            return float(self.m.max() / self.m.min())
+        if self.kind == "kronecker":
+            return float(self.kron.den.max() / self.kron.den.min())
+        w = np.linalg.eigvalsh(self.m)
+        return float(w.max() / w.min())
 
     def to_json(self):
         """What ``summary.json`` records: ``"identity"``, ``d`` numbers, a ``d × d`` list, or the
