@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -31,8 +31,8 @@ from qlsd_flwr.config import ConfigError, RunConfig
 from qlsd_flwr.core import metric as mt
 from qlsd_flwr.core.metric import Metric, MetricError
 from qlsd_flwr.core.potential import Task
-from qlsd_flwr.outputs.metric_file import metric_from_file
 from qlsd_flwr.core.theta_star import closed_form_theta_star, needs_theta_star, optimise_theta_star, resolve_theta_star
+from qlsd_flwr.outputs.metric_file import metric_from_file  # the one file the preparation reads
 
 log = logging.getLogger("qlsd_flwr")
 
@@ -52,7 +52,6 @@ class Prepared:
     gamma: float
     theta0: np.ndarray | None = None
     lambda_max: float | None = None
-    extra: dict = field(default_factory=dict)
 
 
 def uses_metric(cfg: RunConfig) -> bool:

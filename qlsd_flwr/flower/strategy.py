@@ -58,7 +58,7 @@ from qlsd_flwr.core.potential import GaussianPrior, Task
 from qlsd_flwr.core import precondition
 from qlsd_flwr.core.priors import check_prior
 from qlsd_flwr.flower.nodes import NodeRegistry, load_bound_keys
-from qlsd_flwr.flower.records import config_record, record_fields, to_content
+from qlsd_flwr.flower.records import record_fields, to_content
 from qlsd_flwr.flower.sizing import message_nbytes
 from qlsd_flwr.outputs.checkpoint import resume_dir
 from qlsd_flwr.outputs.observer import RunOutputs
