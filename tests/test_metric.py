@@ -474,3 +474,21 @@ def test_a_wide_metric_with_compression_is_named(caplog, tmp_path):
                        "theta-star": "closed-form"})
         run_vectorised(cfg, task=task, write=False)
         assert ("the compression noise" in caplog.text) is named
+
+
+def test_a_drifting_held_out_log_likelihood_is_called_not_stationary(tmp_path):
+    from qlsd_flwr.evaluation.evaluate import add_predictive_to_report
+    from qlsd_flwr.outputs import convergence as cv
+
+    rng = np.random.default_rng(1)
+    still = rng.normal(size=(400, 4, 3))
+    rep = cv.verdict(cv.theta_report(still))
+    assert rep["stationary"]
+    pred = {"rhat_pred_max": 1.01, "rhat_pred_p99": 1.0, "ess_bulk_pred_min": 300.0, "rhat_loglik": 1.0,
+            "ess_bulk_loglik": 400.0}
+    for drift, stationary in ((0.0, True), (3.0, False)):
+        (tmp_path / "summary.json").write_text(json.dumps({"convergence": rep}))
+        ll = rng.normal(size=(4, 400)) + np.linspace(0, drift, 400)
+        add_predictive_to_report(tmp_path, pred, {}, ll)
+        got = json.loads((tmp_path / "summary.json").read_text())["convergence"]
+        assert got["stationary"] is stationary and (got["verdict"] == "MIXED") is stationary

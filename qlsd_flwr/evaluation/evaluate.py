@@ -122,13 +122,15 @@ def evaluate_run(run_dir: str | os.PathLike, max_samples: int | None = 200, writ
         ll = write_predictive_groups(run_dir / "samples.nc", samples, predictor, X_te, y_te, cfg.seed)
         out["convergence"] = convergence(ll)
         (run_dir / "evaluation.json").write_text(json.dumps(out, indent=2))
-        add_predictive_to_report(run_dir, out["convergence"], cfg.raw)
+        add_predictive_to_report(run_dir, out["convergence"], cfg.raw, ll.sum(axis=2))
     return out
 
 
-def add_predictive_to_report(run_dir: Path, predictive: dict, raw: dict) -> None:
+def add_predictive_to_report(run_dir: Path, predictive: dict, raw: dict, loglik=None) -> None:
     """The run's convergence report (``summary.json``) with the held-out predictive's R-hat beside
-    θ's; for networks (weights with symmetries) the verdict reads the predictive. Logged again."""
+    θ's, and whether the held-out log-likelihood ``loglik`` ``(chain, draw)`` still trends over the
+    kept window; for networks (weights with symmetries) the verdict reads the predictive. Logged
+    again."""
     from qlsd_flwr.outputs import convergence as cv
 
     path = run_dir / "summary.json"
@@ -139,8 +141,12 @@ def add_predictive_to_report(run_dir: Path, predictive: dict, raw: dict) -> None
     theta = summary.get("convergence")
     if not isinstance(theta, dict) or theta.get("verdict") == "NOT CHECKED":
         return
-    rep = cv.verdict({k: v for k, v in theta.items() if k not in ("verdict", "message", "predictive")},
-                     predictive, cv.criterion_for(raw), raw)
+    base = {k: v for k, v in theta.items() if k not in ("verdict", "message", "predictive")}
+    if loglik is not None:
+        tr = cv.trend(np.asarray(loglik, dtype=np.float64))
+        base["loglik_trend_z"] = tr["z_max"]
+        base["stationary"] = bool(base.get("stationary", True)) and not tr["trending"]
+    rep = cv.verdict(base, predictive, cv.criterion_for(raw), raw)
     summary["convergence"] = rep
     path.write_text(json.dumps(summary, indent=2))
     cv.log_report(rep)

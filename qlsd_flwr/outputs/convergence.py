@@ -3,7 +3,8 @@
 
 Over θ's coordinates: ArviZ's rank-normalised split R-hat and bulk/tail ESS (Vehtari et al.
 2021), the worst coordinates named; over the kept window: whether ``‖θ‖`` still trends (a
-Geweke-style comparison of its first and last thirds, with each third's ESS as its sample size).
+Geweke-style comparison of its first and last thirds, with each third's ESS as its sample size;
+the held-out log-likelihood too, once a classification run is evaluated).
 The verdict is ``MIXED`` when the worst R-hat is at most :data:`RHAT_TARGET` and nothing trends,
 ``NOT MIXED`` otherwise. With one chain only the split R-hat within it is available, and with
 chains that all started at one point R-hat reads optimistic: the report says which it was.
@@ -163,8 +164,10 @@ def verdict(report: dict, predictive: dict | None = None, criterion: str = "thet
     if rep["chains"] < 2:
         parts.append("one chain: split R-hat within it only (run num-chains ≥ 4)")
     if not rep.get("stationary", True):
-        parts.append(f"the kept window still trends (‖θ‖ first vs last third: |z| = {rep['norm_trend_z']:.3g} > "
-                     f"{TREND_Z:g}): not stationary; run longer or raise burn-in")
+        zs = [f"{what} |z| = {rep[key]:.3g}" for what, key in (("‖θ‖", "norm_trend_z"), ("held-out log-likelihood",
+              "loglik_trend_z")) if rep.get(key) is not None and rep[key] > TREND_Z]
+        parts.append(f"the kept window still trends (first vs last third: {', '.join(zs) or 'see z'} > {TREND_Z:g}): "
+                     "not stationary; run longer or raise burn-in")
     if criterion == "predictive":
         parts.append("criterion: the predictive, since a network's weights have symmetries (permuted units) that "
                      "keep their R-hat high after the predictive has converged")
