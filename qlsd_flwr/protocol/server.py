@@ -372,8 +372,16 @@ def summary_extra(cfg: RunConfig, task: Task, extra: dict) -> dict:
     if task.posterior_mean is not None:
         out["posterior_mean_exact"] = np.asarray(task.posterior_mean).tolist()
         out["posterior_var_exact"] = np.asarray(task.posterior_var).tolist()
-        # ULA with exact gradients on this Gaussian target has variance 1/(τ(1 − γτ/2)), τ = 1/var:
-        # the discretisation bias every variant carries at this γ, before any gradient noise.
+        # ULA with exact gradients on this Gaussian target has variance T/(τ(1 − γ m τ/2)), τ = 1/var,
+        # m the diagonal metric's entry (1 without one): the discretisation bias every variant carries
+        # at this γ, before any gradient noise. (A dense or Kronecker metric mixes the coordinates:
+        # no per-coordinate formula is given then.)
         v = np.asarray(task.posterior_var)
-        out["ula_var_exact"] = (v / (1.0 - cfg.gamma / (2.0 * v))).tolist()
+        metric = out.get("metric", "identity")
+        m = 1.0 if metric == "identity" else (np.asarray(metric, dtype=np.float64)
+                                              if isinstance(metric, list) and len(metric) == v.size else None)
+        if m is not None:
+            den = 1.0 - cfg.gamma * m / (2.0 * v)
+            if np.all(den > 0):
+                out["ula_var_exact"] = (cfg.temperature * v / den).tolist()
     return out
