@@ -125,7 +125,7 @@ KEYS: tuple[Key, ...] = (
         "layer's K-FAC factors: the logistic tasks), or a path to a .npy of d positive numbers or an SPD d × d "
         "matrix", "M", group=SAMPLER),
     Key("metric-from", "curvature", "choice", "how a diagonal or dense M is built: the inverse of the prior's "
-        "curvature plus the clients' curvature reports at θ* (one exchange before sampling)", "",
+        "curvature plus the clients' curvature reports at θ* (exchanges before sampling)", "",
         choices=("curvature",), group=SAMPLER),
     Key("temperature", 1.0, "float", "the chain targets π^(1/T): T = 1 the posterior, T < 1 a cooled one (the "
         "noise is scaled by √T)", "T", lo=0, open_lo=True, cap=1e6, group=SAMPLER),

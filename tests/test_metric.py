@@ -492,3 +492,30 @@ def test_a_drifting_held_out_log_likelihood_is_called_not_stationary(tmp_path):
         add_predictive_to_report(tmp_path, pred, {}, ll)
         got = json.loads((tmp_path / "summary.json").read_text())["convergence"]
         assert got["stationary"] is stationary and (got["verdict"] == "MIXED") is stationary
+
+
+def test_curvature_reports_that_would_overflow_or_misclaim_their_size_cannot_break_the_metric():
+    d = 4
+    huge = np.full(d, 1e200)
+    with pytest.raises(mt.ReportError, match="above"):
+        mt.check_report(huge, "diagonal", d)
+    with pytest.raises(mt.ReportError, match="above"):
+        mt.check_report(np.full((d, d), 1.5e308), "dense", d)
+    # a client claiming N_i = 10^12 is scaled as if it held at most REPORT_CAP × the median N
+    honest = {i: np.full(d, 10.0) for i in range(3)}
+    ref, _ = mt.metric_from_curvature("diagonal", dict(honest), np.array([10, 10, 10]), np.ones(d), d)
+    got, info = mt.metric_from_curvature("diagonal", {**honest, 3: np.full(d, 1e13)}, np.array([10, 10, 10, 10**12]),
+                                         np.ones(d), d)
+    assert info["curvature_scaled"] == [3] and np.all(got.m > ref.m / (mt.REPORT_CAP * mt.REPORT_CAP + 1))
+    # a tiny report in a direction nothing else constrains keeps M finite
+    tiny = {0: np.array([5e-324, 0, 0, 0]), 1: np.array([0, 1.0, 1.0, 1.0])}
+    m, _ = mt.metric_from_curvature("diagonal", tiny, np.array([5, 5]), np.zeros(d), d)
+    assert np.all(np.isfinite(m.m)) and np.all(m.m > 0)
+    # Kronecker reports with the same layout but another layer shape are refused, not summed
+    F, K = 3, 2
+    a = np.concatenate([[F, K], np.eye(F).ravel(), np.eye(K).ravel(), np.arange(F * K)])
+    b = np.concatenate([[K, F], np.eye(K).ravel(), np.eye(F).ravel(), np.arange(F * K)])
+    reps = {0: mt.check_report(a, "kronecker", F * K), 1: mt.check_report(a, "kronecker", F * K),
+            2: mt.check_report(b, "kronecker", F * K)}
+    _, info = mt.metric_from_kronecker(reps, np.full(3, 5), np.ones(F * K), F * K)
+    assert list(info["curvature_rejected"]) == ["2"]

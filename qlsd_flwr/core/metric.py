@@ -52,6 +52,8 @@ REPORT_CAP = 10.0
 #: coordinates) multiplied by ``M`` dominates the flat directions: measured on the regressions of
 #: ``benchmarks/bench_metric.py`` (spread 5.9e3: no effect; 2.6e5 and 2.2e6: sd up to 1.4× and 5.7×)
 COMPRESSED_SPREAD_WARN = 1e4
+#: a curvature report with a value above this is refused: sums of a few such reports stay finite
+REPORT_MAX = 1e150
 #: Hutchinson probes of :func:`local_curvature`'s estimate for potentials without ``curvature_diag``.
 HUTCHINSON_PROBES = 64
 
@@ -275,6 +277,8 @@ def check_report(h, kind: str, d: int) -> np.ndarray:
         a = np.asarray(h, dtype=np.float64)
     except (TypeError, ValueError, OverflowError) as exc:
         raise ReportError(f"not an array of numbers ({type(exc).__name__})") from None
+    if a.size and np.all(np.isfinite(a)) and float(np.max(np.abs(a))) > REPORT_MAX:
+        raise ReportError(f"values above {REPORT_MAX:g}")
     if kind == "kronecker":
         return _check_kron_report(a, d)
     shape = (d,) if kind == "diagonal" else (d, d)
@@ -288,21 +292,21 @@ def check_report(h, kind: str, d: int) -> np.ndarray:
         if np.any(a < 0):
             raise ReportError("negative curvature on the diagonal")
         return a
-    scale = float(np.max(np.abs(a))) or 1.0
-    if not np.allclose(a, a.T, rtol=0.0, atol=1e-9 * scale):
-        raise ReportError("the matrix is not symmetric")
-    if float(np.linalg.eigvalsh(0.5 * (a + a.T))[0]) < -1e-9 * scale:
-        raise ReportError("the matrix is not positive semi-definite")
-    return 0.5 * (a + a.T)
+    return _psd(a, "the matrix")
 
 
 def _psd(a: np.ndarray, what: str) -> np.ndarray:
     scale = float(np.max(np.abs(a))) or 1.0
     if not np.allclose(a, a.T, rtol=0.0, atol=1e-9 * scale):
         raise ReportError(f"{what} is not symmetric")
-    if float(np.linalg.eigvalsh(0.5 * (a + a.T))[0]) < -1e-9 * scale:
+    sym = 0.5 * a + 0.5 * a.T  # (never a + a.T: it could overflow)
+    try:
+        low = float(np.linalg.eigvalsh(sym)[0])
+    except np.linalg.LinAlgError:
+        raise ReportError(f"{what}: its eigenvalues cannot be computed") from None
+    if low < -1e-9 * scale:
         raise ReportError(f"{what} is not positive semi-definite")
-    return 0.5 * (a + a.T)
+    return sym
 
 
 def _check_kron_report(a: np.ndarray, d: int) -> dict:
@@ -335,13 +339,16 @@ def metric_from_kronecker(reports: dict[int, dict], n_data, prior_curv: np.ndarr
     info: dict = {"curvature_reports": len(reports), "curvature_scaled": [], "curvature_rejected": {}}
     if not reports:
         raise MetricError("metric = kronecker: no valid curvature report")
-    keys = {i: r["perm"].tobytes() for i, r in reports.items()}
-    common = max(set(keys.values()), key=lambda k: sum(v == k for v in keys.values()))
+    # the layer's shape and layout most reports give; a tie goes to the lowest client's (a function of
+    # the reports alone, never of hashing)
+    keys = {i: (r["G"].shape[0], r["A"].shape[0], r["perm"].tobytes()) for i, r in reports.items()}
+    votes = {k: sum(v == k for v in keys.values()) for k in keys.values()}
+    common = keys[min(reports, key=lambda i: (-votes[keys[i]], i))]
     for i in sorted(reports):
         if keys[i] != common:
-            info["curvature_rejected"][str(i)] = "a layout (perm) other than the other clients'"
+            info["curvature_rejected"][str(i)] = "a layer shape or layout (perm) other than the other clients'"
             del reports[i]
-    n = {i: max(int(n_data[i]) if i < n_data.size else 1, 1) for i in reports}
+    n = clamped_counts(n_data, reports)
     for part in ("G", "A"):
         sc = {i: float(np.trace(r[part])) / n[i] for i, r in reports.items()}
         ref = float(np.sort(list(sc.values()))[(len(sc) - 1) // 2])
@@ -351,6 +358,8 @@ def metric_from_kronecker(reports: dict[int, dict], n_data, prior_curv: np.ndarr
                 info["curvature_scaled"].append(i)
     G = sum(reports[i]["G"] for i in sorted(reports))
     A = sum(reports[i]["A"] for i in sorted(reports)) / float(sum(n.values()))
+    if not (np.all(np.isfinite(G)) and np.all(np.isfinite(A))):
+        raise MetricError("metric = kronecker: the summed factors are not finite")
     lg, qg = np.linalg.eigh(G)
     la, qa = np.linalg.eigh(A)
     lam0 = float(np.mean(prior_curv))
@@ -362,6 +371,18 @@ def metric_from_kronecker(reports: dict[int, dict], n_data, prior_curv: np.ndarr
     info["curvature_scaled"] = sorted(set(info["curvature_scaled"]))
     perm = reports[min(reports)]["perm"]
     return Metric("kronecker", kron=Kron(perm, qg, qa, den)), info
+
+
+def clamped_counts(n_data, clients) -> dict[int, int]:
+    """Each client's ``N_i`` as used to scale its report: at least 1 and at most :data:`REPORT_CAP`
+    times the lower median of the claims (``N_i`` is the client's own claim at the handshake; a
+    claim of 10^12 must not make its report look small per datum)."""
+    n_data = np.asarray(n_data)
+    n = {i: max(int(n_data[i]) if i < n_data.size else 1, 1) for i in clients}
+    if not n:
+        return n
+    ref = float(np.sort(list(n.values()))[(len(n) - 1) // 2])
+    return {i: int(min(v, REPORT_CAP * ref)) for i, v in n.items()}
 
 
 def _per_datum_scale(h: np.ndarray, n: int) -> float:
@@ -382,8 +403,8 @@ def metric_from_curvature(kind: str, reports: dict[int, np.ndarray], n_data, pri
     ``O(γ)``). A direction no report and no prior constrains gets the smallest curvature of the
     others (``M`` must stay finite).
     """
-    n_data = np.asarray(n_data)
-    scales = {i: _per_datum_scale(h, n_data[i] if i < n_data.size else 1) for i, h in reports.items()}
+    n = clamped_counts(n_data, reports)
+    scales = {i: _per_datum_scale(h, n[i]) for i, h in reports.items()}
     scaled = []
     if scales:
         s = np.sort(np.array(list(scales.values())))
@@ -399,15 +420,17 @@ def metric_from_curvature(kind: str, reports: dict[int, np.ndarray], n_data, pri
         for i in sorted(reports):
             h = h + reports[i]
         pos = h[h > 0]
-        if pos.size == 0:
-            raise MetricError("metric-from = curvature: no client reported any curvature and the prior is flat; "
-                              "give a prior (prior-var) or metric = identity")
-        h = np.maximum(h, float(pos.min()))
+        if pos.size == 0 or not np.all(np.isfinite(h)):
+            raise MetricError("metric-from = curvature: no usable curvature (none reported, or not finite) and the "
+                              "prior is flat; give a prior (prior-var) or metric = identity")
+        h = np.maximum(h, max(float(pos.min()), 1e-12 * float(pos.max())))
         return Metric.diagonal(1.0 / h), info
     H = np.diag(np.asarray(prior_curv, dtype=np.float64))
     for i in sorted(reports):
         H = H + reports[i]
-    w, Q = np.linalg.eigh(0.5 * (H + H.T))
+    if not np.all(np.isfinite(H)):
+        raise MetricError("metric-from = curvature: the summed curvature is not finite")
+    w, Q = np.linalg.eigh(0.5 * H + 0.5 * H.T)
     pos = w[w > 1e-12 * max(float(w.max()), 0.0)]
     if pos.size == 0:
         raise MetricError("metric-from = curvature: the summed curvature is zero; give a prior (prior-var) or "

@@ -106,8 +106,10 @@ def curvature_point(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: Gra
     stages = DESCENT_STAGES if curv else 1
     theta, rounds, g0 = theta0, 0, None
     for stage in range(stages):
-        metric = file_metric if file_metric is not None else (
-            _curvature_metric(cfg, task, theta, curv_fn, n_data)[0] if curv else None)
+        metric = file_metric
+        if metric is None and curv:
+            metric, ci = _curvature_metric(cfg, task, theta, curv_fn, n_data)
+            _merge_reports(info, ci)
         lr = cfg.gamma
         if cfg.gamma_auto or metric is not None:
             lam, _ = mt.lambda_max(grad_fn, theta, metric or Metric(), cfg.seed, iters=20, tol=5e-2)
@@ -159,7 +161,7 @@ def prepare(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | No
             raise ConfigError("metric-from = curvature: this path cannot ask its clients for their curvature (the "
                               "legacy Flower API); use the Message-API strategy, or metric = <file.npy>")
         metric, cinfo = _curvature_metric(cfg, task, point, curv_fn, n_data)
-        info.update(cinfo)
+        _merge_reports(info, cinfo)
     else:
         metric = file_metric or Metric()
     spread = metric.spread()
@@ -230,6 +232,17 @@ def _curvature_metric(cfg: RunConfig, task: Task, point: np.ndarray, curv_fn: Cu
         log.warning("client %d: curvature report scaled down to %g × the clients' per-datum curvature "
                     "(curvature_scaled)", i, mt.REPORT_CAP)
     return metric, cinfo
+
+
+def _merge_reports(info: dict, cinfo: dict) -> None:
+    """The facts of one curvature exchange added to the run's: every exchange's refused and scaled
+    clients (a client refused in an early stage of the descent stays on record)."""
+    info["curvature_reports"] = cinfo.get("curvature_reports", 0)
+    info["curvature_exchanges"] = info.get("curvature_exchanges", 0) + 1
+    rej = info.setdefault("curvature_rejected", {})
+    for i, why in cinfo.get("curvature_rejected", {}).items():
+        rej.setdefault(i, why)
+    info["curvature_scaled"] = sorted(set(info.get("curvature_scaled", [])) | set(cinfo.get("curvature_scaled", [])))
 
 
 def apply(cfg: RunConfig, prep: Prepared) -> RunConfig:

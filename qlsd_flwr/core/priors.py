@@ -134,9 +134,8 @@ class BlockPrior:
     def curvature_diag(self, theta):
         out = np.zeros(np.shape(theta))
         for idx, pr in self.blocks:
-            h = pr.curvature_diag(np.asarray(theta)[..., idx]) if hasattr(pr, "curvature_diag") else (
-                np.zeros(np.shape(np.asarray(theta)[..., idx])) if pr.is_flat else
-                np.full(np.shape(np.asarray(theta)[..., idx]), 1.0 / pr.var))
+            part = np.asarray(theta)[..., idx]
+            h = pr.curvature_diag(part) if hasattr(pr, "curvature_diag") else np.zeros(np.shape(part))
             out[..., idx] = h
         return out
 

@@ -149,6 +149,14 @@ def add_predictive_to_report(run_dir: Path, predictive: dict, raw: dict, loglik=
     rep = cv.verdict(base, predictive, cv.criterion_for(raw), raw)
     summary["convergence"] = rep
     path.write_text(json.dumps(summary, indent=2))
+    try:  # samples.nc's attribute says the same verdict
+        import h5netcdf
+
+        with h5netcdf.File(run_dir / "samples.nc", "a") as f:
+            for where in (f, f["posterior"]):
+                where.attrs["convergence_verdict"] = str(rep["verdict"])
+    except (OSError, KeyError):
+        pass
     cv.log_report(rep)
 
 

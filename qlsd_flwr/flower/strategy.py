@@ -160,7 +160,7 @@ class QLSDStrategy(Strategy):
     metric_from : str, default "curvature"
         How a ``diagonal``/``dense`` M is built: ``(prior curvature + Σ_i H_i)^{-1}`` from each
         client's curvature report at θ* (its potential's ``curvature_diag``/``hessian``, else an
-        estimate from ``grad_sum``), one exchange before sampling, each report validated.
+        estimate from ``grad_sum``), exchanges before sampling, each report validated and bounded.
     temperature : float, default 1.0
         ``T``: the chain targets ``π^{1/T}`` (the noise is scaled by ``√T``).
     init : str, default "theta0"

@@ -379,7 +379,8 @@ def summary_extra(cfg: RunConfig, task: Task, extra: dict) -> dict:
         v = np.asarray(task.posterior_var)
         metric = out.get("metric", "identity")
         m = 1.0 if metric == "identity" else (np.asarray(metric, dtype=np.float64)
-                                              if isinstance(metric, list) and len(metric) == v.size else None)
+                                              if isinstance(metric, list) and len(metric) == v.size
+                                              and np.ndim(metric) == 1 else None)
         if m is not None:
             den = 1.0 - cfg.gamma * m / (2.0 * v)
             if np.all(den > 0):

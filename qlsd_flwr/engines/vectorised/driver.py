@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 
-from qlsd_flwr.config import RunConfig
+from qlsd_flwr.config import ConfigError, RunConfig
 from qlsd_flwr.core import precondition
 from qlsd_flwr.core.potential import GaussianPrior, Task
 from qlsd_flwr.engines.vectorised.numba_backend import NumbaChains
@@ -144,6 +144,15 @@ def run_side_by_side(cfgs, task: Task | None = None, write: bool = False, keep_t
         if resume[1]["backend"] != which:
             raise ValueError(f"resume: the checkpoint was written by the {resume[1]['backend']} backend, "
                              f"this run uses {which}; set vectorised-backend = {resume[1]['backend']!r} (or pass backend=)")
+        # the preparation is a function of the seed and the data, so it was made again above: it must
+        # give the checkpoint's step and metric bit for bit (a changed metric file, for instance, does not)
+        spec0 = parts[0][1]
+        saved_m = resume[2].get("metric")
+        if "gamma" in resume[1] and float(resume[1]["gamma"]) != float(spec0.gamma):
+            raise ConfigError(f"resume: gamma differs from the checkpoint's ({resume[1]['gamma']!r} against "
+                              f"{spec0.gamma!r}); the run's data or metric file changed")
+        if saved_m is not None and not np.array_equal(saved_m, spec0.metric.array()):
+            raise ConfigError("resume: the metric differs from the checkpoint's; the run's data or metric file changed")
     recs, run_dirs = [], []
     k = 0
     try:  # a stop while the recorders are open (numba compiling, a restore) closes them too
@@ -325,9 +334,14 @@ def _save_checkpoint(cfg, backend, runner, st: ChainStats, rec: Recorder, run_di
     rec_meta, rec_arrays = rec.checkpoint_state()
     arrays = {**{f"run_{n}": a for n, a in r.checkpoint_arrays().items()}, **_stats_arrays(st),
               **{f"rec_{n}": a for n, a in rec_arrays.items()}}
-    meta = {"kind": "vectorised", "backend": backend, "k": k, "config": cfg.raw,
+    arrays["metric"] = np.zeros(0) if isinstance(r, NumbaChains) else r.spec.metric.array()
+    meta = {"kind": "vectorised", "backend": backend, "k": k, "config": cfg.raw, "gamma": _gamma_of(r),
             "stats": {"n_kept": st.n_kept, "rounds": st.rounds}, "recorder": rec_meta}
     ckpt.save(ckpt.path_in(run_dir), arrays, meta)
+
+
+def _gamma_of(r) -> float:
+    return float(r.prm.gamma[0]) if isinstance(r, NumbaChains) else float(r.spec.gamma)
 
 
 def _restore(runner, st: ChainStats, arrays: dict) -> None:

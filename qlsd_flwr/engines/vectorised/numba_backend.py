@@ -127,9 +127,9 @@ class NumbaChains:
             self.pool = ThreadPoolExecutor(max_workers=len(self.groups))
         self.noise_kernel = noise_in_kernel_ok()
         self.prm = kernel_params(cfgs, task, parts, self.noise_kernel)
-        starts = parts[0][4]  # init = dispersed: each chain's θ_0 (the same for every configuration)
-        theta = np.array(np.broadcast_to(build.theta0_of(task) if starts is None else starts[:, None, :], (nc, V, d)),
-                         dtype=np.float64)
+        theta = np.empty((nc, V, d))
+        for v, pt in enumerate(parts):  # init = dispersed: each configuration's own starts (θ* may differ)
+            theta[:, v, :] = build.theta0_of(task) if pt[4] is None else pt[4]
         # ∇U_i(ζ) (QLSD++) and η_i (memory): a last axis of 1 when no configuration uses them
         wide_ag = d if np.any(self.prm.oracle == int(Oracle.SVRG)) else 1
         wide_eta = d if self.prm.memory.any() else 1
