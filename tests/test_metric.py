@@ -519,3 +519,16 @@ def test_curvature_reports_that_would_overflow_or_misclaim_their_size_cannot_bre
             2: mt.check_report(b, "kronecker", F * K)}
     _, info = mt.metric_from_kronecker(reps, np.full(3, 5), np.ones(F * K), F * K)
     assert list(info["curvature_rejected"]) == ["2"]
+
+
+@pytest.mark.ray
+def test_the_curvature_exchange_and_gamma_auto_through_flower_s_ray_engine(tmp_path):
+    from qlsd_flwr.run.simulate import run_ray
+
+    o = {"engine": "ray", "num-chains": 2, "num-rounds": 15, "burn-in": 3, "progress": False, "dim": 6,
+         "num-clients": 4, "metric": "diagonal", "gamma": "auto", "init": "dispersed", "variant": "qlsd-pp",
+         "s": "8", "l": 5, "output-dir": str(tmp_path), "run-name": "ray"}
+    strat = run_ray(resolve(o), o)
+    ref = run({**o, "engine": "vectorised", "run-name": "vec"})
+    assert np.array_equal(load_samples(strat.run_dir), load_samples(ref.run_dir))
+    assert strat.summary_data["gamma"] == ref.summary["gamma"] and strat.summary_data["curvature_reports"] == 4
