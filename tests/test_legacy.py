@@ -31,3 +31,22 @@ def test_legacy_refuses_optimisation_phase():
     cfg = resolve({"variant": "qlsd-star", "theta-star": "optimise"})
     with pytest.raises(ConfigError, match="closed-form"):
         LegacyQLSDStrategy(cfg, load_task(cfg), write=False)
+
+
+def test_legacy_takes_a_metric_file_and_refuses_what_needs_the_clients_before_sampling(tmp_path):
+    from qlsd_flwr.tasks.loading import load_task
+
+    np.save(tmp_path / "m.npy", np.linspace(0.5, 2.0, 50))
+    cfg = resolve({"metric": str(tmp_path / "m.npy"), "gamma": 1e-4})
+    strat = LegacyQLSDStrategy(cfg, load_task(cfg), write=False)
+    assert strat.server.spec.metric.kind == "diagonal"
+    assert np.array_equal(strat.server.spec.metric.m, np.linspace(0.5, 2.0, 50))
+    for bad, what in (({"metric": "diagonal"}, "curvature"), ({"gamma": "auto"}, "gamma")):
+        c = resolve(bad)
+        with pytest.raises(ConfigError, match=what):
+            LegacyQLSDStrategy(c, load_task(c), write=False)
+    # dispersed starts need θ* only: in closed form (the Gaussian task) the legacy pair has them
+    c = resolve({"init": "dispersed"})
+    task = load_task(c)
+    strat = LegacyQLSDStrategy(c, task, write=False)
+    assert not np.array_equal(strat.server.state.theta, task.theta_star)
