@@ -532,3 +532,25 @@ def test_the_curvature_exchange_and_gamma_auto_through_flower_s_ray_engine(tmp_p
     ref = run({**o, "engine": "vectorised", "run-name": "vec"})
     assert np.array_equal(load_samples(strat.run_dir), load_samples(ref.run_dir))
     assert strat.summary_data["gamma"] == ref.summary["gamma"] and strat.summary_data["curvature_reports"] == 4
+
+
+@pytest.mark.parametrize("kind", ["short", "nan"])
+def test_a_bad_gradient_in_the_theta_star_phase_stops_with_the_client_named(kind, tmp_path):
+    from flwr.app import ConfigRecord
+
+    from qlsd_flwr.flower.records import RECORD, from_content
+    from qlsd_flwr.run.simulate import run_inprocess
+
+    def mod(msg, ctx, call_next):
+        out = call_next(msg, ctx)
+        if from_content(msg.content)[0].get("phase") == "grad" and int(ctx.node_config["partition-id"]) == 2:
+            rec = dict(out.content[RECORD])
+            g = np.frombuffer(rec["payload"], dtype="<f8")
+            rec["payload"] = (g[:-1] if kind == "short" else np.full_like(g, np.nan)).astype("<f8").tobytes()
+            out.content[RECORD] = ConfigRecord(rec)
+        return out
+
+    o = {"engine": "inprocess", "variant": "qlsd-star", "theta-star": "optimise", "num-rounds": 5, "burn-in": 0,
+         "dim": 4, "num-clients": 3, "progress": False, "output-dir": str(tmp_path)}
+    with pytest.raises(RuntimeError, match=r"no usable gradient from client\(s\) 2 \((expected 32 bytes|non-finite)"):
+        run_inprocess(resolve(o), o, mods=[mod])

@@ -66,7 +66,7 @@ from qlsd_flwr.outputs.progress import announce, progress_bar
 from qlsd_flwr.protocol import build
 from qlsd_flwr.protocol.chains import make_server
 from qlsd_flwr.protocol.divergence import DivergenceError
-from qlsd_flwr.protocol.wire import bytes_to_arr
+from qlsd_flwr.protocol.wire import gradients_of
 
 log = logging.getLogger("qlsd_flwr")
 
@@ -491,9 +491,6 @@ class QLSDStrategy(Strategy):
 
     def _full_grad(self, grid: Grid, theta: np.ndarray, timeout: float) -> np.ndarray:
         """``∇U(θ)`` from every client's full local gradient (the θ* optimisation phase)."""
-        grads: dict[int, np.ndarray] = {}
-        for i, b in self._ask_every_client(grid, {"phase": "grad", "round": -1, "theta": theta}, timeout).items():
-            grads[i] = bytes_to_arr(b, self.d)
-        if len(grads) != self.cfg.b:
-            raise RuntimeError(f"optimisation phase: {self.cfg.b - len(grads)} clients did not answer")
-        return build.combine_grads(self.cfg, self.task.prior, [grads[i] for i in range(self.cfg.b)], theta)
+        replies = self._ask_every_client(grid, {"phase": "grad", "round": -1, "theta": theta}, timeout)
+        grads = gradients_of(replies, self.cfg.b, self.d)
+        return build.combine_grads(self.cfg, self.task.prior, grads, theta)

@@ -60,6 +60,30 @@ def bytes_to_arr(b: bytes, d: int) -> np.ndarray:
     return np.frombuffer(b, dtype="<f8").astype(np.float64)
 
 
+def gradients_of(replies: dict[int, bytes], b: int, d: int) -> list[np.ndarray]:
+    """The θ* phase's replies ``{i: payload}`` as every client's full gradient, in client order, each
+    checked (``8d`` bytes, finite) before it is used; ``RuntimeError`` naming every client without a
+    usable one and why. ``∇U`` needs every client's term: a partial sum would move θ*, and with it
+    the metric and the starts, off the mode."""
+    grads: dict[int, np.ndarray] = {}
+    refused: dict[int, str] = {}
+    for i, payload in replies.items():
+        try:
+            g = bytes_to_arr(payload, d)
+        except ValueError as exc:
+            refused[i] = str(exc)
+            continue
+        if not np.all(np.isfinite(g)):
+            refused[i] = "non-finite values"
+            continue
+        grads[i] = g
+    if len(grads) != b:
+        missing = [f"{i} (no reply)" for i in range(b) if i not in grads and i not in refused]
+        raise RuntimeError("optimisation phase: no usable gradient from client(s) "
+                           + ", ".join([f"{i} ({why})" for i, why in sorted(refused.items())] + missing))
+    return [grads[i] for i in range(b)]
+
+
 class ReplyError(ValueError):
     """A client reply that is malformed; the server rejects and counts it."""
 
