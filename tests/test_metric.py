@@ -554,3 +554,50 @@ def test_a_bad_gradient_in_the_theta_star_phase_stops_with_the_client_named(kind
          "dim": 4, "num-clients": 3, "progress": False, "output-dir": str(tmp_path)}
     with pytest.raises(RuntimeError, match=r"no usable gradient from client\(s\) 2 \((expected 32 bytes|non-finite)"):
         run_inprocess(resolve(o), o, mods=[mod])
+
+
+def test_qsgd_and_partial_participation_under_a_diagonal_metric_match_the_gaussian_theory(tmp_path):
+    """The toy Gaussian's theory (tests/gaussian_theory.py) extended to a diagonal metric ``m``.
+
+    QLSD* on ``U_i = Σ_j ‖θ − y_ij‖²/2`` sends ``x_i = N_i e_k`` (``e = θ − θ*``), so with weights
+    ``B_i/p_i`` and QSGD noise ``c_i`` coordinate ``j`` follows
+    ``e' = r_j e − γ m_j ε_j + √(2γ m_j) Z``, ``r_j = 1 − γ m_j N``, ``E ε_j² = P v_j + C_j``,
+    ``P = Σ_i (1/p_i − 1) N_i²``, ``C_j = Σ_i E c_ij²/p_i``. Hence ``v_j a_j = 2γ m_j + γ² m_j² C_j``
+    with ``a_j = 1 − r_j² − γ² m_j² P``. Without compression ``C = 0`` (exact); with QSGD
+    ``Σ_j C_j ≤ ω Q S`` (``Q = Σ_i N_i²/p_i``, ``S = Σ_j v_j``), so the total variance ``S`` lies in
+    ``[S_0, S_0 / (1 − max_j(γ² m_j² / a_j) ω Q)]``, ``S_0 = Σ_j 2γ m_j / a_j``. The chains are
+    independent: the standard error of the mean over chains of each chain's total variance is the
+    sample's spread over √C."""
+    from qlsd_flwr.tasks.gaussian import build_gaussian_task
+
+    b, d, p, s = 5, 8, 0.5, 16
+    task = build_gaussian_task(b, d, 0)
+    Ni = np.array(task.meta["client_sizes"], dtype=float)
+    N = Ni.sum()
+    m = np.linspace(0.5, 2.0, d) / N
+    np.save(tmp_path / "m.npy", m)
+    gamma = 0.4
+    omega = min(d / s**2, np.sqrt(d) / s)
+    r = 1 - gamma * m * N
+    P = np.sum((1 / p - 1) * Ni**2)
+    a = 1 - r**2 - gamma**2 * m**2 * P
+    S0 = np.sum(2 * gamma * m / a)
+    S_up = S0 / (1 - np.max(gamma**2 * m**2 / a) * omega * np.sum(Ni**2 / p))
+    assert np.all(a > 0) and S_up / S0 < 1.1  # a narrow band: the test can tell a wrong M from a right one
+    for variant, lo, hi in (("lsd-star", S0, S0), ("qlsd-star", S0, S_up)):
+        cfg = resolve({"variant": variant, "num-clients": b, "dim": d, "p": str(p), "s": str(s), "gamma": gamma,
+                       "metric": str(tmp_path / "m.npy"), "num-chains": 48, "num-rounds": 1500, "burn-in": 1499,
+                       "progress": False, "vectorised-backend": "numpy", "theta-star": "closed-form"})
+        res = run_vectorised(cfg, task=task, write=False, keep_trace=True)
+        e = res.trace[:, 100:, :] - task.theta_star  # after 100 rounds the start (θ_0 = 0) is forgotten: r ≤ 0.8
+        per_chain = (e**2).mean(axis=1).sum(axis=1)  # each chain's total variance (the mean is known exactly)
+        mean, se = per_chain.mean(), per_chain.std(ddof=1) / np.sqrt(len(per_chain))
+        assert lo - 5 * se <= mean <= hi + 5 * se, (variant, mean, se, lo, hi)
+    # the same check fails for the step without its metric (γ m replaced by γ/N: all m_j alike)
+    cfg = resolve({"variant": "lsd-star", "num-clients": b, "dim": d, "p": str(p), "gamma": gamma / N,
+                   "num-chains": 48, "num-rounds": 1500, "burn-in": 1499, "progress": False,
+                   "vectorised-backend": "numpy", "theta-star": "closed-form"})
+    res = run_vectorised(cfg, task=task, write=False, keep_trace=True)
+    e = res.trace[:, 100:, :] - task.theta_star
+    per_chain = (e**2).mean(axis=1).sum(axis=1)
+    assert abs(per_chain.mean() - S0) > 5 * per_chain.std(ddof=1) / np.sqrt(len(per_chain))
