@@ -336,8 +336,10 @@ def test_the_convergence_report_fires_on_a_user_app_that_has_not_mixed(tmp_path,
 
 def test_the_convergence_report_is_quiet_on_a_user_app_that_has_mixed(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="qlsd_flwr")
-    rep = _user_run(tmp_path, "mixed", gamma="auto", metric="diagonal", num_rounds=500, burn_in=100)
-    assert rep["verdict"] == "MIXED" and rep["rhat_max"] <= 1.05 and rep["stationary"]
+    # 1,200 kept rounds: R-hat about 1.008 (seeds 0, 1, 2: 1.007–1.010), far enough from 1.05 that the last
+    # bits of another machine's libm cannot cross it (500 rounds gave 1.0499: too close to call)
+    rep = _user_run(tmp_path, "mixed", gamma="auto", metric="diagonal", num_rounds=1500, burn_in=300)
+    assert rep["verdict"] == "MIXED" and rep["rhat_max"] <= 1.03 and rep["stationary"]
     assert "NOT MIXED" not in caplog.text
 
 
