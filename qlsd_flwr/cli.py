@@ -11,6 +11,7 @@ from pathlib import Path
 from qlsd_flwr import __version__
 from qlsd_flwr.config import ConfigError
 from qlsd_flwr.keys import help_text, markdown_table, pyproject_block
+from qlsd_flwr.protocol.wire import PhaseError
 
 HELP = """QLSD, QLSD#, QLSD* and QLSD++ (Vono et al., AISTATS 2022): federated Langevin sampling on Flower.
 
@@ -184,7 +185,7 @@ def _dispatch(args) -> int:
         print(f"qlsd-flwr: stopped by {sig}; the run folder holds every draw and round so far "
               "(samples.nc, metrics.csv, summary.json with 'stopped')", file=sys.stderr)
         return 143 if sig == "SIGTERM" else 130
-    except InputError as exc:
+    except (InputError, PhaseError) as exc:  # PhaseError: a client's unusable reply before sampling, named
         print(f"qlsd-flwr: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # an output folder that cannot be made or written, a full disk, ...

@@ -60,9 +60,13 @@ def bytes_to_arr(b: bytes, d: int) -> np.ndarray:
     return np.frombuffer(b, dtype="<f8").astype(np.float64)
 
 
+class PhaseError(RuntimeError):
+    """A phase before sampling cannot go on: every client's reply is needed and one is unusable."""
+
+
 def gradients_of(replies: dict[int, bytes], b: int, d: int) -> list[np.ndarray]:
     """The θ* phase's replies ``{i: payload}`` as every client's full gradient, in client order, each
-    checked (``8d`` bytes, finite) before it is used; ``RuntimeError`` naming every client without a
+    checked (``8d`` bytes, finite) before it is used; :class:`PhaseError` naming every client without a
     usable one and why. ``∇U`` needs every client's term: a partial sum would move θ*, and with it
     the metric and the starts, off the mode."""
     grads: dict[int, np.ndarray] = {}
@@ -79,7 +83,7 @@ def gradients_of(replies: dict[int, bytes], b: int, d: int) -> list[np.ndarray]:
         grads[i] = g
     if len(grads) != b:
         missing = [f"{i} (no reply)" for i in range(b) if i not in grads and i not in refused]
-        raise RuntimeError("optimisation phase: no usable gradient from client(s) "
+        raise PhaseError("optimisation phase: no usable gradient from client(s) "
                            + ", ".join([f"{i} ({why})" for i, why in sorted(refused.items())] + missing))
     return [grads[i] for i in range(b)]
 
