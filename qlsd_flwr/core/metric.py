@@ -351,7 +351,7 @@ def metric_from_kronecker(reports: dict[int, dict], n_data, prior_curv: np.ndarr
     n = clamped_counts(n_data, reports)
     for part in ("G", "A"):
         sc = {i: float(np.trace(r[part])) / n[i] for i, r in reports.items()}
-        ref = float(np.sort(list(sc.values()))[(len(sc) - 1) // 2])
+        ref = _lower_median(sc.values())
         for i in sorted(reports):
             if ref > 0 and sc[i] > REPORT_CAP * ref:
                 reports[i] = {**reports[i], part: reports[i][part] * (REPORT_CAP * ref / sc[i])}
@@ -381,8 +381,14 @@ def clamped_counts(n_data, clients) -> dict[int, int]:
     n = {i: max(int(n_data[i]) if i < n_data.size else 1, 1) for i in clients}
     if not n:
         return n
-    ref = float(np.sort(list(n.values()))[(len(n) - 1) // 2])
+    ref = _lower_median(n.values())
     return {i: int(min(v, REPORT_CAP * ref)) for i, v in n.items()}
+
+
+def _lower_median(values) -> float:
+    """The lower median: an honest client's value when at least half the clients are honest."""
+    s = np.sort(np.fromiter(values, dtype=np.float64))
+    return float(s[(len(s) - 1) // 2])
 
 
 def _per_datum_scale(h: np.ndarray, n: int) -> float:
@@ -407,8 +413,7 @@ def metric_from_curvature(kind: str, reports: dict[int, np.ndarray], n_data, pri
     scales = {i: _per_datum_scale(h, n[i]) for i, h in reports.items()}
     scaled = []
     if scales:
-        s = np.sort(np.array(list(scales.values())))
-        ref = float(s[(len(s) - 1) // 2])  # the lower median: honest when at least half are
+        ref = _lower_median(scales.values())
         cap = REPORT_CAP * ref
         for i in sorted(reports):
             if ref > 0 and scales[i] > cap:

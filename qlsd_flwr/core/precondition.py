@@ -51,7 +51,12 @@ class Prepared:
     metric: Metric
     gamma: float
     theta0: np.ndarray | None = None
-    lambda_max: float | None = None
+
+    def for_chain(self, c: int) -> "Prepared":
+        """Chain ``c``'s share: its own start (``theta0`` of one row) and everything else."""
+        import dataclasses
+
+        return dataclasses.replace(self, theta0=None if self.theta0 is None else self.theta0[c:c + 1])
 
 
 def uses_metric(cfg: RunConfig) -> bool:
@@ -115,11 +120,10 @@ def curvature_point(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: Gra
             lam, _ = mt.lambda_max(grad_fn, theta, metric or Metric(), cfg.seed, iters=20, tol=5e-2)
             lr = 1.0 / lam if lam > 0 else 1.0
             info.setdefault("opt_lr", []).append(lr)
-        if g0 is None:
-            g0 = float(np.linalg.norm(grad_fn(theta)))
         budget = cfg.opt_rounds // stages + (cfg.opt_rounds % stages if stage == stages - 1 else 0)
         theta, r = optimise_theta_star(cfg, theta, grad_fn, info, lr=lr, precondition=metric, max_rounds=budget,
                                        g0_norm=g0)
+        g0 = info["opt_grad0_norm"]  # the first stage's start: the stopping rule stays relative to it
         rounds += r
         if info["opt_converged"] or not np.all(np.isfinite(theta)):
             break
@@ -173,7 +177,6 @@ def prepare(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | No
                     "variant (lsd-pp, lsd-star), a larger s, or check against a reference (docs/METRIC.md)",
                     spread, mt.COMPRESSED_SPREAD_WARN)
     # 3. the step
-    lam = None
     gamma = cfg.gamma
     if (cfg.gamma_auto or not metric.is_identity) and grad_fn is not None:
         lam, iters = mt.lambda_max(grad_fn, point, metric, cfg.seed)
@@ -207,7 +210,7 @@ def prepare(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | No
     info.update({"metric": metric.to_json(), "metric_kind": metric.kind, "gamma_used": gamma, "gamma_auto": bool(cfg.gamma_auto),
                  "temperature": cfg.temperature})
     ts = point if needs_theta_star(cfg) else None
-    return Prepared(ts, info, metric, gamma, starts, lam)
+    return Prepared(ts, info, metric, gamma, starts)
 
 
 def _curvature_metric(cfg: RunConfig, task: Task, point: np.ndarray, curv_fn: CurvFn, n_data: np.ndarray):

@@ -61,7 +61,7 @@ class ServerSpec:
     prior: GaussianPrior
     prior_on_server: bool
     theta_star: np.ndarray | None = None
-    metric: Metric = Metric()  # M: identity, diagonal or dense (constant during the run)
+    metric: Metric = Metric()  # M: identity, diagonal, dense or Kronecker (constant during the run)
     temperature: float = 1.0  # T: the chain targets π^{1/T}
 
     @property

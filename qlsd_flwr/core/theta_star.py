@@ -75,6 +75,7 @@ def optimise_theta_star(cfg: RunConfig, theta0: np.ndarray,
     else:
         theta, g, rounds = _nesterov(cfg, theta, g, g0, grad_fn, step, precondition, budget)
     if info is not None:
+        info["opt_grad0_norm"] = g0  # a descent resumed in stages keeps it (g0_norm)
         info["opt_converged"] = bool(opt_converged(g, g0, cfg.opt_tol))
         info["opt_grad_norm"] = float(np.linalg.norm(g))
     return theta, rounds

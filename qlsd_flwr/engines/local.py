@@ -71,7 +71,7 @@ def run_local(cfg: RunConfig, task: Task | None = None, write: bool = True,
         return _run_direct(precondition.apply(cfg, prep), task, specs, states, prep, keep_trace, bar)
     server = QLSDServer(cfg, task, keep_trace=keep_trace, engine_label="local",
                         observer=RunOutputs(cfg, task.dim) if write else None)
-    server.begin(theta_star, ts_info, None if prep is None or prep.theta0 is None else prep.theta0[0], prep)
+    server.begin(theta_star, ts_info, None, prep)
     bar.update(server.state.k)
     try:
         _rounds(cfg, server, specs, states, task, d, bar)

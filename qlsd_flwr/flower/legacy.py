@@ -53,7 +53,7 @@ class LegacyQLSDStrategy(LegacyStrategy):
         prep = precondition.prepare(cfg, task, build.theta0_of(task), grad_fn=None, curv_fn=None)
         self.server = QLSDServer(cfg, task, keep_trace, "flower-legacy",
                                  observer=RunOutputs(cfg, task.dim, run_dir) if write else None)
-        self.server.begin(prep.theta_star, prep.info, None if prep.theta0 is None else prep.theta0[0], prep)
+        self.server.begin(prep.theta_star, prep.info, None, prep)
         self.cfg = self.server.cfg
         self.index_of: dict[str, int] = {}
         self.rounds_done = 0

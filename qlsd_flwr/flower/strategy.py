@@ -419,10 +419,8 @@ class QLSDStrategy(Strategy):
             n_data=[self.nodes.n_data.get(i, 1) for i in range(cfg.b)])
         if prep is None:
             self.server.begin(None, {}, theta0)
-        elif cfg.num_chains > 1:
-            self.server.begin(prep.theta_star, prep.info, theta0, prep)
         else:
-            self.server.begin(prep.theta_star, prep.info, theta0 if prep.theta0 is None else prep.theta0[0], prep)
+            self.server.begin(prep.theta_star, prep.info, theta0, prep)
         self.cfg = cfg = self.server.cfg  # with the step the preparation chose (gamma = auto) or the checkpoint's
         saved = self.server.persist.get("rejoined", {})
         self.nodes.rejoined.update({int(i): list(r) for i, r in saved.items()})

@@ -130,9 +130,8 @@ class ChainSet:
             self.restore(*snap)
         else:
             self.ts_info = ts_info or {}
-            starts = getattr(prep, "theta0", None)
             for c, ch in enumerate(self.chains):
-                ch.start_chain(theta_star, ts_info, theta0 if starts is None else starts[c], prep)
+                ch.start_chain(theta_star, ts_info, theta0, None if prep is None else prep.for_chain(c))
             if prep is not None:
                 self.cfg = precondition.apply(self.cfg, prep)
         if self.observer is not None:

@@ -103,6 +103,8 @@ class QLSDServer:
         if prep is not None:
             self.cfg = precondition.apply(self.cfg, prep)
             metric = prep.metric
+            if prep.theta0 is not None:  # init = dispersed: this chain's own start
+                theta0 = prep.theta0[0]
         self.spec = build.server_spec(self.cfg, self.task, theta_star, self.blocks, metric)
         self.state = sampler.init_state(self.spec, build.theta0_of(self.task) if theta0 is None else theta0)
 
