@@ -4,6 +4,7 @@
     python benchmarks/bench_metric.py --logistic      # ESS per round and per second, logistic breast_cancer/digits
     python benchmarks/bench_metric.py --mainjob       # the main job's chains (vectorised engine), metric vs identity
     python benchmarks/bench_metric.py --bnn           # the quickstart's wine network against full-batch HMC
+    python benchmarks/bench_metric.py --bnn-digits    # an MLP on digits (d = 1,210) against full-batch HMC
 
 Every run: the vectorised engine (the chains the Flower engines run, bit for bit), 4 chains from
 dispersed starts (``init = dispersed``), ``gamma = auto`` (so each metric gets the same rule for its
@@ -225,25 +226,56 @@ def run_predictive(out: Path, which: str) -> dict:
 
 
 # ---- a small Bayesian network against HMC ------------------------------------------------------------
-def run_bnn(out: Path, rounds: int = 4000) -> dict:
-    """The quickstart's wine network (13-16-3, tanh, d = 275, 4 clients, prior N(0, 5 I), float64)
-    against full-batch HMC (4 chains × 2,000 draws after 500 warm-up, 20 leapfrog steps): the
-    predictive's agreement (same argmax) and total variation (Izmailov et al. 2021) on the 178
-    inputs, against the TV between the two halves of the HMC reference (chains 0–1 against 2–3)."""
+def digits_mlp(b: int = 4):
+    """An MLP on scikit-learn's digits (64-16-10, tanh, d = 1,210, prior N(0, 1 I), float64): 1,500
+    images over ``b`` clients, the other 297 held out. Returns ``(clients, prior_var, X_eval)``."""
+    import torch
+    from sklearn.datasets import load_digits
+    from torch import nn
+
+    from qlsd_flwr.tasks.torch_models import TorchPotential
+
+    X, y = load_digits(return_X_y=True)
+    X = (X / 16.0).astype(np.float64)
+    perm = np.random.default_rng(0).permutation(len(y))
+    train, held = perm[:1500], perm[1500:]
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(64, 16), nn.Tanh(), nn.Linear(16, 10))
+
+    parts = np.array_split(train, b)
+    clients = [TorchPotential(model(), X[p], y[p], dtype=torch.float64) for p in parts]
+    return clients, 1.0, X[held]
+
+
+def wine_net(b: int = 4):
+    """The quickstart's wine network (13-16-3, tanh, d = 275, prior N(0, 5 I), float64) over ``b``
+    clients, evaluated on its 178 inputs. Returns ``(clients, prior_var, X_eval)``."""
     import torch
 
     sys.path.insert(0, str(ROOT / "examples" / "quickstart-torch"))
     from qlsd_quickstart.task import PRIOR_VAR, load_partition, make_model
 
-    from qlsd_flwr.core.potential import GaussianPrior
-    from qlsd_flwr.evaluation.reference import hmc
     from qlsd_flwr.tasks.torch_models import TorchPotential
 
-    b = 4
     clients = [TorchPotential(make_model(), *load_partition(i, b), dtype=torch.float64) for i in range(b)]
-    task = Task(name="wine-bnn-f64", dim=clients[0].dim, clients=clients, prior=GaussianPrior(var=PRIOR_VAR),
-                theta0=clients[0].theta0())
     X = np.concatenate([load_partition(i, b)[0] for i in range(b)]).astype(np.float64)
+    return clients, PRIOR_VAR, X
+
+
+def run_bnn(out: Path, rounds: int = 4000, net: str = "wine") -> dict:
+    """A small network against full-batch HMC (4 chains × 2,000 draws after 500 warm-up, 20
+    leapfrog steps): the predictive's agreement (same argmax) and total variation (Izmailov et al.
+    2021) on the evaluation inputs, against the TV between the two halves of the HMC reference
+    (chains 0–1 against 2–3). ``net``: ``wine`` (:func:`wine_net`) or ``digits`` (:func:`digits_mlp`)."""
+    from qlsd_flwr.core.potential import GaussianPrior
+    from qlsd_flwr.evaluation.reference import hmc
+
+    b = 4
+    clients, prior_var, X = (wine_net if net == "wine" else digits_mlp)(b)
+    task = Task(name=f"{net}-bnn-f64", dim=clients[0].dim, clients=clients, prior=GaussianPrior(var=prior_var),
+                theta0=clients[0].theta0())
 
     def predictive(draws):
         return clients[0].predict_proba(draws.reshape(-1, task.dim)[:: max(1, len(draws.reshape(-1, task.dim)) // 800)], X)
@@ -277,8 +309,10 @@ def run_bnn(out: Path, rounds: int = 4000) -> dict:
                        "tv_ratio_to_hmc_halves": tv(p, p_ref) / rows["hmc"]["tv_between_halves"],
                        "wall_seconds": wall, "rounds": rounds}
         print(label, json.dumps(rows[label]), flush=True)
-    result = {"machine": machine(), "command": "python benchmarks/bench_metric.py --bnn", "rows": rows}
-    (out / "metric_bnn.json").write_text(json.dumps(result, indent=2))
+    suffix = "" if net == "wine" else "_digits"
+    result = {"machine": machine(), "command": f"python benchmarks/bench_metric.py --bnn{suffix.replace('_', '-')}",
+              "net": net, "dim": task.dim, "rows": rows}
+    (out / f"metric_bnn{suffix}.json").write_text(json.dumps(result, indent=2))
     return result
 
 
@@ -288,6 +322,7 @@ def main() -> None:
     ap.add_argument("--logistic", action="store_true")
     ap.add_argument("--mainjob", action="store_true")
     ap.add_argument("--bnn", action="store_true")
+    ap.add_argument("--bnn-digits", action="store_true")
     a = ap.parse_args()
     out = ROOT / "benchmarks"
     if a.regressions:
@@ -298,6 +333,8 @@ def main() -> None:
         run_predictive(out, "mainjob")
     if a.bnn:
         run_bnn(out)
+    if a.bnn_digits:
+        run_bnn(out, net="digits")
 
 
 if __name__ == "__main__":

@@ -214,7 +214,7 @@ def test_a_kill_during_a_checkpoint_write_leaves_the_previous_complete_checkpoin
 @pytest.mark.parametrize("engine", ["local", "inprocess", "vectorised"])
 def test_divergence_stops_with_a_clear_error_and_keeps_the_outputs(engine, tmp_path):
     o = {"engine": engine, "num-rounds": 60, "burn-in": 0, "progress": False, "l": 10, "p": "0.5", "s": "4",
-         "gamma": 0.05, "checkpoint-every": 5, "output-dir": str(tmp_path), "run-name": "div"}
+         "gamma": 0.05, "checkpoint-every": 1, "output-dir": str(tmp_path), "run-name": "div"}
     with pytest.raises(DivergenceError, match=r"diverged at round (\d+).*smaller gamma") as info:
         simulate.run(o)
     import re
@@ -227,7 +227,7 @@ def test_divergence_stops_with_a_clear_error_and_keeps_the_outputs(engine, tmp_p
     s = json.loads((run_dir / "summary.json").read_text())
     assert s["diverged_at_round"] == r and "smaller gamma" in s["error"]
     meta, arrays = ckpt.load(ckpt.path_in(run_dir))  # the last good checkpoint is kept
-    assert meta["k"] == (r - 1) // 5 * 5 and meta["k"] < r
+    assert meta["k"] == r - 1  # the run stops when θ runs away (10^4 × its scale), before it overflows
     assert f"last good checkpoint is at round {meta['k']}" in str(info.value)
     # the suggested step is below the stability limit the start-up warning names (2/τ; it
     # suggests 1/τ), not just a tenth of the step that diverged

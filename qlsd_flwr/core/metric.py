@@ -128,6 +128,16 @@ class Metric:
         w = np.linalg.eigvalsh(self.m)
         return float(w.max() / w.min())
 
+    def largest(self) -> float:
+        """``λ_max(M)``: the metric's largest scale (a variance, when M comes from the curvature)."""
+        if self.kind == "identity":
+            return 1.0
+        if self.kind == "diagonal":
+            return float(self.m.max())
+        if self.kind == "kronecker":
+            return float(1.0 / self.kron.den.min())
+        return float(np.linalg.eigvalsh(self.m)[-1])
+
     def to_json(self):
         """What ``summary.json`` records: ``"identity"``, ``d`` numbers, a ``d × d`` list, or the
         Kronecker factors' eigenvalues and the prior's curvature."""

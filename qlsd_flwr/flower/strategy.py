@@ -412,6 +412,7 @@ class QLSDStrategy(Strategy):
         K = cfg.num_rounds if num_rounds is None else int(num_rounds)
         self._grid = grid
         self.nodes.handshake(grid, self._timeout)
+        self.server.set_counts([self.nodes.n_data.get(i, 1) for i in range(cfg.b)])
         prep = None if resuming else precondition.prepare(  # resume: θ*, M and γ are in the checkpoint
             cfg, self.task, build.theta0_of(self.task) if theta0 is None else theta0,
             lambda th: self._full_grad(grid, th, self._timeout),

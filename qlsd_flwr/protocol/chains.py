@@ -143,7 +143,7 @@ class ChainSet:
         for c, ch in enumerate(self.chains):
             a, m = ch.snapshot()
             arrays.update({f"c{c}.{k}": v for k, v in a.items()})
-            metas.append({k: m[k] for k in ("k", "zeta_version", "gamma", "rejected", "missed_rounds")})
+            metas.append({k: m[k] for k in ("k", "zeta_version", "gamma", "rejected", "missed_rounds", "guard")})
         meta = {"kind": "server", "k": self.state.k, "chains": self.C, "chain_meta": metas,
                 "zeta_version": metas[0]["zeta_version"], "config": self.cfg.raw,
                 "rejected": dict(self.unattributed), "missed_rounds": {}, "ts_info": self.ts_info,
@@ -252,10 +252,19 @@ class ChainSet:
             "rejected_per_chain": [dict(ch.rejected) for ch in self.chains],
             "missed_rounds": {str(c): {str(i): r for i, r in sorted(m.items())}
                               for c, m in self.missed_rounds.items()}})
+        excluded = {str(c): {str(i): k for i, k in sorted(ch.norm_guard.excluded.items())}
+                    for c, ch in enumerate(self.chains) if ch.norm_guard.excluded}
+        if excluded:
+            extra["excluded"] = excluded
         if self.resumed_from is not None:
             extra["resumed_from_round"] = self.resumed_from
         self.summary_data = self.observer.on_stop(self, extra) if self.observer is not None else extra
         return self.summary_data
+
+    def set_counts(self, n_data) -> None:
+        """The clients' ``N_i`` claims, for every chain's bounded-influence rule."""
+        for ch in self.chains:
+            ch.set_counts(n_data)
 
     def memory_check(self, reports: dict[int, dict[int, tuple[np.ndarray, int]]]) -> dict:
         """:meth:`QLSDServer.memory_check` for each chain, from each client's per-chain report."""

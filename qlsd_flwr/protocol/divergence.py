@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
+
 from qlsd_flwr.compression.format import QuantiseError
 
 
@@ -43,3 +47,26 @@ def divergence_message(round_: int, gamma: float, run_dir=None, last_checkpoint:
         msg += (f"; the last good checkpoint is at round {last_checkpoint}." if last_checkpoint
                 else "; no checkpoint was written.")
     return msg
+
+
+#: a chain is run away when ‖θ‖ exceeds this multiple of :func:`runaway_scale`
+RUNAWAY_FACTOR = 1e4
+RUNAWAY_WINDOW = 10  # rounds whose replies the run-away message ranks
+
+
+def runaway_scale(task, theta0: np.ndarray, theta_star, metric) -> float:
+    """The largest of the scales θ is known to live at: the start ``‖θ_0‖``, ``‖θ*‖`` (the run's
+    or the task's closed form), the prior's ``√(d · var)`` (a Gaussian prior that is not flat), the
+    metric's ``√(d · λ_max(M))`` (about ``√d`` posterior sd when M comes from the curvature) and
+    ``√d``."""
+    d = theta0.shape[-1]
+    scales = [float(np.linalg.norm(theta0)), math.sqrt(d)]
+    for ts in (theta_star, getattr(task, "theta_star", None)):
+        if ts is not None:
+            scales.append(float(np.linalg.norm(ts)))
+    var = getattr(task.prior, "var", None)
+    if isinstance(var, (int, float)) and not isinstance(var, bool) and math.isfinite(var):
+        scales.append(math.sqrt(d * float(var)))
+    if not metric.is_identity:
+        scales.append(math.sqrt(d * metric.largest()))
+    return max(scales)

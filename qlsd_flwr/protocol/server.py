@@ -22,6 +22,7 @@ import dataclasses
 import logging
 import math
 import time
+from collections import deque
 
 import numpy as np
 
@@ -35,11 +36,15 @@ from qlsd_flwr.core.precondition import Prepared
 from qlsd_flwr.core.potential import Task
 from qlsd_flwr.protocol import build
 from qlsd_flwr.protocol.divergence import (
+    RUNAWAY_FACTOR,
+    RUNAWAY_WINDOW,
     DivergenceError,
+    runaway_scale,
     divergence_message,
     is_overflow,
 )
-from qlsd_flwr.protocol.norm_guard import NormGuard
+from qlsd_flwr.outputs.checkpoint import CheckpointError
+from qlsd_flwr.protocol.norm_guard import FACTOR_STEADY, GuardStateError, NormGuard
 from qlsd_flwr.protocol.wire import ReplyError, parse_fields
 
 log = logging.getLogger("qlsd_flwr")
@@ -61,7 +66,7 @@ class QLSDServer:
         self.blocks = build.blocks_for(cfg, task)
         self.compressors = [build.compressor_for(cfg, i, self.blocks) for i in range(cfg.b)]
         self.settings = [build.client_settings(cfg, i, self.d, task.prior, self.blocks) for i in range(cfg.b)]
-        self.norm_guard = NormGuard(cfg.raw.get("norm-bound", "auto"))
+        self.norm_guard = NormGuard(cfg.raw.get("norm-bound", "auto"), cfg.b, task.n_data if task.clients else None)
         self._norm_warned: set[int] = set()
         self.keep_trace, self.engine_label, self.observer = keep_trace, engine_label, observer
         self.trace: list[np.ndarray] = []
@@ -107,6 +112,7 @@ class QLSDServer:
                 theta0 = prep.theta0[0]
         self.spec = build.server_spec(self.cfg, self.task, theta_star, self.blocks, metric)
         self.state = sampler.init_state(self.spec, build.theta0_of(self.task) if theta0 is None else theta0)
+        self._set_scale()
 
     # ---- checkpoints: the state as plain arrays and JSON ------------------------------------
     def snapshot(self) -> tuple[dict, dict]:
@@ -115,11 +121,11 @@ class QLSDServer:
         arrays = {"theta": st.theta, "zeta": st.zeta, "eta_i": st.eta_i, "eta": st.eta,
                   "theta_star": self.spec.theta_star, "anchor_acked": self.anchor_acked,
                   "eta_count": self.eta_count, "needs_resync": self.needs_resync,
-                  "norm_history": self.norm_guard.state(), "metric": self.spec.metric.array()}
+                  "metric": self.spec.metric.array()}
         meta = {"kind": "server", "k": int(st.k), "zeta_version": int(st.zeta_version), "gamma": float(self.spec.gamma),
                 "config": self.cfg.raw, "rejected": self.rejected,
                 "missed_rounds": {str(i): r for i, r in self.missed_rounds.items()},
-                "ts_info": self.ts_info, "persist": self.persist}
+                "ts_info": self.ts_info, "persist": self.persist, "guard": self.norm_guard.state()}
         return arrays, meta
 
     def restore(self, meta: dict, a: dict) -> None:
@@ -140,12 +146,16 @@ class QLSDServer:
         if self.spec.memory:
             st.eta_i, st.eta = a["eta_i"].copy(), a["eta"].copy()
         self.state = st
+        self._set_scale()
         self.anchor_acked = a["anchor_acked"].astype(np.int64)
         self.eta_count = a["eta_count"].astype(np.int64)
         # the clients may have lost their state with the restart: the first message to each
         # carries the anchor and its η_i mirror (fields_for), so no round is lost to a resync
         self.needs_resync = np.ones(cfg.b, dtype=bool)
-        self.norm_guard.restore(a.get("norm_history", np.zeros(0)))
+        try:
+            self.norm_guard.restore(meta.get("guard"))
+        except GuardStateError as exc:
+            raise CheckpointError(f"checkpoint: {exc}") from None
         self.rejected = dict(meta["rejected"])
         self.missed_rounds = {int(i): list(r) for i, r in meta["missed_rounds"].items()}
         self.persist = dict(meta.get("persist", {}))
@@ -164,7 +174,9 @@ class QLSDServer:
         """Refresh the anchor and draw ``A_{k+1}``; returns the active client indices."""
         self._t0 = time.perf_counter()
         sampler.refresh_anchor(self.spec, self.state)
-        self._active = [int(i) for i in np.flatnonzero(participation.active_mask(self.cfg.seed, self.state.k, self.cfg.p))]
+        # the participation draw is the same with or without exclusions (a function of seed and k)
+        self._active = [int(i) for i in np.flatnonzero(participation.active_mask(self.cfg.seed, self.state.k, self.cfg.p))
+                        if int(i) not in self.norm_guard.excluded]
         self._g_hat: dict[int, np.ndarray] = {}
         self._pending: dict[int, tuple] = {}  # valid replies, committed at end_round after the norm check
         self._answered: set[int] = set()
@@ -231,27 +243,33 @@ class QLSDServer:
         self._pending[i] = (g, rep["anchor_version"], bound, bits, len(rep["payload"]), message_bytes)
 
     def _commit(self) -> None:
-        """This round's valid replies under the norm limit (:mod:`qlsd_flwr.protocol.norm_guard`)
-        become the round's ``ĝ_i``, in client order; those over it are rejected (``norm_bound``)
-        and leave no trace. The clients' own η_i then differ from the mirrors for the rejected
-        ones, which the counters catch (a ``resync`` next time)."""
+        """This round's valid replies judged by the bounded-influence rule
+        (:mod:`qlsd_flwr.protocol.norm_guard`) become the round's ``ĝ_i``, in client order; those
+        it refuses are rejected (``norm_bound``, or ``excluded`` for a client whose replies are
+        steadily out of scale: it is not asked again and its ``η_i`` mirror leaves ``η``) and leave
+        no other trace. The clients' own η_i then differ from the mirrors for the rejected ones,
+        which the counters catch (a ``resync`` next time)."""
         norms = {i: float(np.linalg.norm(p[0])) for i, p in self._pending.items()}
-        limit = self.norm_guard.limit(norms.values())
-        kept = []
+        refused, newly = self.norm_guard.judge(norms, self.state.k + 1)
+        for i in newly:
+            self._exclude(i, norms)
+        self._round_norms = {}
         for i in sorted(self._pending):
             g, version, bound, bits, nbytes, mbytes = self._pending[i]
-            if not norms[i] <= limit:
-                self._reject("norm_bound")
+            if i in refused:
+                self._reject(refused[i])
                 # the client applied its own memory update: mark it as out of step now, as a
                 # restored server would, so that a resumed run takes the very same path
                 self.needs_resync[i] = True
                 # the first time a client is held off is news; every round after, a count
                 level = logging.DEBUG if i in self._norm_warned else logging.WARNING
                 self._norm_warned.add(i)
-                log.log(level, "client %d: reply norm %.3g over the limit %.3g (norm-bound): rejected "
-                        "(counted in summary.json 'rejected')", i, norms[i], limit)
+                if refused[i] == "norm_bound":
+                    log.log(level, "client %d: reply norm %.3g over the limit %.3g (norm-bound): rejected "
+                            "(counted in summary.json 'rejected')", i, norms[i], self.norm_guard.limit_of(i, norms))
                 continue
             self._g_hat[i] = g
+            self._round_norms[i] = norms[i]
             self.anchor_acked[i] = version
             self.needs_resync[i] = False
             if self.cfg.memory:
@@ -261,9 +279,18 @@ class QLSDServer:
             r["bits_exact"] += bits  # the exact length of the code this client sent (the decoder counts what it read)
             r["bytes_payload"] += nbytes
             r["bytes_message"] += mbytes
-            kept.append(norms[i])
-        self.norm_guard.record(kept)
         self._pending = {}
+
+    def _exclude(self, i: int, norms: dict) -> None:
+        """Client ``i``'s replies are steadily out of scale: it leaves the federation for the rest of
+        the run (its memory mirror with it), and the log and ``summary.json`` say so."""
+        st = self.state
+        if self.spec.memory:
+            st.eta_i[i] = 0.0
+            st.eta = st.eta_i.sum(axis=-2)
+        log.warning("client %d: excluded from round %d on: its replies' typical norm per datum is over %g× the "
+                    "federation's (norm-bound = auto; last reply %.3g); the chain now samples the posterior of the "
+                    "other clients' data (summary.json 'excluded')", i, st.k + 1, FACTOR_STEADY, norms[i])
 
     def end_round(self) -> dict:
         """The server step for this round, and its records; returns the round's row."""
@@ -283,6 +310,8 @@ class QLSDServer:
         skipped = bool(sampler.server_step(self.spec, self.state, self.cfg.seed, g_hat, replied))
         if not np.all(np.isfinite(self.state.theta)):
             self._diverged(k + 1)
+        self._recent.append(self._round_norms)
+        self._check_runaway(k + 1)
         row = {"round": k + 1, "n_active": len(self._active), "n_replied": len(self._g_hat),
                "skipped": int(skipped), **self._row, "seconds": time.perf_counter() - self._t0}
         if self.keep_trace:
@@ -290,6 +319,33 @@ class QLSDServer:
         if self.observer is not None:
             self.observer.on_round(self, row)
         return row
+
+    def _set_scale(self) -> None:
+        """The scale θ may reach (:func:`runaway_scale`), and the window of recent reply norms."""
+        self._scale = runaway_scale(self.task, self.state.theta, self.spec.theta_star, self.spec.metric)
+        self._recent: deque = deque(maxlen=RUNAWAY_WINDOW)
+
+    def _check_runaway(self, round_: int) -> None:
+        """A finite θ far beyond every scale the run knows stops the run, naming the clients whose
+        replies dominated the last rounds (an attacker inside the norm bound, or a p so small that
+        one 1/p-weighted reply throws θ)."""
+        size = float(np.linalg.norm(self.state.theta))
+        if size <= RUNAWAY_FACTOR * self._scale or self.norm_guard.mode == "off":
+            return
+        totals: dict[int, float] = {}
+        for rnd in self._recent:
+            for i, x in rnd.items():
+                totals[i] = totals.get(i, 0.0) + x
+        whole = sum(totals.values()) or 1.0
+        top = sorted(totals.items(), key=lambda t: -t[1])[:3]
+        named = ", ".join(f"client {i} ({100 * x / whole:.0f} %)" for i, x in top) or "none (no replies)"
+        cause = ("one client dominated them" if top and top[0][1] > 0.5 * whole else
+                 "they were spread over the clients: the step, not one client, is the likely cause")
+        self._diverged(round_, f"‖θ‖ = {size:.3g} is over {RUNAWAY_FACTOR:g}× the scale {self._scale:.3g} that the "
+                               f"start, θ* and the prior allow (a run-away chain); the largest replies of the last "
+                               f"{len(self._recent)} rounds came from {named}: {cause}. A posterior truly at this "
+                               f"scale: start near it (initial θ) or set norm-bound = off, which turns this check off "
+                               f"too")
 
     def _diverged(self, round_: int, why: str = "θ is not finite") -> None:
         """Stop the observer (samples up to the last finite θ) and raise DivergenceError."""
@@ -321,10 +377,17 @@ class QLSDServer:
         extra = summary_extra(self.cfg, self.task, {
             "engine": self.engine_label, **self.ts_info, "rejected": dict(self.rejected),
             "missed_rounds": {str(i): r for i, r in sorted(self.missed_rounds.items())}})
+        if self.norm_guard.excluded:
+            extra["excluded"] = {str(i): k for i, k in sorted(self.norm_guard.excluded.items())}
         if self.resumed_from is not None:
             extra["resumed_from_round"] = self.resumed_from
         self.summary_data = self.observer.on_stop(self, extra) if self.observer is not None else extra
         return self.summary_data
+
+    def set_counts(self, n_data) -> None:
+        """The clients' ``N_i`` (their handshake claims), the scale of the bounded-influence rule
+        (:mod:`qlsd_flwr.protocol.norm_guard`)."""
+        self.norm_guard.set_counts(n_data)
 
     def memory_check(self, reports: dict[int, tuple[np.ndarray, int]]) -> dict:
         """Compare the server's mirrors with the clients' own ``(η_i, update count)``:

@@ -28,7 +28,7 @@ from qlsd_flwr.outputs.recorder import (
     make_run_dir,
 )
 from qlsd_flwr.protocol import build
-from qlsd_flwr.protocol.divergence import DivergenceError, divergence_message
+from qlsd_flwr.protocol.divergence import RUNAWAY_FACTOR, DivergenceError, divergence_message, runaway_scale
 from qlsd_flwr.protocol.server import summary_extra
 from qlsd_flwr.tasks import loading
 from qlsd_flwr.tasks.gaussian import GaussianLocal
@@ -190,6 +190,7 @@ def run_side_by_side(cfgs, task: Task | None = None, write: bool = False, keep_t
             bar.update(k)
         every = ref.checkpoint_every if ck_on else 0
         R = block_rounds or runner.initial_block()
+        limits = [_runaway_limits(cfg, task, pt, runner.theta_of(v)) for v, (cfg, pt) in enumerate(zip(cfgs, parts))]
         need_states = write or keep_trace
     except BaseException as exc:
         _close_stopped(recs, exc, k)
@@ -203,7 +204,7 @@ def run_side_by_side(cfgs, task: Task | None = None, write: bool = False, keep_t
             outs = runner.run_block(k, R, need_states)
             dt = time.perf_counter() - tb
             for v, out in enumerate(outs):
-                bad = _first_bad_round(out, runner.theta_of(v), R)
+                bad = _first_bad_round(out, runner.theta_of(v), R, limits[v])
                 if bad is not None:
                     _diverge(cfgs[v], recs, v, k, bad, out, traces, dt / len(cfgs), run_dirs[v], last_ckpt,
                              build.stable_gamma(task, parts[v][3]))
@@ -292,16 +293,34 @@ def _record_rows(rec, k0, R, act, skp, be, bb, by, states, dt) -> None:
             rec.record_sample(j, states[:, r])
 
 
-def _first_bad_round(out: dict, theta: np.ndarray, R: int) -> int | None:
-    """Index in the block of the first round whose state is not finite (or not computed because
-    a client's message could not be formed), or ``None`` when the whole block is fine."""
-    if out.get("error") is None and np.all(np.isfinite(theta)):
-        return None
+def _runaway_limits(cfg: RunConfig, task: Task, part, theta_now: np.ndarray) -> np.ndarray:
+    """Each chain's run-away limit on ``‖θ‖`` (:func:`qlsd_flwr.protocol.divergence.runaway_scale`
+    of its own start, as the protocol engines take it; ``inf`` with ``norm-bound = off``)."""
+    if str(cfg.raw.get("norm-bound", "auto")).strip().lower() == "off":
+        return np.full(theta_now.shape[0], np.inf)
+    theta0 = part[4] if part[4] is not None else np.broadcast_to(build.theta0_of(task), theta_now.shape)
+    return np.array([RUNAWAY_FACTOR * runaway_scale(task, theta0[c], part[2], part[1].metric)
+                     for c in range(theta_now.shape[0])])
+
+
+def _first_bad_round(out: dict, theta: np.ndarray, R: int, limits: np.ndarray | None = None) -> int | None:
+    """Index in the block of the first round whose state is not finite or has run away (``‖θ‖``
+    over its chain's limit), or was not computed because a client's message could not be formed;
+    ``None`` when the whole block is fine."""
+    limits = np.full(theta.shape[0], np.inf) if limits is None else limits
     states = out.get("states")
+    if out.get("error") is None and np.all(np.isfinite(theta)) and (
+            states is None and np.all(np.linalg.norm(theta, axis=-1) <= limits)
+            or states is not None and np.all(np.linalg.norm(states, axis=2) <= limits[:, None])):
+        return None
     if states is None:
+        if out.get("error") is None and np.all(np.isfinite(theta)):
+            out["error"] = "θ ran away (‖θ‖ over 10^4 times the scale its start, θ* and the prior allow)"
         return 0  # not recorded: somewhere in this block
-    ok = np.isfinite(states).all(axis=(0, 2))  # (R,)
+    ok = np.isfinite(states).all(axis=(0, 2)) & (np.linalg.norm(states, axis=2) <= limits[:, None]).all(axis=0)
     bad = np.flatnonzero(~ok)
+    if bad.size and out.get("error") is None and np.isfinite(states[:, bad[0]]).all():
+        out["error"] = "θ ran away (‖θ‖ over 10^4 times the scale its start, θ* and the prior allow)"
     return int(bad[0]) if bad.size else R - 1
 
 

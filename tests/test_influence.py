@@ -1,0 +1,160 @@
+"""One client cannot move the chain (issue 21): the bounded-influence rule
+(:mod:`qlsd_flwr.protocol.norm_guard`), run-away detection, and the guard's state on resume.
+
+Hostile replies go through Flower's in-process path, as a client mod that decodes client 0's real
+reply, transforms it and re-encodes it as a valid code (``benchmarks/bench_byzantine.py``, whose
+test-sized version this is).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from qlsd_flwr.config import ConfigError
+from qlsd_flwr.outputs.recorder import load_samples
+from qlsd_flwr.protocol.divergence import DivergenceError
+from qlsd_flwr.protocol.norm_guard import FACTOR_STEADY, OWN_MIN, NormGuard
+from qlsd_flwr.run.simulate import run
+from qlsd_flwr.tasks.gaussian import build_gaussian_task
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from bench_byzantine import attacker  # noqa: E402
+
+sys.path.pop(0)
+
+ATTACKS = ("scale500", "flip100", "offset300")
+GAUSS = {"task": "gaussian", "num-clients": 5, "dim": 5, "num-rounds": 200, "burn-in": 100, "s": "16", "l": 20,
+         "engine": "inprocess", "progress": False}
+
+
+def _kept_mean(r) -> np.ndarray:
+    return load_samples(r.run_dir)[0].mean(axis=0)
+
+
+@pytest.mark.parametrize("variant", ["qlsd", "qlsd-pp"])
+def test_three_steady_attacks_leave_the_chain_of_the_federation_without_the_attacker(tmp_path, variant):
+    # the issue's attacks, each on every round from the first: the attacker is held off on
+    # probation and excluded at its 8th reply; the kept window's mean is then within 1 posterior
+    # sd (closed form) of the chain in which client 0 is silent, on every coordinate. Without the
+    # rule the same attack moves the mean by many sd (the check can fail).
+    o = {**GAUSS, "variant": variant, "output-dir": str(tmp_path)}
+    sd = np.sqrt(build_gaussian_task(5, 5, 0).posterior_var)
+    silent = _kept_mean(run({**o, "run-name": "silent"}, mods=[attacker("silent")]))
+    honest = _kept_mean(run({**o, "run-name": "honest"}))
+    assert np.max(np.abs(honest - silent) / sd) > 5  # client 0's data matter: the two targets differ
+    for mode in ATTACKS:
+        r = run({**o, "run-name": mode}, mods=[attacker(mode, o)])
+        assert r.summary["excluded"] == {"0": OWN_MIN}, mode
+        assert np.max(np.abs(_kept_mean(r) - silent) / sd) <= 1.0, mode
+    off = run({**o, "run-name": "off", "norm-bound": "off"}, mods=[attacker("flip100", o)])
+    assert np.max(np.abs(_kept_mean(off) - silent) / sd) > 10
+
+
+def test_the_attacks_on_the_logistic_task_are_excluded_too(tmp_path):
+    o = {"task": "logistic", "num-clients": 5, "variant": "qlsd-pp", "gamma": 1e-3, "num-rounds": 120, "burn-in": 60,
+         "engine": "inprocess", "progress": False, "output-dir": str(tmp_path)}
+    silent = run({**o, "run-name": "silent"}, mods=[attacker("silent")])
+    draws = load_samples(silent.run_dir)[0]
+    for mode in ATTACKS:
+        r = run({**o, "run-name": mode}, mods=[attacker(mode, o)])
+        assert r.summary["excluded"] == {"0": OWN_MIN}, mode
+        assert np.max(np.abs(_kept_mean(r) - draws.mean(0)) / draws.std(0)) <= 1.0, mode
+
+
+@pytest.mark.parametrize("task, extra", [
+    ("gaussian", {"num-clients": 10, "dim": 10, "variant": "qlsd-pp"}),
+    ("gaussian", {"num-clients": 10, "dim": 10, "variant": "lsd-pp", "p": "0.5"}),
+    ("logistic", {"num-clients": 10, "variant": "qlsd-pp", "partition": "dirichlet", "partition-alpha": 0.5,
+                  "p": "0.5"}),
+    ("logistic", {"num-clients": 5, "variant": "lsd-pp", "partition": "dirichlet", "partition-alpha": 0.5}),
+])
+def test_every_honest_reply_is_accepted_on_uneven_splits_with_four_chains(tmp_path, task, extra):
+    # the toy Gaussian's clients hold 11 to 198 points, the Dirichlet(0.5) logistic split 11 to
+    # 122: no honest reply is refused, in any of the 4 chains
+    r = run({"task": task, "num-chains": 4, "init": "dispersed", "num-rounds": 300, "burn-in": 100,
+             "engine": "inprocess", "progress": False, "output-dir": str(tmp_path), **extra})
+    assert r.summary["rejected"] == {} and "excluded" not in r.summary
+    assert r.summary["totals"]["n_replied"] == r.summary["totals"]["n_active"]
+
+
+def test_a_run_away_chain_stops_and_names_the_client_that_threw_it(tmp_path):
+    # p = 1e-3: one reply weighted 1000 throws θ to 1e5 while the posterior mean is near 3; the
+    # run stops there, on the protocol and on the vectorised engine, instead of reporting success
+    o = {"task": "gaussian", "p": "0.001", "num-rounds": 3000, "burn-in": 1000, "progress": False,
+         "output-dir": str(tmp_path)}
+    with pytest.raises(DivergenceError, match=r"run-away chain.*came from client \d+ \(100 %\)"):
+        run({**o, "engine": "local"})
+    with pytest.raises(DivergenceError, match="ran away"):
+        run({**o, "engine": "vectorised", "vectorised-backend": "numpy"})
+    run({**o, "engine": "local", "num-rounds": 50, "burn-in": 10})  # before the throw: a normal run
+
+
+def test_the_guards_decisions_are_a_function_of_the_replies_and_survive_its_state():
+    rng = np.random.default_rng(0)
+    g = NormGuard("auto", 4, [10, 20, 40, 80])
+    decisions = []
+    for k in range(1, 40):
+        norms = {i: float(n * rng.gamma(2.0)) for i, n in enumerate([10, 20, 40, 80])}
+        norms[3] *= 100.0  # client 3 is steadily 100× its share
+        decisions.append(g.judge(dict(reversed(list(norms.items()))), k))  # any arrival order
+        if k == 20:
+            saved = json.loads(json.dumps(g.state()))
+            h = NormGuard("auto", 4, [10, 20, 40, 80])
+            h.restore(saved)
+    assert g.excluded == {3: OWN_MIN} and all(set(rej) <= {3} for rej, _ in decisions)
+    assert h.excluded == g.excluded and h.state()["own"] == {k: v for k, v in saved["own"].items()}
+    assert FACTOR_STEADY < 100
+
+
+@pytest.mark.parametrize("guard, words", [
+    ({"pool": [[["x", 1.0]]]}, "'guard' names client 'x'"),
+    ({"own": {"0": [float("1e400")]}}, "'guard' holds inf"),
+    ({"excluded": {"0": 2**70}}, "'guard.excluded' round"),
+    ("not a table", "'guard' is not a table"),
+])
+def test_a_checkpoint_with_a_bad_guard_state_is_refused_by_name(tmp_path, guard, words):
+    from qlsd_flwr.outputs import checkpoint as ckpt
+
+    o = {"task": "gaussian", "num-clients": 3, "dim": 4, "engine": "local", "num-rounds": 10, "burn-in": 2,
+         "checkpoint-every": 5, "variant": "qlsd-pp", "progress": False, "output-dir": str(tmp_path), "run-name": "r"}
+    run(o)
+    (tmp_path / "r" / "summary.json").unlink()
+    meta, arrays = ckpt.load(ckpt.path_in(tmp_path / "r"))
+    meta.pop("format")
+    meta["guard"] = guard
+    ckpt.save(ckpt.path_in(tmp_path / "r"), arrays, meta)
+    with pytest.raises(ConfigError, match=words):
+        run({"resume": str(tmp_path / "r"), "num-rounds": 20, "progress": False})
+
+
+def _stop_at(round_: int):
+    """A client mod that stops the run (as Ctrl-C does) when client 1 is asked for round ``round_``."""
+    seen = []
+
+    def mod(msg, ctx, call_next):
+        if msg.metadata.message_type == "train" and int(ctx.node_config["partition-id"]) == 1:
+            seen.append(1)
+            if len(seen) == round_:
+                raise KeyboardInterrupt
+        return call_next(msg, ctx)
+
+    return mod
+
+
+def test_a_resumed_run_keeps_the_exclusion_bit_for_bit(tmp_path):
+    # stopped at round 13 (the attacker excluded at round 8; checkpoint at 10), resumed to 30: the
+    # same draws as the run that never stopped; the resumed run does not ask the excluded client
+    o = {**GAUSS, "variant": "qlsd-pp", "num-rounds": 30, "burn-in": 5, "checkpoint-every": 5,
+         "output-dir": str(tmp_path)}
+    whole = run({**o, "run-name": "whole"}, mods=[attacker("scale500", o)])
+    with pytest.raises(KeyboardInterrupt):
+        run({**o, "run-name": "cut"}, mods=[attacker("scale500", o), _stop_at(13)])
+    resumed = run({"resume": str(tmp_path / "cut"), "progress": False}, mods=[attacker("scale500", o)])
+    assert resumed.summary["resumed_from_round"] == 10
+    assert np.array_equal(load_samples(resumed.run_dir), load_samples(whole.run_dir))
+    assert resumed.summary["excluded"] == {"0": OWN_MIN}
