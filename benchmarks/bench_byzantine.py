@@ -89,6 +89,37 @@ def rewrite(payload: bytes, f, comp, d: int, rng) -> bytes:
     return comp.encode(comp.quantise(v, rng.random(v.size)))
 
 
+def mlp_user_app(seed: int, rounds: int = 600):
+    """``(client sizes, refused replies, replies)`` of the issue's user app (see :func:`main`)."""
+    import torch
+    from torch import nn
+
+    from qlsd_flwr.data.datasets import load_breast_cancer
+    from qlsd_flwr.data.partition import dirichlet
+    from qlsd_flwr.flower import QLSDStrategy, make_client_app
+    from qlsd_flwr.flower.inprocess import InProcessGrid
+    from qlsd_flwr.potentials import TorchPotential
+
+    ds = load_breast_cancer()
+    X, y = np.asarray(ds.X_train, np.float32), np.asarray(ds.y_train)
+    parts = dirichlet(y, 5, seed=seed, alpha=0.5)
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(30, 16), nn.Tanh(), nn.Linear(16, 2))
+
+    def potential(c):
+        p = parts[int(c.node_config["partition-id"])]
+        return TorchPotential(model(), X[p], y[p])
+
+    d = sum(p.numel() for p in model().parameters())
+    st = QLSDStrategy(num_clients=5, dim=d, variant="lsd-pp", num_chains=4, num_rounds=rounds, burn_in=rounds // 2,
+                      write=False, progress=False, prior_var=1.0, init="dispersed", gamma="auto")
+    st.start(InProcessGrid(make_client_app(potential), 5))
+    refused = sum(v for k, v in st.rejected.items() if k in ("norm_bound", "excluded"))
+    return [len(p) for p in parts], refused, rounds * 5 * 4  # p = 1: every client in every round and chain
+
+
 def main() -> None:
     from qlsd_flwr.outputs.recorder import load_samples
     from qlsd_flwr.run.simulate import run
@@ -158,6 +189,14 @@ def main() -> None:
                        "acceptance": 1.0 - refused / max(t["n_replied"] + refused, 1)}
                 out["honest"][f"{label} p={p} chains={chains}"] = row
                 print(label, p, chains, json.dumps(row), flush=True)
+    # the issue's user app: an MLP (30-16-2, tanh) on breast_cancer over 5 Dirichlet(0.5) clients,
+    # LSD++, 4 chains from dispersed starts, through QLSDStrategy + make_client_app
+    for seed in (1, 3, 10, 11):
+        sizes, refused, replies = mlp_user_app(seed, rounds=max(600, K // 2))
+        row = {"client_sizes": sizes, "replies": replies, "refused": refused,
+               "acceptance": 1.0 - refused / max(replies, 1)}
+        out["honest"][f"MLP breast_cancer LSD++ 4 chains, split seed {seed}"] = row
+        print("mlp", seed, json.dumps(row), flush=True)
     # 3. the rule's cost when all are honest
     task = build_gaussian_task(10, 50, 0)
     for rule in ("auto", "off"):

@@ -262,3 +262,34 @@ def _check_biased_aggregation(variant: str, oracle: str, aggregation: str, p: np
         f"{variant}: client i's gradient enters with mean weight p_i·E[b/|A_k|] ≠ 1, so the chain samples a "
         "shifted target; use aggregation = unbiased, or a control-variate variant (qlsd-star, qlsd-pp, lsd-star, "
         "lsd-pp), or set accept-biased-aggregation = true")
+
+
+#: a run may plan for at most this share of the machine's physical memory
+MEMORY_SHARE = 0.8
+
+
+def memory_estimate(cfg: RunConfig, d: int) -> int:
+    """Bytes the server side of ``cfg`` holds for a task of dimension ``d``: per chain θ and the
+    step's temporaries, the clients' memory mirrors ``η_i`` (``num-clients × d``), the anchor, and a
+    dense metric's two ``d × d`` matrices. Each key is within its own cap; this is their product."""
+    per_chain = d * (6 + (cfg.b if cfg.memory else 0) + (1 if cfg.oracle == "svrg" else 0))
+    dense = 2 * d * d if cfg.metric == "dense" else 0
+    return 8 * (int(cfg.num_chains) * per_chain + dense)
+
+
+def check_memory(cfg: RunConfig, d: int) -> None:
+    """Refuse, before anything is allocated, a run whose :func:`memory_estimate` exceeds
+    :data:`MEMORY_SHARE` of this machine's physical memory, naming the keys whose product it is."""
+    import os
+
+    try:
+        phys = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not a POSIX system: no limit known
+        return
+    need = memory_estimate(cfg, d)
+    if need > MEMORY_SHARE * phys:
+        mirrors = f" × (6 + num-clients = {cfg.b} memory mirrors)" if cfg.memory else ""
+        raise ConfigError(f"num-chains × dim: the run needs about {need / 2**30:.1f} GiB (num-chains = "
+                          f"{cfg.num_chains} × d = {d}{mirrors} × 8 bytes), over {MEMORY_SHARE:.0%} of this machine's "
+                          f"{phys / 2**30:.1f} GiB; lower num-chains or num-clients")
+

@@ -152,8 +152,10 @@ KEYS: tuple[Key, ...] = (
     Key("l", 100, "int", "SVRG anchor period (QLSD++, LSD++)", "l", lo=1, cap=10**12, group=SAMPLER),
     Key("alpha", "auto", "float|word", "memory rate of QLSD++ (auto: 1/(ω_i+1); 0: no memory)", "α", lo=0, hi=1,
         words=("auto",), group=SAMPLER),
-    Key("norm-bound", "auto", "float|word", "limit on a reply's decoded norm ‖ĝ_i‖ (a Byzantine reply is rejected "
-        "as norm_bound): auto = 1000 × the round's median norm; a number; off", "", lo=0, open_lo=True,
+    Key("norm-bound", "auto", "float|word", "bounded influence of one client (docs/DEPLOYMENT.md): auto = each "
+        "reply's norm per datum against the federation's (probation 30×, then 1000× per reply and 100× typical; "
+        "a steadily false client is excluded) and run-away detection; a number: a fixed limit on the norm; off: "
+        "neither", "", lo=0, open_lo=True,
         words=("auto", "off"), group=SAMPLER),
     Key("theta-star", "closed-form", "choice", "QLSD*/LSD*'s θ*: the task's closed form, or a federated gradient "
         "descent first", "θ*", choices=("closed-form", "optimise"), group=SAMPLER),

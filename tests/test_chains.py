@@ -249,7 +249,7 @@ def _stopped_three_chain_run(tmp_path):
 @pytest.mark.parametrize("tamper, words", [
     (lambda m, a: a.pop("c1.eta_i"), "array 'c1.eta_i' is missing"),
     (lambda m, a: m["chain_meta"][2].update(k=3), r"chain_meta\[2\].k = 3"),
-    (lambda m, a: m.update(rejected="x"), "'ts_info' and 'rejected' must be tables"),
+    (lambda m, a: m.update(rejected="x"), "'rejected' must be a table"),
     (lambda m, a: m.update(chains=1), "chains must be an integer >= 2"),
     (lambda m, a: a.update({"c0.theta": np.zeros((2, 6))}), "chain 0: array 'theta' must be one vector"),
 ])

@@ -69,7 +69,7 @@ def test_a_client_without_data_is_refused_at_the_start(tmp_path, monkeypatch):
         i = int(c.node_config["partition-id"])
         return GaussianLocal(client_data(i, D, 0)[: (0 if i == 1 else None)])
 
-    with pytest.raises(HandshakeError, match="client 1 .*holds no data points"):
+    with pytest.raises(HandshakeError, match="partition-id 1: node .*holds no data points"):
         QLSDStrategy(num_clients=B, dim=D, write=False, progress=False).start(
             InProcessGrid(make_client_app(potential), B))
     with pytest.raises(ValueError, match="n_data and dim must be >= 1"):  # the adapter says it at once

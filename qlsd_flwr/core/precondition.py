@@ -73,7 +73,10 @@ def needs_preparation(cfg: RunConfig) -> bool:
 
 
 def check(cfg: RunConfig, d: int) -> None:
-    """The metric keys against the task's ``d`` (``ConfigError`` naming the key)."""
+    """The metric keys against the task's ``d``, and the run's memory (``ConfigError`` naming the key)."""
+    from qlsd_flwr.config import check_memory
+
+    check_memory(cfg, d)
     if cfg.metric == "dense" and d > mt.DENSE_MAX_DIM:
         raise ConfigError(f"metric: dense needs d ≤ {mt.DENSE_MAX_DIM} (this task has d = {d}); use diagonal")
 

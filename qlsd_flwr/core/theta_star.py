@@ -81,6 +81,11 @@ def optimise_theta_star(cfg: RunConfig, theta0: np.ndarray,
     return theta, rounds
 
 
+#: a gradient this many times the best seen ends a descent's momentum and halves its step (the
+#: step left the region where the curvature it was chosen from holds)
+BLOWUP = 10.0
+
+
 def _nesterov(cfg, theta, g, g0, grad_fn, step, metric, budget):
     """Preconditioned accelerated descent with adaptive restart (Nesterov; O'Donoghue & Candès
     2015): ``y ← θ − lr M ∇U(θ)``, ``θ ← y + k/(k+3) (y − y_prev)``, the momentum reset whenever
@@ -98,7 +103,7 @@ def _nesterov(cfg, theta, g, g0, grad_fn, step, metric, budget):
         y_prev = y
         g = grad_fn(theta)
         norm = float(np.linalg.norm(g))
-        if not np.isfinite(norm) or norm > 1e3 * best[0]:
+        if not np.isfinite(norm) or norm > BLOWUP * best[0]:
             # the step left the region where the curvature it was chosen from holds (a target that is
             # not quadratic): back to the best point, half the step, no momentum
             theta, g, step, k = best[1].copy(), best[2].copy(), step / 2.0, 0
@@ -108,6 +113,10 @@ def _nesterov(cfg, theta, g, g0, grad_fn, step, metric, budget):
             best = (norm, theta.copy(), g.copy())
         if opt_converged(g, g0, cfg.opt_tol):
             break
+    if best[0] < float(np.linalg.norm(g)):
+        # a target that is not convex (a network): the descent may leave the basin it found; the
+        # next stage (or the metric) starts from the best point seen, not from where it wandered
+        theta, g = best[1], best[2]
     return theta, g, rounds
 
 

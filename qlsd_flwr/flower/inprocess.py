@@ -23,6 +23,8 @@ from flwr.supercore.task_identity import TaskIdentity
 class InProcessGrid(Grid):
     """A Grid whose nodes run ``client_app`` in this process."""
 
+    all_nodes_at_start = True  # the handshake has no later node to wait for
+
     def __init__(self, client_app: ClientApp, num_nodes: int, run_config: dict | None = None,
                  shuffle_seed: int | None = None, node_id_base: int = 7_000_000,
                  is_up: Callable[[int, int], bool] | None = None):

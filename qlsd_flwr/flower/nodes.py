@@ -81,6 +81,8 @@ class NodeRegistry:
         self.rejoined: dict[int, list[int]] = {}  # client -> rounds it came back as a new node
         self.refused_claims: dict[int, list[int]] = {}  # client -> nodes refused its partition-id
         self.n_data: dict[int, int] = {}  # client -> N_i its node claimed at the handshake
+        self._claimed_n: dict[int, int] = {}  # node -> the N_i it claimed
+        self._failed: dict[int, str] = {}  # node -> the error it answered the handshake with
 
     def handshake(self, grid: Grid, timeout: float) -> None:
         """Wait for the ``b`` clients and map client index → node id (``partition-id``).
@@ -93,7 +95,8 @@ class NodeRegistry:
         SuperNodes that start later."""
         b = self.b
         start = time.time()
-        simulation = getattr(grid, "pull_interval", None) is not None
+        # every node of a simulation (Flower's engine polls in process; the in-process grid) exists from the start
+        simulation = getattr(grid, "pull_interval", None) is not None or getattr(grid, "all_nodes_at_start", False)
         said, changed = -1, start
         while len(nodes := list(grid.get_node_ids())) < b:
             now = time.time()
@@ -111,52 +114,81 @@ class NodeRegistry:
                                      f"each with --node-config 'partition-id=<i> num-partitions={b}'; "
                                      f"the wait is reply-timeout)")
             time.sleep(0.2)
-        seen: dict[int, int] = {}
+        claims: dict[int, dict[int, str | None]] = {}  # client -> {node: None (consistent) or why not}
         asked: set[int] = set()
         while True:
-            self._ask(grid, [n for n in nodes if n not in asked], timeout, seen)
+            self._ask(grid, [n for n in nodes if n not in asked], timeout, claims)
             asked |= set(nodes)
-            missing = sorted(set(range(b)) - set(seen))
-            # a refused node (node-keys) may have filled the count before a rightful one came up:
-            # a deployment waits for it within reply-timeout; a simulation has no one else to wait for
-            if not missing or simulation or time.time() - start > timeout:
+            seen, conflicts = self._settle(claims)
+            missing = sorted(set(range(b)) - set(seen) - set(conflicts))
+            # a refused node may have filled the count before a rightful one came up: a deployment
+            # waits for it within reply-timeout; a simulation has no one else to wait for
+            if not missing and not conflicts or simulation or time.time() - start > timeout:
                 break
             time.sleep(1.0)
             nodes = list(grid.get_node_ids())
+        if conflicts:
+            i, nodes_ = min(conflicts.items())
+            raise HandshakeError(f"partition-id {i} is claimed by nodes {sorted(nodes_)}, each with a consistent "
+                                 f"claim (dim {self.d}, data): nothing tells the rightful one; bind each partition "
+                                 f"to its node's key with node-keys (docs/DEPLOYMENT.md)")
         if missing:
-            raise HandshakeError(f"no node answered for partition-id(s) {missing}; got {sorted(seen)} "
-                                 f"(num-clients = {b})")
+            refused = {i: claims[i] for i in missing if claims.get(i)}
+            why = "; ".join(f"partition-id {i}: node {n} {w}" for i, c in refused.items() for n, w in c.items())
+            failed = "; ".join(f"node {n}: {r}" for n, r in sorted(self._failed.items())[:3])
+            raise HandshakeError(f"no node answered consistently for partition-id(s) {missing}; got {sorted(seen)} "
+                                 f"(num-clients = {b})" + (f" — refused: {why}" if why else "")
+                                 + (f" — failed: {failed}" if failed else ""))
         self.node_of = {i: seen[i] for i in range(b)}
         self._foreign = set(nodes) - set(self.node_of.values())
 
-    def _ask(self, grid: Grid, nodes: list[int], timeout: float, seen: dict[int, int]) -> None:
-        """Handshake with ``nodes``: each valid claim of a client index goes into ``seen``."""
+    def _ask(self, grid: Grid, nodes: list[int], timeout: float, claims: dict) -> None:
+        """Handshake with ``nodes``: each node's claim of a client index goes into ``claims``, as
+        consistent (``None``) or with the reason it is refused (counted in ``refused_claims``): an
+        error reply, a malformed record, an index outside ``0..b-1``, another ``dim``, no data, or
+        (with ``node-keys``) a key that is not the one bound to that partition."""
         if not nodes:
             return
         for msg in grid.send_and_receive([_hello(n) for n in nodes], timeout=timeout):
+            node = msg.metadata.src_node_id
             if msg.has_error():
-                raise HandshakeError(f"node {msg.metadata.src_node_id} failed the handshake: {msg.error.reason}")
+                log.warning("node %d failed the handshake (%s): ignored", node, msg.error.reason)
+                self._failed[node] = str(msg.error.reason)
+                continue
             try:
                 rec = config_record(msg.content)
-                int(rec["client"]), int(rec["dim"])
+                i, d, n = int(rec["client"]), int(rec["dim"]), int(rec.get("n_data", 1))
             except (KeyError, TypeError, ValueError, OverflowError):
-                log.warning("node %d answered the handshake with a malformed record: ignored",
-                            msg.metadata.src_node_id)
+                log.warning("node %d answered the handshake with a malformed record: ignored", node)
                 continue
-            if not self._key_matches(grid, int(rec["client"]), msg.metadata.src_node_id):
-                self._refuse(int(rec["client"]), msg.metadata.src_node_id, 0, "its key is not the one bound "
-                             "to that partition (node-keys)")
+            if not 0 <= i < self.b:
+                log.warning("node %d claims partition-id %d, not one of 0..%d: ignored", node, i, self.b - 1)
                 continue
-            i, d = int(rec["client"]), int(rec["dim"])
-            if int(rec.get("n_data", 1)) < 1:
-                raise HandshakeError(f"client {i} (node {msg.metadata.src_node_id}) holds no data points: "
-                                     "every client needs at least one (check its partition)")
-            if d != self.d:
-                raise HandshakeError(f"client {i} has dim {d}, the server expects {self.d}")
-            if i in seen:
-                raise HandshakeError(f"two nodes claim partition-id {i}")
-            seen[i] = msg.metadata.src_node_id
-            self.n_data[i] = int(rec.get("n_data", 1))  # N_i as claimed (the curvature reports' scale)
+            why = None
+            if not self._key_matches(grid, i, node):
+                why = "its key is not the one bound to that partition (node-keys)"
+            elif d != self.d:
+                why = f"has dim {d}, the server expects {self.d}"
+            elif n < 1:
+                why = (f"holds no data points (client {i}: every client needs at least one; check its "
+                       f"partition)")
+            claims.setdefault(i, {})[node] = why
+            if why is not None:
+                self._refuse(i, node, 0, why)
+            else:
+                self._claimed_n[node] = n
+
+    def _settle(self, claims: dict) -> tuple[dict[int, int], dict[int, list[int]]]:
+        """``(client → its one consistent node, client → its several consistent nodes)``."""
+        seen, conflicts = {}, {}
+        for i, c in claims.items():
+            ok = sorted(n for n, why in c.items() if why is None)
+            if len(ok) == 1:
+                seen[i] = ok[0]
+                self.n_data[i] = self._claimed_n[ok[0]]  # N_i as claimed (the curvature reports' scale)
+            elif len(ok) > 1:
+                conflicts[i] = ok
+        return seen, conflicts
 
     def rediscover(self, grid: Grid, server_round: int, timeout: float) -> None:
         """Map nodes that joined after the handshake (a SuperNode restarted without node

@@ -361,8 +361,12 @@ class QLSDStrategy(Strategy):
             i = self._sent_ids.get(msg.metadata.reply_to_message_id)
         if msg.has_error():
             self.server.accept(i, None, error=str(msg.error.reason))
-        else:
-            self.server.accept(i, record_fields(msg.content), message_bytes=message_nbytes(msg))
+            return
+        try:  # a record Flower cannot serialise (an integer beyond 2^64) is a malformed reply
+            fields, nbytes = record_fields(msg.content), message_nbytes(msg)
+        except Exception:  # noqa: BLE001 — a reply must never stop the server
+            fields, nbytes = None, 0
+        self.server.accept(i, fields, message_bytes=nbytes)
 
     def _note_sent(self, msgs: list[Message]) -> None:
         self._sent_ids = {m.metadata.message_id: self._sent[m.metadata.dst_node_id] for m in msgs

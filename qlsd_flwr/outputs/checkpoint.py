@@ -56,6 +56,10 @@ RESUME_FREE_KEYS = ("num-rounds", "progress", "verbose", "checkpoint-every", "re
 _SAME_CHAIN_ENGINES = ("local", "inprocess", "ray")
 
 
+#: the largest magnitude a checkpoint's float may hold (a damaged or crafted state is refused by name)
+VALUE_MAX = 1e150
+
+
 class CheckpointError(ConfigError):
     """A checkpoint is missing, damaged or belongs to another run (one line, naming the file)."""
 
@@ -254,7 +258,7 @@ def validate(meta: dict, arrays: dict, path) -> None:
         if not isinstance(rec, dict):
             raise bad("'recorder' is not a table")
         for name, v in (("k", k), *((f"recorder.{f}", rec[f]) for f in ("n_draws", "rounds", "csv_bytes"))):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0 or v >= 2**62:
                 raise bad(f"{name} must be an integer >= 0 (got {v!r})")
         if rec["rounds"] > k and meta.get("kind") == "server":
             raise bad(f"recorder.rounds = {rec['rounds']} is past k = {k}")
@@ -265,6 +269,17 @@ def validate(meta: dict, arrays: dict, path) -> None:
     for name, a in arrays.items():
         if a.dtype.kind == "f" and not np.all(np.isfinite(a)):
             raise bad(f"array {name!r} has non-finite values")
+        if a.dtype.kind == "f" and a.size and float(np.max(np.abs(a))) > VALUE_MAX:
+            raise bad(f"array {name!r} holds {float(np.max(np.abs(a))):.3g}, beyond ±{VALUE_MAX:.0e} (no chain "
+                      f"state reaches it: the run would stop as run away first)")
+        if a.dtype.kind in "iu" and a.size and (int(a.min()) < -2 or int(a.max()) >= 2**62):
+            raise bad(f"array {name!r} holds an integer outside [-2, 2^62)")
+    for name in ("rejected", "missed_rounds"):
+        _check_table(meta.get(name, {}), name, bad)
+    for c, m in enumerate(meta.get("chain_meta") or []):
+        if isinstance(m, dict):
+            for name in ("rejected", "missed_rounds"):
+                _check_table(m.get(name, {}), f"chain_meta[{c}].{name}", bad)
     if meta.get("kind") == "server" and not (isinstance(meta.get("ts_info"), dict)
                                              and isinstance(meta.get("rejected"), dict)):
         raise bad("'ts_info' and 'rejected' must be tables")
@@ -298,11 +313,29 @@ def _check_server_parts(cfg: RunConfig, meta: dict, arrays: dict, path) -> None:
                 raise CheckpointError(f"checkpoint {path}: array {pre + name!r} is missing")
 
 
+def _check_table(t, name: str, bad) -> None:
+    """``rejected`` ({reason: count}) and ``missed_rounds`` ({client: [rounds]}) as written."""
+    if not isinstance(t, dict):
+        raise bad(f"{name!r} must be a table")
+    for k, v in t.items():
+        if name.endswith("rejected"):
+            ok = isinstance(k, str) and _small_int(v)
+        else:
+            ok = isinstance(k, str) and k.isdigit() and isinstance(v, list) and all(_small_int(r) for r in v)
+        if not ok:
+            raise bad(f"{name!r} holds {k!r}: {str(v)[:40]!r}, not a "
+                      f"{'count' if name.endswith('rejected') else 'list of rounds of a client index'}")
+
+
+def _small_int(v) -> bool:
+    return not isinstance(v, bool) and isinstance(v, int) and 0 <= v < 2**62
+
+
 def _check_server_chain(meta: dict, arrays: dict, bad) -> None:
     """One chain's fields in a server checkpoint (:meth:`QLSDServer.snapshot`)."""
     zv = meta.get("zeta_version")
-    if isinstance(zv, bool) or not isinstance(zv, int):
-        raise bad(f"zeta_version must be an integer (got {zv!r})")
+    if isinstance(zv, bool) or not isinstance(zv, int) or not -1 <= zv < 2**62:
+        raise bad(f"zeta_version must be an integer in [-1, 2^62) (got {zv!r})")
     if not isinstance(meta.get("rejected"), dict) or not isinstance(meta.get("missed_rounds"), dict):
         raise bad("'rejected' and 'missed_rounds' must be tables")
     theta = arrays.get("theta")

@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import time
+import zlib
 from pathlib import Path
 
 import h5netcdf
@@ -119,6 +120,10 @@ class Recorder:
         self.totals = {k: 0 for k in ("n_active", "n_replied", "n_rejected", "skipped",
                                       "bits_bound", "bits_exact", "bytes_payload", "bytes_message")}
         self.rounds = 0
+        # CRC-32 of what draws.f8 and metrics.csv hold so far: a checkpoint records them, and a
+        # resume refuses a file whose bytes up to the checkpoint are not those written
+        self.crc = {"draws": 0, "csv": 0}
+        self._csv_crc_pos = 0
         self.sum_theta = np.zeros((num_chains, dim))
         self.sum_theta2 = np.zeros((num_chains, dim))
         self.t0 = time.perf_counter()
@@ -162,6 +167,15 @@ class Recorder:
                 raise RuntimeError(f"cannot resume: {path} holds {max(have, 0)} bytes, the checkpoint "
                                    f"counts {n} (the file was changed or lost after the checkpoint)")
             os.truncate(path, n)
+        for key, path, n in (("draws", raw_path, n_raw), ("csv", csv_path, n_csv)):
+            want = pos.get(f"{key}_crc32")
+            if want is not None and _crc_of(path, n) != want:
+                from qlsd_flwr.outputs.checkpoint import CheckpointError
+
+                raise CheckpointError(f"cannot resume: {path}: its first {n} bytes are not those the checkpoint "
+                                      f"recorded (CRC-32 differs): the file was damaged or changed after it")
+            self.crc[key] = _crc_of(path, n) if want is None else int(want)
+        self._csv_crc_pos = n_csv
         self._csv_file = open(csv_path, "a", newline="")
         self._csv = csv.DictWriter(self._csv_file, fieldnames=METRIC_FIELDS, extrasaction="ignore")
         self._raw = open(raw_path, "ab")
@@ -178,8 +192,14 @@ class Recorder:
 
         fsync_file(self._raw)
         fsync_file(self._csv_file)
+        pos = self._csv_file.tell()
+        with open(self.dir / "metrics.csv", "rb") as f:  # the rows since the last checkpoint
+            f.seek(self._csv_crc_pos)
+            self.crc["csv"] = zlib.crc32(f.read(pos - self._csv_crc_pos), self.crc["csv"])
+        self._csv_crc_pos = pos
         meta = {"n_draws": self.n_draws, "rounds": self.rounds, "totals": dict(self.totals),
-                "csv_bytes": self._csv_file.tell(), "elapsed": time.perf_counter() - self.t0}
+                "csv_bytes": pos, "elapsed": time.perf_counter() - self.t0,
+                "draws_crc32": self.crc["draws"], "csv_crc32": self.crc["csv"]}
         return meta, {"sum_theta": self.sum_theta.copy(), "sum_theta2": self.sum_theta2.copy()}
 
     def keeps(self, j: int) -> bool:
@@ -207,7 +227,9 @@ class Recorder:
         if not self._buf:
             return
         block = np.stack(self._buf, axis=0)  # (n, chain, d)
-        self._raw.write(np.ascontiguousarray(block, dtype="<f8").tobytes())
+        data = np.ascontiguousarray(block, dtype="<f8").tobytes()
+        self._raw.write(data)
+        self.crc["draws"] = zlib.crc32(data, self.crc["draws"])
         self.n_draws += block.shape[0]
         self._buf.clear()
         self._csv_file.flush()
@@ -328,6 +350,19 @@ class Recorder:
             if self.convergence.get("rhat_max") is not None:
                 out["rhat_max"] = float(self.convergence["rhat_max"])
         return out
+
+
+def _crc_of(path: Path, n: int) -> int:
+    """CRC-32 of the first ``n`` bytes of ``path``, read in 16 MiB pieces."""
+    crc = 0
+    with open(path, "rb") as f:
+        while n > 0:
+            piece = f.read(min(n, 1 << 24))
+            if not piece:
+                break
+            crc = zlib.crc32(piece, crc)
+            n -= len(piece)
+    return crc
 
 
 def lock_run_dir(run_dir: Path):

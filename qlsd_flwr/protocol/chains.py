@@ -195,7 +195,7 @@ class ChainSet:
             return
         try:
             parts = unbundle_reply(fields, asked)
-        except ReplyError as exc:
+        except Exception as exc:  # noqa: BLE001 — ReplyError, or a record no validator foresaw
             log.debug("client %d: rejected reply: %s", i, exc)
             parts = {c: None for c in asked}  # each chain counts it malformed
         # the message's bytes shared out over its chains (the remainder to the first), so the

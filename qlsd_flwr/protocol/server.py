@@ -44,7 +44,7 @@ from qlsd_flwr.protocol.divergence import (
     is_overflow,
 )
 from qlsd_flwr.outputs.checkpoint import CheckpointError
-from qlsd_flwr.protocol.norm_guard import FACTOR_STEADY, GuardStateError, NormGuard
+from qlsd_flwr.protocol.norm_guard import GuardStateError, NormGuard
 from qlsd_flwr.protocol.wire import ReplyError, parse_fields
 
 log = logging.getLogger("qlsd_flwr")
@@ -249,7 +249,10 @@ class QLSDServer:
         steadily out of scale: it is not asked again and its ``η_i`` mirror leaves ``η``) and leave
         no other trace. The clients' own η_i then differ from the mirrors for the rejected ones,
         which the counters catch (a ``resync`` next time)."""
-        norms = {i: float(np.linalg.norm(p[0])) for i, p in self._pending.items()}
+        # what a reply makes of client i's gradient estimate: ĝ_i itself, or with memory η_i + ĝ_i (the
+        # replies of the memory variants are differences, whose norms span orders of magnitude)
+        eta_i = self.state.eta_i if self.spec.memory else None
+        norms = {i: float(np.linalg.norm(p[0] if eta_i is None else eta_i[i] + p[0])) for i, p in self._pending.items()}
         refused, newly = self.norm_guard.judge(norms, self.state.k + 1)
         for i in newly:
             self._exclude(i, norms)
@@ -288,9 +291,9 @@ class QLSDServer:
         if self.spec.memory:
             st.eta_i[i] = 0.0
             st.eta = st.eta_i.sum(axis=-2)
-        log.warning("client %d: excluded from round %d on: its replies' typical norm per datum is over %g× the "
-                    "federation's (norm-bound = auto; last reply %.3g); the chain now samples the posterior of the "
-                    "other clients' data (summary.json 'excluded')", i, st.k + 1, FACTOR_STEADY, norms[i])
+        log.warning("client %d: excluded from round %d on: its replies are steadily out of the federation's scale "
+                    "per datum (norm-bound = auto, docs/DEPLOYMENT.md; last %.3g); the chain now samples the "
+                    "posterior of the other clients' data (summary.json 'excluded')", i, st.k + 1, norms[i])
 
     def end_round(self) -> dict:
         """The server step for this round, and its records; returns the round's row."""

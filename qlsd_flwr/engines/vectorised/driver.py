@@ -319,7 +319,7 @@ def _first_bad_round(out: dict, theta: np.ndarray, R: int, limits: np.ndarray | 
         return 0  # not recorded: somewhere in this block
     ok = np.isfinite(states).all(axis=(0, 2)) & (np.linalg.norm(states, axis=2) <= limits[:, None]).all(axis=0)
     bad = np.flatnonzero(~ok)
-    if bad.size and out.get("error") is None and np.isfinite(states[:, bad[0]]).all():
+    if bad.size and np.isfinite(states[:, bad[0]]).all():  # finite, over its limit: that is the news
         out["error"] = "θ ran away (‖θ‖ over 10^4 times the scale its start, θ* and the prior allow)"
     return int(bad[0]) if bad.size else R - 1
 
