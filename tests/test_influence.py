@@ -118,6 +118,12 @@ def test_the_guards_decisions_are_a_function_of_the_replies_and_survive_its_stat
     ("not a table", "'guard' is not a table"),
 ])
 def test_a_checkpoint_with_a_bad_guard_state_is_refused_by_name(tmp_path, guard, words):
+    _resume_edited(tmp_path, lambda meta, arrays: meta.update(guard=guard), words)
+
+
+def _resume_edited(tmp_path, edit, words: str) -> None:
+    """A run stopped after its checkpoint at round 10, the checkpoint rewritten by ``edit(meta,
+    arrays)`` as a valid file: resuming it raises ``ConfigError`` matching ``words``."""
     from qlsd_flwr.outputs import checkpoint as ckpt
 
     o = {"task": "gaussian", "num-clients": 3, "dim": 4, "engine": "local", "num-rounds": 10, "burn-in": 2,
@@ -126,7 +132,7 @@ def test_a_checkpoint_with_a_bad_guard_state_is_refused_by_name(tmp_path, guard,
     (tmp_path / "r" / "summary.json").unlink()
     meta, arrays = ckpt.load(ckpt.path_in(tmp_path / "r"))
     meta.pop("format")
-    meta["guard"] = guard
+    edit(meta, arrays)
     ckpt.save(ckpt.path_in(tmp_path / "r"), arrays, meta)
     with pytest.raises(ConfigError, match=words):
         run({"resume": str(tmp_path / "r"), "num-rounds": 20, "progress": False})
@@ -187,21 +193,13 @@ def test_a_run_whose_memory_is_a_product_of_caps_is_refused_with_the_estimate():
     ("missed_rounds", {"x": "y"}, "'missed_rounds' holds 'x'"),
 ])
 def test_a_crafted_checkpoint_field_is_refused_by_name(tmp_path, field, value, words):
-    from qlsd_flwr.outputs import checkpoint as ckpt
+    def edit(meta, arrays):
+        if field in arrays:
+            arrays[field] = np.full_like(arrays[field], value)
+        else:
+            meta[field] = value
 
-    o = {"task": "gaussian", "num-clients": 3, "dim": 4, "engine": "local", "num-rounds": 10, "burn-in": 2,
-         "checkpoint-every": 5, "variant": "qlsd-pp", "progress": False, "output-dir": str(tmp_path), "run-name": "r"}
-    run(o)
-    (tmp_path / "r" / "summary.json").unlink()
-    meta, arrays = ckpt.load(ckpt.path_in(tmp_path / "r"))
-    meta.pop("format")
-    if field in arrays:
-        arrays[field] = np.full_like(arrays[field], value)
-    else:
-        meta[field] = value
-    ckpt.save(ckpt.path_in(tmp_path / "r"), arrays, meta)
-    with pytest.raises(ConfigError, match=words):
-        run({"resume": str(tmp_path / "r"), "num-rounds": 20, "progress": False})
+    _resume_edited(tmp_path, edit, words)
 
 
 def test_a_damaged_draws_file_is_refused_on_resume(tmp_path):
