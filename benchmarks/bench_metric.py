@@ -310,7 +310,8 @@ def run_bnn(out: Path, rounds: int = 4000, net: str = "wine") -> dict:
                        "wall_seconds": wall, "rounds": rounds}
         print(label, json.dumps(rows[label]), flush=True)
     suffix = "" if net == "wine" else "_digits"
-    result = {"machine": machine(), "command": f"python benchmarks/bench_metric.py --bnn{suffix.replace('_', '-')}",
+    result = {"machine": machine(),
+              "command": f"python benchmarks/bench_metric.py --bnn{suffix.replace('_', '-')} --bnn-rounds {rounds}",
               "net": net, "dim": task.dim, "rows": rows}
     (out / f"metric_bnn{suffix}.json").write_text(json.dumps(result, indent=2))
     return result
@@ -323,6 +324,7 @@ def main() -> None:
     ap.add_argument("--mainjob", action="store_true")
     ap.add_argument("--bnn", action="store_true")
     ap.add_argument("--bnn-digits", action="store_true")
+    ap.add_argument("--bnn-rounds", type=int, default=4000, help="rounds of each sampler run (--bnn, --bnn-digits)")
     a = ap.parse_args()
     out = ROOT / "benchmarks"
     if a.regressions:
@@ -332,9 +334,9 @@ def main() -> None:
     if a.mainjob:
         run_predictive(out, "mainjob")
     if a.bnn:
-        run_bnn(out)
+        run_bnn(out, rounds=a.bnn_rounds)
     if a.bnn_digits:
-        run_bnn(out, net="digits")
+        run_bnn(out, rounds=a.bnn_rounds, net="digits")
 
 
 if __name__ == "__main__":

@@ -266,3 +266,40 @@ def test_two_consistent_claims_of_one_partition_stop_the_run_naming_both_and_nod
     st = QLSDStrategy(num_clients=3, dim=4, num_rounds=5, burn_in=1, write=False, progress=False)
     with pytest.raises(HandshakeError, match=rf"partition-id 0 is claimed by nodes \[\d+, {extra}\].*node-keys"):
         st.start(grid)
+
+
+# the phases before sampling, fuzzed: any reply is either used as what it claims to be or refused
+# with the phase's own error, never another exception and never a non-finite value
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as hst  # noqa: E402
+
+_FLOATS = hst.floats(allow_nan=True, allow_infinity=True, width=64)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(replies=hst.dictionaries(hst.integers(-2, 4), hst.one_of(
+    hst.binary(max_size=80), hst.lists(_FLOATS, min_size=0, max_size=6).map(lambda v: np.asarray(v).tobytes()))))
+def test_fuzz_the_optimisation_phases_replies(replies):
+    from qlsd_flwr.protocol.wire import PhaseError, gradients_of
+
+    try:
+        grads = gradients_of(replies, 3, 4)
+    except PhaseError:
+        return
+    assert len(grads) == 3 and all(g.shape == (4,) and np.all(np.isfinite(g)) for g in grads)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(kind=hst.sampled_from(["diagonal", "dense"]), report=hst.one_of(
+    hst.lists(_FLOATS, max_size=20), hst.lists(hst.lists(_FLOATS, min_size=3, max_size=3), min_size=3, max_size=3),
+    hst.binary(max_size=40), hst.text(max_size=5), hst.integers(-2**80, 2**80), hst.none()))
+def test_fuzz_the_curvature_exchanges_reports(kind, report):
+    from qlsd_flwr.core.metric import ReportError, check_report
+
+    try:
+        a = check_report(report, kind, 3)
+    except ReportError:
+        return
+    assert np.all(np.isfinite(a)) and a.shape == ((3,) if kind == "diagonal" else (3, 3))
+    scale = float(np.max(np.abs(a))) or 1.0  # semi-definite up to the round-off a matrix of that scale carries
+    assert (np.all(a >= 0) if kind == "diagonal" else np.linalg.eigvalsh(a)[0] >= -1e-9 * scale)

@@ -72,6 +72,8 @@ def gradients_of(replies: dict[int, bytes], b: int, d: int) -> list[np.ndarray]:
     grads: dict[int, np.ndarray] = {}
     refused: dict[int, str] = {}
     for i, payload in replies.items():
+        if not (isinstance(i, int) and 0 <= i < b):  # not one of the clients asked: nothing of it is used
+            continue
         try:
             g = bytes_to_arr(payload, d)
         except ValueError as exc:
