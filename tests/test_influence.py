@@ -182,8 +182,16 @@ def test_a_reply_holding_an_integer_beyond_2_64_is_a_counted_rejection(tmp_path,
 
 
 def test_a_run_whose_memory_is_a_product_of_caps_is_refused_with_the_estimate():
+    # sized from this machine's memory: twice what it may plan for, whatever the machine
+    import os
+
+    from qlsd_flwr.config import MEMORY_SHARE, memory_estimate, resolve
+
+    o = {"engine": "vectorised", "dim": 100_000, "progress": False}
+    phys = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    chains = int(2 * MEMORY_SHARE * phys // memory_estimate(resolve({**o, "num-chains": 1}), 100_000)) + 1
     with pytest.raises(ConfigError, match=r"num-chains × dim: the run needs about \d+\.\d GiB"):
-        run({"engine": "vectorised", "num-chains": 100_000, "dim": 100_000, "progress": False})
+        run({**o, "num-chains": chains})
 
 
 @pytest.mark.parametrize("field, value, words", [

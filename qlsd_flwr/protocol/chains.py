@@ -143,7 +143,8 @@ class ChainSet:
         for c, ch in enumerate(self.chains):
             a, m = ch.snapshot()
             arrays.update({f"c{c}.{k}": v for k, v in a.items()})
-            metas.append({k: m[k] for k in ("k", "zeta_version", "gamma", "rejected", "missed_rounds", "guard")})
+            metas.append({k: m[k] for k in ("k", "zeta_version", "gamma", "rejected", "missed_rounds", "guard",
+                                                   "runaway_scale")})
         meta = {"kind": "server", "k": self.state.k, "chains": self.C, "chain_meta": metas,
                 "zeta_version": metas[0]["zeta_version"], "config": self.cfg.raw,
                 "rejected": dict(self.unattributed), "missed_rounds": {}, "ts_info": self.ts_info,

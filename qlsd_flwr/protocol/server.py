@@ -125,7 +125,8 @@ class QLSDServer:
         meta = {"kind": "server", "k": int(st.k), "zeta_version": int(st.zeta_version), "gamma": float(self.spec.gamma),
                 "config": self.cfg.raw, "rejected": self.rejected,
                 "missed_rounds": {str(i): r for i, r in self.missed_rounds.items()},
-                "ts_info": self.ts_info, "persist": self.persist, "guard": self.norm_guard.state()}
+                "ts_info": self.ts_info, "persist": self.persist, "guard": self.norm_guard.state(),
+                "runaway_scale": self._scale}
         return arrays, meta
 
     def restore(self, meta: dict, a: dict) -> None:
@@ -146,7 +147,11 @@ class QLSDServer:
         if self.spec.memory:
             st.eta_i, st.eta = a["eta_i"].copy(), a["eta"].copy()
         self.state = st
-        self._set_scale()
+        # the run-away scale the chain started with (its start is not in the checkpoint); an older
+        # checkpoint, or a value that is not a positive finite number, takes it from θ_k
+        saved = meta.get("runaway_scale")
+        ok = isinstance(saved, (int, float)) and not isinstance(saved, bool) and 0 < saved < float("inf")
+        self._set_scale(float(saved) if ok else None)
         self.anchor_acked = a["anchor_acked"].astype(np.int64)
         self.eta_count = a["eta_count"].astype(np.int64)
         # the clients may have lost their state with the restart: the first message to each
@@ -323,9 +328,11 @@ class QLSDServer:
             self.observer.on_round(self, row)
         return row
 
-    def _set_scale(self) -> None:
-        """The scale θ may reach (:func:`runaway_scale`), and the window of recent reply norms."""
-        self._scale = runaway_scale(self.task, self.state.theta, self.spec.theta_star, self.spec.metric)
+    def _set_scale(self, scale: float | None = None) -> None:
+        """The scale θ may reach (:func:`runaway_scale` of the start, unless given), and the window
+        of recent reply norms."""
+        self._scale = scale if scale is not None else runaway_scale(self.task, self.state.theta, self.spec.theta_star,
+                                                                    self.spec.metric)
         self._recent: deque = deque(maxlen=RUNAWAY_WINDOW)
 
     def _check_runaway(self, round_: int) -> None:

@@ -309,19 +309,24 @@ def _first_bad_round(out: dict, theta: np.ndarray, R: int, limits: np.ndarray | 
     ``None`` when the whole block is fine."""
     limits = np.full(theta.shape[0], np.inf) if limits is None else limits
     states = out.get("states")
-    if out.get("error") is None and np.all(np.isfinite(theta)) and (
-            states is None and np.all(np.linalg.norm(theta, axis=-1) <= limits)
-            or states is not None and np.all(np.linalg.norm(states, axis=2) <= limits[:, None])):
+    # each round's ‖θ‖ is within its chain's limit (one pass over the block's states)
+    within = (np.linalg.norm(theta, axis=-1) <= limits)[:, None] if states is None else \
+        np.linalg.norm(states, axis=2) <= limits[:, None]  # (C, R); NaN compares False
+    finite = np.all(np.isfinite(theta))
+    if out.get("error") is None and finite and within.all():
         return None
     if states is None:
-        if out.get("error") is None and np.all(np.isfinite(theta)):
-            out["error"] = "θ ran away (‖θ‖ over 10^4 times the scale its start, θ* and the prior allow)"
+        if out.get("error") is None and finite:
+            out["error"] = RAN_AWAY
         return 0  # not recorded: somewhere in this block
-    ok = np.isfinite(states).all(axis=(0, 2)) & (np.linalg.norm(states, axis=2) <= limits[:, None]).all(axis=0)
+    ok = np.isfinite(states).all(axis=(0, 2)) & within.all(axis=0)
     bad = np.flatnonzero(~ok)
     if bad.size and np.isfinite(states[:, bad[0]]).all():  # finite, over its limit: that is the news
-        out["error"] = "θ ran away (‖θ‖ over 10^4 times the scale its start, θ* and the prior allow)"
+        out["error"] = RAN_AWAY
     return int(bad[0]) if bad.size else R - 1
+
+
+RAN_AWAY = "θ ran away (‖θ‖ over 10^4 times the scale its start, θ* and the prior allow)"
 
 
 def _diverge(cfg, recs, v, k0, bad, out, traces, dt, run_dir, last_ckpt, stable=None) -> None:
