@@ -30,3 +30,35 @@ def _numba_cache_dir() -> str:
 
 # before numba is first imported (a user's own NUMBA_CACHE_DIR is respected)
 os.environ.setdefault("NUMBA_CACHE_DIR", _numba_cache_dir())
+
+
+def loo(path):
+    """The federated leave-one-out of a finished run, as ``arviz.ELPDData`` (``az.compare``'s input).
+
+    Parameters
+    ----------
+    path : str or path-like
+        A run folder, or its ``samples.nc``.
+
+    Returns
+    -------
+    arviz.ELPDData
+        PSIS-LOO over the training points, pointwise (``elpd_loo``, ``se``, ``p_loo``, ``loo_i``,
+        ``pareto_k``), from the clients' per-point values (``loo = psis``, the default) or ``az.loo``
+        on the file's ``log_likelihood`` (``loo = pointwise``). Equal to ``az.loo`` on the pooled
+        pointwise log-likelihood of the same draws, to float rounding.
+
+    Raises
+    ------
+    qlsd_flwr.outputs.loo.LooError
+        The file holds no LOO (``loo = off``, a potential without ``pointwise_log_lik``, or a client
+        without a usable reply: ``summary.json``'s ``loo`` says which).
+
+    Examples
+    --------
+    >>> import arviz as az, qlsd_flwr                                        # doctest: +SKIP
+    >>> az.compare({"qlsd-pp": qlsd_flwr.loo("outputs/a"), "lsd-pp": qlsd_flwr.loo("outputs/b")})  # doctest: +SKIP
+    """
+    from qlsd_flwr.outputs.loo import load
+
+    return load(path)

@@ -96,7 +96,7 @@ def execute(overrides: dict) -> int:
         task = json.loads((outcome.run_dir / "config.json").read_text())["resolved"]["task"]
         if (ev := evaluate_classification(task, outcome.run_dir)) is not None:  # held-out: json + ArviZ groups
             print(f"  held-out: accuracy {100 * ev['accuracy']:.1f} %, nNLL {ev['nnll']:.4f}, ECE {ev['ece']:.4f}"
-                  " (evaluation.json; log_likelihood and predictions in samples.nc)")
+                  " (evaluation.json; heldout_log_likelihood and predictions in samples.nc)")
         for p in plot_run(outcome.run_dir):
             print(f"  plot: {p}")
         print(f"  samples load with: arviz.from_netcdf('{outcome.run_dir / 'samples.nc'}')")

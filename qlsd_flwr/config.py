@@ -217,6 +217,7 @@ def resolve(overrides: Mapping[str, Any] | None = None) -> RunConfig:
     init = _choice("init", raw["init"], ("theta0", "dispersed"))
     raw["convergence-criterion"] = _choice("convergence-criterion", raw["convergence-criterion"],
                                            ("auto", "theta", "predictive"))
+    raw["loo"] = _choice("loo", raw["loo"], ("psis", "pointwise", "off"))
     _check_biased_aggregation(variant, oracle, aggregation, p, raw)
     _check_data_keys(raw)
     return RunConfig(

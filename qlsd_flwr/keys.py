@@ -165,6 +165,10 @@ KEYS: tuple[Key, ...] = (
     Key("convergence-criterion", "auto", "choice", "what the convergence report's verdict reads: θ's coordinates, "
         "or the held-out predictive (for networks, whose weights have symmetries); auto: predictive for torch "
         "networks, theta otherwise", choices=("auto", "theta", "predictive"), group=SAMPLER),
+    Key("loo", "psis", "choice", "the federated leave-one-out over the training points after sampling (docs/"
+        "ARVIZ.md): psis = each client Pareto-smooths its own points and sends 3 numbers a point (qlsd_flwr.loo "
+        "gives az.compare's input); pointwise = each client sends its S × N_i log-likelihoods, held as "
+        "samples.nc's log_likelihood for az.loo as it is; off", choices=("psis", "pointwise", "off"), group=SAMPLER),
     Key("accept-biased-aggregation", False, "bool", "run aggregation = active-fraction with unequal p_i on a "
         "variant without a control variate (QLSD, QLSD#, SGLD), whose chain is then centred off the posterior; "
         "otherwise that is an error", group=SAMPLER),

@@ -65,10 +65,13 @@ class NumpyPotential:
         compute all their chains' gradients in one call
         (:func:`qlsd_flwr.core.oracles.oracle_batch`). Make row ``c`` bitwise equal to
         ``grad_sum(thetas[c], idx[c])`` if chains are to agree bit for bit across engines.
+    pointwise_log_lik : callable, optional
+        ``pointwise_log_lik(theta) -> (n_data,)``: ``log p(x_j | θ)`` of every example, normalised.
+        With it the run ends with the federated leave-one-out (``loo`` key, :func:`qlsd_flwr.loo`).
     """
 
     def __init__(self, grad_sum: Callable, value: Callable, n_data: int, dim: int,
-                 grad_sum_batch: Callable | None = None):
+                 grad_sum_batch: Callable | None = None, pointwise_log_lik: Callable | None = None):
         self._grad, self._value = grad_sum, value
         self.n_data, self.dim = int(n_data), int(dim)
         if self.n_data < 1 or self.dim < 1:
@@ -76,6 +79,9 @@ class NumpyPotential:
         if grad_sum_batch is not None:  # only then: the engines look for the method itself
             self._grad_batch = grad_sum_batch
             self.grad_sum_batch = self._batch
+        if pointwise_log_lik is not None:  # likewise: the LOO looks for the method
+            self._ll = pointwise_log_lik
+            self.pointwise_log_lik = self._pointwise
 
     def _batch(self, thetas: np.ndarray, idx: np.ndarray | None = None) -> np.ndarray:
         thetas = np.asarray(thetas, dtype=np.float64)
@@ -83,6 +89,9 @@ class NumpyPotential:
         if out.shape != thetas.shape:
             raise ValueError(f"grad_sum_batch returned shape {out.shape}, expected {thetas.shape}")
         return out
+
+    def _pointwise(self, theta: np.ndarray) -> np.ndarray:
+        return _vector(self._ll(theta), self.n_data, "pointwise_log_lik")
 
     def grad_sum(self, theta: np.ndarray, idx: np.ndarray | None = None) -> np.ndarray:
         return _vector(self._grad(theta, idx), self.dim, "grad_sum")
@@ -143,6 +152,12 @@ class LogDensityPotential:
     def value(self, theta: np.ndarray) -> float:
         with self._torch.no_grad():
             return float(self._sum(self._torch.tensor(np.asarray(theta, dtype=np.float64)), None))
+
+    def pointwise_log_lik(self, theta: np.ndarray) -> np.ndarray:
+        """``log_lik(θ, x_j)`` of every example (the federated LOO's input)."""
+        with self._torch.no_grad():
+            t = self._torch.tensor(np.asarray(theta, dtype=np.float64))
+            return np.concatenate([self._log_lik(t, b).double().reshape(-1).numpy() for b in self._batches(None)])
 
 
 class Pooled:

@@ -25,7 +25,7 @@ def test_samples_nc_is_arviz_ready(tmp_path, engine, chains, ck):
     out = run({**BASE, "engine": engine, "num-chains": chains, "checkpoint-every": ck,
                "output-dir": str(tmp_path), "run-name": "r"})
     idata = az.from_netcdf(out.run_dir / "samples.nc")
-    assert set(idata.groups()) == {"posterior", "sample_stats"}
+    assert set(idata.groups()) == {"posterior", "sample_stats", "loo"}  # loo: the federated LOO (test_loo.py)
     post, ss = idata.posterior, idata.sample_stats
     n = len(range(11, 61, 2))
     assert dict(post.sizes) == {"chain": chains, "draw": n, "theta_dim_0": 3}
@@ -63,10 +63,12 @@ def test_classification_runs_get_loo_ready_groups_and_named_coordinates(tmp_path
     assert main(["run", *sum((["--set", f"{k}={v}"] for k, v in sets.items()), [])]) == 0
     assert "held-out: accuracy" in capsys.readouterr().out
     idata = az.from_netcdf(tmp_path / "lg" / "samples.nc")
-    assert {"posterior", "sample_stats", "log_likelihood", "predictions", "observed_data"} <= set(idata.groups())
+    assert {"posterior", "sample_stats", "heldout_log_likelihood", "predictions", "observed_data",
+            "loo"} <= set(idata.groups())
+    assert "log_likelihood" not in idata.groups()  # the test points are never az.loo's input
     X, y, K, _ = registry.test_set(resolve(sets))
     th = idata.posterior["theta"].values
-    ll = idata.log_likelihood["y"].values
+    ll = idata["heldout_log_likelihood"]["y"].values
     assert ll.shape == (2, 40, len(y)) and np.array_equal(idata.observed_data["y"].values, y)
     prob = predict_proba(th[1, 7][None], X, K)
     assert np.allclose(ll[1, 7], np.log(prob[np.arange(len(y)), y]), rtol=0, atol=1e-12)
@@ -78,8 +80,12 @@ def test_classification_runs_get_loo_ready_groups_and_named_coordinates(tmp_path
     S = pred.shape[0] * pred.shape[1]
     gap = np.abs((pred == 1).mean(axis=(0, 1)) - predict_proba(th.reshape(-1, th.shape[-1]), X, K)[:, 1])
     assert gap.max() < 5 * 0.5 / np.sqrt(S)
-    loo = az.loo(idata)
-    assert np.isfinite(loo.elpd_loo) and loo.n_data_points == len(y)
+    import qlsd_flwr
+
+    loo = qlsd_flwr.loo(tmp_path / "lg")  # over the training points, from the clients
+    from qlsd_flwr.tasks import loading
+
+    assert np.isfinite(loo.elpd_loo) and loo.n_data_points == loading.load_task(resolve(sets)).n_data.sum()
     p = X.shape[1]
     labels = idata.posterior["theta_dim_0"].values.tolist()
     assert labels[:2] == ["W[0,0]", "W[0,1]"] and labels[-K:] == [f"b[{k}]" for k in range(K)]
@@ -122,7 +128,7 @@ def test_the_flwr_run_server_app_evaluates_classification_runs(tmp_path):
     out = run(sets)
     evaluate_held_out(resolve(sets), out.run_dir)
     idata = az.from_netcdf(out.run_dir / "samples.nc")
-    assert {"log_likelihood", "predictions", "observed_data"} <= set(idata.groups())
+    assert {"heldout_log_likelihood", "predictions", "observed_data", "loo"} <= set(idata.groups())
     assert (out.run_dir / "evaluation.json").exists()
     evaluate_held_out(resolve({**sets, "task": "gaussian"}), out.run_dir)  # other tasks: nothing
 
@@ -140,9 +146,10 @@ def test_a_run_folder_evaluated_twice_keeps_one_copy_of_each_heldout_group(tmp_p
              "output-dir": str(tmp_path), "run-name": "r"})
     first = evaluate_run(o.run_dir)
     with h5netcdf.File(o.run_dir / "samples.nc", "r") as f:
-        ll = np.asarray(f["log_likelihood"]["y"][...])
+        ll = np.asarray(f["heldout_log_likelihood"]["y"][...])
     again = evaluate_run(o.run_dir)
     with h5netcdf.File(o.run_dir / "samples.nc", "r") as f:
-        assert sorted(f.groups) == ["log_likelihood", "observed_data", "posterior", "predictions", "sample_stats"]
-        assert np.array_equal(np.asarray(f["log_likelihood"]["y"][...]), ll) and ll.shape == (2, 40, 114)
+        assert sorted(f.groups) == ["heldout_log_likelihood", "loo", "observed_data", "posterior", "predictions",
+                                    "sample_stats"]
+        assert np.array_equal(np.asarray(f["heldout_log_likelihood"]["y"][...]), ll) and ll.shape == (2, 40, 114)
     assert again == first

@@ -20,6 +20,7 @@ from qlsd_flwr.outputs.recorder import load_samples
 from qlsd_flwr.protocol import wire
 from qlsd_flwr.run import simulate
 from qlsd_flwr.run.simulate import run_inprocess, run_ray
+from qlsd_flwr.tasks import loading
 from qlsd_flwr.tasks.gaussian import build_gaussian_task
 
 BASE = {"task": "gaussian", "num-clients": 5, "dim": 6, "num-rounds": 40, "burn-in": 5, "gamma": 1e-3,
@@ -91,6 +92,12 @@ def test_a_ray_run_of_four_chains_writes_them_all_and_arviz_reads_rhat(tmp_path)
     for c in range(4):
         mc = s["memory_check"][f"chain{c}"]
         assert mc["max_abs_eta_minus_sum"] == 0.0 and all(mc["eta_count_agrees"].values())
+    # the federated LOO over Ray's nodes: az.loo on the pooled pointwise log-likelihood (test_loo.py)
+    import qlsd_flwr
+    from test_loo import assert_same_loo, pooled_loo
+
+    ref, _ = pooled_loo(loading.load_task(resolve(o)).clients, idata.posterior["theta"].values)
+    assert_same_loo(qlsd_flwr.loo(tmp_path / "ray4"), ref)
 
 
 def test_every_chain_of_a_flower_run_samples_the_gaussian_posterior():

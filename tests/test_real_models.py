@@ -178,13 +178,13 @@ def test_fedavg_comparison_end_to_end_on_ray(tmp_path, capsys):
     assert q["rounds"] == 300 and 0 < q["bits_total"] < 32 * 62 * b * 300
     conv = q["convergence"]  # R-hat and ESS over the 4 chains, of quantities a user reads
     assert conv["chains"] == 4 and conv["draws"] == 100
-    # exactly the summary of the log-likelihood that samples.nc holds (what az.loo reads)
+    # exactly the summary of the held-out log-likelihood that samples.nc holds
     import h5netcdf
 
     from qlsd_flwr.evaluation.evaluate import convergence
 
     with h5netcdf.File(job / "qlsd-pp" / "samples.nc", "r") as f:
-        ll = np.asarray(f["log_likelihood"]["y"][...])
+        ll = np.asarray(f["heldout_log_likelihood"]["y"][...])
     assert ll.shape == (4, 100, 114) and convergence(ll) == conv
     # the printed table: header and one row per method, every cell filled
     lines = out.splitlines()

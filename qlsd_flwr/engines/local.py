@@ -24,6 +24,7 @@ from qlsd_flwr.core.oracles import (
 )
 from qlsd_flwr.core.potential import Task
 from qlsd_flwr.core import precondition
+from qlsd_flwr.outputs import loo
 from qlsd_flwr.outputs.checkpoint import resume_dir
 from qlsd_flwr.outputs.observer import RunOutputs
 from qlsd_flwr.outputs.progress import progress_bar
@@ -81,6 +82,8 @@ def run_local(cfg: RunConfig, task: Task | None = None, write: bool = True,
     finally:
         bar.close()
     summary = server.finish()
+    if server.run_dir is not None:  # the federated LOO, each client's part computed as its node would
+        loo.attach(server.run_dir, cfg.get("loo"), task.n_data, loo.local_ask(task.clients, cfg.get("loo")), summary)
     trace = np.array(server.trace) if keep_trace else None
     return RunResult(summary=summary, run_dir=server.run_dir, trace=trace, server=server.state, clients=states)
 

@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from qlsd_flwr.evaluation import metrics as M
+from qlsd_flwr.outputs.loo import HELDOUT
 from qlsd_flwr.outputs.convergence import RHAT_TARGET  # noqa: F401 (the main job's bar; one home)
 
 N_BINS = 10
@@ -204,8 +205,9 @@ def evaluate_classification(task: str, run_dir) -> dict | None:
 
 def write_predictive_groups(path: str | os.PathLike, samples: np.ndarray, predictor, X: np.ndarray,
                             y: np.ndarray, seed: int) -> np.ndarray:
-    """Add ArviZ's held-out groups to ``samples.nc``: ``log_likelihood`` (``y``: ``log p(y_j | θ)``
-    per chain, draw and test point, what ``az.loo`` and ``az.waic`` read), ``predictions``
+    """Add the held-out groups to ``samples.nc``: ``heldout_log_likelihood`` (``y``: ``log p(y_j | θ)``
+    per chain, draw and test point; named so that ``az.loo`` never takes the test points for the
+    training data: the LOO is :mod:`qlsd_flwr.outputs.loo`'s), ArviZ's ``predictions``
     (``y``: one label drawn from each draw's predictive ``p(· | x_j, θ)``, seeded by the run's
     seed) and ``observed_data`` (``y``: the held-out labels), each over the dim ``test_point``.
     Every draw is evaluated (one predictive pass per draw). Returns the log-likelihood array."""
@@ -224,7 +226,7 @@ def write_predictive_groups(path: str | os.PathLike, samples: np.ndarray, predic
             u = gen.random(len(y))[:, None] * cum[:, -1:]
             pred[ci, di] = np.minimum((u > cum).sum(axis=1), prob.shape[1] - 1)
     with h5netcdf.File(path, "a") as f:
-        for name, data, dims in (("log_likelihood", ll, ("chain", "draw", "test_point")),
+        for name, data, dims in ((HELDOUT, ll, ("chain", "draw", "test_point")),
                                  ("predictions", pred, ("chain", "draw", "test_point")),
                                  ("observed_data", y, ("test_point",))):
             if name in f.groups:  # evaluated before (h5netcdf cannot delete a group): overwrite in place

@@ -37,6 +37,7 @@ from flwr.clientapp import ClientApp
 from qlsd_flwr.config import resolve
 from qlsd_flwr.core.oracles import ClientState
 from qlsd_flwr.core.potential import LocalPotential
+from qlsd_flwr.flower import loo_phase
 from qlsd_flwr.flower.records import (
     RECORD,
     SETTINGS,
@@ -201,6 +202,8 @@ def make_client_app(potential_fn: Callable[[Context], LocalPotential] | None = N
         pot, d, _ = potential_of(context)
         fields = {"client": i, "n_data": int(pot.n_data), "dim": int(d)}
         rec = record_fields(message.content)
+        if loo_phase.is_request(rec):  # after sampling: this client's part of the federated LOO
+            return _reply(message, loo_phase.answer(pot, message.content, i))
         if rec is not None and rec.get("report") == "memory":
             if chains := held_chains(context):  # a several-chain run: one entry a chain
                 sts = [load_state(context, c) for c in chains]

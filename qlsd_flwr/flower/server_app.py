@@ -22,7 +22,7 @@ def quiet_flower(verbose: bool) -> None:
 
 def evaluate_held_out(cfg, run_dir) -> None:
     """For a classification task, the held-out evaluation (``evaluation.json``, the reliability
-    diagram) and ArviZ's ``log_likelihood``, ``predictions`` and ``observed_data`` groups in
+    diagram) and the ``heldout_log_likelihood``, ``predictions`` and ``observed_data`` groups in
     ``samples.nc``, as ``qlsd-flwr run`` writes them; nothing for other tasks."""
     from qlsd_flwr.evaluation.evaluate import evaluate_classification
     from qlsd_flwr.outputs.progress import announce
@@ -30,7 +30,7 @@ def evaluate_held_out(cfg, run_dir) -> None:
     if (ev := evaluate_classification(cfg.task, run_dir)) is None:
         return
     announce(f"{cfg.variant}: held-out accuracy {100 * ev['accuracy']:.1f} %, nNLL {ev['nnll']:.4f}, "
-             f"ECE {ev['ece']:.4f} (evaluation.json; log_likelihood in samples.nc)", cfg.progress)
+             f"ECE {ev['ece']:.4f} (evaluation.json; heldout_log_likelihood in samples.nc)", cfg.progress)
 
 
 def make_server_app(overrides: dict | None = None, sink: dict | None = None,

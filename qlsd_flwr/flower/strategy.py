@@ -57,6 +57,7 @@ from qlsd_flwr.config import ConfigError, RunConfig, resolve
 from qlsd_flwr.core.potential import GaussianPrior, Task
 from qlsd_flwr.core import precondition
 from qlsd_flwr.core.priors import check_prior
+from qlsd_flwr.flower.loo_phase import after_sampling
 from qlsd_flwr.flower.nodes import NodeRegistry, load_bound_keys
 from qlsd_flwr.flower.records import record_fields, to_content
 from qlsd_flwr.flower.sizing import message_nbytes
@@ -306,7 +307,6 @@ class QLSDStrategy(Strategy):
     node_of = property(lambda self: self.nodes.node_of)
     rejoined = property(lambda self: self.nodes.rejoined)
 
-    # ---- Flower Strategy interface -------------------------------------------------
     def summary(self) -> None:
         c = self.cfg
         log.info("QLSDStrategy variant=%s b=%d d=%d gamma=%g K=%d s=%s p=%s rule=%s", c.variant,
@@ -375,8 +375,7 @@ class QLSDStrategy(Strategy):
     def configure_evaluate(self, server_round, arrays, config, grid) -> Iterable[Message]:
         return []  # a posterior sampler has no client-side evaluation round
 
-    def aggregate_evaluate(self, server_round, replies) -> MetricRecord | None:
-        return None
+    aggregate_evaluate = staticmethod(lambda server_round, replies: None)  # -> MetricRecord | None
 
     # ---- the run ------------------------------------------------------------------------
     def start(self, grid: Grid, initial_arrays: ArrayRecord | None = None, num_rounds: int | None = None,
@@ -463,6 +462,7 @@ class QLSDStrategy(Strategy):
             raise
         self.server.ts_info = {**self.server.ts_info, **extra}  # finish() puts ts_info in the summary
         self.server.finish()
+        after_sampling(self, grid)  # the federated LOO (key loo), into samples.nc and summary.json
         if self.run_dir is not None:
             announce(f"{cfg.variant}: {self.state.k} rounds done; samples in "
                      f"{Path(self.run_dir).resolve() / 'samples.nc'} (arviz.from_netcdf)", cfg.progress)

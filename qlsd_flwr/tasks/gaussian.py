@@ -38,6 +38,10 @@ class GaussianLocal:
     def value(self, theta: np.ndarray) -> float:
         return float(0.5 * np.sum((theta - self.y) ** 2))
 
+    def pointwise_log_lik(self, theta: np.ndarray) -> np.ndarray:
+        """``log N(y_ij; θ, I)`` for every point, with its normalising constant (the federated LOO's input)."""
+        return -0.5 * np.sum((theta - self.y) ** 2, axis=1) - 0.5 * self.dim * np.log(2.0 * np.pi)
+
 
 def client_data(i: int, d: int = 50, data_seed: int = 0, n_min: int = 10, n_max: int = 200,
                 spread: float = 5.0) -> np.ndarray:

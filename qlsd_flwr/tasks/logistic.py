@@ -181,6 +181,10 @@ class LogisticLocal:
     def value(self, theta: np.ndarray) -> float:
         return float(self.values(theta).sum())
 
+    def pointwise_log_lik(self, theta: np.ndarray) -> np.ndarray:
+        """``log p(y_ij | x_ij, θ)`` for every example (the federated LOO's input)."""
+        return -self.values(theta)
+
 
 def logits(theta: np.ndarray, X: np.ndarray, n_classes: int) -> np.ndarray:
     """``[X, 1] · W(θ)`` for one ``θ``."""

@@ -382,6 +382,16 @@ class TorchPotential:
                 total += float(self._loss_sum(self.model(self.X[sel]), self.y[sel]).double())
         return total
 
+    def pointwise_log_lik(self, theta: np.ndarray) -> np.ndarray:
+        """``−U_ij(θ)`` for every example: ``log p(y_j | x_j, θ)`` under the default cross-entropy or a
+        user's ``log_likelihood``; under a user's ``loss`` it is ``−loss``, a log-likelihood only if
+        that loss is a normalised negative log-density (the federated LOO's input)."""
+        self._load(theta)
+        per = self._per_example or (lambda out, y: F.cross_entropy(out, y, reduction="none"))
+        with torch.no_grad():
+            parts = [per(self.model(self.X[sel]), self.y[sel]).double().reshape(-1) for sel in self._chunks(None)]
+        return -torch.cat(parts).cpu().numpy() if parts else np.zeros(0)
+
     def predict_proba(self, theta_samples: np.ndarray, X, batch_size: int | None = None) -> np.ndarray:
         """Posterior predictive ``(1/S) Σ_s softmax(model_{θ_s}(X))`` as float64 ``(n, K)``."""
         th = np.asarray(theta_samples, dtype=np.float64)

@@ -12,6 +12,7 @@ import numpy as np
 from qlsd_flwr.config import ConfigError, RunConfig
 from qlsd_flwr.core import precondition
 from qlsd_flwr.core.potential import GaussianPrior, Task
+from qlsd_flwr.outputs import loo
 from qlsd_flwr.engines.vectorised.numba_backend import NumbaChains
 from qlsd_flwr.engines.vectorised.numpy_backend import NumpyGeneric, Sequential
 from qlsd_flwr.engines.vectorised.results import (
@@ -244,6 +245,8 @@ def run_side_by_side(cfgs, task: Task | None = None, write: bool = False, keep_t
             summary = recs[v].close(extra)
             summary["per_chain_round"] = {kk: val / nchain for kk, val in summary["per_round"].items()}
             (run_dirs[v] / "summary.json").write_text(json.dumps(summary, indent=2, default=_jsonable))
+            mode = cfgs[v].get("loo")  # the federated LOO, each client's part computed as its node would
+            loo.attach(run_dirs[v], mode, task.n_data, loo.local_ask(task.clients, mode), summary)
         else:
             summary = extra
         results.append(VectorisedResult(summary=summary, run_dir=run_dirs[v], stats=st,

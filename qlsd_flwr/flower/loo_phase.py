@@ -1,0 +1,71 @@
+"""The federated LOO's messages over Flower (the numerics and the rules: :mod:`qlsd_flwr.outputs.loo`).
+
+After the last round the server sends each client one ``query`` message: the ``qlsd`` record
+``{"report": "loo", "mode", "reff", "client"}`` and the array ``draws`` (``S × d`` float64, the kept
+draws chain by chain). The client answers ``{"client", "status": "ok", "payload": <float64 bytes>}``
+(its :func:`qlsd_flwr.outputs.loo.client_reply`) or ``status = "error"`` with the reason.
+A reply is attributed to the node it came from, never to the index it claims.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
+
+from qlsd_flwr.outputs import loo
+from qlsd_flwr.flower.records import ARRAYS, RECORD, config_record
+
+
+def asker(grid, node_of: dict[int, int], b: int, mode: str, timeout: float):
+    """``ask(draws, reff) -> {i: payload}`` for :func:`qlsd_flwr.outputs.loo.attach`."""
+    def ask(draws: np.ndarray, reff: float) -> dict:
+        arr = Array(np.ascontiguousarray(draws, dtype=np.float64))
+        msgs = [Message(RecordDict({RECORD: ConfigRecord({"report": "loo", "mode": mode, "reff": float(reff),
+                                                          "client": i}),
+                                    ARRAYS: ArrayRecord({"draws": arr})}), node_of[i], MessageType.QUERY)
+                for i in range(b)]
+        client_of = {n: i for i, n in node_of.items()}
+        out: dict[int, bytes] = {}
+        for msg in grid.send_and_receive(msgs, timeout=timeout):
+            i = client_of.get(msg.metadata.src_node_id)
+            if i is None or msg.has_error():
+                continue
+            try:
+                rec = config_record(msg.content)
+            except (KeyError, AttributeError, TypeError):
+                continue
+            if rec.get("status") == "ok" and isinstance(rec.get("payload"), (bytes, bytearray)):
+                out[i] = bytes(rec["payload"])
+        return out
+    return ask
+
+
+def is_request(rec: dict | None) -> bool:
+    return rec is not None and rec.get("report") == "loo"
+
+
+def answer(pot, content, i: int) -> dict:
+    """The client's reply fields to a LOO request (the potential's failure as ``status = "error"``)."""
+    try:
+        rec = config_record(content)
+        mode = str(rec["mode"])
+        if mode not in ("psis", "pointwise"):
+            raise loo.LooError(f"mode {mode!r}; allowed: psis, pointwise")
+        draws = content[ARRAYS]["draws"].numpy()
+        if draws.ndim != 2 or draws.shape[1] != int(pot.dim):
+            raise loo.LooError(f"draws of shape {draws.shape}, expected (S, {pot.dim})")
+        payload = loo.client_reply(pot, draws, float(rec["reff"]), mode)
+    except (loo.LooError, KeyError, TypeError, ValueError) as exc:
+        return {"client": i, "status": "error", "error": f"{type(exc).__name__}: {exc}"[:300]}
+    return {"client": i, "status": "ok", "payload": np.ascontiguousarray(payload, dtype="<f8").tobytes()}
+
+
+def after_sampling(strategy, grid) -> None:
+    """The LOO of a finished :class:`qlsd_flwr.flower.QLSDStrategy` run (key ``loo``), into its run
+    folder's ``samples.nc`` and ``summary.json``; nothing without a run folder."""
+    cfg = strategy.cfg
+    if strategy.run_dir is None or cfg.get("loo") == "off":
+        return
+    n_data = [strategy.nodes.n_data.get(i, 1) for i in range(cfg.b)]
+    ask = asker(grid, strategy.nodes.node_of, cfg.b, cfg.get("loo"), strategy._timeout)
+    loo.attach(strategy.run_dir, cfg.get("loo"), n_data, ask, strategy.server.summary_data)

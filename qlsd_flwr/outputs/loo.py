@@ -1,0 +1,300 @@
+"""Federated PSIS-LOO: the leave-one-out question about the training data, the data staying on
+the clients (key ``loo``).
+
+After sampling, the server sends every client the kept draws ``θ_s`` (``s < S``: all chains, all
+kept draws, as ``samples.nc`` holds them) and ArviZ's relative efficiency ``r_eff`` (the mean
+over θ's coordinates of the ``mean`` ESS, divided by ``S``: what ``az.loo`` computes from the
+posterior group). Each client evaluates ``ℓ_sj = log p(y_j | θ_s)`` for its own points
+(the potential's ``pointwise_log_lik``) and
+
+* ``loo = psis`` (the default) Pareto-smooths each point's importance ratios ``1/p(y_j | θ_s)``
+  itself, with ArviZ's ``psislw`` as ``az.loo`` does, and sends three numbers a point:
+  ``elpd_loo,j = log Σ_s w̃_sj p(y_j | θ_s)``, ``lppd_j = log (1/S) Σ_s p(y_j | θ_s)`` and the
+  Pareto shape ``k̂_j``. Uplink ``3 × 64 N_i`` bits; what leaves the client is those three
+  numbers per point (no draw-by-draw likelihood).
+* ``loo = pointwise`` sends the ``S × N_i`` matrix ``ℓ``; the server pools it into
+  ``samples.nc``'s ``log_likelihood`` group (dims ``chain, draw, train_point``), where
+  ``az.loo`` / ``az.compare`` / ``az.waic`` take it as it is. Uplink ``64 S N_i`` bits; each
+  point's likelihood at every draw leaves the client (a record of the point's fit across the
+  posterior: opt in only where that is acceptable).
+* ``loo = off``: nothing.
+
+PSIS smooths every point's weights on their own, so the client's computation is the pooled
+one point by point: ``elpd_loo = Σ_j elpd_loo,j``, ``se = √(N var_j elpd_loo,j)``,
+``p_loo = Σ_j lppd_j − elpd_loo`` (``az.loo``'s formulas). The downlink is ``64 S d`` bits per
+client. Each reply is validated (length from the client's handshake ``N_i``, finite values)
+before anything is written; a refused or missing client leaves the LOO out, with the reason,
+rather than a LOO over part of the data. A client can still lie about its own points' values:
+the LOO is a model-comparison figure, never an input to the chain.
+
+:func:`load` gives an ``arviz.ELPDData`` from a run folder or ``samples.nc`` under either mode
+(``qlsd_flwr.loo``), which ``az.compare`` takes as it is.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+MODES = ("psis", "pointwise", "off")
+GROUP = "loo"  # the psis mode's group in samples.nc (ArviZ reads no group of that name)
+HELDOUT = "heldout_log_likelihood"  # the held-out test points' log p(y_j | θ_s): never az.loo's input
+VALUE_MAX = 1e150
+log = logging.getLogger(__name__)
+
+
+class LooError(ValueError):
+    """The LOO cannot be computed (a potential without ``pointwise_log_lik``, a bad reply, a file
+    without it)."""
+
+
+def pointwise(pot, draws: np.ndarray) -> np.ndarray:
+    """``ℓ_sj = log p(y_j | θ_s)``, ``(S, N_i)``, from the potential's ``pointwise_log_lik``."""
+    f = getattr(pot, "pointwise_log_lik", None)
+    if f is None:
+        raise LooError(f"{type(pot).__name__} has no pointwise_log_lik(theta) -> (n_data,): the LOO needs each "
+                       "example's log-likelihood (TorchPotential, LogDensityPotential and the built-in tasks have "
+                       "it; NumpyPotential takes pointwise_log_lik=)")
+    n = int(pot.n_data)
+    out = np.empty((len(draws), n))
+    for s, th in enumerate(draws):
+        v = np.asarray(f(np.asarray(th, dtype=np.float64)), dtype=np.float64)
+        if v.shape != (n,):
+            raise LooError(f"pointwise_log_lik returned shape {v.shape}, expected ({n},)")
+        out[s] = v
+    return out
+
+
+def psis_points(ll: np.ndarray, reff: float) -> np.ndarray:
+    """``(3, N_i)``: each point's ``elpd_loo,j``, ``lppd_j`` and Pareto ``k̂_j`` from its ``(S, N_i)``
+    log-likelihoods, as ``az.loo`` computes them."""
+    import arviz as az
+    from scipy.special import logsumexp
+
+    llt = np.ascontiguousarray(ll.T)  # (N_i, S): psislw smooths along the last axis, one point a row
+    lw, k = az.psislw(-llt, reff)
+    lw = lw + llt
+    return np.stack([logsumexp(lw, axis=1), logsumexp(llt, axis=1) - np.log(llt.shape[1]),
+                     np.asarray(k, dtype=np.float64)])
+
+
+def client_reply(pot, draws: np.ndarray, reff: float, mode: str) -> np.ndarray:
+    """What client ``pot`` sends back for ``mode`` (flat float64): ``(3, N_i)`` or ``(S, N_i)``."""
+    ll = pointwise(pot, draws)
+    return (ll if mode == "pointwise" else psis_points(ll, reff)).ravel()
+
+
+def reff_of(posterior) -> float:
+    """ArviZ's relative efficiency of a posterior group (``az.loo``'s ``reff``)."""
+    import arviz as az
+
+    n = posterior.sizes["chain"] * posterior.sizes["draw"]
+    if posterior.sizes["chain"] == 1:
+        return 1.0
+    e = az.ess(posterior, method="mean")
+    return float(np.hstack([e[v].values.ravel() for v in e.data_vars]).mean() / n)
+
+
+def check_reply(payload, n_i: int, S: int, mode: str) -> np.ndarray:
+    """The reply as an array of its mode's shape; :class:`LooError` naming what is wrong."""
+    rows = S if mode == "pointwise" else 3
+    if not isinstance(payload, (bytes, bytearray, np.ndarray)):
+        raise LooError(f"payload of type {type(payload).__name__}, expected float64 bytes")
+    if isinstance(payload, (bytes, bytearray)) and len(payload) % 8:
+        raise LooError(f"{len(payload)} bytes, not whole float64 numbers, expected {rows} × N_i = {rows * n_i}")
+    a = np.frombuffer(bytes(payload), dtype="<f8") if isinstance(payload, (bytes, bytearray)) else payload
+    if a.size != rows * n_i:
+        raise LooError(f"{a.size} numbers, expected {rows} × N_i = {rows * n_i}")
+    a = np.asarray(a, dtype=np.float64).reshape(rows, n_i)
+    vals = a if mode == "pointwise" else a[:2]
+    if not np.all(np.isfinite(vals)) or np.any(np.abs(vals) > VALUE_MAX):
+        raise LooError("values not finite or beyond 1e150")
+    if mode == "psis" and (np.any(np.isnan(a[2])) or np.any(a[2] == -np.inf)):
+        raise LooError("a Pareto shape that is NaN or −inf")
+    return a
+
+
+def good_k(S: int) -> float:
+    """ArviZ's threshold on k̂ for ``S`` draws."""
+    return float(min(1 - 1 / np.log10(S), 0.7))
+
+
+def elpd_from_points(points: np.ndarray, S: int):
+    """An ``arviz.ELPDData`` (pointwise) from the ``(3, N)`` pooled per-point values, by
+    ``az.loo``'s formulas."""
+    import xarray as xr
+    from arviz.stats.stats_utils import ELPDData
+
+    loo_i, lppd_i, k = points
+    N, gk = loo_i.size, good_k(S)
+    elpd = float(loo_i.sum())
+    coords = {"train_point": np.arange(N)}
+    return ELPDData(
+        data=[elpd, float((N * np.var(loo_i)) ** 0.5), float(lppd_i.sum() - elpd), S, N, bool(np.any(k > gk)),
+              xr.DataArray(loo_i, dims=["train_point"], coords=coords, name="loo_i"),
+              xr.DataArray(k, dims=["train_point"], coords=coords, name="pareto_shape"), "log", gk],
+        index=["elpd_loo", "se", "p_loo", "n_samples", "n_data_points", "warning", "loo_i", "pareto_k",
+               "scale", "good_k"])
+
+
+def summary_of(elpd, mode: str, bits_down: int, bits_up: int) -> dict:
+    k = np.asarray(elpd["pareto_k"])
+    return {"mode": mode, "elpd_loo": float(elpd["elpd_loo"]), "se": float(elpd["se"]),
+            "p_loo": float(elpd["p_loo"]), "n_data_points": int(elpd["n_data_points"]),
+            "n_samples": int(elpd["n_samples"]), "pareto_k_max": float(np.max(k)),
+            "pareto_k_over_good": int(np.sum(k > elpd["good_k"])), "good_k": float(elpd["good_k"]),
+            "bits_down": int(bits_down), "bits_up": int(bits_up)}
+
+
+def federated(samples_nc, mode: str, n_data, ask: Callable[[np.ndarray, float], dict]) -> dict:
+    """The federated LOO of a finished run: reads the kept draws from ``samples_nc``, calls
+    ``ask(draws, reff)`` (every client's reply ``{i: payload}``; ``draws`` is ``(S, d)``, chain by
+    chain), validates each reply against ``n_data[i]``, writes the result into ``samples_nc``
+    (the ``loo`` group, or ``log_likelihood`` under ``pointwise``) and returns ``summary.json``'s
+    ``loo`` entry (with ``error`` and ``refused`` when the LOO could not be completed)."""
+    import arviz as az
+
+    if mode == "off":
+        return {"mode": "off"}
+    idata = _read(samples_nc)
+    th = np.asarray(idata.posterior["theta"].values, dtype=np.float64)
+    c, n, d = th.shape
+    S = c * n
+    if S < 2:
+        return {"mode": mode, "error": f"{S} kept draw(s): the LOO needs at least 2"}
+    reff = reff_of(idata.posterior)
+    replies = ask(th.reshape(S, d), reff)
+    b = len(n_data)
+    parts, refused = {}, {}
+    for i in range(b):
+        if i not in replies:
+            refused[str(i)] = "no reply"
+            continue
+        try:
+            parts[i] = check_reply(replies[i], int(n_data[i]), S, mode)
+        except LooError as exc:
+            refused[str(i)] = str(exc)
+    bits_down = 64 * S * d * b
+    bits_up = sum(64 * a.size for a in parts.values())
+    if refused:
+        why = "; ".join(f"client {i}: {r}" for i, r in sorted(refused.items(), key=lambda t: int(t[0])))
+        log.warning("loo: not computed, %d of %d clients gave no usable reply (%s)", len(refused), b, why)
+        return {"mode": mode, "error": "clients without a usable reply: the LOO covers all training points or "
+                "none", "refused": refused, "bits_down": bits_down, "bits_up": bits_up}
+    if mode == "pointwise":
+        ll = np.concatenate([parts[i] for i in range(b)], axis=1).reshape(c, n, -1)
+        _write(samples_nc, "log_likelihood", {"y": ll}, ("chain", "draw", "train_point"))
+        with warnings.catch_warnings():  # ArviZ's k̂ warning: the summary counts k̂ above good_k itself
+            warnings.simplefilter("ignore", UserWarning)
+            elpd = az.loo(_read(samples_nc), pointwise=True)
+    else:
+        pts = np.concatenate([parts[i] for i in range(b)], axis=1)
+        _write(samples_nc, GROUP, {"loo_i": pts[0], "lppd_i": pts[1], "pareto_k": pts[2]}, ("train_point",),
+               {"n_samples": S, "reff": reff})
+        elpd = elpd_from_points(pts, S)
+    out = summary_of(elpd, mode, bits_down, bits_up)
+    out["client_of_point"] = "train_point j belongs to client i for offsets[i] <= j < offsets[i+1]"
+    out["offsets"] = [int(v) for v in np.cumsum([0] + [int(v) for v in n_data])]
+    return out
+
+
+def load(path):
+    """An ``arviz.ELPDData`` (pointwise, ``az.compare``'s input) for a run folder or its
+    ``samples.nc``: ``az.loo`` on its ``log_likelihood`` group (``loo = pointwise``), or the
+    clients' per-point values (``loo = psis``). :class:`LooError` if the run has neither."""
+    import arviz as az
+
+    p = Path(path)
+    p = p / "samples.nc" if p.is_dir() else p
+    if not p.is_file():
+        raise LooError(f"{p}: no such file (a run folder or its samples.nc)")
+    idata = _read(p)
+    if "log_likelihood" in idata.groups():
+        return az.loo(idata, pointwise=True)
+    if GROUP in idata.groups():
+        g = idata[GROUP]
+        pts = np.stack([np.asarray(g[v].values, dtype=np.float64) for v in ("loo_i", "lppd_i", "pareto_k")])
+        return elpd_from_points(pts, int(g.attrs["n_samples"]))
+    raise LooError(f"{p}: no LOO in this file (the run had loo = off, its potential no pointwise_log_lik, or a "
+                   "client without a usable reply: see summary.json 'loo'); rerun with loo = psis or pointwise")
+
+
+def _read(path):
+    """The whole file in memory, the file closed again (ArviZ's default lazy load keeps it open,
+    and the LOO then writes into it)."""
+    import arviz as az
+
+    with az.rc_context({"data.load": "eager"}):
+        return az.from_netcdf(str(path))
+
+
+def _write(path, name: str, data: dict, dims: tuple, attrs: dict | None = None) -> None:
+    """Add (or overwrite in place) group ``name`` of ``samples.nc``."""
+    import h5netcdf
+
+    with h5netcdf.File(str(path), "a") as f:
+        first = next(iter(data.values()))
+        if name in f.groups:  # h5netcdf cannot delete a group: same shapes, overwritten
+            g = f.groups[name]
+            for k, v in data.items():
+                if g[k].shape != v.shape:
+                    raise LooError(f"{path}: group {name!r} has {k} of shape {g[k].shape}, now {v.shape}")
+                g[k][...] = v
+        else:
+            g = f.create_group(name)
+            g.dimensions = {dn: first.shape[i] for i, dn in enumerate(dims)}
+            for i, dn in enumerate(dims):
+                g.create_variable(dn, (dn,), data=np.arange(first.shape[i]))
+            for k, v in data.items():
+                g.create_variable(k, dims, data=v)
+        for k, v in {**f["posterior"].attrs, **(attrs or {})}.items():
+            g.attrs[k] = v
+
+
+def attach(run_dir, mode: str, n_data, ask: Callable[[np.ndarray, float], dict], summary: dict | None = None) -> dict:
+    """:func:`federated` on a finished run folder, its result added to ``summary.json`` (and to
+    ``summary``, the caller's copy) as ``loo``; logged in one line. Never raises for what a
+    client or the potential did wrong: the reason is the entry's ``error``."""
+    import json
+
+    nc = Path(run_dir) / "samples.nc"
+    if mode == "off" or not nc.is_file():
+        return {}
+    try:
+        out = federated(nc, mode, n_data, ask)
+    except LooError as exc:
+        out = {"mode": mode, "error": str(exc)}
+    if "error" in out:
+        log.warning("loo: not computed: %s", out["error"])
+    else:
+        from qlsd_flwr.outputs.progress import announce
+
+        announce(f"  loo ({mode}, {out['n_data_points']} training points, federated): elpd_loo {out['elpd_loo']:.2f} "
+                 f"(se {out['se']:.2f}), p_loo {out['p_loo']:.1f}, {out['pareto_k_over_good']} Pareto k̂ above "
+                 f"{out['good_k']:.2f}; qlsd_flwr.loo(<run folder>) is az.compare's input", True)
+    path = Path(run_dir) / "summary.json"
+    if path.is_file():
+        data = json.loads(path.read_text())
+        data["loo"] = out
+        path.write_text(json.dumps(data, indent=2))
+    if summary is not None:
+        summary["loo"] = out
+    return out
+
+
+def local_ask(clients, mode: str) -> Callable[[np.ndarray, float], dict]:
+    """``ask`` for the engines that hold the clients' potentials in this process (local,
+    vectorised): each client's :func:`client_reply`, as a Flower client computes it."""
+    def ask(draws, reff):
+        out = {}
+        for i, pot in enumerate(clients):
+            try:
+                out[i] = client_reply(pot, draws, reff, mode)
+            except LooError as exc:
+                raise LooError(f"client {i}: {exc}") from None
+        return out
+    return ask

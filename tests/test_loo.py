@@ -1,0 +1,232 @@
+"""The federated leave-one-out (key ``loo``, :mod:`qlsd_flwr.outputs.loo`): PSIS-LOO over the
+training points with the data on the clients.
+
+The reference is ``az.loo`` on the pooled ``S × N`` pointwise log-likelihood of the same draws,
+computed here from the whole data set in one process. PSIS smooths each point on its own, so the
+clients' per-point values must equal it to float rounding (the sums differ only in the order of
+additions: 1e-9 relative is generous for sums of a few hundred terms of size ≤ 10^3)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import arviz as az
+import numpy as np
+import pytest
+import torch
+from flwr.app import Array, ArrayRecord
+
+import qlsd_flwr
+from qlsd_flwr.outputs import loo as L
+from qlsd_flwr.flower import QLSDStrategy, make_client_app
+from qlsd_flwr.flower.inprocess import InProcessGrid
+from qlsd_flwr.potentials import LogDensityPotential, NumpyPotential, TorchPotential
+from qlsd_flwr.run.simulate import run
+from qlsd_flwr.tasks.logistic import build_logistic_task
+
+BASE = {"task": "logistic", "dataset": "breast_cancer", "num-clients": 4, "num-chains": 2, "num-rounds": 120,
+        "burn-in": 40, "thin": 2, "gamma": 1e-3, "progress": False}
+
+
+def task_of(cfg: dict):
+    """The run's own task (its split: the clients' points in the run's order)."""
+    from qlsd_flwr.config import resolve
+    from qlsd_flwr.tasks import loading
+
+    return loading.load_task(resolve(cfg))
+
+
+def pooled_loo(task_clients, theta: np.ndarray):
+    """``az.loo`` on the whole data set's pointwise log-likelihood at the draws ``theta`` (c, n, d)."""
+    c, n, d = theta.shape
+    ll = np.concatenate([np.stack([cl.pointwise_log_lik(t) for t in theta.reshape(-1, d)]) for cl in task_clients],
+                        axis=1).reshape(c, n, -1)
+    idata = az.from_dict(posterior={"theta": theta}, log_likelihood={"y": ll})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return az.loo(idata, pointwise=True), ll
+
+
+def assert_same_loo(got, ref):
+    for key in ("elpd_loo", "se", "p_loo"):
+        assert got[key] == pytest.approx(ref[key], rel=1e-9, abs=1e-9), key
+    assert got["n_samples"] == ref["n_samples"] and got["n_data_points"] == ref["n_data_points"]
+    assert np.allclose(np.asarray(got["loo_i"]), np.asarray(ref["loo_i"]), rtol=1e-12, atol=1e-12)
+    assert np.allclose(np.asarray(got["pareto_k"]), np.asarray(ref["pareto_k"]), rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("engine", ["vectorised", "inprocess"])
+def test_federated_psis_equals_az_loo_on_the_pooled_log_likelihood(tmp_path, engine):
+    outs = {m: run({**BASE, "engine": engine, "loo": m, "output-dir": str(tmp_path), "run-name": m})
+            for m in ("psis", "pointwise")}
+    task = task_of(BASE)
+    theta = az.from_netcdf(outs["psis"].run_dir / "samples.nc").posterior["theta"].values
+    ref, ll = pooled_loo(task.clients, theta)
+    got = qlsd_flwr.loo(outs["psis"].run_dir)
+    assert_same_loo(got, ref)
+    # pointwise: the file's log_likelihood is the pooled matrix, and az.loo takes the file as it is
+    idata = az.from_netcdf(outs["pointwise"].run_dir / "samples.nc")
+    assert np.array_equal(idata.posterior["theta"].values, theta)  # the LOO never touches the chain
+    assert np.allclose(idata.log_likelihood["y"].values, ll, rtol=0, atol=1e-12)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        assert_same_loo(az.loo(idata, pointwise=True), ref)
+        cmp = az.compare({"psis": got, "pointwise": qlsd_flwr.loo(outs["pointwise"].run_dir)})
+    assert list(cmp["elpd_loo"]) == pytest.approx([ref["elpd_loo"]] * 2, rel=1e-9)
+    s = json.loads((outs["psis"].run_dir / "summary.json").read_text())["loo"]
+    S, N, d = theta.shape[0] * theta.shape[1], ll.shape[-1], theta.shape[-1]
+    assert s["elpd_loo"] == pytest.approx(ref["elpd_loo"], rel=1e-9) and s["n_data_points"] == N
+    assert s["bits_up"] == 64 * 3 * N and s["bits_down"] == 64 * S * d * 4  # what the docs state
+    assert json.loads((outs["pointwise"].run_dir / "summary.json").read_text())["loo"]["bits_up"] == 64 * S * N
+    assert s["offsets"] == [0, *np.cumsum(task.n_data).tolist()]
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(30, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2)).double()
+
+
+def test_a_users_torch_app_gets_the_same_loo_as_the_pooled_computation(tmp_path):
+    """A user's own ServerApp (``QLSDStrategy``) and ClientApp (``TorchPotential``), in process."""
+    from sklearn.datasets import load_breast_cancer
+
+    X, y = load_breast_cancer(return_X_y=True)
+    X = (X - X.mean(0)) / X.std(0)
+    parts = np.array_split(np.arange(len(y)), 3)
+    pots = [TorchPotential(_mlp(), X[p], y[p], dtype=torch.float64) for p in parts]
+    app = make_client_app(lambda ctx: pots[int(ctx.node_config["partition-id"])])
+    d, theta0 = pots[0].dim, pots[0].theta0()  # before any run: a run loads its draws into the models
+    for mode in ("psis", "pointwise"):
+        st = QLSDStrategy(num_clients=3, dim=d, variant="lsd-pp", gamma=1e-3, num_rounds=40, burn_in=10,
+                          num_chains=2, prior_var=1.0, loo=mode, output_dir=str(tmp_path), run_name=mode,
+                          progress=False, seed=1)
+        st.start(InProcessGrid(app, 3, shuffle_seed=0), initial_arrays=ArrayRecord({"w": Array(theta0)}))
+        assert st.summary_data["loo"]["mode"] == mode and "error" not in st.summary_data["loo"]
+    theta = az.from_netcdf(tmp_path / "psis" / "samples.nc").posterior["theta"].values
+    ref, ll = pooled_loo(pots, theta)
+    # the per-example log-likelihood a TorchPotential reports is −cross-entropy, exactly log softmax
+    pots[0]._load(theta[0, 0])
+    logp = torch.log_softmax(pots[0].model(torch.as_tensor(X[parts[0]])), -1).detach().numpy()
+    assert np.allclose(ll[0, 0, :len(parts[0])], logp[np.arange(len(parts[0])), y[parts[0]]], atol=1e-12)
+    assert_same_loo(qlsd_flwr.loo(tmp_path / "psis"), ref)
+    idata = az.from_netcdf(tmp_path / "pointwise" / "samples.nc")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        assert_same_loo(az.loo(idata, pointwise=True), ref)
+    axes = az.plot_trace(idata, var_names=["theta"], coords={"theta_dim_0": [0, 1]})
+    assert axes.shape == (1, 2)
+
+
+def test_log_density_and_numpy_potentials_give_pointwise_log_likelihoods():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=20)
+
+    def log_lik(theta, batch):
+        return -0.5 * (batch - theta[0]) ** 2 - 0.5 * np.log(2 * np.pi)
+
+    pot = LogDensityPotential(log_lik, x, dim=1, batch_size=7)
+    want = -0.5 * (x - 0.3) ** 2 - 0.5 * np.log(2 * np.pi)
+    assert np.allclose(pot.pointwise_log_lik(np.array([0.3])), want, atol=1e-14)
+    npot = NumpyPotential(lambda t, i: np.zeros(1), lambda t: 0.0, n_data=20, dim=1,
+                          pointwise_log_lik=lambda t: -0.5 * (x - t[0]) ** 2 - 0.5 * np.log(2 * np.pi))
+    assert np.allclose(npot.pointwise_log_lik(np.array([0.3])), want, atol=1e-14)
+    bad = NumpyPotential(lambda t, i: np.zeros(1), lambda t: 0.0, n_data=20, dim=1,
+                         pointwise_log_lik=lambda t: np.zeros(19))
+    with pytest.raises(ValueError, match=r"pointwise_log_lik returned shape \(19,\), expected \(20,\)"):
+        bad.pointwise_log_lik(np.zeros(1))
+    plain = NumpyPotential(lambda t, i: np.zeros(1), lambda t: 0.0, n_data=20, dim=1)
+    with pytest.raises(L.LooError, match="no pointwise_log_lik"):
+        L.pointwise(plain, np.zeros((3, 1)))
+
+
+@pytest.mark.parametrize("bad,why", [
+    (lambda a: a[:-1], "numbers, expected"),
+    (lambda a: np.where(np.arange(a.size) == 3, np.nan, a), "not finite"),
+    (lambda a: np.where(np.arange(a.size) == 3, 1e300, a), "beyond 1e150"),
+    (lambda a: b"\x00" * 7, "not whole float64 numbers"),
+    (lambda a: "text", "payload of type str"),
+])
+def test_a_bad_loo_reply_leaves_the_loo_out_with_the_reason_and_the_chain_alone(tmp_path, bad, why):
+    out = run({**BASE, "engine": "vectorised", "loo": "off", "output-dir": str(tmp_path), "run-name": "r"})
+    nc = out.run_dir / "samples.nc"
+    before = nc.read_bytes()
+    task = task_of(BASE)
+    honest = L.local_ask(task.clients, "psis")
+
+    def ask(draws, reff):
+        got = honest(draws, reff)
+        got[2] = bad(got[2])
+        got.pop(3)  # and one client that never answers
+        return got
+
+    s = L.attach(out.run_dir, "psis", task.n_data, ask, {})
+    assert why in s["refused"]["2"] and s["refused"]["3"] == "no reply" and "error" in s
+    assert nc.read_bytes() == before  # nothing written: a LOO over part of the data would mislead
+    assert json.loads((out.run_dir / "summary.json").read_text())["loo"]["refused"] == s["refused"]
+    with pytest.raises(L.LooError, match="no LOO in this file"):
+        qlsd_flwr.loo(out.run_dir)
+
+
+def test_a_client_answers_a_malformed_loo_request_with_an_error_not_a_crash():
+    from flwr.app import ConfigRecord, RecordDict
+
+    from qlsd_flwr.flower import loo_phase
+    from qlsd_flwr.flower.records import ARRAYS, RECORD
+
+    pot = build_logistic_task("breast_cancer", b=2).clients[0]
+
+    def req(mode="psis", draws=None, reff=1.0):
+        return RecordDict({RECORD: ConfigRecord({"report": "loo", "mode": mode, "reff": reff, "client": 0}),
+                           ARRAYS: ArrayRecord({"draws": Array(np.zeros((2, pot.dim)) if draws is None else draws)})})
+
+    assert loo_phase.answer(pot, req(), 0)["status"] == "ok"
+    for content, why in ((req(mode="all"), "mode 'all'"), (req(draws=np.zeros((2, 3))), "draws of shape"),
+                         (RecordDict({RECORD: ConfigRecord({"report": "loo"})}), "KeyError")):
+        r = loo_phase.answer(pot, content, 0)
+        assert r["status"] == "error" and why in r["error"], r
+
+
+def test_the_loo_key_is_checked_and_off_writes_nothing(tmp_path):
+    from qlsd_flwr.config import ConfigError, resolve
+
+    with pytest.raises(ConfigError, match="loo.*psis, pointwise, off"):
+        resolve({"loo": "yes"})
+    out = run({**BASE, "engine": "vectorised", "loo": "off", "output-dir": str(tmp_path), "run-name": "r"})
+    assert "loo" not in az.from_netcdf(out.run_dir / "samples.nc").groups()
+    assert "loo" not in json.loads((out.run_dir / "summary.json").read_text())
+
+
+def test_the_gaussian_loo_matches_its_closed_form():
+    """For the toy Gaussian under a flat prior the LOO predictive of point j is Gaussian in closed form
+    (N(ȳ_{−j}, (1 + 1/(N−1)) I)); exact draws from the posterior N(ȳ, I/N) give PSIS-LOO within its
+    Monte Carlo error of that closed form (k̂ small: one point barely moves the posterior)."""
+    from qlsd_flwr.tasks.gaussian import build_gaussian_task
+
+    task = build_gaussian_task(b=3, d=2, data_seed=0)  # flat prior (the default)
+    y = np.concatenate([c.y for c in task.clients])
+    N, d = y.shape
+    rng = np.random.default_rng(0)
+    # the draws' sample mean and covariance set to the posterior's exactly: every point shares the same
+    # draws, so their errors in the first two moments would move all N terms together
+    z = rng.normal(size=(4000, d))
+    z = (z - z.mean(0)) @ np.linalg.inv(np.linalg.cholesky(np.cov(z.T, bias=True))).T
+    theta = (y.mean(0) + z / np.sqrt(N)).reshape(4, 1000, d)
+    ref, _ = pooled_loo(task.clients, theta)
+    ymj = (y.sum(0) - y) / (N - 1)
+    var = 1 + 1 / (N - 1)
+    exact = -0.5 * np.sum((y - ymj) ** 2, axis=1) / var - 0.5 * d * np.log(2 * np.pi * var)
+    parts = [L.client_reply(c, theta.reshape(-1, d), L.reff_of(az.from_dict(posterior={"theta": theta}).posterior),
+                            "psis").reshape(3, -1) for c in task.clients]
+    got = L.elpd_from_points(np.concatenate(parts, axis=1), 4000)
+    assert_same_loo(got, ref)
+    assert np.max(np.asarray(got["pareto_k"])) < 0.5
+    # what remains is importance sampling's Monte Carlo error. To first order the estimate of the sum is
+    # N − mean_s Σ_j r_sj with r_sj = w_sj / E w_j and w_sj = 1/p(y_j | θ_s) (the draws are shared, so
+    # the terms are summed before taking the sd): its sd is sd_s(Σ_j r_sj)/√S; 4 sd
+    _, ll_all = pooled_loo(task.clients, theta)
+    w = np.exp(-ll_all.reshape(-1, N) - (-ll_all.reshape(-1, N)).max(0))
+    r = w / w.mean(0)
+    tol = 4 * r.sum(1).std() / np.sqrt(r.shape[0])
+    assert tol < 0.5 * float(got["p_loo"])  # sharp enough to tell elpd_loo from lppd
+    assert abs(float(got["elpd_loo"]) - exact.sum()) < tol
