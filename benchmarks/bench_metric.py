@@ -3,6 +3,7 @@
     python benchmarks/bench_metric.py --regressions   # ill-conditioned Bayesian regressions vs a MALA reference
     python benchmarks/bench_metric.py --logistic      # ESS per round and per second, logistic breast_cancer/digits
     python benchmarks/bench_metric.py --mainjob       # the main job's chains (vectorised engine), metric vs identity
+    python benchmarks/bench_metric.py --mainjob-steps # the main job's step c against QSGD's s (kronecker metric)
     python benchmarks/bench_metric.py --bnn           # the quickstart's wine network against full-batch HMC
     python benchmarks/bench_metric.py --bnn-digits    # an MLP on digits (d = 1,210) against full-batch HMC
 
@@ -186,12 +187,18 @@ def run_predictive(out: Path, which: str) -> dict:
     from qlsd_flwr.experiments.mainjob import QLSD_MAIN
     from qlsd_flwr.run.simulate import run
 
-    if which == "mainjob":
-        bases = {"mainjob": {**QLSD_MAIN, "engine": "vectorised"}}
+    if which == "mainjob":  # the metrics at the former step settings (s = 2, c = 0.25)
+        bases = {"mainjob": {**QLSD_MAIN, "engine": "vectorised", "s": "2", "gamma-c": 0.25}}
         metrics = [("identity (γ = 2e-3, the old default)", {"metric": "identity", "gamma": 2e-3}),
                    ("identity, gamma = auto", {"metric": "identity", "gamma": "auto"}),
                    ("diagonal", {"metric": "diagonal", "gamma": "auto"}),
                    ("kronecker", {"metric": "kronecker", "gamma": "auto"})]
+    elif which == "mainjob_steps":  # the kronecker metric: the step's c against the compression's s
+        bases = {"mainjob": {**QLSD_MAIN, "engine": "vectorised"}}
+        metrics = [(f"s = {s_}, c = {c}" + (f", {k} rounds" if k != 600 else ""),
+                    {"s": s_, "gamma-c": c, "num-rounds": k, "burn-in": k // 2, "thin": 3 * k // 600})
+                   for s_, c, k in (("2", 0.25, 600), ("2", 0.5, 600), ("2", 1.0, 600), ("16", 0.25, 600),
+                                    ("16", 0.5, 600), ("16", 1.0, 600), ("16", 1.0, 1200))]
     else:
         common = {"task": "logistic", "num-clients": 10, "variant": "qlsd-pp", "s": "16", "l": 20, "num-chains": 4,
                   "num-rounds": 2000, "burn-in": 1000, "engine": "vectorised", "seed": 0}
@@ -204,7 +211,7 @@ def run_predictive(out: Path, which: str) -> dict:
         rows[task_name] = {}
         for label, ov in metrics:
             cfg = {**base, **ov, "init": "dispersed", "progress": False, "output-dir": "/tmp/bench_metric",
-                   "vectorised-backend": "numpy"}
+                   "vectorised-backend": "numpy", "loo": "off"}
             t = time.perf_counter()
             q = run(cfg)
             wall = time.perf_counter() - t
@@ -212,7 +219,8 @@ def run_predictive(out: Path, which: str) -> dict:
             c = m["convergence"]
             K = int(cfg["num-rounds"])
             rows[task_name][label] = {
-                "gamma": q.summary["gamma"], "lambda_max": q.summary.get("lambda_max"),
+                "gamma": q.summary["gamma"], "lambda_max": q.summary.get("lambda_max"), "s": cfg.get("s"),
+                "gamma_c": cfg.get("gamma-c"), "bits_per_round": q.summary["per_round"].get("bits_exact"),
                 "accuracy": m["accuracy"], "nnll": m["nnll"], "ece": m["ece"],
                 "rhat_pred_max": c["rhat_pred_max"], "rhat_loglik": c["rhat_loglik"],
                 "ess_bulk_pred_min": c["ess_bulk_pred_min"], "ess_bulk_loglik": c["ess_bulk_loglik"],
@@ -322,6 +330,7 @@ def main() -> None:
     ap.add_argument("--regressions", action="store_true")
     ap.add_argument("--logistic", action="store_true")
     ap.add_argument("--mainjob", action="store_true")
+    ap.add_argument("--mainjob-steps", action="store_true", help="the main job's step c against QSGD's s")
     ap.add_argument("--bnn", action="store_true")
     ap.add_argument("--bnn-digits", action="store_true")
     ap.add_argument("--bnn-rounds", type=int, default=4000, help="rounds of each sampler run (--bnn, --bnn-digits)")
@@ -333,6 +342,8 @@ def main() -> None:
         run_predictive(out, "logistic")
     if a.mainjob:
         run_predictive(out, "mainjob")
+    if a.mainjob_steps:
+        run_predictive(out, "mainjob_steps")
     if a.bnn:
         run_bnn(out, rounds=a.bnn_rounds)
     if a.bnn_digits:

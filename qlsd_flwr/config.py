@@ -100,11 +100,49 @@ class RunConfig:
         return self.raw[key]
 
     def to_dict(self) -> dict:
+        """``config.json``'s content: ``config``, the keys that apply to this run (what a resume
+        reads), ``not_applicable``, the names of the others, and ``resolved``."""
         d = asdict(self)
         d.pop("raw")
         d["s"] = self.s.tolist()
         d["p"] = self.p.tolist()
-        return {"config": dict(self.raw), "resolved": d}
+        skip = not_applicable(self.raw)
+        return {"config": {k: v for k, v in self.raw.items() if k not in skip}, "not_applicable": sorted(skip),
+                "resolved": d}
+
+
+STAR_VARIANTS = ("qlsd-star", "lsd-star")
+
+
+def not_applicable(raw: dict) -> set[str]:
+    """The keys whose values cannot change this run (a data key of another task, the θ* descent's
+    keys where no point is sought, ``metric-from`` without a built metric, ``partition-alpha``
+    without a Dirichlet split): left out of ``config.json`` and of a resume's comparison."""
+    task = str(raw.get("task", "gaussian"))
+    out: set[str] = set()
+    if task == "gaussian":
+        out |= {"dataset", "partition", "partition-alpha", "model", "device"}
+    elif task == "logistic":
+        out |= {"dim", "model", "device"}
+    elif task == "mnist":
+        out |= {"dim"}
+    elif task == "external":  # a user's ServerApp: the clients bring data, model and device
+        out |= {"dim", "data-seed", "dataset", "partition", "partition-alpha", "model", "device"}
+    else:  # a task plug-in: make(num_clients, data_seed)
+        out |= {"dim", "dataset", "partition", "partition-alpha", "model"}
+    if str(raw.get("partition", "auto")).lower() not in ("dirichlet", "auto") or \
+            (task == "mnist" and str(raw.get("partition", "auto")).lower() == "auto"):
+        out.add("partition-alpha")
+    metric = str(raw.get("metric", "identity")).strip()
+    needs_point = (str(raw.get("variant", "")).lower().replace("*", "-star") in STAR_VARIANTS or metric != "identity"
+                   or str(raw.get("gamma", "")).lower() == "auto" or str(raw.get("init", "theta0")) == "dispersed")
+    if not needs_point:
+        out |= {"theta-star", "opt-rounds", "opt-tol", "opt-accept-unconverged"}
+    if metric in ("identity",) or metric.endswith(".npy"):
+        out.add("metric-from")
+    if str(raw.get("gamma", "")).lower() != "auto":
+        out.add("gamma-c")
+    return out & set(raw)
 
 
 def _choice(key: str, value: Any, allowed) -> str:

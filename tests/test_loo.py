@@ -96,12 +96,13 @@ def test_a_users_torch_app_gets_the_same_loo_as_the_pooled_computation(tmp_path)
     parts = np.array_split(np.arange(len(y)), 3)
     pots = [TorchPotential(_mlp(), X[p], y[p], dtype=torch.float64) for p in parts]
     app = make_client_app(lambda ctx: pots[int(ctx.node_config["partition-id"])])
-    d, theta0 = pots[0].dim, pots[0].theta0()  # before any run: a run loads its draws into the models
+    d = pots[0].dim
+    named = ArrayRecord(pots[0].named_arrays())  # before any run: a run loads its draws into the models
     for mode in ("psis", "pointwise"):
         st = QLSDStrategy(num_clients=3, dim=d, variant="lsd-pp", gamma=1e-3, num_rounds=40, burn_in=10,
                           num_chains=2, prior_var=1.0, loo=mode, output_dir=str(tmp_path), run_name=mode,
                           progress=False, seed=1)
-        st.start(InProcessGrid(app, 3, shuffle_seed=0), initial_arrays=ArrayRecord({"w": Array(theta0)}))
+        st.start(InProcessGrid(app, 3, shuffle_seed=0), initial_arrays=named)
         assert st.summary_data["loo"]["mode"] == mode and "error" not in st.summary_data["loo"]
     theta = az.from_netcdf(tmp_path / "psis" / "samples.nc").posterior["theta"].values
     ref, ll = pooled_loo(pots, theta)
@@ -114,7 +115,9 @@ def test_a_users_torch_app_gets_the_same_loo_as_the_pooled_computation(tmp_path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         assert_same_loo(az.loo(idata, pointwise=True), ref)
-    axes = az.plot_trace(idata, var_names=["theta"], coords={"theta_dim_0": [0, 1]})
+    names = idata.posterior["theta_dim_0"].values.tolist()  # named from the model's named_parameters()
+    assert names[:2] == ["0.weight[0,0]", "0.weight[0,1]"] and names[-2:] == ["2.bias[0]", "2.bias[1]"]
+    axes = az.plot_trace(idata, var_names=["theta"], coords={"theta_dim_0": names[:2]})
     assert axes.shape == (1, 2)
 
 

@@ -290,3 +290,49 @@ def test_a_forged_anchor_version_is_a_counted_rejection_and_changes_nothing(vari
     assert forged.rejected == {"stale_anchor": 1}
     assert 0 in forged.missed_rounds and 0 not in honest.missed_rounds
     assert forged.anchor_acked[0] == -2 and forged.eta_count[0] == 0  # nothing of the reply was kept
+
+
+def make_named_task(num_clients: int, data_seed: int):
+    """:func:`make_task` whose coordinates are named, or misnamed (``LABELS_KEY``)."""
+    task = make_task(num_clients, data_seed)
+    task.meta[LABELS_KEY] = [f"mu[{j}]" for j in range(D)]
+    return task
+
+
+LABELS_KEY = "param_labels"
+
+
+def test_a_plugin_names_its_coordinates_in_param_labels_and_a_lookalike_key_is_refused(tmp_path, monkeypatch):
+    import arviz as az
+
+    import test_public_api as mod
+    from qlsd_flwr.config import ConfigError
+
+    monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).parent))
+    base = {**_config_keys(SAMPLER), "num-clients": B, "progress": False, "output-dir": str(tmp_path),
+            "task": "test_public_api:make_named_task", "engine": "vectorised", "loo": "off"}
+    out = run({**base, "run-name": "named"})
+    assert az.from_netcdf(out.run_dir / "samples.nc").posterior["theta_dim_0"].values.tolist() == \
+        [f"mu[{j}]" for j in range(D)]
+    monkeypatch.setattr(mod, "LABELS_KEY", "names")  # a guess that used to leave them numbered silently
+    with pytest.raises(ConfigError, match=r"meta\['names'\].*meta\['param_labels'\]"):
+        run({**base, "run-name": "guessed"})
+    sys.modules.pop("test_public_api", None)
+
+
+def test_config_json_holds_only_the_keys_that_apply(tmp_path):
+    import json
+
+    strategy = QLSDStrategy(num_clients=B, dim=D, output_dir=str(tmp_path), run_name="user", progress=False,
+                            **SAMPLER)
+    strategy.start(InProcessGrid(_user_app("plain"), B, shuffle_seed=1),
+                   initial_arrays=ArrayRecord({"w": Array(np.zeros(D))}))
+    doc = json.loads((strategy.run_dir / "config.json").read_text())
+    for key in ("model", "dataset", "partition", "theta-star", "opt-rounds", "metric-from", "dim", "gamma-c"):
+        assert key not in doc["config"] and key in doc["not_applicable"], key
+    assert doc["config"]["variant"] == "qlsd-pp" and doc["config"]["gamma"] == SAMPLER["gamma"]
+    # the coordinates are named from the initial arrays' names
+    import arviz as az
+
+    assert az.from_netcdf(strategy.run_dir / "samples.nc").posterior["theta_dim_0"].values.tolist()[:2] == \
+        ["w[0]", "w[1]"]

@@ -184,14 +184,17 @@ def prepare(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | No
     if (cfg.gamma_auto or not metric.is_identity) and grad_fn is not None:
         lam, iters = mt.lambda_max(grad_fn, point, metric, cfg.seed)
         info.update({"lambda_max": lam, "lambda_max_iterations": iters})
+        c = float(cfg.get("gamma-c"))
         stable = mt.GAMMA_AUTO_C / lam if lam > 0 else None
         if cfg.gamma_auto:
             if stable is None:
                 raise ConfigError("gamma = auto: the estimated curvature λ_max is zero (a flat potential); give a "
                                   "numeric gamma")
-            gamma = stable
+            gamma = c / lam
+            info["gamma_c"] = c
             log.warning("gamma = auto: γ = %.4g = %g / λ_max, λ_max = %.4g (the largest eigenvalue of M^½ ∇²U(θ*) "
-                        "M^½, %d power iterations; metric %s)", gamma, mt.GAMMA_AUTO_C, lam, iters, metric.kind)
+                        "M^½, %d power iterations; metric %s; variance along the stiffest direction ×%.3g, ULA's "
+                        "bias at this c)", gamma, c, lam, iters, metric.kind, 1.0 / (1.0 - c / 2.0))
         elif stable is not None and cfg.gamma * lam >= 2.0:
             log.warning("gamma = %g is beyond the stability limit 2/λ_max = %.3g of this metric (λ_max = %.4g, "
                         "estimated at θ*): the chain will diverge; choose gamma below it, e.g. %.3g (gamma = auto)",

@@ -75,3 +75,26 @@ def record_fields(content) -> dict | None:
         return dict(config_record(content))
     except (KeyError, AttributeError, TypeError):
         return None
+
+
+def theta_from_arrays(arrays: ArrayRecord, d: int) -> np.ndarray:
+    """``θ`` as one float64 vector: the record's arrays flattened and joined in their order
+    (``ArrayRecord(model.state_dict())`` gives a torch model's parameters in its own order)."""
+    parts = [np.asarray(a.numpy(), dtype=np.float64).ravel() for a in arrays.values()]
+    theta = np.concatenate(parts) if parts else np.zeros(0)
+    if theta.shape[0] != d:
+        raise ValueError(f"initial_arrays: {theta.shape[0]} values in {len(parts)} array(s), the model "
+                         f"has d = {d} parameters")
+    if not np.all(np.isfinite(theta)):
+        raise ValueError("initial_arrays: θ_0 has non-finite values")
+    return theta
+
+
+def labels_from_arrays(arrays: ArrayRecord) -> list[str]:
+    """θ's coordinate names from the record's arrays: ``<name>[i,j,…]`` per entry (``ArrayRecord(
+    pot.named_arrays())`` gives a torch model's ``named_parameters()``); a 1-entry array is its name."""
+    out: list[str] = []
+    for name, a in arrays.items():
+        shape = tuple(int(n) for n in a.shape)
+        out += [name] if shape in ((), (1,)) else [f"{name}[{','.join(map(str, ix))}]" for ix in np.ndindex(*shape)]
+    return out

@@ -59,7 +59,7 @@ from qlsd_flwr.core import precondition
 from qlsd_flwr.core.priors import check_prior
 from qlsd_flwr.flower.loo_phase import after_sampling
 from qlsd_flwr.flower.nodes import NodeRegistry, load_bound_keys
-from qlsd_flwr.flower.records import record_fields, to_content
+from qlsd_flwr.flower.records import labels_from_arrays, record_fields, theta_from_arrays, to_content
 from qlsd_flwr.flower.sizing import message_nbytes
 from qlsd_flwr.outputs.checkpoint import resume_dir
 from qlsd_flwr.outputs.observer import RunOutputs
@@ -70,19 +70,6 @@ from qlsd_flwr.protocol.divergence import DivergenceError
 from qlsd_flwr.protocol.wire import gradients_of
 
 log = logging.getLogger("qlsd_flwr")
-
-
-def theta_from_arrays(arrays: ArrayRecord, d: int) -> np.ndarray:
-    """``θ`` as one float64 vector: the record's arrays flattened and joined in their order
-    (``ArrayRecord(model.state_dict())`` gives a torch model's parameters in its own order)."""
-    parts = [np.asarray(a.numpy(), dtype=np.float64).ravel() for a in arrays.values()]
-    theta = np.concatenate(parts) if parts else np.zeros(0)
-    if theta.shape[0] != d:
-        raise ValueError(f"initial_arrays: {theta.shape[0]} values in {len(parts)} array(s), the model "
-                         f"has d = {d} parameters")
-    if not np.all(np.isfinite(theta)):
-        raise ValueError("initial_arrays: θ_0 has non-finite values")
-    return theta
 
 
 FIRST_POLL_S = 0.005  # the reply poll's shortest wait (see _RepliesAsTheyArrive._stream)
@@ -152,9 +139,9 @@ class QLSDStrategy(Strategy):
         ``lsd-star``, ``lsd-pp`` (uncompressed), ``sgld`` (one pooled client).
     gamma : float or "auto", default 4.9e-4
         γ, the Langevin step size: ``θ_{k+1} = θ_k − γ M G_k + sqrt(2γT) M^{1/2} Z_{k+1}``.
-        ``"auto"``: ``0.25 / λ_max(M^{1/2} ∇²U(θ*) M^{1/2})``, estimated before sampling by power
-        iteration on Hessian-vector products (gradient differences through the clients); the γ
-        chosen is logged and recorded (``summary.json``'s ``gamma``).
+        ``"auto"``: ``c / λ_max(M^{1/2} ∇²U(θ*) M^{1/2})`` (``c``: ``gamma_c``, default 0.25),
+        estimated before sampling by power iteration on Hessian-vector products (gradient
+        differences through the clients); logged and recorded (``summary.json``'s ``gamma``).
     metric : str, default "identity"
         ``M``, a constant preconditioner: ``identity`` (the paper's chain), ``diagonal``, ``dense``
         (d ≤ 2000), or the path of a ``.npy`` with d positive numbers or an SPD d × d matrix.
@@ -411,6 +398,8 @@ class QLSDStrategy(Strategy):
             raise ValueError("initial_arrays: a resumed run continues from its checkpoint's θ; "
                              "pass no initial_arrays with resume")
         theta0 = None if initial_arrays is None else theta_from_arrays(initial_arrays, self.d)
+        if initial_arrays is not None and "param_labels" not in self.task.meta:  # samples.nc's names
+            self.task.meta["param_labels"] = labels_from_arrays(initial_arrays)
         self._timeout = cfg.reply_timeout if timeout is None else float(timeout)
         K = cfg.num_rounds if num_rounds is None else int(num_rounds)
         self._grid = grid

@@ -197,8 +197,11 @@ def load_for_resume(cfg: RunConfig, kind: str) -> tuple[Path, dict, dict]:
     if kind == "server":
         _check_server_parts(cfg, meta, arrays, path_in(run_dir))
     old = meta["config"]
+    from qlsd_flwr.config import not_applicable
+
+    skip = not_applicable(cfg.raw)  # config.json leaves them out: a resume may not know their values
     bad = [k for k in set(old) | set(cfg.raw)
-           if k not in RESUME_FREE_KEYS and not same_value(k, old.get(k), cfg.raw.get(k))]
+           if k not in RESUME_FREE_KEYS and k not in skip and not same_value(k, old.get(k), cfg.raw.get(k))]
     if bad:
         raise ConfigError(f"resume: {', '.join(sorted(bad))} differ from the checkpointed run in {run_dir}")
     if int(meta["k"]) > cfg.num_rounds:

@@ -44,6 +44,9 @@ MODES = ("psis", "pointwise", "off")
 GROUP = "loo"  # the psis mode's group in samples.nc (ArviZ reads no group of that name)
 HELDOUT = "heldout_log_likelihood"  # the held-out test points' log p(y_j | θ_s): never az.loo's input
 VALUE_MAX = 1e150
+#: above this share of points with k̂ > good_k the PSIS estimate is called unreliable (summary
+#: ``loo.reliable``); Vehtari et al. (2017) call each such point's estimate unreliable
+UNRELIABLE_SHARE = 0.1
 log = logging.getLogger(__name__)
 
 
@@ -273,9 +276,14 @@ def attach(run_dir, mode: str, n_data, ask: Callable[[np.ndarray, float], dict],
     else:
         from qlsd_flwr.outputs.progress import announce
 
+        share = out["pareto_k_over_good"] / max(out["n_data_points"], 1)
+        out["reliable"] = bool(share <= UNRELIABLE_SHARE)
         announce(f"  loo ({mode}, {out['n_data_points']} training points, federated): elpd_loo {out['elpd_loo']:.2f} "
                  f"(se {out['se']:.2f}), p_loo {out['p_loo']:.1f}, {out['pareto_k_over_good']} Pareto k̂ above "
-                 f"{out['good_k']:.2f}; qlsd_flwr.loo(<run folder>) is az.compare's input", True)
+                 f"{out['good_k']:.2f}" + ("" if out["reliable"] else
+                 f": UNRELIABLE ({100 * share:.0f} % of the points move the posterior too far for importance "
+                 "sampling; K-fold cross-validation answers better)")
+                 + "; qlsd_flwr.loo(<run folder>) is az.compare's input", True)
     path = Path(run_dir) / "summary.json"
     if path.is_file():
         data = json.loads(path.read_text())

@@ -69,16 +69,23 @@ def stop_signal(name: str) -> None:
 def make_run_dir(output_dir: str | os.PathLike, run_name: str, variant: str) -> Path:
     from qlsd_flwr.keys import check_run_name  # a run never writes outside output-dir
 
-    name = check_run_name(run_name) or f"{time.strftime('%Y%m%d-%H%M%S')}-{variant}"
+    given = check_run_name(run_name)
+    name = given or f"{time.strftime('%Y%m%d-%H%M%S')}-{variant}"
     path = Path(output_dir) / name
+    if given and path.exists():  # a name the user chose is never silently changed
+        from qlsd_flwr.config import ConfigError
+
+        raise ConfigError(f"run-name: {path} already exists; choose another run-name, leave it empty for a "
+                          f"timestamped folder, or continue that run with resume = {path}")
     i = 1
-    while path.exists():
+    while path.exists():  # two timestamped runs started in the same second
         path = Path(output_dir) / f"{name}-{i}"
         i += 1
     path.mkdir(parents=True)
     return path
 
 
+CSV_FLUSH_S = 1.0  # metrics.csv reaches the disk at least this often while a run goes (and at every chunk of draws)
 CHUNK_BYTES = 1 << 22  # an HDF5 chunk of samples.nc holds at most ~4 MiB (one draw at least)
 
 
@@ -126,7 +133,7 @@ class Recorder:
         self._csv_crc_pos = 0
         self.sum_theta = np.zeros((num_chains, dim))
         self.sum_theta2 = np.zeros((num_chains, dim))
-        self.t0 = time.perf_counter()
+        self.t0 = self._csv_flushed = time.perf_counter()
         self._nc = None
         if resume is not None:
             self._reopen(resume)
@@ -209,6 +216,9 @@ class Recorder:
     def record_round(self, row: dict) -> None:
         self._csv.writerow(row)
         self.rounds += 1
+        if (now := time.perf_counter()) - self._csv_flushed >= CSV_FLUSH_S:  # a watcher sees the rows come
+            self._csv_file.flush()
+            self._csv_flushed = now
         for key in self.totals:
             self.totals[key] += float(row.get(key, 0) or 0)
 

@@ -43,6 +43,26 @@ def _load_task(cfg: RunConfig) -> Task:
     raise ConfigError(f"task: unknown value {name!r}")
 
 
+LABEL_LOOKALIKES = ("names", "labels", "param_names", "parameter_names", "coords", "coordinates")
+
+
+def check_labels(task: Task, where: str) -> None:
+    """``task.meta["param_labels"]`` (θ's coordinate names in ``samples.nc``) is ``d`` distinct
+    strings; a look-alike key (``names``, ``labels``, …) without it is refused by name, since it
+    would otherwise leave the coordinates numbered without a word."""
+    labels = task.meta.get("param_labels")
+    if labels is None:
+        if near := [k for k in LABEL_LOOKALIKES if k in task.meta]:
+            raise ConfigError(f"task: {where} sets meta[{near[0]!r}]; θ's coordinate names are read from "
+                              f"meta['param_labels'] (d = {task.dim} distinct strings)")
+        return
+    labels = [str(v) for v in labels]
+    if len(labels) != task.dim or len(set(labels)) != len(labels):
+        raise ConfigError(f"task: {where} meta['param_labels'] has {len(labels)} names ({len(set(labels))} "
+                          f"distinct), expected d = {task.dim} distinct strings")
+    task.meta["param_labels"] = labels
+
+
 def plugin_task(cfg: RunConfig, pooled: bool = False) -> Task:
     """A task plug-in's :class:`Task`: ``task = "my_pkg.my_task:make"`` with ``make(num_clients,
     data_seed) -> Task`` (see :mod:`qlsd_flwr.plugins`); with ``pooled`` (SGLD) its clients are
@@ -54,6 +74,7 @@ def plugin_task(cfg: RunConfig, pooled: bool = False) -> Task:
         raise ConfigError(f"task: {cfg.task!r} returned {type(task).__name__}, not a qlsd_flwr Task")
     if len(task.clients) != cfg.num_clients:
         raise ConfigError(f"task: {cfg.task!r} made {len(task.clients)} clients, num-clients = {cfg.num_clients}")
+    check_labels(task, repr(cfg.task))
     if pooled:
         from qlsd_flwr.potentials import Pooled
 
