@@ -30,7 +30,7 @@ HELP = """QLSD, QLSD#, QLSD* and QLSD++ (Vono et al., AISTATS 2022): federated L
       Draw a run's overview plot again.
   qlsd-flwr config [--toml | --markdown]
       Every run-config key with its default, paper symbol, allowed values and meaning (--toml: the
-      [tool.flwr.app.config] block; --markdown: the README's table). `qlsd-flwr run --help` lists
+      [tool.flwr.app.config] block; --markdown: docs/CONFIGURATION.md's table). `qlsd-flwr run --help` lists
       them too.
 """
 
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("config", help="every run-config key with its default and allowed values")
     fmt = c.add_mutually_exclusive_group()
     fmt.add_argument("--toml", action="store_true", help="as the [tool.flwr.app.config] block")
-    fmt.add_argument("--markdown", action="store_true", help="as the README's table")
+    fmt.add_argument("--markdown", action="store_true", help="as docs/CONFIGURATION.md's table")
     args = ap.parse_args(argv)
     previous = _sigterm_stops_cleanly()
     try:

@@ -8,7 +8,7 @@ and one line of documentation. The table drives:
 * ``[tool.flwr.app.config]`` in ``pyproject.toml`` — :func:`pyproject_block` (a test checks that
   the declared keys are the table's and their values valid);
 * ``qlsd-flwr config`` and ``qlsd-flwr run --help`` — :func:`help_text`;
-* the README's key table — :func:`markdown_table` (a test checks that the README holds it).
+* the key table of docs/CONFIGURATION.md — :func:`markdown_table` (a test checks that the page holds it).
 
 Parsing rules, the same for a TOML file, ``--set``, ``flwr run --run-config`` and Python:
 booleans are ``true/false/yes/no/on/off/1/0`` (anything else is refused, never ``bool("no")``);
@@ -203,6 +203,10 @@ KEYS: tuple[Key, ...] = (
 )
 BY_NAME = {k.name: k for k in KEYS}
 DEFAULTS: dict[str, Any] = {k.name: k.default for k in KEYS}
+#: The repository app's ``[tool.flwr.app.config]`` values where they differ from :data:`DEFAULTS`
+#: (a test checks ``pyproject.toml`` against them): a resume under ``flwr run`` treats a key at
+#: these values as not given (``flwr run`` always sends every declared key).
+FLWR_APP_DEFAULTS = {"num-rounds": 200, "burn-in": 50}
 
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
@@ -364,7 +368,7 @@ def help_text(width: int = 100) -> str:
 
 
 def markdown_table() -> str:
-    """The README's key table."""
+    """docs/CONFIGURATION.md's key table."""
     def cell(text: str) -> str:  # '<module>' would be read as an HTML tag, '|' as a column
         return text.replace("|", "/").replace("<", "&lt;").replace(">", "&gt;")
 

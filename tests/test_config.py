@@ -172,6 +172,9 @@ def test_pyproject_declares_the_table_with_valid_values():
     for name, value in declared.items():
         parse(name, value)
     assert list(tomllib.loads(pyproject_block())["tool"]["flwr"]["app"]["config"]) == list(declared)
+    from qlsd_flwr.keys import FLWR_APP_DEFAULTS  # what a resume under flwr run reads as "not given"
+
+    assert tomllib.loads(pyproject_block(FLWR_APP_DEFAULTS))["tool"]["flwr"]["app"]["config"] == declared
 
 
 def test_readme_help_and_config_command_come_from_the_table(capsys):
@@ -180,7 +183,7 @@ def test_readme_help_and_config_command_come_from_the_table(capsys):
     from qlsd_flwr.cli import main
     from qlsd_flwr.keys import KEYS, markdown_table
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "CONFIGURATION.md").read_text()
     assert markdown_table() in readme
     assert main(["config"]) == 0
     out = capsys.readouterr().out

@@ -110,3 +110,44 @@ def test_example_project_through_flwr_run(local_sim, monkeypatch):
         assert np.array_equal(theirs, load_samples(mine.run_dir)), engine
     assert theirs.shape == (1, 20, 275)
     sys.modules.pop("qlsd_quickstart", None)
+
+
+def test_a_package_error_reaches_flwr_log_as_one_line_and_fails_the_run(local_sim):
+    root, env = local_sim
+    run_id = D.flwr_run(REPO, "local", env, {"num-clients": B, "gamma": -1.0, "output-dir": str(root / "out-err")})
+    row = D.wait_run(run_id, "local", env, timeout=300, poll=1.0, ls_every=3.0)
+    assert row["status"] == "finished:failed", row
+    log = D.run_log(run_id, "local", env)
+    lines = [ln for ln in log.splitlines() if "gamma must be a finite number > 0 or 'auto' (got -1.0)" in ln]
+    assert len(lines) == 1 and "ConfigError" in lines[0], log
+    assert "Traceback" not in log, log
+
+
+def test_flwr_stop_closes_the_outputs_and_flwr_run_resumes_them_bitwise(local_sim):
+    """``flwr stop`` mid-run leaves a readable, closed run folder (samples.nc, summary.json, no
+    .lock); ``flwr run . --run-config 'resume=...'`` reads the folder's saved configuration
+    (here num-clients = 4, where the app's default is 20) and ends with the draws of a run
+    that was never stopped."""
+    import json
+    import time
+
+    root, env = local_sim
+    out = root / "out-stop"
+    cfg = {"num-clients": B, "dim": 5, "num-rounds": 400, "burn-in": 10, "thin": 5, "checkpoint-every": 10,
+           "output-dir": str(out), "run-name": "s", "progress": False}
+    run_id = D.flwr_run(REPO, "local", env, cfg)
+    folder = out / "s"
+    deadline = time.time() + 240
+    while not (folder / "checkpoint.npz").exists() and time.time() < deadline:
+        time.sleep(0.5)
+    assert (folder / "checkpoint.npz").exists()
+    cp = D.flwr_cli(["stop", str(run_id), "local"], env, cwd=root)
+    assert cp.returncode == 0, cp.stdout + cp.stderr
+    while not (folder / "summary.json").exists() and time.time() < deadline:
+        time.sleep(0.5)
+    summary = json.loads((folder / "summary.json").read_text())
+    assert "stopped" in summary and summary["rounds"] < 400, summary
+    assert (folder / "samples.nc").exists() and not (folder / ".lock").exists()
+    _flwr_run(REPO, {"resume": str(folder)}, env)  # the other keys from the folder's config.json
+    ref = run({**cfg, "engine": "local", "output-dir": str(root / "ref"), "run-name": "stop"})
+    assert np.array_equal(load_samples(folder), load_samples(ref.run_dir))

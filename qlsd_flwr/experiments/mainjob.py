@@ -81,8 +81,8 @@ def convergence_notes(conv: dict | None) -> list[str]:
                                      ("the worst test point's predictive probability", ok_p)) if not ok]
         out.append(f"NOT MIXED within this budget: R-hat of {' and of '.join(bad)} is above {target}; the chains "
                    f"(started dispersed) still disagree there, so read the per-point predictive figures as from an "
-                   f"unconverged sampler. Measured with the vectorised engine (the same 4 chains): 2,400 rounds bring "
-                   f"the worst point to 1.13 (log-likelihood 1.012), not yet {target}.")
+                   f"unconverged sampler. More rounds mix further (e.g. ./dev demo num-rounds=1200 burn-in=600 "
+                   f"thin=6); benchmarks/RESULTS.md records what the default settings reach with more rounds.")
     return out
 
 

@@ -38,6 +38,7 @@ from qlsd_flwr.config import resolve
 from qlsd_flwr.core.oracles import ClientState
 from qlsd_flwr.core.potential import LocalPotential
 from qlsd_flwr.flower import loo_phase
+from qlsd_flwr.outputs.checkpoint import flwr_run_config
 from qlsd_flwr.flower.records import (
     RECORD,
     SETTINGS,
@@ -133,7 +134,7 @@ def held_chains(context: Context) -> list[int]:
 
 
 def run_config_of(context: Context, overrides: dict | None) -> str:
-    merged = {**dict(context.run_config), **(overrides or {})}
+    merged = flwr_run_config({**dict(context.run_config), **(overrides or {})}, where="client")
     return json.dumps(merged, sort_keys=True, default=str)
 
 

@@ -18,13 +18,13 @@ What :meth:`start` adds around Flower's loop, and why:
   the chain (or its restart from a checkpoint);
 * after it: the memory audit (every client's own η_i against the server's mirror) and the run's
   summary;
-* one documented override of one step: on Flower's simulation engine the grid passed to
-  Flower's loop hands replies to :meth:`aggregate_train` *as they arrive* (push, then pull: the
-  loop of ``send_and_receive``, but waiting 5 ms after a poll that brought a reply and doubling
-  the wait after each empty one, up to the grid's ``pull_interval``), so decoding overlaps the
-  clients still at work, and a reply that follows others closely is taken within a few ms
-  instead of up to ``pull_interval`` later. Other grids (deployment, the in-process
-  test grid) use ``send_and_receive`` as it is. The chain does not depend on the order replies
+* one documented override of one step: on Flower's grids the grid passed to Flower's loop hands
+  replies to :meth:`aggregate_train` *as they arrive* (push, then pull: the loop of
+  ``send_and_receive``, but waiting 5 ms after a poll that brought a reply and doubling the wait
+  after each empty one, up to the grid's ``pull_interval``, or 0.1 s on the deployment's grid,
+  whose own loop sleeps a fixed 3 s between polls in Flower 1.42), so decoding overlaps the
+  clients still at work, and a reply is taken within a few ms of its arrival. The in-process
+  test grid uses its own ``send_and_receive``. The chain does not depend on the order replies
   are taken in.
 
 Participation is drawn per client from the counter stream ``(seed, PARTICIPATION, k, i)``,
@@ -57,6 +57,7 @@ from qlsd_flwr.config import ConfigError, RunConfig, resolve
 from qlsd_flwr.core.potential import GaussianPrior, Task
 from qlsd_flwr.core import precondition
 from qlsd_flwr.core.priors import check_prior
+from qlsd_flwr.flower import stopping
 from qlsd_flwr.flower.loo_phase import after_sampling
 from qlsd_flwr.flower.nodes import NodeRegistry, load_bound_keys
 from qlsd_flwr.flower.records import labels_from_arrays, record_fields, theta_from_arrays, to_content
@@ -73,6 +74,7 @@ log = logging.getLogger("qlsd_flwr")
 
 
 FIRST_POLL_S = 0.005  # the reply poll's shortest wait (see _RepliesAsTheyArrive._stream)
+DEPLOY_POLL_S = 0.1  # its longest on a Flower grid without pull_interval (the SuperLink's)
 
 
 class _RepliesAsTheyArrive:
@@ -91,6 +93,8 @@ class _RepliesAsTheyArrive:
         if not msgs:  # Flower's evaluation step of every round: nothing to send
             return []
         interval = getattr(self._grid, "pull_interval", None)
+        if interval is None and type(self._grid).__module__.startswith("flwr."):
+            interval = DEPLOY_POLL_S  # Flower's deployment grid: its own loop sleeps 3 s between polls
         if interval is None:
             replies = self._grid.send_and_receive(msgs, timeout=timeout)
             self._on_pushed(msgs)
@@ -103,6 +107,7 @@ class _RepliesAsTheyArrive:
         end = None if timeout is None else time.time() + timeout
         wait = FIRST_POLL_S
         while pending:
+            stopping.check()
             arrived = False
             for msg in self._grid.pull_messages(pending):
                 pending.discard(msg.metadata.reply_to_message_id)
@@ -334,6 +339,7 @@ class QLSDStrategy(Strategy):
         one record per round in memory for the whole run)."""
         for msg in replies:
             self.take_reply(msg)
+        stopping.check()  # a stop from Flower ends the run between rounds
         self.server.end_round()
         if self._bar is not None:
             self._bar.update(1)
@@ -426,17 +432,18 @@ class QLSDStrategy(Strategy):
         level = flwr_log.level
         if not cfg.verbose:  # Flower logs every round at INFO: the progress line replaces that
             flwr_log.setLevel(max(level, logging.WARNING))
-        try:
-            result = super().start(_RepliesAsTheyArrive(grid, self._note_sent),
-                                   ArrayRecord({"theta": Array(np.asarray(self.state.theta))}),
-                                   num_rounds=max(K - self.state.k, 0), timeout=self._timeout,
-                                   train_config=train_config, evaluate_fn=evaluate_fn)
-        except BaseException as exc:  # Ctrl-C, SIGTERM, a failed grid: close the outputs so far
-            self.server.stop(exc)
-            raise
-        finally:
-            self._bar.close()
-            flwr_log.setLevel(level)
+        with stopping.Stopper():  # flwr stop / SIGTERM of Flower's process: stop here, close the outputs
+            try:
+                result = super().start(_RepliesAsTheyArrive(grid, self._note_sent),
+                                       ArrayRecord({"theta": Array(np.asarray(self.state.theta))}),
+                                       num_rounds=max(K - self.state.k, 0), timeout=self._timeout,
+                                       train_config=train_config, evaluate_fn=evaluate_fn)
+            except BaseException as exc:  # Ctrl-C, SIGTERM, a failed grid: close the outputs so far
+                self.server.stop(exc)
+                raise
+            finally:
+                self._bar.close()
+                flwr_log.setLevel(level)
         extra: dict = {"rejoined": {str(i): r for i, r in sorted(self.nodes.rejoined.items())},
                        "refused_claims": {str(i): r for i, r in sorted(self.nodes.refused_claims.items())}}
         try:  # the audit waits for the nodes (up to reply-timeout): a stop there keeps the outputs too

@@ -157,6 +157,24 @@ def _jsonable(x):
 
 
 # ------------------------------------------------------------------------------ resume
+def flwr_run_config(run_config: dict, where: str = "server") -> dict:
+    """A ``flwr run`` run config as the keys given: with ``resume`` set, the keys whose values differ
+    from the app's declared defaults (:data:`qlsd_flwr.keys.FLWR_APP_DEFAULTS` over ``DEFAULTS``)
+    are the overrides and the run folder's saved configuration
+    supplies the rest (:func:`resume_overrides`), as ``qlsd-flwr run --set resume=...`` does;
+    ``flwr run`` itself always sends every declared key, defaults included. A client
+    (``where = "client"``) whose machine does not hold the run folder keeps the keys it was given."""
+    from qlsd_flwr.keys import DEFAULTS, FLWR_APP_DEFAULTS
+
+    if not str(run_config.get("resume", "") or ""):
+        return dict(run_config)
+    declared = {**DEFAULTS, **FLWR_APP_DEFAULTS}
+    given = {k: v for k, v in run_config.items() if k not in declared or not same_value(k, v, declared[k])}
+    if where == "client" and not (Path(str(run_config["resume"])) / "config.json").is_file():
+        return dict(run_config)
+    return resume_overrides(given)
+
+
 def resume_overrides(overrides: dict | None) -> dict:
     """With ``resume`` set, the run folder's original configuration with ``overrides`` on top
     (keys outside :data:`RESUME_FREE_KEYS` must agree with the original); else ``overrides``."""

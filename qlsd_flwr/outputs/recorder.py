@@ -262,6 +262,8 @@ class Recorder:
             self._build_nc(keep_raw=bool(extra) and "stopped" in extra and (self.dir / "checkpoint.npz").exists())
         finally:
             self._csv_file.close()
+            with contextlib.suppress(OSError):  # no stale .lock: removed while still held
+                os.unlink(self.dir / ".lock")
             self._lock.close()  # releases the folder, whatever happened
         mean, var = self.posterior_moments()
         summary = {
