@@ -133,7 +133,7 @@ def test_flwr_stop_closes_the_outputs_and_flwr_run_resumes_them_bitwise(local_si
 
     root, env = local_sim
     out = root / "out-stop"
-    cfg = {"num-clients": B, "dim": 5, "num-rounds": 400, "burn-in": 10, "thin": 5, "checkpoint-every": 10,
+    cfg = {"num-clients": B, "dim": 5, "num-rounds": 200, "burn-in": 10, "thin": 5, "checkpoint-every": 5,
            "output-dir": str(out), "run-name": "s", "progress": False}
     run_id = D.flwr_run(REPO, "local", env, cfg)
     folder = out / "s"
@@ -146,7 +146,7 @@ def test_flwr_stop_closes_the_outputs_and_flwr_run_resumes_them_bitwise(local_si
     while not (folder / "summary.json").exists() and time.time() < deadline:
         time.sleep(0.5)
     summary = json.loads((folder / "summary.json").read_text())
-    assert "stopped" in summary and summary["rounds"] < 400, summary
+    assert "stopped" in summary and summary["rounds"] < 200, summary
     assert (folder / "samples.nc").exists() and not (folder / ".lock").exists()
     _flwr_run(REPO, {"resume": str(folder)}, env)  # the other keys from the folder's config.json
     ref = run({**cfg, "engine": "local", "output-dir": str(root / "ref"), "run-name": "stop"})

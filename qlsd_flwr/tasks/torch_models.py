@@ -282,9 +282,8 @@ class TorchPotential:
         theta = np.asarray(theta, dtype=np.float64)
         if theta.shape != (self.dim,):
             raise ValueError(f"theta must have shape ({self.dim},), got {theta.shape}")
-        with torch.no_grad():
-            nn.utils.vector_to_parameters(
-                torch.from_numpy(theta).to(self.device, self.dtype), self.params)
+        with torch.no_grad():  # a copy: the parameters must never alias the caller's θ (in-place training)
+            nn.utils.vector_to_parameters(torch.tensor(theta, dtype=self.dtype, device=self.device), self.params)
 
     def _chunks(self, idx):
         if idx is None:
