@@ -77,3 +77,27 @@ def test_the_quickstart_comparison_prints_both_rows(tmp_path, capsys, monkeypatc
     sys.modules.pop("compare", None)
     sys.modules.pop("qlsd_quickstart", None)
     sys.modules.pop("qlsd_quickstart.task", None)
+
+
+def test_flower_datasets_partitions_feed_the_potentials(monkeypatch, tmp_path):
+    """The quickstart's ``load_partition_dirichlet``: Flower Datasets' DirichletPartitioner on an
+    in-memory dataset (offline) splits all 178 points, disjointly, into TorchPotentials that
+    sample through the public API."""
+    monkeypatch.syspath_prepend(str(EXAMPLE))
+    from qlsd_quickstart.task import PRIOR_VAR, load_partition_dirichlet, make_model
+
+    from qlsd_flwr.flower import QLSDStrategy, make_client_app
+
+    parts = [load_partition_dirichlet(i, 4) for i in range(4)]
+    rows = np.concatenate([X for X, _ in parts])
+    assert len(rows) == 178 and len(np.unique(rows, axis=0)) == 178 and min(len(y) for _, y in parts) >= 5
+    shares = np.array([np.bincount(y, minlength=3) / len(y) for _, y in parts])
+    assert shares.max() - shares.min() > 0.3  # label skew, as alpha = 0.5 gives
+    pots = [TorchPotential(make_model(), X, y) for X, y in parts]
+    st = QLSDStrategy(num_clients=4, dim=pots[0].dim, variant="qlsd-pp", gamma=1e-3, num_rounds=20, burn_in=5,
+                      s=16, prior_var=PRIOR_VAR, progress=False, loo="off", output_dir=str(tmp_path))
+    st.start(InProcessGrid(make_client_app(lambda ctx: pots[int(ctx.node_config["partition-id"])]), 4),
+             initial_arrays=ArrayRecord(pots[0].named_arrays()))
+    assert st.state.k == 20 and st.summary_data["rejected"] == {}
+    sys.modules.pop("qlsd_quickstart", None)
+    sys.modules.pop("qlsd_quickstart.task", None)
