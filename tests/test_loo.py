@@ -233,3 +233,11 @@ def test_the_gaussian_loo_matches_its_closed_form():
     tol = 4 * r.sum(1).std() / np.sqrt(r.shape[0])
     assert tol < 0.5 * float(got["p_loo"])  # sharp enough to tell elpd_loo from lppd
     assert abs(float(got["elpd_loo"]) - exact.sum()) < tol
+
+
+def test_draws_too_heavy_for_one_message_leave_the_loo_out_naming_the_remedy(tmp_path, monkeypatch):
+    out = run({**BASE, "engine": "vectorised", "loo": "off", "output-dir": str(tmp_path), "run-name": "r"})
+    monkeypatch.setattr(L, "DOWNLINK_MAX_BYTES", 1000)
+    asked = []
+    s = L.attach(out.run_dir, "psis", task_of(BASE).n_data, lambda draws, reff: asked.append(1) or {}, {})
+    assert not asked and "MiB" in s["error"] and "loo = off" in s["error"]

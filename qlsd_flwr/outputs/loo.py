@@ -47,6 +47,8 @@ VALUE_MAX = 1e150
 #: above this share of points with k̂ > good_k the PSIS estimate is called unreliable (summary
 #: ``loo.reliable``); Vehtari et al. (2017) call each such point's estimate unreliable
 UNRELIABLE_SHARE = 0.1
+#: the most the draws may weigh in one message to a client (Flower's gRPC limit is 512 MiB)
+DOWNLINK_MAX_BYTES = 256 * 2**20
 log = logging.getLogger(__name__)
 
 
@@ -169,6 +171,10 @@ def federated(samples_nc, mode: str, n_data, ask: Callable[[np.ndarray, float], 
     S = c * n
     if S < 2:
         return {"mode": mode, "error": f"{S} kept draw(s): the LOO needs at least 2"}
+    if 8 * S * d > DOWNLINK_MAX_BYTES:
+        return {"mode": mode, "error": f"the kept draws are {8 * S * d / 2**20:.0f} MiB ({S} draws × d = {d}), "
+                f"more than one message may carry ({DOWNLINK_MAX_BYTES / 2**20:.0f} MiB); keep fewer draws "
+                f"(thin) or set loo = off"}
     reff = reff_of(idata.posterior)
     replies = ask(th.reshape(S, d), reff)
     b = len(n_data)
