@@ -38,6 +38,7 @@ class Stream(IntEnum):
     NOISE = 4  # Z_{k+1}: the Langevin noise (client index 0 by convention)
     INIT = 5  # θ_0 when drawn at random
     DATA = 6  # synthetic data generation
+    LOCAL = 7  # local Langevin steps on a client (DG-LMC's z_i), client i, round k
 
 
 def _mix(z: np.ndarray) -> np.ndarray:

@@ -1,0 +1,117 @@
+"""DG-LMC (Plassier, Vono, Durmus, Moulines, ICML 2021): Langevin within Gibbs on the augmented
+model
+
+    π_ρ(θ, z_1, …, z_b) ∝ exp(−U_0(θ) − Σ_i [U_i(z_i) + ‖z_i − θ‖² / (2ρ_i)]).
+
+One round ``k → k+1`` (the paper's Algorithm 1, full local gradients):
+
+1. each client ``i`` takes ``K`` ULA steps on its auxiliary ``z_i``, targeting
+   ``exp(−U_i(z) − ‖z − θ_k‖² / (2ρ_i))``::
+
+       z ← z − γ_i (∇U_i(z) + (z − θ_k)/ρ_i) + √(2γ_i) ξ,     ξ from stream (seed, LOCAL, k, i)
+
+   (step ``j`` of ``K`` uses positions ``[2jd, 2(j+1)d)`` of that stream);
+2. the server draws ``θ_{k+1} | z`` exactly: ``N(Q⁻¹ Σ_i z_i/ρ_i, Q⁻¹)`` with
+   ``Q = Σ_i 1/ρ_i + 1/σ_0²`` for the prior ``N(0, σ_0² I)`` (a flat prior drops the last term),
+   the noise from stream ``(seed, NOISE, k, 0)``.
+
+**What it samples.** Exactly Gibbs (ULA replaced by exact draws), the chain targets ``π_ρ``, whose
+θ-marginal tends to ``π`` as ``ρ → 0``. For the toy Gaussian, ``U_i(z) = N_i ‖z − ȳ_i‖²/2 +
+const``, integrating ``z_i`` out is a Gaussian convolution: the θ-marginal is Gaussian with
+precision ``Σ_i 1/(1/N_i + ρ_i) + 1/σ_0²`` and mean its inverse times ``Σ_i ȳ_i/(1/N_i + ρ_i)``
+(:func:`gaussian_marginal`). ULA on ``z`` moves that law by ``O(γ)``; for the Gaussian the whole
+round is a linear Gaussian recursion, whose stationary law :func:`gaussian_stationary` gives
+exactly (a discrete Lyapunov equation), and the tests compare the chain with it.
+
+Framework-free numpy; the Flower messages, the other engines and the outputs are not built yet
+(issue 23).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from qlsd_flwr.core import rng
+
+
+def local_steps(grad_u, z: np.ndarray, theta: np.ndarray, rho: float, gamma: float, steps: int, seed: int,
+                k: int, i: int) -> np.ndarray:
+    """Client ``i``'s ``K = steps`` ULA steps on ``z`` at round ``k`` (``grad_u(z) = ∇U_i(z)``)."""
+    d = z.shape[-1]
+    xi = rng.normal(seed, rng.Stream.LOCAL, k, i, steps * d).reshape(steps, d)
+    root = np.sqrt(2.0 * gamma)
+    for j in range(steps):
+        z = z - gamma * (grad_u(z) + (z - theta) / rho) + root * xi[j]
+    return z
+
+
+def server_draw(zs: np.ndarray, rho: np.ndarray, prior_var: float, seed: int, k: int) -> np.ndarray:
+    """``θ_{k+1} | z`` (``zs`` ``(b, d)``), exactly."""
+    rho = np.asarray(rho, dtype=np.float64)
+    q = float(np.sum(1.0 / rho)) + (0.0 if not np.isfinite(prior_var) else 1.0 / float(prior_var))
+    mean = np.sum(zs / rho[:, None], axis=0) / q
+    return mean + rng.normal(seed, rng.Stream.NOISE, k, 0, zs.shape[-1]) / np.sqrt(q)
+
+
+def run(task, rho, gamma, steps: int, rounds: int, seed: int = 0, theta0=None) -> np.ndarray:
+    """``rounds`` rounds of DG-LMC on ``task`` (its clients' ``grad_sum``; a Gaussian prior or a
+    flat one); ``rho``, ``gamma``: per client (or one value for all). Returns ``θ_1 … θ_K``
+    ``(rounds, d)``; ``z_i`` starts at ``θ_0``."""
+    b, d = len(task.clients), task.dim
+    rho = np.broadcast_to(np.asarray(rho, dtype=np.float64), (b,)).copy()
+    gamma = np.broadcast_to(np.asarray(gamma, dtype=np.float64), (b,)).copy()
+    prior_var = float(getattr(task.prior, "var", np.inf))
+    theta = np.zeros(d) if theta0 is None else np.asarray(theta0, dtype=np.float64).copy()
+    zs = np.tile(theta, (b, 1))
+    out = np.empty((rounds, d))
+    for k in range(rounds):
+        for i, pot in enumerate(task.clients):
+            zs[i] = local_steps(lambda z, p=pot: p.grad_sum(z), zs[i], theta, rho[i], gamma[i], steps, seed, k, i)
+        theta = server_draw(zs, rho, prior_var, seed, k)
+        out[k] = theta
+    return out
+
+
+def gaussian_marginal(n: np.ndarray, ybar: np.ndarray, rho: np.ndarray, prior_var: float = np.inf):
+    """θ-marginal of ``π_ρ`` for the toy Gaussian (clients of ``n[i]`` points with mean
+    ``ybar[i]``): ``(mean (d,), variance)``, the same variance in every coordinate."""
+    w = 1.0 / (1.0 / np.asarray(n, dtype=np.float64) + np.asarray(rho, dtype=np.float64))
+    prec = float(w.sum()) + (0.0 if not np.isfinite(prior_var) else 1.0 / prior_var)
+    return (w[:, None] * np.asarray(ybar)).sum(axis=0) / prec, 1.0 / prec
+
+
+def gaussian_stationary(n, ybar, rho, gamma, steps: int, prior_var: float = np.inf):
+    """The exact stationary law of DG-LMC's θ on the toy Gaussian, ULA on ``z`` included:
+    ``(mean (d,), variance)``. Per coordinate the round maps ``x = (θ, z_1, …, z_b)`` to
+    ``A x + c + noise`` (local steps, then the exact draw); the stationary mean solves
+    ``(I − A) m = c`` and the covariance ``Σ = A Σ Aᵀ + S`` (solved by ``scipy``)."""
+    from scipy.linalg import solve_discrete_lyapunov
+
+    n, rho, gamma = (np.asarray(v, dtype=np.float64) for v in (n, rho, gamma))
+    ybar = np.asarray(ybar, dtype=np.float64)
+    b = n.size
+    q = float(np.sum(1.0 / rho)) + (0.0 if not np.isfinite(prior_var) else 1.0 / prior_var)
+    # one local step: z_i ← a_i z_i + (γ_i/ρ_i) θ + γ_i N_i ȳ_i + √(2γ_i) ξ, a_i = 1 − γ_i N_i − γ_i/ρ_i
+    a = 1.0 - gamma * n - gamma / rho
+    # K steps (θ fixed): z ← a^K z + (Σ_j a^j)(γ/ρ θ + γ N ȳ) + noise of variance 2γ Σ_j a^{2j}
+    geo = np.array([np.sum(a[i] ** np.arange(steps)) for i in range(b)])
+    geo2 = np.array([np.sum(a[i] ** (2 * np.arange(steps))) for i in range(b)])
+    Z = np.zeros((b + 1, b + 1))  # the map of the local steps on x = (θ, z)
+    Z[0, 0] = 1.0
+    for i in range(b):
+        Z[1 + i, 0] = geo[i] * gamma[i] / rho[i]
+        Z[1 + i, 1 + i] = a[i] ** steps
+    Sz = np.diag(np.concatenate([[0.0], 2.0 * gamma * geo2]))
+    T = np.zeros((b + 1, b + 1))  # then θ ← Σ_i z_i/(ρ_i q) + N(0, 1/q); z kept
+    T[1:, 1:] = np.eye(b)
+    T[0, 1:] = 1.0 / (rho * q)
+    A = T @ Z
+    S = T @ Sz @ T.T
+    S[0, 0] += 1.0 / q
+    cov = solve_discrete_lyapunov(A, S)
+    means = []
+    for y in ybar.T:  # per coordinate: the constant term of the round
+        cz = np.concatenate([[0.0], geo * gamma * n * y])
+        c = T @ cz
+        means.append(np.linalg.solve(np.eye(b + 1) - A, c)[0])
+    return np.array(means), float(cov[0, 0])
