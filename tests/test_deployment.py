@@ -83,7 +83,7 @@ def cluster(tmp_path_factory):
 @pytest.mark.deployment
 def test_insecure_run_three_supernodes(cluster, tmp_path):
     rc = {**BASE, "num-rounds": 2, "burn-in": 0, "reply-timeout": 90.0, "output-dir": str(tmp_path),
-          "run-name": "insecure"}
+          "run-name": "insecure", "progress": True}
     run_id = cluster.run(cluster.app, rc)  # before any SuperNode is up: the ServerApp waits for them
     ensure_nodes(cluster)
     row = cluster.wait(run_id, timeout=200)
@@ -101,6 +101,11 @@ def test_insecure_run_three_supernodes(cluster, tmp_path):
     s = summary_of(run_dir)
     t = s["totals"]
     assert t["n_replied"] == 2 * B and t["n_rejected"] == 0 and s["missed_rounds"] == {}
+    # what the run said reaches flwr log from a deployment's ServerApp process (it does not copy
+    # standard error there): where it writes, its progress line, where its samples are
+    log = cluster.log(run_id)
+    for said in ("qlsd-pp: writing", "2/2 rounds (100 %)", "2 rounds done; samples in"):
+        assert said in log, (said, log[-3000:])
     assert t["bits_bound"] >= t["bits_exact"] > 0
     assert t["bytes_message"] > t["bytes_payload"] > 0
     assert_memory_in_sync(s)

@@ -46,3 +46,40 @@ def test_a_terminal_gets_the_bar_and_off_means_silent():
     bar.update(10)
     bar.close()
     assert quiet.getvalue() == ""
+
+
+def test_under_flwr_run_progress_announcements_and_warnings_go_to_flowers_log():
+    """The ``flwr run`` app sends its lines through Flower's logger (whose uploader a deployment's
+    ``flwr log`` reads), whatever level ``quiet_flower`` set, and not to standard error twice."""
+    import logging
+
+    from qlsd_flwr.flower.server_app import ToFlowerLog, log_into_flower, quiet_flower
+    from qlsd_flwr.outputs.progress import announce, progress_bar, set_sink
+
+    got: list[tuple[int, str]] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            got.append((record.levelno, record.getMessage()))
+
+    flwr_log, ours = logging.getLogger("flwr"), logging.getLogger("qlsd_flwr")
+    keep = Keep()
+    flwr_log.addHandler(keep)
+    try:
+        log_into_flower()
+        quiet_flower(False)  # Flower's own INFO records are dropped; ours are not
+        announce("qlsd-pp: writing /x", True)
+        bar = progress_bar(3, True, "qlsd-pp flower", interval=0.0)
+        bar.update(3)
+        ours.warning("convergence: NOT MIXED")
+        flwr_log.info("Flower's own round log")
+        assert (logging.INFO, "qlsd-pp: writing /x") in got
+        assert any(m.startswith("qlsd-pp flower: 3/3 rounds (100 %)") for _, m in got)
+        assert (logging.WARNING, "convergence: NOT MIXED") in got
+        assert all("Flower's own" not in m for _, m in got)
+    finally:
+        set_sink(None)
+        flwr_log.removeHandler(keep)
+        for h in [h for h in ours.handlers if isinstance(h, ToFlowerLog)]:
+            ours.removeHandler(h)
+        ours.propagate = True

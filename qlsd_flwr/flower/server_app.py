@@ -55,6 +55,33 @@ def evaluate_held_out(cfg, run_dir) -> None:
              f"ECE {ev['ece']:.4f} (evaluation.json; heldout_log_likelihood in samples.nc)", cfg.progress)
 
 
+def flower_line(line: str, level: int = logging.INFO) -> None:
+    """One line into Flower's log, whatever the level ``quiet_flower`` set (its handlers: the
+    console, and in a deployment's ServerApp process the uploader behind ``flwr log``)."""
+    flwr_log = logging.getLogger("flwr")
+    flwr_log.handle(flwr_log.makeRecord(flwr_log.name, level, __file__, 0, line, (), None))
+
+
+class ToFlowerLog(logging.Handler):
+    """The package's own log records (the convergence report, warnings) into Flower's log."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        flower_line(record.getMessage(), record.levelno)
+
+
+def log_into_flower() -> None:
+    """Under ``flwr run``: progress, announcements and the package's log records go to Flower's
+    log, which ``flwr log`` shows on every path (a deployment's ServerApp process does not copy
+    standard error there)."""
+    from qlsd_flwr.outputs.progress import set_sink
+
+    set_sink(flower_line)
+    ours = logging.getLogger("qlsd_flwr")
+    if not any(isinstance(h, ToFlowerLog) for h in ours.handlers):
+        ours.addHandler(ToFlowerLog())
+        ours.propagate = False
+
+
 def make_server_app(overrides: dict | None = None, sink: dict | None = None,
                     strategy_kwargs: dict | None = None, evaluate: bool = False) -> ServerApp:
     """A ServerApp; ``overrides`` are run-config values, ``sink`` receives the finished strategy
@@ -66,6 +93,8 @@ def make_server_app(overrides: dict | None = None, sink: dict | None = None,
     @app.main()
     def main(grid: Grid, context: Context) -> None:
         one_line_errors()  # before the configuration is read: its errors too
+        if evaluate:  # the flwr run app: progress, announcements and warnings into flwr log
+            log_into_flower()
         cfg = resolve(flwr_run_config({**dict(context.run_config), **(overrides or {})}))  # resume: the saved keys
         quiet_flower(cfg.verbose)
         task = loading.load_task(cfg)

@@ -11,6 +11,27 @@ import sys
 import time
 
 
+_SINK = None  # where lines go instead of a stream (set_sink): Flower's log under `flwr run`
+
+
+def set_sink(sink) -> None:
+    """Send every progress and announcement line to ``sink(line)`` instead of standard error
+    (``None``: back to standard error). The ``flwr run`` ServerApp sets Flower's logger here: a
+    deployment's ServerApp process does not copy standard error into ``flwr log``, Flower's
+    logger reaches it on every path."""
+    global _SINK
+    _SINK = sink
+
+
+class _SinkStream:
+    def write(self, text: str) -> None:
+        if _SINK is not None and text.strip():
+            _SINK(text.rstrip("\n"))
+
+    def flush(self) -> None:
+        pass
+
+
 class _Silent:
     def update(self, n: int = 1) -> None:
         pass
@@ -58,6 +79,8 @@ def progress_bar(total: int, enabled: bool, desc: str, stream=None, interval: fl
     one-line summaries every ``interval`` seconds when it is not, nothing when not ``enabled``."""
     if not enabled:
         return _Silent()
+    if stream is None and _SINK is not None:
+        return _Lines(total, desc, _SinkStream(), interval)
     stream = sys.stderr if stream is None else stream
     if not (hasattr(stream, "isatty") and stream.isatty()):
         return _Lines(total, desc, stream, interval)
@@ -71,6 +94,6 @@ def announce(message: str, enabled: bool, stream=None) -> None:
     """One line beside the progress display (where a run writes, what it wrote): the place a
     user of ``flwr log`` looks."""
     if enabled:
-        stream = stream or sys.stderr
+        stream = stream or (_SinkStream() if _SINK is not None else sys.stderr)
         stream.write(message + "\n")
         stream.flush()
