@@ -35,7 +35,6 @@ def map_train(pot, epochs: int, lr: float, batch_size: int, weight_decay: float,
 
     gen = torch.Generator().manual_seed(int(seed))
     opt = torch.optim.SGD(pot.params, lr=float(lr), weight_decay=float(weight_decay))
-    per = pot._per_example or (lambda out, y: torch.nn.functional.cross_entropy(out, y, reduction="none"))
     n, last = pot.n_data, 0.0
     pot.model.train()
     for _ in range(int(epochs)):
@@ -44,7 +43,7 @@ def map_train(pot, epochs: int, lr: float, batch_size: int, weight_decay: float,
         for s in range(0, n, int(batch_size)):
             sel = perm[s:s + int(batch_size)]
             opt.zero_grad()
-            loss = per(pot.model(pot.X[sel]), pot.y[sel]).mean()
+            loss = pot.example_losses(pot.model(pot.X[sel]), pot.y[sel]).mean()
             loss.backward()
             opt.step()
             total += float(loss.detach()) * len(sel)
@@ -81,15 +80,10 @@ def make_fedavg_client_app(potential_fn: Callable, *, prior_var: float, n_total:
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:
-        import torch
-
         pot = potential_fn(context)
         i = int(context.node_config.get("partition-id", 0))
         rnd = int(msg.content["config"].get("server-round", 0)) if "config" in msg.content else 0
-        state = msg.content["arrays"].to_torch_state_dict()
-        with torch.no_grad():
-            for name, p in pot.model.named_parameters():
-                p.copy_(state[name].to(p.dtype))
+        load_arrays(pot, msg.content["arrays"])
         loss = map_train(pot, local_epochs, lr, batch_size, wd, (seed * 1_000_003 + rnd) * 10_007 + i)
         content = RecordDict({"arrays": ArrayRecord(pot.named_arrays()),
                               "metrics": MetricRecord({"num-examples": int(pot.n_data), "train-loss": float(loss)})})
@@ -108,14 +102,22 @@ def fedavg_strategy(num_clients: int):
                   min_available_nodes=b)
 
 
-def plug_in_probs(pot, arrays, X) -> np.ndarray:
-    """``softmax(model_θ̂(X))`` for the weights ``arrays`` (an ``ArrayRecord``, e.g. FedAvg's
-    ``result.arrays``), as float64 ``(n, K)``: FedAvg's plug-in predictive."""
+def load_arrays(pot, arrays) -> None:
+    """The weights of ``arrays`` (an ``ArrayRecord`` keyed like ``named_parameters()``) into ``pot``'s model."""
     import torch
 
     state = arrays.to_torch_state_dict()
     with torch.no_grad():
         for name, p in pot.model.named_parameters():
             p.copy_(state[name].to(p.dtype))
+
+
+def plug_in_probs(pot, arrays, X) -> np.ndarray:
+    """``softmax(model_θ̂(X))`` for the weights ``arrays`` (an ``ArrayRecord``, e.g. FedAvg's
+    ``result.arrays``), as float64 ``(n, K)``: FedAvg's plug-in predictive."""
+    import torch
+
+    load_arrays(pot, arrays)
+    with torch.no_grad():
         out = pot.model(torch.as_tensor(np.asarray(X), dtype=pot.dtype, device=pot.device))
         return torch.softmax(out.double(), dim=-1).cpu().numpy()

@@ -91,10 +91,8 @@ def theta_from_arrays(arrays: ArrayRecord, d: int) -> np.ndarray:
 
 
 def labels_from_arrays(arrays: ArrayRecord) -> list[str]:
-    """θ's coordinate names from the record's arrays: ``<name>[i,j,…]`` per entry (``ArrayRecord(
-    pot.named_arrays())`` gives a torch model's ``named_parameters()``); a 1-entry array is its name."""
-    out: list[str] = []
-    for name, a in arrays.items():
-        shape = tuple(int(n) for n in a.shape)
-        out += [name] if shape in ((), (1,)) else [f"{name}[{','.join(map(str, ix))}]" for ix in np.ndindex(*shape)]
-    return out
+    """θ's coordinate names from the record's arrays, ``<name>[i,j,…]`` per entry, as the built-in
+    torch tasks name theirs (``ArrayRecord(pot.named_arrays())`` gives ``named_parameters()``)."""
+    from qlsd_flwr.tasks.registry import tensor_labels
+
+    return tensor_labels([(name, tuple(int(n) for n in a.shape)) for name, a in arrays.items()])

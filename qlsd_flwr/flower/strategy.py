@@ -368,7 +368,8 @@ class QLSDStrategy(Strategy):
     def configure_evaluate(self, server_round, arrays, config, grid) -> Iterable[Message]:
         return []  # a posterior sampler has no client-side evaluation round
 
-    aggregate_evaluate = staticmethod(lambda server_round, replies: None)  # -> MetricRecord | None
+    def aggregate_evaluate(self, server_round, replies) -> MetricRecord | None:
+        return None
 
     # ---- the run ------------------------------------------------------------------------
     def start(self, grid: Grid, initial_arrays: ArrayRecord | None = None, num_rounds: int | None = None,

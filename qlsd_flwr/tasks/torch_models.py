@@ -381,14 +381,21 @@ class TorchPotential:
                 total += float(self._loss_sum(self.model(self.X[sel]), self.y[sel]).double())
         return total
 
+    def example_losses(self, out, y):
+        """``U_ij`` of each example from the model's outputs: the user's loss or ``−log_likelihood``,
+        else the cross-entropy of logits (a tensor of shape ``(n,)``)."""
+        if self._per_example is not None:
+            return self._per_example(out, y)
+        return F.cross_entropy(out, y, reduction="none")
+
     def pointwise_log_lik(self, theta: np.ndarray) -> np.ndarray:
         """``−U_ij(θ)`` for every example: ``log p(y_j | x_j, θ)`` under the default cross-entropy or a
         user's ``log_likelihood``; under a user's ``loss`` it is ``−loss``, a log-likelihood only if
         that loss is a normalised negative log-density (the federated LOO's input)."""
         self._load(theta)
-        per = self._per_example or (lambda out, y: F.cross_entropy(out, y, reduction="none"))
         with torch.no_grad():
-            parts = [per(self.model(self.X[sel]), self.y[sel]).double().reshape(-1) for sel in self._chunks(None)]
+            parts = [self.example_losses(self.model(self.X[sel]), self.y[sel]).double().reshape(-1)
+                     for sel in self._chunks(None)]
         return -torch.cat(parts).cpu().numpy() if parts else np.zeros(0)
 
     def predict_proba(self, theta_samples: np.ndarray, X, batch_size: int | None = None) -> np.ndarray:
