@@ -272,11 +272,14 @@ def wine_net(b: int = 4):
     return clients, PRIOR_VAR, X
 
 
-def run_bnn(out: Path, rounds: int = 4000, net: str = "wine") -> dict:
+def run_bnn(out: Path, rounds: int = 4000, net: str = "wine", metrics=("identity", "diagonal"),
+            adapt_rounds: int = 1000) -> dict:
     """A small network against full-batch HMC (4 chains × 2,000 draws after 500 warm-up, 20
     leapfrog steps): the predictive's agreement (same argmax) and total variation (Izmailov et al.
     2021) on the evaluation inputs, against the TV between the two halves of the HMC reference
-    (chains 0–1 against 2–3). ``net``: ``wine`` (:func:`wine_net`) or ``digits`` (:func:`digits_mlp`)."""
+    (chains 0–1 against 2–3). ``net``: ``wine`` (:func:`wine_net`) or ``digits`` (:func:`digits_mlp`);
+    ``metrics``: the rows (``identity``, ``diagonal``, ``adapt``: the diagonal metric refined by
+    ``adapt_rounds`` warm-up rounds, ``metric-from = adapt``)."""
     from qlsd_flwr.core.potential import GaussianPrior
     from qlsd_flwr.evaluation.reference import hmc
 
@@ -302,7 +305,10 @@ def run_bnn(out: Path, rounds: int = 4000, net: str = "wine") -> dict:
     rows = {"hmc": {"seconds": t_ref, "acceptance": float(np.mean(ref.acceptance)),
                     "tv_between_halves": tv(p_a, p_b), "agreement_between_halves": agree(p_a, p_b)}}
     print("hmc", json.dumps(rows["hmc"]), flush=True)
-    for label, ov in (("identity, gamma = auto", {"metric": "identity"}), ("diagonal", {"metric": "diagonal"})):
+    every = {"identity": ("identity, gamma = auto", {"metric": "identity"}), "diagonal": ("diagonal", {"metric": "diagonal"}),
+             "adapt": (f"diagonal, adapt ({adapt_rounds} warm-up rounds)",
+                       {"metric": "diagonal", "metric-from": "adapt", "adapt-rounds": adapt_rounds})}
+    for label, ov in (every[m] for m in metrics):
         cfg = resolve({"task": "gaussian", "num-clients": b, "dim": task.dim, "variant": "qlsd-pp", "s": "16", "l": 20,
                        "batch-fraction": 0.25, "gamma": "auto", "init": "dispersed", "num-chains": 4,
                        "num-rounds": rounds, "burn-in": rounds // 2, "theta-star": "optimise", "opt-rounds": 2000,
@@ -319,9 +325,11 @@ def run_bnn(out: Path, rounds: int = 4000, net: str = "wine") -> dict:
         print(label, json.dumps(rows[label]), flush=True)
     suffix = "" if net == "wine" else "_digits"
     result = {"machine": machine(),
-              "command": f"python benchmarks/bench_metric.py --bnn{suffix.replace('_', '-')} --bnn-rounds {rounds}",
+              "command": f"python benchmarks/bench_metric.py --bnn{suffix.replace('_', '-')} --bnn-rounds {rounds}"
+                         f" --bnn-metrics {','.join(metrics)}",
               "net": net, "dim": task.dim, "rows": rows}
-    (out / f"metric_bnn{suffix}.json").write_text(json.dumps(result, indent=2))
+    tag = "" if tuple(metrics) == ("identity", "diagonal") else "_" + "_".join(metrics)
+    (out / f"metric_bnn{suffix}{tag}.json").write_text(json.dumps(result, indent=2))
     return result
 
 
@@ -334,6 +342,9 @@ def main() -> None:
     ap.add_argument("--bnn", action="store_true")
     ap.add_argument("--bnn-digits", action="store_true")
     ap.add_argument("--bnn-rounds", type=int, default=4000, help="rounds of each sampler run (--bnn, --bnn-digits)")
+    ap.add_argument("--bnn-metrics", default="identity,diagonal",
+                    help="comma-separated rows of --bnn/--bnn-digits: identity, diagonal, adapt")
+    ap.add_argument("--adapt-rounds", type=int, default=1000, help="the warm-up of the adapt row")
     a = ap.parse_args()
     out = ROOT / "benchmarks"
     if a.regressions:
@@ -345,9 +356,9 @@ def main() -> None:
     if a.mainjob_steps:
         run_predictive(out, "mainjob_steps")
     if a.bnn:
-        run_bnn(out, rounds=a.bnn_rounds)
+        run_bnn(out, rounds=a.bnn_rounds, metrics=a.bnn_metrics.split(","), adapt_rounds=a.adapt_rounds)
     if a.bnn_digits:
-        run_bnn(out, rounds=a.bnn_rounds, net="digits")
+        run_bnn(out, rounds=a.bnn_rounds, net="digits", metrics=a.bnn_metrics.split(","), adapt_rounds=a.adapt_rounds)
 
 
 if __name__ == "__main__":

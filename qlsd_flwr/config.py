@@ -140,6 +140,8 @@ def not_applicable(raw: dict) -> set[str]:
         out |= {"theta-star", "opt-rounds", "opt-tol", "opt-accept-unconverged"}
     if metric in ("identity",) or metric.endswith(".npy"):
         out.add("metric-from")
+    if "metric-from" in out or str(raw.get("metric-from", "curvature")).strip().lower() != "adapt":
+        out.add("adapt-rounds")
     if str(raw.get("gamma", "")).lower() != "auto":
         out.add("gamma-c")
     return out & set(raw)
@@ -251,7 +253,10 @@ def resolve(overrides: Mapping[str, Any] | None = None) -> RunConfig:
     raw["vectorised-backend"] = _choice("vectorised-backend", raw["vectorised-backend"], ("auto", "numba", "numpy"))
     raw["resume"] = v["resume"]
     metric = _metric_key(raw["metric"])
-    raw["metric-from"] = _choice("metric-from", raw["metric-from"], ("curvature",))
+    raw["metric-from"] = _choice("metric-from", raw["metric-from"], ("curvature", "adapt"))
+    if raw["metric-from"] == "adapt" and metric not in ("diagonal", "dense", "identity") and not metric.endswith(".npy"):
+        raise ConfigError(f"metric-from: adapt refines a diagonal or dense metric (metric = {metric} has no "
+                          "covariance to learn); use metric = diagonal or dense, or metric-from = curvature")
     init = _choice("init", raw["init"], ("theta0", "dispersed"))
     raw["convergence-criterion"] = _choice("convergence-criterion", raw["convergence-criterion"],
                                            ("auto", "theta", "predictive"))

@@ -127,9 +127,13 @@ KEYS: tuple[Key, ...] = (
         "paper's chain), diagonal, dense (d ≤ 2000; noise by its Cholesky factor), kronecker (one dense softmax "
         "layer's K-FAC factors: the logistic tasks), or a path to a .npy of d positive numbers or an SPD d × d "
         "matrix", "M", group=SAMPLER),
-    Key("metric-from", "curvature", "choice", "how a diagonal or dense M is built: the inverse of the prior's "
-        "curvature plus the clients' curvature reports at θ* (exchanges before sampling)", "",
-        choices=("curvature",), group=SAMPLER),
+    Key("metric-from", "curvature", "choice", "how a diagonal or dense M is built: curvature (the inverse of the "
+        "prior's curvature plus the clients' curvature reports at θ*, exchanges before sampling) or adapt (that "
+        "metric refined by the covariance of a warm-up chain on exact gradients, in doubling windows, frozen "
+        "before the first round: docs/METRIC.md)", "", choices=("curvature", "adapt"), group=SAMPLER),
+    Key("adapt-rounds", 300, "int", "rounds of metric-from = adapt's warm-up (each: one exact-gradient exchange "
+        "per chain with every client); the sampling chains continue from its end", "", lo=20, cap=10**7,
+        group=SAMPLER),
     Key("temperature", 1.0, "float", "the chain targets π^(1/T): T = 1 the posterior, T < 1 a cooled one (the "
         "noise is scaled by √T)", "T", lo=0, open_lo=True, cap=1e6, group=SAMPLER),
     Key("init", "theta0", "choice", "where chains start: the task's θ_0 (all chains alike), or dispersed: θ* + 2 "

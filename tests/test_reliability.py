@@ -115,6 +115,10 @@ CASES = {
     "vectorised-numpy-metric": ({"engine": "vectorised", "variant": "qlsd-pp", "p": "0.5", "s": "4", "num-chains": 2,
                                  "metric": "diagonal", "gamma": "auto", "init": "dispersed"},
                                 {"block_rounds": 4, "backend": "numpy"}, 13),
+    # metric-from = adapt: the checkpoint holds the frozen M, so the resume does not rerun the warm-up
+    "inprocess-2-chains-adapt": ({"engine": "inprocess", "variant": "qlsd-pp", "p": "0.5", "s": "4", "num-chains": 2,
+                                  "metric": "dense", "metric-from": "adapt", "adapt-rounds": 30, "gamma": "auto",
+                                  "init": "dispersed"}, {"shuffle_seed": 14}, 14),
 }
 
 

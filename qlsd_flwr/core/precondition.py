@@ -143,11 +143,13 @@ def curvature_point(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: Gra
 
 
 def prepare(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | None,
-            curv_fn: CurvFn | None, chains: int | None = None, n_data=None) -> Prepared:
+            curv_fn: CurvFn | None, chains: int | None = None, n_data=None, warm=None) -> Prepared:
     """θ*, ``M``, ``γ`` and the chains' starts for ``cfg`` (see the module docstring). ``theta0``
     is the task's (or the user's) starting point; ``chains`` the number of chains to start
     (default ``num-chains``); ``n_data`` the clients' ``N_i`` (default the task's: a user's
-    ServerApp knows them from the handshake), the scale of their curvature reports."""
+    ServerApp knows them from the handshake), the scale of their curvature reports; ``warm`` where
+    ``metric-from = adapt`` keeps its warm-up's state (``load()``, ``save(state)``, ``clear()``:
+    :func:`qlsd_flwr.outputs.checkpoint.warmup_store`), or ``None``."""
     check(cfg, task.dim)
     n_data = task.n_data if n_data is None else np.asarray(n_data, dtype=np.int64)
     C = int(cfg.num_chains if chains is None else chains)
@@ -165,8 +167,8 @@ def prepare(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | No
     # 2. the metric
     if needs_curvature(cfg):
         if curv_fn is None:
-            raise ConfigError("metric-from = curvature: this path cannot ask its clients for their curvature (the "
-                              "legacy Flower API); use the Message-API strategy, or metric = <file.npy>")
+            raise ConfigError(f"metric-from = {cfg.get('metric-from')}: this path cannot ask its clients for their "
+                              "curvature (the legacy Flower API); use the Message-API strategy, or metric = <file.npy>")
         metric, cinfo = _curvature_metric(cfg, task, point, curv_fn, n_data)
         _merge_reports(info, cinfo)
     else:
@@ -180,9 +182,34 @@ def prepare(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | No
                     "variant (lsd-pp, lsd-star), a larger s, or check against a reference (docs/METRIC.md)",
                     spread, mt.COMPRESSED_SPREAD_WARN)
     # 3. the step
+    gamma = _step(cfg, grad_fn, point, metric, info, quiet=adapts(cfg))  # announced once, after the warm-up
+    # 4. the starts
+    starts = None
+    if cfg.init == "dispersed":
+        scale: Metric | np.ndarray = metric
+        if metric.is_identity:
+            pv = prior_curvature(task, point)
+            scale = np.where(pv > 0, 1.0 / np.sqrt(np.where(pv > 0, pv, 1.0)), 1.0)
+        starts = mt.dispersed_starts(point, scale, C, cfg.seed, spread=2.0 * math.sqrt(cfg.temperature))
+        info["init"] = "dispersed"
+    # 5. metric-from = adapt: the warm-up refines M (and γ), and the chains continue from its end
+    if adapts(cfg):
+        metric, gamma, starts = _adapt(cfg, grad_fn, point, metric, gamma, starts, theta0, C, info, warm)
+    info.update({"metric": metric.to_json(), "metric_kind": metric.kind, "gamma_used": gamma, "gamma_auto": bool(cfg.gamma_auto),
+                 "temperature": cfg.temperature})
+    ts = point if needs_theta_star(cfg) else None
+    return Prepared(ts, info, metric, gamma, starts)
+
+
+def _step(cfg: RunConfig, grad_fn: GradFn | None, point: np.ndarray, metric: Metric, info: dict,
+          iters: int = 60, tol: float = 1e-2, quiet: bool = False) -> float:
+    """γ for ``metric``: ``c / λ_max(M^{1/2} ∇²U(θ*) M^{1/2})`` with ``gamma = auto``; otherwise the
+    given γ, with a warning when it is beyond the estimated stability limit."""
     gamma = cfg.gamma
     if (cfg.gamma_auto or not metric.is_identity) and grad_fn is not None:
-        lam, iters = mt.lambda_max(grad_fn, point, metric, cfg.seed)
+        lam, iters = mt.lambda_max(grad_fn, point, metric, cfg.seed, iters=iters, tol=tol)
+        if quiet and not (cfg.gamma_auto and lam <= 0):  # the warm-up's own steps: no announcement
+            return float(cfg.get("gamma-c")) / lam if cfg.gamma_auto else gamma
         info.update({"lambda_max": lam, "lambda_max_iterations": iters})
         c = float(cfg.get("gamma-c"))
         stable = mt.GAMMA_AUTO_C / lam if lam > 0 else None
@@ -204,19 +231,40 @@ def prepare(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | No
                           "API); give a numeric gamma")
     if not math.isfinite(gamma) or gamma <= 0:
         raise ConfigError(f"gamma: the chosen step {gamma!r} is not a positive number")
-    # 4. the starts
-    starts = None
-    if cfg.init == "dispersed":
-        scale: Metric | np.ndarray = metric
-        if metric.is_identity:
-            pv = prior_curvature(task, point)
-            scale = np.where(pv > 0, 1.0 / np.sqrt(np.where(pv > 0, pv, 1.0)), 1.0)
-        starts = mt.dispersed_starts(point, scale, C, cfg.seed, spread=2.0 * math.sqrt(cfg.temperature))
-        info["init"] = "dispersed"
-    info.update({"metric": metric.to_json(), "metric_kind": metric.kind, "gamma_used": gamma, "gamma_auto": bool(cfg.gamma_auto),
-                 "temperature": cfg.temperature})
-    ts = point if needs_theta_star(cfg) else None
-    return Prepared(ts, info, metric, gamma, starts)
+    return gamma
+
+
+def adapts(cfg: RunConfig) -> bool:
+    """Whether the metric is refined by the warm-up of :mod:`qlsd_flwr.core.adapt`."""
+    return cfg.metric in ("diagonal", "dense") and str(cfg.get("metric-from")) == "adapt"
+
+
+def _adapt(cfg: RunConfig, grad_fn: GradFn, point: np.ndarray, metric: Metric, gamma: float,
+           starts: np.ndarray | None, theta0: np.ndarray, C: int, info: dict, warm=None):
+    """The warm-up (:func:`qlsd_flwr.core.adapt.warmup`) from the chains' starts (or from the state
+    ``warm`` kept of a warm-up that was stopped), then the step for the frozen metric; returns
+    ``(M, γ, starts)``."""
+    from qlsd_flwr.core.adapt import AdaptError, warmup
+
+    begin = np.repeat(np.asarray(theta0, dtype=np.float64)[None, :], C, axis=0) if starts is None else starts
+    restep = (lambda m: _step(cfg, grad_fn, point, m, info, iters=20, tol=5e-2, quiet=True)) if cfg.gamma_auto \
+        else None
+    rounds = int(cfg.get("adapt-rounds"))
+    state = None if warm is None else warm.load(C, point.size, metric.kind)
+    if state is not None:
+        log.info("metric-from = adapt: continuing the warm-up from its round %d (%s)", state["r"], warm.path)
+    try:
+        metric, gamma, ends, ainfo = warmup(grad_fn, begin, metric, gamma, rounds, cfg.seed, cfg.temperature, restep,
+                                            state, None if warm is None else warm.save, cfg.checkpoint_every)
+    except AdaptError as exc:
+        raise ConfigError(str(exc)) from None
+    if warm is not None:
+        warm.clear()
+    info.update(ainfo)
+    gamma = _step(cfg, grad_fn, point, metric, info)
+    log.info("metric-from = adapt: %d warm-up rounds × %d chains on exact gradients, %d windows; the metric's "
+             "scales now span %.3g", rounds, C, len(ainfo["adapt_windows"]), metric.spread())
+    return metric, gamma, ends
 
 
 def _curvature_metric(cfg: RunConfig, task: Task, point: np.ndarray, curv_fn: CurvFn, n_data: np.ndarray):

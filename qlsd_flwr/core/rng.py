@@ -39,6 +39,7 @@ class Stream(IntEnum):
     INIT = 5  # θ_0 when drawn at random
     DATA = 6  # synthetic data generation
     LOCAL = 7  # local Langevin steps on a client (DG-LMC's z_i), client i, round k
+    ADAPT = 8  # the warm-up chain of metric-from = adapt (its round r, client 0)
 
 
 def _mix(z: np.ndarray) -> np.ndarray:

@@ -25,7 +25,7 @@ from qlsd_flwr.core.oracles import (
 from qlsd_flwr.core.potential import Task
 from qlsd_flwr.core import precondition
 from qlsd_flwr.outputs import loo
-from qlsd_flwr.outputs.checkpoint import resume_dir
+from qlsd_flwr.outputs.checkpoint import resume_dir, warmup_store
 from qlsd_flwr.outputs.observer import RunOutputs
 from qlsd_flwr.outputs.progress import progress_bar
 from qlsd_flwr.protocol import build
@@ -65,7 +65,8 @@ def run_local(cfg: RunConfig, task: Task | None = None, write: bool = True,
     if resuming and not wire:
         raise ValueError("resume needs the protocol path (wire=True)")
     prep = None if resuming else precondition.prepare(  # resume: θ*, M and γ are in the checkpoint
-        cfg, task, build.theta0_of(task), *build.direct_exchanges(cfg, task, specs))
+        cfg, task, build.theta0_of(task), *build.direct_exchanges(cfg, task, specs),
+        warm=warmup_store(cfg) if write and wire else None)
     theta_star, ts_info = (None, {}) if prep is None else (prep.theta_star, prep.info)
     bar = progress_bar(cfg.num_rounds, cfg.progress if progress is None else progress, f"{cfg.variant} local")
     if not wire:

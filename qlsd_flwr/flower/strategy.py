@@ -62,7 +62,7 @@ from qlsd_flwr.flower.loo_phase import after_sampling
 from qlsd_flwr.flower.nodes import NodeRegistry, load_bound_keys
 from qlsd_flwr.flower.records import labels_from_arrays, record_fields, theta_from_arrays, to_content
 from qlsd_flwr.flower.sizing import message_nbytes
-from qlsd_flwr.outputs.checkpoint import resume_dir
+from qlsd_flwr.outputs.checkpoint import resume_dir, warmup_store
 from qlsd_flwr.outputs.observer import RunOutputs
 from qlsd_flwr.outputs.progress import announce, progress_bar
 from qlsd_flwr.protocol import build
@@ -282,6 +282,7 @@ class QLSDStrategy(Strategy):
         self.nodes = NodeRegistry(cfg.b, task.dim, bound)
         self.failure_sink = failure_sink
         self.on_round = on_round  # called with the strategy after each round (tests, monitoring)
+        self._warm = warmup_store(cfg) if write else None  # metric-from = adapt's warm-up state
         self._sent: dict[int, int] = {}  # node id -> client, this round
         self._settings_sent: set[int] = set()  # clients sent their settings (see configure_train)
         self._sent_ids: dict[str, int] = {}  # message id -> client (replies the SuperLink made)
@@ -416,7 +417,7 @@ class QLSDStrategy(Strategy):
             cfg, self.task, build.theta0_of(self.task) if theta0 is None else theta0,
             lambda th: self._full_grad(grid, th, self._timeout),
             lambda th, kind: self._curvature(grid, th, kind, self._timeout),
-            n_data=[self.nodes.n_data.get(i, 1) for i in range(cfg.b)])
+            n_data=[self.nodes.n_data.get(i, 1) for i in range(cfg.b)], warm=self._warm)
         if prep is None:
             self.server.begin(None, {}, theta0)
         else:

@@ -37,6 +37,7 @@ would have (see :mod:`qlsd_flwr.protocol.wire`), with no ``resync`` round lost.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -387,3 +388,72 @@ def _check_server_chain(meta: dict, arrays: dict, bad) -> None:
 def recorder_part(meta: dict, arrays: dict) -> dict:
     """The output recorder's saved position (for :class:`qlsd_flwr.outputs.recorder.Recorder`)."""
     return {**meta["recorder"], **{k[4:]: v for k, v in arrays.items() if k.startswith("rec_")}}
+
+
+# ------------------------------------------------------------------------------ the warm-up's state
+class WarmupStore:
+    """Where ``metric-from = adapt`` keeps its warm-up's state (:mod:`qlsd_flwr.core.adapt`) while
+    it runs: ``<output-dir>/.warmup-<digest>.npz``, the digest of the keys that change the chain (the
+    run folder is written only once ``M`` is frozen). A run stopped during the warm-up and started
+    again with the same keys continues it from there, bit for bit; the file is removed when the
+    warm-up ends (``M`` then lives in the run folder's checkpoint)."""
+
+    def __init__(self, cfg: RunConfig):
+        chain_keys = {k: str(v) for k, v in sorted(cfg.raw.items()) if k not in RESUME_FREE_KEYS}
+        digest = hashlib.sha1(json.dumps(chain_keys, sort_keys=True).encode()).hexdigest()[:16]
+        self.path = Path(str(cfg.get("output-dir"))) / f".warmup-{digest}.npz"
+        self.config = chain_keys
+
+    def save(self, state: dict) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        arrays = {"theta": state["theta"], "kept": state["kept"], "metric": state["metric"].array()}
+        save(self.path, arrays, {"kind": "warmup", "config": self.config, "r": state["r"], "w_idx": state["w_idx"],
+                                 "gamma": state["gamma"], "history": state["history"]})
+
+    def load(self, chains: int, d: int, kind: str) -> dict | None:
+        """The state kept, checked against this run (``chains`` chains, ``d`` coordinates, a ``kind``
+        metric), or ``None`` when there is none; :class:`CheckpointError` naming the file and field."""
+        if not self.path.exists():
+            return None
+        from qlsd_flwr.core.metric import Metric, MetricError
+
+        meta, a = load(self.path)
+
+        def bad(why: str) -> CheckpointError:
+            return CheckpointError(f"warm-up state {self.path}: {why} (remove the file to start the warm-up again)")
+
+        if meta.get("kind") != "warmup" or meta.get("config") != self.config:
+            raise bad("it belongs to another run")
+        for name in ("r", "w_idx"):
+            if isinstance(meta.get(name), bool) or not isinstance(meta.get(name), int) or meta[name] < 0:
+                raise bad(f"{name} must be an integer >= 0 (got {meta.get(name)!r})")
+        g = meta.get("gamma")
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not (0 < g < VALUE_MAX):
+            raise bad(f"gamma must be a positive number (got {g!r})")
+        if not isinstance(meta.get("history"), list):
+            raise bad("history is not a list")
+        for name, shape in (("theta", (chains, d)), ("kept", (None, chains, d))):
+            x = a.get(name)
+            if x is None or x.dtype.kind != "f" or x.ndim != len(shape) or \
+                    any(s is not None and s != t for s, t in zip(shape, x.shape)) or \
+                    not np.all(np.isfinite(x)) or (x.size and float(np.max(np.abs(x))) > VALUE_MAX):
+                raise bad(f"array {name!r} is not {' × '.join('n' if s is None else str(s) for s in shape)} finite numbers")
+        try:
+            metric = Metric.from_array(a.get("metric"), d)
+        except MetricError as exc:
+            raise bad(str(exc)) from None
+        if metric.kind != kind:
+            raise bad(f"its metric is {metric.kind}, this run's {kind}")
+        return {"r": meta["r"], "w_idx": meta["w_idx"], "gamma": float(g), "metric": metric, "theta": a["theta"],
+                "kept": list(a["kept"]), "history": meta["history"]}
+
+    def clear(self) -> None:
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def warmup_store(cfg: RunConfig) -> WarmupStore | None:
+    """The warm-up's store for a writing run with ``checkpoint-every > 0``, else ``None``."""
+    return WarmupStore(cfg) if cfg.checkpoint_every > 0 else None

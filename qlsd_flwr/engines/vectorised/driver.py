@@ -132,7 +132,7 @@ def run_side_by_side(cfgs, task: Task | None = None, write: bool = False, keep_t
     task = task if task is not None else loading.load_task(ref)
     which = backend_for(cfgs, task, str(ref.get("vectorised-backend")) if backend is None else backend)
     d, nchain, K = task.dim, ref.num_chains, ref.num_rounds
-    parts = [_parts(cfg, task) for cfg in cfgs]
+    parts = [_parts(cfg, task, write) for cfg in cfgs]
     cfgs = [dataclasses.replace(c, gamma=pt[1].gamma) if c.gamma_auto else c for c, pt in zip(cfgs, parts)]
     ref = cfgs[0]
     stats = [ChainStats(nchain, d) for _ in cfgs]
@@ -256,14 +256,16 @@ def run_side_by_side(cfgs, task: Task | None = None, write: bool = False, keep_t
     return results
 
 
-def _parts(cfg: RunConfig, task: Task):
-    """Client specs, server spec, θ* and its facts for ``cfg`` (as the other engines build them)."""
+def _parts(cfg: RunConfig, task: Task, write: bool = True):
+    """Client specs, server spec, θ* and its facts for ``cfg`` (as the other engines build them);
+    a writing run keeps the ``metric-from = adapt`` warm-up's state (:func:`ckpt.warmup_store`)."""
     d = task.dim
     build.check_clients(task)
     build.warn_if_unstable(cfg, task)
     blocks = build.blocks_for(cfg, task)
     specs = [build.client_spec(cfg, i, task.clients[i].n_data, d, task.prior, blocks) for i in range(cfg.b)]
-    prep = precondition.prepare(cfg, task, build.theta0_of(task), *build.direct_exchanges(cfg, task, specs))
+    prep = precondition.prepare(cfg, task, build.theta0_of(task), *build.direct_exchanges(cfg, task, specs),
+                                warm=ckpt.warmup_store(cfg) if write else None)
     spec = build.server_spec(precondition.apply(cfg, prep), task, prep.theta_star, blocks, prep.metric)
     return specs, spec, prep.theta_star, prep.info, prep.theta0
 
