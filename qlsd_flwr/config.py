@@ -312,16 +312,27 @@ def _check_biased_aggregation(variant: str, oracle: str, aggregation: str, p: np
 MEMORY_SHARE = 0.8
 
 
-def memory_estimate(cfg: RunConfig, d: int) -> int:
+def memory_estimate(cfg: RunConfig, d: int, keep_trace: bool = False) -> int:
     """Bytes the server side of ``cfg`` holds for a task of dimension ``d``: per chain θ and the
-    step's temporaries, the clients' memory mirrors ``η_i`` (``num-clients × d``), the anchor, and a
-    dense metric's two ``d × d`` matrices. Each key is within its own cap; this is their product."""
+    step's temporaries, the clients' memory mirrors ``η_i`` (``num-clients × d``), the anchor, a
+    dense metric's two ``d × d`` matrices, the ``metric-from = adapt`` warm-up's kept window (at most
+    three quarters of ``adapt-rounds`` draws per chain) and, with ``keep_trace`` (the programmatic
+    API's every-state trace), ``num-rounds`` states per chain. Each key is within its own cap; this
+    is their product."""
     per_chain = d * (6 + (cfg.b if cfg.memory else 0) + (1 if cfg.oracle == "svrg" else 0))
+    if keep_trace:
+        per_chain += d * int(cfg.num_rounds)
+    if _adapting(cfg):
+        per_chain += d * (3 * int(cfg.get("adapt-rounds")) // 4)
     dense = 2 * d * d if cfg.metric == "dense" else 0
     return 8 * (int(cfg.num_chains) * per_chain + dense)
 
 
-def check_memory(cfg: RunConfig, d: int) -> None:
+def _adapting(cfg: RunConfig) -> bool:
+    return cfg.metric in ("diagonal", "dense") and str(cfg.get("metric-from")) == "adapt"
+
+
+def check_memory(cfg: RunConfig, d: int, keep_trace: bool = False) -> None:
     """Refuse, before anything is allocated, a run whose :func:`memory_estimate` exceeds
     :data:`MEMORY_SHARE` of this machine's physical memory, naming the keys whose product it is."""
     import os
@@ -330,10 +341,13 @@ def check_memory(cfg: RunConfig, d: int) -> None:
         phys = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):  # not a POSIX system: no limit known
         return
-    need = memory_estimate(cfg, d)
+    need = memory_estimate(cfg, d, keep_trace)
     if need > MEMORY_SHARE * phys:
         mirrors = f" × (6 + num-clients = {cfg.b} memory mirrors)" if cfg.memory else ""
+        trace = f" + num-rounds = {cfg.num_rounds} kept states (keep_trace)" if keep_trace else ""
+        adapt = f" + 3/4 × adapt-rounds = {cfg.get('adapt-rounds')} warm-up draws" if _adapting(cfg) else ""
         raise ConfigError(f"num-chains × dim: the run needs about {need / 2**30:.1f} GiB (num-chains = "
-                          f"{cfg.num_chains} × d = {d}{mirrors} × 8 bytes), over {MEMORY_SHARE:.0%} of this machine's "
-                          f"{phys / 2**30:.1f} GiB; lower num-chains or num-clients")
+                          f"{cfg.num_chains} × d = {d}{mirrors}{trace}{adapt} × 8 bytes), over {MEMORY_SHARE:.0%} of "
+                          f"this machine's {phys / 2**30:.1f} GiB; lower num-chains or num-clients"
+                          f"{', or num-rounds (or keep_trace = False)' if keep_trace else ''}")
 

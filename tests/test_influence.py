@@ -311,3 +311,24 @@ def test_fuzz_the_curvature_exchanges_reports(kind, report):
     assert np.all(np.isfinite(a)) and a.shape == ((3,) if kind == "diagonal" else (3, 3))
     scale = float(np.max(np.abs(a))) or 1.0  # semi-definite up to the round-off a matrix of that scale carries
     assert (np.all(a >= 0) if kind == "diagonal" else np.linalg.eigvalsh(a)[0] >= -1e-9 * scale)
+
+
+@pytest.mark.parametrize("engine", ["local", "vectorised"])
+def test_a_kept_trace_beyond_memory_is_refused_before_it_is_allocated(engine):
+    """``keep_trace`` holds ``num-rounds`` states per chain: with enough rounds, a run that fits
+    without it is refused with the estimate, on the protocol path and on the vectorised engine."""
+    import os
+
+    from qlsd_flwr.config import MEMORY_SHARE, memory_estimate, resolve
+    from qlsd_flwr.engines.local import run_local
+    from qlsd_flwr.engines.vectorised.driver import run_vectorised
+
+    d = 1000
+    o = {"engine": engine, "dim": d, "progress": False}
+    phys = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    rounds = int(2 * MEMORY_SHARE * phys // (8 * d)) + 1
+    cfg = resolve({**o, "num-rounds": rounds, "burn-in": 0})
+    assert memory_estimate(cfg, d) < MEMORY_SHARE * phys < memory_estimate(cfg, d, keep_trace=True)
+    go = run_local if engine == "local" else run_vectorised
+    with pytest.raises(ConfigError, match=r"num-chains × dim: the run needs about .* kept states \(keep_trace\)"):
+        go(cfg, write=False, keep_trace=True)

@@ -32,7 +32,7 @@ import time
 
 import numpy as np
 
-from qlsd_flwr.config import RunConfig
+from qlsd_flwr.config import RunConfig, check_memory
 from qlsd_flwr.core.potential import Task
 from qlsd_flwr.protocol import build
 from qlsd_flwr.protocol.divergence import DivergenceError, divergence_message
@@ -85,6 +85,8 @@ class ChainSet:
                        for c in range(self.C)]
         self.settings = self.chains[0].settings  # seed = the run's; the client adds c for chain c
         self.keep_trace, self.engine_label, self.observer = keep_trace, engine_label, observer
+        if keep_trace:  # the trace is the run's largest allocation: sized before the first round
+            check_memory(cfg, task.dim, keep_trace=True)
         self.trace: list[np.ndarray] = []
         self.unattributed: dict[str, int] = {}  # rejections no chain can be charged with
         self.ts_info: dict = {}

@@ -27,7 +27,7 @@ from collections import deque
 import numpy as np
 
 from qlsd_flwr.compression.format import DecodeError
-from qlsd_flwr.config import ConfigError, RunConfig
+from qlsd_flwr.config import ConfigError, RunConfig, check_memory
 from qlsd_flwr.core import participation
 from qlsd_flwr.core import precondition
 from qlsd_flwr.core import server_step as sampler
@@ -69,6 +69,8 @@ class QLSDServer:
         self.norm_guard = NormGuard(cfg.raw.get("norm-bound", "auto"), cfg.b, task.n_data if task.clients else None)
         self._norm_warned: set[int] = set()
         self.keep_trace, self.engine_label, self.observer = keep_trace, engine_label, observer
+        if keep_trace:  # the trace is the run's largest allocation: sized before the first round
+            check_memory(cfg, task.dim, keep_trace=True)
         self.trace: list[np.ndarray] = []
         self.spec: sampler.ServerSpec | None = None
         self.state: sampler.ServerState | None = None

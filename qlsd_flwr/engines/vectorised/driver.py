@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 
-from qlsd_flwr.config import ConfigError, RunConfig
+from qlsd_flwr.config import ConfigError, RunConfig, check_memory
 from qlsd_flwr.core import precondition
 from qlsd_flwr.core.potential import GaussianPrior, Task
 from qlsd_flwr.outputs import loo
@@ -174,6 +174,9 @@ def run_side_by_side(cfgs, task: Task | None = None, write: bool = False, keep_t
                                    labels=task.meta.get("param_labels"))
             recs.append(rec)
             run_dirs.append(run_dir)
+        if keep_trace:  # the traces are the run's largest allocation: sized before they are made
+            for c in cfgs:
+                check_memory(c, d, keep_trace=True)
         traces = [np.empty((nchain, K, d)) for _ in cfgs] if keep_trace else None
         show = ref.progress if progress is None else progress
         name = labels or (cfgs[0].variant if len(cfgs) == 1 else f"{len(cfgs)} configs")
