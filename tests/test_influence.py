@@ -24,6 +24,7 @@ from qlsd_flwr.tasks.gaussian import build_gaussian_task
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from bench_byzantine import attacker  # noqa: E402
+from bench_theta_star_lie import liar, posterior_without  # noqa: E402
 
 sys.path.pop(0)
 
@@ -142,8 +143,11 @@ def _stop_at(round_: int):
     """A client mod that stops the run (as Ctrl-C does) when client 1 is asked for round ``round_``."""
     seen = []
 
+    from qlsd_flwr.flower.records import from_content
+
     def mod(msg, ctx, call_next):
-        if msg.metadata.message_type == "train" and int(ctx.node_config["partition-id"]) == 1:
+        if msg.metadata.message_type == "train" and int(ctx.node_config["partition-id"]) == 1 and \
+                from_content(msg.content)[0].get("phase") == "sample":  # not the θ* phase's messages
             seen.append(1)
             if len(seen) == round_:
                 raise KeyboardInterrupt
@@ -332,3 +336,44 @@ def test_a_kept_trace_beyond_memory_is_refused_before_it_is_allocated(engine):
     go = run_local if engine == "local" else run_vectorised
     with pytest.raises(ConfigError, match=r"num-chains × dim: the run needs about .* kept states \(keep_trace\)"):
         go(cfg, write=False, keep_trace=True)
+
+
+@pytest.mark.parametrize("chains, when", [(1, "phase"), (2, "phase"), (1, "later")])
+def test_a_lie_in_the_theta_star_phase_is_caught_when_the_client_answers_theta_star_again(tmp_path, chains, when):
+    """Issue 21's probe: +200 per coordinate in the θ* phase, honest afterwards, left QLSD* 11.5 sd
+    off with nothing said. The client's reply to θ* must repeat its ∇U_i(θ*): the two answers differ,
+    it leaves, and the step adds the other clients' claimed sum, so the kept mean is within 1 sd of
+    the posterior without client 0's data (closed form), whichever of its two answers was the lie.
+    With every defence off (norm-bound = off) the same lie moves the mean by many sd."""
+    o = {**GAUSS, "variant": "qlsd-star", "theta-star": "optimise", "prior-var": 5.0, "num-chains": chains, "loo": "off",
+         "output-dir": str(tmp_path)}
+    task = build_gaussian_task(5, 5, 0, prior_var=5.0)
+    mean, sd = posterior_without(task, {0}, 5.0)
+    r = run({**o, "run-name": "defended"}, mods=[liar(200.0, when)])
+    assert r.summary["rejected"].get("theta_star_mismatch") == chains  # each chain's reply to θ*
+    ex = r.summary["excluded"]  # several chains: per chain
+    assert (list(ex) == ["0"]) if chains == 1 else all(list(ex[str(c)]) == ["0"] for c in range(chains))
+    for c in range(chains):
+        assert np.max(np.abs(load_samples(r.run_dir)[c].mean(axis=0) - mean) / sd) <= 1.0
+    if when == "phase" and chains == 1:
+        off = run({**o, "run-name": "off", "norm-bound": "off"}, mods=[liar(200.0)])
+        full = np.sqrt(task.posterior_var)
+        assert np.max(np.abs(_kept_mean(off) - task.posterior_mean) / full) > 5
+        honest = run({**o, "run-name": "honest"})
+        assert "theta_star_mismatch" not in honest.summary["rejected"] and not honest.summary.get("excluded")
+        assert np.max(np.abs(_kept_mean(honest) - task.posterior_mean) / full) <= 1.0
+
+
+def test_a_resumed_run_keeps_the_theta_star_claims_and_the_correction_bit_for_bit(tmp_path):
+    # the liar excluded at round 1; checkpoint at 10, stopped at 13, resumed to 30: every client is
+    # sent θ* again (a resync) and checked against the claims from the checkpoint; the same draws
+    o = {**GAUSS, "variant": "qlsd-star", "theta-star": "optimise", "prior-var": 5.0, "num-rounds": 30, "burn-in": 5,
+         "checkpoint-every": 5, "loo": "off", "output-dir": str(tmp_path)}
+    lie = liar(200.0)
+    whole = run({**o, "run-name": "whole"}, mods=[lie])
+    with pytest.raises(KeyboardInterrupt):
+        run({**o, "run-name": "cut"}, mods=[lie, _stop_at(13)])
+    resumed = run({"resume": str(tmp_path / "cut"), "progress": False}, mods=[lie])
+    assert resumed.summary["resumed_from_round"] == 10
+    assert np.array_equal(load_samples(resumed.run_dir), load_samples(whole.run_dir))
+    assert resumed.summary["excluded"] == {"0": 1} and resumed.summary["rejected"] == {"theta_star_mismatch": 1}

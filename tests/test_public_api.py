@@ -336,3 +336,23 @@ def test_config_json_holds_only_the_keys_that_apply(tmp_path):
 
     assert az.from_netcdf(strategy.run_dir / "samples.nc").posterior["theta_dim_0"].values.tolist()[:2] == \
         ["w[0]", "w[1]"]
+
+
+def test_a_users_resumed_run_keeps_the_coordinate_names_of_its_initial_arrays(tmp_path):
+    # initial_arrays name θ's coordinates; a resume takes no initial_arrays (θ is the checkpoint's):
+    # the names come back from the checkpoint, so samples.nc reads as the uninterrupted run's
+    import arviz as az
+
+    def stop_at_7(strategy):
+        if strategy.state.k == 7:
+            raise KeyboardInterrupt
+
+    kw = dict(num_clients=B, dim=D, output_dir=str(tmp_path), run_name="user", progress=False, checkpoint_every=5,
+              **SAMPLER)
+    with pytest.raises(KeyboardInterrupt):
+        QLSDStrategy(**kw, on_round=stop_at_7).start(InProcessGrid(_user_app("plain"), B, shuffle_seed=1),
+                                                    initial_arrays=ArrayRecord({"w": Array(np.zeros(D))}))
+    again = QLSDStrategy(**{**kw, "resume": str(tmp_path / "user")})
+    again.start(InProcessGrid(_user_app("plain"), B, shuffle_seed=1))
+    names = az.from_netcdf(again.run_dir / "samples.nc").posterior["theta_dim_0"].values.tolist()
+    assert names == [f"w[{j}]" for j in range(D)]

@@ -63,6 +63,9 @@ class ServerSpec:
     theta_star: np.ndarray | None = None
     metric: Metric = Metric()  # M: identity, diagonal, dense or Kronecker (constant during the run)
     temperature: float = 1.0  # T: the chain targets π^{1/T}
+    # QLSD*/LSD* once a client has left the federation: Σ_{j kept} ∇U_j(θ*) (+ ∇U_0(θ*) with the prior on the
+    # server), the control variate's sum, no longer zero without the client's term (None: zero, the paper's)
+    offset: np.ndarray | None = None
 
     @property
     def plain(self) -> bool:
@@ -132,6 +135,8 @@ def server_step(spec: ServerSpec, st: ServerState, seed, g_hat: np.ndarray,
     pt = prior_term(spec, st.theta)
     if pt is not None:
         g = g + pt
+    if spec.offset is not None:
+        g = g + spec.offset
     z = rng.normal(seed, rng.Stream.NOISE, k, 0, st.theta.shape[-1])
     if spec.plain:
         new = st.theta - spec.gamma * g + np.sqrt(2.0 * spec.gamma) * z

@@ -20,6 +20,7 @@ from qlsd_flwr.core import server_step as sampler
 from qlsd_flwr.core.oracles import (
     ClientState,
     client_round,
+    full_local_grad,
     set_anchor,
 )
 from qlsd_flwr.core.potential import Task
@@ -74,6 +75,8 @@ def run_local(cfg: RunConfig, task: Task | None = None, write: bool = True,
     server = QLSDServer(cfg, task, keep_trace=keep_trace, engine_label="local",
                         observer=RunOutputs(cfg, task.dim) if write else None)
     server.begin(theta_star, ts_info, None, prep)
+    if prep is not None:  # QLSD*: the claims at θ* each client's reply to θ* must repeat (protocol.claims)
+        server.set_claims(lambda th: [full_local_grad(s, task.clients[s.index], th) for s in specs])
     bar.update(server.state.k)
     try:
         _rounds(cfg, server, specs, states, task, d, bar)

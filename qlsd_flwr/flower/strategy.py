@@ -422,6 +422,7 @@ class QLSDStrategy(Strategy):
             self.server.begin(None, {}, theta0)
         else:
             self.server.begin(prep.theta_star, prep.info, theta0, prep)
+            self.server.set_claims(lambda th: self._full_grad(grid, th, self._timeout, combine=False))
         self.cfg = cfg = self.server.cfg  # with the step the preparation chose (gamma = auto) or the checkpoint's
         saved = self.server.persist.get("rejoined", {})
         self.nodes.rejoined.update({int(i): list(r) for i, r in saved.items()})
@@ -490,8 +491,9 @@ class QLSDStrategy(Strategy):
                                      timeout)
         return {i: (np.frombuffer(b, dtype="<f8") if len(b) % 8 == 0 else b) for i, b in got.items()}
 
-    def _full_grad(self, grid: Grid, theta: np.ndarray, timeout: float) -> np.ndarray:
-        """``∇U(θ)`` from every client's full local gradient (the θ* optimisation phase)."""
+    def _full_grad(self, grid: Grid, theta: np.ndarray, timeout: float, combine: bool = True):
+        """``∇U(θ)`` from every client's full local gradient (the θ* optimisation phase); the list of
+        them with ``combine = False`` (the claims at θ*, :mod:`qlsd_flwr.protocol.claims`)."""
         replies = self._ask_every_client(grid, {"phase": "grad", "round": -1, "theta": theta}, timeout)
         grads = gradients_of(replies, self.cfg.b, self.d)
-        return build.combine_grads(self.cfg, self.task.prior, grads, theta)
+        return build.combine_grads(self.cfg, self.task.prior, grads, theta) if combine else grads

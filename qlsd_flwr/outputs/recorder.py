@@ -115,7 +115,10 @@ class Recorder:
         self.convergence: dict | None = None
         # names of θ's coordinates (``W[3,1]``, ``conv1.weight[0,0,2,4]``): the ``theta_dim_0``
         # coordinate ArviZ shows (``theta[W[3,1]]``); integers when the task has none
-        self.labels = list(labels) if labels is not None and len(labels) == dim else None
+        if labels is None and resume is not None:  # a resumed run whose front end does not know them (a
+            labels = resume.get("labels")  # user's ServerApp: initial_arrays named them, and go with resume)
+        ok = isinstance(labels, (list, tuple, np.ndarray)) and len(labels) == dim  # a checkpoint's: any JSON
+        self.labels = [str(x) for x in labels] if ok else None
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._lock = lock_run_dir(self.dir)  # before any file of the folder is touched
@@ -207,6 +210,8 @@ class Recorder:
         meta = {"n_draws": self.n_draws, "rounds": self.rounds, "totals": dict(self.totals),
                 "csv_bytes": pos, "elapsed": time.perf_counter() - self.t0,
                 "draws_crc32": self.crc["draws"], "csv_crc32": self.crc["csv"]}
+        if self.labels is not None:
+            meta["labels"] = self.labels
         return meta, {"sum_theta": self.sum_theta.copy(), "sum_theta2": self.sum_theta2.copy()}
 
     def keeps(self, j: int) -> bool:

@@ -95,6 +95,12 @@ class ChainSet:
         self.resumed_from: int | None = None
         self._asked: dict[int, list[int]] = {}
 
+    def set_claims(self, ask) -> None:
+        """:meth:`QLSDServer.set_claims` for every chain, from one exchange (θ* is the run's)."""
+        got: dict = {}
+        for ch in self.chains:
+            ch.set_claims(lambda th: got["g"] if "g" in got else got.setdefault("g", ask(th)))
+
     # ---- what the strategy and the observer read ---------------------------------------------
     @property
     def state(self) -> _Stacked | None:

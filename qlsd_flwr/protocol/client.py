@@ -57,9 +57,14 @@ def _prepare(spec: ClientSpec, pot: LocalPotential, st: ClientState, fields: dic
     return theta, None
 
 
-def _sampled(spec: ClientSpec, st: ClientState, q) -> dict:
-    return {"client": spec.index, "status": "ok", "payload": spec.compressor.encode(q),
-            "anchor_version": st.anchor_version}
+def _sampled(spec: ClientSpec, pot: LocalPotential, st: ClientState, q, fields: dict) -> dict:
+    out = {"client": spec.index, "status": "ok", "payload": spec.compressor.encode(q),
+           "anchor_version": st.anchor_version}
+    if spec.oracle == "star" and "anchor" in fields:
+        # QLSD*: the reply to θ* repeats ∇U_i(θ*), which the server holds against this client's θ* phase
+        # reply (a client that lied there, honest now, is caught: protocol.server.QLSDServer.accept)
+        out["anchor_grad"] = arr_to_bytes(full_local_grad(spec, pot, st.anchor))
+    return out
 
 
 def handle(spec: ClientSpec, pot: LocalPotential, st: ClientState, seed: int, fields: dict, d: int) -> dict:
@@ -67,7 +72,7 @@ def handle(spec: ClientSpec, pot: LocalPotential, st: ClientState, seed: int, fi
     if reply is not None:
         return reply
     q, _ = client_round(spec, pot, st, seed, int(fields["round"]), theta)
-    return _sampled(spec, st, q)
+    return _sampled(spec, pot, st, q, fields)
 
 
 def handle_chains(spec: ClientSpec, pot: LocalPotential, load_state, seed: int, fields: dict,
@@ -90,5 +95,5 @@ def handle_chains(spec: ClientSpec, pot: LocalPotential, load_state, seed: int, 
         outs = client_rounds(spec, pot, [states[c] for c in chains], [seed + c for c in chains],
                              int(fields["round"]), np.stack([theta for _, theta in ready]))
         for c, (q, _) in zip(chains, outs):
-            replies[c] = _sampled(spec, states[c], q)
+            replies[c] = _sampled(spec, pot, states[c], q, per[c])
     return bundle_reply(spec.index, replies), states

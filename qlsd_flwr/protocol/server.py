@@ -45,6 +45,7 @@ from qlsd_flwr.protocol.divergence import (
 )
 from qlsd_flwr.outputs.checkpoint import CheckpointError
 from qlsd_flwr.protocol.norm_guard import GuardStateError, NormGuard
+from qlsd_flwr.protocol.claims import ThetaStarClaims
 from qlsd_flwr.protocol.wire import ReplyError, parse_fields
 
 log = logging.getLogger("qlsd_flwr")
@@ -83,6 +84,7 @@ class QLSDServer:
         self.summary_data: dict = {}
         self.persist: dict = {}  # JSON facts a front end keeps in the checkpoint (e.g. rejoined nodes)
         self.resumed_from: int | None = None
+        self.claims: ThetaStarClaims | None = None  # QLSD*: the θ* phase's ∇U_i(θ*), held to the replies
 
     @property
     def run_dir(self):
@@ -116,6 +118,19 @@ class QLSDServer:
         self.state = sampler.init_state(self.spec, build.theta0_of(self.task) if theta0 is None else theta0)
         self._set_scale()
 
+    def set_claims(self, ask) -> None:
+        """QLSD*/LSD* with θ* from the descent: ``ask(θ*)`` (one more θ* phase exchange, every client's
+        ``∇U_i(θ*)``) becomes what each client's reply to θ* must repeat (:mod:`qlsd_flwr.protocol.claims`)."""
+        ts = self.spec.theta_star
+        if self.cfg.oracle == "star" and ts is not None and self.ts_info.get("theta_star") == "optimise" \
+                and self.norm_guard.mode != "off":  # norm-bound = off: no defence at all, this one included
+            grads = ask(ts)
+            self.claims = ThetaStarClaims(np.stack(grads), build.combine_grads(self.cfg, self.task.prior, grads, ts))
+
+    def _set_offset(self) -> None:
+        if self.claims is not None:  # QLSD* without the excluded clients' terms (protocol.claims)
+            self.spec = dataclasses.replace(self.spec, offset=self.claims.offset(self.norm_guard.excluded))
+
     # ---- checkpoints: the state as plain arrays and JSON ------------------------------------
     def snapshot(self) -> tuple[dict, dict]:
         """``(arrays, meta)``: the chain's whole state after round ``k``, for a checkpoint."""
@@ -123,13 +138,16 @@ class QLSDServer:
         arrays = {"theta": st.theta, "zeta": st.zeta, "eta_i": st.eta_i, "eta": st.eta,
                   "theta_star": self.spec.theta_star, "anchor_acked": self.anchor_acked,
                   "eta_count": self.eta_count, "needs_resync": self.needs_resync,
-                  "metric": self.spec.metric.array()}
+                  "metric": self.spec.metric.array(), **self._claim_arrays()}
         meta = {"kind": "server", "k": int(st.k), "zeta_version": int(st.zeta_version), "gamma": float(self.spec.gamma),
                 "config": self.cfg.raw, "rejected": self.rejected,
                 "missed_rounds": {str(i): r for i, r in self.missed_rounds.items()},
                 "ts_info": self.ts_info, "persist": self.persist, "guard": self.norm_guard.state(),
                 "runaway_scale": self._scale}
         return arrays, meta
+
+    def _claim_arrays(self) -> dict:
+        return {} if self.claims is None else {"claims": self.claims.claims, "claims_total": self.claims.total}
 
     def restore(self, meta: dict, a: dict) -> None:
         """The state of a :meth:`snapshot`; every client is marked as needing a resync."""
@@ -163,6 +181,11 @@ class QLSDServer:
             self.norm_guard.restore(meta.get("guard"))
         except GuardStateError as exc:
             raise CheckpointError(f"checkpoint: {exc}") from None
+        if "claims" in a:
+            if a["claims"].shape != (cfg.b, self.d) or a.get("claims_total", np.zeros(0)).shape != (self.d,):
+                raise CheckpointError(f"checkpoint: 'claims' must be {cfg.b} × {self.d} with a {self.d}-vector total")
+            self.claims = ThetaStarClaims(a["claims"], a["claims_total"])
+            self._set_offset()
         self.rejected = dict(meta["rejected"])
         self.missed_rounds = {int(i): list(r) for i, r in meta["missed_rounds"].items()}
         self.persist = dict(meta.get("persist", {}))
@@ -189,6 +212,7 @@ class QLSDServer:
         self._answered: set[int] = set()
         self._overflow: dict[int, str] = {}  # clients whose codec overflowed (θ running away)
         self._bounds: list[float] = []
+        self._anchor_sent: set[int] = set()  # clients sent θ* this round (their reply repeats ∇U_i(θ*))
         self._row = {"bits_bound": 0.0, "bits_exact": 0, "bytes_payload": 0, "bytes_message": 0, "n_rejected": 0}
         return list(self._active)
 
@@ -201,6 +225,7 @@ class QLSDServer:
                   "anchor_version": int(version), "eta_count": int(self.eta_count[i])}
         if anchor is not None and (self.anchor_acked[i] != version or self.needs_resync[i]):
             fields["anchor"] = anchor
+            self._anchor_sent.add(i)
         if self.cfg.memory and self.needs_resync[i]:
             fields["eta"] = st.eta_i[i]
         return fields
@@ -230,6 +255,11 @@ class QLSDServer:
             # would not fit anchor_acked); either way nothing of it is kept
             if rep["anchor_version"] != self.anchor()[1]:
                 self._reject("stale_anchor")
+                return
+            if self.claims is not None and i in self._anchor_sent and self.claims.broken(i, rep, self.state.k + 1):
+                self._reject("theta_star_mismatch")  # it lied in the θ* phase or lies now: it leaves
+                self.norm_guard.excluded[i] = int(self.state.k) + 1
+                self._set_offset()
                 return
             comp = self.compressors[i]
             q = comp.decode(rep["payload"], self.d)
@@ -301,6 +331,7 @@ class QLSDServer:
         log.warning("client %d: excluded from round %d on: its replies are steadily out of the federation's scale "
                     "per datum (norm-bound = auto, docs/DEPLOYMENT.md; last %.3g); the chain now samples the "
                     "posterior of the other clients' data (summary.json 'excluded')", i, st.k + 1, norms[i])
+        self._set_offset()
 
     def end_round(self) -> dict:
         """The server step for this round, and its records; returns the round's row."""

@@ -116,7 +116,12 @@ def parse_fields(rec: dict | None, expected_client: int) -> dict:
         version = int(rec["anchor_version"])
     except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise ReplyError(f"missing or bad anchor_version: {exc!r}") from exc
-    return {"status": status, "payload": bytes(payload), "anchor_version": version}
+    out = {"status": status, "payload": bytes(payload), "anchor_version": version}
+    if "anchor_grad" in rec:  # QLSD*'s reply to θ*: ∇U_i(θ*) as 8d bytes (checked by the server)
+        if not isinstance(rec["anchor_grad"], (bytes, bytearray)):
+            raise ReplyError("anchor_grad is not bytes")
+        out["anchor_grad"] = bytes(rec["anchor_grad"])
+    return out
 
 
 # ---- several chains in one message ------------------------------------------------------------
@@ -208,10 +213,14 @@ def unbundle_request(fields: dict, d: int) -> dict[int, dict]:
 def bundle_reply(client: int, per_chain: dict[int, dict]) -> dict:
     """One reply's fields from the per-chain replies of :func:`qlsd_flwr.protocol.client.handle`."""
     chains = sorted(per_chain)
-    return {"client": int(client), "chains": chains,
-            "status": [str(per_chain[c]["status"]) for c in chains],
-            "payload": [bytes(per_chain[c].get("payload", b"")) for c in chains],
-            "anchor_version": [int(per_chain[c].get("anchor_version", -1)) for c in chains]}
+    out = {"client": int(client), "chains": chains,
+           "status": [str(per_chain[c]["status"]) for c in chains],
+           "payload": [bytes(per_chain[c].get("payload", b"")) for c in chains],
+           "anchor_version": [int(per_chain[c].get("anchor_version", -1)) for c in chains]}
+    grads = [per_chain[c]["anchor_grad"] for c in chains if "anchor_grad" in per_chain[c]]
+    if grads:  # ∇U_i(θ*): one θ* for every chain, sent once
+        out["anchor_grad"] = grads[0]
+    return out
 
 
 def unbundle_reply(rec: dict | None, asked: list[int]) -> dict[int, dict]:
@@ -237,8 +246,9 @@ def unbundle_reply(rec: dict | None, asked: list[int]) -> dict[int, dict]:
         if not isinstance(v, (list, tuple)) or len(v) != len(chains):
             raise ReplyError(f"{name}: expected one entry per chain ({len(chains)})")
         cols[name] = v
+    extra = {"anchor_grad": rec["anchor_grad"]} if "anchor_grad" in rec else {}
     return {c: {"client": rec.get("client"), "status": cols["status"][j], "payload": cols["payload"][j],
-                "anchor_version": cols["anchor_version"][j]} for j, c in enumerate(chains)}
+                "anchor_version": cols["anchor_version"][j], **extra} for j, c in enumerate(chains)}
 
 
 def memory_report(rec: dict, d: int) -> dict[int, tuple[np.ndarray, int]]:

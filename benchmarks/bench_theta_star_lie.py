@@ -1,0 +1,91 @@
+"""A lie in the θ* phase (issue 21): QLSD* against a client that lies about ``∇U_i(θ*)`` once.
+
+Client 0 of 10 adds a constant to every coordinate of its θ* phase gradients and is honest
+afterwards (``phase``), or is honest there and adds it to the ``∇U_i(θ*)`` its reply to θ* repeats
+(``later``); Flower's in-process path, the toy Gaussian (d = 50, prior N(0, 5 I)), QLSD*
+(``theta-star = optimise``), 1,000 rounds, 500 kept. Measured: the largest ``|mean − reference| /
+sd`` over θ's coordinates of the kept window against the closed-form posterior of all clients and
+of the clients without client 0 (``sd`` each one's own closed-form sd), with the check on
+(``norm-bound = auto``) and off. Target: within 1 sd of the nearer reference.
+
+    python benchmarks/bench_theta_star_lie.py [--rounds 1000] [--offset 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def liar(offset: float, when: str = "phase"):
+    """A client mod: client 0 adds ``offset`` to every coordinate of its θ* phase gradients
+    (``when = "phase"``) and is honest afterwards, or is honest there and adds it to the
+    ``∇U_i(θ*)`` its reply to θ* repeats (``when = "later"``)."""
+    from flwr.app import ConfigRecord
+
+    from qlsd_flwr.flower.records import from_content
+
+    def mod(msg, ctx, call_next):
+        reply = call_next(msg, ctx)
+        if msg.metadata.message_type != "train" or int(ctx.node_config["partition-id"]) != 0:
+            return reply
+        phase = from_content(msg.content)[0].get("phase")
+        rec = dict(reply.content["qlsd"])
+        name = "payload" if when == "phase" else "anchor_grad"
+        if (phase == "grad") == (when == "phase") and name in rec:
+            g = np.frombuffer(bytes(rec[name]), dtype="<f8") + offset
+            reply.content["qlsd"] = ConfigRecord({**rec, name: g.astype("<f8").tobytes()})
+        return reply
+
+    return mod
+
+
+def posterior_without(task, gone: set[int], prior_var: float):
+    """The closed-form posterior mean and sd of the toy Gaussian without the clients ``gone``."""
+    kept = [c for i, c in enumerate(task.clients) if i not in gone]
+    tau = sum(c.n_data for c in kept) + 1.0 / prior_var
+    return sum(c.y_sum for c in kept) / tau, 1.0 / np.sqrt(tau)
+
+
+def main() -> None:
+    from qlsd_flwr.outputs.recorder import load_samples
+    from qlsd_flwr.run.simulate import run
+    from qlsd_flwr.tasks.gaussian import build_gaussian_task
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=1000)
+    ap.add_argument("--offset", type=float, default=200.0)
+    ap.add_argument("--out", default="benchmarks/theta_star_lie.json")
+    a = ap.parse_args()
+    K, b, d, pv = a.rounds, 10, 50, 5.0
+    task = build_gaussian_task(b, d, 0, prior_var=pv)
+    refs = {"all": posterior_without(task, set(), pv), "without 0": posterior_without(task, {0}, pv)}
+    o = {"task": "gaussian", "num-clients": b, "dim": d, "prior-var": pv, "variant": "qlsd-star",
+         "theta-star": "optimise", "engine": "inprocess", "num-rounds": K, "burn-in": K // 2, "loo": "off",
+         "progress": False, "output-dir": tempfile.mkdtemp()}
+    out = {"machine": platform.processor() or platform.machine(), "rounds": K, "offset": a.offset,
+           "command": "python benchmarks/bench_theta_star_lie.py " + " ".join(sys.argv[1:]), "rows": {}}
+    cases = [("honest", None, "auto"), ("lie in the phase", "phase", "auto"), ("lie in the phase", "phase", "off"),
+             ("lie in the reply to θ*", "later", "auto"), ("lie in the reply to θ*", "later", "off")]
+    for label, when, rule in cases:
+        mods = [liar(a.offset, when)] if when else []
+        r = run({**o, "norm-bound": rule, "run-name": f"{label}-{rule}"}, **({"mods": mods} if mods else {}))
+        m = load_samples(r.run_dir)[0].mean(axis=0)
+        row = {f"sd_from_{k}": float(np.max(np.abs(m - mu) / sd)) for k, (mu, sd) in refs.items()}
+        row.update({"excluded": r.summary.get("excluded", {}), "rejected": r.summary.get("rejected", {}),
+                    "opt_converged": r.summary.get("opt_converged")})
+        out["rows"][f"{label}, norm-bound = {rule}"] = row
+        print(label, rule, json.dumps(row), flush=True)
+    Path(a.out).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
