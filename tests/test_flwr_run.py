@@ -85,7 +85,7 @@ def test_flwr_run_dot_from_a_conf_file(local_sim):
     with open(REPO / "conf" / "gaussian_qlsdpp_ray.toml", "rb") as f:
         values = tomllib.load(f)
     values.update({"num-clients": B, "num-rounds": 30, "burn-in": 5, "output-dir": str(out),
-                   "run-name": "dot", "progress": False})
+                   "run-name": "dot", "progress": False, "loo": "pointwise"})
     conf = root / "run.toml"
     conf.write_text("".join(D.format_run_config({k: v}).replace("=", " = ", 1) + "\n" for k, v in values.items()))
     _flwr_run(REPO, conf, env)
@@ -93,6 +93,12 @@ def test_flwr_run_dot_from_a_conf_file(local_sim):
     mine = run({**values, "engine": "local", "output-dir": str(root / "ref"), "run-name": "dot"})
     assert theirs.shape == (1, 25, 50)
     assert np.array_equal(theirs, load_samples(mine.run_dir))
+    # the federated LOO's pointwise log-likelihood reached the flwr run file: az.loo takes it as it is,
+    # and gives the CLI run's number (tests/test_loo.py checks that one against a pooled computation)
+    import arviz as az
+
+    a, b = (az.loo(az.from_netcdf(Path(d) / "samples.nc")) for d in (out / "dot", mine.run_dir))
+    assert np.isfinite(a.elpd_loo) and a.elpd_loo == b.elpd_loo and a.n_data_points == b.n_data_points
 
 
 def test_example_project_through_flwr_run(local_sim, monkeypatch):
