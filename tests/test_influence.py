@@ -292,13 +292,14 @@ _FLOATS = hst.floats(allow_nan=True, allow_infinity=True, width=64)
 @given(replies=hst.dictionaries(hst.integers(-2, 4), hst.one_of(
     hst.binary(max_size=80), hst.lists(_FLOATS, min_size=0, max_size=6).map(lambda v: np.asarray(v).tobytes()))))
 def test_fuzz_the_optimisation_phases_replies(replies):
-    from qlsd_flwr.protocol.wire import PhaseError, gradients_of
+    from qlsd_flwr.protocol.wire import gradient_of
 
-    try:
-        grads = gradients_of(replies, 3, 4)
-    except PhaseError:
-        return
-    assert len(grads) == 3 and all(g.shape == (4,) and np.all(np.isfinite(g)) for g in grads)
+    for payload in replies.values():
+        try:
+            g = gradient_of(payload, 4)
+        except ValueError:
+            continue
+        assert g.shape == (4,) and np.all(np.isfinite(g))
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

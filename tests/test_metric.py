@@ -536,26 +536,57 @@ def test_the_curvature_exchange_and_gamma_auto_through_flower_s_ray_engine(tmp_p
     assert strat.summary_data["gamma"] == ref.summary["gamma"] and strat.summary_data["curvature_reports"] == 4
 
 
-@pytest.mark.parametrize("kind", ["short", "nan"])
-def test_a_bad_gradient_in_the_theta_star_phase_stops_with_the_client_named(kind, tmp_path):
+def _bad_grad(client: int, kind: str, which=lambda n: True):
+    """A client mod: client ``client``'s θ* phase gradients become ``kind`` (``short``: 8 bytes short,
+    ``nan``) on the replies ``which(n)`` selects (``n``: its n-th θ* phase reply)."""
     from flwr.app import ConfigRecord
 
     from qlsd_flwr.flower.records import RECORD, from_content
-    from qlsd_flwr.run.simulate import run_inprocess
+
+    seen = [0]
 
     def mod(msg, ctx, call_next):
         out = call_next(msg, ctx)
-        if from_content(msg.content)[0].get("phase") == "grad" and int(ctx.node_config["partition-id"]) == 2:
-            rec = dict(out.content[RECORD])
-            g = np.frombuffer(rec["payload"], dtype="<f8")
-            rec["payload"] = (g[:-1] if kind == "short" else np.full_like(g, np.nan)).astype("<f8").tobytes()
-            out.content[RECORD] = ConfigRecord(rec)
+        if from_content(msg.content)[0].get("phase") == "grad" and int(ctx.node_config["partition-id"]) == client:
+            seen[0] += 1
+            if which(seen[0]):
+                rec = dict(out.content[RECORD])
+                g = np.frombuffer(rec["payload"], dtype="<f8")
+                rec["payload"] = (g[:-1] if kind == "short" else np.full_like(g, np.nan)).astype("<f8").tobytes()
+                out.content[RECORD] = ConfigRecord(rec)
         return out
 
+    return mod
+
+
+@pytest.mark.parametrize("kind", ["short", "nan"])
+def test_a_client_whose_theta_star_gradients_are_never_usable_is_left_out_and_the_run_goes_on(kind, tmp_path):
+    # it was a stop (one client could end every run): now each bad reply is counted and asked again,
+    # and a client with no usable term is left out; the descent then finds the other clients' mode
+    from qlsd_flwr.run.simulate import run_inprocess
+
     o = {"engine": "inprocess", "variant": "qlsd-star", "theta-star": "optimise", "num-rounds": 5, "burn-in": 0,
-         "dim": 4, "num-clients": 3, "progress": False, "output-dir": str(tmp_path)}
-    with pytest.raises(RuntimeError, match=r"no usable gradient from client\(s\) 2 \((expected 32 bytes|non-finite)"):
-        run_inprocess(resolve(o), o, mods=[mod])
+         "dim": 4, "num-clients": 3, "progress": False, "output-dir": str(tmp_path), "loo": "off"}
+    strat = run_inprocess(resolve(o), o, mods=[_bad_grad(2, kind)])
+    s = strat.summary_data
+    assert s["excluded"] == {"2": 0} and s["rejected"]["phase_reply"] == 2  # the reply and its second ask
+    from qlsd_flwr.tasks.gaussian import build_gaussian_task
+
+    task = build_gaussian_task(3, 4, 0)
+    rest = task.clients[:2]
+    mode = sum(c.y_sum for c in rest) / sum(c.n_data for c in rest)
+    assert np.allclose(strat.server.spec.theta_star, mode, atol=1e-3 / np.sqrt(sum(c.n_data for c in rest)))
+
+
+def test_one_bad_theta_star_reply_is_counted_and_asked_again(tmp_path):
+    from qlsd_flwr.run.simulate import run_inprocess
+
+    o = {"engine": "inprocess", "variant": "qlsd-star", "theta-star": "optimise", "num-rounds": 5, "burn-in": 0,
+         "dim": 4, "num-clients": 3, "progress": False, "output-dir": str(tmp_path), "loo": "off", "run-name": "a"}
+    bad = run_inprocess(resolve(o), o, mods=[_bad_grad(1, "nan", lambda n: n == 3)])
+    ref = run_inprocess(resolve({**o, "run-name": "b"}), {**o, "run-name": "b"})
+    assert bad.summary_data["rejected"] == {"phase_reply": 1} and not bad.summary_data.get("excluded")
+    assert np.array_equal(load_samples(bad.run_dir), load_samples(ref.run_dir))  # the second ask was good
 
 
 def test_qsgd_and_partial_participation_under_a_diagonal_metric_match_the_gaussian_theory(tmp_path):

@@ -60,6 +60,7 @@ from qlsd_flwr.core.priors import check_prior
 from qlsd_flwr.flower import stopping
 from qlsd_flwr.flower.loo_phase import after_sampling
 from qlsd_flwr.flower.nodes import NodeRegistry, load_bound_keys
+from qlsd_flwr.flower.phases import PhaseExchanges
 from qlsd_flwr.flower.records import labels_from_arrays, record_fields, theta_from_arrays, to_content
 from qlsd_flwr.flower.sizing import message_nbytes
 from qlsd_flwr.outputs.checkpoint import resume_dir, warmup_store
@@ -68,7 +69,6 @@ from qlsd_flwr.outputs.progress import announce, progress_bar
 from qlsd_flwr.protocol import build
 from qlsd_flwr.protocol.chains import make_server
 from qlsd_flwr.protocol.divergence import DivergenceError
-from qlsd_flwr.protocol.wire import gradients_of
 
 log = logging.getLogger("qlsd_flwr")
 
@@ -413,16 +413,18 @@ class QLSDStrategy(Strategy):
         self._grid = grid
         self.nodes.handshake(grid, self._timeout)
         self.server.set_counts([self.nodes.n_data.get(i, 1) for i in range(cfg.b)])
+        ph = PhaseExchanges(cfg, self.task, self.nodes, self.server.settings)  # a bad reply: counted, asked again
         prep = None if resuming else precondition.prepare(  # resume: θ*, M and γ are in the checkpoint
             cfg, self.task, build.theta0_of(self.task) if theta0 is None else theta0,
-            lambda th: self._full_grad(grid, th, self._timeout),
-            lambda th, kind: self._curvature(grid, th, kind, self._timeout),
+            lambda th: ph.full_grad(grid, th, self._timeout),
+            lambda th, kind: ph.curvature(grid, th, kind, self._timeout),
             n_data=[self.nodes.n_data.get(i, 1) for i in range(cfg.b)], warm=self._warm)
         if prep is None:
             self.server.begin(None, {}, theta0)
         else:
             self.server.begin(prep.theta_star, prep.info, theta0, prep)
-            self.server.set_claims(lambda th: self._full_grad(grid, th, self._timeout, combine=False))
+            self.server.set_claims(lambda th: ph.gradients(grid, th, self._timeout, stale=False))
+            self.server.leave_out(ph.left_out, ph.rejected)
         self.cfg = cfg = self.server.cfg  # with the step the preparation chose (gamma = auto) or the checkpoint's
         saved = self.server.persist.get("rejoined", {})
         self.nodes.rejoined.update({int(i): list(r) for i, r in saved.items()})
@@ -467,33 +469,3 @@ class QLSDStrategy(Strategy):
                      f"{Path(self.run_dir).resolve() / 'samples.nc'} (arviz.from_netcdf)", cfg.progress)
         result.arrays = ArrayRecord({"theta": Array(np.asarray(self.state.theta))})
         return result
-
-    def _ask_every_client(self, grid: Grid, fields: dict, timeout: float) -> dict[int, bytes]:
-        """Send ``fields`` (with ``client = i``) to every client; ``{i: payload}`` of the replies,
-        each attributed to the node it came from (never to the index it claims)."""
-        msgs = [Message(to_content({**fields, "client": i}, self.server.settings[i]),
-                        self.nodes.node_of[i], MessageType.TRAIN) for i in range(self.cfg.b)]
-        client_of = {self.nodes.node_of[i]: i for i in range(self.cfg.b)}
-        out: dict[int, bytes] = {}
-        for msg in grid.send_and_receive(msgs, timeout=timeout):
-            i = client_of.get(msg.metadata.src_node_id)
-            if i is None or msg.has_error():
-                continue
-            rec = record_fields(msg.content) or {}
-            if isinstance(rec.get("payload"), (bytes, bytearray)):
-                out[i] = bytes(rec["payload"])
-        return out
-
-    def _curvature(self, grid: Grid, theta: np.ndarray, kind: str, timeout: float) -> dict[int, np.ndarray]:
-        """Every client's curvature report at ``θ`` (``metric-from = curvature``), as received:
-        :func:`qlsd_flwr.core.precondition.prepare` validates each."""
-        got = self._ask_every_client(grid, {"phase": "curvature", "round": -1, "theta": theta, "kind": kind},
-                                     timeout)
-        return {i: (np.frombuffer(b, dtype="<f8") if len(b) % 8 == 0 else b) for i, b in got.items()}
-
-    def _full_grad(self, grid: Grid, theta: np.ndarray, timeout: float, combine: bool = True):
-        """``∇U(θ)`` from every client's full local gradient (the θ* optimisation phase); the list of
-        them with ``combine = False`` (the claims at θ*, :mod:`qlsd_flwr.protocol.claims`)."""
-        replies = self._ask_every_client(grid, {"phase": "grad", "round": -1, "theta": theta}, timeout)
-        grads = gradients_of(replies, self.cfg.b, self.d)
-        return build.combine_grads(self.cfg, self.task.prior, grads, theta) if combine else grads

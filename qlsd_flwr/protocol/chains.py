@@ -101,6 +101,13 @@ class ChainSet:
         for ch in self.chains:
             ch.set_claims(lambda th: got["g"] if "g" in got else got.setdefault("g", ask(th)))
 
+    def leave_out(self, clients, rejected: int = 0) -> None:
+        """:meth:`QLSDServer.leave_out` for every chain; the refused replies counted once."""
+        for ch in self.chains:
+            ch.leave_out(clients)
+        if rejected:
+            self.unattributed["phase_reply"] = self.unattributed.get("phase_reply", 0) + int(rejected)
+
     # ---- what the strategy and the observer read ---------------------------------------------
     @property
     def state(self) -> _Stacked | None:

@@ -43,6 +43,10 @@ class ThetaStarClaims:
         self.claims = np.asarray(claims, dtype=np.float64)  # (b, d): c_i
         self.total = np.asarray(total, dtype=np.float64)  # r = Σ_i c_i (+ ∇U_0(θ*) on the server)
 
+    def arrays(self) -> dict:
+        """For checkpoints."""
+        return {"claims": self.claims, "claims_total": self.total}
+
     def differs(self, i: int, a: np.ndarray) -> float | None:
         """The relative difference of client ``i``'s sampling-time ``∇U_i(θ*)`` from its claim, when
         over :data:`RTOL`; ``None`` when they agree."""

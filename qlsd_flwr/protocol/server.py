@@ -127,6 +127,12 @@ class QLSDServer:
             grads = ask(ts)
             self.claims = ThetaStarClaims(np.stack(grads), build.combine_grads(self.cfg, self.task.prior, grads, ts))
 
+    def leave_out(self, clients, rejected: int = 0) -> None:
+        """Clients left out before sampling (:mod:`qlsd_flwr.flower.phases`), and its refused replies."""
+        self.norm_guard.excluded.update({int(i): 0 for i in clients})
+        self.rejected.update({"phase_reply": self.rejected.get("phase_reply", 0) + rejected} if rejected else {})
+        self._set_offset()
+
     def _set_offset(self) -> None:
         if self.claims is not None:  # QLSD* without the excluded clients' terms (protocol.claims)
             self.spec = dataclasses.replace(self.spec, offset=self.claims.offset(self.norm_guard.excluded))
@@ -138,16 +144,13 @@ class QLSDServer:
         arrays = {"theta": st.theta, "zeta": st.zeta, "eta_i": st.eta_i, "eta": st.eta,
                   "theta_star": self.spec.theta_star, "anchor_acked": self.anchor_acked,
                   "eta_count": self.eta_count, "needs_resync": self.needs_resync,
-                  "metric": self.spec.metric.array(), **self._claim_arrays()}
+                  "metric": self.spec.metric.array(), **(self.claims.arrays() if self.claims else {})}
         meta = {"kind": "server", "k": int(st.k), "zeta_version": int(st.zeta_version), "gamma": float(self.spec.gamma),
                 "config": self.cfg.raw, "rejected": self.rejected,
                 "missed_rounds": {str(i): r for i, r in self.missed_rounds.items()},
                 "ts_info": self.ts_info, "persist": self.persist, "guard": self.norm_guard.state(),
                 "runaway_scale": self._scale}
         return arrays, meta
-
-    def _claim_arrays(self) -> dict:
-        return {} if self.claims is None else {"claims": self.claims.claims, "claims_total": self.claims.total}
 
     def restore(self, meta: dict, a: dict) -> None:
         """The state of a :meth:`snapshot`; every client is marked as needing a resync."""

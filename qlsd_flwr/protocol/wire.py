@@ -64,30 +64,13 @@ class PhaseError(RuntimeError):
     """A phase before sampling cannot go on: every client's reply is needed and one is unusable."""
 
 
-def gradients_of(replies: dict[int, bytes], b: int, d: int) -> list[np.ndarray]:
-    """The θ* phase's replies ``{i: payload}`` as every client's full gradient, in client order, each
-    checked (``8d`` bytes, finite) before it is used; :class:`PhaseError` naming every client without a
-    usable one and why. ``∇U`` needs every client's term: a partial sum would move θ*, and with it
-    the metric and the starts, off the mode."""
-    grads: dict[int, np.ndarray] = {}
-    refused: dict[int, str] = {}
-    for i, payload in replies.items():
-        if not (isinstance(i, int) and 0 <= i < b):  # not one of the clients asked: nothing of it is used
-            continue
-        try:
-            g = bytes_to_arr(payload, d)
-        except ValueError as exc:
-            refused[i] = str(exc)
-            continue
-        if not np.all(np.isfinite(g)):
-            refused[i] = "non-finite values"
-            continue
-        grads[i] = g
-    if len(grads) != b:
-        missing = [f"{i} (no reply)" for i in range(b) if i not in grads and i not in refused]
-        raise PhaseError("optimisation phase: no usable gradient from client(s) "
-                           + ", ".join([f"{i} ({why})" for i, why in sorted(refused.items())] + missing))
-    return [grads[i] for i in range(b)]
+def gradient_of(payload, d: int) -> np.ndarray:
+    """A θ* phase reply's ``∇U_i(θ)``: ``8d`` bytes of finite float64, else ``ValueError`` saying why
+    (the caller counts it and asks again: :mod:`qlsd_flwr.flower.phases`)."""
+    g = bytes_to_arr(payload, d)
+    if not np.all(np.isfinite(g)):
+        raise ValueError("non-finite values")
+    return g
 
 
 class ReplyError(ValueError):
