@@ -16,13 +16,19 @@ from qlsd_flwr.run.simulate import run_legacy_simulation
 @pytest.mark.ray
 def test_legacy_pair_on_ray_matches_framework_free_chain(tmp_path):
     o = {"variant": "qlsd-pp", "p": "0.5", "s": "8", "num-rounds": 12, "burn-in": 0, "progress": False,
-         "l": 5, "num-clients": 6, "output-dir": str(tmp_path)}
+         "l": 5, "num-clients": 6, "output-dir": str(tmp_path), "run-name": "legacy"}
     cfg = resolve(o)
     strat = run_legacy_simulation(cfg, o, keep_trace=True)
     ref = run_local(cfg, write=False, keep_trace=True, progress=False).trace
     np.testing.assert_array_equal(np.array(strat.server.trace), ref)
     s = strat.server.summary_data
     assert s["rounds"] == 12 and s["totals"]["n_rejected"] == 0 and s["totals"]["bits_exact"] > 0
+    # the federated LOO as the last round's evaluate step: the framework-free run's number, in the files
+    import json
+
+    mine = run_local(resolve({**o, "run-name": "local"}), progress=False)
+    assert "error" not in s["loo"] and s["loo"]["elpd_loo"] == mine.summary["loo"]["elpd_loo"]
+    assert json.loads((tmp_path / "legacy" / "summary.json").read_text())["loo"]["elpd_loo"] == s["loo"]["elpd_loo"]
 
 
 def test_legacy_refuses_optimisation_phase():

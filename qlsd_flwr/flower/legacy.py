@@ -13,12 +13,17 @@ What the compatibility layer allows, and how it is mapped:
 * the reply's encoded message travels in the ``FitRes`` metrics (bytes scalars);
 * limits: the legacy round loop cannot run the θ* optimisation phase with its own message
   type, so QLSD* needs ``theta-star = closed-form`` here, and rounds are driven by Flower's
-  ``ServerConfig(num_rounds)`` (one fit round = one Langevin step).
+  ``ServerConfig(num_rounds)`` (one fit round = one Langevin step);
+* the federated LOO (key ``loo``, :mod:`qlsd_flwr.outputs.loo`) is the last round's evaluate step:
+  ``EvaluateIns`` carries the kept draws as its parameters and ``{"report": "loo", "mode", "reff"}``
+  as its config; each client's ``EvaluateRes`` metrics carry its reply, as the Message API's
+  ``query`` does.
 """
 
 from __future__ import annotations
 
 from flwr.common import (
+    EvaluateIns,
     FitIns,
     GetPropertiesIns,
     Parameters,
@@ -35,6 +40,7 @@ from qlsd_flwr.flower.client_app import (
     save_state,
     setup_for_config,
 )
+from qlsd_flwr.outputs import loo
 from qlsd_flwr.outputs.observer import RunOutputs
 from qlsd_flwr.protocol import build
 from qlsd_flwr.protocol.client import handle
@@ -54,7 +60,7 @@ class LegacyQLSDStrategy(LegacyStrategy):
         self.server = QLSDServer(cfg, task, keep_trace, "flower-legacy",
                                  observer=RunOutputs(cfg, task.dim, run_dir) if write else None)
         self.server.begin(prep.theta_star, prep.info, None, prep)
-        self.cfg = self.server.cfg
+        self.cfg, self.task = self.server.cfg, task
         self.index_of: dict[str, int] = {}
         self.rounds_done = 0
 
@@ -86,11 +92,33 @@ class LegacyQLSDStrategy(LegacyStrategy):
             self.server.finish()
         return ndarrays_to_parameters([self.server.state.theta]), {k: float(v) for k, v in row.items()}
 
+    def _loo_due(self) -> bool:
+        return self.rounds_done == self.cfg.num_rounds and self.server.run_dir is not None \
+            and self.cfg.get("loo") != "off"
+
     def configure_evaluate(self, server_round, parameters, client_manager) -> list[tuple]:
-        return []
+        """After the last round: the federated LOO's request to every client (module docstring)."""
+        if not self._loo_due():
+            return []
+        try:
+            draws, reff, _ = loo.request(self.server.run_dir / "samples.nc")
+        except loo.LooError:  # nothing to send (too few draws, too many bytes): attach records why
+            self._attach({})
+            return []
+        ins = EvaluateIns(ndarrays_to_parameters([draws]), {"report": "loo", "mode": str(self.cfg.get("loo")),
+                                                            "reff": float(reff)})
+        return [(p, ins) for p in client_manager.all().values() if p.cid in self.index_of]
 
     def aggregate_evaluate(self, server_round, results, failures):
+        if self._loo_due():
+            self._attach({self.index_of[proxy.cid]: bytes(res.metrics["payload"]) for proxy, res in results
+                          if proxy.cid in self.index_of and isinstance(res.metrics.get("payload"), (bytes, bytearray))})
         return None, {}
+
+    def _attach(self, got: dict) -> None:
+        """:func:`qlsd_flwr.outputs.loo.attach` with the replies ``got`` (asked in configure_evaluate)."""
+        loo.attach(self.server.run_dir, self.cfg.get("loo"), self.task.n_data, lambda draws, reff: got,
+                   self.server.summary_data)
 
     def evaluate(self, server_round, parameters):
         return None
@@ -116,6 +144,10 @@ def make_numpy_client_fn(overrides: dict | None = None):
             return [], int(pot.n_data), reply
 
         def evaluate(self, parameters, config):
-            return 0.0, 0, {}
+            if config.get("report") != "loo":
+                return 0.0, 0, {}
+            _, pot, _, _ = setup_for_config(run_config_of(self.context, overrides), self.index)
+            draws = parameters[0] if len(parameters) == 1 else None  # the same reply as the Message API's
+            return 0.0, int(pot.n_data), loo.reply_fields(pot, config.get("mode"), draws, config.get("reff"))
 
     return lambda context: QLSDNumPyClient(context).to_client()

@@ -48,16 +48,10 @@ def answer(pot, content, i: int) -> dict:
     """The client's reply fields to a LOO request (the potential's failure as ``status = "error"``)."""
     try:
         rec = config_record(content)
-        mode = str(rec["mode"])
-        if mode not in ("psis", "pointwise"):
-            raise loo.LooError(f"mode {mode!r}; allowed: psis, pointwise")
-        draws = content[ARRAYS]["draws"].numpy()
-        if draws.ndim != 2 or draws.shape[1] != int(pot.dim):
-            raise loo.LooError(f"draws of shape {draws.shape}, expected (S, {pot.dim})")
-        payload = loo.client_reply(pot, draws, float(rec["reff"]), mode)
-    except (loo.LooError, KeyError, TypeError, ValueError) as exc:
+        draws, mode, reff = content[ARRAYS]["draws"].numpy(), rec["mode"], rec["reff"]
+    except (KeyError, TypeError, ValueError) as exc:
         return {"client": i, "status": "error", "error": f"{type(exc).__name__}: {exc}"[:300]}
-    return {"client": i, "status": "ok", "payload": np.ascontiguousarray(payload, dtype="<f8").tobytes()}
+    return {"client": i, **loo.reply_fields(pot, mode, draws, reff)}
 
 
 def after_sampling(strategy, grid) -> None:

@@ -93,6 +93,22 @@ def client_reply(pot, draws: np.ndarray, reff: float, mode: str) -> np.ndarray:
     return (ll if mode == "pointwise" else psis_points(ll, reff)).ravel()
 
 
+def reply_fields(pot, mode, draws, reff) -> dict:
+    """A client's reply to the LOO request, on either Flower API: ``{"status": "ok", "payload": <float64
+    bytes>}``, or ``{"status": "error", "error": ...}`` for a bad request or a potential that fails."""
+    try:
+        mode = str(mode)
+        if mode not in ("psis", "pointwise"):
+            raise LooError(f"mode {mode!r}; allowed: psis, pointwise")
+        draws = np.asarray(draws, dtype=np.float64)
+        if draws.ndim != 2 or draws.shape[1] != int(pot.dim):
+            raise LooError(f"draws of shape {draws.shape}, expected (S, {pot.dim})")
+        payload = client_reply(pot, draws, float(reff), mode)
+    except (LooError, KeyError, TypeError, ValueError) as exc:
+        return {"status": "error", "error": f"{type(exc).__name__}: {exc}"[:300]}
+    return {"status": "ok", "payload": np.ascontiguousarray(payload, dtype="<f8").tobytes()}
+
+
 def reff_of(posterior) -> float:
     """ArviZ's relative efficiency of a posterior group (``az.loo``'s ``reff``)."""
     import arviz as az
@@ -155,6 +171,23 @@ def summary_of(elpd, mode: str, bits_down: int, bits_up: int) -> dict:
             "bits_down": int(bits_down), "bits_up": int(bits_up)}
 
 
+def request(samples_nc) -> tuple[np.ndarray, float, tuple[int, int, int]]:
+    """What the server sends every client: the kept draws ``(S, d)`` chain by chain, ArviZ's
+    ``r_eff`` and the draws' ``(chains, draws, d)``; :class:`LooError` when there are too few draws
+    or too many for one message."""
+    idata = _read(samples_nc)
+    th = np.asarray(idata.posterior["theta"].values, dtype=np.float64)
+    c, n, d = th.shape
+    S = c * n
+    if S < 2:
+        raise LooError(f"{S} kept draw(s): the LOO needs at least 2")
+    if 8 * S * d > DOWNLINK_MAX_BYTES:
+        raise LooError(f"the kept draws are {8 * S * d / 2**20:.0f} MiB ({S} draws × d = {d}), more than one "
+                       f"message may carry ({DOWNLINK_MAX_BYTES / 2**20:.0f} MiB); keep fewer draws (thin) or set "
+                       "loo = off")
+    return th.reshape(S, d), reff_of(idata.posterior), (c, n, d)
+
+
 def federated(samples_nc, mode: str, n_data, ask: Callable[[np.ndarray, float], dict]) -> dict:
     """The federated LOO of a finished run: reads the kept draws from ``samples_nc``, calls
     ``ask(draws, reff)`` (every client's reply ``{i: payload}``; ``draws`` is ``(S, d)``, chain by
@@ -165,18 +198,12 @@ def federated(samples_nc, mode: str, n_data, ask: Callable[[np.ndarray, float], 
 
     if mode == "off":
         return {"mode": "off"}
-    idata = _read(samples_nc)
-    th = np.asarray(idata.posterior["theta"].values, dtype=np.float64)
-    c, n, d = th.shape
+    try:
+        draws, reff, (c, n, d) = request(samples_nc)
+    except LooError as exc:
+        return {"mode": mode, "error": str(exc)}
     S = c * n
-    if S < 2:
-        return {"mode": mode, "error": f"{S} kept draw(s): the LOO needs at least 2"}
-    if 8 * S * d > DOWNLINK_MAX_BYTES:
-        return {"mode": mode, "error": f"the kept draws are {8 * S * d / 2**20:.0f} MiB ({S} draws × d = {d}), "
-                f"more than one message may carry ({DOWNLINK_MAX_BYTES / 2**20:.0f} MiB); keep fewer draws "
-                f"(thin) or set loo = off"}
-    reff = reff_of(idata.posterior)
-    replies = ask(th.reshape(S, d), reff)
+    replies = ask(draws, reff)
     b = len(n_data)
     parts, refused = {}, {}
     for i in range(b):
