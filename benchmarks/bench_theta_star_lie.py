@@ -1,7 +1,8 @@
 """A lie in the θ* phase (issue 21): QLSD* against a client that lies about ``∇U_i(θ*)`` once.
 
 Client 0 of 10 adds a constant to every coordinate of its θ* phase gradients and is honest
-afterwards (``phase``), or is honest there and adds it to the ``∇U_i(θ*)`` its reply to θ* repeats
+afterwards (``phase``), or lies only in the descent and is honest when the claims are asked
+(``descent``), or is honest there and adds it to the ``∇U_i(θ*)`` its reply to θ* repeats
 (``later``); Flower's in-process path, the toy Gaussian (d = 50, prior N(0, 5 I)), QLSD*
 (``theta-star = optimise``), 1,000 rounds, 500 kept. Measured: the largest ``|mean − reference| /
 sd`` over θ's coordinates of the kept window against the closed-form posterior of all clients and
@@ -27,20 +28,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def liar(offset: float, when: str = "phase"):
     """A client mod: client 0 adds ``offset`` to every coordinate of its θ* phase gradients
-    (``when = "phase"``) and is honest afterwards, or is honest there and adds it to the
-    ``∇U_i(θ*)`` its reply to θ* repeats (``when = "later"``)."""
+    (``when = "phase"``) and is honest afterwards; or does so only at points it has not been asked
+    about before (``"descent"``: honest when the claims are asked at θ*, a point of the descent);
+    or is honest there and adds it to the ``∇U_i(θ*)`` its reply to θ* repeats (``"later"``)."""
     from flwr.app import ConfigRecord
 
     from qlsd_flwr.flower.records import from_content
+
+    seen: set = set()
 
     def mod(msg, ctx, call_next):
         reply = call_next(msg, ctx)
         if msg.metadata.message_type != "train" or int(ctx.node_config["partition-id"]) != 0:
             return reply
-        phase = from_content(msg.content)[0].get("phase")
+        fields = from_content(msg.content)[0]
+        phase = fields.get("phase")
         rec = dict(reply.content["qlsd"])
-        name = "payload" if when == "phase" else "anchor_grad"
-        if (phase == "grad") == (when == "phase") and name in rec:
+        name = "anchor_grad" if when == "later" else "payload"
+        if when == "descent" and phase == "grad":
+            key = np.asarray(fields["theta"], dtype=np.float64).tobytes()
+            if key in seen:
+                return reply
+            seen.add(key)
+        if (phase == "grad") == (when != "later") and name in rec:
             g = np.frombuffer(bytes(rec[name]), dtype="<f8") + offset
             reply.content["qlsd"] = ConfigRecord({**rec, name: g.astype("<f8").tobytes()})
         return reply
@@ -74,6 +84,7 @@ def main() -> None:
     out = {"machine": platform.processor() or platform.machine(), "rounds": K, "offset": a.offset,
            "command": "python benchmarks/bench_theta_star_lie.py " + " ".join(sys.argv[1:]), "rows": {}}
     cases = [("honest", None, "auto"), ("lie in the phase", "phase", "auto"), ("lie in the phase", "phase", "off"),
+             ("lie in the descent only", "descent", "auto"), ("lie in the descent only", "descent", "off"),
              ("lie in the reply to θ*", "later", "auto"), ("lie in the reply to θ*", "later", "off")]
     for label, when, rule in cases:
         mods = [liar(a.offset, when)] if when else []

@@ -168,12 +168,12 @@ def test_a_run_killed_in_its_warm_up_continues_it_bit_for_bit(engine, tmp_path, 
          "metric-from": "adapt", "adapt-rounds": 40, "gamma": "auto", "init": "dispersed", "checkpoint-every": 8,
          "output-dir": str(tmp_path)}
     ref = run({**o, "run-name": "ref"})
-    assert not list(tmp_path.glob(".warmup-*"))  # removed once the warm-up ended
+    assert not list(tmp_path.glob(".warmup-*"))  # removed (file and folder) once the warm-up ended
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     p = subprocess.run([sys.executable, "-c", WARM_KILLER, json.dumps({**o, "run-name": "b"}), "24"], env=env,
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
-    kept = list(tmp_path.glob(".warmup-*.npz"))
+    kept = list(tmp_path.glob(".warmup-*/state.npz"))
     assert len(kept) == 1 and not (tmp_path / "b").exists()  # no run folder before M is frozen
     assert np.load(kept[0])["a_kept"].shape[1:] == (2, 5)
     with caplog.at_level("INFO"):
@@ -181,7 +181,7 @@ def test_a_run_killed_in_its_warm_up_continues_it_bit_for_bit(engine, tmp_path, 
     assert "continuing the warm-up from its round 24" in caplog.text
     assert np.array_equal(load_samples(ref.run_dir), load_samples(again.run_dir))
     assert again.summary["metric"] == ref.summary["metric"] and again.summary["gamma"] == ref.summary["gamma"]
-    assert not kept[0].exists()
+    assert not kept[0].exists() and not kept[0].parent.exists()
 
 
 def test_a_damaged_warm_up_state_is_refused_naming_the_file(tmp_path):
@@ -190,17 +190,23 @@ def test_a_damaged_warm_up_state_is_refused_naming_the_file(tmp_path):
     cfg = resolve({"metric": "dense", "metric-from": "adapt", "checkpoint-every": 5, "output-dir": str(tmp_path),
                    "dim": 3})
     store = ckpt.warmup_store(cfg)
-    good = adapt.snapshot(10, 1, 0.1, Metric.dense(np.eye(3)), np.zeros((2, 3)), [np.ones((2, 3))], [])
+    R = 100  # windows(100): the first slow window is rounds 15..24, so round 17 holds 2 of its draws
+    good = adapt.snapshot(17, 0, 0.1, Metric.dense(np.eye(3)), np.zeros((2, 3)), [np.ones((2, 3))] * 2, [])
     store.save(good)
-    assert store.load(2, 3, "dense")["r"] == 10
+    assert store.load(2, 3, "dense", R)["r"] == 17
     with pytest.raises(ckpt.CheckpointError, match=r"warm-up state .*\.warmup-.*array 'theta' is not 4 × 3"):
-        store.load(4, 3, "dense")  # another number of chains
+        store.load(4, 3, "dense", R)  # another number of chains
+    with pytest.raises(ckpt.CheckpointError, match=r"r must be an integer in \[0, 12\]"):
+        store.load(2, 3, "dense", 12)  # a state past this run's warm-up
+    store.save({**good, "kept": np.ones((5, 2, 3))})
+    with pytest.raises(ckpt.CheckpointError, match="holds 5 draws of the current window, its round 17 means 2"):
+        store.load(2, 3, "dense", R)
     store.save({**good, "theta": np.full((2, 3), np.nan)})
     with pytest.raises(ckpt.CheckpointError, match="non-finite|is not 2 × 3 finite"):
-        store.load(2, 3, "dense")
+        store.load(2, 3, "dense", R)
     store.save({**good, "metric": Metric.diagonal(np.ones(3))})
     with pytest.raises(ckpt.CheckpointError, match="its metric is diagonal, this run's dense"):
-        store.load(2, 3, "dense")
+        store.load(2, 3, "dense", R)
     store.path.write_bytes(b"not a zip")
     with pytest.raises(ckpt.CheckpointError, match="cannot read checkpoint"):
-        store.load(2, 3, "dense")
+        store.load(2, 3, "dense", R)

@@ -339,7 +339,7 @@ def test_a_kept_trace_beyond_memory_is_refused_before_it_is_allocated(engine):
         go(cfg, write=False, keep_trace=True)
 
 
-@pytest.mark.parametrize("chains, when", [(1, "phase"), (2, "phase"), (1, "later")])
+@pytest.mark.parametrize("chains, when", [(1, "phase"), (2, "phase"), (1, "later"), (1, "descent")])
 def test_a_lie_in_the_theta_star_phase_is_caught_when_the_client_answers_theta_star_again(tmp_path, chains, when):
     """Issue 21's probe: +200 per coordinate in the θ* phase, honest afterwards, left QLSD* 11.5 sd
     off with nothing said. The client's reply to θ* must repeat its ∇U_i(θ*): the two answers differ,
@@ -351,9 +351,12 @@ def test_a_lie_in_the_theta_star_phase_is_caught_when_the_client_answers_theta_s
     task = build_gaussian_task(5, 5, 0, prior_var=5.0)
     mean, sd = posterior_without(task, {0}, 5.0)
     r = run({**o, "run-name": "defended"}, mods=[liar(200.0, when)])
-    assert r.summary["rejected"].get("theta_star_mismatch") == chains  # each chain's reply to θ*
     ex = r.summary["excluded"]  # several chains: per chain
     assert (list(ex) == ["0"]) if chains == 1 else all(list(ex[str(c)]) == ["0"] for c in range(chains))
+    if when == "descent":  # caught before sampling: its claim at θ* is not what it said there in the descent
+        assert ex == {"0": 0} and "theta_star_mismatch" not in r.summary["rejected"]
+    else:
+        assert r.summary["rejected"].get("theta_star_mismatch") == chains  # each chain's reply to θ*
     for c in range(chains):
         assert np.max(np.abs(load_samples(r.run_dir)[c].mean(axis=0) - mean) / sd) <= 1.0
     if when == "phase" and chains == 1:

@@ -250,7 +250,7 @@ def _adapt(cfg: RunConfig, grad_fn: GradFn, point: np.ndarray, metric: Metric, g
     restep = (lambda m: _step(cfg, grad_fn, point, m, info, iters=20, tol=5e-2, quiet=True)) if cfg.gamma_auto \
         else None
     rounds = int(cfg.get("adapt-rounds"))
-    state = None if warm is None else warm.load(C, point.size, metric.kind)
+    state = None if warm is None else warm.load(C, point.size, metric.kind, rounds)
     if state is not None:
         log.info("metric-from = adapt: continuing the warm-up from its round %d (%s)", state["r"], warm.path)
     try:

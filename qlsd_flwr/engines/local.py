@@ -75,8 +75,8 @@ def run_local(cfg: RunConfig, task: Task | None = None, write: bool = True,
     server = QLSDServer(cfg, task, keep_trace=keep_trace, engine_label="local",
                         observer=RunOutputs(cfg, task.dim) if write else None)
     server.begin(theta_star, ts_info, None, prep)
-    if prep is not None:  # QLSD*: the claims at θ* each client's reply to θ* must repeat (protocol.claims)
-        server.set_claims(lambda th: [full_local_grad(s, task.clients[s.index], th) for s in specs])
+    if prep is not None and server.wants_claims():  # QLSD*: what each reply to θ* repeats (protocol.claims)
+        server.set_claims([full_local_grad(s, task.clients[s.index], prep.theta_star) for s in specs])
     bar.update(server.state.k)
     try:
         _rounds(cfg, server, specs, states, task, d, bar)

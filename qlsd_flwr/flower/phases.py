@@ -1,18 +1,29 @@
-"""The exchanges before sampling on the Flower path: the θ* descent's gradients and the curvature
-reports, each reply attributed to the node it came from and checked before it is used.
+"""The exchanges before sampling on the Flower path: the θ* descent's gradients, the curvature
+reports and the claims at θ*, each reply attributed to the node it came from and checked before
+it is used.
 
 One unusable reply (a wrong length, a non-finite value, an error, no reply in time) must neither
 stop the run nor enter ``∇U``. It is counted (``rejected['phase_reply']`` in ``summary.json``) and
-the client is asked again at once. Still unusable, the descent takes the last term the client gave
-(a descent tolerates a stale term; θ* is checked again at its end); a client with no usable term
-yet, or unusable :data:`STREAK` times in a row, is **left out of the run**: not asked again, in
-``summary.json``'s ``excluded`` (round 0), and the chain samples the posterior of the other clients'
-data, as after the norm guard excludes one (``docs/DEPLOYMENT.md`` §9b). The claims at θ*
-(:mod:`qlsd_flwr.protocol.claims`) take no stale term. The run stops only when no client is left.
+the client is asked again at once. Still unusable, the client is **left out of the run** (not asked
+again, ``excluded`` at round 0 in ``summary.json``) and :class:`LeftOut` is raised: the strategy
+starts the preparation again without it, so that θ*, the metric, γ and the warm-up are each a
+function of one set of clients (a descent, a power iteration or a finite difference that lost a
+term halfway would be neither). The chain then samples the posterior of the other clients' data,
+as after the norm guard excludes one (``docs/DEPLOYMENT.md`` §9b). The run stops only when no
+client is left.
+
+**The claims at θ*** (QLSD*, :mod:`qlsd_flwr.protocol.claims`). Every gradient a client gives is
+remembered as a sketch (its projection on :data:`SKETCH` fixed random directions), for the points
+where ``‖∇U‖`` was smallest (the descent's last points, θ* among them). When the claims are asked
+at θ*, a client whose claim differs from what it said at θ* during the descent changed its answer:
+it is left out, and the preparation starts again. Its reply to θ* in sampling is then held to its
+claim (the server's check). A client that lies at θ* in the descent *and* in the claims *and* in
+sampling is one with other data.
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
 
 import numpy as np
@@ -20,12 +31,17 @@ from flwr.app import Message, MessageType
 
 from qlsd_flwr.flower.records import record_fields, to_content
 from qlsd_flwr.protocol import build
+from qlsd_flwr.protocol.claims import RTOL
 from qlsd_flwr.protocol.wire import PhaseError, gradient_of
 
 log = logging.getLogger("qlsd_flwr")
 
-#: a client unusable this many exchanges in a row is left out
-STREAK = 3
+#: random directions of a gradient's sketch, and how many points' sketches are kept
+SKETCH, KEPT = 8, 64
+
+
+class LeftOut(Exception):
+    """A client was left out: the preparation starts again without it."""
 
 
 class PhaseExchanges:
@@ -37,8 +53,9 @@ class PhaseExchanges:
         self.d = task.dim
         self.left_out: dict[int, str] = {}  # client -> why
         self.rejected = 0
-        self._last: dict[int, np.ndarray] = {}
-        self._streak: dict[int, int] = {}
+        self._dirs = np.random.default_rng(0).normal(size=(SKETCH, self.d))
+        self._sketches: list = []  # a heap of (−‖∇U‖, n, θ bytes, {i: sketch}): the KEPT smallest ‖∇U‖
+        self._n = 0
 
     def clients(self) -> list[int]:
         return [i for i in range(self.cfg.b) if i not in self.left_out]
@@ -59,12 +76,24 @@ class PhaseExchanges:
                 out[i] = bytes(rec["payload"])
         return out
 
-    def _usable(self, grid, theta, timeout, clients) -> tuple[dict[int, np.ndarray], dict[int, str]]:
-        """Every client's ``∇U_i(θ)``, the unusable ones asked once more; ``(grads, why refused)``."""
+    def _leave_out(self, why: dict[int, str]) -> None:
+        for i, w in sorted(why.items()):
+            self.left_out[i] = w
+            log.warning("client %d: %s before sampling: left out of the run, and the preparation starts again "
+                        "without it; the chain samples the posterior of the other clients' data (summary.json "
+                        "'excluded')", i, w)
+        if not self.clients():
+            raise PhaseError("optimisation phase: no usable gradient from any client ("
+                             + ", ".join(f"{j}: {w}" for j, w in sorted(self.left_out.items())) + ")")
+        raise LeftOut(sorted(why))
+
+    def gradients(self, grid, theta: np.ndarray, timeout: float) -> list[np.ndarray]:
+        """The kept clients' ``∇U_i(θ)`` in client order (zeros for those left out); an unusable reply
+        is asked once more, then its client is left out (:class:`LeftOut`)."""
         grads: dict[int, np.ndarray] = {}
         refused: dict[int, str] = {}
         for attempt in range(2):
-            want = clients if attempt == 0 else sorted(refused)
+            want = self.clients() if attempt == 0 else sorted(refused)
             if not want:
                 break
             got = self.ask(grid, {"phase": "grad", "round": -1, "theta": theta}, timeout, want)
@@ -78,34 +107,38 @@ class PhaseExchanges:
                 except ValueError as exc:
                     refused[i] = str(exc)
             self.rejected += len(refused)
-        return grads, refused
+        if refused:
+            self._leave_out({i: f"no usable gradient ({w})" for i, w in refused.items()})
+        out = [grads.get(i, np.zeros(self.d)) for i in range(self.cfg.b)]
+        self._remember(theta, grads, out)
+        return out
 
-    def _leave_out(self, i: int, why: str) -> None:
-        self.left_out[i] = why
-        log.warning("client %d: no usable gradient before sampling (%s): left out of the run; the chain samples the "
-                    "posterior of the other clients' data (summary.json 'excluded')", i, why)
-        if not self.clients():
-            raise PhaseError("optimisation phase: no usable gradient from any client ("
-                             + ", ".join(f"{j}: {w}" for j, w in sorted(self.left_out.items())) + ")")
-
-    def gradients(self, grid, theta: np.ndarray, timeout: float, stale: bool = True) -> list[np.ndarray]:
-        """The kept clients' ``∇U_i(θ)`` in client order (zeros for those left out); ``stale``: a
-        client unusable after the second ask gives its last term (the descent), else it is left out."""
-        grads, refused = self._usable(grid, theta, timeout, self.clients())
-        for i, why in sorted(refused.items()):
-            self._streak[i] = self._streak.get(i, 0) + 1
-            if stale and i in self._last and self._streak[i] < STREAK:
-                grads[i] = self._last[i]
-            else:
-                self._leave_out(i, why)
-        for i in grads:
-            if i not in refused:
-                self._streak[i], self._last[i] = 0, grads[i]
-        return [grads[i] if i in grads and i not in self.left_out else np.zeros(self.d) for i in range(self.cfg.b)]
+    def _remember(self, theta: np.ndarray, grads: dict, out: list) -> None:
+        size = float(np.linalg.norm(build.combine_grads(self.cfg, self.task.prior, out, theta)))
+        entry = (-size, self._n, np.asarray(theta, dtype=np.float64).tobytes(),
+                 {i: self._dirs @ g for i, g in grads.items()})
+        self._n += 1
+        (heapq.heappush if len(self._sketches) < KEPT else heapq.heappushpop)(self._sketches, entry)
 
     def full_grad(self, grid, theta: np.ndarray, timeout: float) -> np.ndarray:
-        """``∇U(θ)`` of the clients kept (the θ* optimisation phase)."""
+        """``∇U(θ)`` of the clients kept (the θ* descent, the power iteration, the warm-up)."""
         return build.combine_grads(self.cfg, self.task.prior, self.gradients(grid, theta, timeout), theta)
+
+    def claims(self, grid, theta_star: np.ndarray, timeout: float) -> list[np.ndarray]:
+        """Every kept client's ``∇U_i(θ*)``, each held to what it said at θ* during the descent
+        (module docstring); :class:`LeftOut` for a client that changed its answer."""
+        key = np.asarray(theta_star, dtype=np.float64).tobytes()
+        before = next((e[3] for e in self._sketches if e[2] == key), {})
+        grads = self.gradients(grid, theta_star, timeout)
+        changed = {}
+        for i, old in before.items():
+            new = self._dirs @ grads[i]
+            gap, scale = float(np.linalg.norm(new - old)), float(np.linalg.norm(new) + np.linalg.norm(old))
+            if i not in self.left_out and gap > RTOL * scale:
+                changed[i] = f"its ∇U_i(θ*) changed between the descent and the claims (relative {gap / scale:.3g})"
+        if changed:
+            self._leave_out(changed)
+        return grads
 
     def curvature(self, grid, theta: np.ndarray, kind: str, timeout: float) -> dict[int, np.ndarray]:
         """The kept clients' curvature reports at ``θ``, as received:

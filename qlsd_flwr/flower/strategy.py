@@ -60,7 +60,7 @@ from qlsd_flwr.core.priors import check_prior
 from qlsd_flwr.flower import stopping
 from qlsd_flwr.flower.loo_phase import after_sampling
 from qlsd_flwr.flower.nodes import NodeRegistry, load_bound_keys
-from qlsd_flwr.flower.phases import PhaseExchanges
+from qlsd_flwr.flower.phases import LeftOut, PhaseExchanges
 from qlsd_flwr.flower.records import labels_from_arrays, record_fields, theta_from_arrays, to_content
 from qlsd_flwr.flower.sizing import message_nbytes
 from qlsd_flwr.outputs.checkpoint import resume_dir, warmup_store
@@ -414,16 +414,24 @@ class QLSDStrategy(Strategy):
         self.nodes.handshake(grid, self._timeout)
         self.server.set_counts([self.nodes.n_data.get(i, 1) for i in range(cfg.b)])
         ph = PhaseExchanges(cfg, self.task, self.nodes, self.server.settings)  # a bad reply: counted, asked again
-        prep = None if resuming else precondition.prepare(  # resume: θ*, M and γ are in the checkpoint
-            cfg, self.task, build.theta0_of(self.task) if theta0 is None else theta0,
-            lambda th: ph.full_grad(grid, th, self._timeout),
-            lambda th, kind: ph.curvature(grid, th, kind, self._timeout),
-            n_data=[self.nodes.n_data.get(i, 1) for i in range(cfg.b)], warm=self._warm)
+        prep = claims = None
+        while not resuming:  # resume: θ*, M and γ are in the checkpoint
+            try:
+                prep = precondition.prepare(
+                    cfg, self.task, build.theta0_of(self.task) if theta0 is None else theta0,
+                    lambda th: ph.full_grad(grid, th, self._timeout),
+                    lambda th, kind: ph.curvature(grid, th, kind, self._timeout),
+                    n_data=[self.nodes.n_data.get(i, 1) for i in range(cfg.b)], warm=self._warm)
+                claims = ph.claims(grid, prep.theta_star, self._timeout) if self.server.wants_claims() else None
+                break
+            except LeftOut:  # a client left out: the preparation again, without it (flower.phases)
+                if self._warm is not None:
+                    self._warm.clear()
         if prep is None:
             self.server.begin(None, {}, theta0)
         else:
             self.server.begin(prep.theta_star, prep.info, theta0, prep)
-            self.server.set_claims(lambda th: ph.gradients(grid, th, self._timeout, stale=False))
+            self.server.set_claims(claims)
             self.server.leave_out(ph.left_out, ph.rejected)
         self.cfg = cfg = self.server.cfg  # with the step the preparation chose (gamma = auto) or the checkpoint's
         saved = self.server.persist.get("rejoined", {})

@@ -95,11 +95,13 @@ class ChainSet:
         self.resumed_from: int | None = None
         self._asked: dict[int, list[int]] = {}
 
-    def set_claims(self, ask) -> None:
-        """:meth:`QLSDServer.set_claims` for every chain, from one exchange (θ* is the run's)."""
-        got: dict = {}
+    def wants_claims(self) -> bool:
+        return self.chains[0].wants_claims()
+
+    def set_claims(self, grads) -> None:
+        """:meth:`QLSDServer.set_claims` for every chain (θ* is the run's)."""
         for ch in self.chains:
-            ch.set_claims(lambda th: got["g"] if "g" in got else got.setdefault("g", ask(th)))
+            ch.set_claims(grads)
 
     def leave_out(self, clients, rejected: int = 0) -> None:
         """:meth:`QLSDServer.leave_out` for every chain; the refused replies counted once."""

@@ -6,8 +6,10 @@ invisible to any norm rule) and answer honestly afterwards: QLSD*'s messages are
 ``∇U_i(θ) − ∇U_i(θ*)``, in which a constant offset cancels, so the chain would sample a shifted
 target (11.5 posterior sd in issue 21's probe) with nothing to see.
 
-So the server asks for the claims once more at the final θ* (``c_i``), and the first sampling
-reply to θ* (``anchor`` in the message) repeats ``a_i = ∇U_i(θ*)``, computed by the same function
+So the server asks for the claims at θ* before sampling (``c_i``; also with θ* in closed form; on
+the Flower path each is held to what the client said at θ* in the descent:
+:mod:`qlsd_flwr.flower.phases`), and the first sampling reply to θ* (``anchor`` in the message)
+repeats ``a_i = ∇U_i(θ*)``, computed by the same function
 (:func:`qlsd_flwr.core.oracles.full_local_grad`). An honest client gives the same numbers (bit for
 bit on one machine; :data:`RTOL` leaves room for a GPU's reduction order). A client whose two
 answers differ cannot be trusted in either: it leaves the federation (not asked again, ``excluded``
@@ -15,7 +17,8 @@ in the summary, the reply counted as ``theta_star_mismatch``), and the step adds
 *other* clients' claims at θ*, ``r − c_i`` (``r`` the phase's whole sum, the prior's term included),
 so that the control variate is exact again for the federation without the client: the chain then
 targets the posterior of the other clients' data, whichever answer was the lie. The same term
-corrects QLSD* after the norm guard excludes a client.
+corrects QLSD* after the norm guard excludes a client. (Exact under ``aggregation = unbiased``;
+``active-fraction``'s weights ``b/|A_k|`` still count the excluded clients in ``b``.)
 
 What it cannot see: a client that tells the same lie in both (a constant offset in every full
 gradient it ever sends). That client is indistinguishable from one holding other data (its
@@ -28,6 +31,7 @@ import logging
 
 import numpy as np
 
+from qlsd_flwr.outputs.checkpoint import CheckpointError
 from qlsd_flwr.protocol.wire import ReplyError, bytes_to_arr
 
 log = logging.getLogger("qlsd_flwr")
@@ -42,6 +46,16 @@ class ThetaStarClaims:
     def __init__(self, claims: np.ndarray, total: np.ndarray):
         self.claims = np.asarray(claims, dtype=np.float64)  # (b, d): c_i
         self.total = np.asarray(total, dtype=np.float64)  # r = Σ_i c_i (+ ∇U_0(θ*) on the server)
+
+    @classmethod
+    def restored(cls, a: dict, b: int, d: int) -> "ThetaStarClaims | None":
+        """From a checkpoint's arrays (``None`` when it has none); :class:`CheckpointError` naming the field."""
+        if "claims" not in a:
+            return None
+        c, t = a["claims"], a.get("claims_total")
+        if t is None or c.shape != (b, d) or t.shape != (d,) or c.dtype.kind != "f" or t.dtype.kind != "f":
+            raise CheckpointError(f"checkpoint: 'claims' must be {b} × {d} numbers with a {d}-vector 'claims_total'")
+        return cls(c, t)
 
     def arrays(self) -> dict:
         """For checkpoints."""

@@ -118,13 +118,15 @@ class QLSDServer:
         self.state = sampler.init_state(self.spec, build.theta0_of(self.task) if theta0 is None else theta0)
         self._set_scale()
 
-    def set_claims(self, ask) -> None:
-        """QLSD*/LSD* with θ* from the descent: ``ask(θ*)`` (one more θ* phase exchange, every client's
-        ``∇U_i(θ*)``) becomes what each client's reply to θ* must repeat (:mod:`qlsd_flwr.protocol.claims`)."""
-        ts = self.spec.theta_star
-        if self.cfg.oracle == "star" and ts is not None and self.ts_info.get("theta_star") == "optimise" \
-                and self.norm_guard.mode != "off":  # norm-bound = off: no defence at all, this one included
-            grads = ask(ts)
+    def wants_claims(self) -> bool:
+        """QLSD*/LSD*, unless norm-bound = off (no defence at all): every client's ∇U_i(θ*) is asked."""
+        return self.cfg.oracle == "star" and self.norm_guard.mode != "off"
+
+    def set_claims(self, grads) -> None:
+        """Every client's ``∇U_i(θ*)`` (``None``: not asked), what its reply to θ* must repeat and what
+        the step adds back once a client is excluded (:mod:`qlsd_flwr.protocol.claims`)."""
+        if grads is not None:
+            ts = self.spec.theta_star
             self.claims = ThetaStarClaims(np.stack(grads), build.combine_grads(self.cfg, self.task.prior, grads, ts))
 
     def leave_out(self, clients, rejected: int = 0) -> None:
@@ -184,11 +186,8 @@ class QLSDServer:
             self.norm_guard.restore(meta.get("guard"))
         except GuardStateError as exc:
             raise CheckpointError(f"checkpoint: {exc}") from None
-        if "claims" in a:
-            if a["claims"].shape != (cfg.b, self.d) or a.get("claims_total", np.zeros(0)).shape != (self.d,):
-                raise CheckpointError(f"checkpoint: 'claims' must be {cfg.b} × {self.d} with a {self.d}-vector total")
-            self.claims = ThetaStarClaims(a["claims"], a["claims_total"])
-            self._set_offset()
+        self.claims = ThetaStarClaims.restored(a, cfg.b, self.d)
+        self._set_offset()
         self.rejected = dict(meta["rejected"])
         self.missed_rounds = {int(i): list(r) for i, r in meta["missed_rounds"].items()}
         self.persist = dict(meta.get("persist", {}))
