@@ -53,9 +53,6 @@ def flwr_env(flwr_home: str | os.PathLike, extra: dict | None = None) -> dict:
         "PYTHONUNBUFFERED": "1",
         "COLUMNS": "200",
     })
-    # the SuperExec looks for a new ClientApp/ServerApp task once a second by default; a local
-    # deployment (the tests, the benchmark) looks every 0.1 s, unless the caller chose already
-    env.setdefault("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "0.1")
     env.update(extra or {})
     return env
 
