@@ -93,12 +93,12 @@ def test_adapt_learns_the_posterior_s_shape_where_the_curvature_misleads(kind):
 
 
 def test_the_kept_draws_are_ula_under_the_frozen_adapted_metric():
-    """After the warm-up the metric is constant: 2,000 chains' stationary covariance is the discrete
+    """After the warm-up the metric is constant: 1,000 chains' stationary covariance is the discrete
     Lyapunov solution Σ = BΣBᵀ + 2γM with B = I − γMP, for the M the summary records (a short warm-up
     leaves M a mix of the curvature metric and a noisy window estimate: any SPD M must satisfy it)."""
     task = ill_conditioned_task(d=3)
     P = sum(c.A for c in task.clients)
-    C, K = 2000, 400
+    C, K = 1000, 400
     res = _exact({"gamma": "auto", "metric": "dense", "metric-from": "adapt", "adapt-rounds": 40}, task, C, K)
     M, gamma = np.asarray(res.summary["metric"]), res.summary["gamma"]
     assert not np.allclose(M, np.linalg.inv(P), rtol=1e-3)  # the warm-up moved M off the curvature metric

@@ -191,7 +191,7 @@ def test_a_run_whose_memory_is_a_product_of_caps_is_refused_with_the_estimate():
 
     from qlsd_flwr.config import MEMORY_SHARE, memory_estimate, resolve
 
-    o = {"engine": "vectorised", "dim": 100_000, "progress": False}
+    o = {"engine": "vectorised", "dim": 100_000, "num-clients": 2, "progress": False}  # 2 clients: less data to make
     phys = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     chains = int(2 * MEMORY_SHARE * phys // memory_estimate(resolve({**o, "num-chains": 1}), 100_000)) + 1
     with pytest.raises(ConfigError, match=r"num-chains × dim: the run needs about \d+\.\d GiB"):
