@@ -322,13 +322,14 @@ def memory_estimate(cfg: RunConfig, d: int, keep_trace: bool = False) -> int:
     per_chain = d * (6 + (cfg.b if cfg.memory else 0) + (1 if cfg.oracle == "svrg" else 0))
     if keep_trace:
         per_chain += d * int(cfg.num_rounds)
-    if _adapting(cfg):
+    if adapts(cfg):
         per_chain += d * (3 * int(cfg.get("adapt-rounds")) // 4)
     dense = 2 * d * d if cfg.metric == "dense" else 0
     return 8 * (int(cfg.num_chains) * per_chain + dense)
 
 
-def _adapting(cfg: RunConfig) -> bool:
+def adapts(cfg: RunConfig) -> bool:
+    """Whether the metric is refined by the warm-up of :mod:`qlsd_flwr.core.adapt`."""
     return cfg.metric in ("diagonal", "dense") and str(cfg.get("metric-from")) == "adapt"
 
 
@@ -345,7 +346,7 @@ def check_memory(cfg: RunConfig, d: int, keep_trace: bool = False) -> None:
     if need > MEMORY_SHARE * phys:
         mirrors = f" × (6 + num-clients = {cfg.b} memory mirrors)" if cfg.memory else ""
         trace = f" + num-rounds = {cfg.num_rounds} kept states (keep_trace)" if keep_trace else ""
-        adapt = f" + 3/4 × adapt-rounds = {cfg.get('adapt-rounds')} warm-up draws" if _adapting(cfg) else ""
+        adapt = f" + 3/4 × adapt-rounds = {cfg.get('adapt-rounds')} warm-up draws" if adapts(cfg) else ""
         raise ConfigError(f"num-chains × dim: the run needs about {need / 2**30:.1f} GiB (num-chains = "
                           f"{cfg.num_chains} × d = {d}{mirrors}{trace}{adapt} × 8 bytes), over {MEMORY_SHARE:.0%} of "
                           f"this machine's {phys / 2**30:.1f} GiB; lower num-chains or num-clients"

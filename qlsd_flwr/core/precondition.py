@@ -27,7 +27,7 @@ from typing import Callable
 
 import numpy as np
 
-from qlsd_flwr.config import ConfigError, RunConfig
+from qlsd_flwr.config import ConfigError, RunConfig, adapts
 from qlsd_flwr.core import metric as mt
 from qlsd_flwr.core.metric import Metric, MetricError
 from qlsd_flwr.core.potential import Task
@@ -232,11 +232,6 @@ def _step(cfg: RunConfig, grad_fn: GradFn | None, point: np.ndarray, metric: Met
     if not math.isfinite(gamma) or gamma <= 0:
         raise ConfigError(f"gamma: the chosen step {gamma!r} is not a positive number")
     return gamma
-
-
-def adapts(cfg: RunConfig) -> bool:
-    """Whether the metric is refined by the warm-up of :mod:`qlsd_flwr.core.adapt`."""
-    return cfg.metric in ("diagonal", "dense") and str(cfg.get("metric-from")) == "adapt"
 
 
 def _adapt(cfg: RunConfig, grad_fn: GradFn, point: np.ndarray, metric: Metric, gamma: float,

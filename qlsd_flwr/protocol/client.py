@@ -94,6 +94,7 @@ def handle_chains(spec: ClientSpec, pot: LocalPotential, load_state, seed: int, 
         chains = [c for c, _ in ready]
         outs = client_rounds(spec, pot, [states[c] for c in chains], [seed + c for c in chains],
                              int(fields["round"]), np.stack([theta for _, theta in ready]))
+        once = next((c for c in chains if "anchor" in per[c]), None)  # θ* is the run's: ∇U_i(θ*) computed once
         for c, (q, _) in zip(chains, outs):
-            replies[c] = _sampled(spec, pot, states[c], q, per[c])
+            replies[c] = _sampled(spec, pot, states[c], q, per[c] if c == once else {})
     return bundle_reply(spec.index, replies), states
