@@ -18,6 +18,7 @@ ClientApp), 1,000 rounds, 500 kept. Measured:
    posterior on the toy Gaussian with the rule and without it.
 
     python benchmarks/bench_byzantine.py [--rounds 1000] [--out benchmarks/byzantine.json]
+        [--parts attack,honest,cost] [--only TEXT]
 """
 
 from __future__ import annotations
@@ -128,7 +129,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=1000)
     ap.add_argument("--out", default="benchmarks/byzantine.json")
+    ap.add_argument("--parts", default="attack,honest,cost", help="which of the three to run")
+    ap.add_argument("--only", default="", help="only the rows whose label holds this text")
     a = ap.parse_args()
+    parts = set(a.parts.split(","))
     tmp = tempfile.mkdtemp()
     K = a.rounds
     out: dict = {"machine": platform.processor() or platform.machine(), "rounds": K,
@@ -145,7 +149,9 @@ def main() -> None:
     tasks = {"gaussian QLSD++": {"task": "gaussian", "variant": "qlsd-pp"},
              "gaussian QLSD": {"task": "gaussian", "variant": "qlsd"},
              "logistic QLSD++ (gamma = 1e-3)": {"task": "logistic", "variant": "qlsd-pp", "gamma": 1e-3}}
-    for label, extra in tasks.items():
+    for label, extra in tasks.items() if "attack" in parts else ():
+        if a.only not in label:
+            continue
         o = {**extra, "num-clients": 10, "engine": "inprocess", "num-rounds": K, "burn-in": K // 2}
         honest, _, _ = chain(o, f"{label}-honest")
         silent, _, _ = chain(o, f"{label}-silent", [attacker("silent")])
@@ -159,7 +165,7 @@ def main() -> None:
 
         row = {"honest_vs_silent_sd": dist(honest, silent)}
         for mode in ("scale500", "flip100", "offset300", "max"):
-            for rule in ("auto", "off"):
+            for rule in ("auto", "off") if "cost" in parts else ():
                 x, s_, dt = chain({**o, "norm-bound": rule}, f"{label}-{mode}-{rule}", [attacker(mode, o)])
                 if not np.all(np.isfinite(x)):
                     row[f"{mode} {rule}"] = {"finite": False}
@@ -176,8 +182,14 @@ def main() -> None:
                                           "partition-alpha": 0.5},
               "logistic dirichlet(0.5) LSD++": {"task": "logistic", "variant": "lsd-pp", "partition": "dirichlet",
                                                 "partition-alpha": 0.5},
-              "gaussian (11 to 198 points)": {"task": "gaussian", "variant": "qlsd-pp"}}
-    for label, extra in splits.items():
+              # QLSD*: judged as c_i + ĝ_i, its claim at θ* plus the difference (docs/DEPLOYMENT.md §9b)
+              "logistic dirichlet(0.5) QLSD*": {"task": "logistic", "variant": "qlsd-star", "theta-star": "optimise",
+                                               "partition": "dirichlet", "partition-alpha": 0.5},
+              "gaussian (11 to 198 points)": {"task": "gaussian", "variant": "qlsd-pp"},
+              "gaussian (11 to 198 points) QLSD*": {"task": "gaussian", "variant": "qlsd-star"}}
+    for label, extra in splits.items() if "honest" in parts else ():
+        if a.only not in label:
+            continue
         for p in ("1.0", "0.5"):
             for chains in (1, 4):
                 o = {**extra, "num-clients": 10, "engine": "inprocess", "num-rounds": K, "burn-in": K // 2, "p": p,
@@ -191,7 +203,7 @@ def main() -> None:
                 print(label, p, chains, json.dumps(row), flush=True)
     # the issue's user app: an MLP (30-16-2, tanh) on breast_cancer over 5 Dirichlet(0.5) clients,
     # LSD++, 4 chains from dispersed starts, through QLSDStrategy + make_client_app
-    for seed in (1, 3, 10, 11):
+    for seed in (1, 3, 10, 11) if "honest" in parts and a.only in "MLP" else ():
         sizes, refused, replies = mlp_user_app(seed, rounds=max(600, K // 2))
         row = {"client_sizes": sizes, "replies": replies, "refused": refused,
                "acceptance": 1.0 - refused / max(replies, 1)}
@@ -199,7 +211,7 @@ def main() -> None:
         print("mlp", seed, json.dumps(row), flush=True)
     # 3. the rule's cost when all are honest
     task = build_gaussian_task(10, 50, 0)
-    for rule in ("auto", "off"):
+    for rule in ("auto", "off") if "cost" in parts else ():
         o = {"task": "gaussian", "variant": "qlsd-pp", "num-clients": 10, "engine": "inprocess",
              "num-rounds": 4 * K, "burn-in": K, "norm-bound": rule}
         x, s_, _ = chain(o, f"cost-{rule}")
@@ -208,7 +220,8 @@ def main() -> None:
                              "var_ratio": float(np.mean(d.var(0) / task.posterior_var)), "rejected": s_["rejected"],
                              "draws_sha": __import__("hashlib").sha256(d.tobytes()).hexdigest()[:16]}
         print("cost", rule, json.dumps(out["cost"][rule]), flush=True)
-    out["cost"]["identical_chains"] = out["cost"]["auto"]["draws_sha"] == out["cost"]["off"]["draws_sha"]
+    if "cost" in parts:
+        out["cost"]["identical_chains"] = out["cost"]["auto"]["draws_sha"] == out["cost"]["off"]["draws_sha"]
     Path(a.out).write_text(json.dumps(out, indent=1))
 
 

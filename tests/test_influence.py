@@ -73,6 +73,9 @@ def test_the_attacks_on_the_logistic_task_are_excluded_too(tmp_path):
     ("logistic", {"num-clients": 10, "variant": "qlsd-pp", "partition": "dirichlet", "partition-alpha": 0.5,
                   "p": "0.5"}),
     ("logistic", {"num-clients": 5, "variant": "lsd-pp", "partition": "dirichlet", "partition-alpha": 0.5}),
+    # QLSD* judged as c_i + ĝ_i (its claim at θ* plus the difference): the clients' ∇U_i(θ*) differ
+    ("logistic", {"num-clients": 10, "variant": "qlsd-star", "theta-star": "optimise", "partition": "dirichlet",
+                  "partition-alpha": 0.5}),
 ])
 def test_every_honest_reply_is_accepted_on_uneven_splits_with_four_chains(tmp_path, task, extra):
     # the toy Gaussian's clients hold 11 to 198 points, the Dirichlet(0.5) logistic split 11 to
@@ -381,3 +384,30 @@ def test_a_resumed_run_keeps_the_theta_star_claims_and_the_correction_bit_for_bi
     assert resumed.summary["resumed_from_round"] == 10
     assert np.array_equal(load_samples(resumed.run_dir), load_samples(whole.run_dir))
     assert resumed.summary["excluded"] == {"0": 1} and resumed.summary["rejected"] == {"theta_star_mismatch": 1}
+
+
+def test_a_lie_told_everywhere_is_bounded_by_a_fixed_norm_bound(tmp_path):
+    """A consistent liar: the same +c in every ∇U_0 it sends (the θ* descent, its claim, its reply
+    to θ*), honest differences. It is a client with other data, and no relative rule can see it
+    (at the lied mode every honest gradient grows with it): under norm-bound = auto QLSD* ends many
+    sd off. A fixed bound B holds every estimate c_i + ĝ_i and every claim to B: a larger lie is
+    left out before sampling (the chain is then the posterior without client 0), and a lie within B
+    moves the stationary law by at most B/m (m: the other clients' curvature; synchronous coupling
+    of the two diffusions), here with B = 2,000 against honest estimates of at most ≈ 720."""
+    o = {**GAUSS, "variant": "qlsd-star", "theta-star": "optimise", "prior-var": 5.0, "num-rounds": 400,
+         "burn-in": 200, "loo": "off", "output-dir": str(tmp_path)}
+    task = build_gaussian_task(5, 5, 0, prior_var=5.0)
+    mean, sd = posterior_without(task, {0}, 5.0)
+    full = np.sqrt(task.posterior_var)
+    auto = run({**o, "run-name": "auto"}, mods=[liar(200.0, "everywhere")])
+    assert not auto.summary.get("excluded") and np.max(np.abs(_kept_mean(auto) - task.posterior_mean) / full) > 5
+    B, m = 2000.0, sum(c.n_data for c in task.clients[1:]) + 1 / 5.0
+    big = run({**o, "run-name": "big", "norm-bound": B}, mods=[liar(2000.0, "everywhere")])
+    assert big.summary["excluded"] == {"0": 0}
+    assert np.max(np.abs(_kept_mean(big) - mean) / sd) <= 1.0
+    within = run({**o, "run-name": "within", "norm-bound": B}, mods=[liar(200.0, "everywhere")])
+    assert not within.summary.get("excluded") and within.summary["rejected"] == {}
+    assert np.linalg.norm(_kept_mean(within) - mean) <= B / m
+    honest = run({**o, "run-name": "honest", "norm-bound": B})
+    assert not honest.summary.get("excluded") and honest.summary["rejected"] == {}
+    assert np.max(np.abs(_kept_mean(honest) - task.posterior_mean) / full) <= 1.0

@@ -18,7 +18,8 @@ where ``‖∇U‖`` was smallest (the descent's last points, θ* among them). W
 at θ*, a client whose claim differs from what it said at θ* during the descent changed its answer:
 it is left out, and the preparation starts again. Its reply to θ* in sampling is then held to its
 claim (the server's check). A client that lies at θ* in the descent *and* in the claims *and* in
-sampling is one with other data.
+sampling is one with other data: only a fixed ``norm-bound = B`` bounds it, and a claim over ``B``
+leaves its client out here too.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from flwr.app import Message, MessageType
 
 from qlsd_flwr.flower.records import record_fields, to_content
 from qlsd_flwr.protocol import build
-from qlsd_flwr.protocol.claims import RTOL
+from qlsd_flwr.protocol.claims import RTOL, over_bound
+from qlsd_flwr.protocol.norm_guard import NormGuard
 from qlsd_flwr.protocol.wire import PhaseError, gradient_of
 
 log = logging.getLogger("qlsd_flwr")
@@ -136,6 +138,7 @@ class PhaseExchanges:
             gap, scale = float(np.linalg.norm(new - old)), float(np.linalg.norm(new) + np.linalg.norm(old))
             if i not in self.left_out and gap > RTOL * scale:
                 changed[i] = f"its ∇U_i(θ*) changed between the descent and the claims (relative {gap / scale:.3g})"
+        changed.update(over_bound(grads, NormGuard(self.cfg.raw.get("norm-bound", "auto")).fixed))
         if changed:
             self._leave_out(changed)
         return grads

@@ -22,7 +22,9 @@ corrects QLSD* after the norm guard excludes a client. (Exact under ``aggregatio
 
 What it cannot see: a client that tells the same lie in both (a constant offset in every full
 gradient it ever sends). That client is indistinguishable from one holding other data (its
-potential plus a linear term); the norm guard bounds its size, as for any client.
+potential plus a linear term). The norm guard judges QLSD*'s replies as ``c_i + ĝ_i``, the
+estimate they make, as it judges every variant's; only a fixed ``norm-bound = B`` bounds such a lie
+(:func:`over_bound` holds the claims to it; ``docs/DEPLOYMENT.md`` §9b).
 """
 
 from __future__ import annotations
@@ -92,3 +94,12 @@ class ThetaStarClaims:
         if not gone:
             return None
         return self.total - self.claims[gone].sum(axis=0)
+
+
+def over_bound(claims, bound: float | None) -> dict[int, str]:
+    """The clients whose claim ``c_i`` alone passes a fixed ``norm-bound = B`` (``None``: no fixed
+    bound), with why: each later estimate ``c_i + ĝ_i`` would carry it, so they are left out
+    before sampling and θ* is found again without them (:mod:`qlsd_flwr.flower.phases`)."""
+    norms = {i: float(np.linalg.norm(c)) for i, c in enumerate(claims)}
+    return {} if bound is None else {i: f"its ∇U_i(θ*) has norm {n:.3g}, over norm-bound = {bound:.3g}"
+                                     for i, n in norms.items() if not n <= bound}

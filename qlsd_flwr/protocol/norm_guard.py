@@ -31,8 +31,11 @@ most ``FACTOR_ROUND · N_i · R`` in any round, at most ``FACTOR_PROBATION · N_
 earned :data:`OWN_MIN` acceptances, and a client whose typical reply exceeds
 ``FACTOR_STEADY · N_i · R`` is out after at most :data:`OWN` replies. Within those bounds a client
 is indistinguishable from an honest one whose data are unusual, which a federated posterior must
-allow. The key ``norm-bound``: ``auto`` (this rule), a number (a fixed limit on the norm, no
-exclusion) or ``off``. The ``vectorised`` engine simulates honest clients and applies no guard.
+allow. What no relative rule can bound is a client that adds the same lie to every gradient it
+sends: the chain moves to the lied mode, where every honest client's gradient grows with the lie,
+so ``R`` follows it; only an absolute scale can. The key ``norm-bound``: ``auto`` (this rule), a
+number ``B`` (every estimate, and QLSD*'s claim ``c_i``, held to ``‖·‖ ≤ B``; refused replies are
+counted, never excluded; a claim over ``B`` leaves the client out before sampling) or ``off``. The ``vectorised`` engine simulates honest clients and applies no guard.
 With fewer than 3 clients answering there is no robust reference and nothing is judged.
 """
 

@@ -288,10 +288,10 @@ class QLSDServer:
         steadily out of scale: it is not asked again and its ``η_i`` mirror leaves ``η``) and leave
         no other trace. The clients' own η_i then differ from the mirrors for the rejected ones,
         which the counters catch (a ``resync`` next time)."""
-        # what a reply makes of client i's gradient estimate: ĝ_i itself, or with memory η_i + ĝ_i (the
-        # replies of the memory variants are differences, whose norms span orders of magnitude)
-        eta_i = self.state.eta_i if self.spec.memory else None
-        norms = {i: float(np.linalg.norm(p[0] if eta_i is None else eta_i[i] + p[0])) for i, p in self._pending.items()}
+        # what a reply makes of client i's gradient estimate: ĝ_i itself, η_i + ĝ_i with memory, c_i + ĝ_i
+        # for QLSD* (differences, whose norms span orders of magnitude; with c_i a lie told everywhere is seen)
+        base = self.state.eta_i if self.spec.memory else self.claims.claims if self.claims is not None else None
+        norms = {i: float(np.linalg.norm(p[0] if base is None else base[i] + p[0])) for i, p in self._pending.items()}
         refused, newly = self.norm_guard.judge(norms, self.state.k + 1)
         for i in newly:
             self._exclude(i, norms)
