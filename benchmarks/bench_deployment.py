@@ -1,6 +1,6 @@
 """Deployment benchmark (issue 5): seconds per round and bytes per message on the wire.
 
-One insecure SuperLink and 3 SuperNodes on 127.0.0.1 (started and stopped by PID, see
+One SuperLink and 3 SuperNodes (``--nodes``; insecure, or TLS with ``--tls``) on 127.0.0.1 (started and stopped by PID, see
 :mod:`qlsd_flwr.deploy`), and in that same deployment, alternately:
 
 * ``qlsd``: QLSD++ (d = 50, s = 16, p = 1) with ``flwr run``; seconds per round from the
@@ -13,8 +13,8 @@ One insecure SuperLink and 3 SuperNodes on 127.0.0.1 (started and stopped by PID
   ``ok = 1``); seconds per round around ``send_and_receive``, bytes per reply measured the same way.
 
 The SuperLink's own traffic counters (``flwr ls``: inbound/outbound bytes of the run) are
-recorded too. Usage: ``python benchmarks/bench_deployment.py [--rounds 10] [--pairs 2]``;
-writes ``benchmarks/deployment.json``.
+recorded too. Usage: ``python benchmarks/bench_deployment.py [--rounds 10] [--pairs 2] [--nodes 3]
+[--tls] [--out FILE]``; writes ``benchmarks/deployment.json`` unless ``--out``.
 """
 
 from __future__ import annotations
@@ -80,14 +80,14 @@ def main(grid: Grid, context: Context) -> None:
 '''
 
 
-def stage_noop(dep: D.LocalDeployment, rounds: int, out_file: Path) -> Path:
-    app = D.stage_app(dep.root / "app-noop", overrides={"num-clients": B, "dim": DIM})
+def stage_noop(dep: D.LocalDeployment, rounds: int, out_file: Path, b: int = B) -> Path:
+    app = D.stage_app(dep.root / "app-noop", overrides={"num-clients": b, "dim": DIM})
     (app / "noop_app.py").write_text(NOOP_APP)
     with open(app / "pyproject.toml", "rb") as f:
         py = tomllib.load(f)
     py["project"]["name"] = "qlsd-noop"
     py["tool"]["flwr"]["app"]["components"] = {"serverapp": "noop_app:server", "clientapp": "noop_app:client"}
-    py["tool"]["flwr"]["app"]["config"] = {"num-clients": B, "num-rounds": rounds, "reply-timeout": 120.0,
+    py["tool"]["flwr"]["app"]["config"] = {"num-clients": b, "num-rounds": rounds, "reply-timeout": 120.0,
                                            "output-file": str(out_file)}
     py["tool"].setdefault("hatch", {}).setdefault("build", {}).setdefault("targets", {})["wheel"] = {
         "packages": ["qlsd_flwr"]}
@@ -110,19 +110,23 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--pairs", type=int, default=2)
     ap.add_argument("--out", default=str(Path(__file__).with_name("deployment.json")))
+    ap.add_argument("--nodes", type=int, default=B, help="SuperNodes, one client each")
+    ap.add_argument("--tls", action="store_true", help="a TLS SuperLink (self-made CA), the nodes verifying it")
     args = ap.parse_args()
+    b = args.nodes
     root = Path(tempfile.mkdtemp(prefix="qlsd-bench-deploy-"))
-    results: dict = {"b": B, "d": DIM, "s": S, "rounds_per_run": args.rounds, "runs": []}
+    results: dict = {"b": b, "d": DIM, "s": S, "tls": args.tls, "rounds_per_run": args.rounds, "runs": [],
+                     "command": "python benchmarks/bench_deployment.py " + " ".join(sys.argv[1:])}
     t_all = time.time()
-    with D.LocalDeployment(root) as dep:
+    with D.LocalDeployment(root, secure=args.tls) as dep:
         dep.start_superlink()
-        for i in range(B):
-            dep.start_node(f"sn{i}", i, B)
-        qlsd_app = dep.stage(overrides={"num-clients": B, "dim": DIM, "variant": "qlsd-pp", "s": str(S),
+        for i in range(b):
+            dep.start_node(f"sn{i}", i, b)
+        qlsd_app = dep.stage(overrides={"num-clients": b, "dim": DIM, "variant": "qlsd-pp", "s": str(S),
                                         "p": "1.0", "burn-in": 0, "progress": False})
         for pair in range(args.pairs):
             noop_out = root / f"noop-{pair}.json"
-            noop_app = stage_noop(dep, args.rounds, noop_out)
+            noop_app = stage_noop(dep, args.rounds, noop_out, b)
             rid = dep.run(noop_app)
             row = dep.wait(rid, timeout=600)
             assert row["status"] == "finished:completed", dep.log(rid)[-3000:]

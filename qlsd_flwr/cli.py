@@ -82,7 +82,7 @@ def load_config_file(path: str) -> dict:
 
 
 def execute(overrides: dict) -> int:
-    from qlsd_flwr.evaluation.report import plot_run, table
+    from qlsd_flwr.evaluation.report import draw_overview, table
     from qlsd_flwr.run import simulate
 
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
@@ -93,11 +93,12 @@ def execute(overrides: dict) -> int:
 
         from qlsd_flwr.evaluation.evaluate import evaluate_classification
 
-        task = json.loads((outcome.run_dir / "config.json").read_text())["resolved"]["task"]
+        resolved = json.loads((outcome.run_dir / "config.json").read_text())["resolved"]
+        task = resolved["task"]
         if (ev := evaluate_classification(task, outcome.run_dir)) is not None:  # held-out: json + ArviZ groups
             print(f"  held-out: accuracy {100 * ev['accuracy']:.1f} %, nNLL {ev['nnll']:.4f}, ECE {ev['ece']:.4f}"
                   " (evaluation.json; heldout_log_likelihood and predictions in samples.nc)")
-        for p in plot_run(outcome.run_dir):
+        for p in draw_overview(outcome.run_dir, resolved.get("plot", True)):
             print(f"  plot: {p}")
         print(f"  samples load with: arviz.from_netcdf('{outcome.run_dir / 'samples.nc'}')")
     return 0

@@ -192,6 +192,8 @@ KEYS: tuple[Key, ...] = (
         "the SuperLink's)", group=RUN),
     Key("run-name", "", "text", "the run folder's name ('': a timestamp and the variant)", group=RUN),
     Key("progress", True, "bool", "a progress bar in a terminal, a line every 15 s in a log", group=RUN),
+    Key("plot", True, "bool", "overview.png when the run ends: traces and marginals, the convergence verdict, the "
+        "bits per round (every path: qlsd-flwr run, flwr run, a user's ServerApp)", group=RUN),
     Key("verbose", False, "bool", "Flower's and Ray's own logs", group=RUN),
     Key("client-cpus", 0.5, "float", "CPUs per virtual client on the Ray engine", "", lo=0, open_lo=True, cap=1024,
         group=RUN),
@@ -352,7 +354,7 @@ def _toml(v: Any) -> str:
 
 def pyproject_block(values: dict | None = None) -> str:
     """``[tool.flwr.app.config]`` with every key (``values`` over the defaults)."""
-    vals = {**DEFAULTS, **(values or {})}
+    vals = {**{k.name: k.default for k in KEYS}, **(values or {})}  # the package's own defaults
     return "[tool.flwr.app.config]\n" + "".join(f"{k.name} = {_toml(vals[k.name])}\n" for k in KEYS)
 
 

@@ -26,6 +26,17 @@ def pytest_collection_modifyitems(config, items):
 
 
 
+@pytest.fixture(autouse=True)
+def _overview_only_where_asked(monkeypatch):
+    """``overview.png`` costs about 1 s of matplotlib a run and the suite makes hundreds of runs, so
+    in this process the key ``plot`` defaults to false. The tests of the plot ask for it
+    (``plot = true``), and the runs in Flower's own processes (``flwr run``, the deployments) draw it
+    with the package's default, which those tests check."""
+    from qlsd_flwr import keys
+
+    monkeypatch.setitem(keys.DEFAULTS, "plot", False)
+
+
 def pytest_runtest_setup(item):
     """Under ``--dist loadgroup``, an engine test fails unless xdist really put it in the group:
     with pytest 9.2 and xdist 3.8 the grouping silently did nothing (pytest's node ids no longer

@@ -90,6 +90,17 @@ def test_classification_runs_get_loo_ready_groups_and_named_coordinates(tmp_path
     labels = idata.posterior["theta_dim_0"].values.tolist()
     assert labels[:2] == ["W[0,0]", "W[0,1]"] and labels[-K:] == [f"b[{k}]" for k in range(K)]
     assert len(labels) == (p + 1) * K
+    # the same run with loo = pointwise and plot = true: az.loo, az.compare and az.plot_trace take
+    # the CLI's file as it is, and the CLI drew overview.png
+    sets.update({"run-name": "lg-pw", "loo": "pointwise", "plot": "true"})
+    assert main(["run", *sum((["--set", f"{k}={v}"] for k, v in sets.items()), [])]) == 0
+    assert f"plot: {tmp_path / 'lg-pw' / 'overview.png'}" in capsys.readouterr().out
+    pw = az.from_netcdf(tmp_path / "lg-pw" / "samples.nc")
+    assert np.isclose(az.loo(pw).elpd_loo, loo.elpd_loo, rtol=1e-9)  # the same draws: the same LOO
+    cmp = az.compare({"psis": loo, "pointwise": pw})
+    assert np.allclose(cmp["elpd_diff"], 0.0, atol=1e-6)
+    assert az.plot_trace(pw, var_names=["theta"], coords={"theta_dim_0": labels[:2]}).shape == (1, 2)
+    assert (tmp_path / "lg-pw" / "overview.png").stat().st_size > 10_000
 
 
 def test_tensor_labels_name_each_parameter_entry():

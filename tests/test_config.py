@@ -112,7 +112,7 @@ def test_the_flower_app_declares_every_key():
     assert list(declared) == list(DEFAULTS)
     cfg = resolve(declared)  # and every declared value is valid
     assert cfg.num_rounds == declared["num-rounds"]
-    assert py["project"]["requires-python"] == ">=3.11"  # what flwr 1.41 itself requires
+    assert py["project"]["requires-python"] == ">=3.11"  # what flwr 1.41 and 1.42 themselves require
 
 
 # ---- the key table (qlsd_flwr/keys.py) drives validation, pyproject, --help, `config`, the README --

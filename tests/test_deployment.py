@@ -109,6 +109,9 @@ def test_insecure_run_three_supernodes(cluster, tmp_path):
     assert t["bits_bound"] >= t["bits_exact"] > 0
     assert t["bytes_message"] > t["bytes_payload"] > 0
     assert_memory_in_sync(s)
+    # the federated LOO ran over the nodes' training points, and the ServerApp drew overview.png
+    assert s["loo"]["mode"] == "psis" and np.isfinite(s["loo"]["elpd_loo"]), s["loo"]
+    assert (run_dir / "overview.png").stat().st_size > 10_000
     # nothing is installed at run time
     assert "--disable-runtime-dependency-installation" in cluster.superlink.argv
     assert cluster.superlink.env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] == "1"
@@ -141,7 +144,8 @@ def test_node_killed_mid_run_rejoins_and_is_resynced(cluster, tmp_path):
     ensure_nodes(cluster)
     victim = cluster.nodes["sn2"]
     before = D.count_in_log(victim.log, RECEIVE_TRAIN)
-    rc = {**BASE, "num-rounds": 5, "reply-timeout": 20.0, "output-dir": str(tmp_path), "run-name": "fault"}
+    rc = {**BASE, "num-rounds": 5, "reply-timeout": 20.0, "output-dir": str(tmp_path), "run-name": "fault",
+          "loo": "off"}  # the LOO exchange is tested by the insecure run: one 6 s exchange less
     run_id = cluster.run(cluster.app, rc)
     deadline = time.time() + 150
     while D.count_in_log(victim.log, RECEIVE_TRAIN) < before + 2:  # it has pulled round 2
@@ -181,7 +185,7 @@ def test_secured_run_tls_and_node_auth(tmp_path_factory, tmp_path):
         # node-keys binds partition i to keys/node<i>.pub: a registered node with another key
         # that claims partition 0 is refused, counted, and never gets a message of the run
         rc = {**BASE, "num-rounds": 2, "reply-timeout": 90.0, "output-dir": str(tmp_path), "run-name": "secure",
-              "node-keys": str(root / "keys")}
+              "node-keys": str(root / "keys"), "loo": "off"}  # the LOO exchange: the insecure run
         run_id = dep.run(app, rc)  # the ServerApp waits for the nodes
         for i, (priv, _) in enumerate(keys):
             dep.start_node(f"sn{i}", i, B, private_key=priv, data_path=node_data(root, i))

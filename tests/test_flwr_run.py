@@ -79,26 +79,58 @@ def _flwr_run(app: Path, run_config, env: dict) -> None:
     assert row["status"] == "finished:completed", (row, D.run_log(run_id, "local", env))
 
 
-def test_flwr_run_dot_from_a_conf_file(local_sim):
+def test_flwr_run_dot_from_a_conf_file_stopped_by_flwr_stop_and_resumed_bitwise(local_sim):
+    """``flwr run . --run-config <file>`` (a file derived from conf/gaussian_qlsdpp_ray.toml) runs
+    the repository's app; ``flwr stop`` mid-run leaves a readable, closed run folder (samples.nc,
+    summary.json, no .lock); ``flwr run . --run-config 'resume=...'`` reads the folder's saved
+    configuration (here num-clients = 4, where the app's default is 20) and ends with the draws of
+    the ``local`` engine's run that was never stopped, bit for bit. The file then carries the
+    federated LOO's pointwise log-likelihood (az.loo, az.compare and az.plot_trace take it as it is,
+    with the CLI run's numbers) and overview.png. (One flwr run for the two checks: each costs half
+    a minute of Flower and Ray start-up.)"""
+    import json
+    import time
+
+    import arviz as az
+
     root, env = local_sim
     out = root / "out"
     with open(REPO / "conf" / "gaussian_qlsdpp_ray.toml", "rb") as f:
         values = tomllib.load(f)
-    values.update({"num-clients": B, "num-rounds": 30, "burn-in": 5, "output-dir": str(out),
-                   "run-name": "dot", "progress": False, "loo": "pointwise"})
+    # so many rounds that the stop always comes first, however fast the machine; the resume then
+    # names the rounds it ends at (num-rounds may change at a resume), the rest from config.json
+    values.update({"num-clients": B, "num-rounds": 10**6, "burn-in": 10, "thin": 5, "checkpoint-every": 5,
+                   "output-dir": str(out), "run-name": "dot", "progress": False, "loo": "pointwise"})
     conf = root / "run.toml"
     conf.write_text("".join(D.format_run_config({k: v}).replace("=", " = ", 1) + "\n" for k, v in values.items()))
-    _flwr_run(REPO, conf, env)
-    theirs = load_samples(out / "dot")
-    mine = run({**values, "engine": "local", "output-dir": str(root / "ref"), "run-name": "dot"})
-    assert theirs.shape == (1, 25, 50)
-    assert np.array_equal(theirs, load_samples(mine.run_dir))
+    run_id = D.flwr_run(REPO, "local", env, conf)
+    folder = out / "dot"
+    deadline = time.time() + 240
+    while not (folder / "checkpoint.npz").exists() and time.time() < deadline:
+        time.sleep(0.5)
+    assert (folder / "checkpoint.npz").exists()
+    cp = D.flwr_cli(["stop", str(run_id), "local"], env, cwd=root)
+    assert cp.returncode == 0, cp.stdout + cp.stderr
+    while not (folder / "summary.json").exists() and time.time() < deadline:
+        time.sleep(0.5)
+    summary = json.loads((folder / "summary.json").read_text())
+    assert "stopped" in summary and summary["rounds"] < 10**6, summary
+    assert (folder / "samples.nc").exists() and not (folder / ".lock").exists()
+    end = summary["rounds"] + 60
+    _flwr_run(REPO, {"resume": str(folder), "num-rounds": end}, env)  # other keys: the folder's config.json
+    ref = run({**values, "num-rounds": end, "engine": "local", "output-dir": str(root / "ref"), "run-name": "dot"})
+    theirs = load_samples(folder)
+    assert theirs.shape[0] == 1 and theirs.shape[2] == 50 and theirs.shape[1] > 10
+    assert np.array_equal(theirs, load_samples(ref.run_dir))
     # the federated LOO's pointwise log-likelihood reached the flwr run file: az.loo takes it as it is,
     # and gives the CLI run's number (tests/test_loo.py checks that one against a pooled computation)
-    import arviz as az
-
-    a, b = (az.loo(az.from_netcdf(Path(d) / "samples.nc")) for d in (out / "dot", mine.run_dir))
-    assert np.isfinite(a.elpd_loo) and a.elpd_loo == b.elpd_loo and a.n_data_points == b.n_data_points
+    a, b = (az.from_netcdf(Path(d) / "samples.nc") for d in (folder, ref.run_dir))
+    la, lb = az.loo(a), az.loo(b)
+    assert np.isfinite(la.elpd_loo) and la.elpd_loo == lb.elpd_loo and la.n_data_points == lb.n_data_points
+    assert np.allclose(az.compare({"flwr run": a, "local": b})["elpd_diff"], 0.0)
+    first = a.posterior["theta_dim_0"].values[:2].tolist()
+    assert az.plot_trace(a, var_names=["theta"], coords={"theta_dim_0": first}).shape == (1, 2)
+    assert (folder / "overview.png").stat().st_size > 10_000  # drawn by the app (plot = true, the default)
 
 
 def test_example_project_through_flwr_run(local_sim, monkeypatch):
@@ -129,34 +161,3 @@ def test_a_package_error_reaches_flwr_log_as_one_line_and_fails_the_run(local_si
     assert "Traceback" not in log, log
 
 
-def test_flwr_stop_closes_the_outputs_and_flwr_run_resumes_them_bitwise(local_sim):
-    """``flwr stop`` mid-run leaves a readable, closed run folder (samples.nc, summary.json, no
-    .lock); ``flwr run . --run-config 'resume=...'`` reads the folder's saved configuration
-    (here num-clients = 4, where the app's default is 20) and ends with the draws of a run
-    that was never stopped."""
-    import json
-    import time
-
-    root, env = local_sim
-    out = root / "out-stop"
-    # so many rounds that the stop always comes first, however fast the machine; the resume then
-    # names the rounds it ends at (num-rounds may change at a resume), the rest from config.json
-    cfg = {"num-clients": B, "dim": 5, "num-rounds": 10**6, "burn-in": 10, "thin": 5, "checkpoint-every": 5,
-           "output-dir": str(out), "run-name": "s", "progress": False}
-    run_id = D.flwr_run(REPO, "local", env, cfg)
-    folder = out / "s"
-    deadline = time.time() + 240
-    while not (folder / "checkpoint.npz").exists() and time.time() < deadline:
-        time.sleep(0.5)
-    assert (folder / "checkpoint.npz").exists()
-    cp = D.flwr_cli(["stop", str(run_id), "local"], env, cwd=root)
-    assert cp.returncode == 0, cp.stdout + cp.stderr
-    while not (folder / "summary.json").exists() and time.time() < deadline:
-        time.sleep(0.5)
-    summary = json.loads((folder / "summary.json").read_text())
-    assert "stopped" in summary and summary["rounds"] < 10**6, summary
-    assert (folder / "samples.nc").exists() and not (folder / ".lock").exists()
-    end = summary["rounds"] + 100
-    _flwr_run(REPO, {"resume": str(folder), "num-rounds": end}, env)  # other keys: the folder's config.json
-    ref = run({**cfg, "num-rounds": end, "engine": "local", "output-dir": str(root / "ref"), "run-name": "stop"})
-    assert np.array_equal(load_samples(folder), load_samples(ref.run_dir))

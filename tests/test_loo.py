@@ -101,7 +101,7 @@ def test_a_users_torch_app_gets_the_same_loo_as_the_pooled_computation(tmp_path)
     for mode in ("psis", "pointwise"):
         st = QLSDStrategy(num_clients=3, dim=d, variant="lsd-pp", gamma=1e-3, num_rounds=40, burn_in=10,
                           num_chains=2, prior_var=1.0, loo=mode, output_dir=str(tmp_path), run_name=mode,
-                          progress=False, seed=1)
+                          progress=False, seed=1, plot=mode == "pointwise")
         st.start(InProcessGrid(app, 3, shuffle_seed=0), initial_arrays=named)
         assert st.summary_data["loo"]["mode"] == mode and "error" not in st.summary_data["loo"]
     theta = az.from_netcdf(tmp_path / "psis" / "samples.nc").posterior["theta"].values
@@ -119,6 +119,12 @@ def test_a_users_torch_app_gets_the_same_loo_as_the_pooled_computation(tmp_path)
     assert names[:2] == ["0.weight[0,0]", "0.weight[0,1]"] and names[-2:] == ["2.bias[0]", "2.bias[1]"]
     axes = az.plot_trace(idata, var_names=["theta"], coords={"theta_dim_0": names[:2]})
     assert axes.shape == (1, 2)
+    # az.compare takes this path's files (here the same model twice: the two LOOs are equal)
+    cmp = az.compare({"pointwise": idata, "psis": qlsd_flwr.loo(tmp_path / "psis")})
+    assert list(cmp["elpd_diff"]) == [0.0, 0.0] or np.allclose(cmp["elpd_diff"], 0.0, atol=1e-9)
+    # overview.png, drawn by the strategy itself (key plot), only where asked
+    assert (tmp_path / "pointwise" / "overview.png").stat().st_size > 10_000
+    assert not (tmp_path / "psis" / "overview.png").exists()
 
 
 def test_log_density_and_numpy_potentials_give_pointwise_log_likelihoods():

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
 
+from qlsd_flwr.keys import flag
 from qlsd_flwr.outputs.recorder import load_samples
+
+log = logging.getLogger("qlsd_flwr")
 
 
 def posterior_errors(summary: dict) -> dict:
@@ -73,6 +77,22 @@ def coordinate_labels(run_dir: Path, d: int) -> list[str]:
     with h5netcdf.File(Path(run_dir) / "samples.nc", "r") as f:
         lab = f["posterior"]["theta_dim_0"][...]
     return [f"θ[{x.decode() if isinstance(x, bytes) else x}]" for x in np.asarray(lab).tolist()][:d]
+
+
+def draw_overview(run_dir, wanted=True) -> list[Path]:
+    """``overview.png`` at the end of a run (key ``plot``; every path calls this): drawn unless it
+    is newer than ``summary.json`` already (another path drew it once the folder closed); a plot
+    that fails is a warning, never the run's failure. Returns what exists."""
+    if run_dir is None or not flag("plot", wanted):
+        return []
+    png, summary = Path(run_dir) / "overview.png", Path(run_dir) / "summary.json"
+    if png.exists() and summary.exists() and png.stat().st_mtime_ns >= summary.stat().st_mtime_ns:
+        return [png]
+    try:
+        return plot_run(Path(run_dir))
+    except Exception as exc:  # noqa: BLE001 (the samples are written; a picture must not undo that)
+        log.warning("overview.png not drawn: %s: %s", type(exc).__name__, exc)
+        return []
 
 
 def plot_run(run_dir: Path) -> list[Path]:

@@ -128,7 +128,7 @@ def run_main_job(overrides: dict | None = None) -> int:
     task, data, split, prior, seeds — go to FedAvg as well), plus ``fedavg-rounds``,
     ``fedavg-epochs``, ``fedavg-lr`` for FedAvg. Returns 0 on success (a CLI exit code)."""
     from qlsd_flwr.evaluation import evaluate as E
-    from qlsd_flwr.evaluation.report import plot_run
+    from qlsd_flwr.evaluation.report import draw_overview
     from qlsd_flwr.experiments.fedavg import run_fedavg
     from qlsd_flwr.outputs.recorder import make_run_dir
     from qlsd_flwr.run.simulate import run
@@ -149,7 +149,7 @@ def run_main_job(overrides: dict | None = None) -> int:
     print(f"[1/2] QLSD++ ({cfg['num-rounds']} rounds)", file=sys.stderr)
     q = run({**cfg, "output-dir": str(job_dir), "run-name": "qlsd-pp"})
     qm = E.evaluate_run(q.run_dir, title="QLSD++")
-    plot_run(q.run_dir)
+    draw_overview(q.run_dir, cfg.get("plot", True))
     qs = q.summary
 
     print(f"[2/2] FedAvg ({fed['num_rounds']} rounds)", file=sys.stderr)

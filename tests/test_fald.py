@@ -1,0 +1,93 @@
+"""FALD's core (:mod:`qlsd_flwr.core.fald`, issue 23) against its own stationary law on the toy
+Gaussian. Only the framework-free sampler exists so far: the Flower messages, the engines and the
+outputs are not built.
+
+* With one local step the round is exactly ULA on the whole posterior (its law in closed form:
+  the posterior mean, variance ``1/(P(1 − hP/2))``), whatever the common share τ of the noise;
+  with data-proportional weights it stays ULA for any ``K`` on this task (the clients' curvatures
+  are proportional to their weights); with equal weights on clients of unequal sizes the mean
+  moves by ``O(hK)`` (the local-step bias), shrinking linearly with ``h``.
+* A long chain's mean and variance match the exact law within their batch-means Monte Carlo
+  error (4 standard errors, each coordinate and the pooled variance), at a step where the
+  local-step bias is many of those errors wide (the test can tell the two apart).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from qlsd_flwr.core import fald
+from qlsd_flwr.tasks.gaussian import build_gaussian_task
+
+B, D, PV = 4, 3, 5.0
+
+
+def _stats(task):
+    n = np.array([c.n_data for c in task.clients], dtype=float)
+    ybar = np.stack([c.y.mean(axis=0) for c in task.clients])
+    return n, ybar
+
+
+def test_one_local_step_is_ula_on_the_posterior_and_more_steps_bias_the_mean_by_o_hk():
+    task = build_gaussian_task(b=B, d=D, data_seed=0, prior_var=PV)
+    n, ybar = _stats(task)
+    P = n.sum() + 1 / PV
+    for h in (0.1 / P, 1.0 / P):
+        for tau in (0.0, 0.4, 1.0):
+            m, v = fald.gaussian_stationary(n, ybar, h, steps=1, tau=tau, prior_var=PV)
+            assert np.allclose(m, task.posterior_mean, rtol=1e-12, atol=1e-12)
+            assert np.isclose(v, 1 / (P * (1 - h * P / 2)), rtol=1e-12)
+        # with w_i = N_i/N the clients' curvatures are proportional to their weights: any K is ULA
+        m, v = fald.gaussian_stationary(n, ybar, h, steps=10, tau=0.5, prior_var=PV)
+        assert np.allclose(m, task.posterior_mean, rtol=1e-10) and np.isclose(v, 1 / (P * (1 - h * P / 2)))
+    sd = np.sqrt(task.posterior_var[0])
+    # equal weights (the FALD repository's numpy code) on clients of unequal sizes: the local steps
+    # bias the mean by O(hK), linearly in h
+    bias = [np.max(np.abs(fald.gaussian_stationary(n, ybar, c / P, 10, 0.5, PV, rule="equal")[0]
+                          - task.posterior_mean)) / sd for c in (1e-2, 1e-3)]
+    assert bias[0] > 0.1 and 8 < bias[0] / bias[1] < 12, bias
+
+
+def test_vr_fald_star_at_the_mode_removes_the_local_step_bias():
+    # G_i(x) = ∇Ũ_i(x) − ∇Ũ_i(θ*) pulls every client's local steps toward θ*: the stationary mean
+    # is the posterior mean for any weights and K (the variance keeps the discretisation's O(h))
+    task = build_gaussian_task(b=B, d=D, data_seed=0, prior_var=PV)
+    n, ybar = _stats(task)
+    P = n.sum() + 1 / PV
+    m, v = fald.gaussian_stationary(n, ybar, 0.01 / P, 10, 0.5, PV, rule="equal", anchor=task.posterior_mean)
+    assert np.allclose(m, task.posterior_mean, rtol=1e-10)
+    m0, _ = fald.gaussian_stationary(n, ybar, 0.01 / P, 10, 0.5, PV, rule="equal")
+    assert np.max(np.abs(m0 - task.posterior_mean)) / np.sqrt(task.posterior_var[0]) > 0.1  # FALD's bias
+    # refreshed with probability q, the reference follows the chain: a short run stays near the posterior
+    tr = fald.run(task, 0.05 / P, 5, 3000, 0.5, seed=2, theta0=task.posterior_mean, rule="equal",
+                  anchor=task.posterior_mean, q=0.1)[500:]
+    assert np.max(np.abs(tr.mean(0) - task.posterior_mean) / np.sqrt(task.posterior_var)) < 1.0
+
+
+@pytest.mark.parametrize("vr", [False, True])
+def test_a_long_chain_matches_its_exact_stationary_law(vr):
+    task = build_gaussian_task(b=B, d=D, data_seed=0, prior_var=PV)
+    n, ybar = _stats(task)
+    P = n.sum() + 1 / PV
+    h, steps, tau, rounds, burn = 0.05 / P, 5, 0.5, 10_000, 200
+    # VR-FALD*: the reference point off the mode, so that its term shows in the law
+    anchor = task.posterior_mean + 3 * np.sqrt(task.posterior_var) if vr else None
+    trace = fald.run(task, h, steps, rounds, tau=tau, seed=1, theta0=task.posterior_mean, rule="equal",
+                     anchor=anchor)[burn:]
+    m, v = fald.gaussian_stationary(n, ybar, h, steps, tau, PV, rule="equal", anchor=anchor)
+    batches = np.array_split(trace, 40)
+    se_mean = np.std([b.mean(axis=0) for b in batches], axis=0, ddof=1) / np.sqrt(len(batches))
+    assert np.all(np.abs(trace.mean(axis=0) - m) <= 4 * se_mean), (trace.mean(axis=0), m, se_mean)
+    e2 = (trace - m) ** 2
+    se_var = np.std([b.mean() for b in np.array_split(e2, 40)], ddof=1) / np.sqrt(40)
+    assert abs(e2.mean() - v) <= 4 * se_var, (e2.mean(), v, se_var)
+    # the other sampler's law (FALD's local-step bias; VR-FALD*'s at the mode: the posterior mean) is
+    # wide of this one against the Monte Carlo error: the check can fail
+    other, _ = fald.gaussian_stationary(n, ybar, h, steps, tau, PV, rule="equal",
+                                        anchor=None if vr else task.posterior_mean)
+    assert np.max(np.abs(m - other) / se_mean) > 10
+    # reproducible: a function of the seed
+    first = fald.run(task, h, steps, burn + 50, tau=tau, seed=1, theta0=task.posterior_mean, rule="equal",
+                     anchor=anchor)
+    assert np.array_equal(first[burn:], trace[:50])
