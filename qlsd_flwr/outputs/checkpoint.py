@@ -51,7 +51,7 @@ from qlsd_flwr.config import ConfigError, RunConfig
 NAME = "checkpoint.npz"
 FORMAT = 1
 # keys that may differ between a run and its resumption (they do not change the chain)
-RESUME_FREE_KEYS = ("num-rounds", "progress", "verbose", "checkpoint-every", "resume", "engine",
+RESUME_FREE_KEYS = ("num-rounds", "progress", "plot", "verbose", "checkpoint-every", "resume", "engine",
                     "client-cpus", "reply-timeout", "output-dir", "run-name", "device",
                     "vectorised-backend")  # the backend itself is checked against the checkpoint's
 _SAME_CHAIN_ENGINES = ("local", "inprocess", "ray")
