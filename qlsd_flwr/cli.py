@@ -93,12 +93,11 @@ def execute(overrides: dict) -> int:
 
         from qlsd_flwr.evaluation.evaluate import evaluate_classification
 
-        resolved = json.loads((outcome.run_dir / "config.json").read_text())["resolved"]
-        task = resolved["task"]
-        if (ev := evaluate_classification(task, outcome.run_dir)) is not None:  # held-out: json + ArviZ groups
+        saved = json.loads((outcome.run_dir / "config.json").read_text())
+        if (ev := evaluate_classification(saved["resolved"]["task"], outcome.run_dir)) is not None:  # held-out
             print(f"  held-out: accuracy {100 * ev['accuracy']:.1f} %, nNLL {ev['nnll']:.4f}, ECE {ev['ece']:.4f}"
                   " (evaluation.json; heldout_log_likelihood and predictions in samples.nc)")
-        for p in draw_overview(outcome.run_dir, resolved.get("plot", True)):
+        for p in draw_overview(outcome.run_dir, saved["config"].get("plot", True)):  # drawn by the run already
             print(f"  plot: {p}")
         print(f"  samples load with: arviz.from_netcdf('{outcome.run_dir / 'samples.nc'}')")
     return 0

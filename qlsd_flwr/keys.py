@@ -163,7 +163,8 @@ KEYS: tuple[Key, ...] = (
         "reply's norm per datum against the federation's (probation 30×, then 1000× per reply and 100× typical; "
         "a steadily false client is excluded) and run-away detection; a number B: each client's gradient "
         "estimate (and QLSD*'s ∇U_i(θ*)) held to norm ≤ B, which bounds what one client, even a consistent liar, "
-        "does to the stationary law (B/m); off: neither", "B", lo=0, open_lo=True,
+        "does to the stationary law (W2 ≤ B/m for m-strongly convex other clients, docs/DEPLOYMENT.md); off: neither",
+        "B", lo=0, open_lo=True,
         words=("auto", "off"), group=SAMPLER),
     Key("theta-star", "closed-form", "choice", "QLSD*/LSD*'s θ*: the task's closed form, or a federated gradient "
         "descent first", "θ*", choices=("closed-form", "optimise"), group=SAMPLER),

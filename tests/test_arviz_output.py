@@ -61,7 +61,9 @@ def test_classification_runs_get_loo_ready_groups_and_named_coordinates(tmp_path
     sets = {"task": "logistic", "engine": "vectorised", "num-chains": 2, "num-rounds": 60, "burn-in": 20,
             "gamma": 1e-3, "num-clients": 4, "output-dir": str(tmp_path), "run-name": "lg", "progress": False}
     assert main(["run", *sum((["--set", f"{k}={v}"] for k, v in sets.items()), [])]) == 0
-    assert "held-out: accuracy" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "held-out: accuracy" in said  # plot = false (this suite's default): no overview.png
+    assert "plot:" not in said and not (tmp_path / "lg" / "overview.png").exists()
     idata = az.from_netcdf(tmp_path / "lg" / "samples.nc")
     assert {"posterior", "sample_stats", "heldout_log_likelihood", "predictions", "observed_data",
             "loo"} <= set(idata.groups())

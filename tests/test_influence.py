@@ -387,7 +387,7 @@ def test_a_resumed_run_keeps_the_theta_star_claims_and_the_correction_bit_for_bi
 
 
 def test_a_lie_told_everywhere_is_bounded_by_a_fixed_norm_bound(tmp_path):
-    """A consistent liar: the same +c in every ∇U_0 it sends (the θ* descent, its claim, its reply
+    """A consistent liar: client 0 adds the same +c to every gradient it sends (the θ* descent, its claim, its reply
     to θ*), honest differences. It is a client with other data, and no relative rule can see it
     (at the lied mode every honest gradient grows with it): under norm-bound = auto QLSD* ends many
     sd off. A fixed bound B holds every estimate c_i + ĝ_i and every claim to B: a larger lie is
@@ -411,3 +411,29 @@ def test_a_lie_told_everywhere_is_bounded_by_a_fixed_norm_bound(tmp_path):
     honest = run({**o, "run-name": "honest", "norm-bound": B})
     assert not honest.summary.get("excluded") and honest.summary["rejected"] == {}
     assert np.max(np.abs(_kept_mean(honest) - task.posterior_mean) / full) <= 1.0
+
+
+def test_a_guard_state_of_another_measure_keeps_its_exclusions_and_restarts_the_rest():
+    # a QLSD* checkpoint written before its replies were judged as c_i + ĝ_i holds norms of another
+    # quantity: its reference and probation restart, its exclusions stand
+    g = NormGuard("auto", 4)
+    for k in range(3):
+        g.judge({0: 1.0, 1: 2.0, 2: 1.5, 3: 1.2}, k)
+    old = {**g.state(), "excluded": {"2": 5}}
+    old.pop("measure")
+    star = NormGuard("auto", 4, measure="claim+difference")
+    star.restore(old)
+    assert star.excluded == {2: 5} and not star.pool and not star.accepted and not star.own
+    same = NormGuard("auto", 4)
+    same.restore(old)
+    assert same.excluded == {2: 5} and len(same.pool) == 3 and same.accepted == g.accepted
+
+
+def test_a_fixed_bound_below_an_honest_claim_is_refused_on_the_local_engine(tmp_path):
+    # the local engine's clients are honest: a claim over B means B is too small for the data, and
+    # every reply of that client would be refused (a bias); the Flower path leaves such a client out
+    o = {**GAUSS, "engine": "local", "variant": "qlsd-star", "theta-star": "optimise", "prior-var": 5.0,
+         "norm-bound": 50.0, "output-dir": str(tmp_path)}
+    with pytest.raises(ConfigError, match=r"norm-bound: client 0: its ∇U_i\(θ\*\) has norm .* over norm-bound = 50"):
+        run(o)
+    assert not any(tmp_path.iterdir())  # refused before any run folder

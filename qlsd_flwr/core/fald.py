@@ -20,7 +20,7 @@ deep-learning variant injects one shared ``√(2γ/b) ξ`` with the full-data dr
 targets ``exp(−b U)``, a posterior cooled by the number of clients; the same paper's numpy
 version has this module's scaling with ``w_i = 1/b`` (``h = γ/b``). With ``K > 1`` each client
 drifts toward its own mode between averages: the stationary law moves by ``O(hK)`` on
-heterogeneous clients (the local-step bias; none on the toy Gaussian with ``w_i = N_i/N``, where
+heterogeneous clients (the local-step bias, ``O(h(K − 1))``; none on the toy Gaussian with ``w_i = N_i/N``, where
 the clients' curvatures are proportional to their weights), besides ULA's ``O(h)``. For the toy Gaussian the
 round is a linear Gaussian recursion and :func:`gaussian_stationary` gives its law exactly; the
 tests compare the chain with it.
@@ -70,9 +70,8 @@ def run(task, h: float, steps: int, rounds: int, tau: float = 0.0, seed: int = 0
     stationary mean on the toy Gaussian is exact for any weights and ``K``."""
     d = task.dim
     w = weights([c.n_data for c in task.clients], rule)
-    prior_var = float(getattr(task.prior, "var", np.inf))
-    prec0 = 0.0 if not np.isfinite(prior_var) else 1.0 / prior_var
-    grads = [lambda x, p=pot, wi=w[i]: p.grad_sum(x) + wi * prec0 * x for i, pot in enumerate(task.clients)]
+    prior = task.prior  # Ũ_i = U_i + w_i U_0: the prior's own gradient (any mean, any prior with one)
+    grads = [lambda x, p=pot, wi=w[i]: p.grad_sum(x) + wi * prior.grad(x) for i, pot in enumerate(task.clients)]
     theta = np.zeros(d) if theta0 is None else np.asarray(theta0, dtype=np.float64).copy()
     ref = None if anchor is None else np.asarray(anchor, dtype=np.float64).copy()
     at_ref = None if ref is None else [g(ref) for g in grads]
@@ -94,7 +93,8 @@ def run(task, h: float, steps: int, rounds: int, tau: float = 0.0, seed: int = 0
 def gaussian_stationary(n, ybar, h: float, steps: int, tau: float = 0.0, prior_var: float = np.inf,
                         rule: str = "data", anchor=None):
     r"""The exact stationary law of FALD's θ on the toy Gaussian (clients of ``n[i]`` points with
-    mean ``ybar[i]``): ``(mean (d,), variance)``, the same variance in every coordinate.
+    mean ``ybar[i]``, the prior ``N(0, σ_0²)``): ``(mean (d,), variance)``, the same variance in
+    every coordinate.
 
     Per coordinate, ``∇Ũ_i(x) = a_i x − N_i ȳ_i`` with ``a_i = N_i + w_i/σ_0²``, so one local step is
     ``x ← ρ_i x + c_i + noise`` with ``ρ_i = 1 − h a_i / w_i`` and ``c_i = h N_i ȳ_i / w_i``. After ``K``

@@ -49,8 +49,7 @@ def run(task, mu: np.ndarray, lam: np.ndarray, f, h: float, steps: int, rounds: 
         raise ValueError("FSGLD surrogates: every precision λ must be a finite number > 0")
     if np.any(f <= 0) or not np.isclose(f.sum(), 1.0):
         raise ValueError("FSGLD: the selection probabilities f must be > 0 and sum to 1")
-    prior_var = float(getattr(task.prior, "var", np.inf))
-    prec0 = 0.0 if not np.isfinite(prior_var) else 1.0 / prior_var
+    prior = task.prior  # known to everybody: its own gradient (any mean, any prior with one)
     Lam, LamMu = lam.sum(axis=0), (lam * mu).sum(axis=0)  # Σ_j ∇Û_j(θ) = Λ θ − Σ_j λ_j μ_j
     d = task.dim
     theta = np.zeros(d) if theta0 is None else np.asarray(theta0, dtype=np.float64).copy()
@@ -61,7 +60,7 @@ def run(task, mu: np.ndarray, lam: np.ndarray, f, h: float, steps: int, rounds: 
         xi = rng.normal(seed, rng.Stream.NOISE, k, 0, steps * d).reshape(steps, d)
         pot = task.clients[s]
         for j in range(steps):
-            g = (pot.grad_sum(theta) - lam[s] * (theta - mu[s])) / f[s] + Lam * theta - LamMu + prec0 * theta
+            g = (pot.grad_sum(theta) - lam[s] * (theta - mu[s])) / f[s] + Lam * theta - LamMu + prior.grad(theta)
             theta = theta - h * g + root * xi[j]
         out[k] = theta
     return out
@@ -76,7 +75,8 @@ def gaussian_surrogates(task, scale: float = 1.0, shift: float = 0.0):
 
 
 def gaussian_stationary(n, ybar, mu, lam, f, h: float, steps: int, prior_var: float = np.inf):
-    r"""The exact stationary law of FSGLD's θ on the toy Gaussian: ``(mean (d,), variance (d,))``.
+    r"""The exact stationary law of FSGLD's θ on the toy Gaussian (the prior ``N(0, σ_0²)``):
+    ``(mean (d,), variance (d,))``.
 
     Per coordinate, ``g_s(θ) = a_s θ − c_s`` with ``a_s = (N_s − λ_s)/f_s + Λ + 1/σ_0²`` and
     ``c_s = (N_s ȳ_s − λ_s μ_s)/f_s + Σ_j λ_j μ_j``; ``K`` steps on client ``s`` give

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from qlsd_flwr.config import RunConfig
+from qlsd_flwr.config import ConfigError, RunConfig
 from qlsd_flwr.core import participation
 from qlsd_flwr.core import server_step as sampler
 from qlsd_flwr.core.oracles import (
@@ -30,8 +30,10 @@ from qlsd_flwr.outputs.checkpoint import resume_dir, warmup_store
 from qlsd_flwr.outputs.observer import RunOutputs
 from qlsd_flwr.outputs.progress import progress_bar
 from qlsd_flwr.protocol import build
+from qlsd_flwr.protocol.claims import over_bound
 from qlsd_flwr.protocol.client import handle
 from qlsd_flwr.protocol.divergence import DivergenceError, divergence_message
+from qlsd_flwr.protocol.norm_guard import NormGuard
 from qlsd_flwr.protocol.server import QLSDServer
 from qlsd_flwr.protocol.wire import vectors_to_bytes
 from qlsd_flwr.tasks import loading
@@ -69,6 +71,12 @@ def run_local(cfg: RunConfig, task: Task | None = None, write: bool = True,
         cfg, task, build.theta0_of(task), *build.direct_exchanges(cfg, task, specs),
         warm=warmup_store(cfg) if write and wire else None)
     theta_star, ts_info = (None, {}) if prep is None else (prep.theta_star, prep.info)
+    claims = None if prep is None or cfg.oracle != "star" else [
+        full_local_grad(s, task.clients[s.index], prep.theta_star) for s in specs]
+    if claims is not None and (over := over_bound(claims, NormGuard(cfg.raw.get("norm-bound", "auto")).fixed)):
+        # this engine's clients are honest: a claim over a fixed B means B is too small for the data
+        raise ConfigError("norm-bound: " + "; ".join(f"client {i}: {w}" for i, w in over.items())
+                          + "; every reply of theirs would be refused, a bias: raise norm-bound or use auto")
     bar = progress_bar(cfg.num_rounds, cfg.progress if progress is None else progress, f"{cfg.variant} local")
     if not wire:
         return _run_direct(precondition.apply(cfg, prep), task, specs, states, prep, keep_trace, bar)
@@ -76,7 +84,7 @@ def run_local(cfg: RunConfig, task: Task | None = None, write: bool = True,
                         observer=RunOutputs(cfg, task.dim) if write else None)
     server.begin(theta_star, ts_info, None, prep)
     if prep is not None and server.wants_claims():  # QLSD*: what each reply to θ* repeats (protocol.claims)
-        server.set_claims([full_local_grad(s, task.clients[s.index], prep.theta_star) for s in specs])
+        server.set_claims(claims)
     bar.update(server.state.k)
     try:
         _rounds(cfg, server, specs, states, task, d, bar)

@@ -80,13 +80,21 @@ def coordinate_labels(run_dir: Path, d: int) -> list[str]:
 
 
 def draw_overview(run_dir, wanted=True) -> list[Path]:
-    """``overview.png`` at the end of a run (key ``plot``; every path calls this): drawn unless it
-    is newer than ``summary.json`` already (another path drew it once the folder closed); a plot
-    that fails is a warning, never the run's failure. Returns what exists."""
-    if run_dir is None or not flag("plot", wanted):
+    """``overview.png`` at the end of a run (key ``plot``): ``qlsd_flwr.run`` calls this after any
+    engine, the Flower strategy at its end (``flwr run``, a user's ServerApp), so every path writes
+    it. Drawn unless it is newer than ``summary.json`` already (another layer drew it once the
+    folder closed); with ``plot = false`` an older one (a stopped run's, before this resume) is
+    removed rather than left stale. A plot that fails is a warning, never the run's failure.
+    Returns what exists."""
+    if run_dir is None:
         return []
     png, summary = Path(run_dir) / "overview.png", Path(run_dir) / "summary.json"
-    if png.exists() and summary.exists() and png.stat().st_mtime_ns >= summary.stat().st_mtime_ns:
+    fresh = png.exists() and summary.exists() and png.stat().st_mtime_ns > summary.stat().st_mtime_ns
+    if not flag("plot", wanted):
+        if png.exists() and not fresh:
+            png.unlink()
+        return []
+    if fresh:
         return [png]
     try:
         return plot_run(Path(run_dir))

@@ -66,7 +66,8 @@ class GuardStateError(ValueError):
 class NormGuard:
     """The bounded-influence rule (see the module docstring) for one chain of ``b`` clients."""
 
-    def __init__(self, mode="auto", b: int = 1, n_data=None):
+    def __init__(self, mode="auto", b: int = 1, n_data=None, measure: str = "estimate"):
+        self.measure = measure  # what a norm is of (checkpoints of another measure restart the rule)
         m = str(mode).strip().lower()
         self.mode = "off" if m == "off" else "auto" if m == "auto" else "fixed"
         self.fixed = float(mode) if self.mode == "fixed" else None
@@ -145,7 +146,7 @@ class NormGuard:
     def state(self) -> dict:
         """JSON: the pool, each client's own values, counts and the exclusions (floats round-trip
         exactly)."""
-        return {"pool": [[[i, v] for i, v in rnd] for rnd in self.pool],
+        return {"measure": self.measure, "pool": [[[i, v] for i, v in rnd] for rnd in self.pool],
                 "own": {str(i): list(o) for i, o in self.own.items()},
                 "accepted": {str(i): n for i, n in self.accepted.items()},
                 "streak": {str(i): n for i, n in self.streak.items()},
@@ -159,12 +160,16 @@ class NormGuard:
             return
         if not isinstance(s, dict):
             raise GuardStateError("'guard' is not a table")
+        # norms of another quantity (a QLSD* checkpoint from before c_i + ĝ_i): the exclusions stand, the
+        # reference and the probation start afresh
+        same = s.get("measure", "estimate") == self.measure
         try:
-            for rnd in list(s.get("pool", []))[-WINDOW:]:
+            for rnd in list(s.get("pool", []))[-WINDOW:] if same else ():
                 self.pool.append([(self._client(i), self._value(v)) for i, v in rnd])
-            for i, o in dict(s.get("own", {})).items():
+            for i, o in dict(s.get("own", {}) if same else {}).items():
                 self.own[self._client(i)] = deque((self._value(v) for v in list(o)[-OWN:]), maxlen=OWN)
-            for name, part in (("accepted", self.accepted), ("streak", self.streak), ("excluded", self.excluded)):
+            parts = (("accepted", self.accepted), ("streak", self.streak)) if same else ()
+            for name, part in parts + (("excluded", self.excluded),):
                 for i, n in dict(s.get(name, {})).items():
                     if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < 2**62:
                         raise GuardStateError(f"'guard.{name}' holds {n!r}, not an integer in [0, 2^62)")

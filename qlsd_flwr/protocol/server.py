@@ -67,7 +67,8 @@ class QLSDServer:
         self.blocks = build.blocks_for(cfg, task)
         self.compressors = [build.compressor_for(cfg, i, self.blocks) for i in range(cfg.b)]
         self.settings = [build.client_settings(cfg, i, self.d, task.prior, self.blocks) for i in range(cfg.b)]
-        self.norm_guard = NormGuard(cfg.raw.get("norm-bound", "auto"), cfg.b, task.n_data if task.clients else None)
+        self.norm_guard = NormGuard(cfg.raw.get("norm-bound", "auto"), cfg.b, task.n_data if task.clients else None,
+                                    "claim+difference" if cfg.oracle == "star" else "estimate")  # see _commit
         self._norm_warned: set[int] = set()
         self.keep_trace, self.engine_label, self.observer = keep_trace, engine_label, observer
         if keep_trace:  # the trace is the run's largest allocation: sized before the first round

@@ -41,17 +41,19 @@ def run(overrides: dict | None = None, **kwargs) -> Outcome:
         from qlsd_flwr.engines.local import run_local
 
         res = run_local(cfg, **kwargs)
-        return Outcome(res.summary, res.run_dir, res)
-    if cfg.engine == "vectorised":
+        out = Outcome(res.summary, res.run_dir, res)
+    elif cfg.engine == "vectorised":
         from qlsd_flwr.engines.vectorised import run_vectorised
 
         res = run_vectorised(cfg, **kwargs)
-        return Outcome(res.summary, res.run_dir, res)
-    if cfg.engine == "inprocess":
-        strat = run_inprocess(cfg, overrides or {}, **kwargs)
+        out = Outcome(res.summary, res.run_dir, res)
     else:
-        strat = run_ray(cfg, overrides or {}, **kwargs)
-    return Outcome(strat.summary_data, strat.run_dir, strat)
+        strat = (run_inprocess if cfg.engine == "inprocess" else run_ray)(cfg, overrides or {}, **kwargs)
+        out = Outcome(strat.summary_data, strat.run_dir, strat)
+    from qlsd_flwr.evaluation.report import draw_overview
+
+    draw_overview(out.run_dir, cfg.get("plot"))  # every engine (the Flower strategy drew it already)
+    return out
 
 
 def run_inprocess(cfg: RunConfig, overrides: dict, shuffle_seed: int | None = None, mods=None,
