@@ -282,8 +282,9 @@ def test_a_checkpoint_resumed_with_another_chain_count_is_refused_by_name(tmp_pa
 
 
 def test_convergence_summarises_arviz_per_test_point_and_for_the_total_log_likelihood():
-    """The summary is ArviZ's own R-hat / bulk ESS on ``exp(ll)`` per point and on ``Σ_j ll``:
-    the worst point is the one whose chains were shifted apart, and the numbers are exactly ArviZ's."""
+    """The summary is ArviZ's R-hat / bulk ESS on ``exp(ll)`` per point and on ``Σ_j ll``: the worst
+    point is the one whose chains were shifted apart, and the numbers are ArviZ's to float rounding
+    (computed for all points at once, :mod:`qlsd_flwr.outputs.diagnostics`)."""
     import arviz as az
 
     from qlsd_flwr.evaluation.evaluate import convergence
@@ -293,12 +294,13 @@ def test_convergence_summarises_arviz_per_test_point_and_for_the_total_log_likel
     ll[:, :, 3] -= np.arange(4)[:, None] * 0.3  # point 3: the chains disagree
     out = convergence(ll)
     per_point = [float(az.rhat(np.exp(ll[:, :, j]))) for j in range(5)]
-    assert out["rhat_pred_max"] == max(per_point) == per_point[3] and out["rhat_pred_max"] > 1.5
+    same = lambda a, b: np.isclose(a, b, rtol=1e-12, atol=0)  # noqa: E731
+    assert same(out["rhat_pred_max"], max(per_point)) and max(per_point) == per_point[3] > 1.5
     assert max(per_point[:3] + per_point[4:]) < 1.05  # the mixed points read as mixed
-    assert out["rhat_pred_p99"] == float(np.quantile(per_point, 0.99))
-    assert out["ess_bulk_pred_min"] == min(float(az.ess(np.exp(ll[:, :, j]), method="bulk")) for j in range(5))
-    assert out["rhat_loglik"] == float(az.rhat(ll.sum(axis=2)))
-    assert out["ess_bulk_loglik"] == float(az.ess(ll.sum(axis=2), method="bulk"))
+    assert same(out["rhat_pred_p99"], float(np.quantile(per_point, 0.99)))
+    assert same(out["ess_bulk_pred_min"], min(float(az.ess(np.exp(ll[:, :, j]), method="bulk")) for j in range(5)))
+    assert same(out["rhat_loglik"], float(az.rhat(ll.sum(axis=2))))
+    assert same(out["ess_bulk_loglik"], float(az.ess(ll.sum(axis=2), method="bulk")))
     one = convergence(ll[:1])
     assert one["rhat_loglik"] is None and "2 chains" in one["why"]
 

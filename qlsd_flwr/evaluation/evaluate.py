@@ -171,24 +171,22 @@ def convergence(ll: np.ndarray) -> dict:
 
     With fewer than 2 chains or 4 draws, R-hat cannot be computed: the values are ``None`` and
     ``why`` says so."""
-    import arviz as az
+    from qlsd_flwr.outputs.diagnostics import rhat_ess  # ArviZ's estimators, all points at once
 
     c, n, _ = ll.shape
     if c < 2 or n < 4:
         return {"chains": int(c), "draws": int(n), "rhat_pred_max": None, "rhat_pred_p99": None,
                 "ess_bulk_pred_min": None, "rhat_loglik": None, "ess_bulk_loglik": None,
                 "why": "R-hat needs at least 2 chains and 4 draws"}
-    probs = az.convert_to_dataset({"p": np.exp(ll)})
-    total = az.convert_to_dataset({"ll": ll.sum(axis=2)})
-    rp = np.asarray(az.rhat(probs)["p"].values, dtype=np.float64)
-    ep = np.asarray(az.ess(probs, method="bulk")["p"].values, dtype=np.float64)
+    rp, ep, _ = rhat_ess(np.exp(ll))
+    r_ll, e_ll, _ = rhat_ess(ll.sum(axis=2)[:, :, None])
     finite = np.isfinite(rp)  # a point whose probability is 1.0 in every draw has no R-hat
     return {"chains": int(c), "draws": int(n),
             "rhat_pred_max": float(np.max(rp[finite])) if finite.any() else None,
             "rhat_pred_p99": float(np.quantile(rp[finite], 0.99)) if finite.any() else None,
             "ess_bulk_pred_min": float(np.min(ep[np.isfinite(ep)])) if np.isfinite(ep).any() else None,
-            "rhat_loglik": float(az.rhat(total)["ll"].values),
-            "ess_bulk_loglik": float(az.ess(total, method="bulk")["ll"].values),
+            "rhat_loglik": float(r_ll[0]),
+            "ess_bulk_loglik": float(e_ll[0]),
             "target": RHAT_TARGET}
 
 

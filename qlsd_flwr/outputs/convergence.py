@@ -19,7 +19,6 @@ otherwise; a user picks with the key ``convergence-criterion``).
 from __future__ import annotations
 
 import logging
-import warnings
 
 import numpy as np
 
@@ -27,39 +26,18 @@ log = logging.getLogger("qlsd_flwr")
 
 RHAT_TARGET = 1.05  # the issue's bar (Vehtari et al. 2021 recommend < 1.01 for final results)
 TREND_Z = 4.0  # |z| of the first-vs-last-third difference of ‖θ‖ above which the window trends
-_CHUNK = 4096  # coordinates per ArviZ call (memory: chains × draws × chunk floats)
-
-
-def _az():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        import arviz as az
-    return az
+_CHUNK = 4096  # coordinates per call (memory: chains × draws × chunk floats, a few copies)
 
 
 def _rhat_ess(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per coordinate of ``x`` ``(chain, draw, k)``: R-hat, bulk ESS, tail ESS."""
-    az = _az()
+    """Per coordinate of ``x`` ``(chain, draw, k)``: ArviZ's R-hat, bulk ESS, tail ESS, computed
+    for all coordinates at once (:mod:`qlsd_flwr.outputs.diagnostics`)."""
+    from qlsd_flwr.outputs.diagnostics import rhat_ess
+
     if x.shape[0] == 1:  # one chain: its two halves as two chains (split R-hat within the chain)
         h = x.shape[1] // 2
         x = np.stack([x[0, :h], x[0, h:2 * h]])
-    ds = az.convert_to_dataset({"v": x})
-    azlog = logging.getLogger("arviz")
-    level = azlog.level
-    azlog.setLevel(logging.ERROR)  # its shape warnings for short series say what the report says
-    try:
-        return _rhat_ess_az(az, ds)
-    finally:
-        azlog.setLevel(level)
-
-
-def _rhat_ess_az(az, ds):
-    with warnings.catch_warnings(), np.errstate(all="ignore"):
-        warnings.simplefilter("ignore")
-        r = np.asarray(az.rhat(ds)["v"].values, dtype=np.float64).reshape(-1)
-        eb = np.asarray(az.ess(ds, method="bulk")["v"].values, dtype=np.float64).reshape(-1)
-        et = np.asarray(az.ess(ds, method="tail")["v"].values, dtype=np.float64).reshape(-1)
-    return r, eb, et
+    return rhat_ess(x)
 
 
 def trend(series: np.ndarray) -> dict:
