@@ -78,7 +78,7 @@ def test_a_ray_run_of_four_chains_writes_them_all_and_arviz_reads_rhat(tmp_path)
     import arviz as az
 
     o = {**BASE, "engine": "ray", "variant": "qlsd-pp", "p": "0.8", "num-chains": 4, "num-rounds": 30,
-         "output-dir": str(tmp_path), "run-name": "ray4"}
+         "output-dir": str(tmp_path), "run-name": "ray4", "client-cpus": 1.0}
     strat = run_ray(resolve(o), o, strategy_kwargs={"keep_trace": True})
     vec = run_vectorised(resolve({**o, "engine": "vectorised"}), write=False, keep_trace=True, backend="numpy")
     assert np.array_equal(_trace(strat), vec.trace)

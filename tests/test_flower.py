@@ -40,7 +40,8 @@ def test_inprocess_flower_matches_framework_free_bitwise(overrides, tmp_path):
 
 @pytest.mark.ray
 def test_ray_engine_matches_framework_free_bitwise(tmp_path):
-    o = {**BASE, "variant": "qlsd-pp", "p": "0.5", "s": "8", "num-rounds": 25, "output-dir": str(tmp_path)}
+    o = {**BASE, "variant": "qlsd-pp", "p": "0.5", "s": "8", "num-rounds": 25, "output-dir": str(tmp_path),
+         "client-cpus": 1.0}
     strat = run_ray(resolve({**o, "engine": "ray"}), o, strategy_kwargs={"keep_trace": True})
     np.testing.assert_array_equal(np.array(strat.trace), local_trace(o))
     s = strat.summary_data

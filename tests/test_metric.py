@@ -531,7 +531,7 @@ def test_the_curvature_exchange_and_gamma_auto_through_flower_s_ray_engine(tmp_p
 
     o = {"engine": "ray", "num-chains": 2, "num-rounds": 15, "burn-in": 3, "progress": False, "dim": 6,
          "num-clients": 4, "metric": "diagonal", "gamma": "auto", "init": "dispersed", "variant": "qlsd-pp",
-         "s": "8", "l": 5, "output-dir": str(tmp_path), "run-name": "ray"}
+         "s": "8", "l": 5, "output-dir": str(tmp_path), "run-name": "ray", "client-cpus": 1.0}
     strat = run_ray(resolve(o), o)
     ref = run({**o, "engine": "vectorised", "run-name": "vec"})
     assert np.array_equal(load_samples(strat.run_dir), load_samples(ref.run_dir))

@@ -436,7 +436,7 @@ def test_a_killed_run_resumes_on_the_ray_engine_bitwise(tmp_path):
          "output-dir": str(tmp_path)}
     ref = simulate.run({**o, "run-name": "uninterrupted"})
     run_and_kill({**o, "run-name": "killed"}, 14)
-    res = simulate.run({"resume": str(tmp_path / "killed"), "engine": "ray"})
+    res = simulate.run({"resume": str(tmp_path / "killed"), "engine": "ray", "client-cpus": 1.0})
     assert res.summary["resumed_from_round"] == 12 and res.summary["engine"] == "flower-ray"
     assert np.array_equal(load_samples(ref.run_dir), load_samples(res.run_dir))
     assert np.array_equal(final_theta(ref), final_theta(res))
