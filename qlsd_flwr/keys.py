@@ -355,7 +355,7 @@ def _toml(v: Any) -> str:
 
 def pyproject_block(values: dict | None = None) -> str:
     """``[tool.flwr.app.config]`` with every key (``values`` over the defaults)."""
-    vals = {**{k.name: k.default for k in KEYS}, **(values or {})}  # the package's own defaults
+    vals = {**DEFAULTS, **(values or {})}
     return "[tool.flwr.app.config]\n" + "".join(f"{k.name} = {_toml(vals[k.name])}\n" for k in KEYS)
 
 

@@ -399,15 +399,19 @@ def test_a_lie_told_everywhere_is_bounded_by_a_fixed_norm_bound(tmp_path):
     task = build_gaussian_task(5, 5, 0, prior_var=5.0)
     mean, sd = posterior_without(task, {0}, 5.0)
     full = np.sqrt(task.posterior_var)
+    # the lie adds c·θ to U: the chain targets N((Σ_i y_sum_i − c)/τ, 1/τ), derived, within 1 sd
+    lied = (sum(c.y_sum for c in task.clients) - 200.0) / (sum(c.n_data for c in task.clients) + 1 / 5.0)
     auto = run({**o, "run-name": "auto"}, mods=[liar(200.0, "everywhere")])
     assert not auto.summary.get("excluded") and np.max(np.abs(_kept_mean(auto) - task.posterior_mean) / full) > 5
+    assert np.max(np.abs(_kept_mean(auto) - lied) / full) <= 1.0
     B, m = 2000.0, sum(c.n_data for c in task.clients[1:]) + 1 / 5.0
     big = run({**o, "run-name": "big", "norm-bound": B}, mods=[liar(2000.0, "everywhere")])
     assert big.summary["excluded"] == {"0": 0}
     assert np.max(np.abs(_kept_mean(big) - mean) / sd) <= 1.0
     within = run({**o, "run-name": "within", "norm-bound": B}, mods=[liar(200.0, "everywhere")])
     assert not within.summary.get("excluded") and within.summary["rejected"] == {}
-    assert np.linalg.norm(_kept_mean(within) - mean) <= B / m
+    assert np.linalg.norm(_kept_mean(within) - mean) <= B / m  # the documented bound holds
+    assert np.max(np.abs(_kept_mean(within) - lied) / full) <= 1.0  # and the shift is the lie's, exactly
     honest = run({**o, "run-name": "honest", "norm-bound": B})
     assert not honest.summary.get("excluded") and honest.summary["rejected"] == {}
     assert np.max(np.abs(_kept_mean(honest) - task.posterior_mean) / full) <= 1.0

@@ -186,3 +186,31 @@ def test_the_vectorised_rhat_and_ess_are_arvizs_own_values():
             assert np.array_equal(np.isnan(a), np.isnan(b)), (c, n, name, a, b)
             ok = ~np.isnan(a)
             assert np.allclose(b[ok], a[ok], rtol=1e-9, atol=0), (c, n, name, a, b)
+
+
+def test_the_vectorised_ess_of_the_mean_and_loos_reff_are_arvizs():
+    """``diagnostics.ess_mean`` against ``az.ess(method="mean")``, and ``loo.reff_of`` (the r_eff the
+    federated LOO sends) against the mean of ArviZ's, to float rounding."""
+    import logging
+    import warnings
+
+    import arviz as az
+
+    from qlsd_flwr.outputs.diagnostics import ess_mean
+    from qlsd_flwr.outputs.loo import reff_of
+
+    rng = np.random.default_rng(1)
+    logging.getLogger("arviz").setLevel(logging.ERROR)
+    x = rng.normal(size=(4, 60, 6))
+    x[..., 1] = np.cumsum(x[..., 1], axis=1)
+    x[..., 2] = 0.5
+    x[2, 3, 3] = np.nan
+    ds = az.convert_to_dataset({"theta": x})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = np.asarray(az.ess(ds, method="mean")["theta"].values)
+    mine = ess_mean(x)
+    assert np.array_equal(np.isnan(ref), np.isnan(mine)) and np.allclose(mine[~np.isnan(ref)], ref[~np.isnan(ref)],
+                                                                         rtol=1e-9, atol=0)
+    ok = az.convert_to_dataset({"theta": x[..., [0, 1, 2, 4, 5]]})
+    assert np.isclose(reff_of(ok), float(np.mean(az.ess(ok, method="mean")["theta"].values)) / 240, rtol=1e-9)

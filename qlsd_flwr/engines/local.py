@@ -33,7 +33,7 @@ from qlsd_flwr.protocol import build
 from qlsd_flwr.protocol.claims import over_bound
 from qlsd_flwr.protocol.client import handle
 from qlsd_flwr.protocol.divergence import DivergenceError, divergence_message
-from qlsd_flwr.protocol.norm_guard import NormGuard
+from qlsd_flwr.protocol.norm_guard import fixed_bound
 from qlsd_flwr.protocol.server import QLSDServer
 from qlsd_flwr.protocol.wire import vectors_to_bytes
 from qlsd_flwr.tasks import loading
@@ -71,9 +71,10 @@ def run_local(cfg: RunConfig, task: Task | None = None, write: bool = True,
         cfg, task, build.theta0_of(task), *build.direct_exchanges(cfg, task, specs),
         warm=warmup_store(cfg) if write and wire else None)
     theta_star, ts_info = (None, {}) if prep is None else (prep.theta_star, prep.info)
-    claims = None if prep is None or cfg.oracle != "star" else [
+    bound = str(cfg.raw.get("norm-bound", "auto"))
+    claims = None if prep is None or cfg.oracle != "star" or bound.strip().lower() == "off" else [
         full_local_grad(s, task.clients[s.index], prep.theta_star) for s in specs]
-    if claims is not None and (over := over_bound(claims, NormGuard(cfg.raw.get("norm-bound", "auto")).fixed)):
+    if claims is not None and (over := over_bound(claims, fixed_bound(bound))):
         # this engine's clients are honest: a claim over a fixed B means B is too small for the data
         raise ConfigError("norm-bound: " + "; ".join(f"client {i}: {w}" for i, w in over.items())
                           + "; every reply of theirs would be refused, a bias: raise norm-bound or use auto")
@@ -83,7 +84,7 @@ def run_local(cfg: RunConfig, task: Task | None = None, write: bool = True,
     server = QLSDServer(cfg, task, keep_trace=keep_trace, engine_label="local",
                         observer=RunOutputs(cfg, task.dim) if write else None)
     server.begin(theta_star, ts_info, None, prep)
-    if prep is not None and server.wants_claims():  # QLSD*: what each reply to θ* repeats (protocol.claims)
+    if claims is not None:  # QLSD*: what each reply to θ* repeats (protocol.claims)
         server.set_claims(claims)
     bar.update(server.state.k)
     try:

@@ -32,8 +32,8 @@ from flwr.app import Message, MessageType
 
 from qlsd_flwr.flower.records import record_fields, to_content
 from qlsd_flwr.protocol import build
-from qlsd_flwr.protocol.claims import RTOL, over_bound
-from qlsd_flwr.protocol.norm_guard import NormGuard
+from qlsd_flwr.protocol.claims import over_bound, relative_gap
+from qlsd_flwr.protocol.norm_guard import fixed_bound
 from qlsd_flwr.protocol.wire import PhaseError, gradient_of
 
 log = logging.getLogger("qlsd_flwr")
@@ -134,11 +134,9 @@ class PhaseExchanges:
         grads = self.gradients(grid, theta_star, timeout)
         changed = {}
         for i, old in before.items():
-            new = self._dirs @ grads[i]
-            gap, scale = float(np.linalg.norm(new - old)), float(np.linalg.norm(new) + np.linalg.norm(old))
-            if i not in self.left_out and gap > RTOL * scale:
-                changed[i] = f"its ∇U_i(θ*) changed between the descent and the claims (relative {gap / scale:.3g})"
-        changed.update(over_bound(grads, NormGuard(self.cfg.raw.get("norm-bound", "auto")).fixed))
+            if i not in self.left_out and (gap := relative_gap(self._dirs @ grads[i], old)) is not None:
+                changed[i] = f"its ∇U_i(θ*) changed between the descent and the claims (relative {gap:.3g})"
+        changed.update(over_bound(grads, fixed_bound(self.cfg.raw.get("norm-bound", "auto"))))
         if changed:
             self._leave_out(changed)
         return grads

@@ -63,7 +63,6 @@ from qlsd_flwr.flower.nodes import NodeRegistry, load_bound_keys
 from qlsd_flwr.flower.phases import LeftOut, PhaseExchanges
 from qlsd_flwr.flower.records import labels_from_arrays, record_fields, theta_from_arrays, to_content
 from qlsd_flwr.flower.sizing import message_nbytes
-from qlsd_flwr.keys import flag
 from qlsd_flwr.outputs.checkpoint import resume_dir, warmup_store
 from qlsd_flwr.outputs.observer import RunOutputs
 from qlsd_flwr.outputs.progress import announce, progress_bar
@@ -473,10 +472,9 @@ class QLSDStrategy(Strategy):
         self.server.ts_info = {**self.server.ts_info, **extra}  # finish() puts ts_info in the summary
         self.server.finish()
         after_sampling(self, grid)  # the federated LOO (key loo), into samples.nc and summary.json
-        if flag("plot", cfg.get("plot")):  # every Flower path: flwr run, a user's ServerApp (evaluation: lazily)
-            from qlsd_flwr.evaluation.report import draw_overview
+        from qlsd_flwr.evaluation.report import draw_overview  # lazily: the strategy imports no evaluation
 
-            draw_overview(self.run_dir)
+        draw_overview(self.run_dir, cfg.get("plot"))  # every Flower path: flwr run, a user's ServerApp
         if self.run_dir is not None:
             announce(f"{cfg.variant}: {self.state.k} rounds done; samples in "
                      f"{Path(self.run_dir).resolve() / 'samples.nc'} (arviz.from_netcdf)", cfg.progress)

@@ -98,6 +98,18 @@ def _ess(x: np.ndarray) -> np.ndarray:
     return ess
 
 
+def ess_mean(x: np.ndarray) -> np.ndarray:
+    """``x`` ``(chain, draw, k)``: per coordinate, ArviZ's ESS of the mean (``az.ess(method="mean")``:
+    ``_ess`` of the split chains); NaN where a coordinate holds a NaN or there are fewer than 4 draws."""
+    x = np.asarray(x, dtype=np.float64)
+    if x.shape[1] < 4:
+        return np.full(x.shape[2], np.nan)
+    bad = np.isnan(x).any(axis=(0, 1))
+    out = _ess(_split(np.where(bad, 0.0, x)))
+    out[bad] = np.nan
+    return out
+
+
 def rhat_ess(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``x`` ``(chain, draw, k)``, at least 2 chains: per coordinate, ArviZ's rank-normalised split
     R-hat (``az.rhat``), bulk ESS and tail ESS (``az.ess(method="bulk" | "tail")``); NaN where a

@@ -110,14 +110,17 @@ def reply_fields(pot, mode, draws, reff) -> dict:
 
 
 def reff_of(posterior) -> float:
-    """ArviZ's relative efficiency of a posterior group (``az.loo``'s ``reff``)."""
-    import arviz as az
+    """ArviZ's relative efficiency of a posterior group (``az.loo``'s ``reff``: the mean over every
+    coordinate of the ESS of the mean, over chains × draws), all coordinates at once
+    (:func:`qlsd_flwr.outputs.diagnostics.ess_mean`)."""
+    from qlsd_flwr.outputs.diagnostics import ess_mean
 
-    n = posterior.sizes["chain"] * posterior.sizes["draw"]
-    if posterior.sizes["chain"] == 1:
+    c, s = posterior.sizes["chain"], posterior.sizes["draw"]
+    if c == 1:
         return 1.0
-    e = az.ess(posterior, method="mean")
-    return float(np.hstack([e[v].values.ravel() for v in e.data_vars]).mean() / n)
+    x = np.concatenate([np.asarray(posterior[v].values, dtype=np.float64).reshape(c, s, -1)
+                        for v in posterior.data_vars], axis=2)
+    return float(ess_mean(x).mean() / (c * s))
 
 
 def check_reply(payload, n_i: int, S: int, mode: str) -> np.ndarray:

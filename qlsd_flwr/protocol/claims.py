@@ -42,6 +42,13 @@ log = logging.getLogger("qlsd_flwr")
 RTOL = 1e-6
 
 
+def relative_gap(a: np.ndarray, c: np.ndarray) -> float | None:
+    """``‖a − c‖ / (‖a‖ + ‖c‖)`` when over :data:`RTOL` (two different answers); ``None`` when they agree."""
+    gap = float(np.linalg.norm(a - c))
+    scale = float(np.linalg.norm(a) + np.linalg.norm(c))
+    return None if gap <= RTOL * scale else gap / max(scale, np.finfo(float).tiny)
+
+
 class ThetaStarClaims:
     """Every client's ``∇U_i(θ*)`` from the θ* phase, and the step's correction (module docstring)."""
 
@@ -66,10 +73,7 @@ class ThetaStarClaims:
     def differs(self, i: int, a: np.ndarray) -> float | None:
         """The relative difference of client ``i``'s sampling-time ``∇U_i(θ*)`` from its claim, when
         over :data:`RTOL`; ``None`` when they agree."""
-        c = self.claims[i]
-        gap = float(np.linalg.norm(a - c))
-        scale = float(np.linalg.norm(a) + np.linalg.norm(c))
-        return None if gap <= RTOL * scale else gap / max(scale, np.finfo(float).tiny)
+        return relative_gap(a, self.claims[i])
 
     def broken(self, i: int, rep: dict, round_: int) -> bool:
         """Whether client ``i``'s reply to θ* (``rep``, parsed) gives another ``∇U_i(θ*)`` than its

@@ -59,6 +59,12 @@ OWN_MIN = 8  # accepted replies that end probation; rejections in a row that exc
 POOL_MIN = 3  # distinct clients needed in the pool
 
 
+def fixed_bound(mode) -> float | None:
+    """The number ``B`` of ``norm-bound = B``; ``None`` for ``auto`` and ``off``."""
+    m = str(mode).strip().lower()
+    return None if m in ("auto", "off") else float(mode)
+
+
 class GuardStateError(ValueError):
     """A checkpoint's guard state that does not have the layout :meth:`NormGuard.state` writes."""
 
@@ -70,7 +76,7 @@ class NormGuard:
         self.measure = measure  # what a norm is of (checkpoints of another measure restart the rule)
         m = str(mode).strip().lower()
         self.mode = "off" if m == "off" else "auto" if m == "auto" else "fixed"
-        self.fixed = float(mode) if self.mode == "fixed" else None
+        self.fixed = fixed_bound(mode)
         self.b = int(b)
         self.set_counts(n_data)
         self.pool: deque[list[tuple[int, float]]] = deque(maxlen=WINDOW)
