@@ -9,11 +9,7 @@ waits. The group is collected first, so that it starts at once. Without xdist th
 
 from __future__ import annotations
 
-import os
-
 import pytest
-
-_YIELDING = False  # this worker has lowered its priority (pytest_runtest_setup)
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns the marker into the group
@@ -48,14 +44,7 @@ def pytest_runtest_setup(item):
     on 2 cores, timing out a deployment test. Hence ``pytest<9`` in the test extra."""
     if not getattr(item.config.option, "loadgroup", False):  # not an xdist worker in loadgroup mode
         return
-    engine = item.get_closest_marker("ray") or item.get_closest_marker("deployment")
-    if engine and not item.nodeid.endswith("@engines"):
+    if (item.get_closest_marker("ray") or item.get_closest_marker("deployment")) \
+            and not item.nodeid.endswith("@engines"):
         pytest.fail("xdist did not put this engine test in the 'engines' group, so it may run beside "
                     "another Ray run or deployment; check the pytest / pytest-xdist versions", pytrace=False)
-    global _YIELDING
-    if not engine and not _YIELDING:
-        # the engines group is the suite's critical path (about 500 s alone, about 590 s beside the
-        # CPU-bound tests): the worker running the other tests yields the CPU to it (and to its Ray
-        # actors and SuperNode processes) whenever both want it. Scheduling only: no result depends on it
-        os.nice(10)
-        _YIELDING = True
