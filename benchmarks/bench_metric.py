@@ -4,6 +4,7 @@
     python benchmarks/bench_metric.py --logistic      # ESS per round and per second, logistic breast_cancer/digits
     python benchmarks/bench_metric.py --mainjob       # the main job's chains (vectorised engine), metric vs identity
     python benchmarks/bench_metric.py --mainjob-steps # the main job's step c against QSGD's s (kronecker metric)
+    python benchmarks/bench_metric.py --mainjob-rank  # the main job now (metric-rank = 150) against its former settings
     python benchmarks/bench_metric.py --bnn           # the quickstart's wine network against full-batch HMC
     python benchmarks/bench_metric.py --bnn-digits    # an MLP on digits (d = 1,210) against full-batch HMC
 
@@ -199,6 +200,15 @@ def run_predictive(out: Path, which: str) -> dict:
                     {"s": s_, "gamma-c": c, "num-rounds": k, "burn-in": k // 2, "thin": 3 * k // 600})
                    for s_, c, k in (("2", 0.25, 600), ("2", 0.5, 600), ("2", 1.0, 600), ("16", 0.25, 600),
                                     ("16", 0.5, 600), ("16", 1.0, 600), ("16", 1.0, 1200))]
+    elif which == "mainjob_rank":  # metric-rank: the main job now against its former settings, one session
+        bases = {"mainjob": {**QLSD_MAIN, "engine": "vectorised"}}
+        former = {"metric-rank": 0, "opt-tol": 1e-6, "burn-in": 300}  # the main job before metric-rank
+        metrics = [("identity, γ = 2e-3 (the former default chain)",
+                    {**former, "metric": "identity", "gamma": 2e-3, "s": "2", "gamma-c": 0.25}),
+                   ("kronecker (the former main job)", former),
+                   ("kronecker, burn-in 150", {**former, "burn-in": 150}),
+                   ("kronecker + metric-rank 150 (the main job now)", {}),
+                   ("kronecker + metric-rank 150, 1,200 rounds", {"num-rounds": 1200, "burn-in": 300, "thin": 6})]
     else:
         common = {"task": "logistic", "num-clients": 10, "variant": "qlsd-pp", "s": "16", "l": 20, "num-chains": 4,
                   "num-rounds": 2000, "burn-in": 1000, "engine": "vectorised", "seed": 0}
@@ -220,6 +230,8 @@ def run_predictive(out: Path, which: str) -> dict:
             K = int(cfg["num-rounds"])
             rows[task_name][label] = {
                 "gamma": q.summary["gamma"], "lambda_max": q.summary.get("lambda_max"), "s": cfg.get("s"),
+                "metric_rank": cfg.get("metric-rank", 0), "kappa_before": q.summary.get("lowrank_kappa_before"),
+                "opt_rounds": q.summary.get("opt_rounds"),
                 "gamma_c": cfg.get("gamma-c"), "bits_per_round": q.summary["per_round"].get("bits_exact"),
                 "accuracy": m["accuracy"], "nnll": m["nnll"], "ece": m["ece"],
                 "rhat_pred_max": c["rhat_pred_max"], "rhat_loglik": c["rhat_loglik"],
@@ -228,7 +240,7 @@ def run_predictive(out: Path, which: str) -> dict:
                 "ess_pred_min_per_round": c["ess_bulk_pred_min"] / K,
                 "ess_pred_min_per_second": c["ess_bulk_pred_min"] / wall, "wall_seconds": wall, "rounds": K}
             print(task_name, label, json.dumps(rows[task_name][label]), flush=True)
-    result = {"machine": machine(), "command": f"python benchmarks/bench_metric.py --{which}", "tasks": rows}
+    result = {"machine": machine(), "command": f"python benchmarks/bench_metric.py --{which.replace('_', '-')}", "tasks": rows}
     (out / f"metric_{which}.json").write_text(json.dumps(result, indent=2))
     return result
 
@@ -339,6 +351,7 @@ def main() -> None:
     ap.add_argument("--logistic", action="store_true")
     ap.add_argument("--mainjob", action="store_true")
     ap.add_argument("--mainjob-steps", action="store_true", help="the main job's step c against QSGD's s")
+    ap.add_argument("--mainjob-rank", action="store_true", help="the main job now against its former settings")
     ap.add_argument("--bnn", action="store_true")
     ap.add_argument("--bnn-digits", action="store_true")
     ap.add_argument("--bnn-rounds", type=int, default=4000, help="rounds of each sampler run (--bnn, --bnn-digits)")
@@ -355,6 +368,8 @@ def main() -> None:
         run_predictive(out, "mainjob")
     if a.mainjob_steps:
         run_predictive(out, "mainjob_steps")
+    if a.mainjob_rank:
+        run_predictive(out, "mainjob_rank")
     if a.bnn:
         run_bnn(out, rounds=a.bnn_rounds, metrics=a.bnn_metrics.split(","), adapt_rounds=a.adapt_rounds)
     if a.bnn_digits:

@@ -135,7 +135,8 @@ def not_applicable(raw: dict) -> set[str]:
         out.add("partition-alpha")
     metric = str(raw.get("metric", "identity")).strip()
     needs_point = (str(raw.get("variant", "")).lower().replace("*", "-star") in STAR_VARIANTS or metric != "identity"
-                   or str(raw.get("gamma", "")).lower() == "auto" or str(raw.get("init", "theta0")) == "dispersed")
+                   or str(raw.get("gamma", "")).lower() == "auto" or str(raw.get("init", "theta0")) == "dispersed"
+                  or str(raw.get("metric-rank", 0)).strip() not in ("0", ""))
     if not needs_point:
         out |= {"theta-star", "opt-rounds", "opt-tol", "opt-accept-unconverged"}
     if metric in ("identity",) or metric.endswith(".npy"):
@@ -257,6 +258,9 @@ def resolve(overrides: Mapping[str, Any] | None = None) -> RunConfig:
     if raw["metric-from"] == "adapt" and metric not in ("diagonal", "dense", "identity") and not metric.endswith(".npy"):
         raise ConfigError(f"metric-from: adapt refines a diagonal or dense metric (metric = {metric} has no "
                           "covariance to learn); use metric = diagonal or dense, or metric-from = curvature")
+    if v["metric-rank"] > 0 and raw["metric-from"] == "adapt" and metric != "identity":
+        raise ConfigError("metric-rank: corrects a metric built from the curvature, a file or the identity, not "
+                          "metric-from = adapt's; use metric-rank = 0, or metric-from = curvature")
     init = _choice("init", raw["init"], ("theta0", "dispersed"))
     raw["convergence-criterion"] = _choice("convergence-criterion", raw["convergence-criterion"],
                                            ("auto", "theta", "predictive"))

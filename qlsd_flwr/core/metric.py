@@ -22,7 +22,6 @@ Hessian) makes that matrix's eigenvalues alike, so one ``γ`` serves every direc
   :data:`GAMMA_AUTO_C` ``/ λ_max`` is ``gamma = auto``.
 * :func:`local_curvature` — what a client reports: its potential's own ``curvature_diag`` /
   ``hessian`` when it has them, otherwise an estimate from ``grad_sum`` alone.
-* :func:`dispersed_starts` — chains started apart, for an honest R-hat.
 
 It is framework-free numpy; engines call it through :mod:`qlsd_flwr.core.precondition`.
 """
@@ -34,6 +33,8 @@ import numpy as np
 
 from qlsd_flwr.config import ConfigError
 from qlsd_flwr.core import rng
+from qlsd_flwr.core.kron import Kron
+from qlsd_flwr.core.lowrank import LowRank
 
 #: ``gamma = auto`` sets ``γ = c / λ_max(M^{1/2} ∇²U(θ*) M^{1/2})`` with this ``c``. With exact
 #: gradients on a Gaussian, a direction of curvature ``λ`` has stationary variance
@@ -66,12 +67,15 @@ class MetricError(ConfigError):
 class Metric:
     """A constant metric ``M``: ``kind`` is ``identity``, ``diagonal`` (``m``: ``(d,)``),
     ``dense`` (``m``: ``(d, d)``, ``root``: its lower Cholesky factor) or ``kronecker``
-    (``kron``: :class:`Kron`, one dense layer's Kronecker-factored curvature, K-FAC)."""
+    (``kron``: :class:`Kron`, one dense layer's Kronecker-factored curvature, K-FAC). ``low``: a
+    low-rank correction of any of them (``metric-rank``, :mod:`qlsd_flwr.core.lowrank`): the root
+    becomes ``R (I + U diag(t^{−1/2} − 1) Uᵀ)`` for the base root ``R``."""
 
     kind: str = "identity"
     m: np.ndarray | None = None
     root: np.ndarray | None = None
     kron: Kron | None = None
+    low: LowRank | None = None
 
     @staticmethod
     def diagonal(m) -> "Metric":
@@ -96,12 +100,25 @@ class Metric:
 
     @property
     def is_identity(self) -> bool:
-        return self.kind == "identity"
+        return self.kind == "identity" and self.low is None
+
+    @property
+    def base(self) -> "Metric":
+        """The metric without its low-rank correction."""
+        return self if self.low is None else Metric(self.kind, self.m, self.root, self.kron)
+
+    def corrected(self, u: np.ndarray, t: np.ndarray) -> "Metric":
+        """This metric with the low-rank correction ``(U, t)`` (:mod:`qlsd_flwr.core.lowrank`)."""
+        b = self.base
+        return Metric(b.kind, b.m, b.root, b.kron, LowRank(u, t, np.stack([b.apply_root(x) for x in u.T], axis=1)))
 
     def apply(self, g: np.ndarray) -> np.ndarray:
         """``M g`` for ``g`` of shape ``(d,)`` or ``(C, d)``. Matrix metrics act row by row, so that
         chain ``c`` of a ``(C, d)`` step is the very computation of a one-chain step (one BLAS call
         shape on every engine; a ``(C, d) @ (d, d)`` product could sum in another order)."""
+        if self.low is not None:  # M g + W (1/t − 1) Wᵀ g
+            lo, b = self.low, self.base
+            return _rows(lambda r: lo.add(b.apply(r), lo.w, lo.w, r, -1.0), g)
         if self.kind == "identity":
             return g
         if self.kind == "diagonal":
@@ -111,14 +128,30 @@ class Metric:
     def apply_root(self, z: np.ndarray) -> np.ndarray:
         """``M^{1/2} z`` (``L z`` for dense, the symmetric root for kronecker) for ``z`` of shape
         ``(d,)`` or ``(C, d)``."""
+        if self.low is not None:  # R z + W (t^{−1/2} − 1) Uᵀ z
+            lo, b = self.low, self.base
+            return _rows(lambda r: lo.add(b.apply_root(r), lo.w, lo.u, r, -0.5), z)
         if self.kind == "identity":
             return z
         if self.kind == "diagonal":
             return self.root * z
         return _rows(lambda r: self.root @ r if self.kind == "dense" else self.kron.apply(r, -0.5), z)
 
+    def apply_root_t(self, x: np.ndarray) -> np.ndarray:
+        """``(M^{1/2})ᵀ x`` for the root of :meth:`apply_root` (the same for the symmetric roots)."""
+        if self.low is not None:  # Rᵀ x + U (t^{−1/2} − 1) Wᵀ x
+            lo, b = self.low, self.base
+            return _rows(lambda r: lo.add(b.apply_root_t(r), lo.u, lo.w, r, -0.5), x)
+        if self.kind == "dense":
+            return _rows(lambda r: self.root.T @ r, x)
+        return self.apply_root(x)
+
     def spread(self) -> float:
-        """``λ_max(M) / λ_min(M)``: how far apart the metric's scales are (1 for the identity)."""
+        """``λ_max(M) / λ_min(M)``: how far apart the metric's scales are (1 for the identity; with a
+        low-rank correction, the base's spread times the correction's, an upper bound)."""
+        if self.low is not None:
+            f = 1.0 / self.low.t
+            return self.base.spread() * max(float(f.max()), 1.0) / min(float(f.min()), 1.0)
         if self.kind == "identity":
             return 1.0
         if self.kind == "diagonal":
@@ -129,7 +162,10 @@ class Metric:
         return float(w.max() / w.min())
 
     def largest(self) -> float:
-        """``λ_max(M)``: the metric's largest scale (a variance, when M comes from the curvature)."""
+        """``λ_max(M)``: the metric's largest scale (a variance, when M comes from the curvature; with a
+        low-rank correction, an upper bound)."""
+        if self.low is not None:
+            return self.base.largest() * max(float((1.0 / self.low.t).max()), 1.0)
         if self.kind == "identity":
             return 1.0
         if self.kind == "diagonal":
@@ -140,7 +176,11 @@ class Metric:
 
     def to_json(self):
         """What ``summary.json`` records: ``"identity"``, ``d`` numbers, a ``d × d`` list, or the
-        Kronecker factors' eigenvalues and the prior's curvature."""
+        Kronecker factors' eigenvalues and the prior's curvature; with a low-rank correction, the
+        base's record and the corrected directions' curvature ``t``."""
+        if self.low is not None:
+            return {"base": self.base.to_json(), "lowrank": {"rank": int(self.low.t.size),
+                                                             "t": [float(x) for x in self.low.t]}}
         if self.kind == "identity":
             return "identity"
         if self.kind == "kronecker":
@@ -149,7 +189,10 @@ class Metric:
 
     def array(self) -> np.ndarray:
         """For checkpoints: an empty array for the identity, ``m``, or the Kronecker factors
-        flattened behind the marker ``−1`` (a diagonal metric's first number is positive)."""
+        flattened behind the marker ``−1`` (a diagonal metric's first number is positive); a low-rank
+        correction goes in front, behind the marker ``−2``."""
+        if self.low is not None:
+            return np.concatenate([self.low.flat(), self.base.array()])
         if self.kind == "kronecker":
             return self.kron.flat()
         return np.zeros(0) if self.m is None else self.m
@@ -160,8 +203,17 @@ class Metric:
         if a is None or np.asarray(a).size == 0:
             return Metric()
         a = np.asarray(a, dtype=np.float64)
+        if a.ndim == 1 and a[0] == -2.0:
+            try:
+                (u, t), rest = LowRank.from_flat(a, d)
+            except ValueError as exc:
+                raise MetricError(str(exc)) from None
+            return Metric.from_array(rest, d).corrected(u, t)
         if a.ndim == 1 and a[0] == -1.0:
-            return Metric("kronecker", kron=Kron.from_flat(a, d))
+            try:
+                return Metric("kronecker", kron=Kron.from_flat(a, d))
+            except ValueError as exc:
+                raise MetricError(str(exc)) from None
         if a.shape == (d,):
             return Metric.diagonal(a)
         if a.shape == (d, d):
@@ -173,54 +225,6 @@ def _rows(f, x: np.ndarray) -> np.ndarray:
     if x.ndim == 1:
         return f(x)
     return np.stack([f(r) for r in x])
-
-
-@dataclass(frozen=True)
-class Kron:
-    """One dense layer's curvature in Kronecker form (K-FAC, Martens & Grosse 2015): θ's
-    coordinates, reordered by ``perm``, are a ``(F̃, K)`` matrix ``V`` (``F̃`` inputs with the bias's
-    constant 1, ``K`` outputs), and ``∇²U ≈ G ⊗ Ā + λ_0 I`` with ``G = Σ_j x̃_j x̃_jᵀ`` and
-    ``Ā = (1/N) Σ_j (diag p_j − p_j p_jᵀ)`` (softmax outputs). With ``G = Q_G Λ_G Q_Gᵀ`` and
-    ``Ā = Q_A Λ_A Q_Aᵀ``, ``M^t V = Q_G [(Q_Gᵀ V Q_A) ⊙ den^t] Q_Aᵀ`` with ``den = λ_G λ_Aᵀ + λ_0``:
-    ``t = −1`` is ``M``, ``t = −1/2`` its symmetric root, each ``O(F̃² K)`` a row."""
-
-    perm: np.ndarray  # (d,) int: V.ravel()[j] = θ[perm[j]]
-    qg: np.ndarray  # (F̃, F̃)
-    qa: np.ndarray  # (K, K)
-    den: np.ndarray  # (F̃, K), positive
-
-    def apply(self, r: np.ndarray, t: float) -> np.ndarray:
-        F, K = self.den.shape
-        V = r[self.perm].reshape(F, K)
-        W = (self.qg.T @ V @ self.qa) * self.den**t
-        out = np.empty_like(r)
-        out[self.perm] = (self.qg @ W @ self.qa.T).ravel()
-        return out
-
-    def describe(self) -> dict:
-        F, K = self.den.shape
-        return {"kind": "kronecker", "inputs": F, "outputs": K,
-                "den_min": float(self.den.min()), "den_max": float(self.den.max())}
-
-    def flat(self) -> np.ndarray:
-        F, K = self.den.shape
-        return np.concatenate([[-1.0, F, K], self.qg.ravel(), self.qa.ravel(), self.den.ravel(),
-                               self.perm.astype(np.float64)])
-
-    @staticmethod
-    def from_flat(a: np.ndarray, d: int) -> "Kron":
-        try:
-            F, K = int(a[1]), int(a[2])
-            sizes = (F * F, K * K, F * K, d)
-            if F * K != d or a.size != 3 + sum(sizes) or F < 1 or K < 1:
-                raise ValueError("sizes")
-            parts = np.split(a[3:], np.cumsum(sizes)[:-1])
-            perm = parts[3].astype(np.int64)
-            if not np.array_equal(np.sort(perm), np.arange(d)) or not np.all(parts[2] > 0):
-                raise ValueError("values")
-        except (ValueError, IndexError, OverflowError):
-            raise MetricError(f"metric: not a Kronecker metric of d = {d} (bad sizes, order or values)") from None
-        return Kron(perm, parts[0].reshape(F, F), parts[1].reshape(K, K), parts[2].reshape(F, K))
 
 
 # ---- the clients' curvature -------------------------------------------------------------------
@@ -471,7 +475,7 @@ def lambda_max(grad_fn, theta: np.ndarray, metric: Metric, seed: int, iters: int
         u = metric.apply_root(v)
         eps = _fd_step(theta) / max(float(np.max(np.abs(u))), 1e-300)
         hu = (grad_fn(theta + eps * u) - grad_fn(theta - eps * u)) / (2.0 * eps)
-        w = metric.root.T @ hu if metric.kind == "dense" else metric.apply_root(hu)  # (M^{1/2})ᵀ H u
+        w = metric.apply_root_t(hu)  # (M^{1/2})ᵀ H u
         new = float(v @ w)
         nw = float(np.linalg.norm(w))
         if not np.isfinite(nw) or nw == 0.0:
@@ -482,18 +486,3 @@ def lambda_max(grad_fn, theta: np.ndarray, metric: Metric, seed: int, iters: int
         if done:
             break
     return lam, it
-
-
-def dispersed_starts(center: np.ndarray, scale: np.ndarray | Metric, chains: int, seed: int,
-                     spread: float = 2.0) -> np.ndarray:
-    """``C`` starting points ``θ_0^{(c)} = center + spread · S z_c`` with ``z_c`` standard normal
-    from chain ``c``'s stream ``(seed + c, INIT, 0, 0)`` and ``S`` the metric's root (about the
-    posterior's scale when ``M`` comes from the curvature) or a vector of scales. Over-dispersed
-    starts (``spread = 2``: twice the scale) are what make R-hat able to show non-convergence."""
-    d = center.shape[0]
-    out = np.empty((chains, d))
-    for c in range(chains):
-        z = rng.normal(int(seed) + c, rng.Stream.INIT, 0, 0, d)
-        step = scale.apply_root(z) if isinstance(scale, Metric) else np.asarray(scale) * z
-        out[c] = center + spread * step
-    return out

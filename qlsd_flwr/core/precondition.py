@@ -15,7 +15,7 @@ all of them. The order:
    or from a ``.npy`` file, or the identity.
 3. ``λ_max(M^{1/2} ∇²U(θ*) M^{1/2})`` by power iteration on gradient differences, when ``gamma =
    auto`` (``γ = c/λ_max``) or when a metric is used (the start-up check ``γ λ_max < 2``).
-4. ``init = dispersed``: chain ``c`` starts at ``θ* + 2 M^{1/2} z_c``.
+4. ``init = dispersed``: chain ``c`` starts at ``θ* + 2 M^{1/2} z_c`` (:func:`dispersed_starts`).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import numpy as np
 
 from qlsd_flwr.config import ConfigError, RunConfig, adapts
 from qlsd_flwr.core import metric as mt
+from qlsd_flwr.core import rng
 from qlsd_flwr.core.metric import Metric, MetricError
 from qlsd_flwr.core.potential import Task
 from qlsd_flwr.core.theta_star import closed_form_theta_star, needs_theta_star, optimise_theta_star, resolve_theta_star
@@ -67,9 +68,14 @@ def needs_curvature(cfg: RunConfig) -> bool:
     return cfg.metric in ("diagonal", "dense", "kronecker")
 
 
+def lowrank_rank(cfg: RunConfig) -> int:
+    """``metric-rank``: how many directions the low-rank correction maps to 1 (0: none)."""
+    return int(cfg.get("metric-rank") or 0)
+
+
 def needs_preparation(cfg: RunConfig) -> bool:
     """Whether anything beyond θ* is settled before sampling."""
-    return uses_metric(cfg) or cfg.gamma_auto or cfg.init == "dispersed"
+    return uses_metric(cfg) or cfg.gamma_auto or cfg.init == "dispersed" or lowrank_rank(cfg) > 0
 
 
 def check(cfg: RunConfig, d: int) -> None:
@@ -153,13 +159,17 @@ def prepare(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | No
     check(cfg, task.dim)
     n_data = task.n_data if n_data is None else np.asarray(n_data, dtype=np.int64)
     C = int(cfg.num_chains if chains is None else chains)
+    traffic = {"prep_exchanges": 0, "prep_uplink_bits": 0}
+    grad_fn, curv_fn = _counted(grad_fn, curv_fn, cfg.b, task.dim, traffic)
     if not needs_preparation(cfg):
         ts, info = resolve_theta_star(cfg, task, theta0, grad_fn)
+        info.update(traffic)
         return Prepared(ts, info, Metric(), cfg.gamma)
-    info: dict = {}
+    info: dict = traffic  # the counts go on as the exchanges are made
     d = task.dim
     file_metric = metric_from_file(cfg.metric, d) if cfg.metric.endswith(".npy") else None
-    needs_point = needs_theta_star(cfg) or needs_curvature(cfg) or cfg.gamma_auto or cfg.init == "dispersed"
+    needs_point = needs_theta_star(cfg) or needs_curvature(cfg) or cfg.gamma_auto or cfg.init == "dispersed" \
+        or lowrank_rank(cfg) > 0
     point = curvature_point(cfg, task, theta0, grad_fn, curv_fn, n_data, file_metric, info) if needs_point else theta0
     if not np.all(np.isfinite(point)):
         raise ConfigError("theta-star: the descent to θ* left the finite numbers; give θ* in closed form, a smaller "
@@ -173,14 +183,16 @@ def prepare(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | No
         _merge_reports(info, cinfo)
     else:
         metric = file_metric or Metric()
+    if lowrank_rank(cfg) > 0 and not adapts(cfg):
+        metric = _lowrank(cfg, task, point, curv_fn, n_data, metric, info)
     spread = metric.spread()
     info["metric_spread"] = spread
     if cfg.compressed and spread > mt.COMPRESSED_SPREAD_WARN:
-        log.warning("metric: its scales span %.3g (above %.0e) and the messages are QSGD-compressed: the compression "
+        log.warning("metric: its scales span %s%.3g (above %.0e) and the messages are QSGD-compressed: the compression "
                     "noise, set by each message's norm, is multiplied by M in the flat directions and biases the "
                     "chain there (measured: sd up to 5.7× on a regression with spread 2e6); use an uncompressed "
                     "variant (lsd-pp, lsd-star), a larger s, or check against a reference (docs/METRIC.md)",
-                    spread, mt.COMPRESSED_SPREAD_WARN)
+                    "up to " if metric.low is not None else "", spread, mt.COMPRESSED_SPREAD_WARN)
     # 3. the step
     gamma = _step(cfg, grad_fn, point, metric, info, quiet=adapts(cfg))  # announced once, after the warm-up
     # 4. the starts
@@ -190,7 +202,7 @@ def prepare(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | No
         if metric.is_identity:
             pv = prior_curvature(task, point)
             scale = np.where(pv > 0, 1.0 / np.sqrt(np.where(pv > 0, pv, 1.0)), 1.0)
-        starts = mt.dispersed_starts(point, scale, C, cfg.seed, spread=2.0 * math.sqrt(cfg.temperature))
+        starts = dispersed_starts(point, scale, C, cfg.seed, spread=2.0 * math.sqrt(cfg.temperature))
         info["init"] = "dispersed"
     # 5. metric-from = adapt: the warm-up refines M (and γ), and the chains continue from its end
     if adapts(cfg):
@@ -199,6 +211,21 @@ def prepare(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | No
                  "temperature": cfg.temperature})
     ts = point if needs_theta_star(cfg) else None
     return Prepared(ts, info, metric, gamma, starts)
+
+
+def dispersed_starts(center: np.ndarray, scale: np.ndarray | Metric, chains: int, seed: int,
+                     spread: float = 2.0) -> np.ndarray:
+    """``C`` starting points ``θ_0^{(c)} = center + spread · S z_c`` with ``z_c`` standard normal
+    from chain ``c``'s stream ``(seed + c, INIT, 0, 0)`` and ``S`` the metric's root (about the
+    posterior's scale when ``M`` comes from the curvature) or a vector of scales. Over-dispersed
+    starts (``spread = 2``: twice the scale) are what make R-hat able to show non-convergence."""
+    d = center.shape[0]
+    out = np.empty((chains, d))
+    for c in range(chains):
+        z = rng.normal(int(seed) + c, rng.Stream.INIT, 0, 0, d)
+        step = scale.apply_root(z) if isinstance(scale, Metric) else np.asarray(scale) * z
+        out[c] = center + spread * step
+    return out
 
 
 def _step(cfg: RunConfig, grad_fn: GradFn | None, point: np.ndarray, metric: Metric, info: dict,
@@ -284,6 +311,53 @@ def _curvature_metric(cfg: RunConfig, task: Task, point: np.ndarray, curv_fn: Cu
         log.warning("client %d: curvature report scaled down to %g × the clients' per-datum curvature "
                     "(curvature_scaled)", i, mt.REPORT_CAP)
     return metric, cinfo
+
+
+def _counted(grad_fn: GradFn | None, curv_fn: CurvFn | None, b: int, d: int, traffic: dict):
+    """``grad_fn`` and ``curv_fn`` counting what the preparation costs (``summary.json``): each exchange,
+    and the uplink of its float64 replies (``64 d`` bits a client for a gradient, the reports' sizes for
+    the curvature and the Hessian-vector products). The sampling rounds' bits are counted apart."""
+    def grad(th):
+        traffic["prep_exchanges"] += 1
+        traffic["prep_uplink_bits"] += 64 * d * b
+        return grad_fn(th)
+
+    def curv(th, kind, vectors=None):
+        reports = curv_fn(th, kind, vectors) if vectors is not None else curv_fn(th, kind)
+        traffic["prep_exchanges"] += 1
+        traffic["prep_uplink_bits"] += sum(8 * len(h) if isinstance(h, (bytes, bytearray)) else 64 * int(np.size(h))
+                                           for h in reports.values())
+        return reports
+
+    return (None if grad_fn is None else grad), (None if curv_fn is None else curv)
+
+
+def _lowrank(cfg: RunConfig, task: Task, point: np.ndarray, curv_fn: CurvFn | None, n_data, metric: Metric,
+             info: dict) -> Metric:
+    """``metric-rank = k``: the metric corrected along the ``k`` directions where ``M^½ᵀ ∇²U(θ*) M^½`` is
+    farthest from 1 (:mod:`qlsd_flwr.core.lowrank`), from the clients' Hessian-vector products."""
+    from qlsd_flwr.core import lowrank as lr
+
+    if curv_fn is None:
+        raise ConfigError("metric-rank: this path cannot ask its clients for Hessian-vector products (the legacy "
+                          "Flower API); use metric-rank = 0")
+    prior_c = prior_curvature(task, point)
+    d = task.dim
+
+    def products(W):
+        return lr.summed_products(curv_fn(point, "hvp", W), n_data, W.shape[0], d, info, log) + W * prior_c
+
+    low, linfo = lr.correction(products, metric.apply_root, metric.apply_root_t, d, lowrank_rank(cfg), cfg.seed)
+    info.update(linfo)
+    if low is None:
+        log.warning("metric-rank: no direction of the curvature converged in %d exchanges; the metric is left as it "
+                    "was", linfo["lowrank_exchanges"])
+        return metric
+    log.info("metric-rank: %d directions corrected (%d Hessian-vector exchanges of %d vectors); the preconditioned "
+             "curvature's condition number over the directions found: %.3g before, %.3g over those left",
+             linfo["lowrank_rank"], linfo["lowrank_exchanges"], linfo["lowrank_block"], linfo["lowrank_kappa_before"],
+             linfo["lowrank_kappa_left"])
+    return metric.corrected(*low)
 
 
 def _merge_reports(info: dict, cinfo: dict) -> None:

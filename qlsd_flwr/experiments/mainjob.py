@@ -9,18 +9,26 @@ paper's weight decay 5).
 * QLSD++ (Algorithm 2): QSGD with ``s = 16`` (4 bits a coordinate before Elias coding), ``l = 20``,
   ``α = 1/(ω+1)``, full participation, minibatch 64 of 200 per client (the paper's batch),
   **4 chains in one Flower run** (``num-chains = 4``: one message per client and round carries
-  the 4 chains' θ; chain ``c`` uses seed ``seed + c``), 600 rounds, burn-in 300, every 3rd draw
-  kept (100 samples a chain). The step is preconditioned by the layer's Kronecker-factored
-  curvature (``metric = kronecker``, K-FAC, from the clients' reports at θ*), ``γ = auto`` with
-  ``gamma-c = 1`` (``1/λ_max`` of the preconditioned curvature: the variance along the stiffest
-  direction is inflated by 1/(1 − 1/2) = 2, ULA's bias at this step), and the chains start
-  dispersed around θ* (``init = dispersed``) so that R-hat is honest. Why these settings
-  (measured with the vectorised engine, the same chains, 600 rounds; ``benchmarks/RESULTS.md``):
-  against ``s = 2`` and ``c = 0.25`` (the former settings) the worst test point's R-hat goes from
-  1.42 to 1.12 and its minimum ESS from 9 to 30, with nNLL 0.319 against 0.327 and ECE 0.055
-  against 0.059; ``c = 1`` with ``s = 2`` mixes as fast but is worse calibrated (nNLL 0.393),
-  because the compression's variance enters the chain in proportion to γ. 1,200 rounds bring the
-  worst point to 1.058: not yet 1.05.
+  the 4 chains' θ; chain ``c`` uses seed ``seed + c``), 600 rounds, burn-in 150, every 3rd draw
+  kept (150 samples a chain). The step is preconditioned by the layer's Kronecker-factored
+  curvature (``metric = kronecker``, K-FAC, from the clients' reports at θ*) **corrected along
+  the 150 directions where it is most wrong** (``metric-rank = 150``: a block Krylov method on
+  the clients' Hessian-vector products, 20 exchanges of 32 vectors, ``core/lowrank.py``), ``γ =
+  auto`` with ``gamma-c = 1`` (``1/λ_max`` of the preconditioned curvature: the variance along the
+  stiffest direction is inflated by 1/(1 − 1/2) = 2, ULA's bias at this step), and the chains
+  start dispersed around θ* (``init = dispersed``) so that R-hat is honest. θ* is only the point
+  where the curvature is taken (QLSD++ needs no control variate at it), so its descent stops at
+  ``opt-tol = 1e-3``. Why (measured with the vectorised engine, the same chains;
+  ``benchmarks/RESULTS.md``): K-FAC alone leaves the preconditioned curvature's condition number
+  at 136, and the correction brings it to about 10, so ``γ`` doubles and the slowest direction
+  relaxes about 14× faster. Against K-FAC alone (600 rounds, burn-in 300) the worst test point's
+  R-hat goes from 1.10 to about 1.03–1.04 and its minimum bulk ESS from 29 to 100–200, at an
+  nNLL of 0.33 against 0.32 and an ECE of 0.069 against 0.055 (the larger step's bias; FedAvg:
+  0.452 and 0.113). ``s = 16`` rather than 1 bit: with ``c = 1`` the compression's variance
+  enters the chain in proportion to γ (nNLL 0.386 at ``s = 2``). The federated LOO is off here
+  (``loo = off``): with 7,850 parameters and 4,000 points, PSIS-LOO's p_loo is about 5,000 and 98 %
+  of the Pareto k̂ are above 0.64, so it reports UNRELIABLE and would cost about 25 s of the
+  job's five minutes (``./dev demo loo=psis`` turns it on).
 * FedAvg: Flower's ``FedAvg``, 50 rounds of 2 local epochs of SGD (lr 0.1, batch 32) on the
   MAP objective of the same posterior, every client every round.
 
@@ -43,8 +51,8 @@ from pathlib import Path
 QLSD_MAIN = {
     "task": "mnist", "dataset": "mnist_subset", "model": "logistic", "partition": "dominant_label",
     "num-clients": 20, "prior-var": 0.2, "variant": "qlsd-pp", "s": "16", "l": 20, "p": "1.0",
-    "alpha": "auto", "batch-fraction": 0.32, "gamma": "auto", "gamma-c": 1.0, "metric": "kronecker", "init": "dispersed",
-    "num-rounds": 600, "burn-in": 300, "thin": 3, "num-chains": 4, "engine": "ray", "seed": 0, "data-seed": 0,
+    "alpha": "auto", "batch-fraction": 0.32, "gamma": "auto", "gamma-c": 1.0, "metric": "kronecker", "metric-rank": 150,
+    "init": "dispersed", "opt-tol": 1e-3, "loo": "off", "num-rounds": 600, "burn-in": 150, "thin": 3, "num-chains": 4, "engine": "ray", "seed": 0, "data-seed": 0,
     "output-dir": "outputs", "run-name": "",
 }
 FEDAVG_MAIN = {"num_rounds": 50, "local_epochs": 2, "lr": 0.1, "batch_size": 32}
@@ -81,7 +89,7 @@ def convergence_notes(conv: dict | None) -> list[str]:
                                      ("the worst test point's predictive probability", ok_p)) if not ok]
         out.append(f"NOT MIXED within this budget: R-hat of {' and of '.join(bad)} is above {target}; the chains "
                    f"(started dispersed) still disagree there, so read the per-point predictive figures as from an "
-                   f"unconverged sampler. More rounds mix further (e.g. ./dev demo num-rounds=1200 burn-in=600 "
+                   f"unconverged sampler. More rounds mix further (e.g. ./dev demo num-rounds=1200 burn-in=300 "
                    f"thin=6); benchmarks/RESULTS.md records what the default settings reach with more rounds.")
     return out
 
@@ -176,7 +184,9 @@ def run_main_job(overrides: dict | None = None) -> int:
         f"QLSD++: {qs['draws_kept']} posterior samples a chain × {qs.get('num_chains', 1)} chains in one Flower run "
         f"(posterior predictive); FedAvg: plug-in predictive of its final model. ECE with 10 bins; OOD = "
         f"pixel-permuted test images.",
-        f"QLSD++ step: metric {qs.get('metric_kind', cfg.get('metric', 'identity'))}, γ = {qs['gamma']:.4g}"
+        f"QLSD++ step: metric {qs.get('metric_kind', cfg.get('metric', 'identity'))}"
+        + (f" corrected in {qs['lowrank_rank']} directions (metric-rank)" if qs.get("lowrank_rank") else "")
+        + f", γ = {qs['gamma']:.4g}"
         + (f" (gamma = auto: {qs.get('gamma_c', 0.25):g}/λ_max, λ_max = {qs['lambda_max']:.3g}; variance along the "
            f"stiffest direction ×{1 / (1 - qs.get('gamma_c', 0.25) / 2):.3g}, ULA's bias)" if qs.get("gamma_auto") else "")
         + f", chains started {'dispersed around θ*' if cfg.get('init') == 'dispersed' else 'at one point'}.",
@@ -184,6 +194,9 @@ def run_main_job(overrides: dict | None = None) -> int:
         "uplink bits: QLSD++ exact Elias/packed code lengths, summed over its chains; FedAvg 32 × params × "
         "clients. wall: "
         "rounds only (Ray start-up excluded).",
+        *([f"before sampling, QLSD++'s preparation (θ*, the curvature, the step) made {qs['prep_exchanges']} "
+           f"exchanges whose float64 replies are {qs['prep_uplink_bits']:.3g} uplink bits, not in the column "
+           f"(a one-time cost, docs/METRIC.md)."] if qs.get("prep_uplink_bits") else []),
         f"total wall time of the job: {total:.0f} s; outputs: {job_dir}",
     ]
     if cfg.get("task") == "mnist":

@@ -34,7 +34,7 @@ from qlsd_flwr.flower.records import record_fields, to_content
 from qlsd_flwr.protocol import build
 from qlsd_flwr.protocol.claims import over_bound, relative_gap
 from qlsd_flwr.protocol.norm_guard import fixed_bound
-from qlsd_flwr.protocol.wire import PhaseError, gradient_of
+from qlsd_flwr.protocol.wire import PhaseError, arr_to_bytes, gradient_of
 
 log = logging.getLogger("qlsd_flwr")
 
@@ -141,9 +141,13 @@ class PhaseExchanges:
             self._leave_out(changed)
         return grads
 
-    def curvature(self, grid, theta: np.ndarray, kind: str, timeout: float) -> dict[int, np.ndarray]:
-        """The kept clients' curvature reports at ``θ``, as received:
-        :func:`qlsd_flwr.core.precondition.prepare` validates each."""
-        got = self.ask(grid, {"phase": "curvature", "round": -1, "theta": theta, "kind": kind}, timeout,
-                       self.clients())
+    def curvature(self, grid, theta: np.ndarray, kind: str, timeout: float,
+                  vectors: np.ndarray | None = None) -> dict[int, np.ndarray]:
+        """The kept clients' curvature reports at ``θ`` (``kind = "hvp"``: their Hessian-vector products
+        with the rows of ``vectors``), as received: :func:`qlsd_flwr.core.precondition.prepare`
+        validates each."""
+        fields = {"phase": "curvature", "round": -1, "theta": theta, "kind": kind}
+        if vectors is not None:
+            fields["vectors"] = arr_to_bytes(vectors)
+        got = self.ask(grid, fields, timeout, self.clients())
         return {i: (np.frombuffer(b, dtype="<f8") if len(b) % 8 == 0 else b) for i, b in got.items()}

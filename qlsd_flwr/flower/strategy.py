@@ -154,6 +154,10 @@ class QLSDStrategy(Strategy):
         How a ``diagonal``/``dense`` M is built: ``(prior curvature + Σ_i H_i)^{-1}`` from each
         client's curvature report at θ* (its potential's ``curvature_diag``/``hessian``, else an
         estimate from ``grad_sum``), exchanges before sampling, each report validated and bounded.
+    metric_rank : int, default 0
+        ``k``: M corrected along the ``k`` directions where ``M^{1/2}ᵀ ∇²U(θ*) M^{1/2}`` is farthest
+        from 1, found by a block Krylov method on the clients' Hessian-vector products (20 exchanges
+        of 32 vectors; :mod:`qlsd_flwr.core.lowrank`, docs/METRIC.md). 0: none.
     temperature : float, default 1.0
         ``T``: the chain targets ``π^{1/T}`` (the noise is scaled by ``√T``).
     init : str, default "theta0"
@@ -224,8 +228,8 @@ class QLSDStrategy(Strategy):
                  prior_var="flat", prior_on: str = "server", blocks=None, block_norm: str = "vector",
                  encoding: str = "auto", theta_star=None, seed: int = 0, output_dir: str = "outputs",
                  run_name: str = "", write: bool = True, keep_trace: bool = False, on_round=None,
-                 metric: str = "identity", metric_from: str = "curvature", temperature: float = 1.0,
-                 init: str = "theta0", prior=None, **config):
+                 metric: str = "identity", metric_from: str = "curvature", metric_rank: int = 0,
+                 temperature: float = 1.0, init: str = "theta0", prior=None, **config):
         def joined(v):
             return ",".join(str(x) for x in v) if isinstance(v, (list, tuple, np.ndarray)) else v
 
@@ -235,7 +239,8 @@ class QLSDStrategy(Strategy):
                 "batch-fraction": batch_fraction, "prior-var": prior_var, "prior-on": prior_on,
                 "block-norm": block_norm, "encoding": encoding, "seed": seed, "output-dir": output_dir,
                 "run-name": run_name, "theta-star": "optimise" if theta_star is None else "closed-form",
-                "metric": metric, "metric-from": metric_from, "temperature": temperature, "init": init,
+                "metric": metric, "metric-from": metric_from, "metric-rank": metric_rank, "temperature": temperature,
+                "init": init,
                 **{k.replace("_", "-"): v for k, v in config.items()}}
         cfg = resolve(keys)
         if cfg.block_norm == "tensor" and not blocks:
@@ -420,7 +425,7 @@ class QLSDStrategy(Strategy):
                 prep = precondition.prepare(
                     cfg, self.task, build.theta0_of(self.task) if theta0 is None else theta0,
                     lambda th: ph.full_grad(grid, th, self._timeout),
-                    lambda th, kind: ph.curvature(grid, th, kind, self._timeout),
+                    lambda th, kind, vectors=None: ph.curvature(grid, th, kind, self._timeout, vectors),
                     n_data=[self.nodes.n_data.get(i, 1) for i in range(cfg.b)], warm=self._warm)
                 claims = ph.claims(grid, prep.theta_star, self._timeout) if self.server.wants_claims() else None
                 break

@@ -238,13 +238,16 @@ def combine_grads(cfg: RunConfig, prior: GaussianPrior, grads, theta: np.ndarray
 def direct_exchanges(cfg: RunConfig, task: Task, specs):
     """``(grad_fn, curv_fn)`` for the engines that call their clients directly (local, vectorised):
     the very functions a ClientApp runs for the ``grad`` and ``curvature`` phases."""
+    from qlsd_flwr.core.lowrank import local_hvp
     from qlsd_flwr.core.metric import local_curvature
     from qlsd_flwr.core.oracles import full_local_grad
 
     def grad_fn(th):
         return combine_grads(cfg, task.prior, [full_local_grad(s, task.clients[s.index], th) for s in specs], th)
 
-    def curv_fn(th, kind):
+    def curv_fn(th, kind, vectors=None):
+        if kind == "hvp":  # metric-rank: the block of Hessian-vector products
+            return {s.index: local_hvp(task.clients[s.index], th, vectors) for s in specs}
         return {s.index: local_curvature(task.clients[s.index], th, kind, cfg.seed, s.index) for s in specs}
 
     return grad_fn, curv_fn

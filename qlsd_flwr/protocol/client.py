@@ -22,6 +22,7 @@ from qlsd_flwr.core.oracles import (
     full_local_grad,
     set_anchor,
 )
+from qlsd_flwr.core.lowrank import MAX_BLOCK, local_hvp
 from qlsd_flwr.core.metric import local_curvature
 from qlsd_flwr.core.potential import LocalPotential
 from qlsd_flwr.protocol.wire import (
@@ -41,9 +42,10 @@ def _prepare(spec: ClientSpec, pot: LocalPotential, st: ClientState, fields: dic
         return theta, {"client": i, "status": "ok", "payload": arr_to_bytes(full_local_grad(spec, pot, theta))}
     if fields["phase"] == "curvature":  # metric-from = curvature: this client's ∇²U_i(θ*), data part
         kind = str(fields["kind"])
-        if kind not in ("diagonal", "dense", "kronecker"):
-            raise ValueError(f"curvature: unknown kind {kind!r}; allowed: diagonal, dense, kronecker")
-        h = local_curvature(pot, theta, kind, seed, i)
+        if kind not in ("diagonal", "dense", "kronecker", "hvp"):
+            raise ValueError(f"curvature: unknown kind {kind!r}; allowed: diagonal, dense, kronecker, hvp")
+        h = local_hvp(pot, theta, block_of(fields.get("vectors"), d)) if kind == "hvp" \
+            else local_curvature(pot, theta, kind, seed, i)
         return theta, {"client": i, "status": "ok", "payload": arr_to_bytes(h.ravel())}
     if "eta" in fields:
         st.eta = vector(fields["eta"], d)
@@ -55,6 +57,17 @@ def _prepare(spec: ClientSpec, pot: LocalPotential, st: ClientState, fields: dic
     if stale_anchor or stale_eta:
         return theta, {"client": i, "status": "resync"}
     return theta, None
+
+
+def block_of(x, d: int) -> np.ndarray:
+    """The server's block of vectors (``metric-rank``) as ``(b, d)``: float64 bytes of ``b ≤``
+    :data:`~qlsd_flwr.core.lowrank.MAX_BLOCK` finite rows, else ``ValueError`` saying why."""
+    if not isinstance(x, (bytes, bytearray)) or len(x) == 0 or len(x) % (8 * d):
+        raise ValueError(f"curvature: 'vectors' must be float64 bytes of whole rows of {d}")
+    V = np.frombuffer(bytes(x), dtype="<f8").reshape(-1, d)
+    if V.shape[0] > MAX_BLOCK or not np.all(np.isfinite(V)):
+        raise ValueError(f"curvature: 'vectors' must be at most {MAX_BLOCK} finite rows")
+    return V
 
 
 def _sampled(spec: ClientSpec, pot: LocalPotential, st: ClientState, q, fields: dict) -> dict:

@@ -77,6 +77,16 @@ class LogisticLocal:
         p = _softmax(self.Xa @ self._W(theta))
         return self.Xa.T @ self.Xa, np.diag(p.sum(axis=0)) - p.T @ p, np.arange(self.dim)
 
+    def hvp_batch(self, theta: np.ndarray, V: np.ndarray) -> np.ndarray:
+        """``∇²U_i(θ) v`` for each row ``v`` of ``V`` (``(b, d)``; ``metric-rank``), exact: with
+        ``Z = X̃ V_r`` (``V_r`` the row as a ``(F̃, K)`` matrix), row ``j`` of the product's inner factor
+        is ``(diag p_j − p_j p_jᵀ) z_j``, then ``X̃ᵀ`` of it."""
+        V = np.asarray(V, dtype=np.float64)
+        p = _softmax(self.Xa @ self._W(theta))  # (n, K)
+        Z = np.matmul(self.Xa, V.reshape(-1, self.n_features + 1, self.n_classes))  # (b, n, K)
+        AZ = p * Z - p * np.sum(p * Z, axis=-1, keepdims=True)
+        return np.matmul(self.Xa.T, AZ).reshape(V.shape[0], self.dim)
+
     def grad_sum_batch(self, thetas: np.ndarray, idx: np.ndarray | None = None) -> np.ndarray:
         """:meth:`grad_sum` of many parameter vectors at once: ``thetas`` ``(C, d)``, ``idx``
         ``(C, n)`` (row ``c``: the minibatch of ``thetas[c]``) or ``None`` (all data) → ``(C, d)``.

@@ -1,0 +1,57 @@
+"""One dense layer's Kronecker-factored curvature (K-FAC), the form ``metric = kronecker`` keeps:
+:class:`Kron` applies ``M^t`` for ``t = −1`` (the metric) and ``t = −1/2`` (its symmetric root)
+without ever forming the ``d × d`` matrix. Built by :func:`qlsd_flwr.core.metric.metric_from_kronecker`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Kron:
+    """One dense layer's curvature in Kronecker form (K-FAC, Martens & Grosse 2015): θ's
+    coordinates, reordered by ``perm``, are a ``(F̃, K)`` matrix ``V`` (``F̃`` inputs with the bias's
+    constant 1, ``K`` outputs), and ``∇²U ≈ G ⊗ Ā + λ_0 I`` with ``G = Σ_j x̃_j x̃_jᵀ`` and
+    ``Ā = (1/N) Σ_j (diag p_j − p_j p_jᵀ)`` (softmax outputs). With ``G = Q_G Λ_G Q_Gᵀ`` and
+    ``Ā = Q_A Λ_A Q_Aᵀ``, ``M^t V = Q_G [(Q_Gᵀ V Q_A) ⊙ den^t] Q_Aᵀ`` with ``den = λ_G λ_Aᵀ + λ_0``:
+    ``t = −1`` is ``M``, ``t = −1/2`` its symmetric root, each ``O(F̃² K)`` a row."""
+
+    perm: np.ndarray  # (d,) int: V.ravel()[j] = θ[perm[j]]
+    qg: np.ndarray  # (F̃, F̃)
+    qa: np.ndarray  # (K, K)
+    den: np.ndarray  # (F̃, K), positive
+
+    def apply(self, r: np.ndarray, t: float) -> np.ndarray:
+        F, K = self.den.shape
+        V = r[self.perm].reshape(F, K)
+        W = (self.qg.T @ V @ self.qa) * self.den**t
+        out = np.empty_like(r)
+        out[self.perm] = (self.qg @ W @ self.qa.T).ravel()
+        return out
+
+    def describe(self) -> dict:
+        F, K = self.den.shape
+        return {"kind": "kronecker", "inputs": F, "outputs": K,
+                "den_min": float(self.den.min()), "den_max": float(self.den.max())}
+
+    def flat(self) -> np.ndarray:
+        F, K = self.den.shape
+        return np.concatenate([[-1.0, F, K], self.qg.ravel(), self.qa.ravel(), self.den.ravel(),
+                               self.perm.astype(np.float64)])
+
+    @staticmethod
+    def from_flat(a: np.ndarray, d: int) -> "Kron":
+        try:
+            F, K = int(a[1]), int(a[2])
+            sizes = (F * F, K * K, F * K, d)
+            if F * K != d or a.size != 3 + sum(sizes) or F < 1 or K < 1:
+                raise ValueError("sizes")
+            parts = np.split(a[3:], np.cumsum(sizes)[:-1])
+            perm = parts[3].astype(np.int64)
+            if not np.array_equal(np.sort(perm), np.arange(d)) or not np.all(parts[2] > 0):
+                raise ValueError("values")
+        except (ValueError, IndexError, OverflowError):
+            raise ValueError(f"metric: not a Kronecker metric of d = {d} (bad sizes, order or values)") from None
+        return Kron(perm, parts[0].reshape(F, F), parts[1].reshape(K, K), parts[2].reshape(F, K))

@@ -1,0 +1,252 @@
+"""``metric-rank``: the metric corrected along the directions where the preconditioned curvature is
+farthest from 1 (core.lowrank), found by a block Krylov method on federated Hessian-vector products.
+
+The references are exact. When the Krylov space is the whole space, Rayleigh–Ritz gives ``B``'s
+exact eigenpairs, so the corrected ``B' = Sᵀ P S`` has exactly the eigenvalues of ``B`` with the
+``k`` farthest from 1 replaced by 1 (to rounding). For the chain, the metric is one more SPD ``M``:
+with exact gradients on a Gaussian the stationary covariance is the discrete Lyapunov solution
+under that ``M`` (as in ``test_metric.py``, with the same Monte Carlo tolerance).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+from scipy.linalg import solve_discrete_lyapunov
+
+from qlsd_flwr.config import ConfigError, resolve
+from qlsd_flwr.core import lowrank as lr
+from qlsd_flwr.core import metric as mt
+from qlsd_flwr.core import precondition
+from qlsd_flwr.core.metric import Metric, MetricError
+from qlsd_flwr.outputs.recorder import load_samples
+from qlsd_flwr.protocol import build
+from qlsd_flwr.run.simulate import run
+from test_metric import _curvature_mod, _exact, ill_conditioned_task
+
+
+def _spd(d: int, cond: float, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    Q = np.linalg.qr(rng.normal(size=(d, d)))[0]
+    return (Q * np.geomspace(1.0, cond, d)) @ Q.T
+
+
+def _columns(f, d):
+    return np.stack([f(e) for e in np.eye(d)], axis=1)
+
+
+@pytest.mark.parametrize("base", ["identity", "diagonal", "dense"])
+@pytest.mark.parametrize("rank", [3, 40])
+def test_a_full_krylov_space_maps_the_k_farthest_eigenvalues_to_one(base, rank):
+    d = 40
+    P = _spd(d, 1e3)
+    metric = {"identity": Metric(), "diagonal": Metric.diagonal(1.0 / np.diag(P)),
+              "dense": Metric.dense(np.linalg.inv(P + 50.0 * np.eye(d)))}[base]
+    R = _columns(metric.apply_root, d)
+    lam = np.linalg.eigvalsh(R.T @ P @ R)
+    (u, t), info = lr.correction(lambda W: W @ P, metric.apply_root, metric.apply_root_t, d, rank, seed=3,
+                                 block=8, exchanges=5)  # 40 Krylov vectors: the whole space
+    m = metric.corrected(u, t)
+    S = _columns(m.apply_root, d)
+    # the three maps are one metric: M' = S Sᵀ, Sᵀ is apply_root_t, and M' is symmetric positive-definite
+    Mp = _columns(m.apply, d)
+    scale = np.max(np.abs(Mp))
+    assert np.max(np.abs(Mp - S @ S.T)) <= 1e-10 * scale and np.max(np.abs(Mp - Mp.T)) <= 1e-10 * scale
+    assert np.allclose(_columns(m.apply_root_t, d), S.T, rtol=0, atol=1e-10 * np.max(np.abs(S)))
+    assert np.linalg.eigvalsh(0.5 * (Mp + Mp.T))[0] > 0
+    # the corrected curvature: the k eigenvalues farthest from 1 (in log) became 1, the others stayed
+    far = np.argsort(-np.abs(np.log(lam)), kind="stable")[:rank]
+    want = np.sort(np.concatenate([np.delete(lam, far), np.ones(rank)]))
+    got = np.linalg.eigvalsh(S.T @ P @ S)
+    assert np.allclose(got, want, rtol=1e-6, atol=0), (got[:4], want[:4])
+    assert info["lowrank_rank"] == rank and info["lowrank_kappa_before"] == pytest.approx(lam.max() / lam.min(), rel=1e-8)
+    assert info["lowrank_kappa_left"] == pytest.approx(want.max() / want.min(), rel=1e-6)
+    assert np.linalg.cond(S.T @ P @ S) <= np.linalg.cond(R.T @ P @ R) * (1 + 1e-9)
+
+
+def test_a_partial_krylov_space_still_gives_an_spd_metric_that_helps():
+    """Too few products for every eigenpair: only the converged Ritz pairs are used, the metric stays SPD
+    and the condition number falls."""
+    d = 200
+    P = _spd(d, 1e4, seed=1)
+    base = Metric.diagonal(1.0 / np.diag(P))
+    R = _columns(base.apply_root, d)
+    (u, t), info = lr.correction(lambda W: W @ P, base.apply_root, base.apply_root_t, d, 30, seed=0,
+                                 block=10, exchanges=6)
+    S = _columns(base.corrected(u, t).apply_root, d)
+    assert 0 < info["lowrank_rank"] <= 30 and info["lowrank_converged"] < 60
+    assert np.linalg.eigvalsh(S @ S.T)[0] > 0
+    assert np.linalg.cond(S.T @ P @ S) < 0.5 * np.linalg.cond(R.T @ P @ R)
+
+
+def test_a_corrected_metric_survives_its_array_and_a_bad_one_is_refused_by_name():
+    d = 12
+    P = _spd(d, 50.0)
+    base = Metric.diagonal(1.0 / np.diag(P))
+    (u, t), _ = lr.correction(lambda W: W @ P, base.apply_root, base.apply_root_t, d, 4, seed=0, block=4, exchanges=3)
+    m = base.corrected(u, t)
+    back = Metric.from_array(m.array(), d)
+    z = np.random.default_rng(0).normal(size=(3, d))
+    for f in ("apply", "apply_root", "apply_root_t"):
+        assert np.array_equal(getattr(back, f)(z), getattr(m, f)(z))
+    assert back.kind == "diagonal" and not back.is_identity and m.base.array().tolist() == base.array().tolist()
+    a = m.array()
+    for bad in (np.concatenate([[-2.0, 4], -t, u.ravel(), base.array()]),  # a negative curvature
+                np.concatenate([[-2.0, 4], t, 2 * u.ravel(), base.array()]),  # directions not orthonormal
+                a[:10],  # cut short
+                np.concatenate([[-2.0, np.nan], a[2:]])):
+        with pytest.raises(MetricError, match="low-rank"):
+            Metric.from_array(bad, d)
+
+
+def test_client_products_are_the_hessian_s_exact_or_by_differences():
+    from qlsd_flwr.tasks.logistic import LogisticLocal
+
+    rng = np.random.default_rng(0)
+    pot = LogisticLocal(rng.normal(size=(30, 4)), rng.integers(0, 3, 30), 3)
+    theta = 0.3 * rng.normal(size=pot.dim)
+    V = rng.normal(size=(5, pot.dim))
+    exact = pot.hvp_batch(theta, V)
+    # the Hessian by differences of the gradient along each axis
+    eps = 1e-5
+    H = np.stack([(pot.grad_sum(theta + eps * e) - pot.grad_sum(theta - eps * e)) / (2 * eps) for e in np.eye(pot.dim)])
+    assert np.allclose(exact, V @ H, rtol=1e-6, atol=1e-8)
+
+    class OnlyGradients:  # a user's potential without hvp_batch: central differences of grad_sum
+        grad_sum = pot.grad_sum
+
+    assert np.allclose(lr.local_hvp(OnlyGradients(), theta, V), exact, rtol=1e-5, atol=1e-7)
+
+
+def test_stationary_covariance_with_a_corrected_metric_is_the_discrete_lyapunov_solution():
+    task = ill_conditioned_task(cond=1e3)
+    P = sum(c.A for c in task.clients)
+    keys = {"gamma": "auto", "metric": "diagonal", "metric-rank": 1}
+    cfg = resolve({"variant": "qlsd", "compressor": "identity", "num-clients": task.b, "dim": task.dim,
+                   "progress": False, "theta-star": "closed-form", **keys})
+    specs = [build.client_spec(cfg, i, 1, task.dim, task.prior, build.blocks_for(cfg, task)) for i in range(task.b)]
+    prep = precondition.prepare(cfg, task, task.theta0, *build.direct_exchanges(cfg, task, specs))
+    M = _columns(prep.metric.apply, 3)
+    L = _columns(prep.metric.apply_root, 3)
+    lam = np.linalg.eigvalsh(L.T @ P @ L)
+    base = np.diag(np.sqrt(1.0 / np.diag(P)))
+    assert lam.max() / lam.min() < np.linalg.cond(base @ P @ base) and prep.info["lowrank_rank"] == 1
+    rho = 1.0 - mt.GAMMA_AUTO_C * lam.min() / lam.max()
+    C, K = 2000, int(np.ceil(np.log(1e-5) / (2 * np.log(rho))))
+    res = _exact(keys, task, C, K)
+    gamma = res.summary["gamma"]
+    assert gamma == prep.gamma
+    B = np.eye(3) - gamma * M @ P
+    sig = np.zeros((3, 3))
+    for _ in range(K):
+        sig = B @ sig @ B.T + 2 * gamma * M
+    sigma_inf = solve_discrete_lyapunov(B, 2 * gamma * M)
+    assert np.max(np.abs(sig - sigma_inf) / np.sqrt(np.outer(np.diag(sigma_inf), np.diag(sigma_inf)))) < 1e-3
+    x = res.theta - task.theta_star
+    se = np.sqrt((np.outer(np.diag(sig), np.diag(sig)) + sig**2) / (C - 1))
+    assert np.max(np.abs(np.cov(x.T) - sigma_inf) / se) < 5.0
+    assert np.max(np.abs(x.mean(axis=0)) / np.sqrt(np.diag(sig) / C)) < 5.0
+
+
+def test_engines_agree_bit_for_bit_with_a_corrected_kronecker_metric_and_resume_keeps_it(tmp_path):
+    base = {"task": "logistic", "dataset": "breast_cancer", "num-clients": 4, "num-chains": 2, "num-rounds": 25,
+            "burn-in": 5, "progress": False, "output-dir": str(tmp_path), "metric": "kronecker", "metric-rank": 6,
+            "gamma": "auto", "init": "dispersed", "variant": "qlsd-pp", "s": "8", "l": 5, "p": "0.7"}
+    a = run({**base, "engine": "inprocess", "run-name": "a"})
+    b = run({**base, "engine": "vectorised", "run-name": "b"})
+    assert np.array_equal(load_samples(a.run_dir), load_samples(b.run_dir))
+    s = a.summary
+    assert s["gamma"] == b.summary["gamma"] and s["lowrank_rank"] == 6 and s["metric"]["lowrank"]["rank"] == 6
+    assert s["lowrank_kappa_left"] < s["lowrank_kappa_before"]
+    # the preparation's traffic is recorded: at least the products' float64 blocks from every client
+    q, blk = s["lowrank_exchanges"], s["lowrank_block"]
+    assert s["prep_exchanges"] > q and s["prep_uplink_bits"] >= q * blk * 62 * 64 * 4
+    plain = run({**base, "engine": "vectorised", "metric-rank": 0, "run-name": "plain"})
+    assert plain.summary["gamma"] < s["gamma"]  # the corrected metric allows a larger step
+    one = run({**base, "engine": "local", "num-chains": 1, "run-name": "c"})
+    c1 = run({**base, "engine": "vectorised", "num-chains": 1, "run-name": "d"})
+    assert np.array_equal(load_samples(one.run_dir), load_samples(c1.run_dir))
+    # stopped after round 12 and resumed: the checkpoint carries the corrected metric, and the chain is the
+    # uninterrupted one bit for bit (no client is asked for products again)
+    import qlsd_flwr.protocol.server as server_mod
+    from qlsd_flwr.engines.local import run_local
+
+    real_end, calls = server_mod.QLSDServer.end_round, {"n": 0}
+
+    def end_round(self):
+        calls["n"] += 1
+        if calls["n"] == 13:
+            raise KeyboardInterrupt("SIGTERM")
+        return real_end(self)
+
+    server_mod.QLSDServer.end_round = end_round
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_local(resolve({**base, "engine": "local", "num-chains": 1, "run-name": "r", "checkpoint-every": 1}))
+    finally:
+        server_mod.QLSDServer.end_round = real_end
+    resumed = run({"resume": str(tmp_path / "r"), "progress": False})
+    assert resumed.summary["gamma"] == one.summary["gamma"]
+    assert np.array_equal(load_samples(resumed.run_dir), load_samples(one.run_dir))
+
+
+def _hvp_mod(kind: str):
+    """Client 1's Hessian-vector products rewritten after the client computed them."""
+    from flwr.app import ConfigRecord
+
+    from qlsd_flwr.flower.records import RECORD, from_content
+
+    def mod(msg, ctx, call_next):
+        out = call_next(msg, ctx)
+        fields, _ = from_content(msg.content)
+        if fields.get("kind") != "hvp" or int(ctx.node_config["partition-id"]) != 1:
+            return out
+        rec = dict(out.content[RECORD])
+        h = np.frombuffer(rec["payload"], dtype="<f8").copy()
+        bad = {"nan": np.full_like(h, np.nan), "huge": h * 1e12 + 1e12, "short": h[:-1],
+               "negative": -1e3 * h}[kind]
+        rec["payload"] = bad.astype("<f8").tobytes()
+        out.content[RECORD] = ConfigRecord(rec)
+        return out
+
+    return mod
+
+
+@pytest.mark.parametrize("kind", ["nan", "huge", "short", "negative"])
+def test_hostile_hessian_vector_products_are_refused_or_bounded(kind, tmp_path, caplog):
+    """A client's products are refused (wrong length, NaN) or scaled to its share (huge); an indefinite
+    one can only move the correction's directions: the metric stays SPD and the chain finite."""
+    from qlsd_flwr.run.simulate import run_inprocess
+
+    o = {"engine": "inprocess", "num-rounds": 20, "burn-in": 5, "progress": False, "output-dir": str(tmp_path),
+         "metric": "diagonal", "metric-rank": 3, "gamma": "auto", "dim": 5, "num-clients": 4, "run-name": kind}
+    caplog.set_level(logging.WARNING, logger="qlsd_flwr")
+    strat = run_inprocess(resolve(o), o, mods=[_hvp_mod(kind)])
+    s = strat.server.summary_data
+    t = np.array(s["metric"]["lowrank"]["t"]) if s.get("lowrank_rank") else np.ones(1)
+    assert np.all(np.isfinite(t)) and np.all(t >= lr.RITZ_FLOOR)
+    if kind in ("nan", "short"):
+        assert list(s["curvature_rejected"]) == ["1"] and "Hessian-vector products refused" in caplog.text
+    if kind == "huge":
+        assert 1 in s["curvature_scaled"]
+    assert np.all(np.isfinite(load_samples(strat.run_dir)))
+
+
+def test_the_key_is_checked_and_refused_with_adapt_by_name():
+    with pytest.raises(ConfigError, match="metric-rank"):
+        resolve({"metric-rank": -1})
+    with pytest.raises(ConfigError, match="metric-rank"):
+        resolve({"metric-rank": 5, "metric": "diagonal", "metric-from": "adapt"})
+    assert resolve({"metric-rank": 0}).get("metric-rank") == 0
+
+
+def test_a_server_block_a_client_cannot_use_is_refused_by_name():
+    from qlsd_flwr.protocol.client import block_of
+
+    d = 4
+    for bad in (b"", b"\x00" * 12, np.full(d, np.nan).tobytes(), np.zeros((lr.MAX_BLOCK + 1) * d).tobytes(), "text"):
+        with pytest.raises(ValueError, match="vectors"):
+            block_of(bad, d)
+    assert block_of(np.arange(8.0).tobytes(), d).shape == (2, 4)
