@@ -192,28 +192,6 @@ def test_engines_agree_bit_for_bit_with_a_corrected_kronecker_metric_and_resume_
     assert np.array_equal(load_samples(resumed.run_dir), load_samples(one.run_dir))
 
 
-def _hvp_mod(kind: str):
-    """Client 1's Hessian-vector products rewritten after the client computed them."""
-    from flwr.app import ConfigRecord
-
-    from qlsd_flwr.flower.records import RECORD, from_content
-
-    def mod(msg, ctx, call_next):
-        out = call_next(msg, ctx)
-        fields, _ = from_content(msg.content)
-        if fields.get("kind") != "hvp" or int(ctx.node_config["partition-id"]) != 1:
-            return out
-        rec = dict(out.content[RECORD])
-        h = np.frombuffer(rec["payload"], dtype="<f8").copy()
-        bad = {"nan": np.full_like(h, np.nan), "huge": h * 1e12 + 1e12, "short": h[:-1],
-               "negative": -1e3 * h}[kind]
-        rec["payload"] = bad.astype("<f8").tobytes()
-        out.content[RECORD] = ConfigRecord(rec)
-        return out
-
-    return mod
-
-
 @pytest.mark.parametrize("kind", ["nan", "huge", "short", "negative"])
 def test_hostile_hessian_vector_products_are_refused_or_bounded(kind, tmp_path, caplog):
     """A client's products are refused (wrong length, NaN) or scaled to its share (huge); an indefinite
@@ -223,7 +201,7 @@ def test_hostile_hessian_vector_products_are_refused_or_bounded(kind, tmp_path, 
     o = {"engine": "inprocess", "num-rounds": 20, "burn-in": 5, "progress": False, "output-dir": str(tmp_path),
          "metric": "diagonal", "metric-rank": 3, "gamma": "auto", "dim": 5, "num-clients": 4, "run-name": kind}
     caplog.set_level(logging.WARNING, logger="qlsd_flwr")
-    strat = run_inprocess(resolve(o), o, mods=[_hvp_mod(kind)])
+    strat = run_inprocess(resolve(o), o, mods=[_curvature_mod(kind, report="hvp")])
     s = strat.server.summary_data
     t = np.array(s["metric"]["lowrank"]["t"]) if s.get("lowrank_rank") else np.ones(1)
     assert np.all(np.isfinite(t)) and np.all(t >= lr.RITZ_FLOOR)

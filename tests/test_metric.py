@@ -213,8 +213,9 @@ def test_one_huge_report_is_scaled_to_its_share_and_cannot_dominate_the_metric()
     assert np.all(np.isfinite(got.m)) and np.all(got.m > 0)
 
 
-def _curvature_mod(kind: str):
-    """A client mod that rewrites client 1's curvature reply (after the client computed it)."""
+def _curvature_mod(kind: str, report: str | None = None):
+    """A client mod that rewrites client 1's curvature reply (after the client computed it); ``report``:
+    only replies of that kind (``"hvp"``: the Hessian-vector products of ``metric-rank``)."""
     from flwr.app import ConfigRecord
 
     from qlsd_flwr.flower.records import RECORD, from_content
@@ -222,7 +223,8 @@ def _curvature_mod(kind: str):
     def mod(msg, ctx, call_next):
         out = call_next(msg, ctx)
         fields, _ = from_content(msg.content)
-        if fields.get("phase") != "curvature" or int(ctx.node_config["partition-id"]) != 1:
+        if fields.get("phase") != "curvature" or int(ctx.node_config["partition-id"]) != 1 \
+                or report not in (None, fields.get("kind")):
             return out
         rec = dict(out.content[RECORD])
         h = np.frombuffer(rec["payload"], dtype="<f8").copy()
