@@ -290,7 +290,8 @@ def run_bnn(out: Path, rounds: int = 4000, net: str = "wine", metrics=("identity
     leapfrog steps): the predictive's agreement (same argmax) and total variation (Izmailov et al.
     2021) on the evaluation inputs, against the TV between the two halves of the HMC reference
     (chains 0–1 against 2–3). ``net``: ``wine`` (:func:`wine_net`) or ``digits`` (:func:`digits_mlp`);
-    ``metrics``: the rows (``identity``, ``diagonal``, ``adapt``: the diagonal metric refined by
+    ``metrics``: the rows (``identity``, ``diagonal``, ``rank``: the diagonal metric corrected in 150
+    directions, ``adapt``: the diagonal metric refined by
     ``adapt_rounds`` warm-up rounds, ``metric-from = adapt``)."""
     from qlsd_flwr.core.potential import GaussianPrior
     from qlsd_flwr.evaluation.reference import hmc
@@ -318,6 +319,7 @@ def run_bnn(out: Path, rounds: int = 4000, net: str = "wine", metrics=("identity
                     "tv_between_halves": tv(p_a, p_b), "agreement_between_halves": agree(p_a, p_b)}}
     print("hmc", json.dumps(rows["hmc"]), flush=True)
     every = {"identity": ("identity, gamma = auto", {"metric": "identity"}), "diagonal": ("diagonal", {"metric": "diagonal"}),
+             "rank": ("diagonal + metric-rank 150", {"metric": "diagonal", "metric-rank": 150}),
              "adapt": (f"diagonal, adapt ({adapt_rounds} warm-up rounds)",
                        {"metric": "diagonal", "metric-from": "adapt", "adapt-rounds": adapt_rounds})}
     for label, ov in (every[m] for m in metrics):
@@ -356,7 +358,8 @@ def main() -> None:
     ap.add_argument("--bnn-digits", action="store_true")
     ap.add_argument("--bnn-rounds", type=int, default=4000, help="rounds of each sampler run (--bnn, --bnn-digits)")
     ap.add_argument("--bnn-metrics", default="identity,diagonal",
-                    help="comma-separated rows of --bnn/--bnn-digits: identity, diagonal, adapt")
+                    help="comma-separated rows of --bnn/--bnn-digits: identity, diagonal, rank (diagonal + "
+                         "metric-rank 150), adapt")
     ap.add_argument("--adapt-rounds", type=int, default=1000, help="the warm-up of the adapt row")
     a = ap.parse_args()
     out = ROOT / "benchmarks"

@@ -82,7 +82,8 @@ def stability_warning(cfg: RunConfig, task: Task) -> str | None:
     with when the step ``gamma`` is beyond the stability limit of Langevin with exact
     gradients, ``γ < 2/τ_max`` (``τ`` the precision: the iteration multiplies the error by
     ``1 − γτ``), i.e. when the chain will diverge; ``None`` otherwise."""
-    if task.posterior_var is None or not np.isfinite(cfg.gamma) or cfg.metric != "identity":
+    if task.posterior_var is None or not np.isfinite(cfg.gamma) or cfg.metric != "identity" \
+            or int(cfg.get("metric-rank") or 0):
         return None  # gamma = auto and a metric are checked against the estimated λ_max (core.precondition)
     tau = float(1.0 / np.min(task.posterior_var))
     if cfg.gamma * tau < 2.0:

@@ -62,10 +62,12 @@ def backend_for(cfgs, task: Task, backend: str = "auto") -> str:
     cfgs = [cfgs] if isinstance(cfgs, RunConfig) else list(cfgs)
     one_norm = all(build.blocks_for(c, task) is None for c in cfgs)
     # the kernel's step is the paper's, with a Gaussian prior
-    plain = all(c.metric == "identity" and c.temperature == 1.0 for c in cfgs) and isinstance(task.prior, GaussianPrior)
+    plain = all(c.metric == "identity" and not int(c.get("metric-rank") or 0) and c.temperature == 1.0
+                for c in cfgs) and isinstance(task.prior, GaussianPrior)
     ok = _is_gaussian(task) and task.dim >= 2 and one_norm and plain
     if backend == "numba" and not plain:
-        raise ValueError("vectorised-backend = numba runs the paper's step only (metric = identity, temperature = 1, "
+        raise ValueError("vectorised-backend = numba runs the paper's step only (metric = identity, metric-rank = 0, "
+                         "temperature = 1, "
                          "a Gaussian prior); "
                          "allowed for this run: auto, numpy")
     if backend == "auto":
