@@ -344,3 +344,25 @@ def test_replies_are_polled_soon_after_one_came_and_never_slower_than_the_grid(m
     assert waits[0] == S.FIRST_POLL_S  # right after a reply
     assert waits[1:6] == [0.01, 0.02, 0.04, 0.08, 0.1]  # doubling while nothing comes
     assert max(waits) == Grid.pull_interval and len(waits) == 40
+
+
+def test_metrics_csv_holds_each_round_as_soon_as_it_ends(tmp_path):
+    """A watcher of a running job (``tail -f metrics.csv``, a dashboard) sees every round's row on disk
+    when that round ends, not in bursts (issue 22: a deployment showed nothing for 10 rounds)."""
+    from qlsd_flwr.flower.client_app import make_client_app
+    from qlsd_flwr.flower.inprocess import InProcessGrid
+    from qlsd_flwr.flower.strategy import QLSDStrategy
+    from qlsd_flwr.tasks.loading import load_task
+
+    o = {**BASE, "num-rounds": 25, "output-dir": str(tmp_path)}
+    cfg = resolve(o)
+    run_dir = tmp_path / "watched"
+    seen = []
+
+    def watch(strategy):
+        with open(run_dir / "metrics.csv") as f:  # another reader, as a watcher would be
+            seen.append(sum(1 for _ in f) - 1)  # rows after the header
+
+    strat = QLSDStrategy.from_config(cfg, load_task(cfg), run_dir=run_dir, on_round=watch)
+    strat.start(grid=InProcessGrid(make_client_app(overrides=o), cfg.b, shuffle_seed=0))
+    assert seen == list(range(1, 26))
