@@ -28,9 +28,12 @@ VARIANTS: dict[str, tuple[str, bool, bool]] = {
     "lsd-star": ("star", False, False),
     "lsd-pp": ("svrg", False, True),
     "sgld": ("minibatch", False, False),
+    # the rivals (issue 23): local Langevin steps on the clients, averaged by the server (core.fald)
+    "fald": ("fald", False, False),
+    "vr-fald-star": ("fald-star", False, False),
 }
 ALIASES = {"qlsd#": "qlsd-sharp", "qlsd*": "qlsd-star", "qlsd++": "qlsd-pp",
-           "lsd*": "lsd-star", "lsd++": "lsd-pp"}
+           "lsd*": "lsd-star", "lsd++": "lsd-pp", "vr-fald*": "vr-fald-star"}
 ENGINES = ("ray", "inprocess", "local", "vectorised")
 TASKS = ("gaussian", "logistic", "mnist")
 # "external": the clients bring their own potentials (qlsd_flwr.flower.make_client_app(potential_fn)),
@@ -111,7 +114,7 @@ class RunConfig:
                 "resolved": d}
 
 
-STAR_VARIANTS = ("qlsd-star", "lsd-star")
+STAR_VARIANTS = ("qlsd-star", "lsd-star", "vr-fald-star")
 
 
 def not_applicable(raw: dict) -> set[str]:
@@ -139,6 +142,11 @@ def not_applicable(raw: dict) -> set[str]:
                   or str(raw.get("metric-rank", 0)).strip() not in ("0", ""))
     if not needs_point:
         out |= {"theta-star", "opt-rounds", "opt-tol", "opt-accept-unconverged"}
+    name = str(raw.get("variant", "")).strip().lower()
+    if ALIASES.get(name, name) in ("fald", "vr-fald-star"):  # full local gradients; the prior shared by w_i
+        out |= {"batch-fraction", "l", "alpha", "prior-on"}
+    else:
+        out |= {"local-steps", "tau"}
     if metric in ("identity",) or metric.endswith(".npy"):
         out.add("metric-from")
     if "metric-from" in out or str(raw.get("metric-from", "curvature")).strip().lower() != "adapt":
@@ -247,9 +255,9 @@ def resolve(overrides: Mapping[str, Any] | None = None) -> RunConfig:
     prior_on = _choice("prior-on", raw["prior-on"], ("server", "clients"))
     block_norm = _choice("block-norm", raw["block-norm"], ("vector", "tensor"))
     encoding = _choice("encoding", raw["encoding"], ("auto", "elias", "packed"))
-    _choice("compressor", raw["compressor"], ("qsgd", "identity"))
-    if str(raw["compressor"]).strip().lower() == "identity":
-        compressed = False
+    compressor = _choice("compressor", str(raw["compressor"]).strip().lower(), ("auto", "qsgd", "identity"))
+    if compressor != "auto":  # qsgd: any variant's messages QSGD-coded (the rivals' too); identity: none
+        compressed = compressor == "qsgd"
     theta_star = _choice("theta-star", raw["theta-star"], ("closed-form", "optimise"))
     raw["vectorised-backend"] = _choice("vectorised-backend", raw["vectorised-backend"], ("auto", "numba", "numpy"))
     raw["resume"] = v["resume"]
@@ -266,6 +274,7 @@ def resolve(overrides: Mapping[str, Any] | None = None) -> RunConfig:
                                            ("auto", "theta", "predictive"))
     raw["loo"] = _choice("loo", raw["loo"], ("psis", "pointwise", "off"))
     _check_biased_aggregation(variant, oracle, aggregation, p, raw)
+    _check_local_steps(variant, oracle, raw, engine, metric, aggregation, p, v["metric-rank"])
     _check_data_keys(raw)
     return RunConfig(
         raw=raw, variant=variant, oracle=oracle, compressed=compressed, memory=memory, b=b_eff,
@@ -310,6 +319,21 @@ def _check_biased_aggregation(variant: str, oracle: str, aggregation: str, p: np
         f"{variant}: client i's gradient enters with mean weight p_i·E[b/|A_k|] ≠ 1, so the chain samples a "
         "shifted target; use aggregation = unbiased, or a control-variate variant (qlsd-star, qlsd-pp, lsd-star, "
         "lsd-pp), or set accept-biased-aggregation = true")
+
+
+def _check_local_steps(variant, oracle, raw, engine, metric, aggregation, p, rank) -> None:
+    """What FALD and VR-FALD* (:mod:`qlsd_flwr.core.fald`) do not take yet, refused by key."""
+    if oracle not in ("fald", "fald-star"):
+        return
+    if engine == "vectorised":
+        raise ConfigError(f"engine: {variant} runs on engine = ray, inprocess or local (its local steps are not "
+                          "in the vectorised engine yet); allowed: ray, inprocess, local")
+    if metric != "identity" or int(rank):
+        raise ConfigError(f"metric: {variant}'s local steps are not preconditioned yet; use metric = identity and "
+                          "metric-rank = 0")
+    if aggregation != "unbiased" and np.any(p < 1.0):
+        raise ConfigError(f"aggregation: {variant} averages its clients with the weights w_i/p_i (unbiased), "
+                          "which keep its noise exact under partial participation; allowed: unbiased")
 
 
 #: a run may plan for at most this share of the machine's physical memory

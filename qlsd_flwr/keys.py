@@ -111,8 +111,14 @@ KEYS: tuple[Key, ...] = (
         choices=("server", "clients"), group=SAMPLE),
     # the sampler
     Key("variant", "qlsd-pp", "choice", "QLSD, QLSD# (minibatch), QLSD* (control variate at θ*), QLSD++ (SVRG "
-        "anchor and memory), LSD*, LSD++ (uncompressed), SGLD (centralised)", "",
-        choices=("qlsd", "qlsd-sharp", "qlsd-star", "qlsd-pp", "lsd-star", "lsd-pp", "sgld"), group=SAMPLER),
+        "anchor and memory), LSD*, LSD++ (uncompressed), SGLD (centralised); the rivals FALD (local Langevin "
+        "steps, averaged) and VR-FALD* (with control variates at θ*): docs/RIVALS.md", "",
+        choices=("qlsd", "qlsd-sharp", "qlsd-star", "qlsd-pp", "lsd-star", "lsd-pp", "sgld", "fald", "vr-fald-star"),
+        group=SAMPLER),
+    Key("local-steps", 1, "int", "FALD, VR-FALD*: local Langevin steps of step γ/w_i per round on each active "
+        "client (w_i = N_i/N its data share)", "K_loc", lo=1, cap=10**5, group=SAMPLER),
+    Key("tau", 0.0, "float", "FALD, VR-FALD*: the share of the Langevin noise common to the clients (1: one "
+        "shared draw, 0: each client its own); the chain targets π for every τ", "τ", lo=0, hi=1, group=SAMPLER),
     Key("num-rounds", 2000, "int", "number of rounds (one sample each)", "K", lo=1, cap=10**12, group=SAMPLER),
     Key("burn-in", 500, "int", "rounds dropped before samples are kept (< num-rounds)", "", lo=0, cap=10**12,
         group=SAMPLER),
@@ -145,8 +151,9 @@ KEYS: tuple[Key, ...] = (
     Key("seed", 0, "int", "the run's seed (participation, minibatches, quantisation, noise)", "", lo=0, hi=SEED_MAX,
         group=SAMPLER),
     Key("num-chains", 1, "int", "independent chains in one run (chain c: seed + c; every engine but local)", "", lo=1, cap=100_000, group=SAMPLER),
-    Key("compressor", "qsgd", "choice", "the uplink compressor (identity: none)", "C", choices=("qsgd", "identity"),
-        group=SAMPLER),
+    Key("compressor", "auto", "choice", "the uplink compressor: auto (the variant's: QSGD for the QLSD family, "
+        "none for LSD, SGLD, FALD, VR-FALD*), qsgd (any variant's messages QSGD-coded), identity (none)", "C",
+        choices=("auto", "qsgd", "identity"), group=SAMPLER),
     Key("s", "16", "ints", "QSGD levels, one value or one per client ('2,4,...'); s = 2^k is 'k bits'", "s_i",
         lo=1, cap=2**31 - 1, group=SAMPLER),
     Key("block-norm", "vector", "choice", "one QSGD norm for the whole vector, or one per tensor",
@@ -374,7 +381,8 @@ def help_text(width: int = 100) -> str:
             head = f"  {k.name} = {_toml(k.default)}{sym}"
             body = f"{k.doc}; allowed: {k.allowed()}" if k.kind not in ("text",) else k.doc
             out.append(head)
-            out.extend(textwrap.wrap(body, width, initial_indent="      ", subsequent_indent="      "))
+            out.extend(textwrap.wrap(body, width, initial_indent="      ", subsequent_indent="      ",
+                                     break_on_hyphens=False))  # a choice such as qlsd-sharp stays whole
     return "\n".join(out) + "\n"
 
 

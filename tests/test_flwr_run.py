@@ -80,8 +80,8 @@ def _flwr_run(app: Path, run_config, env: dict) -> None:
 
 
 def test_flwr_run_dot_from_a_conf_file_stopped_by_flwr_stop_and_resumed_bitwise(local_sim):
-    """``flwr run . --run-config <file>`` (a file derived from conf/gaussian_qlsdpp_ray.toml) runs
-    the repository's app; ``flwr stop`` mid-run leaves a readable, closed run folder (samples.nc,
+    """``flwr run . --run-config <file>`` (a file derived from conf/gaussian_qlsdpp_ray.toml, with the
+    rival VR-FALD*) runs the repository's app; ``flwr stop`` mid-run leaves a readable, closed run folder (samples.nc,
     summary.json, no .lock); ``flwr run . --run-config 'resume=...'`` reads the folder's saved
     configuration (here num-clients = 4, where the app's default is 20) and ends with the draws of
     the ``local`` engine's run that was never stopped, bit for bit. The file then carries the
@@ -101,6 +101,9 @@ def test_flwr_run_dot_from_a_conf_file_stopped_by_flwr_stop_and_resumed_bitwise(
     # names the rounds it ends at (num-rounds may change at a resume), the rest from config.json
     values.update({"num-clients": B, "num-rounds": 10**6, "burn-in": 10, "thin": 5, "checkpoint-every": 5,
                    "output-dir": str(out), "run-name": "dot", "progress": False, "loo": "pointwise"})
+    # a rival (issue 23) on this path: VR-FALD*'s θ* claims, local steps and QSGD-coded messages, stopped
+    # and resumed (the QLSD family's flwr run: test_example_project_through_flwr_run, tests/test_deployment.py)
+    values.update({"variant": "vr-fald-star", "local-steps": 2, "tau": 0.5, "compressor": "qsgd"})
     conf = root / "run.toml"
     conf.write_text("".join(D.format_run_config({k: v}).replace("=", " = ", 1) + "\n" for k, v in values.items()))
     run_id = D.flwr_run(REPO, "local", env, conf)

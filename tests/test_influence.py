@@ -37,7 +37,7 @@ def _kept_mean(r) -> np.ndarray:
     return load_samples(r.run_dir)[0].mean(axis=0)
 
 
-@pytest.mark.parametrize("variant", ["qlsd", "qlsd-pp"])
+@pytest.mark.parametrize("variant", ["qlsd", "qlsd-pp", "fald"])
 def test_three_steady_attacks_leave_the_chain_of_the_federation_without_the_attacker(tmp_path, variant):
     # the issue's attacks, each on every round from the first: the attacker is held off on
     # probation and excluded at its 8th reply; the kept window's mean is then within 1 posterior
@@ -76,6 +76,10 @@ def test_the_attacks_on_the_logistic_task_are_excluded_too(tmp_path):
     # QLSD* judged as c_i + ĝ_i (its claim at θ* plus the difference): the clients' ∇U_i(θ*) differ
     ("logistic", {"num-clients": 10, "variant": "qlsd-star", "theta-star": "optimise", "partition": "dirichlet",
                   "partition-alpha": 0.5}),
+    # FALD judged as w_i Δ_i (the client's part of the step), its local steps' noise in it, half the clients a round
+    ("gaussian", {"variant": "fald", "local-steps": 3, "tau": 0.5, "p": "0.5"}),
+    ("logistic", {"num-clients": 10, "variant": "vr-fald-star", "local-steps": 2, "theta-star": "optimise",
+                  "partition": "dirichlet", "partition-alpha": 0.5}),
 ])
 def test_every_honest_reply_is_accepted_on_uneven_splits_with_four_chains(tmp_path, task, extra):
     # the toy Gaussian's clients hold 11 to 198 points, the Dirichlet(0.5) logistic split 11 to

@@ -25,14 +25,32 @@ the clients' curvatures are proportional to their weights), besides ULA's ``O(h)
 round is a linear Gaussian recursion and :func:`gaussian_stationary` gives its law exactly; the
 tests compare the chain with it.
 
-Framework-free numpy; the messages, the engines and the outputs are not built yet (issue 23).
+**Partial participation** (client ``i`` active with probability ``p_i``, the set ``A``): the server
+takes ``θ_{k+1} = θ_k + Σ_{i∈A} (w_i/p_i)(θ_i − θ_k)`` (the Horvitz–Thompson weights of
+``aggregation = unbiased``), and tells every active client ``S_A = Σ_{j∈A} w_j/p_j``, with which it
+scales its noise: common ``√τ/S_A``, private ``√((1 − τ) p_i/(w_i S_A))``. Given ``A`` the averaged
+noise is then exactly ``√(2h)`` times a standard normal (common part ``Σ_A (w_i/p_i)·√τ/S_A = √τ``,
+private variance ``Σ_A (w_i/p_i)² (1 − τ) p_i/(w_i S_A) = 1 − τ``), and with ``K = 1`` the drift
+``h Σ_A ∇Ũ_i/p_i`` is unbiased for ``h ∇U``: FALD is then SGLD with the participation's gradient
+noise, for any τ. At ``p = 1``, ``S_A = 1`` and the scales are the ones above. A round in which no
+client replies leaves θ where it is (counted as skipped). :func:`gaussian_stationary` gives the law
+with participation too, exactly (the expectation over every active set).
+
+**The message** a client sends is ``Δ_i = (θ_k − θ_i)/h`` (:func:`message`), which the server
+decodes and applies as ``θ_{k+1} = θ_k − h Σ_{i∈A} (w_i/p_i) Δ̂_i``
+(:func:`qlsd_flwr.core.server_step.server_step`); with QSGD it is compressed like a gradient
+(unbiased, so the average is; the noise it carries is part of what is compressed, so the
+quantisation adds variance of order ``ω`` relative to the Langevin noise).
+
+The round protocol, the Flower apps and the local and Ray engines run it (``variant = fald``,
+``vr-fald-star``; :mod:`qlsd_flwr.protocol.server`); :func:`run` is the framework-free reference.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from qlsd_flwr.core import rng
+from qlsd_flwr.core import participation, rng
 
 
 def weights(n_data, rule: str = "data") -> np.ndarray:
@@ -43,23 +61,51 @@ def weights(n_data, rule: str = "data") -> np.ndarray:
     return n / n.sum() if rule == "data" else np.full(n.size, 1.0 / n.size)
 
 
+def round_shares(n_data, kept, active, p) -> tuple[np.ndarray, float]:
+    """``(w, S_A)``: the data shares ``w_i = N_i / Σ_{j kept} N_j`` (0 for a client no longer kept) and
+    the active set's ``S_A = Σ_{i∈A} w_i/p_i`` (the server's, each round: :mod:`qlsd_flwr.protocol.server`)."""
+    n = np.asarray(n_data, dtype=np.float64)
+    on = np.zeros(n.size, dtype=bool)
+    on[list(kept)] = True
+    w = np.where(on, n, 0.0) / float(np.sum(n[on])) if on.any() else np.zeros(n.size)
+    a = np.asarray(list(active), dtype=np.int64)
+    return w, float(np.sum(w[a] / np.asarray(p, dtype=np.float64)[a])) if a.size else 0.0
+
+
+def noise_scales(w: float, tau: float, share: float = 1.0, p: float = 1.0) -> tuple[float, float]:
+    """``(a, b)``: the common and the private noise's coefficients of client ``i`` (module docstring):
+    ``a = √τ / S_A``, ``b = √((1 − τ) p_i / (w_i S_A))``."""
+    return float(np.sqrt(tau) / share), float(np.sqrt((1.0 - tau) * p / (w * share)))
+
+
 def local_steps(grad_u, theta: np.ndarray, w: float, h: float, tau: float, steps: int, seed: int, k: int,
-                i: int) -> np.ndarray:
-    """Client ``i``'s ``K = steps`` local steps from ``θ`` at round ``k`` (``grad_u = ∇Ũ_i``)."""
+                i: int, share: float = 1.0, p: float = 1.0, temperature: float = 1.0) -> np.ndarray:
+    """Client ``i``'s ``K = steps`` local steps from ``θ`` at round ``k`` (``grad_u = ∇Ũ_i``); ``share``
+    ``S_A`` and ``p`` ``p_i`` scale the noise (module docstring), ``temperature`` ``T`` multiplies its
+    variance (the chain then targets ``π^{1/T}``)."""
     d = theta.shape[-1]
     common = rng.normal(seed, rng.Stream.NOISE, k, 0, steps * d).reshape(steps, d)
     own = rng.normal(seed, rng.Stream.LOCAL, k, i, steps * d).reshape(steps, d)
-    root, a, b = np.sqrt(2.0 * h), np.sqrt(tau), np.sqrt((1.0 - tau) / w)
+    a, b = noise_scales(w, tau, share, p)
+    root = np.sqrt(2.0 * h * temperature)
     x = np.asarray(theta, dtype=np.float64).copy()
     for j in range(steps):
         x = x - (h / w) * grad_u(x) + root * (a * common[j] + b * own[j])
     return x
 
 
+def message(grad_u, theta: np.ndarray, w: float, h: float, tau: float, steps: int, seed: int, k: int, i: int,
+            share: float = 1.0, p: float = 1.0, temperature: float = 1.0) -> np.ndarray:
+    """What client ``i`` sends: ``Δ_i = (θ − θ_i)/h`` after its :func:`local_steps`."""
+    theta = np.asarray(theta, dtype=np.float64)
+    return (theta - local_steps(grad_u, theta, w, h, tau, steps, seed, k, i, share, p, temperature)) / h
+
+
 def run(task, h: float, steps: int, rounds: int, tau: float = 0.0, seed: int = 0, theta0=None,
-        rule: str = "data", anchor=None, q: float = 0.0) -> np.ndarray:
+        rule: str = "data", anchor=None, q: float = 0.0, p=None) -> np.ndarray:
     r"""``rounds`` rounds of FALD on ``task`` (its clients' ``grad_sum``; a Gaussian prior or a flat
-    one), weights by ``rule`` (:func:`weights`). Returns ``θ_1 … θ_K`` ``(rounds, d)``.
+    one), weights by ``rule`` (:func:`weights`), client ``i`` active with probability ``p_i`` (``p``:
+    one value or one per client; ``None``: all, every round). Returns ``θ_1 … θ_K`` ``(rounds, d)``.
 
     With ``anchor`` (a reference point θ_r, e.g. the mode θ*), **VR-FALD\***: each client's local
     gradient is the control-variate estimate ``G_i(x) = ∇Ũ_i(x) − ∇Ũ_i(θ_r) + w_i ∇U(θ_r)``, whose
@@ -75,15 +121,19 @@ def run(task, h: float, steps: int, rounds: int, tau: float = 0.0, seed: int = 0
     theta = np.zeros(d) if theta0 is None else np.asarray(theta0, dtype=np.float64).copy()
     ref = None if anchor is None else np.asarray(anchor, dtype=np.float64).copy()
     at_ref = None if ref is None else [g(ref) for g in grads]
+    pp = np.ones(task.b) if p is None else np.broadcast_to(np.asarray(p, dtype=np.float64), (task.b,))
     out = np.empty((rounds, d))
     for k in range(rounds):
-        nxt = np.zeros(d)
-        for i, g in enumerate(grads):
+        on = np.flatnonzero(participation.active_mask(seed, k, pp))
+        share = float(np.sum(w[on] / pp[on]))
+        step = np.zeros(d)
+        for i in on:  # θ_{k+1} = θ_k + Σ_A (w_i/p_i)(θ_i − θ_k)
+            g = grads[i]
             if ref is not None:  # VR-FALD*: G_i(x) = ∇Ũ_i(x) − ∇Ũ_i(θ_r) + w_i ∇U(θ_r)
                 total = np.sum(at_ref, axis=0)
                 g = (lambda x, g=g, c=w[i] * total - at_ref[i]: g(x) + c)
-            nxt += w[i] * local_steps(g, theta, w[i], h, tau, steps, seed, k, i)
-        theta = nxt
+            step += (w[i] / pp[i]) * (local_steps(g, theta, w[i], h, tau, steps, seed, k, i, share, pp[i]) - theta)
+        theta = theta + step
         out[k] = theta
         if ref is not None and q > 0 and rng.uniform(seed, rng.Stream.PARTICIPATION, k, 0, 1)[0] < q:
             ref, at_ref = theta.copy(), [g(theta) for g in grads]
@@ -91,40 +141,71 @@ def run(task, h: float, steps: int, rounds: int, tau: float = 0.0, seed: int = 0
 
 
 def gaussian_stationary(n, ybar, h: float, steps: int, tau: float = 0.0, prior_var: float = np.inf,
-                        rule: str = "data", anchor=None):
+                        rule: str = "data", anchor=None, p=None):
     r"""The exact stationary law of FALD's θ on the toy Gaussian (clients of ``n[i]`` points with
-    mean ``ybar[i]``, the prior ``N(0, σ_0²)``): ``(mean (d,), variance)``, the same variance in
-    every coordinate.
+    mean ``ybar[i]``, the prior ``N(0, σ_0²)``): ``(mean (d,), variance)``, the variance one number
+    when every coordinate has the same (always with ``p = None``), else ``(d,)``.
 
     Per coordinate, ``∇Ũ_i(x) = a_i x − N_i ȳ_i`` with ``a_i = N_i + w_i/σ_0²``, so one local step is
     ``x ← ρ_i x + c_i + noise`` with ``ρ_i = 1 − h a_i / w_i`` and ``c_i = h N_i ȳ_i / w_i``. After ``K``
-    steps and the average, ``θ' = A θ + B + ε`` with ``A = Σ_i w_i ρ_i^K``, ``B = Σ_i w_i c_i Σ_j ρ_i^j``
-    and ``Var ε = 2h [τ Σ_j (Σ_i w_i ρ_i^j)² + (1 − τ) Σ_i w_i Σ_j ρ_i^{2j}]`` (``j < K``): an AR(1),
-    whose stationary law is ``N(B / (1 − A), Var ε / (1 − A²))`` when ``|A| < 1``.
+    steps and the server's average over the active set ``A`` (weights ``ω_i = w_i/p_i``, module
+    docstring), ``θ' = α θ + β + ε`` with ``α = 1 − Σ_A ω_i (1 − ρ_i^K)``, ``β = Σ_A ω_i c_i Σ_j ρ_i^j``
+    and ``Var ε = 2h [τ/S_A² Σ_j (Σ_A ω_i ρ_i^j)² + Σ_A ω_i² (1 − τ) p_i/(w_i S_A) Σ_j ρ_i^{2j}]``
+    (``j < K``; an empty ``A`` leaves θ). ``(α, β, ε)`` are drawn afresh each round, independent of θ:
+    the stationary mean is ``E β / (1 − E α)`` and the second moment
+    ``(2 E[αβ] m + E β² + E Var ε) / (1 − E α²)``, the expectations taken exactly over all ``2^b``
+    active sets (``p``: one ``p_i`` or one per client; ``None``: every client in every round, where
+    this is the AR(1) ``N(β / (1 − α), Var ε / (1 − α²))``).
 
-    With ``w_i = N_i / N`` every ``ρ_i`` is ``1 − h P`` (``P = N + 1/σ_0²``): the local maps are one
-    contraction toward each client's own mode, their average is ULA's, and the law is ULA's for
-    every ``K``: no local-step bias on this task. With equal weights the ``ρ_i`` differ on clients of
-    unequal sizes and the mean moves by ``O(hK)``.
+    With ``w_i = N_i / N`` and ``p = 1`` every ``ρ_i`` is ``1 − h P`` (``P = N + 1/σ_0²``): the local
+    maps are one contraction toward each client's own mode, their average is ULA's, and the law is
+    ULA's for every ``K``: no local-step bias on this task. With equal weights the ``ρ_i`` differ on
+    clients of unequal sizes and the mean moves by ``O(hK)``.
 
     With ``anchor`` (VR-FALD\* with a fixed θ_r, ``q = 0``), ``G_i(x) = a_i (x − θ_r) + w_i g_r`` with
     ``g_r = P θ_r − Σ_i N_i ȳ_i``: then ``c_i = h (a_i θ_r − w_i g_r) / w_i``."""
     n = np.asarray(n, dtype=np.float64)
     ybar = np.asarray(ybar, dtype=np.float64)
+    b = n.size
     w = weights(n, rule)
+    pp = np.ones(b) if p is None else np.broadcast_to(np.asarray(p, dtype=np.float64), (b,))
     prec0 = 0.0 if not np.isfinite(prior_var) else 1.0 / prior_var
     rho = 1.0 - h * (n + w * prec0) / w
     powers = rho[:, None] ** np.arange(steps)[None, :]  # (b, K): ρ_i^j
-    A = float(np.sum(w * rho**steps))
-    if not abs(A) < 1.0:
-        raise ValueError(f"FALD on this Gaussian is unstable at h = {h} (|A| = {abs(A):.3g} ≥ 1)")
     if anchor is None:  # c_i = h N_i ȳ_i / w_i
         c = (h * n / w)[:, None] * ybar
     else:  # c_i = h (a_i θ_r − w_i g_r) / w_i
         a, ref = n + w * prec0, np.asarray(anchor, dtype=np.float64)
         g_r = (n.sum() + prec0) * ref - (n[:, None] * ybar).sum(axis=0)
         c = h * (a[:, None] * ref[None, :] - w[:, None] * g_r[None, :]) / w[:, None]
-    B = ((w * powers.sum(axis=1))[:, None] * c).sum(axis=0)
-    var = 2.0 * h * (tau * float(np.sum((w[:, None] * powers).sum(axis=0) ** 2))
-                     + (1.0 - tau) * float(np.sum(w * (powers**2).sum(axis=1))))
-    return B / (1.0 - A), var / (1.0 - A**2)
+    moved = (powers.sum(axis=1))[:, None] * c  # (b, d): c_i Σ_j ρ_i^j
+    E = {"a": 0.0, "a2": 0.0, "b": 0.0, "ab": 0.0, "b2": 0.0, "v": 0.0}
+    sets = [np.ones(b, dtype=bool)] if p is None else \
+        [((np.arange(1 << b)[m] >> np.arange(b)) & 1).astype(bool) for m in range(1 << b)]
+    for on in sets:
+        prob = float(np.prod(np.where(on, pp, 1.0 - pp)))
+        if prob == 0.0:
+            continue
+        if not on.any():  # nobody replies: θ stays
+            alpha, beta, var = 1.0, np.zeros(ybar.shape[1]), 0.0
+        else:
+            om = np.where(on, w / pp, 0.0)
+            S = float(om.sum())
+            alpha = 1.0 - float(np.sum(om * (1.0 - rho**steps)))
+            beta = (om[:, None] * moved).sum(axis=0)
+            var = 2.0 * h * (tau / S**2 * float(np.sum((om[:, None] * powers).sum(axis=0) ** 2))
+                             + float(np.sum(om**2 * (1.0 - tau) * pp / (w * S) * (powers**2).sum(axis=1))))
+        E["a"] += prob * alpha
+        E["a2"] += prob * alpha**2
+        E["b"] = E["b"] + prob * beta
+        E["ab"] = E["ab"] + prob * alpha * beta
+        E["b2"] = E["b2"] + prob * beta**2
+        E["v"] += prob * var
+    if not E["a2"] < 1.0:
+        raise ValueError(f"FALD on this Gaussian is unstable at h = {h} (E α² = {E['a2']:.3g} ≥ 1)")
+    m = E["b"] / (1.0 - E["a"])
+    second = (2.0 * E["ab"] * m + E["b2"] + E["v"]) / (1.0 - E["a2"])
+    v = second - m**2
+    # one number when every coordinate has the same (always at p = 1); with p < 1 the participation's
+    # gradient noise depends on the clients' ȳ_i coordinate by coordinate: (d,)
+    return m, float(np.mean(v)) if np.allclose(v, v.flat[0], rtol=1e-9, atol=0) else v

@@ -53,6 +53,13 @@ class ClientSpec:
     alpha: float  # α_i (0 switches memory off)
     prior: GaussianPrior
     prior_weight: float  # w_i
+    local_steps: int = 0  # FALD, VR-FALD*: K local Langevin steps a round (core.fald)
+    tau: float = 0.0  # FALD: the share of the noise common to all clients
+    temperature: float = 1.0  # FALD: T, the noise's variance factor (the QLSD family's T is the server's)
+
+
+#: the oracles whose message is ``Δ_i = (θ − θ_i)/h`` after local Langevin steps (:mod:`qlsd_flwr.core.fald`)
+LOCAL_ORACLES = ("fald", "fald-star")
 
 
 @dataclass
@@ -63,7 +70,8 @@ class ClientState:
     eta_count: int = 0  # memory updates applied so far (the server keeps the same count)
     anchor_version: int = -1  # which anchor (ζ or θ*) the cache below belongs to
     anchor: np.ndarray | None = None  # ζ (QLSD++) or θ* (QLSD*)
-    anchor_grad: np.ndarray | None = None  # ∇U_i(ζ) (QLSD++ only)
+    anchor_grad: np.ndarray | None = None  # ∇U_i(ζ) (QLSD++); Σ_j ∇U_ij(θ*) (VR-FALD*)
+    anchor_total: np.ndarray | None = None  # VR-FALD*: ∇U(θ*), the federation's, sent with θ*
 
 
 def set_anchor(spec: ClientSpec, pot: LocalPotential, state: ClientState,
@@ -73,6 +81,8 @@ def set_anchor(spec: ClientSpec, pot: LocalPotential, state: ClientState,
     state.anchor_version = int(version)
     if spec.oracle == "svrg":
         state.anchor_grad = full_local_grad(spec, pot, state.anchor)
+    elif spec.oracle == "fald-star":  # the data part; the prior's share w_i is the round's (local_message)
+        state.anchor_grad = pot.grad_sum(state.anchor)
 
 
 def full_local_grad(spec: ClientSpec, pot: LocalPotential, theta: np.ndarray) -> np.ndarray:
@@ -188,23 +198,53 @@ def minibatch(seed: int, round_: int, spec: ClientSpec, n_data: int) -> np.ndarr
     return rng.subset(seed, rng.Stream.MINIBATCH, round_, spec.index, n_data, spec.batch_size)
 
 
+def local_message(spec: ClientSpec, pot: LocalPotential, state: ClientState, seed: int, round_: int,
+                  theta: np.ndarray, local) -> np.ndarray:
+    r"""FALD's and VR-FALD\*'s message ``Δ_i = (θ − θ_i)/h`` (:func:`qlsd_flwr.core.fald.message`).
+    ``local = (h, w_i, S_A, p_i)``: the step, the client's data share, the round's active share
+    and its participation probability, sent by the server each round. The local gradient is
+    ``∇Ũ_i = ∇U_i + w_i ∇U_0``; VR-FALD\* uses ``∇Ũ_i(x) − ∇Ũ_i(θ*) + w_i ∇U(θ*)``."""
+    from qlsd_flwr.core import fald
+
+    h, w, share, p = (float(x) for x in local)
+    prior = spec.prior
+
+    def grad(x):
+        return pot.grad_sum(x) + w * prior.grad(x)
+
+    g = grad
+    if spec.oracle == "fald-star":
+        c = w * state.anchor_total - (state.anchor_grad + w * prior.grad(state.anchor))
+
+        def g(x):
+            return grad(x) + c
+    return fald.message(g, theta, w, h, spec.tau, spec.local_steps, seed, round_, spec.index, share, p,
+                        spec.temperature)
+
+
 def client_round(spec: ClientSpec, pot: LocalPotential, state: ClientState, seed: int,
-                 round_: int, theta: np.ndarray):
+                 round_: int, theta: np.ndarray, local=None):
     """One active round of client ``i``: returns ``(quantised message, decoded ĝ_i)``.
 
-    Updates ``state.eta`` in place when memory is on. The caller encodes the message.
+    Updates ``state.eta`` in place when memory is on. The caller encodes the message. ``local``:
+    the round's ``(h, w_i, S_A, p_i)`` for the local-step oracles (:func:`local_message`).
     """
+    if spec.oracle in LOCAL_ORACLES:
+        return compress_round(spec, state, seed, round_, local_message(spec, pot, state, seed, round_, theta, local))
     return compress_round(spec, state, seed, round_, oracle(spec, pot, state, theta,
                                                             minibatch(seed, round_, spec, pot.n_data)))
 
 
 def client_rounds(spec: ClientSpec, pot: LocalPotential, states: list[ClientState], seeds: list[int],
-                  round_: int, thetas: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+                  round_: int, thetas: np.ndarray, locals_=None) -> list[tuple[np.ndarray, np.ndarray]]:
     """:func:`client_round` of several chains of one client (chain ``c``: ``states[c]``,
     ``seeds[c]``, ``thetas[c]``), with the chains' oracles in one :func:`oracle_batch` call
     (one batched gradient for a potential with ``grad_sum_batch``, bitwise equal to the
     per-chain oracle; row by row otherwise). Element ``c`` equals ``client_round`` of chain
-    ``c`` bit for bit."""
+    ``c`` bit for bit. ``locals_``: each chain's ``local`` (the local-step oracles, computed chain
+    by chain)."""
+    if spec.oracle in LOCAL_ORACLES:
+        return [client_round(spec, pot, st, s, round_, th, lc) for st, s, th, lc in zip(states, seeds, thetas, locals_)]
     idx = None if spec.oracle == "full" else np.stack([minibatch(s, round_, spec, pot.n_data) for s in seeds])
     anchor = np.stack([st.anchor for st in states]) if spec.oracle in ("svrg", "star") else None
     anchor_grad = np.stack([st.anchor_grad for st in states]) if spec.oracle == "svrg" else None

@@ -31,6 +31,7 @@ import numpy as np
 
 from qlsd_flwr.core import participation, rng
 from qlsd_flwr.core.metric import Metric
+from qlsd_flwr.core.oracles import LOCAL_ORACLES
 from qlsd_flwr.core.potential import GaussianPrior
 
 
@@ -66,6 +67,9 @@ class ServerSpec:
     # QLSD*/LSD* once a client has left the federation: Σ_{j kept} ∇U_j(θ*) (+ ∇U_0(θ*) with the prior on the
     # server), the control variate's sum, no longer zero without the client's term (None: zero, the paper's)
     offset: np.ndarray | None = None
+    # FALD, VR-FALD* (oracle fald, fald-star): the clients' data shares w_i of this round (core.fald); the
+    # step then averages the clients' local steps instead of taking a Langevin step of its own
+    local_weights: np.ndarray | None = None
 
     @property
     def plain(self) -> bool:
@@ -114,6 +118,8 @@ def server_step(spec: ServerSpec, st: ServerState, seed, g_hat: np.ndarray,
     under the ``active-fraction`` rule when no client replied). Memory increments use ``ĝ_i``
     as decoded, so the server's mirror of ``η_i`` equals the client's bit for bit.
     """
+    if spec.oracle in LOCAL_ORACLES:
+        return _average_step(spec, st, g_hat, replied)
     k = st.k
     skipped = participation.skips_round(replied, spec.rule)
     w = participation.weights(replied, spec.p, spec.rule)
@@ -144,6 +150,21 @@ def server_step(spec: ServerSpec, st: ServerState, seed, g_hat: np.ndarray,
         new = st.theta - spec.gamma * spec.metric.apply(g) \
             + np.sqrt(2.0 * spec.gamma * spec.temperature) * spec.metric.apply_root(z)
     st.theta = np.where(np.asarray(skipped)[..., None], st.theta, new)
+    st.k += 1
+    return skipped
+
+
+def _average_step(spec: ServerSpec, st: ServerState, g_hat: np.ndarray, replied: np.ndarray) -> np.ndarray:
+    """FALD's server step (:mod:`qlsd_flwr.core.fald`): ``θ_{k+1} = θ_k − h Σ_{i∈A} (w_i/p_i) Δ̂_i``, the
+    Horvitz–Thompson average of the clients' local steps (the noise is in them); a round with no
+    reply leaves θ (skipped)."""
+    skipped = ~np.any(replied, axis=-1)
+    w = np.where(replied, spec.local_weights / spec.p, 0.0)
+    g = np.zeros_like(st.theta)
+    tmp = np.empty_like(g)
+    for i in np.flatnonzero(np.any(replied.reshape(-1, spec.b), axis=0)):  # index order
+        np.add(g, np.multiply(w[..., i, None], g_hat[..., i, :], out=tmp), out=g, where=replied[..., i, None])
+    st.theta = np.where(np.asarray(skipped)[..., None], st.theta, st.theta - spec.gamma * g)
     st.k += 1
     return skipped
 

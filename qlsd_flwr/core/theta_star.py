@@ -23,8 +23,8 @@ log = logging.getLogger("qlsd_flwr")
 
 
 def needs_theta_star(cfg: RunConfig) -> bool:
-    """Whether the variant's oracle is centred at θ* (QLSD*, LSD*)."""
-    return cfg.oracle == "star"
+    """Whether the variant's oracle is centred at θ* (QLSD*, LSD*, VR-FALD*)."""
+    return cfg.oracle in ("star", "fald-star")
 
 
 def closed_form_theta_star(cfg: RunConfig, task: Task) -> np.ndarray:

@@ -18,6 +18,7 @@ from qlsd_flwr.config import ConfigError, RunConfig
 from qlsd_flwr.core import participation
 from qlsd_flwr.core import server_step as sampler
 from qlsd_flwr.core.oracles import (
+    LOCAL_ORACLES,
     ClientState,
     client_round,
     full_local_grad,
@@ -72,7 +73,8 @@ def run_local(cfg: RunConfig, task: Task | None = None, write: bool = True,
         warm=warmup_store(cfg) if write and wire else None)
     theta_star, ts_info = (None, {}) if prep is None else (prep.theta_star, prep.info)
     bound = str(cfg.raw.get("norm-bound", "auto"))
-    claims = None if prep is None or cfg.oracle != "star" or bound.strip().lower() == "off" else [
+    wants = cfg.oracle == "fald-star" or (cfg.oracle == "star" and bound.strip().lower() != "off")
+    claims = None if prep is None or not wants else [
         full_local_grad(s, task.clients[s.index], prep.theta_star) for s in specs]
     if claims is not None and (over := over_bound(claims, fixed_bound(bound))):
         # this engine's clients are honest: a claim over a fixed B means B is too small for the data
@@ -80,6 +82,8 @@ def run_local(cfg: RunConfig, task: Task | None = None, write: bool = True,
                           + "; every reply of theirs would be refused, a bias: raise norm-bound or use auto")
     bar = progress_bar(cfg.num_rounds, cfg.progress if progress is None else progress, f"{cfg.variant} local")
     if not wire:
+        if cfg.oracle in LOCAL_ORACLES:
+            raise ValueError(f"{cfg.variant} runs on the protocol path (wire=True)")
         return _run_direct(precondition.apply(cfg, prep), task, specs, states, prep, keep_trace, bar)
     server = QLSDServer(cfg, task, keep_trace=keep_trace, engine_label="local",
                         observer=RunOutputs(cfg, task.dim) if write else None)

@@ -15,7 +15,7 @@ from qlsd_flwr.compression.identity import Identity
 from qlsd_flwr.compression.qsgd import QSGD
 from qlsd_flwr.config import ConfigError, RunConfig
 from qlsd_flwr.core.metric import Metric
-from qlsd_flwr.core.oracles import ClientSpec
+from qlsd_flwr.core.oracles import LOCAL_ORACLES, ClientSpec
 from qlsd_flwr.core.potential import GaussianPrior, Task
 from qlsd_flwr.core.server_step import ServerSpec
 
@@ -166,10 +166,13 @@ def client_settings(cfg: RunConfig, i: int, d: int, prior: GaussianPrior, blocks
         "prior_mean": float(getattr(prior, "mean", 0.0)),
         "prior_weight": (1.0 / cfg.b) if cfg.prior_on == "clients" else 0.0,
         "seed": int(cfg.seed),
+        # FALD, VR-FALD*: K local steps, the common share τ of the noise and T (0, 0, 1 for the others)
+        **({"local_steps": int(cfg.get("local-steps")), "tau": float(cfg.get("tau")),
+            "temperature": float(cfg.temperature)} if cfg.oracle in LOCAL_ORACLES else {}),
     }
 
 
-_ORACLES = ("full", "minibatch", "star", "svrg")
+_ORACLES = ("full", "minibatch", "star", "svrg") + LOCAL_ORACLES
 _ENCODINGS = ("auto", "elias", "packed")
 
 
@@ -185,19 +188,23 @@ def client_spec_from_settings(settings: dict, i: int, n_data: int, d: int) -> tu
         memory = bool(settings["memory"])
         blocks_s = str(settings["blocks"])
         blocks = tuple(int(x) for x in blocks_s.split(",")) if blocks_s else None
+        steps, tau = int(settings.get("local_steps", 0)), float(settings.get("tau", 0.0))
+        temperature = float(settings.get("temperature", 1.0))
     except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise ValueError(f"client settings: missing or malformed value ({type(exc).__name__}: {exc})") from None
     checks = {"oracle": oracle in _ORACLES, "encoding": encoding in _ENCODINGS, "s": 0 <= s < 2 ** 31,
               "alpha": 0.0 <= alpha <= 1.0, "batch_fraction": 0.0 < bf <= 1.0, "prior_var": prior_var > 0,
               "prior_mean": np.isfinite(prior_mean),
               "prior_weight": 0.0 <= w <= 1.0, "seed": 0 <= seed < 2 ** 63,
-              "blocks": blocks is None or (all(x > 0 for x in blocks) and sum(blocks) == d)}
+              "blocks": blocks is None or (all(x > 0 for x in blocks) and sum(blocks) == d),
+              "local_steps": (1 <= steps <= 10**5) if oracle in LOCAL_ORACLES else steps == 0,
+              "tau": 0.0 <= tau <= 1.0, "temperature": 0.0 < temperature <= 1e6}
     if bad := [k for k, ok in checks.items() if not ok]:
         raise ValueError(f"client settings: bad value for {', '.join(bad)}")
     compressor = QSGD(s=s, blocks=blocks, encoding=encoding) if s else Identity()
     return ClientSpec(index=i, oracle=oracle, batch_size=minibatch_size(bf, n_data), compressor=compressor,
                       memory=memory, alpha=alpha, prior=GaussianPrior(var=prior_var, mean=prior_mean),
-                      prior_weight=w), seed
+                      prior_weight=w, local_steps=steps, tau=tau, temperature=temperature), seed
 
 
 def client_spec(cfg: RunConfig, i: int, n_data: int, d: int, prior: GaussianPrior,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from qlsd_flwr.core.oracles import (
+    LOCAL_ORACLES,
     ClientSpec,
     ClientState,
     client_round,
@@ -50,13 +51,30 @@ def _prepare(spec: ClientSpec, pot: LocalPotential, st: ClientState, fields: dic
     if "eta" in fields:
         st.eta = vector(fields["eta"], d)
         st.eta_count = int(fields["eta_count"])
+    if spec.oracle in LOCAL_ORACLES:
+        local_of(fields)  # the round's (h, w_i, S_A, p_i), checked before any state changes
+        if spec.oracle == "fald-star" and "anchor" in fields:
+            st.anchor_total = vector(fields.get("anchor_total"), d)
     if "anchor" in fields:
         set_anchor(spec, pot, st, vector(fields["anchor"], d), int(fields["anchor_version"]))
-    stale_anchor = spec.oracle in ("svrg", "star") and st.anchor_version != int(fields["anchor_version"])
+    stale_anchor = spec.oracle in ("svrg", "star", "fald-star") and st.anchor_version != int(fields["anchor_version"])
     stale_eta = spec.memory and st.eta_count != int(fields["eta_count"])
     if stale_anchor or stale_eta:
         return theta, {"client": i, "status": "resync"}
     return theta, None
+
+
+def local_of(fields: dict) -> tuple[float, float, float, float]:
+    r"""The round's ``local = (h, w_i, S_A, p_i)`` of FALD and VR-FALD\* (:func:`qlsd_flwr.core.oracles.local_message`),
+    32 bytes of float64 (a legacy config holds no lists): four finite numbers with ``h > 0``, ``0 < w_i ≤ 1``, ``S_A > 0``, ``0 < p_i ≤ 1``, else ``ValueError``."""
+    x = fields.get("local")
+    if not isinstance(x, (bytes, bytearray)) or len(x) != 32:
+        raise ValueError("sample: 'local' must be four numbers (h, w_i, S_A, p_i) as 32 bytes of float64")
+    h, w, share, p = (float(v) for v in np.frombuffer(bytes(x), dtype="<f8"))
+    if not (0 < h < np.inf and 0 < w <= 1 and 0 < share < np.inf and 0 < p <= 1):
+        raise ValueError(f"sample: 'local' out of range (h > 0, 0 < w_i ≤ 1, S_A > 0, 0 < p_i ≤ 1): "
+                         f"{[h, w, share, p]}")
+    return h, w, share, p
 
 
 def block_of(x, d: int) -> np.ndarray:
@@ -73,7 +91,7 @@ def block_of(x, d: int) -> np.ndarray:
 def _sampled(spec: ClientSpec, pot: LocalPotential, st: ClientState, q, fields: dict) -> dict:
     out = {"client": spec.index, "status": "ok", "payload": spec.compressor.encode(q),
            "anchor_version": st.anchor_version}
-    if spec.oracle == "star" and "anchor" in fields:
+    if spec.oracle in ("star", "fald-star") and "anchor" in fields:
         # QLSD*: the reply to θ* repeats ∇U_i(θ*), which the server holds against this client's θ* phase
         # reply (a client that lied there, honest now, is caught: protocol.server.QLSDServer.accept)
         out["anchor_grad"] = arr_to_bytes(full_local_grad(spec, pot, st.anchor))
@@ -84,7 +102,8 @@ def handle(spec: ClientSpec, pot: LocalPotential, st: ClientState, seed: int, fi
     theta, reply = _prepare(spec, pot, st, fields, d, seed)
     if reply is not None:
         return reply
-    q, _ = client_round(spec, pot, st, seed, int(fields["round"]), theta)
+    q, _ = client_round(spec, pot, st, seed, int(fields["round"]), theta,
+                        local_of(fields) if spec.oracle in LOCAL_ORACLES else None)
     return _sampled(spec, pot, st, q, fields)
 
 
@@ -106,7 +125,8 @@ def handle_chains(spec: ClientSpec, pot: LocalPotential, load_state, seed: int, 
     if ready:
         chains = [c for c, _ in ready]
         outs = client_rounds(spec, pot, [states[c] for c in chains], [seed + c for c in chains],
-                             int(fields["round"]), np.stack([theta for _, theta in ready]))
+                             int(fields["round"]), np.stack([theta for _, theta in ready]),
+                             [local_of(per[c]) if spec.oracle in LOCAL_ORACLES else None for c in chains])
         once = next((c for c in chains if "anchor" in per[c]), None)  # θ* is the run's: ∇U_i(θ*) computed once
         for c, (q, _) in zip(chains, outs):
             replies[c] = _sampled(spec, pot, states[c], q, per[c] if c == once else {})

@@ -28,7 +28,9 @@ import numpy as np
 
 from qlsd_flwr.compression.format import DecodeError
 from qlsd_flwr.config import ConfigError, RunConfig, check_memory
-from qlsd_flwr.core import participation
+from qlsd_flwr.core import fald, participation
+from qlsd_flwr.core.oracles import LOCAL_ORACLES
+from qlsd_flwr.core.potential import GaussianPrior
 from qlsd_flwr.core import precondition
 from qlsd_flwr.core import server_step as sampler
 from qlsd_flwr.core.metric import Metric
@@ -47,6 +49,7 @@ from qlsd_flwr.outputs.checkpoint import CheckpointError
 from qlsd_flwr.protocol.norm_guard import GuardStateError, NormGuard
 from qlsd_flwr.protocol.claims import ThetaStarClaims
 from qlsd_flwr.protocol.wire import ReplyError, parse_fields
+from qlsd_flwr.protocol.facts import summary_extra
 
 log = logging.getLogger("qlsd_flwr")
 
@@ -67,8 +70,13 @@ class QLSDServer:
         self.blocks = build.blocks_for(cfg, task)
         self.compressors = [build.compressor_for(cfg, i, self.blocks) for i in range(cfg.b)]
         self.settings = [build.client_settings(cfg, i, self.d, task.prior, self.blocks) for i in range(cfg.b)]
+        self.local = cfg.oracle in LOCAL_ORACLES  # FALD, VR-FALD*: local steps, averaged (core.fald)
+        if self.local and not isinstance(task.prior, GaussianPrior):
+            raise ConfigError(f"prior: {cfg.variant}'s clients share the prior in their local steps, and only a "
+                              f"Gaussian prior's two numbers travel to them (got {type(task.prior).__name__})")
+        measure = "claim+difference" if cfg.oracle == "star" else "share*displacement" if self.local else "estimate"
         self.norm_guard = NormGuard(cfg.raw.get("norm-bound", "auto"), cfg.b, task.n_data if task.clients else None,
-                                    "claim+difference" if cfg.oracle == "star" else "estimate")  # see _commit
+                                    measure)  # see _commit
         self._norm_warned: set[int] = set()
         self.keep_trace, self.engine_label, self.observer = keep_trace, engine_label, observer
         if keep_trace:  # the trace is the run's largest allocation: sized before the first round
@@ -121,7 +129,7 @@ class QLSDServer:
 
     def wants_claims(self) -> bool:
         """QLSD*/LSD*, unless norm-bound = off (no defence at all): every client's ∇U_i(θ*) is asked."""
-        return self.cfg.oracle == "star" and self.norm_guard.mode != "off"
+        return (self.cfg.oracle == "star" and self.norm_guard.mode != "off") or self.cfg.oracle == "fald-star"
 
     def set_claims(self, grads) -> None:
         """Every client's ``∇U_i(θ*)`` (``None``: not asked), what its reply to θ* must repeat and what
@@ -200,6 +208,8 @@ class QLSDServer:
             return self.state.zeta, self.state.zeta_version
         if self.cfg.oracle == "star":
             return self.spec.theta_star, 0
+        if self.cfg.oracle == "fald-star":  # ∇U(θ*) changes when a client leaves: a new version then
+            return self.spec.theta_star, len(self.norm_guard.excluded)
         return None, -1
 
     # ---- one round ----------------------------------------------------------------------
@@ -216,6 +226,11 @@ class QLSDServer:
         self._overflow: dict[int, str] = {}  # clients whose codec overflowed (θ running away)
         self._bounds: list[float] = []
         self._anchor_sent: set[int] = set()  # clients sent θ* this round (their reply repeats ∇U_i(θ*))
+        if self.local:  # w_i over the clients kept, S_A over this round's active ones (core.fald)
+            kept = [i for i in range(self.cfg.b) if i not in self.norm_guard.excluded]
+            n = [self.norm_guard.n.get(i, 1) for i in range(self.cfg.b)]
+            w, self._share = fald.round_shares(n, kept, self._active, self.cfg.p)
+            self.spec = dataclasses.replace(self.spec, local_weights=w)
         self._row = {"bits_bound": 0.0, "bits_exact": 0, "bytes_payload": 0, "bytes_message": 0, "n_rejected": 0}
         return list(self._active)
 
@@ -231,6 +246,15 @@ class QLSDServer:
             self._anchor_sent.add(i)
         if self.cfg.memory and self.needs_resync[i]:
             fields["eta"] = st.eta_i[i]
+        if self.local:
+            fields["local"] = np.array([self.spec.gamma, self.spec.local_weights[i], self._share, self.cfg.p[i]],
+                                       dtype="<f8").tobytes()
+            if "anchor" in fields:  # VR-FALD*: ∇U(θ*) of the clients kept (their claims, the prior's term)
+                if self.claims is None:
+                    raise ConfigError("vr-fald-star: the clients' ∇U_i(θ*) were not gathered before sampling "
+                                      "(QLSDServer.set_claims); its clients need ∇U(θ*)")
+                off = self.claims.offset(self.norm_guard.excluded)
+                fields["anchor_total"] = self.claims.total if off is None else off
         return fields
 
     def accept(self, i: int | None, fields: dict | None, error: str | None = None, message_bytes: int = 0) -> None:
@@ -292,7 +316,10 @@ class QLSDServer:
         # what a reply makes of client i's gradient estimate: ĝ_i itself, η_i + ĝ_i with memory, c_i + ĝ_i
         # for QLSD* (differences, whose norms span orders of magnitude; with c_i a lie told everywhere is seen)
         base = self.state.eta_i if self.spec.memory else self.claims.claims if self.claims is not None else None
-        norms = {i: float(np.linalg.norm(p[0] if base is None else base[i] + p[0])) for i, p in self._pending.items()}
+        if self.local:  # FALD: the client's part of the step, w_i Δ_i, a sum over its data as a gradient is
+            norms = {i: float(self.spec.local_weights[i] * np.linalg.norm(p[0])) for i, p in self._pending.items()}
+        else:
+            norms = {i: float(np.linalg.norm(p[0] if base is None else base[i] + p[0])) for i, p in self._pending.items()}
         refused, newly = self.norm_guard.judge(norms, self.state.k + 1)
         for i in newly:
             self._exclude(i, norms)
@@ -471,29 +498,3 @@ def resume_snapshot(cfg: RunConfig, observer) -> tuple[dict, dict] | None:
         raise ConfigError("resume: continuing a run needs its run folder (the checkpoint is read "
                           "and the outputs appended to); run with write=True")
     return observer.resume_snapshot() if observer is not None else None
-
-
-def summary_extra(cfg: RunConfig, task: Task, extra: dict) -> dict:
-    """Facts every engine adds to its summary."""
-    out = dict(extra)
-    out.update({"variant": cfg.variant, "task": task.name, "b": cfg.b, "d": task.dim,
-                "gamma": cfg.gamma, "num_rounds": cfg.num_rounds, "seed": cfg.seed,
-                "temperature": cfg.temperature})
-    out.update(task.meta.get("summary_extra", {}))  # e.g. dataset, partition counts, prior used
-    if task.posterior_mean is not None:
-        out["posterior_mean_exact"] = np.asarray(task.posterior_mean).tolist()
-        out["posterior_var_exact"] = np.asarray(task.posterior_var).tolist()
-        # ULA with exact gradients on this Gaussian target has variance T/(τ(1 − γ m τ/2)), τ = 1/var,
-        # m the diagonal metric's entry (1 without one): the discretisation bias every variant carries
-        # at this γ, before any gradient noise. (A dense or Kronecker metric mixes the coordinates:
-        # no per-coordinate formula is given then.)
-        v = np.asarray(task.posterior_var)
-        metric = out.get("metric", "identity")
-        m = 1.0 if metric == "identity" else (np.asarray(metric, dtype=np.float64)
-                                              if isinstance(metric, list) and len(metric) == v.size
-                                              and np.ndim(metric) == 1 else None)
-        if m is not None:
-            den = 1.0 - cfg.gamma * m / (2.0 * v)
-            if np.all(den > 0):
-                out["ula_var_exact"] = (cfg.temperature * v / den).tolist()
-    return out

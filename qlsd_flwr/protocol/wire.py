@@ -35,7 +35,7 @@ def arr_to_bytes(x: np.ndarray) -> bytes:
     return np.ascontiguousarray(x, dtype="<f8").tobytes()
 
 
-VECTORS = ("theta", "anchor", "eta")  # the fields holding a vector of R^d
+VECTORS = ("theta", "anchor", "eta", "anchor_total")  # the fields holding a vector of R^d
 
 
 def vectors_to_bytes(fields: dict) -> dict:
@@ -132,7 +132,9 @@ def bundle_request(per_chain: dict[int, dict], theta: np.ndarray | None = None) 
            "theta": theta,
            "anchor_version": [int(per_chain[c]["anchor_version"]) for c in chains],
            "eta_count": [int(per_chain[c]["eta_count"]) for c in chains]}
-    for name in ("anchor", "eta"):
+    if "local" in first:  # FALD: each chain's (h, w_i, S_A, p_i), 32 bytes a chain
+        out["local"] = b"".join(bytes(per_chain[c]["local"]) for c in chains)
+    for name in ("anchor", "eta", "anchor_total"):
         rows = [c for c in chains if name in per_chain[c]]
         if rows:
             out[f"{name}_chains"] = rows
@@ -181,7 +183,13 @@ def unbundle_request(fields: dict, d: int) -> dict[int, dict]:
     per = {c: {"phase": fields["phase"], "round": fields["round"], "client": fields["client"],
                "theta": theta[j], "anchor_version": versions[j], "eta_count": counts[j]}
            for j, c in enumerate(chains)}
-    for name in ("anchor", "eta"):
+    if "local" in fields:
+        loc = fields["local"]
+        if not isinstance(loc, (bytes, bytearray)) or len(loc) != 32 * m:
+            raise ValueError(f"local: expected {32 * m} bytes (four float64 a chain)")
+        for j, c in enumerate(chains):
+            per[c]["local"] = bytes(loc[32 * j: 32 * j + 32])
+    for name in ("anchor", "eta", "anchor_total"):
         if f"{name}_chains" not in fields:
             continue
         rows = _chain_list(fields[f"{name}_chains"], f"{name}_chains")

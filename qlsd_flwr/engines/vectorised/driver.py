@@ -30,7 +30,7 @@ from qlsd_flwr.outputs.recorder import (
 )
 from qlsd_flwr.protocol import build
 from qlsd_flwr.protocol.divergence import RUNAWAY_FACTOR, DivergenceError, divergence_message, runaway_scale
-from qlsd_flwr.protocol.server import summary_extra
+from qlsd_flwr.protocol.facts import summary_extra
 from qlsd_flwr.tasks import loading
 from qlsd_flwr.tasks.gaussian import GaussianLocal
 from qlsd_flwr.tasks.logistic import LogisticLocal

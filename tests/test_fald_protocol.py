@@ -1,0 +1,133 @@
+"""FALD and VR-FALD* (issue 23) through the round protocol: the law of the chain the engines run,
+the Flower path equal to the framework-free one, several chains, and what the keys refuse.
+
+* On the toy Gaussian with partial participation (p_i from 0.5 to 0.9), three local steps and half
+  the noise common, the chain of the protocol path (the very messages the Flower apps exchange)
+  matches the law :func:`qlsd_flwr.core.fald.gaussian_stationary` derives for it (the expectation
+  over every active set) within 4 batch-means standard errors, each coordinate's mean and variance.
+  The participation's gradient noise widens FALD's variance 6 to 76 times the posterior's, by 17 to
+  26 standard errors: the check tells the two apart. VR-FALD*'s control variate at θ* removes that
+  noise at the mode (its law is within a standard error of the posterior's variance) and is as far
+  from FALD's.
+* The in-process Flower path gives the local engine's chain bit for bit, with QSGD-coded messages
+  too, and chain c of a several-chain run is the one-chain run with seed + c.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from qlsd_flwr.config import ConfigError, resolve
+from qlsd_flwr.core import fald
+from qlsd_flwr.core.oracles import ClientState
+from qlsd_flwr.engines.local import run_local
+from qlsd_flwr.protocol import build
+from qlsd_flwr.protocol.client import handle
+from qlsd_flwr.run.simulate import run_inprocess
+from qlsd_flwr.tasks import loading
+
+P_I = [0.9, 0.6, 0.8, 0.5]
+TOY = {"task": "gaussian", "num-clients": 4, "dim": 3, "prior-var": 5.0, "local-steps": 3, "tau": 0.5,
+       "p": ",".join(map(str, P_I)), "engine": "local", "progress": False}
+
+
+def _batch_se(x: np.ndarray, n: int = 40) -> np.ndarray:
+    return np.std([b.mean(axis=0) for b in np.array_split(x, n)], axis=0, ddof=1) / np.sqrt(n)
+
+
+@pytest.mark.parametrize("variant", ["fald", "vr-fald-star"])
+def test_the_protocol_chain_matches_the_exact_law_under_partial_participation(variant):
+    probe = loading.load_task(resolve({**TOY, "variant": variant}))
+    n = probe.n_data.astype(float)
+    ybar = np.stack([c.y.mean(axis=0) for c in probe.clients])
+    h = 0.05 / (n.sum() + 1 / 5.0)
+    o = {**TOY, "variant": variant, "gamma": h, "num-rounds": 8000, "burn-in": 100}
+    r = run_local(resolve(o), write=False, keep_trace=True)
+    trace = r.trace[200:]
+    anchor = probe.posterior_mean if variant == "vr-fald-star" else None  # θ* in closed form
+    m, v = fald.gaussian_stationary(n, ybar, h, 3, 0.5, 5.0, anchor=anchor, p=P_I)
+    se = _batch_se(trace)
+    assert np.all(np.abs(trace.mean(axis=0) - m) <= 4 * se), ((trace.mean(axis=0) - m) / se)
+    e2 = (trace - m) ** 2
+    se_v = _batch_se(e2)
+    assert np.all(np.abs(e2.mean(axis=0) - v) <= 4 * se_v), ((e2.mean(axis=0) - v) / se_v)
+    # the other sampler's law is many standard errors away: the check can fail
+    _, other = fald.gaussian_stationary(n, ybar, h, 3, 0.5, 5.0, anchor=None if anchor is not None else
+                                        probe.posterior_mean, p=P_I)
+    assert np.min(np.abs(np.asarray(other) - v) / se_v) > 10
+    assert r.summary["rejected"] == {}
+
+
+@pytest.mark.parametrize("over", [
+    {"variant": "fald", "p": "0.5", "local-steps": 3, "tau": 0.3},
+    {"variant": "vr-fald-star", "p": "0.7", "local-steps": 2, "compressor": "qsgd", "s": "8",
+     "theta-star": "optimise", "prior-var": 5.0},
+])
+def test_inprocess_flower_gives_the_local_chain_bit_for_bit(over, tmp_path):
+    o = {"num-rounds": 30, "burn-in": 0, "progress": False, "gamma": 4.9e-4, "output-dir": str(tmp_path), **over}
+    strat = run_inprocess(resolve(o), o, shuffle_seed=123, strategy_kwargs={"keep_trace": True})
+    local = run_local(resolve(o), write=False, keep_trace=True, progress=False).trace
+    np.testing.assert_array_equal(np.array(strat.trace), local)
+    s = strat.summary_data
+    assert s["totals"]["n_rejected"] == 0 and s["variant"] == over["variant"]
+    if over.get("compressor") == "qsgd":  # QSGD-coded: far fewer bits than 64 a coordinate
+        assert 0 < s["totals"]["bits_exact"] < 0.5 * 64 * 50 * s["totals"]["n_replied"]
+
+
+def test_chain_c_of_a_several_chain_run_is_the_one_chain_run_with_seed_plus_c(tmp_path):
+    o = {"variant": "vr-fald-star", "p": "0.6", "local-steps": 2, "num-chains": 3, "num-rounds": 25, "burn-in": 0,
+         "progress": False, "gamma": 4.9e-4, "output-dir": str(tmp_path)}
+    trace = np.array(run_inprocess(resolve(o), o, shuffle_seed=5, strategy_kwargs={"keep_trace": True}).trace)
+    for c in range(3):
+        one = run_local(resolve({**o, "num-chains": 1, "seed": c, "engine": "local"}), write=False,
+                        keep_trace=True, progress=False).trace
+        np.testing.assert_array_equal(trace[:, c], one)
+
+
+@pytest.mark.parametrize("over, words", [
+    ({"engine": "vectorised"}, "engine: fald runs on engine = ray, inprocess or local"),
+    ({"metric": "diagonal"}, "metric: fald's local steps are not preconditioned"),
+    ({"metric-rank": 4}, "metric: fald's local steps"),
+    ({"aggregation": "active-fraction", "p": "0.5"}, "aggregation: fald averages its clients with the weights"),
+])
+def test_what_fald_does_not_take_is_refused_by_key(over, words):
+    with pytest.raises(ConfigError, match=words):
+        resolve({"variant": "fald", **over})
+
+
+def test_compressor_auto_follows_the_variant_and_qsgd_codes_any_variant():
+    assert resolve({"variant": "qlsd-pp"}).compressed and not resolve({"variant": "fald"}).compressed
+    assert resolve({"variant": "fald", "compressor": "qsgd"}).compressed
+    assert not resolve({"variant": "qlsd", "compressor": "identity"}).compressed
+    assert resolve({"variant": "lsd-pp", "compressor": "qsgd"}).compressed
+
+
+def _f8(*x) -> bytes:
+    return np.array(x, dtype="<f8").tobytes()
+
+
+@pytest.mark.parametrize("local, words", [
+    (None, "'local' must be four numbers"),
+    (_f8(1e-3, 0.5, 1.0), "'local' must be four numbers"),
+    ([1e-3, 0.5, 1.0, 1.0], "'local' must be four numbers"),
+    (_f8(1e-3, 1.5, 1.0, 1.0), "out of range"),
+    (_f8(float("nan"), 0.5, 1.0, 1.0), "out of range"),
+    (_f8(1e-3, 0.5, 0.0, 1.0), "out of range"),
+    (_f8(1e-3, 0.5, float("inf"), 1.0), "out of range"),
+    (_f8(1e-3, 0.5, 1.0, 0.0), "out of range"),
+])
+def test_a_server_message_with_a_bad_local_field_is_refused_before_the_state_changes(local, words):
+    cfg = resolve({**TOY, "variant": "vr-fald-star"})
+    task = loading.load_task(cfg)
+    spec = build.client_spec(cfg, 0, task.clients[0].n_data, 3, task.prior)
+    st = ClientState()
+    fields = {"phase": "sample", "round": 0, "client": 0, "theta": np.zeros(3), "anchor_version": 0, "eta_count": 0,
+              "anchor": np.ones(3), "anchor_total": np.zeros(3), "local": local}
+    if local is None:
+        fields.pop("local")
+    with pytest.raises(ValueError, match=words):
+        handle(spec, task.clients[0], st, 0, fields, 3)
+    assert st.anchor is None and st.anchor_total is None and st.anchor_version == -1
+    ok = handle(spec, task.clients[0], st, 0, {**fields, "local": _f8(1e-3, 0.5, 1.0, 1.0)}, 3)
+    assert ok["status"] == "ok" and st.anchor_version == 0 and "anchor_grad" in ok
