@@ -12,15 +12,14 @@ drift per round (``γ = 0.25/λ_max`` of the posterior's Hessian; the local-step
 steps of ``γ/5``):
 
 * the QLSD family on the vectorised engine (bit for bit the Flower engines' chains): QLSD++ and
-  QLSD\* with QSGD ``s = 16``, LSD++ uncompressed;
-* FALD (``K = 5``, τ = 0.5) raw and QSGD-coded (``s = 16``), and VR-FALD\* (reference θ\*) **through
-  the round protocol** (the local engine: the messages the Flower apps exchange, their bits counted
-  by the server);
-* DG-LMC (``ρ_i = 0.02/L_i``, ``L_i`` client i's largest curvature at θ\*, ``K = 5`` ULA steps of
-  ``γ_i = 0.25/(L_i + 1/ρ_i)``) and FSGLD (one client a round with ``f_i = N_i/N``, ``K = 5`` steps
-  of ``γ/5``, Laplace surrogates at each client's own mode, exact on the Gaussian): their
-  framework-free cores, uplink counted as float64 (``64 d`` bits a message; FSGLD's surrogates
-  ``2 · 64 d`` per client once);
+  QLSD* with QSGD ``s = 16``, LSD++ uncompressed;
+* FALD (``K = 5``, τ = 0.5) raw and QSGD-coded (``s = 16``), VR-FALD* (reference θ*), and DG-LMC
+  (``K = 5`` ULA steps on each z_i, ``ρ = γ/10`` and ``ρ = γ``, raw and QSGD-coded) **through the round
+  protocol** (the local engine: the messages the Flower apps exchange, their bits counted by the
+  server);
+* FSGLD (one client a round with ``f_i = N_i/N``, ``K = 5`` steps of ``γ/5``, Laplace surrogates at
+  each client's own mode, exact on the Gaussian): its framework-free core, uplink counted as
+  float64 (``64 d`` bits a message; its surrogates ``2 · 64 d`` per client once);
 * the centralised reference on the pooled data (ULA; on the logistic task the ``sgld`` variant
   with full batches).
 
@@ -124,7 +123,7 @@ class Bench:
 
 
 def gaussian(R: int, path: Path) -> None:
-    from qlsd_flwr.core import dglmc, fald, fsgld
+    from qlsd_flwr.core import fald, fsgld
     from qlsd_flwr.tasks.gaussian import build_gaussian_task
 
     task = build_gaussian_task(B, D, 0, prior_var=PV)
@@ -134,10 +133,7 @@ def gaussian(R: int, path: Path) -> None:
     bench = Bench(task, cfg, R, task.posterior_mean, task.posterior_var, f"toy Gaussian (b = {B}, d = {D})")
     start = task.theta0  # θ_0 = 0, as every run starts: far from the posterior (burn-in)
     _family(bench)
-    fald_runs(bench, 0.25 / (K * P))
-    rho = 0.02 / n
-    bench.core("DG-LMC (K = 5, ρ_i = 0.02/N_i)",
-               lambda c: dglmc.run(task, rho, 0.25 / (n + 1 / rho), K, R, seed=c, theta0=start), B * 64 * D, B * 64 * D)
+    rival_runs(bench, 0.25 / P)
     mu, lam = fsgld.gaussian_surrogates(task)
     bench.core("FSGLD (K = 5, Laplace surrogates)",
                lambda c: fsgld.run(task, mu, lam, n / n.sum(), 0.25 / (K * P), K, R, seed=c, theta0=start), 64 * D,
@@ -155,12 +151,17 @@ def _family(bench: Bench) -> None:
         bench.protocol(name, {"variant": variant, "s": "16", "l": 100}, engine="vectorised")
 
 
-def fald_runs(bench: Bench, h: float) -> None:
-    """FALD and VR-FALD* through the round protocol (local engine), raw and QSGD-coded."""
-    common = {"local-steps": K, "tau": 0.5, "gamma": h}
+def rival_runs(bench: Bench, gamma: float) -> None:
+    """FALD, VR-FALD* and DG-LMC through the round protocol (local engine), raw and QSGD-coded."""
+    common = {"local-steps": K, "tau": 0.5, "gamma": gamma / K}
     bench.protocol("FALD (K = 5, τ = 0.5)", {"variant": "fald", **common})
     bench.protocol("FALD (K = 5, τ = 0.5), QSGD s = 16", {"variant": "fald", "compressor": "qsgd", "s": "16", **common})
     bench.protocol("VR-FALD* (K = 5, at θ*)", {"variant": "vr-fald-star", **common})
+    for rho, label in ((gamma / 10, "γ/10 (auto)"), (gamma, "γ")):
+        bench.protocol(f"DG-LMC (K = 5, ρ = {label})", {"variant": "dg-lmc", "local-steps": K, "gamma": gamma,
+                                                       "rho": rho})
+    bench.protocol("DG-LMC (K = 5, ρ = γ), QSGD s = 16", {"variant": "dg-lmc", "local-steps": K, "gamma": gamma,
+                                                         "rho": gamma, "compressor": "qsgd", "s": "16"})
 
 
 def logistic(R: int, path: Path) -> None:
@@ -170,7 +171,7 @@ def logistic(R: int, path: Path) -> None:
 
     from bench_metric import mode_of, reference
     from qlsd_flwr.config import resolve
-    from qlsd_flwr.core import dglmc, fsgld
+    from qlsd_flwr.core import fsgld
     from qlsd_flwr.tasks import loading
 
     b = 10
@@ -198,15 +199,10 @@ def logistic(R: int, path: Path) -> None:
                               "hessian_condition": float(lam[-1] / lam[0]), "gamma": gamma}
     print("reference", json.dumps(bench.out["reference"]), flush=True)
     _family(bench)
-    fald_runs(bench, gamma / K)
+    rival_runs(bench, gamma)
     bench.protocol("SGLD, pooled data, full batch (centralised ULA)", {"variant": "sgld", "batch-fraction": 1.0},
                    engine="vectorised")
     start = task.theta0
-    L_i = np.array([np.linalg.eigvalsh(h)[-1] for h in H_i])
-    rho = 0.02 / L_i
-    bench.core("DG-LMC (K = 5, ρ_i = 0.02/L_i)",
-               lambda c: dglmc.run(task, rho, 0.25 / (L_i + 1 / rho), K, R, seed=c, theta0=start), b * 64 * d,
-               b * 64 * d)
     # FSGLD's surrogates: each client's Laplace fit at the mode of U_i + U_0/b (its share of the prior)
     mu, lam_s = [], []
     for c in task.clients:

@@ -31,6 +31,8 @@ VARIANTS: dict[str, tuple[str, bool, bool]] = {
     # the rivals (issue 23): local Langevin steps on the clients, averaged by the server (core.fald)
     "fald": ("fald", False, False),
     "vr-fald-star": ("fald-star", False, False),
+    # DG-LMC: each client's z_i kept on both sides as QLSD++'s memory is (α = 1; core.dglmc)
+    "dg-lmc": ("dglmc", False, True),
 }
 ALIASES = {"qlsd#": "qlsd-sharp", "qlsd*": "qlsd-star", "qlsd++": "qlsd-pp",
            "lsd*": "lsd-star", "lsd++": "lsd-pp", "vr-fald*": "vr-fald-star"}
@@ -142,11 +144,13 @@ def not_applicable(raw: dict) -> set[str]:
                   or str(raw.get("metric-rank", 0)).strip() not in ("0", ""))
     if not needs_point:
         out |= {"theta-star", "opt-rounds", "opt-tol", "opt-accept-unconverged"}
-    name = str(raw.get("variant", "")).strip().lower()
-    if ALIASES.get(name, name) in ("fald", "vr-fald-star"):  # full local gradients; the prior shared by w_i
-        out |= {"batch-fraction", "l", "alpha", "prior-on"}
+    name = ALIASES.get(str(raw.get("variant", "")).strip().lower(), str(raw.get("variant", "")).strip().lower())
+    if name in ("fald", "vr-fald-star"):  # full local gradients; the prior shared by w_i
+        out |= {"batch-fraction", "l", "alpha", "prior-on", "rho"}
+    elif name == "dg-lmc":  # full local gradients on z_i; the prior in the server's exact draw; α = 1
+        out |= {"batch-fraction", "l", "alpha", "prior-on", "tau", "aggregation"}
     else:
-        out |= {"local-steps", "tau"}
+        out |= {"local-steps", "tau", "rho"}
     if metric in ("identity",) or metric.endswith(".npy"):
         out.add("metric-from")
     if "metric-from" in out or str(raw.get("metric-from", "curvature")).strip().lower() != "adapt":
@@ -323,7 +327,7 @@ def _check_biased_aggregation(variant: str, oracle: str, aggregation: str, p: np
 
 def _check_local_steps(variant, oracle, raw, engine, metric, aggregation, p, rank) -> None:
     """What FALD and VR-FALD* (:mod:`qlsd_flwr.core.fald`) do not take yet, refused by key."""
-    if oracle not in ("fald", "fald-star"):
+    if oracle not in ("fald", "fald-star", "dglmc"):
         return
     if engine == "vectorised":
         raise ConfigError(f"engine: {variant} runs on engine = ray, inprocess or local (its local steps are not "
@@ -331,7 +335,10 @@ def _check_local_steps(variant, oracle, raw, engine, metric, aggregation, p, ran
     if metric != "identity" or int(rank):
         raise ConfigError(f"metric: {variant}'s local steps are not preconditioned yet; use metric = identity and "
                           "metric-rank = 0")
-    if aggregation != "unbiased" and np.any(p < 1.0):
+    if oracle == "dglmc" and float(raw["temperature"]) != 1.0:
+        raise ConfigError(f"temperature: {variant} samples T = 1 only (its exact θ | z draw and the clients' "
+                          "steps are not tempered yet); allowed: 1.0")
+    if oracle != "dglmc" and aggregation != "unbiased" and np.any(p < 1.0):
         raise ConfigError(f"aggregation: {variant} averages its clients with the weights w_i/p_i (unbiased), "
                           "which keep its noise exact under partial participation; allowed: unbiased")
 

@@ -111,12 +111,17 @@ KEYS: tuple[Key, ...] = (
         choices=("server", "clients"), group=SAMPLE),
     # the sampler
     Key("variant", "qlsd-pp", "choice", "QLSD, QLSD# (minibatch), QLSD* (control variate at θ*), QLSD++ (SVRG "
-        "anchor and memory), LSD*, LSD++ (uncompressed), SGLD (centralised); the rivals FALD (local Langevin "
-        "steps, averaged) and VR-FALD* (with control variates at θ*): docs/RIVALS.md", "",
-        choices=("qlsd", "qlsd-sharp", "qlsd-star", "qlsd-pp", "lsd-star", "lsd-pp", "sgld", "fald", "vr-fald-star"),
+        "anchor and memory), LSD*, LSD++ (uncompressed), SGLD (centralised); the rivals FALD, VR-FALD* (local "
+        "Langevin steps, averaged) and DG-LMC (local chains on z_i, exact θ | z): docs/RIVALS.md", "",
+        choices=("qlsd", "qlsd-sharp", "qlsd-star", "qlsd-pp", "lsd-star", "lsd-pp", "sgld", "fald", "vr-fald-star",
+                 "dg-lmc"),
         group=SAMPLER),
     Key("local-steps", 1, "int", "FALD, VR-FALD*: local Langevin steps of step γ/w_i per round on each active "
-        "client (w_i = N_i/N its data share)", "K_loc", lo=1, cap=10**5, group=SAMPLER),
+        "client (w_i = N_i/N its data share); DG-LMC: ULA steps on each active client's z_i", "K_loc", lo=1,
+        cap=10**5, group=SAMPLER),
+    Key("rho", "auto", "float|word", "DG-LMC: the variance coupling each client's z_i to θ in the augmented target "
+        "exp(−U_0(θ) − Σ_i [U_i(z_i) + ‖z_i − θ‖²/(2ρ)]), whose θ-marginal tends to π as ρ → 0 (auto: ρ = γ/10)",
+        "ρ", lo=0, open_lo=True, words=("auto",), group=SAMPLER),
     Key("tau", 0.0, "float", "FALD, VR-FALD*: the share of the Langevin noise common to the clients (1: one "
         "shared draw, 0: each client its own); the chain targets π for every τ", "τ", lo=0, hi=1, group=SAMPLER),
     Key("num-rounds", 2000, "int", "number of rounds (one sample each)", "K", lo=1, cap=10**12, group=SAMPLER),

@@ -119,6 +119,8 @@ CASES = {
     # the rivals: VR-FALD*'s θ* claims and FALD's QSGD-coded local-step messages, over two chains
     "inprocess-2-chains-vr-fald": ({"engine": "inprocess", "variant": "vr-fald-star", "p": "0.5", "local-steps": 2,
                                     "compressor": "qsgd", "s": "4", "num-chains": 2}, {"shuffle_seed": 15}, 15),
+    # DG-LMC: the clients' z_i are the checkpoint's memory mirrors
+    "local-dg-lmc": ({"engine": "local", "variant": "dg-lmc", "p": "0.5", "local-steps": 2}, {}, 16),
     "inprocess-2-chains-adapt": ({"engine": "inprocess", "variant": "qlsd-pp", "p": "0.5", "s": "4", "num-chains": 2,
                                   "metric": "dense", "metric-from": "adapt", "adapt-rounds": 30, "gamma": "auto",
                                   "init": "dispersed"}, {"shuffle_seed": 14}, 14),
@@ -275,7 +277,9 @@ FUZZ_VARIANTS = {"qlsd-pp": {"variant": "qlsd-pp", "s": "4"},  # QSGD (Elias/pac
                  "lsd-pp": {"variant": "lsd-pp"},  # raw float64 payloads
                  # the rivals' local-step messages Δ_i: raw, and QSGD-coded with θ* and ∇U(θ*) sent in the round
                  "fald": {"variant": "fald", "local-steps": 2, "tau": 0.5},
-                 "vr-fald-qsgd": {"variant": "vr-fald-star", "local-steps": 2, "compressor": "qsgd", "s": "4"}}
+                 "vr-fald-qsgd": {"variant": "vr-fald-star", "local-steps": 2, "compressor": "qsgd", "s": "4"},
+                 # DG-LMC: the change of z_i, QSGD-coded, added to the server's mirror of z_i
+                 "dg-lmc-qsgd": {"variant": "dg-lmc", "local-steps": 2, "compressor": "qsgd", "s": "4"}}
 
 
 NO_REPLY = object()

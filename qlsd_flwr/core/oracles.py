@@ -59,7 +59,10 @@ class ClientSpec:
 
 
 #: the oracles whose message is ``Δ_i = (θ − θ_i)/h`` after local Langevin steps (:mod:`qlsd_flwr.core.fald`)
-LOCAL_ORACLES = ("fald", "fald-star")
+FALD_ORACLES = ("fald", "fald-star")
+#: the oracles that run local chains, with the round's numbers ``local`` from the server: FALD's and
+#: DG-LMC's (its message the change of ``z_i`` after local ULA steps, :mod:`qlsd_flwr.core.dglmc`)
+LOCAL_ORACLES = FALD_ORACLES + ("dglmc",)
 
 
 @dataclass
@@ -222,6 +225,18 @@ def local_message(spec: ClientSpec, pot: LocalPotential, state: ClientState, see
                         spec.temperature)
 
 
+def auxiliary_step(spec: ClientSpec, pot: LocalPotential, state: ClientState, seed: int, round_: int,
+                   theta: np.ndarray, local) -> np.ndarray:
+    """DG-LMC's ``z_i'``: ``K`` ULA steps on ``z_i`` (the client's memory ``η_i``, 0 at the start) toward
+    ``exp(−U_i(z) − ‖z − θ‖²/(2ρ_i))`` (:func:`qlsd_flwr.core.dglmc.local_steps`); ``local = (γ_i, ρ_i, 1, 1)``.
+    The caller's :func:`compress_round` sends ``C(z_i' − z_i)`` and adds it to ``z_i`` (``α = 1``)."""
+    from qlsd_flwr.core import dglmc
+
+    gamma, rho = float(local[0]), float(local[1])
+    z = np.zeros_like(theta) if state.eta is None else state.eta
+    return dglmc.local_steps(pot.grad_sum, z, theta, rho, gamma, spec.local_steps, seed, round_, spec.index)
+
+
 def client_round(spec: ClientSpec, pot: LocalPotential, state: ClientState, seed: int,
                  round_: int, theta: np.ndarray, local=None):
     """One active round of client ``i``: returns ``(quantised message, decoded ĝ_i)``.
@@ -229,6 +244,8 @@ def client_round(spec: ClientSpec, pot: LocalPotential, state: ClientState, seed
     Updates ``state.eta`` in place when memory is on. The caller encodes the message. ``local``:
     the round's ``(h, w_i, S_A, p_i)`` for the local-step oracles (:func:`local_message`).
     """
+    if spec.oracle == "dglmc":
+        return compress_round(spec, state, seed, round_, auxiliary_step(spec, pot, state, seed, round_, theta, local))
     if spec.oracle in LOCAL_ORACLES:
         return compress_round(spec, state, seed, round_, local_message(spec, pot, state, seed, round_, theta, local))
     return compress_round(spec, state, seed, round_, oracle(spec, pot, state, theta,

@@ -70,6 +70,8 @@ class ServerSpec:
     # FALD, VR-FALD* (oracle fald, fald-star): the clients' data shares w_i of this round (core.fald); the
     # step then averages the clients' local steps instead of taking a Langevin step of its own
     local_weights: np.ndarray | None = None
+    # DG-LMC (oracle dglmc): 1/ρ_i of the clients kept (0 for one excluded), the exact θ | z draw's couplings
+    coupling: np.ndarray | None = None
 
     @property
     def plain(self) -> bool:
@@ -118,6 +120,8 @@ def server_step(spec: ServerSpec, st: ServerState, seed, g_hat: np.ndarray,
     under the ``active-fraction`` rule when no client replied). Memory increments use ``ĝ_i``
     as decoded, so the server's mirror of ``η_i`` equals the client's bit for bit.
     """
+    if spec.oracle == "dglmc":
+        return _gibbs_step(spec, st, seed, g_hat, replied)
     if spec.oracle in LOCAL_ORACLES:
         return _average_step(spec, st, g_hat, replied)
     k = st.k
@@ -167,6 +171,23 @@ def _average_step(spec: ServerSpec, st: ServerState, g_hat: np.ndarray, replied:
     st.theta = np.where(np.asarray(skipped)[..., None], st.theta, st.theta - spec.gamma * g)
     st.k += 1
     return skipped
+
+
+def _gibbs_step(spec: ServerSpec, st: ServerState, seed, g_hat: np.ndarray, replied: np.ndarray) -> np.ndarray:
+    """DG-LMC's server step (:mod:`qlsd_flwr.core.dglmc`): the replied clients' ``z_i ← z_i + ĝ_i`` (the
+    mirrors), then ``θ_{k+1} ~ N(Q⁻¹ (Σ_i z_i/ρ_i + μ_0/σ_0²), Q⁻¹)`` exactly, ``Q = Σ_i 1/ρ_i + 1/σ_0²``
+    over the clients kept, the noise from stream ``(seed, NOISE, k, 0)``. Never skipped."""
+    for i in np.flatnonzero(np.any(replied.reshape(-1, spec.b), axis=0)):  # index order
+        eta_i = st.eta_i[..., i, :]
+        np.add(eta_i, spec.alpha[i] * g_hat[..., i, :], out=eta_i, where=replied[..., i, None])
+    st.eta = st.eta_i.sum(axis=-2)
+    prec0 = 0.0 if spec.prior.is_flat else 1.0 / float(spec.prior.var)
+    q = float(np.sum(spec.coupling)) + prec0
+    mean = (np.tensordot(spec.coupling, st.eta_i, axes=([0], [-2])) + prec0 * float(spec.prior.mean)) / q
+    z = rng.normal(seed, rng.Stream.NOISE, st.k, 0, st.theta.shape[-1])
+    st.theta = mean + z / np.sqrt(q)
+    st.k += 1
+    return np.zeros(np.shape(replied)[:-1], dtype=bool)
 
 
 def stack_replies(g_hat: dict[int, np.ndarray], b: int, d: int) -> tuple[np.ndarray, np.ndarray]:

@@ -61,7 +61,7 @@ def participation_warnings(cfg: RunConfig, task: Task) -> list[str]:
                    f"in fewer than one of the {K} rounds (K · p_i < 1); their data barely enter the chain")
     cv = cfg.oracle in ("star", "svrg")  # active-fraction is biased without a control variate unless p is equal
     remedy = "aggregation = active-fraction" if cv or np.all(p == p[0]) else "a control-variate variant (qlsd-pp)"
-    if cfg.aggregation == "unbiased":
+    if cfg.aggregation == "unbiased" and cfg.oracle != "dglmc":  # DG-LMC weighs no reply by 1/p_i
         if task.posterior_var is not None and task.clients and cfg.oracle != "svrg" and np.isfinite(cfg.gamma):
             over = cfg.gamma * task.n_data[: cfg.b] / p
             if float(over.max()) >= 2.0:
@@ -126,6 +126,8 @@ def alphas(cfg: RunConfig, d: int, blocks=None) -> np.ndarray:
     """``α_i``: the configured value, or ``1/(ω_i + 1)``; ``0`` when the variant has no memory."""
     if not cfg.memory:
         return np.zeros(cfg.b)
+    if cfg.oracle == "dglmc":  # z_i ← z_i + ĝ_i: the mirror is the client's z_i itself
+        return np.ones(cfg.b)
     if cfg.alpha is not None:
         return np.full(cfg.b, float(cfg.alpha))
     return np.array([alpha_of(cfg, i, d, blocks) for i in range(cfg.b)])
@@ -135,6 +137,8 @@ def alpha_of(cfg: RunConfig, i: int, d: int, blocks=None) -> float:
     """Client ``i``'s ``α_i`` (one entry of :func:`alphas`)."""
     if not cfg.memory:
         return 0.0
+    if cfg.oracle == "dglmc":
+        return 1.0
     if cfg.alpha is not None:
         return float(cfg.alpha)
     return 1.0 / (compressor_for(cfg, i, blocks).omega(d) + 1.0)

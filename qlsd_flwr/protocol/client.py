@@ -48,13 +48,13 @@ def _prepare(spec: ClientSpec, pot: LocalPotential, st: ClientState, fields: dic
         h = local_hvp(pot, theta, block_of(fields.get("vectors"), d)) if kind == "hvp" \
             else local_curvature(pot, theta, kind, seed, i)
         return theta, {"client": i, "status": "ok", "payload": arr_to_bytes(h.ravel())}
+    if spec.oracle in LOCAL_ORACLES:
+        local_of(fields, spec.oracle)  # the round's numbers, checked before any state changes
+        if spec.oracle == "fald-star" and "anchor" in fields:
+            st.anchor_total = vector(fields.get("anchor_total"), d)
     if "eta" in fields:
         st.eta = vector(fields["eta"], d)
         st.eta_count = int(fields["eta_count"])
-    if spec.oracle in LOCAL_ORACLES:
-        local_of(fields)  # the round's (h, w_i, S_A, p_i), checked before any state changes
-        if spec.oracle == "fald-star" and "anchor" in fields:
-            st.anchor_total = vector(fields.get("anchor_total"), d)
     if "anchor" in fields:
         set_anchor(spec, pot, st, vector(fields["anchor"], d), int(fields["anchor_version"]))
     stale_anchor = spec.oracle in ("svrg", "star", "fald-star") and st.anchor_version != int(fields["anchor_version"])
@@ -64,14 +64,19 @@ def _prepare(spec: ClientSpec, pot: LocalPotential, st: ClientState, fields: dic
     return theta, None
 
 
-def local_of(fields: dict) -> tuple[float, float, float, float]:
-    r"""The round's ``local = (h, w_i, S_A, p_i)`` of FALD and VR-FALD\* (:func:`qlsd_flwr.core.oracles.local_message`),
-    32 bytes of float64 (a legacy config holds no lists): four finite numbers with ``h > 0``, ``0 < w_i ≤ 1``, ``S_A > 0``, ``0 < p_i ≤ 1``, else ``ValueError``."""
+def local_of(fields: dict, oracle: str = "fald") -> tuple[float, float, float, float]:
+    r"""The round's four numbers ``local`` of a local-chain oracle, 32 bytes of float64 (a legacy config
+    holds no lists): FALD and VR-FALD\* ``(h, w_i, S_A, p_i)`` (:func:`qlsd_flwr.core.oracles.local_message`)
+    with ``h > 0``, ``0 < w_i ≤ 1``, ``S_A > 0``, ``0 < p_i ≤ 1``; DG-LMC ``(γ_i, ρ_i, 1, 1)``
+    (:func:`qlsd_flwr.core.oracles.auxiliary_step`) with ``γ_i, ρ_i > 0``, all finite; else ``ValueError``."""
     x = fields.get("local")
     if not isinstance(x, (bytes, bytearray)) or len(x) != 32:
-        raise ValueError("sample: 'local' must be four numbers (h, w_i, S_A, p_i) as 32 bytes of float64")
+        raise ValueError("sample: 'local' must be four numbers as 32 bytes of float64")
     h, w, share, p = (float(v) for v in np.frombuffer(bytes(x), dtype="<f8"))
-    if not (0 < h < np.inf and 0 < w <= 1 and 0 < share < np.inf and 0 < p <= 1):
+    if oracle == "dglmc":
+        if not (0 < h < np.inf and 0 < w < np.inf):
+            raise ValueError(f"sample: 'local' out of range (γ_i > 0, ρ_i > 0): {[h, w]}")
+    elif not (0 < h < np.inf and 0 < w <= 1 and 0 < share < np.inf and 0 < p <= 1):
         raise ValueError(f"sample: 'local' out of range (h > 0, 0 < w_i ≤ 1, S_A > 0, 0 < p_i ≤ 1): "
                          f"{[h, w, share, p]}")
     return h, w, share, p
@@ -103,7 +108,7 @@ def handle(spec: ClientSpec, pot: LocalPotential, st: ClientState, seed: int, fi
     if reply is not None:
         return reply
     q, _ = client_round(spec, pot, st, seed, int(fields["round"]), theta,
-                        local_of(fields) if spec.oracle in LOCAL_ORACLES else None)
+                        local_of(fields, spec.oracle) if spec.oracle in LOCAL_ORACLES else None)
     return _sampled(spec, pot, st, q, fields)
 
 
@@ -126,7 +131,7 @@ def handle_chains(spec: ClientSpec, pot: LocalPotential, load_state, seed: int, 
         chains = [c for c, _ in ready]
         outs = client_rounds(spec, pot, [states[c] for c in chains], [seed + c for c in chains],
                              int(fields["round"]), np.stack([theta for _, theta in ready]),
-                             [local_of(per[c]) if spec.oracle in LOCAL_ORACLES else None for c in chains])
+                             [local_of(per[c], spec.oracle) if spec.oracle in LOCAL_ORACLES else None for c in chains])
         once = next((c for c in chains if "anchor" in per[c]), None)  # θ* is the run's: ∇U_i(θ*) computed once
         for c, (q, _) in zip(chains, outs):
             replies[c] = _sampled(spec, pot, states[c], q, per[c] if c == once else {})

@@ -28,7 +28,7 @@ import numpy as np
 
 from qlsd_flwr.compression.format import DecodeError
 from qlsd_flwr.config import ConfigError, RunConfig, check_memory
-from qlsd_flwr.core import fald, participation
+from qlsd_flwr.core import participation
 from qlsd_flwr.core.oracles import LOCAL_ORACLES
 from qlsd_flwr.core.potential import GaussianPrior
 from qlsd_flwr.core import precondition
@@ -36,7 +36,7 @@ from qlsd_flwr.core import server_step as sampler
 from qlsd_flwr.core.metric import Metric
 from qlsd_flwr.core.precondition import Prepared
 from qlsd_flwr.core.potential import Task
-from qlsd_flwr.protocol import build
+from qlsd_flwr.protocol import build, local_chains
 from qlsd_flwr.protocol.divergence import (
     RUNAWAY_FACTOR,
     RUNAWAY_WINDOW,
@@ -70,11 +70,12 @@ class QLSDServer:
         self.blocks = build.blocks_for(cfg, task)
         self.compressors = [build.compressor_for(cfg, i, self.blocks) for i in range(cfg.b)]
         self.settings = [build.client_settings(cfg, i, self.d, task.prior, self.blocks) for i in range(cfg.b)]
-        self.local = cfg.oracle in LOCAL_ORACLES  # FALD, VR-FALD*: local steps, averaged (core.fald)
+        self.local = cfg.oracle in LOCAL_ORACLES  # FALD, VR-FALD*, DG-LMC: local chains (protocol.local_chains)
         if self.local and not isinstance(task.prior, GaussianPrior):
             raise ConfigError(f"prior: {cfg.variant}'s clients share the prior in their local steps, and only a "
                               f"Gaussian prior's two numbers travel to them (got {type(task.prior).__name__})")
-        measure = "claim+difference" if cfg.oracle == "star" else "share*displacement" if self.local else "estimate"
+        measure = {"star": "claim+difference", "fald": "share*displacement", "fald-star": "share*displacement",
+                   "dglmc": "coupling pull"}.get(cfg.oracle, "estimate")
         self.norm_guard = NormGuard(cfg.raw.get("norm-bound", "auto"), cfg.b, task.n_data if task.clients else None,
                                     measure)  # see _commit
         self._norm_warned: set[int] = set()
@@ -226,11 +227,8 @@ class QLSDServer:
         self._overflow: dict[int, str] = {}  # clients whose codec overflowed (θ running away)
         self._bounds: list[float] = []
         self._anchor_sent: set[int] = set()  # clients sent θ* this round (their reply repeats ∇U_i(θ*))
-        if self.local:  # w_i over the clients kept, S_A over this round's active ones (core.fald)
-            kept = [i for i in range(self.cfg.b) if i not in self.norm_guard.excluded]
-            n = [self.norm_guard.n.get(i, 1) for i in range(self.cfg.b)]
-            w, self._share = fald.round_shares(n, kept, self._active, self.cfg.p)
-            self.spec = dataclasses.replace(self.spec, local_weights=w)
+        if self.local:  # FALD's shares, DG-LMC's couplings (protocol.local_chains)
+            local_chains.begin_round(self)
         self._row = {"bits_bound": 0.0, "bits_exact": 0, "bytes_payload": 0, "bytes_message": 0, "n_rejected": 0}
         return list(self._active)
 
@@ -247,14 +245,7 @@ class QLSDServer:
         if self.cfg.memory and self.needs_resync[i]:
             fields["eta"] = st.eta_i[i]
         if self.local:
-            fields["local"] = np.array([self.spec.gamma, self.spec.local_weights[i], self._share, self.cfg.p[i]],
-                                       dtype="<f8").tobytes()
-            if "anchor" in fields:  # VR-FALD*: ∇U(θ*) of the clients kept (their claims, the prior's term)
-                if self.claims is None:
-                    raise ConfigError("vr-fald-star: the clients' ∇U_i(θ*) were not gathered before sampling "
-                                      "(QLSDServer.set_claims); its clients need ∇U(θ*)")
-                off = self.claims.offset(self.norm_guard.excluded)
-                fields["anchor_total"] = self.claims.total if off is None else off
+            local_chains.add_fields(self, i, fields)
         return fields
 
     def accept(self, i: int | None, fields: dict | None, error: str | None = None, message_bytes: int = 0) -> None:
@@ -316,8 +307,8 @@ class QLSDServer:
         # what a reply makes of client i's gradient estimate: ĝ_i itself, η_i + ĝ_i with memory, c_i + ĝ_i
         # for QLSD* (differences, whose norms span orders of magnitude; with c_i a lie told everywhere is seen)
         base = self.state.eta_i if self.spec.memory else self.claims.claims if self.claims is not None else None
-        if self.local:  # FALD: the client's part of the step, w_i Δ_i, a sum over its data as a gradient is
-            norms = {i: float(self.spec.local_weights[i] * np.linalg.norm(p[0])) for i, p in self._pending.items()}
+        if self.local:  # FALD's w_i Δ_i, DG-LMC's pull on θ (protocol.local_chains)
+            norms = local_chains.reply_norms(self, self._pending)
         else:
             norms = {i: float(np.linalg.norm(p[0] if base is None else base[i] + p[0])) for i, p in self._pending.items()}
         refused, newly = self.norm_guard.judge(norms, self.state.k + 1)

@@ -1,5 +1,6 @@
-"""FALD and VR-FALD* (issue 23) through the round protocol: the law of the chain the engines run,
-the Flower path equal to the framework-free one, several chains, and what the keys refuse.
+"""The rivals on the round protocol (issue 23): FALD, VR-FALD* and DG-LMC. The law of the chain
+the engines run, the Flower path equal to the framework-free one, several chains, and what the
+keys refuse.
 
 * On the toy Gaussian with partial participation (p_i from 0.5 to 0.9), three local steps and half
   the noise common, the chain of the protocol path (the very messages the Flower apps exchange)
@@ -9,6 +10,9 @@ the Flower path equal to the framework-free one, several chains, and what the ke
   26 standard errors: the check tells the two apart. VR-FALD*'s control variate at θ* removes that
   noise at the mode (its law is within a standard error of the posterior's variance) and is as far
   from FALD's.
+* DG-LMC's chain (clients updating their z_i when active, the server drawing θ | z exactly) matches
+  :func:`qlsd_flwr.core.dglmc.gaussian_stationary` with partial participation, whose θ-variance is
+  the augmented model's (ρ > 0) plus ULA's on z, more than 10 standard errors from the posterior's.
 * The in-process Flower path gives the local engine's chain bit for bit, with QSGD-coded messages
   too, and chain c of a several-chain run is the one-chain run with seed + c.
 """
@@ -59,10 +63,32 @@ def test_the_protocol_chain_matches_the_exact_law_under_partial_participation(va
     assert r.summary["rejected"] == {}
 
 
+def test_dg_lmc_on_the_protocol_matches_its_exact_law_under_partial_participation():
+    from qlsd_flwr.core import dglmc
+
+    probe = loading.load_task(resolve({**TOY, "variant": "dg-lmc"}))
+    n = probe.n_data.astype(float)
+    ybar = np.stack([c.y.mean(axis=0) for c in probe.clients])
+    P = n.sum() + 1 / 5.0
+    gamma, rho = 0.25 / P, 3.0 / P
+    o = {**TOY, "variant": "dg-lmc", "gamma": gamma, "rho": rho, "num-rounds": 8000, "burn-in": 100}
+    r = run_local(resolve(o), write=False, keep_trace=True)
+    trace = r.trace[200:]
+    m, v = dglmc.gaussian_stationary(n, ybar, rho, dglmc.local_step(gamma, rho, 0.25), 3, 5.0, p=P_I)
+    se = _batch_se(trace)
+    assert np.all(np.abs(trace.mean(axis=0) - m) <= 4 * se), ((trace.mean(axis=0) - m) / se)
+    e2 = (trace - m) ** 2
+    se_v = _batch_se(e2)
+    assert np.all(np.abs(e2.mean(axis=0) - v) <= 4 * se_v), ((e2.mean(axis=0) - v) / se_v)
+    assert np.min(np.abs(probe.posterior_var - v) / se_v) > 10  # the augmented model's law, not π's
+    assert r.summary["rejected"] == {}
+
+
 @pytest.mark.parametrize("over", [
     {"variant": "fald", "p": "0.5", "local-steps": 3, "tau": 0.3},
     {"variant": "vr-fald-star", "p": "0.7", "local-steps": 2, "compressor": "qsgd", "s": "8",
      "theta-star": "optimise", "prior-var": 5.0},
+    {"variant": "dg-lmc", "p": "0.6", "local-steps": 3, "compressor": "qsgd", "s": "8", "prior-var": 5.0},
 ])
 def test_inprocess_flower_gives_the_local_chain_bit_for_bit(over, tmp_path):
     o = {"num-rounds": 30, "burn-in": 0, "progress": False, "gamma": 4.9e-4, "output-dir": str(tmp_path), **over}
@@ -75,8 +101,9 @@ def test_inprocess_flower_gives_the_local_chain_bit_for_bit(over, tmp_path):
         assert 0 < s["totals"]["bits_exact"] < 0.5 * 64 * 50 * s["totals"]["n_replied"]
 
 
-def test_chain_c_of_a_several_chain_run_is_the_one_chain_run_with_seed_plus_c(tmp_path):
-    o = {"variant": "vr-fald-star", "p": "0.6", "local-steps": 2, "num-chains": 3, "num-rounds": 25, "burn-in": 0,
+@pytest.mark.parametrize("variant", ["vr-fald-star", "dg-lmc"])
+def test_chain_c_of_a_several_chain_run_is_the_one_chain_run_with_seed_plus_c(tmp_path, variant):
+    o = {"variant": variant, "p": "0.6", "local-steps": 2, "num-chains": 3, "num-rounds": 25, "burn-in": 0,
          "progress": False, "gamma": 4.9e-4, "output-dir": str(tmp_path)}
     trace = np.array(run_inprocess(resolve(o), o, shuffle_seed=5, strategy_kwargs={"keep_trace": True}).trace)
     for c in range(3):
@@ -90,10 +117,15 @@ def test_chain_c_of_a_several_chain_run_is_the_one_chain_run_with_seed_plus_c(tm
     ({"metric": "diagonal"}, "metric: fald's local steps are not preconditioned"),
     ({"metric-rank": 4}, "metric: fald's local steps"),
     ({"aggregation": "active-fraction", "p": "0.5"}, "aggregation: fald averages its clients with the weights"),
+    ({"variant": "dg-lmc", "engine": "vectorised"}, "engine: dg-lmc runs on"),
+    ({"variant": "dg-lmc", "temperature": 0.5}, "temperature: dg-lmc samples T = 1 only"),
+    ({"variant": "dg-lmc", "rho": -1.0}, "rho"),
 ])
-def test_what_fald_does_not_take_is_refused_by_key(over, words):
+def test_what_the_rivals_do_not_take_is_refused_by_key(over, words):
     with pytest.raises(ConfigError, match=words):
         resolve({"variant": "fald", **over})
+    # DG-LMC takes any aggregation: it weighs no reply by 1/p_i
+    assert resolve({"variant": "dg-lmc", "aggregation": "active-fraction", "p": "0.5"}).oracle == "dglmc"
 
 
 def test_compressor_auto_follows_the_variant_and_qsgd_codes_any_variant():
@@ -118,6 +150,7 @@ def _f8(*x) -> bytes:
     (_f8(1e-3, 0.5, 1.0, 0.0), "out of range"),
 ])
 def test_a_server_message_with_a_bad_local_field_is_refused_before_the_state_changes(local, words):
+    # VR-FALD*: nothing of the message (θ*, ∇U(θ*)) is installed before the round's numbers are checked
     cfg = resolve({**TOY, "variant": "vr-fald-star"})
     task = loading.load_task(cfg)
     spec = build.client_spec(cfg, 0, task.clients[0].n_data, 3, task.prior)
@@ -131,3 +164,18 @@ def test_a_server_message_with_a_bad_local_field_is_refused_before_the_state_cha
     assert st.anchor is None and st.anchor_total is None and st.anchor_version == -1
     ok = handle(spec, task.clients[0], st, 0, {**fields, "local": _f8(1e-3, 0.5, 1.0, 1.0)}, 3)
     assert ok["status"] == "ok" and st.anchor_version == 0 and "anchor_grad" in ok
+
+
+def test_dg_lmc_s_z_mirror_and_the_client_s_z_agree_and_a_bad_rho_from_the_server_is_refused():
+    cfg = resolve({**TOY, "variant": "dg-lmc", "gamma": 1e-4, "rho": 1e-3, "num-rounds": 20, "burn-in": 0})
+    r = run_local(cfg, write=False, keep_trace=True)
+    for i, st in enumerate(r.clients):  # z_i on the client equals the server's mirror, bit for bit
+        assert st.eta is not None and np.array_equal(st.eta, r.server.eta_i[i])
+    task = loading.load_task(cfg)
+    spec = build.client_spec(cfg, 0, task.clients[0].n_data, 3, task.prior)
+    st = ClientState()
+    fields = {"phase": "sample", "round": 0, "client": 0, "theta": np.zeros(3), "anchor_version": -1,
+              "eta_count": 5, "eta": np.ones(3), "local": _f8(1e-4, -1.0, 1.0, 1.0)}
+    with pytest.raises(ValueError, match="ρ_i > 0"):
+        handle(spec, task.clients[0], st, 0, fields, 3)
+    assert st.eta is None and st.eta_count == 0  # the mirror it was sent is not installed
