@@ -257,6 +257,8 @@ def resolve(overrides: Mapping[str, Any] | None = None) -> RunConfig:
     alpha = None if v["alpha"] == "auto" else float(v["alpha"])
     prior_var = math.inf if isinstance(v["prior-var"], str) else float(v["prior-var"])
     prior_on = _choice("prior-on", raw["prior-on"], ("server", "clients"))
+    if oracle in ("fald", "fald-star", "dglmc"):  # not applicable: FALD shares U_0 by w_i, DG-LMC draws it exactly
+        prior_on = "server"
     block_norm = _choice("block-norm", raw["block-norm"], ("vector", "tensor"))
     encoding = _choice("encoding", raw["encoding"], ("auto", "elias", "packed"))
     compressor = _choice("compressor", str(raw["compressor"]).strip().lower(), ("auto", "qsgd", "identity"))

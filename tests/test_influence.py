@@ -393,6 +393,20 @@ def test_a_lie_in_the_theta_star_phase_is_caught_when_the_client_answers_theta_s
         assert np.max(np.abs(_kept_mean(honest) - task.posterior_mean) / full) <= 1.0
 
 
+def test_vr_fald_star_catches_a_theta_star_lie_and_keeps_every_honest_reply_of_that_round(tmp_path):
+    # VR-FALD*'s clients are sent ∇U(θ*) with θ*: the liar's first reply to θ* gives another ∇U_i(θ*), it
+    # leaves, and the others are sent ∇U(θ*) without its claim from the next round. Every honest reply of
+    # the round it is caught in is judged against the round's anchor version (none refused as stale,
+    # whatever order the replies arrive in), and the chain samples the other clients' posterior.
+    o = {**GAUSS, "variant": "vr-fald-star", "theta-star": "optimise", "prior-var": 5.0, "loo": "off",
+         "num-rounds": 600, "burn-in": 200, "output-dir": str(tmp_path)}  # 400 draws: a Monte Carlo error ≪ 1 sd
+    task = build_gaussian_task(5, 5, 0, prior_var=5.0)
+    mean, sd = posterior_without(task, {0}, 5.0)
+    r = run({**o, "run-name": "defended"}, mods=[liar(200.0, "phase")])
+    assert r.summary["excluded"] == {"0": 1} and r.summary["rejected"] == {"theta_star_mismatch": 1}
+    assert np.max(np.abs(_kept_mean(r) - mean) / sd) <= 1.0
+
+
 def test_a_resumed_run_keeps_the_theta_star_claims_and_the_correction_bit_for_bit(tmp_path):
     # the liar excluded at round 1; checkpoint at 10, stopped at 13, resumed to 30: every client is
     # sent θ* again (a resync) and checked against the claims from the checkpoint; the same draws

@@ -166,6 +166,18 @@ def test_a_server_message_with_a_bad_local_field_is_refused_before_the_state_cha
     assert ok["status"] == "ok" and st.anchor_version == 0 and "anchor_grad" in ok
 
 
+def test_a_vr_fald_star_message_with_a_bad_anchor_installs_nothing():
+    cfg = resolve({**TOY, "variant": "vr-fald-star"})
+    task = loading.load_task(cfg)
+    spec = build.client_spec(cfg, 0, task.clients[0].n_data, 3, task.prior)
+    st = ClientState()
+    fields = {"phase": "sample", "round": 0, "client": 0, "theta": np.zeros(3), "anchor_version": 0, "eta_count": 0,
+              "anchor": np.ones(4), "anchor_total": np.full(3, 7.0), "local": _f8(1e-3, 0.5, 1.0, 1.0)}
+    with pytest.raises(ValueError, match="shape"):
+        handle(spec, task.clients[0], st, 0, fields, 3)
+    assert st.anchor is None and st.anchor_total is None and st.anchor_version == -1
+
+
 def test_dg_lmc_s_z_mirror_and_the_client_s_z_agree_and_a_bad_rho_from_the_server_is_refused():
     cfg = resolve({**TOY, "variant": "dg-lmc", "gamma": 1e-4, "rho": 1e-3, "num-rounds": 20, "burn-in": 0})
     r = run_local(cfg, write=False, keep_trace=True)

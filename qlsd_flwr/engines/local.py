@@ -76,7 +76,8 @@ def run_local(cfg: RunConfig, task: Task | None = None, write: bool = True,
     wants = cfg.oracle == "fald-star" or (cfg.oracle == "star" and bound.strip().lower() != "off")
     claims = None if prep is None or not wants else [
         full_local_grad(s, task.clients[s.index], prep.theta_star) for s in specs]
-    if claims is not None and (over := over_bound(claims, fixed_bound(bound))):
+    # QLSD*'s replies carry c_i (judged as c_i + ĝ_i); VR-FALD*'s are judged as w_i Δ_i, not on c_i
+    if claims is not None and cfg.oracle == "star" and (over := over_bound(claims, fixed_bound(bound))):
         # this engine's clients are honest: a claim over a fixed B means B is too small for the data
         raise ConfigError("norm-bound: " + "; ".join(f"client {i}: {w}" for i, w in over.items())
                           + "; every reply of theirs would be refused, a bias: raise norm-bound or use auto")

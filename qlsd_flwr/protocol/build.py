@@ -37,6 +37,10 @@ def warn_if_unstable(cfg: RunConfig, task: Task) -> None:
         log.warning(why)
     for why in participation_warnings(cfg, task):
         log.warning(why)
+    if cfg.oracle == "dglmc":  # a known bias, named (docs/RIVALS.md)
+        log.warning("dg-lmc samples the augmented model π_ρ (rho = %s; auto: γ/10): its θ-marginal is wider than "
+                    "the posterior and, with clients of different data, shifted, by O(ρ); a smaller ρ mixes more "
+                    "slowly (check R-hat; docs/RIVALS.md)", cfg.get("rho"))
 
 
 def participation_warnings(cfg: RunConfig, task: Task) -> list[str]:

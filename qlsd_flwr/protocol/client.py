@@ -48,17 +48,21 @@ def _prepare(spec: ClientSpec, pot: LocalPotential, st: ClientState, fields: dic
         h = local_hvp(pot, theta, block_of(fields.get("vectors"), d)) if kind == "hvp" \
             else local_curvature(pot, theta, kind, seed, i)
         return theta, {"client": i, "status": "ok", "payload": arr_to_bytes(h.ravel())}
+    # every field is read and checked before any of the client's state changes
     if spec.oracle in LOCAL_ORACLES:
-        local_of(fields, spec.oracle)  # the round's numbers, checked before any state changes
-        if spec.oracle == "fald-star" and "anchor" in fields:
-            st.anchor_total = vector(fields.get("anchor_total"), d)
-    if "eta" in fields:
-        st.eta = vector(fields["eta"], d)
-        st.eta_count = int(fields["eta_count"])
-    if "anchor" in fields:
-        set_anchor(spec, pot, st, vector(fields["anchor"], d), int(fields["anchor_version"]))
-    stale_anchor = spec.oracle in ("svrg", "star", "fald-star") and st.anchor_version != int(fields["anchor_version"])
-    stale_eta = spec.memory and st.eta_count != int(fields["eta_count"])
+        local_of(fields, spec.oracle)  # the round's numbers
+    version, count = int(fields["anchor_version"]), int(fields["eta_count"])
+    eta = vector(fields["eta"], d) if "eta" in fields else None
+    anchor = vector(fields["anchor"], d) if "anchor" in fields else None
+    total = vector(fields.get("anchor_total"), d) if anchor is not None and spec.oracle == "fald-star" else None
+    if eta is not None:
+        st.eta, st.eta_count = eta, count
+    if total is not None:
+        st.anchor_total = total
+    if anchor is not None:
+        set_anchor(spec, pot, st, anchor, version)
+    stale_anchor = spec.oracle in ("svrg", "star", "fald-star") and st.anchor_version != version
+    stale_eta = spec.memory and st.eta_count != count
     if stale_anchor or stale_eta:
         return theta, {"client": i, "status": "resync"}
     return theta, None

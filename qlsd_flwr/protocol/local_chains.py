@@ -34,19 +34,34 @@ def rho_of(server) -> float:
     return RHO_AUTO * float(server.spec.gamma) if str(r).strip().lower() == "auto" else float(r)
 
 
+def _kept(server) -> list[int]:
+    return [i for i in range(server.cfg.b) if i not in server.norm_guard.excluded]
+
+
+def _couple(server) -> None:
+    """DG-LMC's couplings ``1/ρ`` of the clients kept now."""
+    coupling = np.zeros(server.cfg.b)
+    coupling[_kept(server)] = 1.0 / rho_of(server)
+    server.spec = dataclasses.replace(server.spec, coupling=coupling)
+
+
 def begin_round(server) -> None:
     """Set the round's numbers on ``server`` (its spec's weights or couplings, and ``server._local``,
-    each active client's 32 bytes)."""
-    b, kept = server.cfg.b, [i for i in range(server.cfg.b) if i not in server.norm_guard.excluded]
+    each active client's 32 bytes). VR-FALD*'s anchor version and ``∇U(θ*)`` are fixed here for the
+    round: a client excluded during the round changes them from the next (every reply of a round is
+    judged against the same version, whatever order the replies arrive in)."""
+    b, kept = server.cfg.b, _kept(server)
     if server.cfg.oracle == "dglmc":
+        _couple(server)
         rho = rho_of(server)
-        coupling = np.zeros(b)
-        coupling[kept] = 1.0 / rho
-        server.spec = dataclasses.replace(server.spec, coupling=coupling)
         step = dglmc.local_step(float(server.spec.gamma), rho, float(server.cfg.get("gamma-c")))
         row = np.array([step, rho, 1.0, 1.0], dtype="<f8").tobytes()
         server._local = {i: row for i in server._active}
         return
+    if server.cfg.oracle == "fald-star":
+        server._star_version = len(server.norm_guard.excluded)
+        off = None if server.claims is None else server.claims.offset(server.norm_guard.excluded)
+        server._star_total = off if off is not None or server.claims is None else server.claims.total
     n = [server.norm_guard.n.get(i, 1) for i in range(b)]
     w, share = fald.round_shares(n, kept, server._active, server.cfg.p)
     server.spec = dataclasses.replace(server.spec, local_weights=w)
@@ -61,8 +76,14 @@ def add_fields(server, i: int, fields: dict) -> None:
         if server.claims is None:
             raise ConfigError("vr-fald-star: the clients' ∇U_i(θ*) were not gathered before sampling "
                               "(QLSDServer.set_claims); its clients need ∇U(θ*)")
-        off = server.claims.offset(server.norm_guard.excluded)
-        fields["anchor_total"] = server.claims.total if off is None else off
+        fields["anchor_total"] = server._star_total
+
+
+def before_step(server) -> None:
+    """Before the server's step: DG-LMC's draw couples only the clients still kept (one excluded in
+    this round's judgement leaves θ | z at once; its mirror was zeroed)."""
+    if server.cfg.oracle == "dglmc":
+        _couple(server)
 
 
 def reply_norms(server, pending: dict) -> dict[int, float]:

@@ -209,8 +209,8 @@ class QLSDServer:
             return self.state.zeta, self.state.zeta_version
         if self.cfg.oracle == "star":
             return self.spec.theta_star, 0
-        if self.cfg.oracle == "fald-star":  # ∇U(θ*) changes when a client leaves: a new version then
-            return self.spec.theta_star, len(self.norm_guard.excluded)
+        if self.cfg.oracle == "fald-star":  # ∇U(θ*) changes when a client leaves: a new version the round after
+            return self.spec.theta_star, getattr(self, "_star_version", len(self.norm_guard.excluded))
         return None, -1
 
     # ---- one round ----------------------------------------------------------------------
@@ -369,6 +369,8 @@ class QLSDServer:
         # replies arrive in any order: an exactly rounded sum keeps the row a function of the seed
         self._row["bits_bound"] = math.fsum(self._bounds)
         g_hat, replied = sampler.stack_replies(self._g_hat, self.cfg.b, self.d)
+        if self.local:  # DG-LMC: a client excluded this round leaves θ | z now (protocol.local_chains)
+            local_chains.before_step(self)
         skipped = bool(sampler.server_step(self.spec, self.state, self.cfg.seed, g_hat, replied))
         if not np.all(np.isfinite(self.state.theta)):
             self._diverged(k + 1)
