@@ -45,7 +45,7 @@ def test_three_steady_attacks_leave_the_chain_of_the_federation_without_the_atta
     # rule the same attack moves the mean by many sd (the check can fail).
     o = {**GAUSS, "variant": variant, "output-dir": str(tmp_path)}
     if variant == "dg-lmc":  # a chain that mixes in these rounds (with ρ = γ/10, the default, 55 sd short at 200)
-        o.update({"gamma": 2.5e-3, "rho": 2.5e-3, "local-steps": 5, "num-rounds": 800, "burn-in": 200})
+        o.update({"gamma": 2.5e-3, "rho": 2.5e-3, "local-steps": 5, "num-rounds": 600, "burn-in": 200})
     task = build_gaussian_task(5, 5, 0)
     sd = np.sqrt(task.posterior_var)
     silent = _kept_mean(run({**o, "run-name": "silent"}, mods=[attacker("silent")]))
@@ -96,8 +96,6 @@ def test_the_attacks_on_the_logistic_task_are_excluded_too(tmp_path):
                   "partition": "dirichlet", "partition-alpha": 0.5}),
     # DG-LMC judged as the pull of z_i on θ, ‖z_i − θ‖/ρ (its local gradient at equilibrium)
     ("gaussian", {"variant": "dg-lmc", "local-steps": 3, "p": "0.5"}),
-    ("logistic", {"num-clients": 10, "variant": "dg-lmc", "local-steps": 2, "partition": "dirichlet",
-                  "partition-alpha": 0.5}),
 ])
 def test_every_honest_reply_is_accepted_on_uneven_splits_with_four_chains(tmp_path, task, extra):
     # the toy Gaussian's clients hold 11 to 198 points, the Dirichlet(0.5) logistic split 11 to
