@@ -51,19 +51,22 @@ B, D, PV, CHAINS, K = 20, 50, 5.0, 4, 5
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--task", choices=("gaussian", "logistic"), default="gaussian")
+    ap.add_argument("--task", choices=("gaussian", "logistic", "wine"), default="gaussian")
     ap.add_argument("--rounds", type=int, default=2000)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     out_path = Path(a.out or f"benchmarks/rivals_{a.task}.json")
-    (gaussian if a.task == "gaussian" else logistic)(a.rounds, out_path)
+    {"gaussian": gaussian, "logistic": logistic, "wine": wine}[a.task](a.rounds, out_path)
 
 
 class Bench:
     """The runs of one task: every sampler's 4 chains, their errors after each budget of rounds."""
 
-    def __init__(self, task, cfg: dict, R: int, ref_mean, ref_var, label: str):
+    def __init__(self, task, cfg: dict, R: int, ref_mean, ref_var, label: str, errors=None, own_task: bool = False):
         self.task, self.cfg, self.R = task, cfg, R
+        self.own_task = own_task  # the runs take this task object (a network built here), not the config's
+        if errors is not None:
+            self.errors = errors
         self.ref_mean, self.ref_var = np.asarray(ref_mean), np.asarray(ref_var)
         self.budgets = [R // 8, R // 4, R // 2, R]
         self.tmp = tempfile.mkdtemp()
@@ -100,7 +103,16 @@ class Bench:
         draws, bits, active = [], 0.0, 0.0
         for c in seeds:
             o = {**base, "num-chains": CHAINS} if c is None else {**base, "seed": c}
-            r = run({**o, "run-name": f"{name}-{c}".replace(" ", "_").replace("/", "_")})
+            o["run-name"] = f"{name}-{c}".replace(" ", "_").replace("/", "_")
+            if self.own_task:
+                from qlsd_flwr.config import resolve
+                from qlsd_flwr.engines.local import run_local
+                from qlsd_flwr.engines.vectorised.driver import run_vectorised
+
+                go = run_vectorised if engine == "vectorised" else run_local
+                r = go(resolve({k: v for k, v in o.items() if k != "engine"}), task=self.task, write=True)
+            else:
+                r = run(o)
             draws.append(load_samples(r.run_dir))
             bits += float(r.summary["totals"]["bits_exact"])
             active += float(r.summary["totals"]["n_active"])
@@ -178,6 +190,54 @@ def rival_runs(bench: Bench, gamma: float) -> None:
                                                          "rho": gamma, "compressor": "qsgd", "s": "16"})
 
 
+def wine(R: int, path: Path) -> None:
+    """The quickstart's wine network (13-16-3, tanh, d = 275, prior N(0, 5 I)) over 4 clients, against
+    full-batch HMC (benchmarks/bench_metric.py's reference: 4 chains × 2,000 draws, 20 leapfrog
+    steps). The error is the predictive's total variation from HMC's on the 178 inputs (the
+    parameters themselves are not identifiable), against the TV between HMC's two halves."""
+    from bench_metric import wine_net
+
+    from qlsd_flwr.core.potential import GaussianPrior, Task
+    from qlsd_flwr.evaluation.reference import hmc
+
+    b = 4
+    clients, prior_var, X = wine_net(b)
+    task = Task(name="wine-bnn-f64", dim=clients[0].dim, clients=clients, prior=GaussianPrior(var=prior_var),
+                theta0=clients[0].theta0())
+
+    def predictive(draws):
+        flat = np.asarray(draws).reshape(-1, task.dim)
+        return clients[0].predict_proba(flat[:: max(1, len(flat) // 800)], X)
+
+    def tv(p, q):
+        return float(0.5 * np.abs(p - q).sum(axis=1).mean())
+
+    t = time.perf_counter()
+    ref = hmc(task, n_draws=2000, n_warmup=500, n_chains=4, seed=1, n_leapfrog=20, cache=False, init_scale=0.5)
+    S = np.asarray(ref.samples)
+    p_ref, halves = predictive(S), tv(predictive(S[:2]), predictive(S[2:]))
+
+    def errors(draws):
+        d = tv(predictive(draws), p_ref)
+        return {"tv_to_hmc": d, "tv_ratio_to_hmc_halves": d / halves}
+
+    cfg = {"task": "gaussian", "num-clients": b, "dim": task.dim, "theta-star": "optimise", "opt-rounds": 2000,
+           "opt-accept-unconverged": True, "vectorised-backend": "numpy"}
+    bench = Bench(task, cfg, R, 0.0, 1.0, f"wine network (b = {b}, d = {task.dim})", errors=errors, own_task=True)
+    bench.out["reference"] = {"method": "HMC, 4 x 2,000 draws, 20 leapfrog steps", "seconds": time.perf_counter() - t,
+                              "acceptance": float(np.mean(ref.acceptance)), "tv_between_halves": halves}
+    print("reference", json.dumps(bench.out["reference"]), flush=True)
+    # the step: gamma = auto's for QLSD++ (c/λ_max by the federated power iteration), the same for all
+    bench.protocol("QLSD++ (s = 16)", {"variant": "qlsd-pp", "s": "16", "l": 20, "batch-fraction": 1.0,
+                                       "gamma": "auto"}, engine="vectorised")
+    gamma = float(json.loads((Path(bench.tmp) / "QLSD++_(s_=_16)-None" / "summary.json").read_text())["gamma"])
+    bench.cfg["gamma"] = gamma
+    bench.out["reference"]["gamma"] = gamma
+    bench.protocol("LSD++ (float64)", {"variant": "lsd-pp", "l": 20, "batch-fraction": 1.0}, engine="vectorised")
+    rival_runs(bench, gamma)
+    bench.save(path)
+
+
 def logistic(R: int, path: Path) -> None:
     """breast_cancer, 10 clients of a Dirichlet(0.5) split, the paper's prior N(0, 0.02 I), against
     MALA in whitened coordinates (benchmarks/bench_metric.py's reference, 4 × 20,000 draws)."""
@@ -239,6 +299,7 @@ def plot(out: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    tv = "tv_to_hmc" in next(iter(out["samplers"].values()))["rows"][0]
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     colours = plt.get_cmap("tab20").colors  # one colour a sampler (12 of them), markers by family
     for j, (name, s) in enumerate(out["samplers"].items()):
@@ -246,9 +307,15 @@ def plot(out: dict, path: Path) -> None:
         style = {"color": colours[(2 * j) % 20 if j < 10 else (2 * j + 1) % 20], "label": name,
                  "marker": "s" if "QLSD" in name or "LSD" in name else "^" if "FALD" in name else "o",
                  "linestyle": "--" if "QSGD" in name or "s = 16" in name else "-"}
+        if tv:  # the network: the predictive's TV from HMC's, and that over HMC's own halves' TV
+            axes[0].plot(x, [r["tv_to_hmc"] for r in s["rows"]], **style)
+            axes[1].plot(x, [r["tv_ratio_to_hmc_halves"] for r in s["rows"]], **style)
+            continue
         axes[0].plot(x, [r["mean_err_sd"] for r in s["rows"]], **style)
         axes[1].plot(x, [abs(r["var_ratio"] - 1) for r in s["rows"]], **style)
-    for ax, what in zip(axes, ("max |mean − exact| / sd", "|variance ratio − 1|")):
+    names = ("predictive TV from HMC", "TV / TV between HMC's halves") if tv else \
+        ("max |mean − exact| / sd", "|variance ratio − 1|")
+    for ax, what in zip(axes, names):
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("uplink bits (all clients, one chain)")
