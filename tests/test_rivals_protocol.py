@@ -203,3 +203,17 @@ def test_gamma_auto_chooses_the_rivals_step_from_the_curvature(variant):
     P = float(1 / loading.load_task(cfg).posterior_var[0])
     assert r.summary["gamma"] == pytest.approx(0.25 / P, rel=1e-3)
     assert np.all(np.isfinite(r.trace)) and r.summary["rejected"] == {}
+
+
+def test_dg_lmc_s_z_start_at_the_chain_s_theta0_and_travel_with_the_first_message():
+    # as in core.dglmc.run: z_i = θ_0, so that dispersed starts stay dispersed (z_i = 0 would pull every
+    # chain's first draw of θ | z to the same place)
+    from qlsd_flwr.protocol.server import QLSDServer
+
+    cfg = resolve({**TOY, "variant": "dg-lmc", "gamma": 1e-4, "num-rounds": 5, "burn-in": 0})
+    server = QLSDServer(cfg, loading.load_task(cfg))
+    theta0 = np.array([1.0, -2.0, 3.0])
+    server.begin(None, {}, theta0)
+    assert np.array_equal(server.state.eta_i, np.tile(theta0, (4, 1)))
+    active = server.begin_round()
+    assert active and all(np.array_equal(server.fields_for(i)["eta"], theta0) for i in active)

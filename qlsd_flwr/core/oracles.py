@@ -227,7 +227,8 @@ def local_message(spec: ClientSpec, pot: LocalPotential, state: ClientState, see
 
 def auxiliary_step(spec: ClientSpec, pot: LocalPotential, state: ClientState, seed: int, round_: int,
                    theta: np.ndarray, local) -> np.ndarray:
-    """DG-LMC's ``z_i'``: ``K`` ULA steps on ``z_i`` (the client's memory ``η_i``, 0 at the start) toward
+    """DG-LMC's ``z_i'``: ``K`` ULA steps on ``z_i`` (the client's memory ``η_i``: the chain's ``θ_0``, sent
+    with the first message, at the start) toward
     ``exp(−U_i(z) − ‖z − θ‖²/(2ρ_i))`` (:func:`qlsd_flwr.core.dglmc.local_steps`); ``local = (γ_i, ρ_i, 1, 1)``.
     The caller's :func:`compress_round` sends ``C(z_i' − z_i)`` and adds it to ``z_i`` (``α = 1``)."""
     from qlsd_flwr.core import dglmc

@@ -45,6 +45,16 @@ def _couple(server) -> None:
     server.spec = dataclasses.replace(server.spec, coupling=coupling)
 
 
+def start(server) -> None:
+    """DG-LMC's ``z_i`` start at the chain's ``θ_0`` (as :func:`qlsd_flwr.core.dglmc.run`'s do), so that
+    dispersed starts stay dispersed: the mirrors are set to it, and every client's first message
+    carries its mirror (a resync), which it installs as its ``z_i``."""
+    st = server.state
+    st.eta_i[...] = st.theta
+    st.eta = st.eta_i.sum(axis=-2)
+    server.needs_resync[:] = True
+
+
 def begin_round(server) -> None:
     """Set the round's numbers on ``server`` (its spec's weights or couplings, and ``server._local``,
     each active client's 32 bytes). VR-FALD*'s anchor version and ``∇U(θ*)`` are fixed here for the

@@ -126,6 +126,8 @@ class QLSDServer:
                 theta0 = prep.theta0[0]
         self.spec = build.server_spec(self.cfg, self.task, theta_star, self.blocks, metric)
         self.state = sampler.init_state(self.spec, build.theta0_of(self.task) if theta0 is None else theta0)
+        if self.cfg.oracle == "dglmc":  # z_i start at the chain's θ_0 (protocol.local_chains)
+            local_chains.start(self)
         self._set_scale()
 
     def wants_claims(self) -> bool:
