@@ -36,6 +36,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.smoke import few, small  # noqa: E402
+from benchmarks.smoke import out as smoke_out  # noqa: E402
+
 
 def attacker(mode: str, cfg_overrides: dict | None = None):
     """A client mod making client 0 Byzantine. ``max``: its QSGD norm becomes float32's largest value
@@ -134,7 +137,7 @@ def main() -> None:
     a = ap.parse_args()
     parts = set(a.parts.split(","))
     tmp = tempfile.mkdtemp()
-    K = a.rounds
+    K = small(a.rounds, 6)
     out: dict = {"machine": platform.processor() or platform.machine(), "rounds": K,
                  "command": "python benchmarks/bench_byzantine.py " + " ".join(sys.argv[1:]),
                  "attack": {}, "honest": {}, "cost": {}}
@@ -149,7 +152,7 @@ def main() -> None:
     tasks = {"gaussian QLSD++": {"task": "gaussian", "variant": "qlsd-pp"},
              "gaussian QLSD": {"task": "gaussian", "variant": "qlsd"},
              "logistic QLSD++ (gamma = 1e-3)": {"task": "logistic", "variant": "qlsd-pp", "gamma": 1e-3}}
-    for label, extra in tasks.items() if "attack" in parts else ():
+    for label, extra in few(tasks).items() if "attack" in parts else ():
         if a.only not in label:
             continue
         o = {**extra, "num-clients": 10, "engine": "inprocess", "num-rounds": K, "burn-in": K // 2}
@@ -164,7 +167,7 @@ def main() -> None:
             return float(np.max(np.abs(x[0].mean(0) - ref[0].mean(0)) / sd))
 
         row = {"honest_vs_silent_sd": dist(honest, silent)}
-        for mode in ("scale500", "flip100", "offset300", "max"):
+        for mode in few(("scale500", "flip100", "offset300", "max")):
             for rule in ("auto", "off") if "cost" in parts else ():
                 x, s_, dt = chain({**o, "norm-bound": rule}, f"{label}-{mode}-{rule}", [attacker(mode, o)])
                 if not np.all(np.isfinite(x)):
@@ -187,11 +190,11 @@ def main() -> None:
                                                "partition": "dirichlet", "partition-alpha": 0.5},
               "gaussian (11 to 198 points)": {"task": "gaussian", "variant": "qlsd-pp"},
               "gaussian (11 to 198 points) QLSD*": {"task": "gaussian", "variant": "qlsd-star"}}
-    for label, extra in splits.items() if "honest" in parts else ():
+    for label, extra in few(splits).items() if "honest" in parts else ():
         if a.only not in label:
             continue
-        for p in ("1.0", "0.5"):
-            for chains in (1, 4):
+        for p in few(("1.0", "0.5")):
+            for chains in few((1, 4)):
                 o = {**extra, "num-clients": 10, "engine": "inprocess", "num-rounds": K, "burn-in": K // 2, "p": p,
                      "num-chains": chains, "init": "dispersed" if chains > 1 else "theta0"}
                 _, s_, _ = chain(o, f"{label}-{p}-{chains}")
@@ -203,8 +206,8 @@ def main() -> None:
                 print(label, p, chains, json.dumps(row), flush=True)
     # the issue's user app: an MLP (30-16-2, tanh) on breast_cancer over 5 Dirichlet(0.5) clients,
     # LSD++, 4 chains from dispersed starts, through QLSDStrategy + make_client_app
-    for seed in (1, 3, 10, 11) if "honest" in parts and a.only in "MLP" else ():
-        sizes, refused, replies = mlp_user_app(seed, rounds=max(600, K // 2))
+    for seed in few((1, 3, 10, 11)) if "honest" in parts and a.only in "MLP" else ():
+        sizes, refused, replies = mlp_user_app(seed, rounds=small(max(600, K // 2), 4))
         row = {"client_sizes": sizes, "replies": replies, "refused": refused,
                "acceptance": 1.0 - refused / max(replies, 1)}
         out["honest"][f"MLP breast_cancer LSD++ 4 chains, split seed {seed}"] = row
@@ -222,7 +225,7 @@ def main() -> None:
         print("cost", rule, json.dumps(out["cost"][rule]), flush=True)
     if "cost" in parts:
         out["cost"]["identical_chains"] = out["cost"]["auto"]["draws_sha"] == out["cost"]["off"]["draws_sha"]
-    Path(a.out).write_text(json.dumps(out, indent=1))
+    smoke_out(a.out).write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

@@ -34,7 +34,14 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
-OUT = "/tmp/qlsd-bench-chains"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.smoke import SMOKE, few, small  # noqa: E402
+from benchmarks.smoke import engine as smoke_engine  # noqa: E402
+from benchmarks.smoke import run_ray as smoke_run_ray  # noqa: E402
+from benchmarks.smoke import out as smoke_out  # noqa: E402
+
+OUT = str(Path(SMOKE) / "runs") if SMOKE else "/tmp/qlsd-bench-chains"
 
 
 def _round_seconds(run_dir: Path, skip: int = 5) -> list[float]:
@@ -43,13 +50,10 @@ def _round_seconds(run_dir: Path, skip: int = 5) -> list[float]:
 
 
 def _ray(o: dict):
-    from qlsd_flwr.config import resolve
-    from qlsd_flwr.run.simulate import run_ray
-
-    return run_ray(resolve(o), o)
+    return smoke_run_ray(o)
 
 
-def chains_per_round(rounds: int, pairs: int, counts=(1, 4, 16)) -> dict:
+def chains_per_round(rounds: int, pairs: int, counts=tuple(few((1, 4, 16), 2))) -> dict:
     base = {"variant": "qlsd-pp", "num-clients": 20, "dim": 50, "num-rounds": rounds, "burn-in": 0, "p": "1.0",
             "s": "16", "gamma": 4.9e-4, "progress": False, "engine": "ray", "output-dir": OUT}
     got: dict[int, list[float]] = {c: [] for c in counts}
@@ -155,7 +159,7 @@ def lenet(rounds: int, engines=("local", "inprocess", "ray")) -> dict:
     first = bare_torch(rounds)  # before and after the engines: a change of the machine's load shows
     out: dict = {"rounds": rounds}
     for eng in engines:
-        res = simulate.run({**LENET, "engine": eng, "num-rounds": rounds})
+        res = simulate.run({**LENET, "engine": smoke_engine(eng), "num-rounds": rounds})
         out[f"{eng}_s_per_round"] = statistics.fmean(_round_seconds(res.run_dir))
     last = bare_torch(rounds)
     out.update({"bare_torch_s_per_round": (first + last) / 2, "bare_torch_first_last": [first, last]})
@@ -185,16 +189,17 @@ def main() -> None:
                  "command": "python benchmarks/bench_chains.py " + " ".join(sys.argv[1:]),
                  "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     if a.chains:
-        res["chains_per_round"] = chains_per_round(a.rounds, a.pairs)
+        res["chains_per_round"] = chains_per_round(small(a.rounds, 7), small(a.pairs, 1))
         print(json.dumps(res["chains_per_round"], indent=1), flush=True)
     if a.many:
-        res["many_clients"] = many_clients(a.many_clients, a.many_rounds)
+        res["many_clients"] = many_clients(small(a.many_clients, 30), small(a.many_rounds, 3))
         print(json.dumps(res["many_clients"], indent=1), flush=True)
     if a.lenet:
-        res["lenet"] = lenet(a.lenet_rounds, tuple(a.lenet_engines.split(",")))
+        res["lenet"] = lenet(small(a.lenet_rounds, 7), tuple(a.lenet_engines.split(",")))
         print(json.dumps(res["lenet"], indent=1), flush=True)
-    old = json.loads(Path(a.out).read_text()) if Path(a.out).exists() else {}
-    Path(a.out).write_text(json.dumps({**old, **res}, indent=1))
+    dest = smoke_out(a.out)
+    old = json.loads(dest.read_text()) if dest.exists() else {}
+    dest.write_text(json.dumps({**old, **res}, indent=1))
 
 
 if __name__ == "__main__":

@@ -29,6 +29,11 @@ os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from noop_app import noop_apps, shape_apps  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.smoke import SMOKE, few, run_apps, small  # noqa: E402
+from benchmarks.smoke import run_ray as smoke_run_ray  # noqa: E402
+from benchmarks.smoke import out as smoke_out  # noqa: E402
+
 
 def ray_round_times(b: int, rounds: int, pairs: int = 1) -> dict:
     """``pairs`` × (QLSD++, no-op, shape-only), in turn, so that a change in the machine's load
@@ -63,27 +68,24 @@ def ray_round_times(b: int, rounds: int, pairs: int = 1) -> dict:
 def _ray_runs(b: int, rounds: int) -> dict[str, list]:
     import csv
 
-    from flwr.simulation import run_simulation
-
     from qlsd_flwr.config import resolve
     from qlsd_flwr.flower.server_app import quiet_flower
-    from qlsd_flwr.run.simulate import ray_backend_config, run_ray
+    from qlsd_flwr.run.simulate import ray_backend_config
 
     # γ scaled with b: the target's precision is N = Σ N_i ∝ b, and ULA diverges once γN > 2
     # (the paper's γ = 4.9e-4 gives γN ≈ 1 at b = 20; unscaled, the 100-client chain diverges)
     o = {"variant": "qlsd-pp", "num-clients": b, "dim": 50, "num-rounds": rounds, "burn-in": 0,
          "p": "1.0", "s": "16", "gamma": 4.9e-4 * 20 / b, "progress": False, "engine": "ray",
-         "output-dir": "/tmp/qlsd-bench"}
+         "output-dir": os.path.join(SMOKE, "runs") if SMOKE else "/tmp/qlsd-bench"}
     cfg = resolve(o)
-    strat = run_ray(cfg, o)
+    strat = smoke_run_ray(o)
     with open(strat.run_dir / "metrics.csv") as f:
         out = {"qlsd": [float(r["seconds"]) for r in csv.DictReader(f)]}
     for kind, apps in (("noop", noop_apps), ("shape", shape_apps)):
         times: list = []
         server, client = apps(rounds, b, lambda r, sec: times.append(sec))
         quiet_flower(False)
-        run_simulation(server_app=server, client_app=client, num_supernodes=b,
-                       backend_config=ray_backend_config(cfg))
+        run_apps(server, client, b, ray_backend_config(cfg))
         out[kind] = times
     return out
 
@@ -99,9 +101,9 @@ def wire_sizes() -> list[dict]:
 
     TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 0
     rows = []
-    for d in (50, 100_000):
+    for d in (50, small(100_000, 2_000)):
         v = rng.normal(0, rng.Stream.DATA, 9, 9, d)
-        for s in (2, 2**4, 2**8, 2**16):
+        for s in few((2, 2**4, 2**8, 2**16), 2):
             comp = QSGD(s=s, encoding="auto")
             reps = 5 if d > 1000 else 50
             payload, exact, t_enc, t_dec = [], [], 0.0, 0.0
@@ -147,8 +149,8 @@ def main() -> None:
               f"{r['flower_message_bytes']:>12} {r['encode_ms']:>7.2f} {r['decode_ms']:>7.2f}")
     if not args.skip_ray:
         result["ray"] = []
-        for b in (int(x) for x in args.clients.split(",")):
-            row = ray_round_times(b, args.rounds, args.pairs)
+        for b in few([int(x) for x in args.clients.split(",")]):
+            row = ray_round_times(b, small(args.rounds, 6), small(args.pairs, 1))
             result["ray"].append(row)
             print(f"Ray, {b} clients, median s/round: QLSD++ {row['qlsd_s_per_round']:.3f}, no-op "
                   f"{row['noop_s_per_round']:.3f}, shape-only {row['shape_s_per_round']:.3f} "
@@ -156,7 +158,7 @@ def main() -> None:
                   f"{row['noop_mean']:.3f}, shape-only {row['shape_mean']:.3f}; QLSD++/no-op "
                   f"{row['mean_ratio']:.2f} (pairs: {', '.join(f'{r:.2f}' for r in row['pair_mean_ratios'])}), "
                   f"shape-only/no-op {row['mean_shape_ratio']:.2f}", flush=True)
-    with open(args.out, "w") as f:
+    with open(smoke_out(args.out), "w") as f:
         json.dump(result, f, indent=2)
 
 

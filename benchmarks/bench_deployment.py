@@ -35,6 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from qlsd_flwr import deploy as D  # noqa: E402
 from qlsd_flwr.compression.qsgd import QSGD  # noqa: E402
 
+from benchmarks.smoke import small  # noqa: E402
+from benchmarks.smoke import out as smoke_out  # noqa: E402
+
 B, DIM, S = 3, 50, 16
 
 NOOP_APP = '''
@@ -113,6 +116,7 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=B, help="SuperNodes, one client each")
     ap.add_argument("--tls", action="store_true", help="a TLS SuperLink (self-made CA), the nodes verifying it")
     args = ap.parse_args()
+    args.rounds, args.pairs, args.nodes = small(args.rounds, 2), small(args.pairs, 1), small(args.nodes, 2)
     b = args.nodes
     root = Path(tempfile.mkdtemp(prefix="qlsd-bench-deploy-"))
     results: dict = {"b": b, "d": DIM, "s": S, "tls": args.tls, "rounds_per_run": args.rounds, "runs": [],
@@ -160,8 +164,8 @@ def main() -> None:
     results["analytic"] = {"bound_bits": q.bound_bits(DIM), "bound_bytes": q.bound_bits(DIM) / 8,
                            "dense_float64_bytes": 8 * DIM}
     results["wall_seconds"] = time.time() - t_all
-    Path(args.out).write_text(json.dumps(results, indent=1))
-    print(json.dumps(results["analytic"]), "->", args.out)
+    smoke_out(args.out).write_text(json.dumps(results, indent=1))
+    print(json.dumps(results["analytic"]), "->", smoke_out(args.out))
 
 
 if __name__ == "__main__":

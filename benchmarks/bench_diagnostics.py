@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.smoke import small  # noqa: E402
 
 
 def main() -> None:
@@ -31,6 +32,7 @@ def main() -> None:
     ap.add_argument("--draws", type=int, default=100)
     ap.add_argument("--chains", type=int, default=4)
     a = ap.parse_args()
+    a.d = small(a.d, 50)
     x = np.random.default_rng(0).normal(size=(a.chains, a.draws, a.d))
     t = time.perf_counter()
     mine = rhat_ess(x)

@@ -39,6 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.smoke import few, small  # noqa: E402
+from benchmarks.smoke import out as smoke_out  # noqa: E402
 from qlsd_flwr.config import resolve  # noqa: E402
 from qlsd_flwr.core.potential import GaussianPrior, Task  # noqa: E402
 from qlsd_flwr.engines.local import run_local  # noqa: E402
@@ -131,19 +133,19 @@ def row(name, n_chain_it, w, c, extra=""):
 def throughput(args) -> list[dict]:
     task = build_gaussian_task(b=20, d=50, data_seed=0)
     C = args.chains
-    K = 2000 if args.quick else 20000
+    K = small(2000 if args.quick else 20000, 20)
     out = []
     w, c = lower_bound(task, C, K // 4)
     out.append(row("bound: bare numpy QLSD* step", C * K // 4, w, c))
-    for variant, bits in (("qlsd-star", 4), ("qlsd-sharp", 4), ("qlsd-star", 16), ("lsd-star", None)):
+    for variant, bits in few((("qlsd-star", 4), ("qlsd-sharp", 4), ("qlsd-star", 16), ("lsd-star", None))):
         w, c = engine(task, C, K, variant, bits, 4.9e-4)
         out.append(row(f"engine (numba): {variant} s=2^{bits}" if bits else f"engine (numba): {variant}", C * K, w, c))
     w, c = side_by_side(task, C, K)
     out.append(row("engine (numba), 7 figure configs side by side", 7 * C * K, w, c, "per configuration-chain"))
-    Kn = 100 if args.quick else 400
+    Kn = small(100 if args.quick else 400, 5)
     w, c = engine(task, C, Kn, "qlsd-star", 4, 4.9e-4, backend="numpy")
     out.append(row("engine (numpy backend): qlsd-star s=2^4", C * Kn, w, c))
-    Kl = 100 if args.quick else 300
+    Kl = small(100 if args.quick else 300, 12)
     cfg = resolve({"variant": "qlsd-star", "s": "16", "num-rounds": Kl, "burn-in": 10, "progress": False,
                    "engine": "local"})
     w, c, _ = timed(lambda: run_local(cfg, task=task, write=False, progress=False))
@@ -154,18 +156,19 @@ def throughput(args) -> list[dict]:
 def scaling(args) -> list[dict]:
     out = []
     quick = args.quick
-    for b in (20, 100, 1000):
+    for b in few((20, 100, 1000)):
         task = build_gaussian_task(b=b, d=50, data_seed=0)
         C, K = (8, 200 if quick else 1000) if b < 1000 else (8, 20 if quick else 100)
+        K = small(K, 10)
         we, ce = engine(task, C, K)
         wb, cb = lower_bound(task, C, max(2, K // 5), gamma=0.3 / task.meta["N"])
         out.append({"axis": "b", "b": b, "d": 50, "chains": C, "engine_s_per_chain_it": we / (C * K),
                     "engine_cpu_s_per_chain_it": ce / (C * K), "bound_s_per_chain_it": wb / (C * max(2, K // 5)),
                     "N": int(task.meta["N"])})
-    for d in (50, 10_000, 1_000_000):
+    for d in few((50, 10_000, 1_000_000)):
         task = small_task(20, d)
         C = 8 if d <= 10_000 else 2
-        K = {50: 2000, 10_000: 100, 1_000_000: 4}[d] // (4 if quick else 1) or 2
+        K = small({50: 2000, 10_000: 100, 1_000_000: 4}[d] // (4 if quick else 1) or 2, 10)
         we, ce = engine(task, C, K)
         Kb = max(2, K // 5)
         wb, cb = lower_bound(task, C, Kb, gamma=0.3 / task.meta["N"])
@@ -200,7 +203,7 @@ def profile(args) -> list[dict]:
 
     src = Path(kernel.__file__).read_text().replace("cache=True", "cache=False")
     task = build_gaussian_task(b=20, d=50, data_seed=0)
-    K, C = (2000, 4) if args.quick else (10000, 4)
+    K, C = small((2000, 4) if args.quick else (10000, 4), (20, 2))
     out = []
 
     def measure(label, edits, side=False):
@@ -223,9 +226,9 @@ def profile(args) -> list[dict]:
             numba_backend.chains_block = kernel.chains_block
         out.append({"part": label, "side_by_side": side, "us_cpu_per_chain_it": 1e6 * best / (K * C * len(combos))})
 
-    for side in (False, True):
+    for side in few((False, True)):
         measure("full kernel", [], side)
-        for label, edits in ABLATIONS.items():
+        for label, edits in few(ABLATIONS).items():
             measure(f"without {label}", edits, side)
     return out
 
@@ -266,7 +269,7 @@ def main(argv=None) -> int:
     res["machine"]["load_after"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     print(f"\nload average before/after: {res['machine']['load_before']}, {res['machine']['load_after']}")
     if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1))
+        smoke_out(args.json).write_text(json.dumps(res, indent=1))
     return 0
 
 

@@ -10,10 +10,14 @@ compare codes on one machine; the first repeat warms up (imports, numba cache).
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
+from pathlib import Path
 
-from qlsd_flwr.run.simulate import run
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.smoke import small  # noqa: E402
+from qlsd_flwr.run.simulate import run  # noqa: E402
 
 
 def message_costs(n: int = 2000, d: int = 50) -> None:
@@ -52,8 +56,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=300)
     ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args()
+    a.rounds, a.repeats = small(a.rounds, 12), small(a.repeats, 1)
     if a.messages:
-        message_costs()
+        message_costs(small(2000, 20))
     for rep in range(a.repeats):
         t = time.perf_counter()
         run({"engine": "inprocess", "num-clients": a.clients, "num-rounds": a.rounds, "burn-in": 10,

@@ -83,6 +83,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.smoke import few, small  # noqa: E402
+from benchmarks.smoke import out as smoke_out  # noqa: E402
 from qlsd_flwr.config import resolve  # noqa: E402
 from qlsd_flwr.engines.vectorised import driver, run_vectorised  # noqa: E402
 from qlsd_flwr.engines.vectorised.numpy_backend import NumpyGeneric  # noqa: E402
@@ -107,7 +109,7 @@ class Problem:
     """The step's data and settings, as the engine builds them (padded over clients)."""
 
     def __init__(self, cfg, task):
-        specs, spec, _, _ = driver._parts(cfg, task)
+        specs, spec = driver._parts(cfg, task)[:2]
         cl = task.clients
         self.b, self.d, self.C = cfg.b, task.dim, cfg.num_chains
         self.p1, self.K = cl[0].n_features + 1, cl[0].n_classes
@@ -325,6 +327,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "logistic.json"))
     args = ap.parse_args()
     q = args.quick
+    args.repeats = small(args.repeats, 1)
     info = machine()
     info["threads"] = {v: os.environ.get(v) for v in (*THREAD_VARS, "XLA_FLAGS", "JAX_PLATFORMS")}
     have_jax, jax_why = False, ""
@@ -350,9 +353,9 @@ def main() -> None:
     rounds = {"breast_cancer": {"engine": 1500, "per-client": 300, "loop": 1500, "jax": 2000, "jax64": 500,
                                 "numba": 10000},
               "digits": {"engine": 300, "per-client": 100, "loop": 300, "jax": 500, "jax64": 300, "numba": 2000}}
-    for dataset, b in CONFIGS:
-        for variant in VARIANTS:
-            R = {k: max(100, v // 5 // 100 * 100) if q else v for k, v in rounds[dataset].items()}
+    for dataset, b in few(CONFIGS):
+        for variant in few(VARIANTS):
+            R = {k: small(max(100, v // 5 // 100 * 100) if q else v, 100) for k, v in rounds[dataset].items()}
             cfg = make_cfg(dataset, b, variant, R["engine"])
             cfg_pc = make_cfg(dataset, b, variant, R["per-client"])
             cfg_nb = make_cfg(dataset, b, variant, R["numba"])
@@ -395,14 +398,14 @@ def main() -> None:
                 row["ratios"]["engine/jax_f64_keys"] = e / row["jax_f64_keys"]["chain_it_per_s"]
             rows.append(row)
     info["load_avg_end"] = os.getloadavg()
-    prof_cfg = make_cfg("breast_cancer", 4, "qlsd-pp", 300 if q else 1500)
+    prof_cfg = make_cfg("breast_cancer", 4, "qlsd-pp", small(300 if q else 1500, 100))
     profile = profile_engine(prof_cfg, loading.load_task(prof_cfg))
     out = {"machine": info, "gamma": GAMMA, "rows": rows,
            "profile_engine_breast_cancer_qlsd_pp": profile,
            "command": "python benchmarks/bench_logistic.py" + (" --quick" if q else "")}
-    Path(args.out).write_text(json.dumps(out, indent=2))
+    smoke_out(args.out).write_text(json.dumps(out, indent=2))
     print_table(out)
-    print(f"\nwrote {args.out}")
+    print(f"\nwrote {smoke_out(args.out)}")
 
 
 def print_table(out: dict) -> None:

@@ -31,6 +31,10 @@ for p in (str(ROOT), str(ROOT / "benchmarks")):
         sys.path.insert(0, p)
 os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
 
+from benchmarks.smoke import SMOKE, run_apps, small  # noqa: E402
+from benchmarks.smoke import out as smoke_out  # noqa: E402
+from benchmarks.smoke import run_ray as smoke_run_ray  # noqa: E402
+
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -106,9 +110,6 @@ def growth(samples: dict, warmup: int) -> tuple[dict, dict]:
 
 
 def run_ours(rounds: int, every: int, out_dir: str) -> list:
-    from qlsd_flwr.config import resolve
-    from qlsd_flwr.run.simulate import run_ray
-
     samples: list = []
 
     def on_round(strategy):
@@ -119,12 +120,11 @@ def run_ours(rounds: int, every: int, out_dir: str) -> list:
     o = {"variant": "qlsd-pp", "num-clients": 10, "dim": 50, "num-rounds": rounds, "burn-in": 0,
          "p": "1.0", "s": "16", "progress": False, "engine": "ray", "output-dir": out_dir,
          "run-name": f"memory-{int(time.time())}"}
-    run_ray(resolve(o), o, strategy_kwargs={"on_round": on_round})
+    smoke_run_ray(o, strategy_kwargs={"on_round": on_round})
     return samples
 
 
 def run_noop(rounds: int, every: int) -> list:
-    from flwr.simulation import run_simulation
     from noop_app import noop_apps
 
     from qlsd_flwr.config import resolve
@@ -140,14 +140,13 @@ def run_noop(rounds: int, every: int) -> list:
     server, client = noop_apps(rounds, 10, on_round)
     quiet_flower(False)
     cfg = resolve({"num-clients": 10, "engine": "ray"})
-    run_simulation(server_app=server, client_app=client, num_supernodes=10,
-                   backend_config=ray_backend_config(cfg))
+    run_apps(server, client, 10, ray_backend_config(cfg))
     return samples
 
 
 def run_arm(arm: str, rounds: int, every: int) -> tuple[list, float]:
     t0 = time.perf_counter()
-    samples = run_ours(rounds, every, "/tmp/qlsd-bench-memory") if arm == "qlsd" else run_noop(rounds, every)
+    samples = run_ours(rounds, every, str(Path(SMOKE) / "runs") if SMOKE else "/tmp/qlsd-bench-memory") if arm == "qlsd" else run_noop(rounds, every)
     return samples, time.perf_counter() - t0
 
 
@@ -181,6 +180,7 @@ def main() -> None:
     ap.add_argument("--arm", choices=("qlsd", "noop"), help=argparse.SUPPRESS)  # one arm (--parallel)
     ap.add_argument("--out", default="benchmarks/memory.json")
     args = ap.parse_args()
+    args.rounds, args.every = small(args.rounds, 12), small(args.every, 3)
     if args.arm:  # one arm of --parallel: raw samples only
         samples, seconds = run_arm(args.arm, args.rounds, args.every)
         Path(args.out).write_text(json.dumps({"samples": samples, "seconds": seconds}))
@@ -201,7 +201,7 @@ def main() -> None:
            "growth_se_bytes_per_1000_rounds": fit_se,
            "rss_first_last": {name: [s[0], s[-1]] for name, s in samples.items() if s},
            "samples": samples}
-    Path(args.out).write_text(json.dumps(res, indent=1))
+    smoke_out(args.out).write_text(json.dumps(res, indent=1))
     g, se = res["growth_bytes_per_1000_rounds"], res["growth_se_bytes_per_1000_rounds"]
     for name in ("qlsd", "noop"):
         parts = ", ".join(f"{label} {g[name][k] / 1e3:7.1f} ± {se[name][k] / 1e3:4.1f} kB"

@@ -37,6 +37,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.smoke import SMOKE, few, folder, small  # noqa: E402
 from qlsd_flwr.config import resolve  # noqa: E402
 from qlsd_flwr.core.potential import Task  # noqa: E402
 from qlsd_flwr.core.priors import BlockPrior, LogHalfNormalPrior, StudentTPrior  # noqa: E402
@@ -110,7 +111,7 @@ def full_hessian(task: Task, theta: np.ndarray) -> np.ndarray:
     return H + np.diag(task.prior.curvature_diag(theta))
 
 
-def reference(task: Task, draws: int = 20_000, seed: int = 1) -> np.ndarray:
+def reference(task: Task, draws: int = small(20_000, 100), seed: int = 1) -> np.ndarray:
     """MALA in whitened coordinates ``θ = θ* + L φ``, ``L Lᵀ = H(θ*)^{-1}``: ``(chains·draws, d)``."""
     from qlsd_flwr.evaluation.reference import mala
 
@@ -126,7 +127,7 @@ def reference(task: Task, draws: int = 20_000, seed: int = 1) -> np.ndarray:
         def grad_potential(self, phi):
             return L.T @ task.grad_potential(ts + L @ phi)
 
-    res = mala(Whitened(), n_draws=draws, n_warmup=2000, n_chains=4, seed=seed, cache=False, init_scale=1.0)
+    res = mala(Whitened(), n_draws=draws, n_warmup=small(2000, 50), n_chains=4, seed=seed, cache=False, init_scale=1.0)
     phi = np.asarray(res.samples).reshape(-1, task.dim)
     return ts + phi @ L.T
 
@@ -135,7 +136,8 @@ def run_regressions(out: Path) -> dict:
     cases = [("p4-rho0.9-span30", 4, 0.9, 30.0), ("p10-rho0.95-span100", 10, 0.95, 100.0),
              ("p26-rho0.9-span300", 26, 0.9, 300.0)]
     rows = {}
-    for name, p, rho, span in cases:
+    K, burn = small(4000, 30), small(1000, 10)
+    for name, p, rho, span in few(cases):
         task = regression_task(p, rho, span)
         ts = mode_of(task)
         cond = float(np.linalg.cond(full_hessian(task, ts)))
@@ -149,13 +151,13 @@ def run_regressions(out: Path) -> dict:
         # LSD++ (minibatches, SVRG anchors, no compression) with each metric, then QLSD++ with QSGD: its
         # noise scales with the message's norm, which the stiff coordinates set, and M multiplies it
         # where the target is flat
-        for variant, metric, init in (("lsd-pp", "identity", "dispersed"), ("lsd-pp", "identity", "theta0"),
-                                      ("lsd-pp", "diagonal", "dispersed"), ("lsd-pp", "dense", "dispersed"),
-                                      ("qlsd-pp", "dense", "dispersed")):
+        for variant, metric, init in few((("lsd-pp", "identity", "dispersed"), ("lsd-pp", "identity", "theta0"),
+                                          ("lsd-pp", "diagonal", "dispersed"), ("lsd-pp", "dense", "dispersed"),
+                                          ("qlsd-pp", "dense", "dispersed"))):
             cfg = resolve({"task": "gaussian", "num-clients": task.b, "dim": task.dim, "variant": variant, "s": "64",
                            "l": 20, "batch-fraction": 0.2, "metric": metric, "gamma": "auto", "init": init,
-                           "num-chains": 4, "num-rounds": 4000, "burn-in": 1000, "theta-star": "optimise",
-                           "opt-rounds": 5000, "opt-accept-unconverged": True, "seed": 3, "progress": False,
+                           "num-chains": 4, "num-rounds": K, "burn-in": burn, "theta-star": "optimise",
+                           "opt-rounds": small(5000, 100), "opt-accept-unconverged": True, "seed": 3, "progress": False,
                            "vectorised-backend": "numpy"})
             t = time.perf_counter()
             key = f"{variant}{' s=64' if variant == 'qlsd-pp' else ''}, {metric}, init = {init}"
@@ -166,7 +168,7 @@ def run_regressions(out: Path) -> dict:
                 print(name, key, "diverged", flush=True)
                 continue
             wall = time.perf_counter() - t
-            draws = res.trace[:, 1000:, :]
+            draws = res.trace[:, burn:, :]
             flat = draws.reshape(-1, task.dim)
             from qlsd_flwr.evaluation.metrics import rhat_ess
 
@@ -218,11 +220,14 @@ def run_predictive(out: Path, which: str) -> dict:
                    ("diagonal", {"metric": "diagonal", "gamma": "auto"}),
                    ("kronecker", {"metric": "kronecker", "gamma": "auto"})]
     rows = {}
-    for task_name, base in bases.items():
+    # a smoke run: a few rounds, no low-rank correction, a short descent (the same code otherwise)
+    smoke = {"num-rounds": 12, "burn-in": 4, "thin": 1, "metric-rank": 0, "opt-rounds": 30,
+             "opt-accept-unconverged": True} if SMOKE else {}
+    for task_name, base in few(bases).items():
         rows[task_name] = {}
-        for label, ov in metrics:
-            cfg = {**base, **ov, "init": "dispersed", "progress": False, "output-dir": "/tmp/bench_metric",
-                   "vectorised-backend": "numpy", "loo": "off"}
+        for label, ov in few(metrics):
+            cfg = {**base, **ov, "init": "dispersed", "progress": False, "vectorised-backend": "numpy", "loo": "off",
+                   "output-dir": str(folder("/tmp/bench_metric")), **smoke}
             t = time.perf_counter()
             q = run(cfg)
             wall = time.perf_counter() - t
@@ -312,7 +317,8 @@ def run_bnn(out: Path, rounds: int = 4000, net: str = "wine", metrics=("identity
         return float(np.mean(p.argmax(1) == q.argmax(1)))
 
     t = time.perf_counter()
-    ref = hmc(task, n_draws=2000, n_warmup=500, n_chains=4, seed=1, n_leapfrog=20, cache=False, init_scale=0.5)
+    ref = hmc(task, n_draws=small(2000, 20), n_warmup=small(500, 10), n_chains=4, seed=1, n_leapfrog=20, cache=False,
+              init_scale=0.5)
     t_ref = time.perf_counter() - t
     S = np.asarray(ref.samples)
     p_ref, p_a, p_b = predictive(S), predictive(S[:2]), predictive(S[2:])
@@ -323,10 +329,10 @@ def run_bnn(out: Path, rounds: int = 4000, net: str = "wine", metrics=("identity
              "rank": ("diagonal + metric-rank 150", {"metric": "diagonal", "metric-rank": 150}),
              "adapt": (f"diagonal, adapt ({adapt_rounds} warm-up rounds)",
                        {"metric": "diagonal", "metric-from": "adapt", "adapt-rounds": adapt_rounds})}
-    for label, ov in (every[m] for m in metrics):
+    for label, ov in (every[m] for m in few(metrics)):
         cfg = resolve({"task": "gaussian", "num-clients": b, "dim": task.dim, "variant": "qlsd-pp", "s": "16", "l": 20,
                        "batch-fraction": 0.25, "gamma": "auto", "init": "dispersed", "num-chains": 4,
-                       "num-rounds": rounds, "burn-in": rounds // 2, "theta-star": "optimise", "opt-rounds": 2000,
+                       "num-rounds": rounds, "burn-in": rounds // 2, "theta-star": "optimise", "opt-rounds": small(2000, 50),
                        "opt-accept-unconverged": True, "seed": 3, "progress": False, "vectorised-backend": "numpy",
                        **ov})
         t = time.perf_counter()
@@ -363,7 +369,8 @@ def main() -> None:
                          "metric-rank 150), adapt")
     ap.add_argument("--adapt-rounds", type=int, default=1000, help="the warm-up of the adapt row")
     a = ap.parse_args()
-    out = ROOT / "benchmarks"
+    out = folder(ROOT / "benchmarks")
+    a.bnn_rounds, a.adapt_rounds = small(a.bnn_rounds, 20), small(a.adapt_rounds, 6)
     if a.regressions:
         run_regressions(out)
     if a.logistic:

@@ -46,6 +46,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from benchmarks.smoke import SMOKE, small  # noqa: E402
+from benchmarks.smoke import out as smoke_out  # noqa: E402
+
 B, D, PV, CHAINS, K = 20, 50, 5.0, 4, 5
 
 
@@ -55,8 +58,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2000)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    out_path = Path(a.out or f"benchmarks/rivals_{a.task}.json")
-    {"gaussian": gaussian, "logistic": logistic, "wine": wine}[a.task](a.rounds, out_path)
+    out_path = smoke_out(a.out or f"benchmarks/rivals_{a.task}.json")
+    {"gaussian": gaussian, "logistic": logistic, "wine": wine}[a.task](small(a.rounds, 16), out_path)
 
 
 class Bench:
@@ -213,7 +216,8 @@ def wine(R: int, path: Path) -> None:
         return float(0.5 * np.abs(p - q).sum(axis=1).mean())
 
     t = time.perf_counter()
-    ref = hmc(task, n_draws=2000, n_warmup=500, n_chains=4, seed=1, n_leapfrog=20, cache=False, init_scale=0.5)
+    ref = hmc(task, n_draws=small(2000, 20), n_warmup=small(500, 10), n_chains=4, seed=1, n_leapfrog=20, cache=False,
+              init_scale=0.5)
     S = np.asarray(ref.samples)
     p_ref, halves = predictive(S), tv(predictive(S[:2]), predictive(S[2:]))
 
@@ -221,8 +225,8 @@ def wine(R: int, path: Path) -> None:
         d = tv(predictive(draws), p_ref)
         return {"tv_to_hmc": d, "tv_ratio_to_hmc_halves": d / halves}
 
-    cfg = {"task": "gaussian", "num-clients": b, "dim": task.dim, "theta-star": "optimise", "opt-rounds": 2000,
-           "opt-accept-unconverged": True, "vectorised-backend": "numpy"}
+    cfg = {"task": "gaussian", "num-clients": b, "dim": task.dim, "theta-star": "optimise",
+           "opt-rounds": small(2000, 50), "opt-accept-unconverged": True, "vectorised-backend": "numpy"}
     bench = Bench(task, cfg, R, 0.0, 1.0, f"wine network (b = {b}, d = {task.dim})", errors=errors, own_task=True)
     bench.out["reference"] = {"method": "HMC, 4 x 2,000 draws, 20 leapfrog steps", "seconds": time.perf_counter() - t,
                               "acceptance": float(np.mean(ref.acceptance)), "tv_between_halves": halves}
@@ -250,11 +254,12 @@ def logistic(R: int, path: Path) -> None:
 
     b = 10
     cfg = {"task": "logistic", "dataset": "breast_cancer", "num-clients": b, "partition": "dirichlet",
-           "partition-alpha": 0.5, "theta-star": "optimise", "opt-rounds": 5000}  # θ*'s descent takes γ/5 for VR-FALD*
+           "partition-alpha": 0.5, "theta-star": "optimise", "opt-rounds": small(5000, 200),
+           **({"opt-accept-unconverged": True} if SMOKE else {})}  # θ*'s descent takes γ/5 for VR-FALD*
     task = loading.load_task(resolve(cfg))
     d = task.dim
     t = time.perf_counter()
-    ref = reference(task, draws=20_000)
+    ref = reference(task, draws=small(20_000, 100))
     t_ref = time.perf_counter() - t
     half = len(ref) // 2
     ts = mode_of(task)

@@ -27,6 +27,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.smoke import few, small  # noqa: E402
+from benchmarks.smoke import out as smoke_out  # noqa: E402
+
 
 def liar(offset: float, when: str = "phase"):
     """A client mod: client 0 adds ``offset`` to every coordinate of its θ* phase gradients
@@ -82,7 +85,7 @@ def main() -> None:
     ap.add_argument("--offset", type=float, default=200.0)
     ap.add_argument("--out", default="benchmarks/theta_star_lie.json")
     a = ap.parse_args()
-    K, b, d, pv = a.rounds, 10, 50, 5.0
+    K, b, d, pv = small(a.rounds, 8), 10, 50, 5.0
     task = build_gaussian_task(b, d, 0, prior_var=pv)
     refs = {"all": posterior_without(task, set(), pv), "without 0": posterior_without(task, {0}, pv)}
     o = {"task": "gaussian", "num-clients": b, "dim": d, "prior-var": pv, "variant": "qlsd-star",
@@ -102,7 +105,7 @@ def main() -> None:
     cases += [("honest", None, B), ("the same lie everywhere", "everywhere", B)]
     big = a.offset * max(1.0, 2 * B / (a.offset * np.sqrt(d)))  # a lie whose claim alone passes B
     cases += [(f"the same lie everywhere, {big:.0f} per coordinate", ("everywhere", big), B)]
-    for label, when, rule in cases:
+    for label, when, rule in few(cases, 2):
         when, size = when if isinstance(when, tuple) else (when, a.offset)
         mods = [liar(size, when)] if when else []
         r = run({**o, "norm-bound": rule, "run-name": f"{label}-{rule}"}, **({"mods": mods} if mods else {}))
@@ -113,7 +116,7 @@ def main() -> None:
                     "opt_converged": r.summary.get("opt_converged")})
         out["rows"][f"{label}, norm-bound = {rule if isinstance(rule, str) else 'B'}"] = row
         print(label, rule, json.dumps(row), flush=True)
-    Path(a.out).write_text(json.dumps(out, indent=1))
+    smoke_out(a.out).write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

@@ -98,6 +98,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks.smoke import SMOKE, folder  # noqa: E402
 from results_io import markdown, write_results  # noqa: E402
 
 # The paper's figures: supplement S5.3, Table "Performance of Bayesian FL algorithms trained on
@@ -273,6 +274,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.gamma_pp is None:
         args.gamma_pp = args.gamma / 2
+    if SMOKE:  # a smoke run (tests/test_docs_commands.py): every row for a few rounds, FedAvg (Ray) left out
+        args.rounds, args.draws, args.burn_in, args.jobs, args.no_fedavg = 6, 2, 2, 1, True
+        args.sgld_steps = 6
+        args.out = args.runs_dir = str(folder(args.out or "mnist_table"))
     if args.quick:
         args.rounds = min(args.rounds, 60)
         args.draws = min(args.draws, 20)

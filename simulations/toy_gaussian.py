@@ -45,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.smoke import SMOKE, folder  # noqa: E402
 from qlsd_flwr.config import resolve  # noqa: E402
 from qlsd_flwr.engines.vectorised import run_side_by_side  # noqa: E402
 from qlsd_flwr.tasks.gaussian import build_gaussian_task  # noqa: E402
@@ -236,6 +237,10 @@ def main(argv=None) -> int:
     ap.add_argument("--fresh", action="store_true", help="ignore runs.json (recompute everything)")
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
+    if SMOKE:  # a smoke run (tests/test_docs_commands.py): a few rounds, two runs, one companion step
+        args.rounds, args.burn_in, args.runs, args.fresh = 40, 20, 2, True
+        args.companion_gammas = args.companion_gammas.split(",")[0]
+        args.out = str(folder(args.out))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     task = build_gaussian_task(b=20, d=50, data_seed=args.data_seed)

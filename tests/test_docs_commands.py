@@ -14,8 +14,10 @@ then handled by what it is (``./dev test`` is the suite itself, which CI runs):
 * ``python -m qlsd_flwr.deploy …``: run, paths redirected into a scratch folder (``ray-state``,
   which needs a Ray cluster: its arguments parsed; the cluster test runs it in
   ``tests/test_deployment.py``).
-* ``python benchmarks/….py``, ``simulations/….py`` (minutes to hours): the script exists, and every
-  option the docs give appears in its ``--help``.
+* ``python benchmarks/….py``, ``simulations/….py`` (minutes to hours in full): the script exists,
+  every option the docs give appears in its ``--help``, and the command runs whole at a smoke size
+  (``QLSD_SMOKE``, :mod:`benchmarks.smoke`: the same code on a few rounds and draws, Ray swapped for
+  the in-process engine, its results written to a scratch folder instead of over the recorded ones).
 * Flower's and Ray's own programs (``flwr``, ``flower-superlink``, ``flower-supernode``, ``ray``)
   are run in ``tests/test_flwr_run.py`` and ``tests/test_deployment.py`` in the forms the docs give;
   system tools (``git``, ``openssl``, ``ssh-keygen``, a venv, ``cd``, ``export``) are not ours.
@@ -204,3 +206,37 @@ def test_every_documented_script_exists_and_takes_the_options_given():
         assert proc.returncode == 0, (sc, err[-2000:])
         missing = sorted(o for o in given[sc] if o not in out)
         assert not missing, (sc, missing)
+
+
+def _script_commands() -> list[str]:
+    """Each documented benchmark or simulation command once (an elided ``…`` form is listed whole
+    elsewhere)."""
+    out = []
+    for _, cmd in commands():
+        words = _argv(cmd)[1]
+        if any(w.endswith(".py") and ("benchmarks/" in w or "simulations/" in w) for w in words):
+            if "..." not in cmd and "…" not in cmd and "<" not in cmd:
+                out.append(" ".join(words).replace(".venv/bin/python ", "python "))
+    return sorted(set(out))
+
+
+def _recorded() -> dict[str, float]:
+    """The recorded results' modification times (a smoke run must leave them alone)."""
+    files = [*(REPO / "benchmarks").glob("*.json"), *(REPO / "benchmarks").glob("*.png"),
+             *(REPO / "simulations" / "results").rglob("*")]
+    return {str(f): f.stat().st_mtime for f in files if f.is_file()}
+
+
+@pytest.mark.docs_smoke  # CI runs these after the suite (.ci/run): about 5 CPU-minutes in all
+@pytest.mark.parametrize("cmd", _script_commands())
+def test_every_documented_script_command_runs_at_a_smoke_size(cmd, tmp_path):
+    words = shlex.split(cmd)
+    assert words[0] == "python", cmd
+    before = _recorded()
+    env = {**__import__("os").environ, "QLSD_SMOKE": str(tmp_path / "smoke"), "OMP_NUM_THREADS": "1",
+           "MPLBACKEND": "Agg"}
+    proc = subprocess.run([sys.executable, *words[1:]], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, (cmd, proc.stdout[-1500:], proc.stderr[-3000:])
+    assert proc.stdout.strip() or any((tmp_path / "smoke").rglob("*")), cmd  # it reported or wrote something
+    assert _recorded() == before, cmd  # no recorded result was overwritten
