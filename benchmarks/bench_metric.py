@@ -291,14 +291,16 @@ def wine_net(b: int = 4):
 
 
 def run_bnn(out: Path, rounds: int = 4000, net: str = "wine", metrics=("identity", "diagonal"),
-            adapt_rounds: int = 1000) -> dict:
+            adapt_rounds: int = 1000, chains: int = 4, gamma_c: float | None = None) -> dict:
     """A small network against full-batch HMC (4 chains × 2,000 draws after 500 warm-up, 20
     leapfrog steps): the predictive's agreement (same argmax) and total variation (Izmailov et al.
     2021) on the evaluation inputs, against the TV between the two halves of the HMC reference
     (chains 0–1 against 2–3). ``net``: ``wine`` (:func:`wine_net`) or ``digits`` (:func:`digits_mlp`);
     ``metrics``: the rows (``identity``, ``diagonal``, ``rank``: the diagonal metric corrected in 150
     directions, ``adapt``: the diagonal metric refined by
-    ``adapt_rounds`` warm-up rounds, ``metric-from = adapt``)."""
+    ``adapt_rounds`` warm-up rounds, ``metric-from = adapt``); ``chains``: the sampler's chains (from
+    dispersed starts; their two halves' TV to each other is the sampler's own Monte Carlo spread, reported
+    beside); ``gamma_c``: ``gamma-c`` (the step's ``c`` in ``γ = c/λ_max``; the key's default if ``None``)."""
     from qlsd_flwr.core.potential import GaussianPrior
     from qlsd_flwr.evaluation.reference import hmc
 
@@ -331,7 +333,8 @@ def run_bnn(out: Path, rounds: int = 4000, net: str = "wine", metrics=("identity
                        {"metric": "diagonal", "metric-from": "adapt", "adapt-rounds": adapt_rounds})}
     for label, ov in (every[m] for m in few(metrics)):
         cfg = resolve({"task": "gaussian", "num-clients": b, "dim": task.dim, "variant": "qlsd-pp", "s": "16", "l": 20,
-                       "batch-fraction": 0.25, "gamma": "auto", "init": "dispersed", "num-chains": 4,
+                       "batch-fraction": 0.25, "gamma": "auto", "init": "dispersed", "num-chains": chains,
+                       **({"gamma-c": gamma_c} if gamma_c is not None else {}),
                        "num-rounds": rounds, "burn-in": rounds // 2, "theta-star": "optimise", "opt-rounds": small(2000, 50),
                        "opt-accept-unconverged": True, "seed": 3, "progress": False, "vectorised-backend": "numpy",
                        **ov})
@@ -342,14 +345,18 @@ def run_bnn(out: Path, rounds: int = 4000, net: str = "wine", metrics=("identity
         p = predictive(draws)
         rows[label] = {"gamma": res.summary["gamma"], "tv_to_hmc": tv(p, p_ref), "agreement_with_hmc": agree(p, p_ref),
                        "tv_ratio_to_hmc_halves": tv(p, p_ref) / rows["hmc"]["tv_between_halves"],
-                       "wall_seconds": wall, "rounds": rounds}
+                       "tv_between_own_halves": tv(predictive(draws[: chains // 2]), predictive(draws[chains // 2:])),
+                       "chains": chains, "wall_seconds": wall, "rounds": rounds}
         print(label, json.dumps(rows[label]), flush=True)
     suffix = "" if net == "wine" else "_digits"
     result = {"machine": machine(),
               "command": f"python benchmarks/bench_metric.py --bnn{suffix.replace('_', '-')} --bnn-rounds {rounds}"
-                         f" --bnn-metrics {','.join(metrics)}",
+                         f" --bnn-metrics {','.join(metrics)}" + (f" --bnn-chains {chains}" if chains != 4 else "")
+                         + (f" --bnn-gamma-c {gamma_c}" if gamma_c is not None else ""),
               "net": net, "dim": task.dim, "rows": rows}
     tag = "" if tuple(metrics) == ("identity", "diagonal") else "_" + "_".join(metrics)
+    tag += f"_{chains}chains" if chains != 4 else ""
+    tag += f"_c{gamma_c:g}" if gamma_c is not None else ""
     (out / f"metric_bnn{suffix}{tag}.json").write_text(json.dumps(result, indent=2))
     return result
 
@@ -368,6 +375,8 @@ def main() -> None:
                     help="comma-separated rows of --bnn/--bnn-digits: identity, diagonal, rank (diagonal + "
                          "metric-rank 150), adapt")
     ap.add_argument("--adapt-rounds", type=int, default=1000, help="the warm-up of the adapt row")
+    ap.add_argument("--bnn-chains", type=int, default=4, help="the sampler's chains (--bnn, --bnn-digits)")
+    ap.add_argument("--bnn-gamma-c", type=float, default=None, help="gamma-c of the sampler rows (default: the key's)")
     a = ap.parse_args()
     out = folder(ROOT / "benchmarks")
     a.bnn_rounds, a.adapt_rounds = small(a.bnn_rounds, 20), small(a.adapt_rounds, 6)
@@ -382,9 +391,11 @@ def main() -> None:
     if a.mainjob_rank:
         run_predictive(out, "mainjob_rank")
     if a.bnn:
-        run_bnn(out, rounds=a.bnn_rounds, metrics=a.bnn_metrics.split(","), adapt_rounds=a.adapt_rounds)
+        run_bnn(out, rounds=a.bnn_rounds, metrics=a.bnn_metrics.split(","), adapt_rounds=a.adapt_rounds,
+                chains=a.bnn_chains, gamma_c=a.bnn_gamma_c)
     if a.bnn_digits:
-        run_bnn(out, rounds=a.bnn_rounds, net="digits", metrics=a.bnn_metrics.split(","), adapt_rounds=a.adapt_rounds)
+        run_bnn(out, rounds=a.bnn_rounds, net="digits", metrics=a.bnn_metrics.split(","), adapt_rounds=a.adapt_rounds,
+                chains=a.bnn_chains, gamma_c=a.bnn_gamma_c)
 
 
 if __name__ == "__main__":

@@ -50,6 +50,8 @@ from benchmarks.smoke import SMOKE, small  # noqa: E402
 from benchmarks.smoke import out as smoke_out  # noqa: E402
 
 B, D, PV, CHAINS, K = 20, 50, 5.0, 4, 5
+ONLY = ""  # --only: the samplers rerun (the others' rows are the recorded file's, RECORDED)
+RECORDED: dict = {}
 
 
 def main() -> None:
@@ -57,8 +59,17 @@ def main() -> None:
     ap.add_argument("--task", choices=("gaussian", "logistic", "wine"), default="gaussian")
     ap.add_argument("--rounds", type=int, default=2000)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--only", default="", help="rerun only the samplers whose name holds this text; the other "
+                                                "rows are kept from the file at --out (same task and rounds)")
     a = ap.parse_args()
     out_path = smoke_out(a.out or f"benchmarks/rivals_{a.task}.json")
+    global ONLY, RECORDED
+    ONLY = a.only
+    if ONLY:  # the recorded file (read where it lies, also in a smoke run, which writes elsewhere)
+        recorded = Path(a.out or f"benchmarks/rivals_{a.task}.json")
+        if not recorded.is_file():
+            raise SystemExit(f"--only: no recorded results at {recorded} to keep the other samplers' rows from")
+        RECORDED = json.loads(recorded.read_text())
     {"gaussian": gaussian, "logistic": logistic, "wine": wine}[a.task](small(a.rounds, 16), out_path)
 
 
@@ -76,12 +87,26 @@ class Bench:
         self.out = {"machine": platform.processor() or platform.machine(), "task": label, "rounds": R,
                     "b": task.b, "d": task.dim, "chains": CHAINS,
                     "command": "python benchmarks/bench_rivals.py " + " ".join(sys.argv[1:]), "samplers": {}}
+        if ONLY:  # a partial rerun: the recorded file's command and reference, and a note of the rerun
+            if RECORDED.get("rounds") != R and not SMOKE:
+                raise SystemExit(f"--only: the file at --out has rounds = {RECORDED.get('rounds')}, not {R}")
+            self.out.update({k: RECORDED[k] for k in ("command", "reference") if k in RECORDED})
+            self.out["reruns"] = [*RECORDED.get("reruns", []), {
+                "only": ONLY, "command": "python benchmarks/bench_rivals.py " + " ".join(sys.argv[1:]),
+                "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}]
 
     def errors(self, draws: np.ndarray) -> dict:
         sd = np.sqrt(self.ref_var)
         x = draws.reshape(-1, draws.shape[-1])
         return {"mean_err_sd": float(np.max(np.abs(x.mean(0) - self.ref_mean) / sd)),
                 "var_ratio": float(np.mean(x.var(0) / self.ref_var))}
+
+    def skip(self, name: str) -> bool:
+        """With ``--only``: a sampler not named keeps its recorded row (from the file being rewritten)."""
+        if not ONLY or ONLY in name:
+            return False
+        self.out["samplers"][name] = RECORDED["samplers"][name]
+        return True
 
     def record(self, name: str, traces: np.ndarray, up: float, down: float, once: float = 0.0,
                seconds: float = 0.0, how: str = "protocol"):
@@ -99,6 +124,8 @@ class Bench:
         from qlsd_flwr.outputs.recorder import load_samples
         from qlsd_flwr.run.simulate import run
 
+        if self.skip(name):
+            return
         t = time.perf_counter()
         base = {**self.cfg, "num-rounds": self.R, "burn-in": 0, "thin": 1, "loo": "off", "plot": False,
                 "progress": False, "output-dir": self.tmp, "engine": engine, **over}
@@ -128,6 +155,8 @@ class Bench:
         self.out["samplers"][name]["once_downlink_bits"] = anchor
 
     def core(self, name: str, one_chain, up: float, down: float, once: float = 0.0):
+        if self.skip(name):
+            return
         t = time.perf_counter()
         traces = np.stack([one_chain(c) for c in range(CHAINS)])
         self.record(name, traces, up, down, once, time.perf_counter() - t, how="framework-free core")
@@ -234,7 +263,9 @@ def wine(R: int, path: Path) -> None:
     # the step: gamma = auto's for QLSD++ (c/λ_max by the federated power iteration), the same for all
     bench.protocol("QLSD++ (s = 16)", {"variant": "qlsd-pp", "s": "16", "l": 20, "batch-fraction": 1.0,
                                        "gamma": "auto"}, engine="vectorised")
-    gamma = float(json.loads((Path(bench.tmp) / "QLSD++_(s_=_16)-None" / "summary.json").read_text())["gamma"])
+    run_dir = Path(bench.tmp) / "QLSD++_(s_=_16)-None"
+    gamma = (float(json.loads((run_dir / "summary.json").read_text())["gamma"]) if run_dir.exists()
+             else float(RECORDED["reference"]["gamma"]))  # --only without QLSD++: the recorded γ
     bench.cfg["gamma"] = gamma
     bench.out["reference"]["gamma"] = gamma
     bench.protocol("LSD++ (float64)", {"variant": "lsd-pp", "l": 20, "batch-fraction": 1.0}, engine="vectorised")
