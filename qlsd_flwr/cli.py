@@ -11,6 +11,7 @@ from pathlib import Path
 from qlsd_flwr import __version__
 from qlsd_flwr.config import ConfigError
 from qlsd_flwr.keys import help_text, markdown_table, pyproject_block
+from qlsd_flwr.protocol.divergence import DivergenceError
 from qlsd_flwr.protocol.wire import PhaseError
 
 HELP = """QLSD, QLSD#, QLSD* and QLSD++ (Vono et al., AISTATS 2022): federated Langevin sampling on Flower.
@@ -188,6 +189,9 @@ def _dispatch(args) -> int:
     except (InputError, PhaseError) as exc:  # PhaseError: a client's unusable reply before sampling, named
         print(f"qlsd-flwr: {exc}", file=sys.stderr)
         return 2
+    except DivergenceError as exc:  # a run-away chain: one line; the run folder keeps its rounds and the round
+        print(f"qlsd-flwr: {exc}", file=sys.stderr)
+        return 1
     except OSError as exc:  # an output folder that cannot be made or written, a full disk, ...
         where = f" {exc.filename}" if getattr(exc, "filename", None) else ""
         print(f"qlsd-flwr: cannot write or read{where}: {exc.strerror or exc}", file=sys.stderr)

@@ -53,3 +53,14 @@ def test_an_output_folder_that_cannot_be_made(tmp_path, capsys):
     err = _one_line_error(capsys, ["run", "--set", "engine=local", "--set", "num-rounds=2", "--set", "burn-in=0",
                                    "--set", f"output-dir={blocker}/out", "--set", "progress=false"])
     assert "cannot write or read" in err and "file" in err
+
+
+def test_a_run_away_chain_is_one_line_and_exit_code_1(tmp_path, capsys):
+    # p = 1e-3 (tests/test_influence.py): one reply weighted 1000 throws θ away within 3,000 rounds
+    sets = {"task": "gaussian", "p": "0.001", "num-rounds": 3000, "burn-in": 1000, "engine": "local",
+            "progress": "false", "plot": "false", "output-dir": str(tmp_path), "run-name": "away"}
+    assert main(["run", *(a for k, v in sets.items() for a in ("--set", f"{k}={v}"))]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("qlsd-flwr: the chain diverged at round")
+    assert (tmp_path / "away" / "summary.json").is_file()  # the rounds so far are kept
