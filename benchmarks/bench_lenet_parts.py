@@ -35,6 +35,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# Ray's own costs are what this script measures: a smoke run keeps Ray, at a few rounds and calls
+from benchmarks.smoke import few, small  # noqa: E402
+from benchmarks.smoke import out as smoke_out  # noqa: E402
 
 
 def _actor_mod(folder: str):
@@ -108,9 +113,9 @@ def poll(pairs: int) -> dict:
 
     toy = {"variant": "qlsd-pp", "num-clients": 20, "dim": 50, "burn-in": 0, "p": "1.0", "s": "16",
            "gamma": 4.9e-4, "progress": False, "engine": "ray", "output-dir": tempfile.mkdtemp()}  # bench_chains'
-    cases = {"toy": ({**toy, "num-rounds": 40}, 5, pairs),
-             "lenet": ({**LENET, "engine": "ray", "num-rounds": 30, "output-dir": tempfile.mkdtemp()}, 5, pairs),
-             "toy_1000_clients": ({**toy, "num-clients": 1000, "gamma": 4.9e-4 * 20 / 1000, "num-rounds": 8}, 2, 1)}
+    cases = few({"toy": ({**toy, "num-rounds": small(40, 7)}, 5, pairs),
+                 "lenet": ({**LENET, "engine": "ray", "num-rounds": 30, "output-dir": tempfile.mkdtemp()}, 5, pairs),
+                 "toy_1000_clients": ({**toy, "num-clients": 1000, "gamma": 4.9e-4 * 20 / 1000, "num-rounds": 8}, 2, 1)})
     new = S.FIRST_POLL_S
     out: dict = {}
     for name, (o, skip, n) in cases.items():
@@ -141,11 +146,11 @@ def transfer(batches: int = 10) -> dict:
 
     actors = [Echo.remote() for _ in range(4)]
     out = {}
-    for size in (300, 1_481_698):
+    for size in few((300, 1_481_698)):
         msg, ctx = b"m" * 494_729, b"c" * size
         ray.get([a.run.remote(msg, ctx) for a in actors])
         one = []
-        for _ in range(30):
+        for _ in range(small(30, 2)):
             t = time.perf_counter()
             ray.get(actors[0].run.remote(msg, ctx))
             one.append(time.perf_counter() - t)
@@ -188,7 +193,7 @@ def vmap(reps: int = 10) -> dict:
         return F.cross_entropy(functional_call(model, p, (X,)), y, reduction="sum")
 
     out = {"torch": torch.__version__}
-    for R in (2, 8):
+    for R in few((2, 8)):
         P = {k: torch.stack([v + 0.01 * i for i in range(R)]) for k, v in base.items()}
         batched = tvmap(grad(loss), in_dims=(0, None, None))
 
@@ -230,13 +235,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    a.pairs, a.rounds = small(a.pairs, 1), small(a.rounds, 7)
     res: dict = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
                  "load_at_start": os.getloadavg()}
     if a.vmap:
-        res["vmap"] = vmap()
+        res["vmap"] = vmap(small(10, 2))
         print(json.dumps(res["vmap"], indent=1), flush=True)
     if a.transfer:
-        res["transfer"] = transfer()
+        res["transfer"] = transfer(small(10, 1))
         print(json.dumps(res["transfer"], indent=1), flush=True)
     if a.poll:
         res["poll"] = poll(a.pairs)
@@ -245,7 +251,7 @@ def main() -> None:
         print(json.dumps(res["actor"], indent=1), flush=True)
     res["load_at_end"] = os.getloadavg()
     if a.out:
-        Path(a.out).write_text(json.dumps(res, indent=1))
+        smoke_out(a.out).write_text(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":

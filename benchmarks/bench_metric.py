@@ -345,7 +345,10 @@ def run_bnn(out: Path, rounds: int = 4000, net: str = "wine", metrics=("identity
         p = predictive(draws)
         rows[label] = {"gamma": res.summary["gamma"], "tv_to_hmc": tv(p, p_ref), "agreement_with_hmc": agree(p, p_ref),
                        "tv_ratio_to_hmc_halves": tv(p, p_ref) / rows["hmc"]["tv_between_halves"],
-                       "tv_between_own_halves": tv(predictive(draws[: chains // 2]), predictive(draws[chains // 2:])),
+                       "tv_between_own_halves": (tv(predictive(draws[: chains // 2]), predictive(draws[chains // 2:]))
+                                                 if chains >= 2 else None),
+                       "tv_own_halves_to_hmc": ([tv(predictive(h), p_ref) for h in (draws[: chains // 2], draws[chains // 2:])]
+                                                if chains >= 2 else None),
                        "chains": chains, "wall_seconds": wall, "rounds": rounds}
         print(label, json.dumps(rows[label]), flush=True)
     suffix = "" if net == "wine" else "_digits"
@@ -355,7 +358,7 @@ def run_bnn(out: Path, rounds: int = 4000, net: str = "wine", metrics=("identity
                          + (f" --bnn-gamma-c {gamma_c}" if gamma_c is not None else ""),
               "net": net, "dim": task.dim, "rows": rows}
     tag = "" if tuple(metrics) == ("identity", "diagonal") else "_" + "_".join(metrics)
-    tag += f"_{chains}chains" if chains != 4 else ""
+    tag += f"_{chains}chains_{rounds}" if chains != 4 else ""  # the rounds too: another length is another file
     tag += f"_c{gamma_c:g}" if gamma_c is not None else ""
     (out / f"metric_bnn{suffix}{tag}.json").write_text(json.dumps(result, indent=2))
     return result
@@ -379,7 +382,7 @@ def main() -> None:
     ap.add_argument("--bnn-gamma-c", type=float, default=None, help="gamma-c of the sampler rows (default: the key's)")
     a = ap.parse_args()
     out = folder(ROOT / "benchmarks")
-    a.bnn_rounds, a.adapt_rounds = small(a.bnn_rounds, 20), small(a.adapt_rounds, 6)
+    a.bnn_rounds, a.adapt_rounds = small(a.bnn_rounds, 60), small(a.adapt_rounds, 20)
     if a.regressions:
         run_regressions(out)
     if a.logistic:

@@ -53,7 +53,9 @@ def commands() -> list[tuple[str, str]]:
         lines = []
         for block in re.findall(r"```(?:bash|sh|shell)\n(.*?)```", text, re.S):
             lines += block.replace("\\\n", " ").split("\n")
-        lines += re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", text, flags=re.S))
+        # inline code, also where the text wraps a command over two lines (not across a paragraph)
+        lines += [" ".join(span.split()) for span in re.findall(r"`([^`]+)`", re.sub(r"```.*?```", "", text, flags=re.S))
+                  if "\n\n" not in span]
         for line in lines:
             line = re.sub(r"\s+#.*$", "", line.strip())
             if line.startswith(OURS):
