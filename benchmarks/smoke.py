@@ -25,10 +25,7 @@ def out(path) -> Path:
     """Where a result goes: ``path`` normally, the same name inside the smoke folder under
     ``QLSD_SMOKE`` (so a smoke run never overwrites a recorded result)."""
     path = Path(path)
-    if not SMOKE:
-        return path
-    Path(SMOKE).mkdir(parents=True, exist_ok=True)
-    return Path(SMOKE) / path.name
+    return folder(path.parent) / path.name if SMOKE else path
 
 
 def engine(name: str) -> str:

@@ -189,7 +189,7 @@ def _dispatch(args) -> int:
     except (InputError, PhaseError) as exc:  # PhaseError: a client's unusable reply before sampling, named
         print(f"qlsd-flwr: {exc}", file=sys.stderr)
         return 2
-    except DivergenceError as exc:  # a run-away chain: one line; the run folder keeps its rounds and the round
+    except DivergenceError as exc:  # a run-away chain: one line; the run folder keeps the rounds before it
         print(f"qlsd-flwr: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:  # an output folder that cannot be made or written, a full disk, ...
