@@ -105,6 +105,8 @@ class Bench:
         """With ``--only``: a sampler not named keeps its recorded row (from the file being rewritten)."""
         if not ONLY or ONLY in name:
             return False
+        if name not in RECORDED.get("samplers", {}):
+            raise SystemExit(f"--only {ONLY!r}: the recorded file has no row {name!r} to keep; rerun it too")
         self.out["samplers"][name] = RECORDED["samplers"][name]
         return True
 
