@@ -33,6 +33,8 @@ VARIANTS: dict[str, tuple[str, bool, bool]] = {
     "vr-fald-star": ("fald-star", False, False),
     # DG-LMC: each client's z_i kept on both sides as QLSD++'s memory is (α = 1; core.dglmc)
     "dg-lmc": ("dglmc", False, True),
+    # FSGLD: one client a round, conducive gradients from Taylor surrogates at θ* (core.fsgld)
+    "fsgld": ("fsgld", False, False),
 }
 ALIASES = {"qlsd#": "qlsd-sharp", "qlsd*": "qlsd-star", "qlsd++": "qlsd-pp",
            "lsd*": "lsd-star", "lsd++": "lsd-pp", "vr-fald*": "vr-fald-star"}
@@ -116,7 +118,7 @@ class RunConfig:
                 "resolved": d}
 
 
-STAR_VARIANTS = ("qlsd-star", "lsd-star", "vr-fald-star")
+STAR_VARIANTS = ("qlsd-star", "lsd-star", "vr-fald-star", "fsgld")
 
 
 def not_applicable(raw: dict) -> set[str]:
@@ -149,6 +151,8 @@ def not_applicable(raw: dict) -> set[str]:
         out |= {"batch-fraction", "l", "alpha", "prior-on", "rho"}
     elif name == "dg-lmc":  # full local gradients on z_i; the prior in the server's exact draw; α = 1
         out |= {"batch-fraction", "l", "alpha", "prior-on", "tau", "aggregation"}
+    elif name == "fsgld":  # one client a round by its data share, all of the noise, the prior on the client
+        out |= {"batch-fraction", "l", "alpha", "prior-on", "tau", "aggregation", "rho"}
     else:
         out |= {"local-steps", "tau", "rho"}
     if metric in ("identity",) or metric.endswith(".npy"):
@@ -257,7 +261,7 @@ def resolve(overrides: Mapping[str, Any] | None = None) -> RunConfig:
     alpha = None if v["alpha"] == "auto" else float(v["alpha"])
     prior_var = math.inf if isinstance(v["prior-var"], str) else float(v["prior-var"])
     prior_on = _choice("prior-on", raw["prior-on"], ("server", "clients"))
-    if oracle in ("fald", "fald-star", "dglmc"):  # not applicable: FALD shares U_0 by w_i, DG-LMC draws it exactly
+    if oracle in ("fald", "fald-star", "dglmc", "fsgld"):  # n/a: FALD shares U_0 by w_i, DG-LMC draws it exactly
         prior_on = "server"
     block_norm = _choice("block-norm", raw["block-norm"], ("vector", "tensor"))
     encoding = _choice("encoding", raw["encoding"], ("auto", "elias", "packed"))
@@ -328,9 +332,12 @@ def _check_biased_aggregation(variant: str, oracle: str, aggregation: str, p: np
 
 
 def _check_local_steps(variant, oracle, raw, engine, metric, aggregation, p, rank) -> None:
-    """What FALD and VR-FALD* (:mod:`qlsd_flwr.core.fald`) do not take yet, refused by key."""
-    if oracle not in ("fald", "fald-star", "dglmc"):
+    """What the rivals (FALD, VR-FALD*, DG-LMC, FSGLD) do not take yet, refused by key."""
+    if oracle not in ("fald", "fald-star", "dglmc", "fsgld"):
         return
+    if oracle == "fsgld" and np.any(p < 1.0):
+        raise ConfigError("p: fsgld asks one client a round, drawn with probability f_i = N_i/N (its data share); "
+                          "the participation probabilities do not apply; allowed: 1")
     if engine == "vectorised":
         raise ConfigError(f"engine: {variant} runs on engine = ray, inprocess or local (its local steps are not "
                           "in the vectorised engine yet); allowed: ray, inprocess, local")
@@ -340,7 +347,7 @@ def _check_local_steps(variant, oracle, raw, engine, metric, aggregation, p, ran
     if oracle == "dglmc" and float(raw["temperature"]) != 1.0:
         raise ConfigError(f"temperature: {variant} samples T = 1 only (its exact θ | z draw and the clients' "
                           "steps are not tempered yet); allowed: 1.0")
-    if oracle != "dglmc" and aggregation != "unbiased" and np.any(p < 1.0):
+    if oracle in ("fald", "fald-star") and aggregation != "unbiased" and np.any(p < 1.0):
         raise ConfigError(f"aggregation: {variant} averages its clients with the weights w_i/p_i (unbiased), "
                           "which keep its noise exact under partial participation; allowed: unbiased")
 

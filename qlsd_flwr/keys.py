@@ -112,12 +112,14 @@ KEYS: tuple[Key, ...] = (
     # the sampler
     Key("variant", "qlsd-pp", "choice", "QLSD, QLSD# (minibatch), QLSD* (control variate at θ*), QLSD++ (SVRG "
         "anchor and memory), LSD*, LSD++ (uncompressed), SGLD (centralised); the rivals FALD, VR-FALD* (local "
-        "Langevin steps, averaged) and DG-LMC (local chains on z_i, exact θ | z): docs/RIVALS.md", "",
+        "Langevin steps, averaged), DG-LMC (local chains on z_i, exact θ | z) and FSGLD (one client a round, "
+        "conducive gradients from surrogates at θ*): docs/RIVALS.md", "",
         choices=("qlsd", "qlsd-sharp", "qlsd-star", "qlsd-pp", "lsd-star", "lsd-pp", "sgld", "fald", "vr-fald-star",
-                 "dg-lmc"),
+                 "dg-lmc", "fsgld"),
         group=SAMPLER),
     Key("local-steps", 1, "int", "FALD, VR-FALD*: local Langevin steps of step γ/w_i per round on each active "
-        "client (w_i = N_i/N its data share); DG-LMC: ULA steps on each active client's z_i", "K_loc", lo=1,
+        "client (w_i = N_i/N its data share); DG-LMC: ULA steps on each active client's z_i; FSGLD: Langevin "
+        "steps of step γ on the round's one client", "K_loc", lo=1,
         cap=10**5, group=SAMPLER),
     Key("rho", "auto", "float|word", "DG-LMC: the variance coupling each client's z_i to θ in the augmented target "
         "exp(−U_0(θ) − Σ_i [U_i(z_i) + ‖z_i − θ‖²/(2ρ)]), whose θ-marginal tends to π as ρ → 0 (auto: ρ = γ/10)",

@@ -1,6 +1,5 @@
 """FSGLD's core (:mod:`qlsd_flwr.core.fsgld`, issue 23) against its own stationary law on the toy
-Gaussian. Only the framework-free sampler exists so far: surrogate fitting for a general
-potential, the Flower messages, the engines and the outputs are not built.
+Gaussian (the protocol path's tests: ``test_rivals_protocol.py``).
 
 * Exact surrogates make the conducive gradient ``∇U`` whichever client is chosen: the law is
   ULA's on the posterior for any number of local steps ``K``.

@@ -70,6 +70,40 @@ def test_three_steady_attacks_leave_the_chain_of_the_federation_without_the_atta
         assert variant == "dg-lmc"
 
 
+def _sampling_only(mod):
+    """``mod`` on the sampling rounds only: the client answers the θ* phase, the claims and the curvature
+    honestly (a lie there is caught by the claims at θ*), then lies in every reply it samples."""
+    def wrapped(msg, ctx, call_next):
+        try:
+            phase = msg.content["qlsd"]["phase"]
+        except (KeyError, TypeError):
+            phase = None
+        return mod(msg, ctx, call_next) if phase == "sample" else call_next(msg, ctx)
+    return wrapped
+
+
+def test_fsgld_s_one_client_a_round_is_judged_against_the_server_s_own_prediction(tmp_path):
+    # FSGLD asks one client a round, drawn by its data share: the pool of replies the rule judges by holds
+    # too few clients in the first rounds, and a large client can be most of it. The server judges its
+    # replies against the reply an honest client with an exact surrogate would send, which it computes
+    # itself: the attacker is refused from its first reply and excluded at its 8th, and the chain then
+    # samples the posterior without client 0 (closed form) within 1 sd. Without the rule θ runs away.
+    o = {**GAUSS, "variant": "fsgld", "loo": "off", "output-dir": str(tmp_path)}
+    task = build_gaussian_task(5, 5, 0)
+    without, sd = posterior_without(task, {0}, np.inf)
+    assert np.max(np.abs(task.posterior_mean - without) / sd) > 5  # client 0's data matter
+    for mode in ATTACKS:
+        r = run({**o, "run-name": mode}, mods=[_sampling_only(attacker(mode, o))])
+        assert r.summary["excluded"] == {"0": 12} and r.summary["rejected"] == {"norm_bound": OWN_MIN - 1,
+                                                                                 "excluded": 1}, mode
+        assert np.max(np.abs(_kept_mean(r) - without) / sd) <= 1.0, mode
+    off = run({**o, "run-name": "off", "norm-bound": "off"}, mods=[_sampling_only(attacker("flip100", o))])
+    assert not np.max(np.abs(_kept_mean(off) - without) / sd) <= 10  # thrown far (or to infinity)
+    # a client that lies in every phase is caught by its claim at θ* in its first sampling reply
+    r = run({**o, "run-name": "everywhere"}, mods=[attacker("scale500", o)])
+    assert r.summary["excluded"] == {"0": 1} and r.summary["rejected"] == {"theta_star_mismatch": 1}
+
+
 def test_the_attacks_on_the_logistic_task_are_excluded_too(tmp_path):
     o = {"task": "logistic", "num-clients": 5, "variant": "qlsd-pp", "gamma": 1e-3, "num-rounds": 120, "burn-in": 60,
          "engine": "inprocess", "progress": False, "output-dir": str(tmp_path)}
@@ -96,6 +130,10 @@ def test_the_attacks_on_the_logistic_task_are_excluded_too(tmp_path):
                   "partition": "dirichlet", "partition-alpha": 0.5}),
     # DG-LMC judged as the pull of z_i on θ, ‖z_i − θ‖/ρ (its local gradient at equilibrium)
     ("gaussian", {"variant": "dg-lmc", "local-steps": 3, "p": "0.5"}),
+    # FSGLD judged as f_s Δ_s against the server's own prediction (its Taylor surrogates are inexact on logistic)
+    ("gaussian", {"variant": "fsgld", "local-steps": 3}),
+    ("logistic", {"num-clients": 10, "variant": "fsgld", "local-steps": 2, "theta-star": "optimise",
+                  "partition": "dirichlet", "partition-alpha": 0.5}),
 ])
 def test_every_honest_reply_is_accepted_on_uneven_splits_with_four_chains(tmp_path, task, extra):
     # the toy Gaussian's clients hold 11 to 198 points, the Dirichlet(0.5) logistic split 11 to

@@ -32,12 +32,14 @@ def test_legacy_pair_on_ray_matches_framework_free_chain(tmp_path):
 
 
 @pytest.mark.ray
-def test_legacy_pair_runs_the_rival_fald_bit_for_bit(tmp_path):
-    # FALD's local steps and QSGD-coded Δ_i through FitIns/FitRes; VR-FALD* needs the clients' ∇U_i(θ*)
-    # before sampling, which this loop cannot ask: refused by name
-    o = {"variant": "fald", "p": "0.5", "local-steps": 2, "tau": 0.5, "compressor": "qsgd", "s": "8", "num-rounds": 8,
+@pytest.mark.parametrize("rival", [{"variant": "fald", "tau": 0.5}, {"variant": "dg-lmc"}])
+def test_legacy_pair_runs_the_rivals_fald_and_dg_lmc_bit_for_bit(tmp_path, rival):
+    # FALD's local steps and QSGD-coded Δ_i, DG-LMC's z_i (sent with the first message) and its coded
+    # changes, through FitIns/FitRes; VR-FALD* and FSGLD need the clients' ∇U_i(θ*) before sampling,
+    # which this loop cannot ask: refused by name
+    o = {"p": "0.5", "local-steps": 2, "compressor": "qsgd", "s": "8", "num-rounds": 8,
          "burn-in": 0, "progress": False, "num-clients": 4, "output-dir": str(tmp_path), "run-name": "legacy",
-         "loo": "off"}
+         "loo": "off", **rival}
     cfg = resolve(o)
     strat = run_legacy_simulation(cfg, o, keep_trace=True)
     ref = run_local(cfg, write=False, keep_trace=True, progress=False).trace
@@ -47,6 +49,9 @@ def test_legacy_pair_runs_the_rival_fald_bit_for_bit(tmp_path):
 
     c = resolve({"variant": "vr-fald-star"})
     with pytest.raises(ConfigError, match="vr-fald-star needs every client's"):
+        LegacyQLSDStrategy(c, load_task(c), write=False)
+    c = resolve({"variant": "fsgld"})
+    with pytest.raises(ConfigError, match="fsgld needs every client's"):
         LegacyQLSDStrategy(c, load_task(c), write=False)
 
 

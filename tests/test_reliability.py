@@ -121,6 +121,9 @@ CASES = {
                                     "compressor": "qsgd", "s": "4", "num-chains": 2}, {"shuffle_seed": 15}, 15),
     # DG-LMC: the clients' z_i are the checkpoint's memory mirrors
     "local-dg-lmc": ({"engine": "local", "variant": "dg-lmc", "p": "0.5", "local-steps": 2}, {}, 16),
+    # FSGLD: the surrogates and the claims at θ* are in the checkpoint; one client a round
+    "inprocess-2-chains-fsgld": ({"engine": "inprocess", "variant": "fsgld", "local-steps": 2, "compressor": "qsgd",
+                                  "s": "4", "num-chains": 2}, {"shuffle_seed": 17}, 17),
     "inprocess-2-chains-adapt": ({"engine": "inprocess", "variant": "qlsd-pp", "p": "0.5", "s": "4", "num-chains": 2,
                                   "metric": "dense", "metric-from": "adapt", "adapt-rounds": 30, "gamma": "auto",
                                   "init": "dispersed"}, {"shuffle_seed": 14}, 14),
@@ -155,7 +158,7 @@ def test_kill_and_resume_is_bitwise_an_uninterrupted_run(case, tmp_path):
     assert np.array_equal(a, b)
     assert np.array_equal(final_theta(ref), final_theta(res))
     rows_ref, rows = metrics_rows(ref.run_dir), metrics_rows(run_dir)
-    if over["variant"] == "vr-fald-star":
+    if over["variant"] in ("vr-fald-star", "fsgld"):
         # a resume sends θ* to every client again, and its reply repeats ∇U_i(θ*) for the server's check
         # (protocol.claims): the messages after a resume are longer by design; everything else is equal
         for r in rows_ref + rows:
@@ -163,7 +166,7 @@ def test_kill_and_resume_is_bitwise_an_uninterrupted_run(case, tmp_path):
     assert rows_ref == rows
     for key in ("totals", "sample_mean", "sample_var", "draws_kept", "rounds", "rejected", "stats"):
         a_, b_ = ref.summary.get(key), res.summary.get(key)
-        if key == "totals" and over["variant"] == "vr-fald-star":
+        if key == "totals" and over["variant"] in ("vr-fald-star", "fsgld"):
             a_, b_ = ({k: v for k, v in t.items() if k != "bytes_message"} for t in (a_, b_))
         assert a_ == b_, key  # stats: the vectorised engine's
     import h5netcdf
@@ -265,8 +268,8 @@ import struct  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from qlsd_flwr.core import precondition  # noqa: E402
 from qlsd_flwr.core.oracles import ClientState, full_local_grad  # noqa: E402
-from qlsd_flwr.core.theta_star import resolve_theta_star  # noqa: E402
 from qlsd_flwr.protocol import build  # noqa: E402
 from qlsd_flwr.protocol.client import handle  # noqa: E402
 from qlsd_flwr.protocol.server import QLSDServer  # noqa: E402
@@ -279,7 +282,9 @@ FUZZ_VARIANTS = {"qlsd-pp": {"variant": "qlsd-pp", "s": "4"},  # QSGD (Elias/pac
                  "fald": {"variant": "fald", "local-steps": 2, "tau": 0.5},
                  "vr-fald-qsgd": {"variant": "vr-fald-star", "local-steps": 2, "compressor": "qsgd", "s": "4"},
                  # DG-LMC: the change of z_i, QSGD-coded, added to the server's mirror of z_i
-                 "dg-lmc-qsgd": {"variant": "dg-lmc", "local-steps": 2, "compressor": "qsgd", "s": "4"}}
+                 "dg-lmc-qsgd": {"variant": "dg-lmc", "local-steps": 2, "compressor": "qsgd", "s": "4"},
+                 # FSGLD: the round's one client's Δ_s, QSGD-coded, with θ*, ∇U(θ*), λ_s and Λ sent in the round
+                 "fsgld-qsgd": {"variant": "fsgld", "local-steps": 2, "compressor": "qsgd", "s": "4"}}
 
 
 NO_REPLY = object()
@@ -298,19 +303,19 @@ class ReplyFuzzer:
                       for i in range(b)]
         self.clients = [ClientState() for _ in range(b)]
         self.server = QLSDServer(cfg, task)
-        ts, info = resolve_theta_star(cfg, task, build.theta0_of(task), lambda th: build.combine_grads(
-            cfg, task.prior, [full_local_grad(s, task.clients[s.index], th) for s in self.specs], th))
-        self.server.begin(ts, info)
-        if self.server.wants_claims():  # QLSD*, VR-FALD*: every client's ∇U_i(θ*), as the engines ask it
-            self.server.set_claims([full_local_grad(s, task.clients[s.index], ts) for s in self.specs])
-        for _ in range(warm + 1):  # round warm+1 refreshes ζ (l = 2): anchors travel in the fuzzed round
+        prep = precondition.prepare(cfg, task, build.theta0_of(task), *build.direct_exchanges(cfg, task, self.specs))
+        self.server.begin(prep.theta_star, prep.info, None, prep)
+        if self.server.wants_claims():  # QLSD*, VR-FALD*, FSGLD: every client's ∇U_i(θ*), as the engines ask it
+            self.server.set_claims([full_local_grad(s, task.clients[s.index], prep.theta_star) for s in self.specs])
+        # round warm+1 refreshes ζ (l = 2): anchors travel in the fuzzed round; FSGLD asks one client a round,
+        # so its fuzzed round is the first after warm in which client 1 is asked (its first: θ* travels in it)
+        while self.server.state.k <= warm or 1 not in copy.deepcopy(self.server).begin_round():
             for i in self.server.begin_round():
                 self.server.accept(i, self._reply(self.server, self.clients, i))
             self.server.end_round()
         self.snapshot = copy.deepcopy((self.server, self.clients))
         srv, cl = copy.deepcopy(self.snapshot)
-        srv.begin_round()
-        self.valid = [self._reply(srv, cl, i) for i in range(b)]  # what each client would send
+        self.valid = {i: self._reply(srv, cl, i) for i in srv.begin_round()}  # what each asked client would send
 
     def _reply(self, server, clients, i):
         return handle(self.specs[i], self.task.clients[i], clients[i], self.cfg.seed, server.fields_for(i), self.task.dim)

@@ -1,4 +1,4 @@
-"""The rivals on the round protocol (issue 23): FALD, VR-FALD* and DG-LMC. The law of the chain
+"""The rivals on the round protocol (issue 23): FALD, VR-FALD*, DG-LMC and FSGLD. The law of the chain
 the engines run, the Flower path equal to the framework-free one, several chains, and what the
 keys refuse.
 
@@ -13,6 +13,10 @@ keys refuse.
 * DG-LMC's chain (clients updating their z_i when active, the server drawing θ | z exactly) matches
   :func:`qlsd_flwr.core.dglmc.gaussian_stationary` with partial participation, whose θ-variance is
   the augmented model's (ρ > 0) plus ULA's on z, more than 10 standard errors from the posterior's.
+* FSGLD's chain, its surrogates the clients' Taylor expansions at θ* with curvature reports off by
+  factors 0.3 to 2.5, matches :func:`qlsd_flwr.core.fsgld.gaussian_stationary` for those surrogates
+  (the law with the conducive gradient's spread), more than 4 standard errors from the law with
+  exact surrogates in every coordinate's variance.
 * The in-process Flower path gives the local engine's chain bit for bit, with QSGD-coded messages
   too, and chain c of a several-chain run is the one-chain run with seed + c.
 """
@@ -84,11 +88,40 @@ def test_dg_lmc_on_the_protocol_matches_its_exact_law_under_partial_participatio
     assert r.summary["rejected"] == {}
 
 
+def test_fsgld_on_the_protocol_matches_its_exact_law_with_the_surrogates_the_clients_reported():
+    from qlsd_flwr.core import fsgld
+
+    o = {**TOY, "variant": "fsgld", "p": "1", "local-steps": 2, "num-rounds": 16000, "burn-in": 100}
+    task = loading.load_task(resolve(o))
+    n = task.n_data.astype(float)
+    ybar = np.stack([c.y.mean(axis=0) for c in task.clients])
+    P = n.sum() + 1 / 5.0
+    scale = np.array([0.3, 0.3, 2.5, 2.5])  # each client's curvature report, off by this factor (under the cap)
+    for i, c in enumerate(task.clients):
+        c.curvature_diag = (lambda th, v=float(scale[i] * c.n_data): np.full(th.shape, v))
+    h = 0.2 / P
+    r = run_local(resolve({**o, "gamma": h}), task=task, write=False, keep_trace=True)
+    trace = r.trace[200:]
+    ts = task.posterior_mean  # θ* in closed form: the surrogates' centre
+    lam = np.repeat((scale * n)[:, None], 3, axis=1)
+    mu = ts - n[:, None] * (ts - ybar) / lam  # μ_i = θ* − ∇U_i(θ*)/λ_i
+    m, v = fsgld.gaussian_stationary(n, ybar, mu, lam, n / n.sum(), h, 2, 5.0)
+    se = _batch_se(trace)
+    assert np.all(np.abs(trace.mean(axis=0) - m) <= 4 * se), ((trace.mean(axis=0) - m) / se)
+    e2 = (trace - m) ** 2
+    se_v = _batch_se(e2)
+    assert np.all(np.abs(e2.mean(axis=0) - v) <= 4 * se_v), ((e2.mean(axis=0) - v) / se_v)
+    _, exact = fsgld.gaussian_stationary(n, ybar, *fsgld.gaussian_surrogates(task), n / n.sum(), h, 2, 5.0)
+    assert np.min(np.abs(exact - v) / se_v) > 4, np.abs(exact - v) / se_v  # the surrogates' error shows
+    assert r.summary["rejected"] == {}
+
+
 @pytest.mark.parametrize("over", [
     {"variant": "fald", "p": "0.5", "local-steps": 3, "tau": 0.3},
     {"variant": "vr-fald-star", "p": "0.7", "local-steps": 2, "compressor": "qsgd", "s": "8",
      "theta-star": "optimise", "prior-var": 5.0},
     {"variant": "dg-lmc", "p": "0.6", "local-steps": 3, "compressor": "qsgd", "s": "8", "prior-var": 5.0},
+    {"variant": "fsgld", "local-steps": 2, "compressor": "qsgd", "s": "8", "theta-star": "optimise", "prior-var": 5.0},
 ])
 def test_inprocess_flower_gives_the_local_chain_bit_for_bit(over, tmp_path):
     o = {"num-rounds": 30, "burn-in": 0, "progress": False, "gamma": 4.9e-4, "output-dir": str(tmp_path), **over}
@@ -101,9 +134,9 @@ def test_inprocess_flower_gives_the_local_chain_bit_for_bit(over, tmp_path):
         assert 0 < s["totals"]["bits_exact"] < 0.5 * 64 * 50 * s["totals"]["n_replied"]
 
 
-@pytest.mark.parametrize("variant", ["vr-fald-star", "dg-lmc"])
+@pytest.mark.parametrize("variant", ["vr-fald-star", "dg-lmc", "fsgld"])
 def test_chain_c_of_a_several_chain_run_is_the_one_chain_run_with_seed_plus_c(tmp_path, variant):
-    o = {"variant": variant, "p": "0.6", "local-steps": 2, "num-chains": 3, "num-rounds": 25, "burn-in": 0,
+    o = {"variant": variant, "p": "1" if variant == "fsgld" else "0.6", "local-steps": 2, "num-chains": 3, "num-rounds": 25, "burn-in": 0,
          "progress": False, "gamma": 4.9e-4, "output-dir": str(tmp_path)}
     trace = np.array(run_inprocess(resolve(o), o, shuffle_seed=5, strategy_kwargs={"keep_trace": True}).trace)
     for c in range(3):
@@ -120,6 +153,9 @@ def test_chain_c_of_a_several_chain_run_is_the_one_chain_run_with_seed_plus_c(tm
     ({"variant": "dg-lmc", "engine": "vectorised"}, "engine: dg-lmc runs on"),
     ({"variant": "dg-lmc", "temperature": 0.5}, "temperature: dg-lmc samples T = 1 only"),
     ({"variant": "dg-lmc", "rho": -1.0}, "rho"),
+    ({"variant": "fsgld", "p": "0.5"}, "p: fsgld asks one client a round"),
+    ({"variant": "fsgld", "engine": "vectorised"}, "engine: fsgld runs on"),
+    ({"variant": "fsgld", "metric": "diagonal"}, "metric: fsgld's local steps"),
 ])
 def test_what_the_rivals_do_not_take_is_refused_by_key(over, words):
     with pytest.raises(ConfigError, match=words):
@@ -193,12 +229,13 @@ def test_dg_lmc_s_z_mirror_and_the_client_s_z_agree_and_a_bad_rho_from_the_serve
     assert st.eta is None and st.eta_count == 0  # the mirror it was sent is not installed
 
 
-@pytest.mark.parametrize("variant", ["fald", "vr-fald-star", "dg-lmc"])
+@pytest.mark.parametrize("variant", ["fald", "vr-fald-star", "dg-lmc", "fsgld"])
 def test_gamma_auto_chooses_the_rivals_step_from_the_curvature(variant):
     # gamma = auto: c/λ_max of ∇²U at θ*, estimated by the federated power iteration before sampling, as
     # for the QLSD family (the Gaussian's λ_max is its posterior precision P); FALD's local steps are
     # γ/w_i, DG-LMC's γ_i = (1/γ + 1/(c ρ))⁻¹ with ρ = γ/10
-    cfg = resolve({**TOY, "variant": variant, "gamma": "auto", "num-rounds": 20, "burn-in": 0})
+    cfg = resolve({**TOY, "variant": variant, "gamma": "auto", "num-rounds": 20, "burn-in": 0,
+                   **({"p": "1"} if variant == "fsgld" else {})})
     r = run_local(cfg, write=False, keep_trace=True)
     P = float(1 / loading.load_task(cfg).posterior_var[0])
     assert r.summary["gamma"] == pytest.approx(0.25 / P, rel=1e-3)
@@ -217,3 +254,53 @@ def test_dg_lmc_s_z_start_at_the_chain_s_theta0_and_travel_with_the_first_messag
     assert np.array_equal(server.state.eta_i, np.tile(theta0, (4, 1)))
     active = server.begin_round()
     assert active and all(np.array_equal(server.fields_for(i)["eta"], theta0) for i in active)
+
+
+@pytest.mark.parametrize("bad, words", [
+    ({"surrogate": np.full(3, -1.0)}, "0 ≤ λ_i ≤ Λ"),
+    ({"surrogate": np.full(3, 9.0), "surrogate_total": np.full(3, 1.0)}, "0 ≤ λ_i ≤ Λ"),
+    ({"surrogate_total": np.full(3, np.nan)}, "finite"),
+    ({"surrogate": np.ones(4)}, "shape"),
+    ({"surrogate": None}, "bytes of float64"),
+])
+def test_an_fsgld_message_with_a_bad_surrogate_installs_nothing(bad, words):
+    cfg = resolve({**TOY, "variant": "fsgld", "p": "1"})
+    task = loading.load_task(cfg)
+    spec = build.client_spec(cfg, 0, task.clients[0].n_data, 3, task.prior)
+    st = ClientState()
+    fields = {"phase": "sample", "round": 0, "client": 0, "theta": np.zeros(3), "anchor_version": 0, "eta_count": 0,
+              "anchor": np.ones(3), "anchor_total": np.zeros(3), "surrogate": np.full(3, 2.0),
+              "surrogate_total": np.full(3, 5.0), "local": _f8(1e-3, 0.5, 1.0, 1.0)}
+    with pytest.raises(ValueError, match=words):
+        handle(spec, task.clients[0], st, 0, {**fields, **bad}, 3)
+    assert st.anchor is None and st.anchor_total is None and st.surrogate is None and st.anchor_version == -1
+    ok = handle(spec, task.clients[0], st, 0, fields, 3)
+    assert ok["status"] == "ok" and np.array_equal(st.surrogate, np.full(3, 2.0)) and "anchor_grad" in ok
+
+
+def test_fsgld_asks_one_client_a_round_by_its_data_share_and_sends_theta_star_with_its_surrogate_once():
+    from qlsd_flwr.core import fsgld
+
+    o = {**TOY, "variant": "fsgld", "p": "1", "gamma": 1e-4, "num-rounds": 400, "burn-in": 0}
+    cfg = resolve(o)
+    task = loading.load_task(cfg)
+    server = run_local(cfg, write=False, keep_trace=True)
+    n = task.n_data.astype(float)
+    picks = np.array([fsgld.choose(n / n.sum(), cfg.seed, k) for k in range(400)])
+    counts = np.bincount(picks, minlength=4)
+    # a binomial count per client: within 4 sd of 400 f_i
+    assert np.all(np.abs(counts - 400 * n / n.sum()) <= 4 * np.sqrt(400 * n / n.sum() * (1 - n / n.sum()))), counts
+    assert server.summary["rejected"] == {} and server.summary["missed_rounds"] == {}
+    assert server.summary["surrogate_reports"] == 4 and server.summary["surrogate_rejected"] == {}
+    for i, st in enumerate(server.clients):  # the surrogate each was sent: its own Hutchinson diagonal (N_i here)
+        if counts[i]:
+            np.testing.assert_allclose(st.surrogate, n[i], rtol=1e-6)
+            np.testing.assert_allclose(st.surrogate_total, n.sum(), rtol=1e-6)
+
+
+def test_the_legacy_pair_refuses_fsgld_by_name():
+    from qlsd_flwr.flower.legacy import LegacyQLSDStrategy
+
+    cfg = resolve({**TOY, "variant": "fsgld", "p": "1"})
+    with pytest.raises(ConfigError, match="variant: fsgld needs every client's"):
+        LegacyQLSDStrategy(cfg, loading.load_task(cfg), write=False)

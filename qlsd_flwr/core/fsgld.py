@@ -21,8 +21,15 @@ What the FALD repository's re-implementation got wrong, not repeated here: its s
 return the *covariance* where the precision is used, and its running mean adds the new average
 to the old one (``+=``).
 
-Framework-free numpy; the surrogate fitting for a general potential, the messages, the engines
-and the outputs are not built yet (issue 23).
+**On the round protocol** (``variant = fsgld``; :mod:`qlsd_flwr.protocol.local_chains`) each client's
+surrogate is its second-order Taylor expansion at the federation's mode θ*, the natural fit a
+client can make once without knowing the posterior: ``λ_i`` the diagonal of its curvature at θ*
+(its report of ``metric-from = curvature``, :func:`qlsd_flwr.core.metric.local_curvature`, capped as
+the metric's are: :func:`surrogates_from_reports`) and ``μ_i = θ* − ∇U_i(θ*)/λ_i``, so that
+``∇Û_i(θ) = λ_i (θ − θ*) + ∇U_i(θ*)`` (:func:`conducive_grad`; a direction of zero curvature keeps the
+linear term, and the estimator stays unbiased). The clients' ``∇U_i(θ*)`` are the claims QLSD\* and
+VR-FALD\* gather before sampling; on the toy Gaussian the fit is exact. The selection probabilities
+are the data shares ``f_i = N_i / Σ_{j kept} N_j``.
 """
 
 from __future__ import annotations
@@ -33,9 +40,52 @@ from qlsd_flwr.core import rng
 
 
 def choose(f: np.ndarray, seed: int, k: int) -> int:
-    """The client of round ``k``, drawn with probabilities ``f``."""
+    """The client of round ``k``, drawn with probabilities ``f`` (a client with ``f_i = 0``, one no
+    longer kept, is never drawn)."""
+    f = np.asarray(f, dtype=np.float64)
     u = float(rng.uniform(seed, rng.Stream.PARTICIPATION, k, 0, 1)[0])
-    return int(min(np.searchsorted(np.cumsum(f), u * float(np.sum(f)), side="right"), len(f) - 1))
+    i = int(np.searchsorted(np.cumsum(f), u * float(np.sum(f)), side="right"))
+    return i if i < len(f) and f[i] > 0 else int(np.flatnonzero(f > 0)[-1])  # u·Σf rounded up to Σf
+
+
+def conducive_grad(grad_s, prior_grad, f_s: float, lam_s, lam_total, theta_star, grad_s_star, data_total_star):
+    r"""Client ``s``'s conducive gradient with Taylor surrogates at θ* (module docstring):
+
+        g_s(x) = (∇U_s(x) − ∇U_s(θ*) − λ_s (x − θ*)) / f_s + Λ (x − θ*) + Σ_j ∇U_j(θ*) + ∇U_0(x),
+
+    ``grad_s`` its data gradient ``∇U_s``, ``prior_grad`` ``∇U_0``, ``lam_total`` ``Λ = Σ_j λ_j`` and
+    ``data_total_star`` ``Σ_j ∇U_j(θ*)`` over the clients kept. With ``μ_s = θ* − ∇U_s(θ*)/λ_s`` this is
+    :func:`run`'s ``g_s``."""
+    def g(x):
+        return (grad_s(x) - grad_s_star - lam_s * (x - theta_star)) / f_s + lam_total * (x - theta_star) \
+            + data_total_star + prior_grad(x)
+    return g
+
+
+def message(g, theta: np.ndarray, h: float, steps: int, seed: int, k: int, i: int,
+            temperature: float = 1.0) -> np.ndarray:
+    """What the chosen client sends: ``Δ_s = (θ − θ_K)/h`` after ``K = steps`` Langevin steps with the
+    conducive gradient ``g`` and the round's noise (stream ``(seed, NOISE, k, 0)``, as :func:`run`):
+    FALD's local steps with all of the weight and all of the noise (``w = 1``, ``τ = 1``)."""
+    from qlsd_flwr.core import fald
+
+    return fald.message(g, theta, 1.0, h, 1.0, steps, seed, k, i, 1.0, 1.0, temperature)
+
+
+def surrogates_from_reports(reports: dict, n_data, b: int, d: int) -> tuple[np.ndarray, list[int]]:
+    """The precisions ``λ`` ``(b, d)`` from the clients' valid diagonal curvature reports ``{i: (d,)}``,
+    each capped per datum as the metric's are (:func:`qlsd_flwr.core.metric.cap_reports`: one client
+    cannot make ``Λ`` and so every client's step stiffer than ``REPORT_CAP × N_i`` honest points
+    would). A client without a valid report gets ``λ_i = 0`` (a linear surrogate: still unbiased).
+    Returns ``(λ, the clients whose report was scaled down)``."""
+    from qlsd_flwr.core.metric import cap_reports
+
+    reports = {int(i): np.asarray(h, dtype=np.float64) for i, h in reports.items()}
+    scaled = cap_reports(reports, n_data)
+    lam = np.zeros((b, d))
+    for i, h in reports.items():
+        lam[i] = h
+    return lam, scaled
 
 
 def run(task, mu: np.ndarray, lam: np.ndarray, f, h: float, steps: int, rounds: int, seed: int = 0,

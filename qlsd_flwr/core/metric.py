@@ -409,6 +409,22 @@ def _per_datum_scale(h: np.ndarray, n: int) -> float:
     return float(np.max(np.diag(h) if h.ndim == 2 else h)) / max(int(n), 1)
 
 
+def cap_reports(reports: dict[int, np.ndarray], n_data) -> list[int]:
+    """Scale down, in place, each report whose per-datum scale ``max_j (H_i)_jj / N_i`` passes
+    :data:`REPORT_CAP` times the lower median of the reports' scales; returns the clients scaled."""
+    n = clamped_counts(n_data, reports)
+    scales = {i: _per_datum_scale(h, n[i]) for i, h in reports.items()}
+    scaled = []
+    if scales:
+        ref = _lower_median(scales.values())
+        cap = REPORT_CAP * ref
+        for i in sorted(reports):
+            if ref > 0 and scales[i] > cap:
+                reports[i] = reports[i] * (cap / scales[i])
+                scaled.append(i)
+    return scaled
+
+
 def metric_from_curvature(kind: str, reports: dict[int, np.ndarray], n_data, prior_curv: np.ndarray,
                           d: int) -> tuple[Metric, dict]:
     """``M = (P_0 + Σ_i H_i)^{-1}`` from the valid reports ``{i: H_i}`` and the prior's curvature
@@ -423,16 +439,7 @@ def metric_from_curvature(kind: str, reports: dict[int, np.ndarray], n_data, pri
     ``O(γ)``). A direction no report and no prior constrains gets the smallest curvature of the
     others (``M`` must stay finite).
     """
-    n = clamped_counts(n_data, reports)
-    scales = {i: _per_datum_scale(h, n[i]) for i, h in reports.items()}
-    scaled = []
-    if scales:
-        ref = _lower_median(scales.values())
-        cap = REPORT_CAP * ref
-        for i in sorted(reports):
-            if ref > 0 and scales[i] > cap:
-                reports[i] = reports[i] * (cap / scales[i])
-                scaled.append(i)
+    scaled = cap_reports(reports, n_data)
     info = {"curvature_reports": len(reports), "curvature_scaled": scaled}
     if kind == "diagonal":
         h = np.array(prior_curv, dtype=np.float64)

@@ -62,7 +62,7 @@ class ClientSpec:
 FALD_ORACLES = ("fald", "fald-star")
 #: the oracles that run local chains, with the round's numbers ``local`` from the server: FALD's and
 #: DG-LMC's (its message the change of ``z_i`` after local ULA steps, :mod:`qlsd_flwr.core.dglmc`)
-LOCAL_ORACLES = FALD_ORACLES + ("dglmc",)
+LOCAL_ORACLES = FALD_ORACLES + ("dglmc", "fsgld")  # FSGLD: FALD's steps on one client (core.fsgld)
 
 
 @dataclass
@@ -74,7 +74,9 @@ class ClientState:
     anchor_version: int = -1  # which anchor (ζ or θ*) the cache below belongs to
     anchor: np.ndarray | None = None  # ζ (QLSD++) or θ* (QLSD*)
     anchor_grad: np.ndarray | None = None  # ∇U_i(ζ) (QLSD++); Σ_j ∇U_ij(θ*) (VR-FALD*)
-    anchor_total: np.ndarray | None = None  # VR-FALD*: ∇U(θ*), the federation's, sent with θ*
+    anchor_total: np.ndarray | None = None  # VR-FALD*, FSGLD: ∇U(θ*), the federation's, sent with θ*
+    surrogate: np.ndarray | None = None  # FSGLD: λ_i, this client's surrogate precision, sent with θ*
+    surrogate_total: np.ndarray | None = None  # FSGLD: Λ = Σ_j λ_j over the clients kept, sent with θ*
 
 
 def set_anchor(spec: ClientSpec, pot: LocalPotential, state: ClientState,
@@ -84,7 +86,7 @@ def set_anchor(spec: ClientSpec, pot: LocalPotential, state: ClientState,
     state.anchor_version = int(version)
     if spec.oracle == "svrg":
         state.anchor_grad = full_local_grad(spec, pot, state.anchor)
-    elif spec.oracle == "fald-star":  # the data part; the prior's share w_i is the round's (local_message)
+    elif spec.oracle in ("fald-star", "fsgld"):  # the data part; the prior's share is the round's (local_message)
         state.anchor_grad = pot.grad_sum(state.anchor)
 
 
@@ -203,14 +205,20 @@ def minibatch(seed: int, round_: int, spec: ClientSpec, n_data: int) -> np.ndarr
 
 def local_message(spec: ClientSpec, pot: LocalPotential, state: ClientState, seed: int, round_: int,
                   theta: np.ndarray, local) -> np.ndarray:
-    r"""FALD's and VR-FALD\*'s message ``Δ_i = (θ − θ_i)/h`` (:func:`qlsd_flwr.core.fald.message`).
+    r"""FALD's and VR-FALD\*'s message ``Δ_i = (θ − θ_i)/h`` (:func:`qlsd_flwr.core.fald.message`); FSGLD's
+    (:func:`qlsd_flwr.core.fsgld.message`, ``local = (h, f_s, 1, 1)``).
     ``local = (h, w_i, S_A, p_i)``: the step, the client's data share, the round's active share
     and its participation probability, sent by the server each round. The local gradient is
     ``∇Ũ_i = ∇U_i + w_i ∇U_0``; VR-FALD\* uses ``∇Ũ_i(x) − ∇Ũ_i(θ*) + w_i ∇U(θ*)``."""
-    from qlsd_flwr.core import fald
+    from qlsd_flwr.core import fald, fsgld
 
     h, w, share, p = (float(x) for x in local)
     prior = spec.prior
+    if spec.oracle == "fsgld":  # (h, f_s, 1, 1): the conducive gradient of the round's one client
+        star = state.anchor
+        g = fsgld.conducive_grad(pot.grad_sum, prior.grad, w, state.surrogate, state.surrogate_total, star,
+                                 state.anchor_grad, state.anchor_total - prior.grad(star))
+        return fsgld.message(g, theta, h, spec.local_steps, seed, round_, spec.index, spec.temperature)
 
     def grad(x):
         return pot.grad_sum(x) + w * prior.grad(x)

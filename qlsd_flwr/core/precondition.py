@@ -52,6 +52,7 @@ class Prepared:
     metric: Metric
     gamma: float
     theta0: np.ndarray | None = None
+    surrogate: np.ndarray | None = None  # FSGLD: the clients' surrogate precisions λ_i at θ*, (b, d)
 
     def for_chain(self, c: int) -> "Prepared":
         """Chain ``c``'s share: its own start (``theta0`` of one row) and everything else."""
@@ -164,7 +165,7 @@ def prepare(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | No
     if not needs_preparation(cfg):
         ts, info = resolve_theta_star(cfg, task, theta0, grad_fn)
         info.update(traffic)
-        return Prepared(ts, info, Metric(), cfg.gamma)
+        return _with_surrogates(cfg, task, Prepared(ts, info, Metric(), cfg.gamma), curv_fn, n_data)
     info: dict = traffic  # the counts go on as the exchanges are made
     d = task.dim
     file_metric = metric_from_file(cfg.metric, d) if cfg.metric.endswith(".npy") else None
@@ -210,7 +211,29 @@ def prepare(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | No
     info.update({"metric": metric.to_json(), "metric_kind": metric.kind, "gamma_used": gamma, "gamma_auto": bool(cfg.gamma_auto),
                  "temperature": cfg.temperature})
     ts = point if needs_theta_star(cfg) else None
-    return Prepared(ts, info, metric, gamma, starts)
+    return _with_surrogates(cfg, task, Prepared(ts, info, metric, gamma, starts), curv_fn, n_data)
+
+
+def _with_surrogates(cfg: RunConfig, task: Task, prep: Prepared, curv_fn: CurvFn | None, n_data) -> Prepared:
+    """FSGLD: every client's diagonal curvature at θ*, validated and capped, as its surrogate's precision
+    (:func:`qlsd_flwr.core.fsgld.surrogates_from_reports`); a refused report leaves that client's λ_i = 0."""
+    if cfg.oracle != "fsgld":
+        return prep
+    from qlsd_flwr.core import fsgld
+
+    if curv_fn is None:
+        raise ConfigError("variant: fsgld asks its clients for their curvature at θ* before sampling, which this "
+                          "path cannot (the legacy Flower API); use the Message-API strategy")
+    ok, refused = {}, {}
+    for i, h in curv_fn(prep.theta_star, "diagonal").items():
+        try:
+            ok[int(i)] = mt.check_report(h, "diagonal", task.dim)
+        except mt.ReportError as exc:
+            refused[str(i)] = str(exc)
+            log.warning("client %s: curvature report refused: %s (fsgld: its surrogate is linear)", i, exc)
+    prep.surrogate, scaled = fsgld.surrogates_from_reports(ok, n_data, cfg.b, task.dim)
+    prep.info.update({"surrogate_reports": len(ok), "surrogate_rejected": refused, "surrogate_scaled": scaled})
+    return prep
 
 
 def dispersed_starts(center: np.ndarray, scale: np.ndarray | Metric, chains: int, seed: int,

@@ -23,8 +23,8 @@ log = logging.getLogger("qlsd_flwr")
 
 
 def needs_theta_star(cfg: RunConfig) -> bool:
-    """Whether the variant's oracle is centred at θ* (QLSD*, LSD*, VR-FALD*)."""
-    return cfg.oracle in ("star", "fald-star")
+    """Whether the variant's oracle is centred at θ* (QLSD*, LSD*, VR-FALD*, FSGLD's surrogates)."""
+    return cfg.oracle in ("star", "fald-star", "fsgld")
 
 
 def closed_form_theta_star(cfg: RunConfig, task: Task) -> np.ndarray:

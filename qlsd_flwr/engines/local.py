@@ -73,7 +73,7 @@ def run_local(cfg: RunConfig, task: Task | None = None, write: bool = True,
         warm=warmup_store(cfg) if write and wire else None)
     theta_star, ts_info = (None, {}) if prep is None else (prep.theta_star, prep.info)
     bound = str(cfg.raw.get("norm-bound", "auto"))
-    wants = cfg.oracle == "fald-star" or (cfg.oracle == "star" and bound.strip().lower() != "off")
+    wants = cfg.oracle in ("fald-star", "fsgld") or (cfg.oracle == "star" and bound.strip().lower() != "off")
     claims = None if prep is None or not wants else [
         full_local_grad(s, task.clients[s.index], prep.theta_star) for s in specs]
     # QLSD*'s replies carry c_i (judged as c_i + ĝ_i); VR-FALD*'s are judged as w_i Δ_i, not on c_i

@@ -55,10 +55,10 @@ class LegacyQLSDStrategy(LegacyStrategy):
         if cfg.num_chains > 1:
             raise ConfigError(f"num-chains = {cfg.num_chains}: the legacy strategy runs one chain; use the "
                               "Message-API strategy (engine = ray or inprocess) for several chains in one run")
-        if cfg.oracle == "fald-star":
-            raise ConfigError("variant: vr-fald-star needs every client's ∇U_i(θ*) before sampling, which the legacy "
-                              "round loop cannot ask; use the Message-API strategy (engine = ray or inprocess), or "
-                              "variant = fald")
+        if cfg.oracle in ("fald-star", "fsgld"):
+            raise ConfigError(f"variant: {cfg.variant} needs every client's ∇U_i(θ*) (and fsgld their curvature) "
+                              "before sampling, which the legacy round loop cannot ask; use the Message-API strategy "
+                              "(engine = ray or inprocess), or variant = fald")
         # no message type reaches the clients before sampling: θ* in closed form, metric from a file
         prep = precondition.prepare(cfg, task, build.theta0_of(task), grad_fn=None, curv_fn=None)
         self.server = QLSDServer(cfg, task, keep_trace, "flower-legacy",

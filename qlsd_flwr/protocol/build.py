@@ -65,7 +65,7 @@ def participation_warnings(cfg: RunConfig, task: Task) -> list[str]:
                    f"in fewer than one of the {K} rounds (K · p_i < 1); their data barely enter the chain")
     cv = cfg.oracle in ("star", "svrg")  # active-fraction is biased without a control variate unless p is equal
     remedy = "aggregation = active-fraction" if cv or np.all(p == p[0]) else "a control-variate variant (qlsd-pp)"
-    if cfg.aggregation == "unbiased" and cfg.oracle != "dglmc":  # DG-LMC weighs no reply by 1/p_i
+    if cfg.aggregation == "unbiased" and cfg.oracle not in ("dglmc", "fsgld"):  # they weigh no reply by 1/p_i
         if task.posterior_var is not None and task.clients and cfg.oracle != "svrg" and np.isfinite(cfg.gamma):
             over = cfg.gamma * task.n_data[: cfg.b] / p
             if float(over.max()) >= 2.0:

@@ -54,24 +54,37 @@ def _prepare(spec: ClientSpec, pot: LocalPotential, st: ClientState, fields: dic
     version, count = int(fields["anchor_version"]), int(fields["eta_count"])
     eta = vector(fields["eta"], d) if "eta" in fields else None
     anchor = vector(fields["anchor"], d) if "anchor" in fields else None
-    total = vector(fields.get("anchor_total"), d) if anchor is not None and spec.oracle == "fald-star" else None
+    total = vector(fields.get("anchor_total"), d) if anchor is not None and spec.oracle in ("fald-star", "fsgld") \
+        else None
+    surrogate = _surrogate(fields, d) if anchor is not None and spec.oracle == "fsgld" else None
     if eta is not None:
         st.eta, st.eta_count = eta, count
     if total is not None:
         st.anchor_total = total
+    if surrogate is not None:
+        st.surrogate, st.surrogate_total = surrogate
     if anchor is not None:
         set_anchor(spec, pot, st, anchor, version)
-    stale_anchor = spec.oracle in ("svrg", "star", "fald-star") and st.anchor_version != version
+    stale_anchor = spec.oracle in ("svrg", "star", "fald-star", "fsgld") and st.anchor_version != version
     stale_eta = spec.memory and st.eta_count != count
     if stale_anchor or stale_eta:
         return theta, {"client": i, "status": "resync"}
     return theta, None
 
 
+def _surrogate(fields: dict, d: int) -> tuple[np.ndarray, np.ndarray]:
+    """FSGLD's ``(λ_i, Λ)``, sent with θ*: finite, ``0 ≤ λ_i ≤ Λ``; else ``ValueError`` naming the field."""
+    lam, total = vector(fields.get("surrogate"), d), vector(fields.get("surrogate_total"), d)
+    if not (np.all(np.isfinite(lam)) and np.all(np.isfinite(total)) and np.all(lam >= 0)
+            and np.all(lam <= total * (1 + 1e-12))):
+        raise ValueError("sample: 'surrogate' and 'surrogate_total' must be finite with 0 ≤ λ_i ≤ Λ")
+    return lam, total
+
+
 def local_of(fields: dict, oracle: str = "fald") -> tuple[float, float, float, float]:
     r"""The round's four numbers ``local`` of a local-chain oracle, 32 bytes of float64 (a legacy config
     holds no lists): FALD and VR-FALD\* ``(h, w_i, S_A, p_i)`` (:func:`qlsd_flwr.core.oracles.local_message`)
-    with ``h > 0``, ``0 < w_i ≤ 1``, ``S_A > 0``, ``0 < p_i ≤ 1``; DG-LMC ``(γ_i, ρ_i, 1, 1)``
+    with ``h > 0``, ``0 < w_i ≤ 1``, ``S_A > 0``, ``0 < p_i ≤ 1`` (FSGLD's ``(h, f_s, 1, 1)`` the same); DG-LMC ``(γ_i, ρ_i, 1, 1)``
     (:func:`qlsd_flwr.core.oracles.auxiliary_step`) with ``γ_i, ρ_i > 0``, all finite; else ``ValueError``."""
     x = fields.get("local")
     if not isinstance(x, (bytes, bytearray)) or len(x) != 32:
@@ -100,7 +113,7 @@ def block_of(x, d: int) -> np.ndarray:
 def _sampled(spec: ClientSpec, pot: LocalPotential, st: ClientState, q, fields: dict) -> dict:
     out = {"client": spec.index, "status": "ok", "payload": spec.compressor.encode(q),
            "anchor_version": st.anchor_version}
-    if spec.oracle in ("star", "fald-star") and "anchor" in fields:
+    if spec.oracle in ("star", "fald-star", "fsgld") and "anchor" in fields:
         # QLSD*: the reply to θ* repeats ∇U_i(θ*), which the server holds against this client's θ* phase
         # reply (a client that lied there, honest now, is caught: protocol.server.QLSDServer.accept)
         out["anchor_grad"] = arr_to_bytes(full_local_grad(spec, pot, st.anchor))

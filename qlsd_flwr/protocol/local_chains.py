@@ -1,7 +1,7 @@
-"""The server's side of the rivals whose clients run local chains (FALD, VR-FALD*, DG-LMC): what a
-round's messages carry besides θ, and what the bounded-influence rule measures of a reply.
+"""The server's side of the rivals whose clients run local chains (FALD, VR-FALD*, DG-LMC, FSGLD): what
+a round's messages carry besides θ, and what the bounded-influence rule measures of a reply.
 :class:`~qlsd_flwr.protocol.server.QLSDServer` calls these; the numerics are in
-:mod:`qlsd_flwr.core.fald` and :mod:`qlsd_flwr.core.dglmc`.
+:mod:`qlsd_flwr.core.fald`, :mod:`qlsd_flwr.core.dglmc` and :mod:`qlsd_flwr.core.fsgld`.
 
 * **FALD, VR-FALD\\***: each round the server computes the data shares ``w_i = N_i / Σ_{j kept} N_j``
   (``N_i`` the clients' counts as the guard holds them: the task's, or the handshake's claims,
@@ -13,6 +13,13 @@ round's messages carry besides θ, and what the bounded-influence rule measures 
 * **DG-LMC**: client ``i`` is sent ``(γ_i, ρ, 1, 1)`` with ``γ_i = (1/γ + 1/(c ρ))⁻¹`` and ``ρ`` the key
   ``rho`` (``auto``: ``γ/10``); the exact draw of θ couples the kept clients only. A reply is judged as
   ``‖z_i' − θ_k‖ / ρ``, the pull of the client's ``z_i`` on θ, which at equilibrium is its local gradient.
+* **FSGLD**: each round one kept client ``s`` is drawn with probability ``f_s = N_s / Σ_{j kept} N_j``
+  (:func:`qlsd_flwr.core.fsgld.choose`; the participation draw does not apply) and sent ``(γ, f_s, 1, 1)``;
+  its first message (and the first after a client leaves: a new version) carries ``θ*``, ``∇U(θ*)``,
+  its surrogate's precision ``λ_s`` and ``Λ = Σ_{j kept} λ_j`` (the curvature reports gathered before
+  sampling, :func:`qlsd_flwr.core.precondition.prepare`). The step is ``θ − γ Δ̂_s``; a reply is judged
+  as ``f_s ‖Δ̂_s‖``, the client's expected part of the step (a sum over the federation's data scaled
+  by its share, so honest clients of any size have the same per-datum scale).
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import dataclasses
 import numpy as np
 
 from qlsd_flwr.config import ConfigError
-from qlsd_flwr.core import dglmc, fald
+from qlsd_flwr.core import dglmc, fald, fsgld
 
 #: ``rho = auto``: ``ρ = RHO_AUTO · γ``
 RHO_AUTO = 0.1
@@ -45,10 +52,19 @@ def _couple(server) -> None:
     server.spec = dataclasses.replace(server.spec, coupling=coupling)
 
 
-def start(server) -> None:
+def start(server, prep=None) -> None:
     """DG-LMC's ``z_i`` start at the chain's ``θ_0`` (as :func:`qlsd_flwr.core.dglmc.run`'s do), so that
     dispersed starts stay dispersed: the mirrors are set to it, and every client's first message
-    carries its mirror (a resync), which it installs as its ``z_i``."""
+    carries its mirror (a resync), which it installs as its ``z_i``. FSGLD keeps the surrogates the
+    preparation gathered (``prep.surrogate``)."""
+    if server.cfg.oracle == "fsgld":
+        if prep is None or prep.surrogate is None:
+            raise ConfigError("fsgld: the clients' surrogates were not gathered before sampling "
+                              "(core.precondition.prepare); this path started a chain without them")
+        server.surrogate = np.array(prep.surrogate, dtype=np.float64)
+        return
+    if server.cfg.oracle != "dglmc":
+        return
     st = server.state
     st.eta_i[...] = st.theta
     st.eta = st.eta_i.sum(axis=-2)
@@ -68,11 +84,18 @@ def begin_round(server) -> None:
         row = np.array([step, rho, 1.0, 1.0], dtype="<f8").tobytes()
         server._local = {i: row for i in server._active}
         return
-    if server.cfg.oracle == "fald-star":
+    if server.cfg.oracle in ("fald-star", "fsgld"):
         server._star_version = len(server.norm_guard.excluded)
         off = None if server.claims is None else server.claims.offset(server.norm_guard.excluded)
         server._star_total = off if off is not None or server.claims is None else server.claims.total
     n = [server.norm_guard.n.get(i, 1) for i in range(b)]
+    if server.cfg.oracle == "fsgld":  # one kept client, by its data share; the step weighs it 1
+        f, _ = fald.round_shares(n, kept, [], server.cfg.p)
+        s = fsgld.choose(f, server.cfg.seed, server.state.k)
+        server._active, server._f = [s], f
+        server.spec = dataclasses.replace(server.spec, local_weights=np.eye(b)[s])
+        server._local = {s: np.array([server.spec.gamma, f[s], 1.0, 1.0], dtype="<f8").tobytes()}
+        return
     w, share = fald.round_shares(n, kept, server._active, server.cfg.p)
     server.spec = dataclasses.replace(server.spec, local_weights=w)
     server._local = {i: np.array([server.spec.gamma, w[i], share, server.cfg.p[i]], dtype="<f8").tobytes()
@@ -82,11 +105,14 @@ def begin_round(server) -> None:
 def add_fields(server, i: int, fields: dict) -> None:
     """Client ``i``'s round numbers, and VR-FALD*'s ``∇U(θ*)`` beside ``θ*``."""
     fields["local"] = server._local[i]
-    if "anchor" in fields and server.cfg.oracle == "fald-star":
+    if "anchor" in fields and server.cfg.oracle in ("fald-star", "fsgld"):
         if server.claims is None:
-            raise ConfigError("vr-fald-star: the clients' ∇U_i(θ*) were not gathered before sampling "
+            raise ConfigError(f"{server.cfg.variant}: the clients' ∇U_i(θ*) were not gathered before sampling "
                               "(QLSDServer.set_claims); its clients need ∇U(θ*)")
         fields["anchor_total"] = server._star_total
+    if "anchor" in fields and server.cfg.oracle == "fsgld":  # λ_i and Λ over the clients kept
+        fields["surrogate"] = server.surrogate[i]
+        fields["surrogate_total"] = server.surrogate[_kept(server)].sum(axis=0)
 
 
 def before_step(server) -> None:
@@ -96,9 +122,49 @@ def before_step(server) -> None:
         _couple(server)
 
 
-def reply_norms(server, pending: dict) -> dict[int, float]:
-    """What the bounded-influence rule judges of each valid reply (module docstring)."""
+def reply_norms(server, pending: dict) -> tuple[dict[int, float], float | None]:
+    """What the bounded-influence rule judges of each valid reply (module docstring), and FSGLD's
+    reference while its pool is thin (:func:`predicted_scale`)."""
     if server.cfg.oracle == "dglmc":
         rho, st = rho_of(server), server.state
-        return {i: float(np.linalg.norm(st.eta_i[i] + p[0] - st.theta)) / rho for i, p in pending.items()}
-    return {i: float(server.spec.local_weights[i] * np.linalg.norm(p[0])) for i, p in pending.items()}
+        return {i: float(np.linalg.norm(st.eta_i[i] + p[0] - st.theta)) / rho for i, p in pending.items()}, None
+    if server.cfg.oracle == "fsgld":
+        return {i: float(server._f[i] * np.linalg.norm(p[0])) for i, p in pending.items()}, predicted_scale(server)
+    return {i: float(server.spec.local_weights[i] * np.linalg.norm(p[0])) for i, p in pending.items()}, None
+
+
+def predicted_scale(server) -> float:
+    """FSGLD: the per-datum measure ``f_s ‖Δ‖ / N_s`` of the reply an honest client ``s`` would send if
+    its surrogate were exact, computed by the server itself (the surrogates' sum
+    ``Λ (x − θ*) + Σ_j ∇U_j(θ*) + ∇U_0(x)`` in the round's local steps, with the round's noise, which the
+    server draws too). It is the guard's reference for FSGLD in place of the pooled median: one
+    client answers a round, drawn by its data share, so the pool holds too few clients in the first
+    rounds and a large client can be most of it later. An honest reply differs from it by the
+    surrogate's error only."""
+    s, st, cfg = server._active[0], server.state, server.cfg
+    ts = server.spec.theta_star
+    lam = server.surrogate[_kept(server)].sum(axis=0)
+    total = server._star_total - server.task.prior.grad(ts)
+    g = fsgld.conducive_grad(lambda x: 0.0, server.task.prior.grad, 1.0, 0.0, lam, ts, 0.0, total)
+    delta = fsgld.message(g, st.theta, float(server.spec.gamma), int(cfg.get("local-steps")), cfg.seed, st.k, s,
+                          float(cfg.temperature))
+    return float(server._f[s] * np.linalg.norm(delta)) / server.norm_guard.n.get(s, 1)
+
+
+def arrays(server) -> dict:
+    """FSGLD's surrogates, for checkpoints."""
+    s = getattr(server, "surrogate", None)
+    return {} if s is None else {"surrogate": s}
+
+
+def restore(server, a: dict) -> None:
+    """FSGLD's surrogates from a checkpoint's arrays; :class:`CheckpointError` naming the field."""
+    if server.cfg.oracle != "fsgld":
+        return
+    from qlsd_flwr.outputs.checkpoint import CheckpointError
+
+    s = a.get("surrogate")
+    shape = (server.cfg.b, server.d)
+    if s is None or s.shape != shape or s.dtype.kind != "f" or not np.all(np.isfinite(s)) or np.any(s < 0):
+        raise CheckpointError(f"checkpoint: 'surrogate' must be {shape[0]} × {shape[1]} finite numbers ≥ 0 (fsgld)")
+    server.surrogate = s.copy()

@@ -92,23 +92,29 @@ class NormGuard:
         self.n = clamped_counts(np.ones(self.b) if n_data is None else np.asarray(n_data), range(self.b))
 
     # ---- one round ----------------------------------------------------------------------------
-    def reference(self, values: dict[int, float]) -> float:
-        """``R``: the median of the pooled non-zero per-datum norms, this round's included (0: none)."""
+    def reference(self, values: dict[int, float], given: float | None = None) -> float:
+        """``R``: the median of the pooled non-zero per-datum norms, this round's included (0: none);
+        or ``given``, a reference the server computed itself."""
+        if given is not None:
+            return float(given) if 0 < given < math.inf else 0.0
         pooled = [(i, v) for rnd in self.pool for i, v in rnd] + list(values.items())
         nz = [v for _, v in pooled if v > 0]
         if len({i for i, _ in pooled}) < POOL_MIN or not nz:
             return 0.0
         return float(np.median(nz))
 
-    def judge(self, norms: dict[int, float], k: int) -> tuple[dict[int, str], list[int]]:
+    def judge(self, norms: dict[int, float], k: int, given: float | None = None) -> tuple[dict[int, str], list[int]]:
         """This round's valid replies' norms → ``(rejected {i: reason}, newly excluded clients)``.
-        Deterministic in the clients' order, whatever order the replies came in."""
+        Deterministic in the clients' order, whatever order the replies came in. ``given``: a
+        per-datum reference the server computed itself, in place of the pool's median (FSGLD: one
+        client answers a round, drawn by its data share, so the pool is not 1/b per client and a
+        large client could be most of it)."""
         if self.mode == "off":
             return {}, []
         if self.mode == "fixed":
             return {i: "norm_bound" for i, x in norms.items() if not x <= self.fixed}, []
         values = {i: float(norms[i]) / self.n.get(i, 1) for i in sorted(norms) if i not in self.excluded}
-        R = self.reference(values)
+        R = self.reference(values, given)
         rejected: dict[int, str] = {i: "excluded" for i in norms if i in self.excluded}  # a stray reply
         newly: list[int] = []
         for i, v in values.items():
@@ -139,12 +145,12 @@ class NormGuard:
         self.pool.append([(i, v) for i, v in values.items() if math.isfinite(v)])
         return rejected, newly
 
-    def limit_of(self, i: int, norms: dict[int, float]) -> float:
+    def limit_of(self, i: int, norms: dict[int, float], given: float | None = None) -> float:
         """Client ``i``'s limit on the norm this round (for messages), its probation counted as it
         stood before the round."""
         if self.mode == "fixed":
             return self.fixed
-        R = self.reference({j: float(x) / self.n.get(j, 1) for j, x in norms.items()})
+        R = self.reference({j: float(x) / self.n.get(j, 1) for j, x in norms.items()}, given)
         factor = FACTOR_ROUND if self.accepted.get(i, 0) >= OWN_MIN else FACTOR_PROBATION
         return factor * R * self.n.get(i, 1) if R > 0 else float("inf")
 

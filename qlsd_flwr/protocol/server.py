@@ -75,7 +75,7 @@ class QLSDServer:
             raise ConfigError(f"prior: {cfg.variant}'s clients share the prior in their local steps, and only a "
                               f"Gaussian prior's two numbers travel to them (got {type(task.prior).__name__})")
         measure = {"star": "claim+difference", "fald": "share*displacement", "fald-star": "share*displacement",
-                   "dglmc": "coupling pull"}.get(cfg.oracle, "estimate")
+                   "dglmc": "coupling pull", "fsgld": "share*displacement"}.get(cfg.oracle, "estimate")
         self.norm_guard = NormGuard(cfg.raw.get("norm-bound", "auto"), cfg.b, task.n_data if task.clients else None,
                                     measure)  # see _commit
         self._norm_warned: set[int] = set()
@@ -126,13 +126,13 @@ class QLSDServer:
                 theta0 = prep.theta0[0]
         self.spec = build.server_spec(self.cfg, self.task, theta_star, self.blocks, metric)
         self.state = sampler.init_state(self.spec, build.theta0_of(self.task) if theta0 is None else theta0)
-        if self.cfg.oracle == "dglmc":  # z_i start at the chain's θ_0 (protocol.local_chains)
-            local_chains.start(self)
+        if self.local:  # DG-LMC's z_i start at the chain's θ_0; FSGLD's surrogates (protocol.local_chains)
+            local_chains.start(self, prep)
         self._set_scale()
 
     def wants_claims(self) -> bool:
         """QLSD*/LSD*, unless norm-bound = off (no defence at all): every client's ∇U_i(θ*) is asked."""
-        return (self.cfg.oracle == "star" and self.norm_guard.mode != "off") or self.cfg.oracle == "fald-star"
+        return (self.cfg.oracle == "star" and self.norm_guard.mode != "off") or self.cfg.oracle in ("fald-star", "fsgld")
 
     def set_claims(self, grads) -> None:
         """Every client's ``∇U_i(θ*)`` (``None``: not asked), what its reply to θ* must repeat and what
@@ -158,7 +158,8 @@ class QLSDServer:
         arrays = {"theta": st.theta, "zeta": st.zeta, "eta_i": st.eta_i, "eta": st.eta,
                   "theta_star": self.spec.theta_star, "anchor_acked": self.anchor_acked,
                   "eta_count": self.eta_count, "needs_resync": self.needs_resync,
-                  "metric": self.spec.metric.array(), **(self.claims.arrays() if self.claims else {})}
+                  "metric": self.spec.metric.array(), **(self.claims.arrays() if self.claims else {}),
+                  **local_chains.arrays(self)}
         meta = {"kind": "server", "k": int(st.k), "zeta_version": int(st.zeta_version), "gamma": float(self.spec.gamma),
                 "config": self.cfg.raw, "rejected": self.rejected,
                 "missed_rounds": {str(i): r for i, r in self.missed_rounds.items()},
@@ -199,6 +200,7 @@ class QLSDServer:
         except GuardStateError as exc:
             raise CheckpointError(f"checkpoint: {exc}") from None
         self.claims = ThetaStarClaims.restored(a, cfg.b, self.d)
+        local_chains.restore(self, a)
         self._set_offset()
         self.rejected = dict(meta["rejected"])
         self.missed_rounds = {int(i): list(r) for i, r in meta["missed_rounds"].items()}
@@ -211,7 +213,7 @@ class QLSDServer:
             return self.state.zeta, self.state.zeta_version
         if self.cfg.oracle == "star":
             return self.spec.theta_star, 0
-        if self.cfg.oracle == "fald-star":  # ∇U(θ*) changes when a client leaves: a new version the round after
+        if self.cfg.oracle in ("fald-star", "fsgld"):  # ∇U(θ*) changes when a client leaves: a new version
             return self.spec.theta_star, getattr(self, "_star_version", len(self.norm_guard.excluded))
         return None, -1
 
@@ -309,11 +311,12 @@ class QLSDServer:
         # what a reply makes of client i's gradient estimate: ĝ_i itself, η_i + ĝ_i with memory, c_i + ĝ_i
         # for QLSD* (differences, whose norms span orders of magnitude; with c_i a lie told everywhere is seen)
         base = self.state.eta_i if self.spec.memory else self.claims.claims if self.claims is not None else None
-        if self.local:  # FALD's w_i Δ_i, DG-LMC's pull on θ (protocol.local_chains)
-            norms = local_chains.reply_norms(self, self._pending)
+        given = None  # FSGLD: the server's prediction of an honest reply's scale (protocol.local_chains)
+        if self.local:  # FALD's w_i Δ_i, DG-LMC's pull on θ, FSGLD's f_s Δ_s
+            norms, given = local_chains.reply_norms(self, self._pending)
         else:
             norms = {i: float(np.linalg.norm(p[0] if base is None else base[i] + p[0])) for i, p in self._pending.items()}
-        refused, newly = self.norm_guard.judge(norms, self.state.k + 1)
+        refused, newly = self.norm_guard.judge(norms, self.state.k + 1, given)
         for i in newly:
             self._exclude(i, norms)
         self._round_norms = {}
@@ -329,7 +332,7 @@ class QLSDServer:
                 self._norm_warned.add(i)
                 if refused[i] == "norm_bound":
                     log.log(level, "client %d: reply norm %.3g over the limit %.3g (norm-bound): rejected "
-                            "(counted in summary.json 'rejected')", i, norms[i], self.norm_guard.limit_of(i, norms))
+                            "(counted in summary.json 'rejected')", i, norms[i], self.norm_guard.limit_of(i, norms, given))
                 continue
             self._g_hat[i] = g
             self._round_norms[i] = norms[i]

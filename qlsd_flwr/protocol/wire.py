@@ -35,7 +35,9 @@ def arr_to_bytes(x: np.ndarray) -> bytes:
     return np.ascontiguousarray(x, dtype="<f8").tobytes()
 
 
-VECTORS = ("theta", "anchor", "eta", "anchor_total")  # the fields holding a vector of R^d
+#: the fields holding a vector of R^d; all but θ may come with some chains of a several-chain message
+SENT_WITH = ("anchor", "eta", "anchor_total", "surrogate", "surrogate_total")
+VECTORS = ("theta",) + SENT_WITH
 
 
 def vectors_to_bytes(fields: dict) -> dict:
@@ -134,7 +136,7 @@ def bundle_request(per_chain: dict[int, dict], theta: np.ndarray | None = None) 
            "eta_count": [int(per_chain[c]["eta_count"]) for c in chains]}
     if "local" in first:  # FALD: each chain's (h, w_i, S_A, p_i), 32 bytes a chain
         out["local"] = b"".join(bytes(per_chain[c]["local"]) for c in chains)
-    for name in ("anchor", "eta", "anchor_total"):
+    for name in SENT_WITH:
         rows = [c for c in chains if name in per_chain[c]]
         if rows:
             out[f"{name}_chains"] = rows
@@ -189,7 +191,7 @@ def unbundle_request(fields: dict, d: int) -> dict[int, dict]:
             raise ValueError(f"local: expected {32 * m} bytes (four float64 a chain)")
         for j, c in enumerate(chains):
             per[c]["local"] = bytes(loc[32 * j: 32 * j + 32])
-    for name in ("anchor", "eta", "anchor_total"):
+    for name in SENT_WITH:
         if f"{name}_chains" not in fields:
             continue
         rows = _chain_list(fields[f"{name}_chains"], f"{name}_chains")
