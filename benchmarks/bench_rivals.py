@@ -17,9 +17,11 @@ steps of ``γ/5``):
   (``K = 5`` ULA steps on each z_i, ``ρ = γ/10`` and ``ρ = γ``, raw and QSGD-coded) **through the round
   protocol** (the local engine: the messages the Flower apps exchange, their bits counted by the
   server);
-* FSGLD (one client a round with ``f_i = N_i/N``, ``K = 5`` steps of ``γ/5``, Laplace surrogates at
-  each client's own mode, exact on the Gaussian): its framework-free core, uplink counted as
-  float64 (``64 d`` bits a message; its surrogates ``2 · 64 d`` per client once);
+* FSGLD (one client a round with ``f_i = N_i/N``, ``K = 5`` steps of ``γ/5``) through the round
+  protocol, its surrogates each client's Taylor expansion at θ* (``variant = fsgld``), raw and
+  QSGD-coded; and its framework-free core with the paper's surrogates, Laplace fits at each
+  client's own mode (exact on the Gaussian), uplink counted as float64 (``64 d`` bits a message;
+  its surrogates ``2 · 64 d`` per client once);
 * the centralised reference on the pooled data (ULA; on the logistic task the ``sgld`` variant
   with full batches).
 
@@ -150,11 +152,15 @@ class Bench:
             active += float(r.summary["totals"]["n_active"])
         draws = np.concatenate(draws)
         d = self.task.dim
-        # downlink: θ (float64) to every active client each round; VR-FALD* also θ* and ∇U(θ*) once a client
-        anchor = 2 * 64 * d * self.task.b if over.get("variant") in ("vr-fald-star", "qlsd-star", "lsd-star") else 0.0
+        # downlink: θ (float64) to every active client each round; VR-FALD* also θ* and ∇U(θ*) once a client,
+        # FSGLD θ*, ∇U(θ*), λ_i and Λ (its uplink once: the claim and the curvature, 2 · 64 d a client)
+        anchor = {"vr-fald-star": 2, "qlsd-star": 2, "lsd-star": 2, "fsgld": 4}.get(over.get("variant"), 0) \
+            * 64.0 * d * self.task.b
         self.record(name, draws, bits / (self.R * CHAINS), 64 * d * active / (self.R * CHAINS), 0.0,
                     time.perf_counter() - t)
         self.out["samplers"][name]["once_downlink_bits"] = anchor
+        if over.get("variant") == "fsgld":
+            self.out["samplers"][name]["once_bits"] = 2 * 64.0 * d * self.task.b
 
     def core(self, name: str, one_chain, up: float, down: float, once: float = 0.0):
         if self.skip(name):
@@ -210,7 +216,7 @@ def _family(bench: Bench) -> None:
 
 
 def rival_runs(bench: Bench, gamma: float) -> None:
-    """FALD, VR-FALD* and DG-LMC through the round protocol (local engine), raw and QSGD-coded."""
+    """FALD, VR-FALD*, DG-LMC and FSGLD through the round protocol (local engine), raw and QSGD-coded."""
     common = {"local-steps": K, "tau": 0.5, "gamma": gamma / K}
     bench.protocol("FALD (K = 5, τ = 0.5)", {"variant": "fald", **common})
     bench.protocol("FALD (K = 5, τ = 0.5), QSGD s = 16", {"variant": "fald", "compressor": "qsgd", "s": "16", **common})
@@ -222,6 +228,9 @@ def rival_runs(bench: Bench, gamma: float) -> None:
                                                        "rho": rho})
     bench.protocol("DG-LMC (K = 5, ρ = γ), QSGD s = 16", {"variant": "dg-lmc", "local-steps": K, "gamma": gamma,
                                                          "rho": gamma, "compressor": "qsgd", "s": "16"})
+    fs = {"variant": "fsgld", "local-steps": K, "gamma": gamma / K}
+    bench.protocol("FSGLD (K = 5, Taylor at θ*)", fs)
+    bench.protocol("FSGLD (K = 5, Taylor at θ*), QSGD s = 16", {**fs, "compressor": "qsgd", "s": "16"})
 
 
 def wine(R: int, path: Path) -> None:

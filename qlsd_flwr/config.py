@@ -338,9 +338,6 @@ def _check_local_steps(variant, oracle, raw, engine, metric, aggregation, p, ran
     if oracle == "fsgld" and np.any(p < 1.0):
         raise ConfigError("p: fsgld asks one client a round, drawn with probability f_i = N_i/N (its data share); "
                           "the participation probabilities do not apply; allowed: 1")
-    if engine == "vectorised":
-        raise ConfigError(f"engine: {variant} runs on engine = ray, inprocess or local (its local steps are not "
-                          "in the vectorised engine yet); allowed: ray, inprocess, local")
     if metric != "identity" or int(rank):
         raise ConfigError(f"metric: {variant}'s local steps are not preconditioned yet; use metric = identity and "
                           "metric-rank = 0")

@@ -205,7 +205,8 @@ KEYS: tuple[Key, ...] = (
         "vectorised", choices=("ray", "inprocess", "local", "vectorised"), group=RUN),
     Key("vectorised-backend", "auto", "choice", "the vectorised engine's backend: auto (numba where its chains are "
         "the reference's bit for bit, the toy Gaussian; numpy otherwise), numba (also the logistic task, its chains "
-        "within float rounding of the reference's), numpy", choices=("auto", "numba", "numpy"), group=RUN),
+        "within float rounding of the reference's), numpy (the only one for the rivals)", choices=("auto", "numba", "numpy"),
+        group=RUN),
     Key("output-dir", "outputs", "text", "where run folders go (relative: to the working directory; under flwr run, "
         "the SuperLink's)", group=RUN),
     Key("run-name", "", "text", "the run folder's name ('': a timestamp and the variant)", group=RUN),

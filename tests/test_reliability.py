@@ -122,6 +122,9 @@ CASES = {
     # DG-LMC: the clients' z_i are the checkpoint's memory mirrors
     "local-dg-lmc": ({"engine": "local", "variant": "dg-lmc", "p": "0.5", "local-steps": 2}, {}, 16),
     # FSGLD: the surrogates and the claims at θ* are in the checkpoint; one client a round
+    # the rivals on the vectorised engine: the chains' servers' state in its checkpoint (engines.vectorised.rivals)
+    "vectorised-2-chains-dg-lmc": ({"engine": "vectorised", "variant": "dg-lmc", "p": "0.5", "local-steps": 2,
+                                    "compressor": "qsgd", "s": "4", "num-chains": 2}, {"block_rounds": 4}, 18),
     "inprocess-2-chains-fsgld": ({"engine": "inprocess", "variant": "fsgld", "local-steps": 2, "compressor": "qsgd",
                                   "s": "4", "num-chains": 2}, {"shuffle_seed": 17}, 17),
     "inprocess-2-chains-adapt": ({"engine": "inprocess", "variant": "qlsd-pp", "p": "0.5", "s": "4", "num-chains": 2,
@@ -467,3 +470,32 @@ def test_a_killed_run_resumes_on_the_ray_engine_bitwise(tmp_path):
     assert np.array_equal(load_samples(ref.run_dir), load_samples(res.run_dir))
     assert np.array_equal(final_theta(ref), final_theta(res))
     assert res.summary["rejected"] == ref.summary["rejected"]  # no client lost a round to a resync
+
+
+def _drop_claims(meta, arrays):
+    for name in [n for n in arrays if n.endswith(".claims") or n.endswith(".claims_total")]:
+        arrays.pop(name)
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda m, a: m["runner"].update(chain_meta=m["runner"]["chain_meta"][:1]), r"'runner' must hold 2 chain"),
+    (lambda m, a: m["runner"].update(ts_info=5), "runner.ts_info must be a table"),
+    (lambda m, a: m["runner"]["chain_meta"][1].update(missed_rounds={"x": "y"}),
+     r"runner.chain_meta\[1\].missed_rounds' holds 'x'"),
+    (lambda m, a: a.update({"run_c0.anchor_acked": a["run_c0.anchor_acked"][:2]}), "chain 0: array '"),
+    (_drop_claims, r"the claims at θ\* \('claims'\) are missing"),
+    (lambda m, a: a.update({"run_c1.surrogate": -a["run_c1.surrogate"] - 1}), "'surrogate' must be 4 × 6 finite"),
+])
+def test_a_crafted_vectorised_checkpoint_of_a_rival_is_refused_by_name(tmp_path, edit, words):
+    # the rivals' servers' state in the vectorised engine's checkpoint (engines.vectorised.rivals): every part
+    # a resume reads is checked, and a bad one is a one-line error naming it, not a crash
+    o = {"engine": "vectorised", "variant": "fsgld", "num-chains": 2, "num-clients": 4, "dim": 6, "num-rounds": 40,
+         "burn-in": 2, "checkpoint-every": 5, "progress": False, "loo": "off", "output-dir": str(tmp_path),
+         "run-name": "r"}
+    run_and_kill(o, 12, block_rounds=4)  # killed after its checkpoint at round 10
+    meta, arrays = ckpt.load(ckpt.path_in(tmp_path / "r"))
+    meta.pop("format")
+    edit(meta, arrays)
+    ckpt.save(ckpt.path_in(tmp_path / "r"), arrays, meta)
+    with pytest.raises(ConfigError, match=words):
+        simulate.run({"resume": str(tmp_path / "r"), "progress": False}, block_rounds=4)

@@ -134,6 +134,39 @@ def test_inprocess_flower_gives_the_local_chain_bit_for_bit(over, tmp_path):
         assert 0 < s["totals"]["bits_exact"] < 0.5 * 64 * 50 * s["totals"]["n_replied"]
 
 
+@pytest.mark.parametrize("over", [
+    {"variant": "fald", "p": "0.5", "local-steps": 3, "tau": 0.3},
+    {"variant": "vr-fald-star", "p": "0.7", "local-steps": 2, "compressor": "qsgd", "s": "8", "prior-var": 5.0},
+    {"variant": "dg-lmc", "p": "0.6", "local-steps": 3, "compressor": "qsgd", "s": "8", "prior-var": 5.0},
+    {"variant": "fsgld", "local-steps": 2, "compressor": "qsgd", "s": "8", "prior-var": 5.0},
+])
+def test_the_vectorised_engine_runs_each_chain_as_the_local_engine_does_bit_for_bit(over, tmp_path):
+    from qlsd_flwr.outputs.recorder import load_samples
+    from qlsd_flwr.run.simulate import run
+
+    o = {"num-rounds": 20, "burn-in": 0, "progress": False, "gamma": 4.9e-4, "num-chains": 2, "loo": "off",
+         "output-dir": str(tmp_path), "dim": 10, **over}
+    v = run({**o, "engine": "vectorised"})
+    assert v.summary["engine"] == "vectorised" and v.summary["backend"] == "numpy"
+    draws = load_samples(v.run_dir)
+    for c in range(2):
+        one = run_local(resolve({**o, "num-chains": 1, "seed": c, "engine": "local"}), write=False,
+                        keep_trace=True, progress=False).trace
+        np.testing.assert_array_equal(draws[c], one)
+
+
+def test_a_rival_runs_side_by_side_with_the_qlsd_family_on_the_same_seeds():
+    from qlsd_flwr.engines.vectorised.driver import run_side_by_side, run_vectorised
+
+    o = {"num-rounds": 15, "burn-in": 0, "progress": False, "num-chains": 2, "dim": 10, "engine": "vectorised"}
+    cfgs = [resolve({**o, "variant": "qlsd-pp"}), resolve({**o, "variant": "fald", "local-steps": 2})]
+    both = run_side_by_side(cfgs, keep_trace=True)
+    for cfg, res in zip(cfgs, both):
+        np.testing.assert_array_equal(res.trace, run_vectorised(cfg, write=False, keep_trace=True).trace)
+    with pytest.raises(ValueError, match="numba runs the QLSD family only"):
+        run_vectorised(cfgs[1], write=False, backend="numba")
+
+
 @pytest.mark.parametrize("variant", ["vr-fald-star", "dg-lmc", "fsgld"])
 def test_chain_c_of_a_several_chain_run_is_the_one_chain_run_with_seed_plus_c(tmp_path, variant):
     o = {"variant": variant, "p": "1" if variant == "fsgld" else "0.6", "local-steps": 2, "num-chains": 3, "num-rounds": 25, "burn-in": 0,
@@ -146,15 +179,12 @@ def test_chain_c_of_a_several_chain_run_is_the_one_chain_run_with_seed_plus_c(tm
 
 
 @pytest.mark.parametrize("over, words", [
-    ({"engine": "vectorised"}, "engine: fald runs on engine = ray, inprocess or local"),
     ({"metric": "diagonal"}, "metric: fald's local steps are not preconditioned"),
     ({"metric-rank": 4}, "metric: fald's local steps"),
     ({"aggregation": "active-fraction", "p": "0.5"}, "aggregation: fald averages its clients with the weights"),
-    ({"variant": "dg-lmc", "engine": "vectorised"}, "engine: dg-lmc runs on"),
     ({"variant": "dg-lmc", "temperature": 0.5}, "temperature: dg-lmc samples T = 1 only"),
     ({"variant": "dg-lmc", "rho": -1.0}, "rho"),
     ({"variant": "fsgld", "p": "0.5"}, "p: fsgld asks one client a round"),
-    ({"variant": "fsgld", "engine": "vectorised"}, "engine: fsgld runs on"),
     ({"variant": "fsgld", "metric": "diagonal"}, "metric: fsgld's local steps"),
 ])
 def test_what_the_rivals_do_not_take_is_refused_by_key(over, words):
@@ -304,3 +334,37 @@ def test_the_legacy_pair_refuses_fsgld_by_name():
     cfg = resolve({**TOY, "variant": "fsgld", "p": "1"})
     with pytest.raises(ConfigError, match="variant: fsgld needs every client's"):
         LegacyQLSDStrategy(cfg, loading.load_task(cfg), write=False)
+
+
+def test_fsgld_caps_the_summed_surrogate_precision_at_one_over_gamma():
+    # one client's report may pass the per-datum cap (its claimed N_i and 10× the others' per datum): its λ
+    # stiffens every client's local step through Λ, so Λ is held to 1/γ (any λ keeps the gradient unbiased)
+    from qlsd_flwr.core import fsgld
+
+    lam = np.array([[1.0, 2.0], [1.0, 2.0], [500.0, 2.0]])
+    assert fsgld.cap_total(lam.copy(), h=1e-3) == 0  # Λ = (502, 6): under 1/h = 1000
+    capped = lam.copy()
+    assert fsgld.cap_total(capped, h=1e-2) == 1  # Λ_0 = 502 > 100: scaled to 100 in that coordinate only
+    assert capped[:, 0].sum() == pytest.approx(100.0) and np.array_equal(capped[:, 1], lam[:, 1])
+    assert np.allclose(capped[:, 0] / capped[0, 0], lam[:, 0] / lam[0, 0])  # the clients' shares kept
+
+
+def test_fsgld_counts_its_surrogate_exchange_and_skips_a_round_when_no_client_is_kept():
+    from qlsd_flwr.protocol.server import QLSDServer
+
+    cfg = resolve({**TOY, "variant": "fsgld", "p": "1", "gamma": 1e-4, "num-rounds": 5, "burn-in": 0})
+    r = run_local(cfg, write=False)
+    assert r.summary["prep_exchanges"] >= 1 and r.summary["prep_uplink_bits"] >= 4 * 64 * 3  # the curvature reports
+    task = loading.load_task(cfg)
+    from qlsd_flwr.core import precondition
+
+    specs = [build.client_spec(cfg, i, task.clients[i].n_data, 3, task.prior) for i in range(4)]
+    prep = precondition.prepare(cfg, task, build.theta0_of(task), *build.direct_exchanges(cfg, task, specs))
+    server = QLSDServer(cfg, task)
+    server.begin(prep.theta_star, prep.info, None, prep)
+    server.set_claims([c.grad_sum(prep.theta_star) for c in task.clients])
+    server.leave_out(range(4))
+    before = server.state.theta.copy()
+    assert server.begin_round() == []
+    row = server.end_round()
+    assert row["skipped"] == 1 and np.array_equal(server.state.theta, before)

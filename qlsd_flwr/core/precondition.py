@@ -164,8 +164,9 @@ def prepare(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | No
     grad_fn, curv_fn = _counted(grad_fn, curv_fn, cfg.b, task.dim, traffic)
     if not needs_preparation(cfg):
         ts, info = resolve_theta_star(cfg, task, theta0, grad_fn)
-        info.update(traffic)
-        return _with_surrogates(cfg, task, Prepared(ts, info, Metric(), cfg.gamma), curv_fn, n_data)
+        prep = _with_surrogates(cfg, task, Prepared(ts, info, Metric(), cfg.gamma), curv_fn, n_data)
+        info.update(traffic)  # the counts with FSGLD's curvature exchange in them
+        return prep
     info: dict = traffic  # the counts go on as the exchanges are made
     d = task.dim
     file_metric = metric_from_file(cfg.metric, d) if cfg.metric.endswith(".npy") else None
@@ -232,7 +233,13 @@ def _with_surrogates(cfg: RunConfig, task: Task, prep: Prepared, curv_fn: CurvFn
             refused[str(i)] = str(exc)
             log.warning("client %s: curvature report refused: %s (fsgld: its surrogate is linear)", i, exc)
     prep.surrogate, scaled = fsgld.surrogates_from_reports(ok, n_data, cfg.b, task.dim)
-    prep.info.update({"surrogate_reports": len(ok), "surrogate_rejected": refused, "surrogate_scaled": scaled})
+    capped = fsgld.cap_total(prep.surrogate, prep.gamma)
+    if capped:
+        log.warning("fsgld: the clients' summed surrogate precision Λ exceeds 1/γ in %d coordinate(s) (a report far "
+                    "over the others', or gamma near the stability limit): scaled down there to 1/γ, which keeps "
+                    "every client's local steps stable and the gradient unbiased (surrogate_total_capped)", capped)
+    prep.info.update({"surrogate_reports": len(ok), "surrogate_rejected": refused, "surrogate_scaled": scaled,
+                      "surrogate_total_capped": capped})
     return prep
 
 

@@ -215,6 +215,8 @@ def load_for_resume(cfg: RunConfig, kind: str) -> tuple[Path, dict, dict]:
     validate(meta, arrays, path_in(run_dir))
     if kind == "server":
         _check_server_parts(cfg, meta, arrays, path_in(run_dir))
+    elif cfg.oracle in ("fald", "fald-star", "dglmc", "fsgld"):  # the rivals' servers (engines.vectorised.rivals)
+        _check_runner_parts(cfg, meta, arrays, path_in(run_dir))
     old = meta["config"]
     from qlsd_flwr.config import not_applicable
 
@@ -318,6 +320,20 @@ def validate(meta: dict, arrays: dict, path) -> None:
                                 lambda why, c=c: bad(f"chain {c}: {why}"))
     elif meta.get("kind") == "server":
         _check_server_chain(meta, arrays, bad)
+    if meta.get("kind") == "vectorised" and "runner" in meta:  # the rivals' chains' servers (engines.vectorised.rivals)
+        metas = (run := meta["runner"] if isinstance(meta["runner"], dict) else {}).get("chain_meta")
+        if not isinstance(metas, list) or not metas or not all(isinstance(m, dict) for m in metas):
+            raise bad("runner.chain_meta must be a list of tables")
+        if not isinstance(run.get("ts_info"), dict):
+            raise bad("runner.ts_info must be a table")
+        _check_table(run.get("rejected"), "runner.rejected", bad)
+        for c, m in enumerate(metas):
+            if m.get("k") != k:
+                raise bad(f"runner.chain_meta[{c}].k = {m.get('k')!r}, the checkpoint is at k = {k}")
+            for name in ("rejected", "missed_rounds"):
+                _check_table(m.get(name, {}), f"runner.chain_meta[{c}].{name}", bad)
+            _check_server_chain(m, {n[len(f"run_c{c}."):]: a for n, a in arrays.items() if n.startswith(f"run_c{c}.")},
+                                lambda why, c=c: bad(f"chain {c}: {why}"))
 
 
 def _check_server_parts(cfg: RunConfig, meta: dict, arrays: dict, path) -> None:
@@ -333,6 +349,19 @@ def _check_server_parts(cfg: RunConfig, meta: dict, arrays: dict, path) -> None:
         for name in need:
             if pre + name not in arrays:
                 raise CheckpointError(f"checkpoint {path}: array {pre + name!r} is missing")
+
+
+def _check_runner_parts(cfg: RunConfig, meta: dict, arrays: dict, path) -> None:
+    """A rival's vectorised checkpoint: a server state per chain, ``b`` clients each, the claims at θ*."""
+    metas = meta["runner"].get("chain_meta") if isinstance(meta.get("runner"), dict) else None
+    if not isinstance(metas, list) or len(metas) != cfg.num_chains:
+        raise CheckpointError(f"checkpoint {path}: 'runner' must hold {cfg.num_chains} chain(s) (num-chains)")
+    for c in range(cfg.num_chains):
+        acked = arrays.get(f"run_c{c}.anchor_acked")
+        if acked is None or acked.shape != (cfg.b,):
+            raise CheckpointError(f"checkpoint {path}: chain {c}: array 'anchor_acked' must hold num-clients = {cfg.b}")
+        if cfg.oracle in ("fald-star", "fsgld") and f"run_c{c}.claims" not in arrays:
+            raise CheckpointError(f"checkpoint {path}: chain {c}: the claims at θ* ('claims') are missing")
 
 
 def _check_table(t, name: str, bad) -> None:

@@ -79,10 +79,10 @@ class ChainSet:
     """``C`` chains of one run, served together (see the module docstring)."""
 
     def __init__(self, cfg: RunConfig, task: Task, keep_trace: bool = False, engine_label: str = "flower",
-                 observer=None):
+                 observer=None, warn: bool = True):
         self.cfg, self.task, self.d = cfg, task, task.dim
         self.C = int(cfg.num_chains)
-        self.chains = [QLSDServer(chain_config(cfg, c), task, False, engine_label, None, warn=(c == 0))
+        self.chains = [QLSDServer(chain_config(cfg, c), task, False, engine_label, None, warn=warn and c == 0)
                        for c in range(self.C)]
         self.settings = self.chains[0].settings  # seed = the run's; the client adds c for chain c
         self.keep_trace, self.engine_label, self.observer = keep_trace, engine_label, observer
@@ -263,18 +263,21 @@ class ChainSet:
         self.ts_info = {**self.ts_info, "stopped": reason, "stopped_at_round": k}
         self.finish()
 
+    def facts(self) -> dict:
+        """What the chains' servers counted, for the summary: rejections (all, and per chain), missed
+        rounds and, when any, the excluded clients (per chain: client → round)."""
+        out = {"rejected": self.rejected, "rejected_per_chain": [dict(ch.rejected) for ch in self.chains],
+               "missed_rounds": {str(c): {str(i): r for i, r in sorted(m.items())}
+                                 for c, m in self.missed_rounds.items()}}
+        excluded = {str(c): {str(i): k for i, k in sorted(ch.norm_guard.excluded.items())}
+                    for c, ch in enumerate(self.chains) if ch.norm_guard.excluded}
+        return {**out, "excluded": excluded} if excluded else out
+
     def finish(self) -> dict:
         extra = summary_extra(self.cfg, self.task, {
             "engine": self.engine_label, **self.ts_info, "num_chains": self.C,
             "chain_seeds": f"seed + c for chain c (seeds {int(self.cfg.seed)}..{int(self.cfg.seed) + self.C - 1})",
-            "rejected": self.rejected,
-            "rejected_per_chain": [dict(ch.rejected) for ch in self.chains],
-            "missed_rounds": {str(c): {str(i): r for i, r in sorted(m.items())}
-                              for c, m in self.missed_rounds.items()}})
-        excluded = {str(c): {str(i): k for i, k in sorted(ch.norm_guard.excluded.items())}
-                    for c, ch in enumerate(self.chains) if ch.norm_guard.excluded}
-        if excluded:
-            extra["excluded"] = excluded
+            **self.facts()})
         if self.resumed_from is not None:
             extra["resumed_from_round"] = self.resumed_from
         self.summary_data = self.observer.on_stop(self, extra) if self.observer is not None else extra

@@ -91,6 +91,10 @@ def begin_round(server) -> None:
     n = [server.norm_guard.n.get(i, 1) for i in range(b)]
     if server.cfg.oracle == "fsgld":  # one kept client, by its data share; the step weighs it 1
         f, _ = fald.round_shares(n, kept, [], server.cfg.p)
+        if not kept:  # every client excluded: nobody is asked, the round is skipped (as FALD's)
+            server._active, server._f, server._local = [], f, {}
+            server.spec = dataclasses.replace(server.spec, local_weights=np.zeros(b))
+            return
         s = fsgld.choose(f, server.cfg.seed, server.state.k)
         server._active, server._f = [s], f
         server.spec = dataclasses.replace(server.spec, local_weights=np.eye(b)[s])
@@ -129,7 +133,8 @@ def reply_norms(server, pending: dict) -> tuple[dict[int, float], float | None]:
         rho, st = rho_of(server), server.state
         return {i: float(np.linalg.norm(st.eta_i[i] + p[0] - st.theta)) / rho for i, p in pending.items()}, None
     if server.cfg.oracle == "fsgld":
-        return {i: float(server._f[i] * np.linalg.norm(p[0])) for i, p in pending.items()}, predicted_scale(server)
+        return ({i: float(server._f[i] * np.linalg.norm(p[0])) for i, p in pending.items()},
+                predicted_scale(server) if pending else None)
     return {i: float(server.spec.local_weights[i] * np.linalg.norm(p[0])) for i, p in pending.items()}, None
 
 
@@ -140,7 +145,8 @@ def predicted_scale(server) -> float:
     server draws too). It is the guard's reference for FSGLD in place of the pooled median: one
     client answers a round, drawn by its data share, so the pool holds too few clients in the first
     rounds and a large client can be most of it later. An honest reply differs from it by the
-    surrogate's error only."""
+    surrogate's error only. With QSGD the prediction is scaled by ``√(1 + ω)``, the root of the
+    code's bound on ``E‖C(x)‖² / ‖x‖²``: an honest coded reply is that much longer, on average at most."""
     s, st, cfg = server._active[0], server.state, server.cfg
     ts = server.spec.theta_star
     lam = server.surrogate[_kept(server)].sum(axis=0)
@@ -148,7 +154,8 @@ def predicted_scale(server) -> float:
     g = fsgld.conducive_grad(lambda x: 0.0, server.task.prior.grad, 1.0, 0.0, lam, ts, 0.0, total)
     delta = fsgld.message(g, st.theta, float(server.spec.gamma), int(cfg.get("local-steps")), cfg.seed, st.k, s,
                           float(cfg.temperature))
-    return float(server._f[s] * np.linalg.norm(delta)) / server.norm_guard.n.get(s, 1)
+    coded = np.sqrt(1.0 + float(server.compressors[s].omega(server.d)))
+    return coded * float(server._f[s] * np.linalg.norm(delta)) / server.norm_guard.n.get(s, 1)
 
 
 def arrays(server) -> dict:

@@ -11,10 +11,12 @@ import numpy as np
 
 from qlsd_flwr.config import ConfigError, RunConfig, check_memory
 from qlsd_flwr.core import precondition
+from qlsd_flwr.core.oracles import LOCAL_ORACLES
 from qlsd_flwr.core.potential import GaussianPrior, Task
 from qlsd_flwr.outputs import loo
 from qlsd_flwr.engines.vectorised.numba_backend import NumbaChains
 from qlsd_flwr.engines.vectorised.numpy_backend import NumpyGeneric, Sequential
+from qlsd_flwr.engines.vectorised.rivals import RivalChains
 from qlsd_flwr.engines.vectorised.results import (
     ChainStats,
     VectorisedResult,
@@ -38,7 +40,7 @@ from qlsd_flwr.tasks.logistic import LogisticLocal
 # run-config keys that may differ between configurations run side by side
 SIDE_BY_SIDE_KEYS = ("variant", "s", "gamma", "l", "alpha", "compressor", "encoding", "run-name",
                      "output-dir", "progress", "verbose", "engine", "theta-star", "opt-rounds",
-                     "opt-tol", "client-cpus", "reply-timeout")
+                     "opt-tol", "client-cpus", "reply-timeout", "local-steps", "tau", "rho")
 
 
 def _is_gaussian(task: Task) -> bool:
@@ -60,6 +62,11 @@ def backend_for(cfgs, task: Task, backend: str = "auto") -> str:
     reference. On the logistic task ``numba`` runs only when asked for: its gradient is equal to
     the reference's within float rounding, not bit for bit (see :mod:`.kernel`)."""
     cfgs = [cfgs] if isinstance(cfgs, RunConfig) else list(cfgs)
+    if any(c.oracle in LOCAL_ORACLES for c in cfgs):  # the rivals' local chains: engines.vectorised.rivals
+        if backend == "numba":
+            raise ValueError("vectorised-backend = numba runs the QLSD family only; the rivals (fald, vr-fald-star, "
+                             "dg-lmc, fsgld) run on: auto, numpy")
+        return "numpy"
     one_norm = all(build.blocks_for(c, task) is None for c in cfgs)
     # the kernel's step is the paper's, with a Gaussian prior
     plain = all(c.metric == "identity" and not int(c.get("metric-rank") or 0) and c.temperature == 1.0
@@ -186,13 +193,15 @@ def run_side_by_side(cfgs, task: Task | None = None, write: bool = False, keep_t
         if which == "numba":
             runner = NumbaChains(cfgs, task, parts, stats, threads)
         else:
-            runner = Sequential([NumpyGeneric(cfg, task, *pt[:4], st, theta0=pt[4]) for cfg, pt, st in zip(cfgs, parts, stats)])
+            runner = Sequential([RivalChains(cfg, task, pt[0], pt[5], st) if cfg.oracle in LOCAL_ORACLES else
+                                 NumpyGeneric(cfg, task, *pt[:4], st, theta0=pt[4])
+                                 for cfg, pt, st in zip(cfgs, parts, stats)])
         t0 = time.perf_counter()
         k = 0
         last_ckpt = None
         if resume is not None:
             k = last_ckpt = int(resume[1]["k"])
-            _restore(runner, stats[0], resume[2])
+            _restore(runner, stats[0], resume[2], resume[1])
             bar.update(k)
         every = ref.checkpoint_every if ck_on else 0
         R = block_rounds or runner.initial_block()
@@ -238,11 +247,12 @@ def run_side_by_side(cfgs, task: Task | None = None, write: bool = False, keep_t
     for v, cfg in enumerate(cfgs):
         st = stats[v]
         st.rounds = K
+        own = runner.runners[v].info() if isinstance(runner, Sequential) else runner.info()  # the rivals' counts
         info = {"engine": "vectorised", "backend": which, "num_chains": nchain,
                 "chain_seeds": chain_seeds(cfg).tolist(), "chain_seed_rule": "seed + c",
                 "side_by_side": len(cfgs), "engine_seconds": wall,
                 "chain_iterations_per_second": K * nchain * len(cfgs) / max(wall, 1e-12),
-                "stats": st.to_dict(), **runner.info(), **parts[v][3]}
+                "stats": st.to_dict(), **own, **parts[v][3]}
         if resume is not None:
             info["resumed_from_round"] = int(resume[1]["k"])
         extra = summary_extra(cfg, task, info)
@@ -262,8 +272,9 @@ def run_side_by_side(cfgs, task: Task | None = None, write: bool = False, keep_t
 
 
 def _parts(cfg: RunConfig, task: Task, write: bool = True):
-    """Client specs, server spec, θ* and its facts for ``cfg`` (as the other engines build them);
-    a writing run keeps the ``metric-from = adapt`` warm-up's state (:func:`ckpt.warmup_store`)."""
+    """Client specs, server spec, θ*, its facts, the chains' starts and the whole preparation for ``cfg``
+    (as the other engines build them); a writing run keeps the ``metric-from = adapt`` warm-up's state
+    (:func:`ckpt.warmup_store`)."""
     d = task.dim
     build.check_clients(task)
     build.warn_if_unstable(cfg, task)
@@ -272,7 +283,7 @@ def _parts(cfg: RunConfig, task: Task, write: bool = True):
     prep = precondition.prepare(cfg, task, build.theta0_of(task), *build.direct_exchanges(cfg, task, specs),
                                 warm=ckpt.warmup_store(cfg) if write else None)
     spec = build.server_spec(precondition.apply(cfg, prep), task, prep.theta_star, blocks, prep.metric)
-    return specs, spec, prep.theta_star, prep.info, prep.theta0
+    return specs, spec, prep.theta_star, prep.info, prep.theta0, prep
 
 
 def _close_stopped(recs: list, exc: BaseException, k: int) -> None:
@@ -371,6 +382,8 @@ def _save_checkpoint(cfg, backend, runner, st: ChainStats, rec: Recorder, run_di
     arrays["metric"] = np.zeros(0) if isinstance(r, NumbaChains) else r.spec.metric.array()
     meta = {"kind": "vectorised", "backend": backend, "k": k, "config": cfg.raw, "gamma": _gamma_of(r),
             "stats": {"n_kept": st.n_kept, "rounds": st.rounds}, "recorder": rec_meta}
+    if isinstance(r, RivalChains):  # the chains' servers' JSON state (guards, counters)
+        meta["runner"] = r.checkpoint_meta()
     ckpt.save(ckpt.path_in(run_dir), arrays, meta)
 
 
@@ -378,9 +391,10 @@ def _gamma_of(r) -> float:
     return float(r.prm.gamma[0]) if isinstance(r, NumbaChains) else float(r.spec.gamma)
 
 
-def _restore(runner, st: ChainStats, arrays: dict) -> None:
+def _restore(runner, st: ChainStats, arrays: dict, meta: dict) -> None:
     r = runner if isinstance(runner, NumbaChains) else runner.runners[0]
-    r.restore({n[4:]: a for n, a in arrays.items() if n.startswith("run_")})
+    run = {n[4:]: a for n, a in arrays.items() if n.startswith("run_")}
+    r.restore(run, meta.get("runner")) if isinstance(r, RivalChains) else r.restore(run)
     for n, a in arrays.items():
         if n.startswith("st_"):
             getattr(st, n[3:])[...] = a
