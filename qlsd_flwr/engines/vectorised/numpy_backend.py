@@ -360,20 +360,7 @@ class NumpyGeneric:
         cfg, spec, st = self.cfg, self.spec, self.st
         # every active client's reply is valid here: the replies are the active set
         out["skipped"][:, r] = sampler.server_step(spec, st, self.seeds, g_hat, active)
-        s = self.stats
-        if keeps(np.asarray(k + 1), cfg.burn_in, cfg.thin):
-            th = st.theta
-            f = np.sqrt(np.sum(th * th, axis=1))
-            s.n_kept += 1
-            s.sum_theta += th
-            s.sum_theta2 += th * th
-            s.sum_f += f
-            s.sum_f2 += f * f
-        s.n_active += out["n_active"][:, r]
-        s.skipped += out["skipped"][:, r]
-        s.bits_exact += out["bits_exact"][:, r]
-        s.bits_bound += out["bits_bound"][:, r]
-        s.bytes_payload += out["bytes"][:, r]
+        self.stats.add_round(st.theta, bool(keeps(np.asarray(k + 1), cfg.burn_in, cfg.thin)), out, r)
 
     def _round_per_client(self, k: int, r: int, out: dict, refreshed: bool) -> None:
         cfg, task, d, b, st = self.cfg, self.task, self.d, self.b, self.st

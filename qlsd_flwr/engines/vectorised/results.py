@@ -58,6 +58,21 @@ class ChainStats:
         m = self.mean_theta()
         return np.maximum(self.sum_theta2 / max(self.n_kept, 1) - m * m, 0.0)
 
+    def add_round(self, theta: np.ndarray, kept: bool, out: dict, r: int) -> None:
+        """Round ``r`` of a block's outputs ``out`` (``(C, R)`` counts), and θ ``(C, d)`` when its draw is kept."""
+        if kept:
+            f = np.sqrt(np.sum(theta * theta, axis=1))
+            self.n_kept += 1
+            self.sum_theta += theta
+            self.sum_theta2 += theta * theta
+            self.sum_f += f
+            self.sum_f2 += f * f
+        self.n_active += out["n_active"][:, r]
+        self.skipped += out["skipped"][:, r]
+        self.bits_exact += out["bits_exact"][:, r]
+        self.bits_bound += out["bits_bound"][:, r]
+        self.bytes_payload += out["bytes"][:, r]
+
     def bits_exact_per_round(self) -> np.ndarray:
         """Per-chain mean exact bits uploaded per iteration (all clients)."""
         return self.bits_exact / max(self.rounds, 1)

@@ -91,7 +91,7 @@ class RivalChains:
             theta = self.theta
             if need_states:
                 states[:, r] = theta
-            self._count(k0 + r, r, out, theta)
+            self.stats.add_round(theta, bool(keeps(np.asarray(k0 + r + 1), self.cfg.burn_in, self.cfg.thin)), out, r)
         out["states"] = states
         return out
 
@@ -109,21 +109,6 @@ class RivalChains:
                 continue
             server.accept(i, reply)
         return server.end_round()
-
-    def _count(self, k: int, r: int, out: dict, theta: np.ndarray) -> None:
-        s = self.stats
-        if keeps(np.asarray(k + 1), self.cfg.burn_in, self.cfg.thin):
-            f = np.sqrt(np.sum(theta * theta, axis=1))
-            s.n_kept += 1
-            s.sum_theta += theta
-            s.sum_theta2 += theta * theta
-            s.sum_f += f
-            s.sum_f2 += f * f
-        s.n_active += out["n_active"][:, r]
-        s.skipped += out["skipped"][:, r]
-        s.bits_exact += out["bits_exact"][:, r]
-        s.bits_bound += out["bits_bound"][:, r]
-        s.bytes_payload += out["bytes"][:, r]
 
     # ---- checkpoints: the chains' servers' own snapshots ---------------------------------------
     def checkpoint_arrays(self) -> dict:
