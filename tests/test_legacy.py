@@ -32,11 +32,14 @@ def test_legacy_pair_on_ray_matches_framework_free_chain(tmp_path):
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("rival", [{"variant": "fald", "tau": 0.5}, {"variant": "dg-lmc"}])
+@pytest.mark.parametrize("rival", [{"variant": "fald", "tau": 0.5, "metric": "m.npy"}, {"variant": "dg-lmc"}])
 def test_legacy_pair_runs_the_rivals_fald_and_dg_lmc_bit_for_bit(tmp_path, rival):
-    # FALD's local steps and QSGD-coded Δ_i, DG-LMC's z_i (sent with the first message) and its coded
-    # changes, through FitIns/FitRes; VR-FALD* and FSGLD need the clients' ∇U_i(θ*) before sampling,
-    # which this loop cannot ask: refused by name
+    # FALD's local steps (with a diagonal metric from a file, sent with the first message) and QSGD-coded
+    # Δ_i, DG-LMC's z_i (sent with the first message) and its coded changes, through FitIns/FitRes;
+    # VR-FALD* and FSGLD need the clients' ∇U_i(θ*) before sampling, which this loop cannot ask: refused
+    if "metric" in rival:
+        np.save(tmp_path / "m.npy", np.linspace(0.5, 2.0, 50))
+        rival = {**rival, "metric": str(tmp_path / "m.npy")}
     o = {"p": "0.5", "local-steps": 2, "compressor": "qsgd", "s": "8", "num-rounds": 8,
          "burn-in": 0, "progress": False, "num-clients": 4, "output-dir": str(tmp_path), "run-name": "legacy",
          "loo": "off", **rival}

@@ -125,6 +125,9 @@ CASES = {
     # the rivals on the vectorised engine: the chains' servers' state in its checkpoint (engines.vectorised.rivals)
     "vectorised-2-chains-dg-lmc": ({"engine": "vectorised", "variant": "dg-lmc", "p": "0.5", "local-steps": 2,
                                     "compressor": "qsgd", "s": "4", "num-chains": 2}, {"block_rounds": 4}, 18),
+    # FALD with a diagonal metric and gamma = auto: M and γ from the checkpoint, M sent again to every client
+    "local-fald-metric": ({"engine": "local", "variant": "fald", "p": "0.5", "local-steps": 2, "metric": "diagonal",
+                           "gamma": "auto"}, {}, 19),
     "inprocess-2-chains-fsgld": ({"engine": "inprocess", "variant": "fsgld", "local-steps": 2, "compressor": "qsgd",
                                   "s": "4", "num-chains": 2}, {"shuffle_seed": 17}, 17),
     "inprocess-2-chains-adapt": ({"engine": "inprocess", "variant": "qlsd-pp", "p": "0.5", "s": "4", "num-chains": 2,

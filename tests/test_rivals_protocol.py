@@ -67,6 +67,53 @@ def test_the_protocol_chain_matches_the_exact_law_under_partial_participation(va
     assert r.summary["rejected"] == {}
 
 
+@pytest.mark.parametrize("variant", ["fald", "vr-fald-star"])
+def test_a_diagonal_metric_preconditions_the_local_steps_coordinate_by_coordinate(variant, tmp_path):
+    # with M = diag(m) every local step is x − (h/w_i) m ⊙ ∇Ũ_i(x) + √(2h) √m ⊙ noise: on the toy Gaussian each
+    # coordinate j is FALD with the step h m_j, whose law fald.gaussian_stationary derives; the identity's law
+    # is more than 10 standard errors away in FALD's variance where m_j ≠ 1
+    probe = loading.load_task(resolve({**TOY, "variant": variant}))
+    n = probe.n_data.astype(float)
+    ybar = np.stack([c.y.mean(axis=0) for c in probe.clients])
+    m = np.array([0.4, 1.0, 2.0])
+    np.save(tmp_path / "m.npy", m)
+    h = 0.05 / (n.sum() + 1 / 5.0)
+    o = {**TOY, "variant": variant, "gamma": h, "num-rounds": 5000, "burn-in": 100, "metric": str(tmp_path / "m.npy")}
+    r = run_local(resolve(o), write=False, keep_trace=True)
+    trace = r.trace[200:]
+    anchor = probe.posterior_mean if variant == "vr-fald-star" else None
+    laws = [fald.gaussian_stationary(n, ybar[:, j:j + 1], h * m[j], 3, 0.5, 5.0, p=P_I,
+                                     anchor=None if anchor is None else anchor[j:j + 1]) for j in range(3)]
+    mean = np.array([float(np.ravel(a)[0]) for a, _ in laws])
+    var = np.array([float(np.ravel(v)[0]) for _, v in laws])
+    se = _batch_se(trace)
+    assert np.all(np.abs(trace.mean(axis=0) - mean) <= 4 * se), ((trace.mean(axis=0) - mean) / se)
+    e2 = (trace - mean) ** 2
+    se_v = _batch_se(e2)
+    assert np.all(np.abs(e2.mean(axis=0) - var) <= 4 * se_v), ((e2.mean(axis=0) - var) / se_v)
+    if variant == "fald":
+        _, identity = fald.gaussian_stationary(n, ybar, h, 3, 0.5, 5.0, p=P_I)
+        assert np.all((np.abs(np.asarray(identity) - var) / se_v)[[0, 2]] > 10)
+    assert r.summary["rejected"] == {}
+
+
+def test_a_bad_metric_from_the_server_installs_nothing_and_a_client_without_it_asks_again():
+    cfg = resolve({**TOY, "variant": "fald", "metric": "diagonal"})
+    task = loading.load_task(cfg)
+    spec = build.client_spec(cfg, 0, task.clients[0].n_data, 3, task.prior)
+    assert spec.metric == "diagonal"
+    st = ClientState()
+    fields = {"phase": "sample", "round": 0, "client": 0, "theta": np.zeros(3), "anchor_version": -1, "eta_count": 0,
+              "local": _f8(1e-3, 0.5, 1.0, 1.0)}
+    for bad in (np.array([1.0, -1.0, 1.0]), np.array([1.0, np.nan, 1.0]), np.ones(4)):
+        with pytest.raises(ValueError, match="metric|shape"):
+            handle(spec, task.clients[0], st, 0, {**fields, "metric": bad}, 3)
+        assert st.metric is None
+    assert handle(spec, task.clients[0], st, 0, fields, 3)["status"] == "resync"  # it lost (or never had) M
+    assert handle(spec, task.clients[0], st, 0, {**fields, "metric": np.full(3, 0.5)}, 3)["status"] == "ok"
+    assert np.array_equal(st.metric, np.full(3, 0.5))
+
+
 def test_dg_lmc_on_the_protocol_matches_its_exact_law_under_partial_participation():
     from qlsd_flwr.core import dglmc
 
@@ -122,6 +169,9 @@ def test_fsgld_on_the_protocol_matches_its_exact_law_with_the_surrogates_the_cli
      "theta-star": "optimise", "prior-var": 5.0},
     {"variant": "dg-lmc", "p": "0.6", "local-steps": 3, "compressor": "qsgd", "s": "8", "prior-var": 5.0},
     {"variant": "fsgld", "local-steps": 2, "compressor": "qsgd", "s": "8", "theta-star": "optimise", "prior-var": 5.0},
+    # a diagonal metric for the local steps (from the curvature at θ*), sent with each client's first message
+    {"variant": "fsgld", "local-steps": 2, "metric": "diagonal", "prior-var": 5.0},
+    {"variant": "vr-fald-star", "p": "0.7", "local-steps": 2, "metric": "diagonal", "gamma": "auto", "prior-var": 5.0},
 ])
 def test_inprocess_flower_gives_the_local_chain_bit_for_bit(over, tmp_path):
     o = {"num-rounds": 30, "burn-in": 0, "progress": False, "gamma": 4.9e-4, "output-dir": str(tmp_path), **over}
@@ -179,13 +229,14 @@ def test_chain_c_of_a_several_chain_run_is_the_one_chain_run_with_seed_plus_c(tm
 
 
 @pytest.mark.parametrize("over, words", [
-    ({"metric": "diagonal"}, "metric: fald's local steps are not preconditioned"),
+    ({"metric": "dense"}, "metric: fald's local steps take metric = identity, diagonal or a .npy"),
     ({"metric-rank": 4}, "metric: fald's local steps"),
     ({"aggregation": "active-fraction", "p": "0.5"}, "aggregation: fald averages its clients with the weights"),
     ({"variant": "dg-lmc", "temperature": 0.5}, "temperature: dg-lmc samples T = 1 only"),
     ({"variant": "dg-lmc", "rho": -1.0}, "rho"),
     ({"variant": "fsgld", "p": "0.5"}, "p: fsgld asks one client a round"),
-    ({"variant": "fsgld", "metric": "diagonal"}, "metric: fsgld's local steps"),
+    ({"variant": "fsgld", "metric": "kronecker"}, "metric: fsgld's local steps"),
+    ({"variant": "dg-lmc", "metric": "diagonal"}, "metric: dg-lmc's local steps take metric = identity, and"),
 ])
 def test_what_the_rivals_do_not_take_is_refused_by_key(over, words):
     with pytest.raises(ConfigError, match=words):

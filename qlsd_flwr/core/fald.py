@@ -79,26 +79,35 @@ def noise_scales(w: float, tau: float, share: float = 1.0, p: float = 1.0) -> tu
 
 
 def local_steps(grad_u, theta: np.ndarray, w: float, h: float, tau: float, steps: int, seed: int, k: int,
-                i: int, share: float = 1.0, p: float = 1.0, temperature: float = 1.0) -> np.ndarray:
+                i: int, share: float = 1.0, p: float = 1.0, temperature: float = 1.0, metric=None) -> np.ndarray:
     """Client ``i``'s ``K = steps`` local steps from ``θ`` at round ``k`` (``grad_u = ∇Ũ_i``); ``share``
     ``S_A`` and ``p`` ``p_i`` scale the noise (module docstring), ``temperature`` ``T`` multiplies its
-    variance (the chain then targets ``π^{1/T}``)."""
+    variance (the chain then targets ``π^{1/T}``). ``metric``: a diagonal metric ``m`` ``(d,)`` (or
+    ``None``, the identity): each step is then ``x − (h/w_i) m ⊙ ∇Ũ_i(x) + √(2hT) √m ⊙ (noise)``, whose
+    average over the clients is the preconditioned Langevin step ``θ − h M ∇U(θ) + √(2hT) M^{1/2} ξ``
+    (with one local step; every coordinate is FALD with the step ``h m_j``)."""
     d = theta.shape[-1]
     common = rng.normal(seed, rng.Stream.NOISE, k, 0, steps * d).reshape(steps, d)
     own = rng.normal(seed, rng.Stream.LOCAL, k, i, steps * d).reshape(steps, d)
     a, b = noise_scales(w, tau, share, p)
     root = np.sqrt(2.0 * h * temperature)
     x = np.asarray(theta, dtype=np.float64).copy()
+    if metric is None:
+        for j in range(steps):
+            x = x - (h / w) * grad_u(x) + root * (a * common[j] + b * own[j])
+        return x
+    m = np.asarray(metric, dtype=np.float64)
+    sq = np.sqrt(m)  # M^{1/2}, as core.metric.Metric.diagonal takes it
     for j in range(steps):
-        x = x - (h / w) * grad_u(x) + root * (a * common[j] + b * own[j])
+        x = x - (h / w) * (m * grad_u(x)) + root * (sq * (a * common[j] + b * own[j]))
     return x
 
 
 def message(grad_u, theta: np.ndarray, w: float, h: float, tau: float, steps: int, seed: int, k: int, i: int,
-            share: float = 1.0, p: float = 1.0, temperature: float = 1.0) -> np.ndarray:
+            share: float = 1.0, p: float = 1.0, temperature: float = 1.0, metric=None) -> np.ndarray:
     """What client ``i`` sends: ``Δ_i = (θ − θ_i)/h`` after its :func:`local_steps`."""
     theta = np.asarray(theta, dtype=np.float64)
-    return (theta - local_steps(grad_u, theta, w, h, tau, steps, seed, k, i, share, p, temperature)) / h
+    return (theta - local_steps(grad_u, theta, w, h, tau, steps, seed, k, i, share, p, temperature, metric)) / h
 
 
 def run(task, h: float, steps: int, rounds: int, tau: float = 0.0, seed: int = 0, theta0=None,

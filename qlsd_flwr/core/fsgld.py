@@ -63,13 +63,14 @@ def conducive_grad(grad_s, prior_grad, f_s: float, lam_s, lam_total, theta_star,
 
 
 def message(g, theta: np.ndarray, h: float, steps: int, seed: int, k: int, i: int,
-            temperature: float = 1.0) -> np.ndarray:
+            temperature: float = 1.0, metric=None) -> np.ndarray:
     """What the chosen client sends: ``Δ_s = (θ − θ_K)/h`` after ``K = steps`` Langevin steps with the
     conducive gradient ``g`` and the round's noise (stream ``(seed, NOISE, k, 0)``, as :func:`run`):
-    FALD's local steps with all of the weight and all of the noise (``w = 1``, ``τ = 1``)."""
+    FALD's local steps with all of the weight and all of the noise (``w = 1``, ``τ = 1``); ``metric``: a
+    diagonal ``m`` preconditions them (:func:`qlsd_flwr.core.fald.local_steps`)."""
     from qlsd_flwr.core import fald
 
-    return fald.message(g, theta, 1.0, h, 1.0, steps, seed, k, i, 1.0, 1.0, temperature)
+    return fald.message(g, theta, 1.0, h, 1.0, steps, seed, k, i, 1.0, 1.0, temperature, metric)
 
 
 def cap_total(lam: np.ndarray, h: float) -> int:

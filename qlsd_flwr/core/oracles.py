@@ -56,6 +56,7 @@ class ClientSpec:
     local_steps: int = 0  # FALD, VR-FALD*: K local Langevin steps a round (core.fald)
     tau: float = 0.0  # FALD: the share of the noise common to all clients
     temperature: float = 1.0  # FALD: T, the noise's variance factor (the QLSD family's T is the server's)
+    metric: str = "identity"  # FALD, VR-FALD*, FSGLD: "diagonal" when the server sends a diagonal M for the local steps
 
 
 #: the oracles whose message is ``Δ_i = (θ − θ_i)/h`` after local Langevin steps (:mod:`qlsd_flwr.core.fald`)
@@ -77,6 +78,7 @@ class ClientState:
     anchor_total: np.ndarray | None = None  # VR-FALD*, FSGLD: ∇U(θ*), the federation's, sent with θ*
     surrogate: np.ndarray | None = None  # FSGLD: λ_i, this client's surrogate precision, sent with θ*
     surrogate_total: np.ndarray | None = None  # FSGLD: Λ = Σ_j λ_j over the clients kept, sent with θ*
+    metric: np.ndarray | None = None  # the diagonal metric m of the local steps (ClientSpec.metric = "diagonal")
 
 
 def set_anchor(spec: ClientSpec, pot: LocalPotential, state: ClientState,
@@ -218,7 +220,7 @@ def local_message(spec: ClientSpec, pot: LocalPotential, state: ClientState, see
         star = state.anchor
         g = fsgld.conducive_grad(pot.grad_sum, prior.grad, w, state.surrogate, state.surrogate_total, star,
                                  state.anchor_grad, state.anchor_total - prior.grad(star))
-        return fsgld.message(g, theta, h, spec.local_steps, seed, round_, spec.index, spec.temperature)
+        return fsgld.message(g, theta, h, spec.local_steps, seed, round_, spec.index, spec.temperature, state.metric)
 
     def grad(x):
         return pot.grad_sum(x) + w * prior.grad(x)
@@ -230,7 +232,7 @@ def local_message(spec: ClientSpec, pot: LocalPotential, state: ClientState, see
         def g(x):
             return grad(x) + c
     return fald.message(g, theta, w, h, spec.tau, spec.local_steps, seed, round_, spec.index, share, p,
-                        spec.temperature)
+                        spec.temperature, state.metric)
 
 
 def auxiliary_step(spec: ClientSpec, pot: LocalPotential, state: ClientState, seed: int, round_: int,

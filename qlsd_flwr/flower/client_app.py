@@ -113,7 +113,7 @@ def load_state(context: Context, chain: int | None = None) -> ClientState:
     st.anchor_version = int(rec.get("anchor_version", -1))
     if "anchor" in rec:
         st.anchor = bytes_to_arr(rec["anchor"], d)
-    for name in ("anchor_grad", "anchor_total", "surrogate", "surrogate_total"):
+    for name in ("anchor_grad", "anchor_total", "surrogate", "surrogate_total", "metric"):
         if name in rec:
             setattr(st, name, bytes_to_arr(rec[name], d))
     return st
@@ -121,7 +121,7 @@ def load_state(context: Context, chain: int | None = None) -> ClientState:
 
 def save_state(context: Context, st: ClientState, d: int, chain: int | None = None) -> None:
     rec = ConfigRecord({"dim": d, "eta_count": st.eta_count, "anchor_version": st.anchor_version})
-    for name in ("eta", "anchor", "anchor_grad", "anchor_total", "surrogate", "surrogate_total"):
+    for name in ("eta", "anchor", "anchor_grad", "anchor_total", "surrogate", "surrogate_total", "metric"):
         val = getattr(st, name)
         if val is not None:
             rec[name] = arr_to_bytes(val)

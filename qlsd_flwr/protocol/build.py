@@ -176,7 +176,9 @@ def client_settings(cfg: RunConfig, i: int, d: int, prior: GaussianPrior, blocks
         "seed": int(cfg.seed),
         # FALD, VR-FALD*: K local steps, the common share τ of the noise and T (0, 0, 1 for the others)
         **({"local_steps": int(cfg.get("local-steps")), "tau": float(cfg.get("tau")),
-            "temperature": float(cfg.temperature)} if cfg.oracle in LOCAL_ORACLES else {}),
+            "temperature": float(cfg.temperature),
+            # a diagonal M for the local steps travels with the first message (protocol.local_chains)
+            "metric": "identity" if cfg.metric == "identity" else "diagonal"} if cfg.oracle in LOCAL_ORACLES else {}),
     }
 
 
@@ -198,6 +200,7 @@ def client_spec_from_settings(settings: dict, i: int, n_data: int, d: int) -> tu
         blocks = tuple(int(x) for x in blocks_s.split(",")) if blocks_s else None
         steps, tau = int(settings.get("local_steps", 0)), float(settings.get("tau", 0.0))
         temperature = float(settings.get("temperature", 1.0))
+        metric = str(settings.get("metric", "identity"))
     except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise ValueError(f"client settings: missing or malformed value ({type(exc).__name__}: {exc})") from None
     checks = {"oracle": oracle in _ORACLES, "encoding": encoding in _ENCODINGS, "s": 0 <= s < 2 ** 31,
@@ -206,13 +209,14 @@ def client_spec_from_settings(settings: dict, i: int, n_data: int, d: int) -> tu
               "prior_weight": 0.0 <= w <= 1.0, "seed": 0 <= seed < 2 ** 63,
               "blocks": blocks is None or (all(x > 0 for x in blocks) and sum(blocks) == d),
               "local_steps": (1 <= steps <= 10**5) if oracle in LOCAL_ORACLES else steps == 0,
-              "tau": 0.0 <= tau <= 1.0, "temperature": 0.0 < temperature <= 1e6}
+              "tau": 0.0 <= tau <= 1.0, "temperature": 0.0 < temperature <= 1e6,
+              "metric": metric in ("identity", "diagonal") and (metric == "identity" or oracle in LOCAL_ORACLES)}
     if bad := [k for k, ok in checks.items() if not ok]:
         raise ValueError(f"client settings: bad value for {', '.join(bad)}")
     compressor = QSGD(s=s, blocks=blocks, encoding=encoding) if s else Identity()
     return ClientSpec(index=i, oracle=oracle, batch_size=minibatch_size(bf, n_data), compressor=compressor,
                       memory=memory, alpha=alpha, prior=GaussianPrior(var=prior_var, mean=prior_mean),
-                      prior_weight=w, local_steps=steps, tau=tau, temperature=temperature), seed
+                      prior_weight=w, local_steps=steps, tau=tau, temperature=temperature, metric=metric), seed
 
 
 def client_spec(cfg: RunConfig, i: int, n_data: int, d: int, prior: GaussianPrior,

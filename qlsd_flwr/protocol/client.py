@@ -57,6 +57,9 @@ def _prepare(spec: ClientSpec, pot: LocalPotential, st: ClientState, fields: dic
     total = vector(fields.get("anchor_total"), d) if anchor is not None and spec.oracle in ("fald-star", "fsgld") \
         else None
     surrogate = _surrogate(fields, d) if anchor is not None and spec.oracle == "fsgld" else None
+    metric = _metric(fields, d) if "metric" in fields and spec.metric == "diagonal" else None
+    if metric is not None:
+        st.metric = metric
     if eta is not None:
         st.eta, st.eta_count = eta, count
     if total is not None:
@@ -67,7 +70,8 @@ def _prepare(spec: ClientSpec, pot: LocalPotential, st: ClientState, fields: dic
         set_anchor(spec, pot, st, anchor, version)
     stale_anchor = spec.oracle in ("svrg", "star", "fald-star", "fsgld") and st.anchor_version != version
     stale_eta = spec.memory and st.eta_count != count
-    if stale_anchor or stale_eta:
+    lost_metric = spec.metric == "diagonal" and st.metric is None  # a restarted node: the server sends it again
+    if stale_anchor or stale_eta or lost_metric:
         return theta, {"client": i, "status": "resync"}
     return theta, None
 
@@ -79,6 +83,14 @@ def _surrogate(fields: dict, d: int) -> tuple[np.ndarray, np.ndarray]:
             and np.all(lam <= total * (1 + 1e-12))):
         raise ValueError("sample: 'surrogate' and 'surrogate_total' must be finite with 0 ≤ λ_i ≤ Λ")
     return lam, total
+
+
+def _metric(fields: dict, d: int) -> np.ndarray:
+    """The local steps' diagonal metric ``m``: ``d`` finite numbers > 0; else ``ValueError`` naming it."""
+    m = vector(fields["metric"], d)
+    if not (np.all(np.isfinite(m)) and np.all(m > 0)):
+        raise ValueError("sample: 'metric' must be finite numbers > 0 (a diagonal metric)")
+    return m
 
 
 def local_of(fields: dict, oracle: str = "fald") -> tuple[float, float, float, float]:

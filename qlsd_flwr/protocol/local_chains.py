@@ -56,7 +56,13 @@ def start(server, prep=None) -> None:
     """DG-LMC's ``z_i`` start at the chain's ``θ_0`` (as :func:`qlsd_flwr.core.dglmc.run`'s do), so that
     dispersed starts stay dispersed: the mirrors are set to it, and every client's first message
     carries its mirror (a resync), which it installs as its ``z_i``. FSGLD keeps the surrogates the
-    preparation gathered (``prep.surrogate``)."""
+    preparation gathered (``prep.surrogate``). The local steps take the identity or a diagonal metric."""
+    m = server.spec.metric
+    if not (m.is_identity or (m.kind == "diagonal" and m.low is None and server.cfg.oracle != "dglmc")):
+        raise ConfigError(f"metric: {server.cfg.variant}'s local steps take metric = identity"
+                          f"{'' if server.cfg.oracle == 'dglmc' else ' or a diagonal one (diagonal, or a .npy of d numbers)'}"
+                          f"; got {m.kind}")
+    server._metric_sent = set()
     if server.cfg.oracle == "fsgld":
         if prep is None or prep.surrogate is None:
             raise ConfigError("fsgld: the clients' surrogates were not gathered before sampling "
@@ -107,8 +113,12 @@ def begin_round(server) -> None:
 
 
 def add_fields(server, i: int, fields: dict) -> None:
-    """Client ``i``'s round numbers, and VR-FALD*'s ``∇U(θ*)`` beside ``θ*``."""
+    """Client ``i``'s round numbers, VR-FALD*'s and FSGLD's ``∇U(θ*)`` beside ``θ*`` (FSGLD's surrogate
+    too), and a diagonal metric with the client's first message and after a resync."""
     fields["local"] = server._local[i]
+    if server.spec.metric.kind == "diagonal" and (i not in server._metric_sent or server.needs_resync[i]):
+        fields["metric"] = server.spec.metric.m
+        server._metric_sent.add(i)
     if "anchor" in fields and server.cfg.oracle in ("fald-star", "fsgld"):
         if server.claims is None:
             raise ConfigError(f"{server.cfg.variant}: the clients' ∇U_i(θ*) were not gathered before sampling "
@@ -152,8 +162,9 @@ def predicted_scale(server) -> float:
     lam = server.surrogate[_kept(server)].sum(axis=0)
     total = server._star_total - server.task.prior.grad(ts)
     g = fsgld.conducive_grad(lambda x: 0.0, server.task.prior.grad, 1.0, 0.0, lam, ts, 0.0, total)
+    m = server.spec.metric.m if server.spec.metric.kind == "diagonal" else None
     delta = fsgld.message(g, st.theta, float(server.spec.gamma), int(cfg.get("local-steps")), cfg.seed, st.k, s,
-                          float(cfg.temperature))
+                          float(cfg.temperature), m)
     coded = np.sqrt(1.0 + float(server.compressors[s].omega(server.d)))
     return coded * float(server._f[s] * np.linalg.norm(delta)) / server.norm_guard.n.get(s, 1)
 
@@ -165,7 +176,9 @@ def arrays(server) -> dict:
 
 
 def restore(server, a: dict) -> None:
-    """FSGLD's surrogates from a checkpoint's arrays; :class:`CheckpointError` naming the field."""
+    """FSGLD's surrogates from a checkpoint's arrays; :class:`CheckpointError` naming the field. A restored
+    server has sent its metric to no client yet."""
+    server._metric_sent = set()
     if server.cfg.oracle != "fsgld":
         return
     from qlsd_flwr.outputs.checkpoint import CheckpointError

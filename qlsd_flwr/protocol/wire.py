@@ -36,7 +36,7 @@ def arr_to_bytes(x: np.ndarray) -> bytes:
 
 
 #: the fields holding a vector of R^d; all but θ may come with some chains of a several-chain message
-SENT_WITH = ("anchor", "eta", "anchor_total", "surrogate", "surrogate_total")
+SENT_WITH = ("anchor", "eta", "anchor_total", "surrogate", "surrogate_total", "metric")
 VECTORS = ("theta",) + SENT_WITH
 
 
