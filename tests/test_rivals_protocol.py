@@ -379,14 +379,6 @@ def test_fsgld_asks_one_client_a_round_by_its_data_share_and_sends_theta_star_wi
             np.testing.assert_allclose(st.surrogate_total, n.sum(), rtol=1e-6)
 
 
-def test_the_legacy_pair_refuses_fsgld_by_name():
-    from qlsd_flwr.flower.legacy import LegacyQLSDStrategy
-
-    cfg = resolve({**TOY, "variant": "fsgld", "p": "1"})
-    with pytest.raises(ConfigError, match="variant: fsgld needs every client's"):
-        LegacyQLSDStrategy(cfg, loading.load_task(cfg), write=False)
-
-
 def test_fsgld_caps_the_summed_surrogate_precision_at_one_over_gamma():
     # one client's report may pass the per-datum cap (its claimed N_i and 10× the others' per datum): its λ
     # stiffens every client's local step through Λ, so Λ is held to 1/γ (any λ keeps the gradient unbiased)

@@ -64,6 +64,8 @@ FALD_ORACLES = ("fald", "fald-star")
 #: the oracles that run local chains, with the round's numbers ``local`` from the server: FALD's and
 #: DG-LMC's (its message the change of ``z_i`` after local ULA steps, :mod:`qlsd_flwr.core.dglmc`)
 LOCAL_ORACLES = FALD_ORACLES + ("dglmc", "fsgld")  # FSGLD: FALD's steps on one client (core.fsgld)
+#: the local-chain oracles whose clients are sent θ* and ∇U(θ*) as their anchor (their claims at θ* gathered first)
+AT_THETA_STAR = ("fald-star", "fsgld")
 
 
 @dataclass
@@ -88,7 +90,7 @@ def set_anchor(spec: ClientSpec, pot: LocalPotential, state: ClientState,
     state.anchor_version = int(version)
     if spec.oracle == "svrg":
         state.anchor_grad = full_local_grad(spec, pot, state.anchor)
-    elif spec.oracle in ("fald-star", "fsgld"):  # the data part; the prior's share is the round's (local_message)
+    elif spec.oracle in AT_THETA_STAR:  # the data part; the prior's share is the round's (local_message)
         state.anchor_grad = pot.grad_sum(state.anchor)
 
 

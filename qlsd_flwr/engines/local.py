@@ -18,6 +18,7 @@ from qlsd_flwr.config import ConfigError, RunConfig
 from qlsd_flwr.core import participation
 from qlsd_flwr.core import server_step as sampler
 from qlsd_flwr.core.oracles import (
+    AT_THETA_STAR,
     LOCAL_ORACLES,
     ClientState,
     client_round,
@@ -73,7 +74,7 @@ def run_local(cfg: RunConfig, task: Task | None = None, write: bool = True,
         warm=warmup_store(cfg) if write and wire else None)
     theta_star, ts_info = (None, {}) if prep is None else (prep.theta_star, prep.info)
     bound = str(cfg.raw.get("norm-bound", "auto"))
-    wants = cfg.oracle in ("fald-star", "fsgld") or (cfg.oracle == "star" and bound.strip().lower() != "off")
+    wants = cfg.oracle in AT_THETA_STAR or (cfg.oracle == "star" and bound.strip().lower() != "off")
     claims = None if prep is None or not wants else [
         full_local_grad(s, task.clients[s.index], prep.theta_star) for s in specs]
     # QLSD*'s replies carry c_i (judged as c_i + ĝ_i); VR-FALD*'s are judged as w_i Δ_i, not on c_i

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from qlsd_flwr.core.oracles import (
+    AT_THETA_STAR,
     LOCAL_ORACLES,
     ClientSpec,
     ClientState,
@@ -54,8 +55,7 @@ def _prepare(spec: ClientSpec, pot: LocalPotential, st: ClientState, fields: dic
     version, count = int(fields["anchor_version"]), int(fields["eta_count"])
     eta = vector(fields["eta"], d) if "eta" in fields else None
     anchor = vector(fields["anchor"], d) if "anchor" in fields else None
-    total = vector(fields.get("anchor_total"), d) if anchor is not None and spec.oracle in ("fald-star", "fsgld") \
-        else None
+    total = vector(fields.get("anchor_total"), d) if anchor is not None and spec.oracle in AT_THETA_STAR else None
     surrogate = _surrogate(fields, d) if anchor is not None and spec.oracle == "fsgld" else None
     metric = _metric(fields, d) if "metric" in fields and spec.metric == "diagonal" else None
     if metric is not None:

@@ -30,6 +30,7 @@ import numpy as np
 
 from qlsd_flwr.config import ConfigError
 from qlsd_flwr.core import dglmc, fald, fsgld
+from qlsd_flwr.core.oracles import AT_THETA_STAR
 
 #: ``rho = auto``: ``ρ = RHO_AUTO · γ``
 RHO_AUTO = 0.1
@@ -90,7 +91,7 @@ def begin_round(server) -> None:
         row = np.array([step, rho, 1.0, 1.0], dtype="<f8").tobytes()
         server._local = {i: row for i in server._active}
         return
-    if server.cfg.oracle in ("fald-star", "fsgld"):
+    if server.cfg.oracle in AT_THETA_STAR:
         server._star_version = len(server.norm_guard.excluded)
         off = None if server.claims is None else server.claims.offset(server.norm_guard.excluded)
         server._star_total = off if off is not None or server.claims is None else server.claims.total
@@ -103,7 +104,10 @@ def begin_round(server) -> None:
             return
         s = fsgld.choose(f, server.cfg.seed, server.state.k)
         server._active, server._f = [s], f
-        server.spec = dataclasses.replace(server.spec, local_weights=np.eye(b)[s])
+        server._lam_total = server.surrogate[kept].sum(axis=0)  # Λ over the clients kept, for add_fields and the guard
+        one = np.zeros(b)
+        one[s] = 1.0
+        server.spec = dataclasses.replace(server.spec, local_weights=one)
         server._local = {s: np.array([server.spec.gamma, f[s], 1.0, 1.0], dtype="<f8").tobytes()}
         return
     w, share = fald.round_shares(n, kept, server._active, server.cfg.p)
@@ -119,14 +123,14 @@ def add_fields(server, i: int, fields: dict) -> None:
     if server.spec.metric.kind == "diagonal" and (i not in server._metric_sent or server.needs_resync[i]):
         fields["metric"] = server.spec.metric.m
         server._metric_sent.add(i)
-    if "anchor" in fields and server.cfg.oracle in ("fald-star", "fsgld"):
+    if "anchor" in fields and server.cfg.oracle in AT_THETA_STAR:
         if server.claims is None:
             raise ConfigError(f"{server.cfg.variant}: the clients' ∇U_i(θ*) were not gathered before sampling "
                               "(QLSDServer.set_claims); its clients need ∇U(θ*)")
         fields["anchor_total"] = server._star_total
     if "anchor" in fields and server.cfg.oracle == "fsgld":  # λ_i and Λ over the clients kept
         fields["surrogate"] = server.surrogate[i]
-        fields["surrogate_total"] = server.surrogate[_kept(server)].sum(axis=0)
+        fields["surrogate_total"] = server._lam_total
 
 
 def before_step(server) -> None:
@@ -159,9 +163,8 @@ def predicted_scale(server) -> float:
     code's bound on ``E‖C(x)‖² / ‖x‖²``: an honest coded reply is that much longer, on average at most."""
     s, st, cfg = server._active[0], server.state, server.cfg
     ts = server.spec.theta_star
-    lam = server.surrogate[_kept(server)].sum(axis=0)
     total = server._star_total - server.task.prior.grad(ts)
-    g = fsgld.conducive_grad(lambda x: 0.0, server.task.prior.grad, 1.0, 0.0, lam, ts, 0.0, total)
+    g = fsgld.conducive_grad(lambda x: 0.0, server.task.prior.grad, 1.0, 0.0, server._lam_total, ts, 0.0, total)
     m = server.spec.metric.m if server.spec.metric.kind == "diagonal" else None
     delta = fsgld.message(g, st.theta, float(server.spec.gamma), int(cfg.get("local-steps")), cfg.seed, st.k, s,
                           float(cfg.temperature), m)

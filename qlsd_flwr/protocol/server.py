@@ -29,7 +29,7 @@ import numpy as np
 from qlsd_flwr.compression.format import DecodeError
 from qlsd_flwr.config import ConfigError, RunConfig, check_memory
 from qlsd_flwr.core import participation
-from qlsd_flwr.core.oracles import LOCAL_ORACLES
+from qlsd_flwr.core.oracles import AT_THETA_STAR, LOCAL_ORACLES
 from qlsd_flwr.core.potential import GaussianPrior
 from qlsd_flwr.core import precondition
 from qlsd_flwr.core import server_step as sampler
@@ -132,7 +132,7 @@ class QLSDServer:
 
     def wants_claims(self) -> bool:
         """QLSD*/LSD*, unless norm-bound = off (no defence at all): every client's ∇U_i(θ*) is asked."""
-        return (self.cfg.oracle == "star" and self.norm_guard.mode != "off") or self.cfg.oracle in ("fald-star", "fsgld")
+        return (self.cfg.oracle == "star" and self.norm_guard.mode != "off") or self.cfg.oracle in AT_THETA_STAR
 
     def set_claims(self, grads) -> None:
         """Every client's ``∇U_i(θ*)`` (``None``: not asked), what its reply to θ* must repeat and what
@@ -213,7 +213,7 @@ class QLSDServer:
             return self.state.zeta, self.state.zeta_version
         if self.cfg.oracle == "star":
             return self.spec.theta_star, 0
-        if self.cfg.oracle in ("fald-star", "fsgld"):  # ∇U(θ*) changes when a client leaves: a new version
+        if self.cfg.oracle in AT_THETA_STAR:  # ∇U(θ*) changes when a client leaves: a new version
             return self.spec.theta_star, getattr(self, "_star_version", len(self.norm_guard.excluded))
         return None, -1
 
