@@ -32,14 +32,17 @@ def test_legacy_pair_on_ray_matches_framework_free_chain(tmp_path):
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("rival", [{"variant": "fald", "tau": 0.5, "metric": "m.npy"}, {"variant": "dg-lmc"}])
+@pytest.mark.parametrize("rival", [{"variant": "fald", "tau": 0.5, "metric": "dense"},
+                                   {"variant": "dg-lmc", "metric": "diagonal"}])
 def test_legacy_pair_runs_the_rivals_fald_and_dg_lmc_bit_for_bit(tmp_path, rival):
-    # FALD's local steps (with a diagonal metric from a file, sent with the first message) and QSGD-coded
-    # Δ_i, DG-LMC's z_i (sent with the first message) and its coded changes, through FitIns/FitRes;
-    # VR-FALD* and FSGLD need the clients' ∇U_i(θ*) before sampling, which this loop cannot ask: refused
-    if "metric" in rival:
-        np.save(tmp_path / "m.npy", np.linspace(0.5, 2.0, 50))
-        rival = {**rival, "metric": str(tmp_path / "m.npy")}
+    # FALD's local steps (with a dense metric from a file, its 50 × 50 numbers sent as bytes in the first
+    # FitIns config) and QSGD-coded Δ_i, DG-LMC's z_i (sent with the first message, coupled in a diagonal
+    # metric's norm) and its coded changes, through FitIns/FitRes; VR-FALD* and FSGLD need the clients'
+    # ∇U_i(θ*) before sampling, which this loop cannot ask: refused
+    m = np.linspace(0.5, 2.0, 50)
+    q, _ = np.linalg.qr(np.random.default_rng(3).normal(size=(50, 50)))
+    np.save(tmp_path / "m.npy", q @ np.diag(m) @ q.T if rival["metric"] == "dense" else m)
+    rival = {**rival, "metric": str(tmp_path / "m.npy")}
     o = {"p": "0.5", "local-steps": 2, "compressor": "qsgd", "s": "8", "num-rounds": 8,
          "burn-in": 0, "progress": False, "num-clients": 4, "output-dir": str(tmp_path), "run-name": "legacy",
          "loo": "off", **rival}

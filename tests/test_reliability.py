@@ -123,10 +123,12 @@ CASES = {
     "local-dg-lmc": ({"engine": "local", "variant": "dg-lmc", "p": "0.5", "local-steps": 2}, {}, 16),
     # FSGLD: the surrogates and the claims at θ* are in the checkpoint; one client a round
     # the rivals on the vectorised engine: the chains' servers' state in its checkpoint (engines.vectorised.rivals)
+    # DG-LMC coupled in a diagonal metric's norm
     "vectorised-2-chains-dg-lmc": ({"engine": "vectorised", "variant": "dg-lmc", "p": "0.5", "local-steps": 2,
-                                    "compressor": "qsgd", "s": "4", "num-chains": 2}, {"block_rounds": 4}, 18),
-    # FALD with a diagonal metric and gamma = auto: M and γ from the checkpoint, M sent again to every client
-    "local-fald-metric": ({"engine": "local", "variant": "fald", "p": "0.5", "local-steps": 2, "metric": "diagonal",
+                                    "compressor": "qsgd", "s": "4", "num-chains": 2, "metric": "diagonal"},
+                                   {"block_rounds": 4}, 18),
+    # FALD with a dense metric and gamma = auto: M and γ from the checkpoint, M sent again to every client
+    "local-fald-metric": ({"engine": "local", "variant": "fald", "p": "0.5", "local-steps": 2, "metric": "dense",
                            "gamma": "auto"}, {}, 19),
     "inprocess-2-chains-fsgld": ({"engine": "inprocess", "variant": "fsgld", "local-steps": 2, "compressor": "qsgd",
                                   "s": "4", "num-chains": 2}, {"shuffle_seed": 17}, 17),

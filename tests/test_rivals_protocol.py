@@ -97,21 +97,106 @@ def test_a_diagonal_metric_preconditions_the_local_steps_coordinate_by_coordinat
     assert r.summary["rejected"] == {}
 
 
-def test_a_bad_metric_from_the_server_installs_nothing_and_a_client_without_it_asks_again():
-    cfg = resolve({**TOY, "variant": "fald", "metric": "diagonal"})
+def _rotated(m: np.ndarray) -> np.ndarray:
+    """``Q diag(m) Qᵀ`` for a fixed rotation ``Q``: a dense SPD metric far from diagonal."""
+    q, _ = np.linalg.qr(np.array([[1.0, 0.8, -0.3], [0.2, 1.0, 0.6], [-0.5, 0.1, 1.0]]))
+    return q @ np.diag(m) @ q.T
+
+
+@pytest.mark.parametrize("variant", ["fald", "vr-fald-star"])
+def test_a_dense_metric_preconditions_the_local_steps_and_the_chain_has_the_matrix_law(variant, tmp_path):
+    # with a dense M = L Lᵀ every local step is x − (h/w_i) M ∇Ũ_i(x) + √(2h) L (noise): the round is a linear
+    # Gaussian recursion in d dimensions whose law fald.gaussian_stationary_metric derives (the matrix form of
+    # the scalar law, the expectation over every active set; it equals the scalar law for diagonal M). Checked:
+    # every coordinate's mean, variance and every covariance within 4 batch-means standard errors; for FALD
+    # the off-diagonal covariances are seen, and the identity's law is more than 10 standard errors away
+    probe = loading.load_task(resolve({**TOY, "variant": variant}))
+    n = probe.n_data.astype(float)
+    ybar = np.stack([c.y.mean(axis=0) for c in probe.clients])
+    M = _rotated(np.array([0.4, 1.0, 2.0]))
+    np.save(tmp_path / "m.npy", M)
+    h = 0.05 / (n.sum() + 1 / 5.0)
+    o = {**TOY, "variant": variant, "gamma": h, "num-rounds": 5000, "burn-in": 100, "metric": str(tmp_path / "m.npy")}
+    r = run_local(resolve(o), write=False, keep_trace=True)
+    assert r.summary["metric_kind"] == "dense"
+    trace = r.trace[200:]
+    anchor = probe.posterior_mean if variant == "vr-fald-star" else None
+    mean, cov = fald.gaussian_stationary_metric(n, ybar, h, 3, 0.5, 5.0, M, anchor=anchor, p=P_I)
+    se = _batch_se(trace)
+    assert np.all(np.abs(trace.mean(axis=0) - mean) <= 4 * se), ((trace.mean(axis=0) - mean) / se)
+    x = trace - mean
+    prods = np.stack([x[:, j] * x[:, k] for j in range(3) for k in range(j, 3)], axis=1)
+    want = np.array([cov[j, k] for j in range(3) for k in range(j, 3)])
+    se_c = _batch_se(prods)
+    assert np.all(np.abs(prods.mean(axis=0) - want) <= 4 * se_c), ((prods.mean(axis=0) - want) / se_c)
+    if variant == "fald":  # the covariances the metric and the shared active set make are seen
+        assert np.max(np.abs(want[[1, 2, 4]]) / se_c[[1, 2, 4]]) > 4
+        _, identity = fald.gaussian_stationary_metric(n, ybar, h, 3, 0.5, 5.0, np.eye(3), p=P_I)
+        other = np.array([identity[j, k] for j in range(3) for k in range(j, 3)])
+        assert np.max(np.abs(other - want) / se_c) > 10, np.abs(other - want) / se_c
+    assert r.summary["rejected"] == {}
+
+
+def test_dg_lmc_with_a_diagonal_metric_couples_in_its_norm_coordinate_by_coordinate(tmp_path):
+    # with M = diag(m) the coupling is ‖z − θ‖²_{M⁻¹}/(2ρ): the clients' steps are z − γ_i (m ⊙ ∇U_i(z) + (z − θ)/ρ)
+    # + √(2γ_i) √m ⊙ ξ and θ | z is drawn with precision Σ_i 1/(ρ m_j) + 1/σ_0² in coordinate j, so each
+    # coordinate is DG-LMC with (γ_i m_j, ρ m_j), whose law dglmc.gaussian_stationary derives; the identity's
+    # variance is more than 5 standard errors away where m_j ≠ 1 (6 and 15 seen)
+    from qlsd_flwr.core import dglmc
+
+    probe = loading.load_task(resolve({**TOY, "variant": "dg-lmc"}))
+    n = probe.n_data.astype(float)
+    ybar = np.stack([c.y.mean(axis=0) for c in probe.clients])
+    P = n.sum() + 1 / 5.0
+    gamma, rho, m = 0.25 / P, 6.0 / P, np.array([0.4, 1.0, 2.0])
+    np.save(tmp_path / "m.npy", m)
+    o = {**TOY, "variant": "dg-lmc", "gamma": gamma, "rho": rho, "num-rounds": 5000, "burn-in": 100,
+         "metric": str(tmp_path / "m.npy")}
+    r = run_local(resolve(o), write=False, keep_trace=True)
+    trace = r.trace[200:]
+    g_i = dglmc.local_step(gamma, rho, 0.25)
+    laws = [dglmc.gaussian_stationary(n, ybar[:, j:j + 1], rho * m[j], g_i * m[j], 3, 5.0, p=P_I) for j in range(3)]
+    mean = np.array([float(np.ravel(a)[0]) for a, _ in laws])
+    var = np.array([float(np.ravel(v)[0]) for _, v in laws])
+    se = _batch_se(trace)
+    assert np.all(np.abs(trace.mean(axis=0) - mean) <= 4 * se), ((trace.mean(axis=0) - mean) / se)
+    e2 = (trace - mean) ** 2
+    se_v = _batch_se(e2)
+    assert np.all(np.abs(e2.mean(axis=0) - var) <= 4 * se_v), ((e2.mean(axis=0) - var) / se_v)
+    _, identity = dglmc.gaussian_stationary(n, ybar, rho, g_i, 3, 5.0, p=P_I)
+    assert np.all((np.abs(np.asarray(identity) - var) / se_v)[[0, 2]] > 5), np.abs(np.asarray(identity) - var) / se_v
+    assert r.summary["rejected"] == {}
+
+
+@pytest.mark.parametrize("variant, bad, words", [
+    ("fald", np.array([1.0, -1.0, 1.0]), "not a usable metric"),
+    ("fald", np.array([1.0, np.nan, 1.0]), "finite"),
+    ("fald", np.ones(4), "not a usable metric"),
+    ("fald", np.ones(10**4), "float64 bytes of a metric"),
+    ("fald", np.array([[1.0, 0.5, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 1.0]]), "symmetric"),
+    ("fald", np.diag([1.0, -1.0, 1.0]), "positive-definite"),
+    ("fald", np.array([-1.0, 1.0, 3.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]),
+     "Kronecker"),
+    ("dg-lmc", _rotated(np.array([0.4, 1.0, 2.0])), "must be diagonal"),
+])
+def test_a_bad_metric_from_the_server_installs_nothing_and_a_client_without_it_asks_again(variant, bad, words):
+    from qlsd_flwr.core.metric import Metric
+    from qlsd_flwr.protocol.wire import arr_to_bytes, metric_to_bytes
+
+    cfg = resolve({**TOY, "variant": variant, "metric": "diagonal"})
     task = loading.load_task(cfg)
     spec = build.client_spec(cfg, 0, task.clients[0].n_data, 3, task.prior)
-    assert spec.metric == "diagonal"
+    assert spec.metric == "sent"
     st = ClientState()
     fields = {"phase": "sample", "round": 0, "client": 0, "theta": np.zeros(3), "anchor_version": -1, "eta_count": 0,
               "local": _f8(1e-3, 0.5, 1.0, 1.0)}
-    for bad in (np.array([1.0, -1.0, 1.0]), np.array([1.0, np.nan, 1.0]), np.ones(4)):
-        with pytest.raises(ValueError, match="metric|shape"):
-            handle(spec, task.clients[0], st, 0, {**fields, "metric": bad}, 3)
-        assert st.metric is None
+    with pytest.raises(ValueError, match=words):
+        handle(spec, task.clients[0], st, 0, {**fields, "metric": arr_to_bytes(np.ravel(bad))}, 3)
+    assert st.metric is None
     assert handle(spec, task.clients[0], st, 0, fields, 3)["status"] == "resync"  # it lost (or never had) M
-    assert handle(spec, task.clients[0], st, 0, {**fields, "metric": np.full(3, 0.5)}, 3)["status"] == "ok"
-    assert np.array_equal(st.metric, np.full(3, 0.5))
+    good = Metric.diagonal(np.full(3, 0.5)) if variant == "dg-lmc" else Metric.dense(_rotated(np.array([0.5, 1, 2])))
+    assert handle(spec, task.clients[0], st, 0, {**fields, "metric": metric_to_bytes(good)}, 3)["status"] == "ok"
+    assert st.metric.kind == good.kind and np.array_equal(st.metric.m, good.m)
 
 
 def test_dg_lmc_on_the_protocol_matches_its_exact_law_under_partial_participation():
@@ -172,6 +257,13 @@ def test_fsgld_on_the_protocol_matches_its_exact_law_with_the_surrogates_the_cli
     # a diagonal metric for the local steps (from the curvature at θ*), sent with each client's first message
     {"variant": "fsgld", "local-steps": 2, "metric": "diagonal", "prior-var": 5.0},
     {"variant": "vr-fald-star", "p": "0.7", "local-steps": 2, "metric": "diagonal", "gamma": "auto", "prior-var": 5.0},
+    # a dense metric and a low-rank correction (their arrays travel as bytes, rebuilt on the client), and
+    # DG-LMC's coupling in a diagonal metric's norm
+    {"variant": "fald", "p": "0.5", "local-steps": 2, "metric": "dense", "prior-var": 5.0, "dim": 8},
+    {"variant": "fsgld", "local-steps": 2, "metric": "diagonal", "metric-rank": 2, "prior-var": 5.0, "dim": 8},
+    {"variant": "dg-lmc", "p": "0.6", "local-steps": 2, "metric": "diagonal", "prior-var": 5.0},
+    {"task": "logistic", "variant": "vr-fald-star", "p": "0.7", "local-steps": 2, "metric": "kronecker", "gamma": "auto",
+     "num-rounds": 15},
 ])
 def test_inprocess_flower_gives_the_local_chain_bit_for_bit(over, tmp_path):
     o = {"num-rounds": 30, "burn-in": 0, "progress": False, "gamma": 4.9e-4, "output-dir": str(tmp_path), **over}
@@ -217,10 +309,12 @@ def test_a_rival_runs_side_by_side_with_the_qlsd_family_on_the_same_seeds():
         run_vectorised(cfgs[1], write=False, backend="numba")
 
 
-@pytest.mark.parametrize("variant", ["vr-fald-star", "dg-lmc", "fsgld"])
-def test_chain_c_of_a_several_chain_run_is_the_one_chain_run_with_seed_plus_c(tmp_path, variant):
+@pytest.mark.parametrize("variant, over", [("vr-fald-star", {}), ("dg-lmc", {}), ("fsgld", {}),
+                                           # the metric travels once in a several-chain message (metric_chains)
+                                           ("fald", {"metric": "dense", "prior-var": 5.0})])
+def test_chain_c_of_a_several_chain_run_is_the_one_chain_run_with_seed_plus_c(tmp_path, variant, over):
     o = {"variant": variant, "p": "1" if variant == "fsgld" else "0.6", "local-steps": 2, "num-chains": 3, "num-rounds": 25, "burn-in": 0,
-         "progress": False, "gamma": 4.9e-4, "output-dir": str(tmp_path)}
+         "progress": False, "gamma": 4.9e-4, "output-dir": str(tmp_path), **over}
     trace = np.array(run_inprocess(resolve(o), o, shuffle_seed=5, strategy_kwargs={"keep_trace": True}).trace)
     for c in range(3):
         one = run_local(resolve({**o, "num-chains": 1, "seed": c, "engine": "local"}), write=False,
@@ -229,20 +323,23 @@ def test_chain_c_of_a_several_chain_run_is_the_one_chain_run_with_seed_plus_c(tm
 
 
 @pytest.mark.parametrize("over, words", [
-    ({"metric": "dense"}, "metric: fald's local steps take metric = identity, diagonal or a .npy"),
-    ({"metric-rank": 4}, "metric: fald's local steps"),
+    ({"variant": "dg-lmc", "metric": "dense"}, "metric: dg-lmc's coupling takes metric = identity, diagonal or a"),
+    ({"variant": "dg-lmc", "metric-rank": 4}, "metric: dg-lmc's coupling"),
     ({"aggregation": "active-fraction", "p": "0.5"}, "aggregation: fald averages its clients with the weights"),
     ({"variant": "dg-lmc", "temperature": 0.5}, "temperature: dg-lmc samples T = 1 only"),
     ({"variant": "dg-lmc", "rho": -1.0}, "rho"),
     ({"variant": "fsgld", "p": "0.5"}, "p: fsgld asks one client a round"),
-    ({"variant": "fsgld", "metric": "kronecker"}, "metric: fsgld's local steps"),
-    ({"variant": "dg-lmc", "metric": "diagonal"}, "metric: dg-lmc's local steps take metric = identity, and"),
+    ({"variant": "dg-lmc", "metric": "kronecker"}, "metric: dg-lmc's coupling"),
 ])
 def test_what_the_rivals_do_not_take_is_refused_by_key(over, words):
     with pytest.raises(ConfigError, match=words):
         resolve({"variant": "fald", **over})
     # DG-LMC takes any aggregation: it weighs no reply by 1/p_i
     assert resolve({"variant": "dg-lmc", "aggregation": "active-fraction", "p": "0.5"}).oracle == "dglmc"
+    # the FALD family's local steps take every metric; DG-LMC's coupling a diagonal one
+    for v, metric, rank in [("fald", "dense", 0), ("vr-fald-star", "kronecker", 0), ("fsgld", "diagonal", 4),
+                            ("dg-lmc", "diagonal", 0)]:
+        assert resolve({"variant": v, "metric": metric, "metric-rank": rank}).metric == metric
 
 
 def test_compressor_auto_follows_the_variant_and_qsgd_codes_any_variant():

@@ -82,10 +82,12 @@ def local_steps(grad_u, theta: np.ndarray, w: float, h: float, tau: float, steps
                 i: int, share: float = 1.0, p: float = 1.0, temperature: float = 1.0, metric=None) -> np.ndarray:
     """Client ``i``'s ``K = steps`` local steps from ``θ`` at round ``k`` (``grad_u = ∇Ũ_i``); ``share``
     ``S_A`` and ``p`` ``p_i`` scale the noise (module docstring), ``temperature`` ``T`` multiplies its
-    variance (the chain then targets ``π^{1/T}``). ``metric``: a diagonal metric ``m`` ``(d,)`` (or
-    ``None``, the identity): each step is then ``x − (h/w_i) m ⊙ ∇Ũ_i(x) + √(2hT) √m ⊙ (noise)``, whose
-    average over the clients is the preconditioned Langevin step ``θ − h M ∇U(θ) + √(2hT) M^{1/2} ξ``
-    (with one local step; every coordinate is FALD with the step ``h m_j``)."""
+    variance (the chain then targets ``π^{1/T}``). ``metric``: a metric ``M``
+    (:class:`qlsd_flwr.core.metric.Metric` of any kind, or ``d`` numbers for a diagonal one; ``None``:
+    the identity): each step is then ``x − (h/w_i) M ∇Ũ_i(x) + √(2hT) M^{1/2} (noise)``, whose average
+    over the clients is the preconditioned Langevin step ``θ − h M ∇U(θ) + √(2hT) M^{1/2} ξ`` (with one
+    local step). In the whitened coordinates ``φ = M^{-1/2} x`` it is FALD on ``Ũ_i(M^{1/2} φ)``; with
+    a diagonal ``M`` every coordinate is FALD with the step ``h m_j``."""
     d = theta.shape[-1]
     common = rng.normal(seed, rng.Stream.NOISE, k, 0, steps * d).reshape(steps, d)
     own = rng.normal(seed, rng.Stream.LOCAL, k, i, steps * d).reshape(steps, d)
@@ -96,11 +98,17 @@ def local_steps(grad_u, theta: np.ndarray, w: float, h: float, tau: float, steps
         for j in range(steps):
             x = x - (h / w) * grad_u(x) + root * (a * common[j] + b * own[j])
         return x
-    m = np.asarray(metric, dtype=np.float64)
-    sq = np.sqrt(m)  # M^{1/2}, as core.metric.Metric.diagonal takes it
+    M = as_metric(metric)
     for j in range(steps):
-        x = x - (h / w) * (m * grad_u(x)) + root * (sq * (a * common[j] + b * own[j]))
+        x = x - (h / w) * M.apply(grad_u(x)) + root * M.apply_root(a * common[j] + b * own[j])
     return x
+
+
+def as_metric(metric):
+    """A :class:`~qlsd_flwr.core.metric.Metric`, or ``d`` numbers taken as a diagonal one."""
+    from qlsd_flwr.core.metric import Metric
+
+    return metric if isinstance(metric, Metric) else Metric.diagonal(metric)
 
 
 def message(grad_u, theta: np.ndarray, w: float, h: float, tau: float, steps: int, seed: int, k: int, i: int,
@@ -218,3 +226,69 @@ def gaussian_stationary(n, ybar, h: float, steps: int, tau: float = 0.0, prior_v
     # one number when every coordinate has the same (always at p = 1); with p < 1 the participation's
     # gradient noise depends on the clients' ȳ_i coordinate by coordinate: (d,)
     return m, float(np.mean(v)) if np.allclose(v, v.flat[0], rtol=1e-9, atol=0) else v
+
+
+def gaussian_stationary_metric(n, ybar, h: float, steps: int, tau: float, prior_var: float, metric,
+                               anchor=None, p=None):
+    r"""The exact stationary law of FALD's θ on the toy Gaussian with a metric ``M`` (any SPD ``d × d``
+    matrix; :func:`local_steps`): ``(mean (d,), covariance (d, d))``, the active sets' expectation exact
+    as in :func:`gaussian_stationary`, of which this is the matrix form (coordinates coupled by ``M``,
+    and by the active set they share).
+
+    Client ``i``'s step is ``x ← R_i x + c_i + noise`` with ``R_i = I − (h a_i/w_i) M`` (``a_i = N_i +
+    w_i/σ_0²``) and ``c_i = (h/w_i) M N_i ȳ_i`` (VR-FALD\* with ``θ_r``: ``(h/w_i) M (a_i θ_r − w_i g_r)``,
+    ``g_r = P θ_r − Σ_i N_i ȳ_i``); the noise ``√(2h) M^{1/2} (a ξ_j + b ξ_{i,j})``. After ``K`` steps and
+    the average over ``A`` (weights ``ω_i = w_i/p_i``): ``θ' = A θ + β + ε`` with ``A = I − Σ_A ω_i (I −
+    R_i^K)``, ``β = Σ_A ω_i Σ_j R_i^j c_i`` and ``Var ε = 2h Σ_j [τ/S_A² (Σ_A ω_i R_i^j) M (Σ_A ω_i
+    R_i^j)ᵀ + Σ_A ω_i² (1 − τ) p_i/(w_i S_A) R_i^j M R_i^{jᵀ}]``. The mean solves ``(I − E A) m = E β``
+    and the second moment ``S = E[A S Aᵀ] + E[A m βᵀ + β mᵀ Aᵀ] + E[β βᵀ] + E Var ε``, solved through
+    ``vec(A S Aᵀ) = (A ⊗ A) vec(S)``."""
+    n = np.asarray(n, dtype=np.float64)
+    ybar = np.asarray(ybar, dtype=np.float64)
+    M = np.asarray(metric, dtype=np.float64)
+    b, d = ybar.shape
+    w = weights(n)
+    pp = np.ones(b) if p is None else np.broadcast_to(np.asarray(p, dtype=np.float64), (b,))
+    prec0 = 0.0 if not np.isfinite(prior_var) else 1.0 / prior_var
+    a = n + w * prec0
+    eye = np.eye(d)
+    R = [eye - (h * a[i] / w[i]) * M for i in range(b)]
+    if anchor is None:
+        c = [(h / w[i]) * M @ (n[i] * ybar[i]) for i in range(b)]
+    else:
+        ref = np.asarray(anchor, dtype=np.float64)
+        g_r = (n.sum() + prec0) * ref - (n[:, None] * ybar).sum(axis=0)
+        c = [(h / w[i]) * M @ (a[i] * ref - w[i] * g_r) for i in range(b)]
+    pw = [[np.linalg.matrix_power(R[i], j) for j in range(steps)] for i in range(b)]
+    moved = [sum(pw[i]) @ c[i] for i in range(b)]
+    EA, EAA, Eb, EN = np.zeros((d, d)), np.zeros((d * d, d * d)), np.zeros(d), np.zeros((d, d))
+    parts = []
+    for mask in range(1 << b):
+        on = ((mask >> np.arange(b)) & 1).astype(bool)
+        prob = float(np.prod(np.where(on, pp, 1.0 - pp)))
+        if prob == 0.0:
+            continue
+        if not on.any():
+            A, beta, N = eye, np.zeros(d), np.zeros((d, d))
+        else:
+            om = np.where(on, w / pp, 0.0)
+            S = float(om.sum())
+            A = eye - sum(om[i] * (eye - pw[i][-1] @ R[i]) for i in np.flatnonzero(on))
+            beta = sum(om[i] * moved[i] for i in np.flatnonzero(on))
+            N = np.zeros((d, d))
+            for j in range(steps):
+                common = sum(om[i] * pw[i][j] for i in np.flatnonzero(on))
+                N += tau / S**2 * common @ M @ common.T
+                N += sum(om[i] ** 2 * (1 - tau) * pp[i] / (w[i] * S) * pw[i][j] @ M @ pw[i][j].T
+                         for i in np.flatnonzero(on))
+            N *= 2.0 * h
+        EA += prob * A
+        EAA += prob * np.kron(A, A)
+        Eb += prob * beta
+        EN += prob * N
+        parts.append((prob, A, beta))
+    m = np.linalg.solve(eye - EA, Eb)
+    rhs = EN + sum(prob * (np.outer(A @ m, beta) + np.outer(beta, A @ m) + np.outer(beta, beta))
+                   for prob, A, beta in parts)
+    second = np.linalg.solve(np.eye(d * d) - EAA, rhs.ravel()).reshape(d, d)
+    return m, second - np.outer(m, m)

@@ -56,7 +56,7 @@ class ClientSpec:
     local_steps: int = 0  # FALD, VR-FALD*: K local Langevin steps a round (core.fald)
     tau: float = 0.0  # FALD: the share of the noise common to all clients
     temperature: float = 1.0  # FALD: T, the noise's variance factor (the QLSD family's T is the server's)
-    metric: str = "identity"  # FALD, VR-FALD*, FSGLD: "diagonal" when the server sends a diagonal M for the local steps
+    metric: str = "identity"  # the rivals: "sent" when the server sends a metric M for the local steps
 
 
 #: the oracles whose message is ``Δ_i = (θ − θ_i)/h`` after local Langevin steps (:mod:`qlsd_flwr.core.fald`)
@@ -80,7 +80,7 @@ class ClientState:
     anchor_total: np.ndarray | None = None  # VR-FALD*, FSGLD: ∇U(θ*), the federation's, sent with θ*
     surrogate: np.ndarray | None = None  # FSGLD: λ_i, this client's surrogate precision, sent with θ*
     surrogate_total: np.ndarray | None = None  # FSGLD: Λ = Σ_j λ_j over the clients kept, sent with θ*
-    metric: np.ndarray | None = None  # the diagonal metric m of the local steps (ClientSpec.metric = "diagonal")
+    metric: Any = None  # the local steps' metric M (core.metric.Metric; ClientSpec.metric = "sent")
 
 
 def set_anchor(spec: ClientSpec, pot: LocalPotential, state: ClientState,
@@ -247,7 +247,8 @@ def auxiliary_step(spec: ClientSpec, pot: LocalPotential, state: ClientState, se
 
     gamma, rho = float(local[0]), float(local[1])
     z = np.zeros_like(theta) if state.eta is None else state.eta
-    return dglmc.local_steps(pot.grad_sum, z, theta, rho, gamma, spec.local_steps, seed, round_, spec.index)
+    return dglmc.local_steps(pot.grad_sum, z, theta, rho, gamma, spec.local_steps, seed, round_, spec.index,
+                             state.metric)
 
 
 def client_round(spec: ClientSpec, pot: LocalPotential, state: ClientState, seed: int,

@@ -177,8 +177,9 @@ def client_settings(cfg: RunConfig, i: int, d: int, prior: GaussianPrior, blocks
         # FALD, VR-FALD*: K local steps, the common share τ of the noise and T (0, 0, 1 for the others)
         **({"local_steps": int(cfg.get("local-steps")), "tau": float(cfg.get("tau")),
             "temperature": float(cfg.temperature),
-            # a diagonal M for the local steps travels with the first message (protocol.local_chains)
-            "metric": "identity" if cfg.metric == "identity" else "diagonal"} if cfg.oracle in LOCAL_ORACLES else {}),
+            # M for the local steps travels with the first message (protocol.local_chains)
+            "metric": "identity" if cfg.metric == "identity" and not int(cfg.get("metric-rank") or 0) else "sent"}
+           if cfg.oracle in LOCAL_ORACLES else {}),
     }
 
 
@@ -210,7 +211,7 @@ def client_spec_from_settings(settings: dict, i: int, n_data: int, d: int) -> tu
               "blocks": blocks is None or (all(x > 0 for x in blocks) and sum(blocks) == d),
               "local_steps": (1 <= steps <= 10**5) if oracle in LOCAL_ORACLES else steps == 0,
               "tau": 0.0 <= tau <= 1.0, "temperature": 0.0 < temperature <= 1e6,
-              "metric": metric in ("identity", "diagonal") and (metric == "identity" or oracle in LOCAL_ORACLES)}
+              "metric": metric in ("identity", "sent") and (metric == "identity" or oracle in LOCAL_ORACLES)}
     if bad := [k for k, ok in checks.items() if not ok]:
         raise ValueError(f"client settings: bad value for {', '.join(bad)}")
     compressor = QSGD(s=s, blocks=blocks, encoding=encoding) if s else Identity()

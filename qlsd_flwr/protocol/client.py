@@ -30,6 +30,7 @@ from qlsd_flwr.core.potential import LocalPotential
 from qlsd_flwr.protocol.wire import (
     arr_to_bytes,
     bundle_reply,
+    metric_of,
     unbundle_request,
     vector,
 )
@@ -57,7 +58,7 @@ def _prepare(spec: ClientSpec, pot: LocalPotential, st: ClientState, fields: dic
     anchor = vector(fields["anchor"], d) if "anchor" in fields else None
     total = vector(fields.get("anchor_total"), d) if anchor is not None and spec.oracle in AT_THETA_STAR else None
     surrogate = _surrogate(fields, d) if anchor is not None and spec.oracle == "fsgld" else None
-    metric = _metric(fields, d) if "metric" in fields and spec.metric == "diagonal" else None
+    metric = _metric(fields, d, spec.oracle) if "metric" in fields and spec.metric != "identity" else None
     if metric is not None:
         st.metric = metric
     if eta is not None:
@@ -70,7 +71,7 @@ def _prepare(spec: ClientSpec, pot: LocalPotential, st: ClientState, fields: dic
         set_anchor(spec, pot, st, anchor, version)
     stale_anchor = spec.oracle in ("svrg", "star", "fald-star", "fsgld") and st.anchor_version != version
     stale_eta = spec.memory and st.eta_count != count
-    lost_metric = spec.metric == "diagonal" and st.metric is None  # a restarted node: the server sends it again
+    lost_metric = spec.metric != "identity" and st.metric is None  # a restarted node: the server sends it again
     if stale_anchor or stale_eta or lost_metric:
         return theta, {"client": i, "status": "resync"}
     return theta, None
@@ -85,11 +86,13 @@ def _surrogate(fields: dict, d: int) -> tuple[np.ndarray, np.ndarray]:
     return lam, total
 
 
-def _metric(fields: dict, d: int) -> np.ndarray:
-    """The local steps' diagonal metric ``m``: ``d`` finite numbers > 0; else ``ValueError`` naming it."""
-    m = vector(fields["metric"], d)
-    if not (np.all(np.isfinite(m)) and np.all(m > 0)):
-        raise ValueError("sample: 'metric' must be finite numbers > 0 (a diagonal metric)")
+def _metric(fields: dict, d: int, oracle: str):
+    """The local steps' metric ``M`` (:func:`qlsd_flwr.protocol.wire.metric_of`); DG-LMC's must be
+    diagonal (its coupling ``‖z − θ‖²_{M⁻¹}`` is drawn coordinate by coordinate); else ``ValueError``
+    naming it."""
+    m = metric_of(fields["metric"], d)
+    if oracle == "dglmc" and not (m.kind == "diagonal" and m.low is None):
+        raise ValueError(f"sample: 'metric' for dg-lmc must be diagonal (d numbers), got {m.kind}")
     return m
 
 

@@ -31,6 +31,7 @@ import numpy as np
 from qlsd_flwr.config import ConfigError
 from qlsd_flwr.core import dglmc, fald, fsgld
 from qlsd_flwr.core.oracles import AT_THETA_STAR
+from qlsd_flwr.protocol.wire import metric_to_bytes
 
 #: ``rho = auto``: ``ρ = RHO_AUTO · γ``
 RHO_AUTO = 0.1
@@ -57,13 +58,10 @@ def start(server, prep=None) -> None:
     """DG-LMC's ``z_i`` start at the chain's ``θ_0`` (as :func:`qlsd_flwr.core.dglmc.run`'s do), so that
     dispersed starts stay dispersed: the mirrors are set to it, and every client's first message
     carries its mirror (a resync), which it installs as its ``z_i``. FSGLD keeps the surrogates the
-    preparation gathered (``prep.surrogate``). The local steps take the identity or a diagonal metric."""
-    m = server.spec.metric
-    if not (m.is_identity or (m.kind == "diagonal" and m.low is None and server.cfg.oracle != "dglmc")):
-        raise ConfigError(f"metric: {server.cfg.variant}'s local steps take metric = identity"
-                          f"{'' if server.cfg.oracle == 'dglmc' else ' or a diagonal one (diagonal, or a .npy of d numbers)'}"
-                          f"; got {m.kind}")
-    server._metric_sent = set()
+    preparation gathered (``prep.surrogate``). FALD's, VR-FALD*'s and FSGLD's local steps take any metric
+    (identity, diagonal, dense, Kronecker, with or without ``metric-rank``'s correction); DG-LMC's
+    coupling the identity or a diagonal one."""
+    _set_metric(server, ConfigError)
     if server.cfg.oracle == "fsgld":
         if prep is None or prep.surrogate is None:
             raise ConfigError("fsgld: the clients' surrogates were not gathered before sampling "
@@ -76,6 +74,19 @@ def start(server, prep=None) -> None:
     st.eta_i[...] = st.theta
     st.eta = st.eta_i.sum(axis=-2)
     server.needs_resync[:] = True
+
+
+def _set_metric(server, error) -> None:
+    """The local steps' metric as it travels (sent with each client's first message and after a resync:
+    a started or restored server has sent it to no client yet); DG-LMC's must be diagonal (``error``
+    naming the key, or the checkpoint's field)."""
+    m = server.spec.metric
+    if server.cfg.oracle == "dglmc" and not (m.is_identity or (m.kind == "diagonal" and m.low is None)):
+        raise error(f"metric: {server.cfg.variant}'s coupling takes metric = identity or a diagonal one "
+                    f"(diagonal, or a .npy of d numbers), and metric-rank = 0; got {m.kind}"
+                    f"{' with a low-rank correction' if m.low is not None else ''}")
+    server._metric_sent = set()
+    server._metric_bytes = None if m.is_identity else metric_to_bytes(m)
 
 
 def begin_round(server) -> None:
@@ -118,10 +129,11 @@ def begin_round(server) -> None:
 
 def add_fields(server, i: int, fields: dict) -> None:
     """Client ``i``'s round numbers, VR-FALD*'s and FSGLD's ``∇U(θ*)`` beside ``θ*`` (FSGLD's surrogate
-    too), and a diagonal metric with the client's first message and after a resync."""
+    too), and the metric (as :func:`~qlsd_flwr.protocol.wire.metric_to_bytes` makes it) with the client's
+    first message and after a resync."""
     fields["local"] = server._local[i]
-    if server.spec.metric.kind == "diagonal" and (i not in server._metric_sent or server.needs_resync[i]):
-        fields["metric"] = server.spec.metric.m
+    if server._metric_bytes is not None and (i not in server._metric_sent or server.needs_resync[i]):
+        fields["metric"] = server._metric_bytes
         server._metric_sent.add(i)
     if "anchor" in fields and server.cfg.oracle in AT_THETA_STAR:
         if server.claims is None:
@@ -143,9 +155,10 @@ def before_step(server) -> None:
 def reply_norms(server, pending: dict) -> tuple[dict[int, float], float | None]:
     """What the bounded-influence rule judges of each valid reply (module docstring), and FSGLD's
     reference while its pool is thin (:func:`predicted_scale`)."""
-    if server.cfg.oracle == "dglmc":
-        rho, st = rho_of(server), server.state
-        return {i: float(np.linalg.norm(st.eta_i[i] + p[0] - st.theta)) / rho for i, p in pending.items()}, None
+    if server.cfg.oracle == "dglmc":  # M⁻¹ (z_i' − θ)/ρ with a diagonal metric (core.dglmc)
+        rho, st, m = rho_of(server), server.state, server.spec.metric
+        inv = 1.0 if m.is_identity else 1.0 / m.m
+        return {i: float(np.linalg.norm(inv * (st.eta_i[i] + p[0] - st.theta))) / rho for i, p in pending.items()}, None
     if server.cfg.oracle == "fsgld":
         return ({i: float(server._f[i] * np.linalg.norm(p[0])) for i, p in pending.items()},
                 predicted_scale(server) if pending else None)
@@ -165,7 +178,7 @@ def predicted_scale(server) -> float:
     ts = server.spec.theta_star
     total = server._star_total - server.task.prior.grad(ts)
     g = fsgld.conducive_grad(lambda x: 0.0, server.task.prior.grad, 1.0, 0.0, server._lam_total, ts, 0.0, total)
-    m = server.spec.metric.m if server.spec.metric.kind == "diagonal" else None
+    m = None if server.spec.metric.is_identity else server.spec.metric
     delta = fsgld.message(g, st.theta, float(server.spec.gamma), int(cfg.get("local-steps")), cfg.seed, st.k, s,
                           float(cfg.temperature), m)
     coded = np.sqrt(1.0 + float(server.compressors[s].omega(server.d)))
@@ -181,10 +194,11 @@ def arrays(server) -> dict:
 def restore(server, a: dict) -> None:
     """FSGLD's surrogates from a checkpoint's arrays; :class:`CheckpointError` naming the field. A restored
     server has sent its metric to no client yet."""
-    server._metric_sent = set()
+    from qlsd_flwr.outputs.checkpoint import CheckpointError
+
+    _set_metric(server, CheckpointError)
     if server.cfg.oracle != "fsgld":
         return
-    from qlsd_flwr.outputs.checkpoint import CheckpointError
 
     s = a.get("surrogate")
     shape = (server.cfg.b, server.d)

@@ -200,7 +200,8 @@ class QLSDServer:
         except GuardStateError as exc:
             raise CheckpointError(f"checkpoint: {exc}") from None
         self.claims = ThetaStarClaims.restored(a, cfg.b, self.d)
-        local_chains.restore(self, a)
+        if self.local:  # the rivals: the metric as it travels, FSGLD's surrogates
+            local_chains.restore(self, a)
         self._set_offset()
         self.rejected = dict(meta["rejected"])
         self.missed_rounds = {int(i): list(r) for i, r in meta["missed_rounds"].items()}

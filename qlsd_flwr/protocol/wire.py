@@ -36,8 +36,37 @@ def arr_to_bytes(x: np.ndarray) -> bytes:
 
 
 #: the fields holding a vector of R^d; all but θ may come with some chains of a several-chain message
-SENT_WITH = ("anchor", "eta", "anchor_total", "surrogate", "surrogate_total", "metric")
+SENT_WITH = ("anchor", "eta", "anchor_total", "surrogate", "surrogate_total")
 VECTORS = ("theta",) + SENT_WITH
+
+
+def metric_to_bytes(metric) -> bytes:
+    """The rivals' local-step metric as it travels (``metric``, sent with a client's first message and
+    after a resync): float64 bytes of :meth:`qlsd_flwr.core.metric.Metric.array`, flattened (``d``
+    numbers, ``d × d`` row by row, or the Kronecker factors and a low-rank correction behind their
+    markers). One run's chains share it, so a several-chain message carries it once."""
+    return arr_to_bytes(np.ravel(metric.array()))
+
+
+def metric_of(x, d: int):
+    """A metric sent as :func:`metric_to_bytes` made: a :class:`~qlsd_flwr.core.metric.Metric`
+    (diagonal, dense, Kronecker, with or without a low-rank correction), every number finite and the
+    matrix symmetric positive-definite; else ``ValueError`` naming ``metric``. Its length is held to
+    what the largest of them takes (``2d² + 4d + 8`` numbers) before anything is allocated from it."""
+    from qlsd_flwr.core.metric import Metric, MetricError
+
+    if not isinstance(x, (bytes, bytearray)) or not 0 < len(x) <= 8 * (2 * d * d + 4 * d + 8) or len(x) % 8:
+        raise ValueError(f"sample: 'metric' must be float64 bytes of a metric of d = {d} "
+                         "(d numbers, d × d, or a Kronecker or low-rank one)")
+    a = np.frombuffer(bytes(x), dtype="<f8").astype(np.float64)
+    if not np.all(np.isfinite(a)):
+        raise ValueError("sample: 'metric' must be finite numbers")
+    if a.size == d * d and a[0] > 0 and d > 1:
+        a = a.reshape(d, d)
+    try:
+        return Metric.from_array(a, d)
+    except (MetricError, ValueError) as exc:
+        raise ValueError(f"sample: 'metric' is not a usable metric: {exc}") from None
 
 
 def vectors_to_bytes(fields: dict) -> dict:
@@ -136,6 +165,9 @@ def bundle_request(per_chain: dict[int, dict], theta: np.ndarray | None = None) 
            "eta_count": [int(per_chain[c]["eta_count"]) for c in chains]}
     if "local" in first:  # FALD: each chain's (h, w_i, S_A, p_i), 32 bytes a chain
         out["local"] = b"".join(bytes(per_chain[c]["local"]) for c in chains)
+    rows = [c for c in chains if "metric" in per_chain[c]]
+    if rows:  # the rivals' local-step metric: the run's, the same for every chain: once
+        out["metric_chains"], out["metric"] = rows, bytes(per_chain[rows[0]]["metric"])
     for name in SENT_WITH:
         rows = [c for c in chains if name in per_chain[c]]
         if rows:
@@ -191,6 +223,12 @@ def unbundle_request(fields: dict, d: int) -> dict[int, dict]:
             raise ValueError(f"local: expected {32 * m} bytes (four float64 a chain)")
         for j, c in enumerate(chains):
             per[c]["local"] = bytes(loc[32 * j: 32 * j + 32])
+    if "metric_chains" in fields:  # one metric for the chains named (checked by the client's handle)
+        rows = _chain_list(fields["metric_chains"], "metric_chains")
+        if not set(rows) <= set(chains):
+            raise ValueError("metric_chains: names a chain the message does not carry")
+        for c in rows:
+            per[c]["metric"] = fields.get("metric")
     for name in SENT_WITH:
         if f"{name}_chains" not in fields:
             continue
