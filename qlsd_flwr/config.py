@@ -148,13 +148,13 @@ def not_applicable(raw: dict) -> set[str]:
         out |= {"theta-star", "opt-rounds", "opt-tol", "opt-accept-unconverged"}
     name = ALIASES.get(str(raw.get("variant", "")).strip().lower(), str(raw.get("variant", "")).strip().lower())
     if name in ("fald", "vr-fald-star"):  # full local gradients; the prior shared by w_i
-        out |= {"batch-fraction", "l", "alpha", "prior-on", "rho"}
+        out |= {"batch-fraction", "l", "alpha", "prior-on", "rho"} | ({"q"} if name == "fald" else set())
     elif name == "dg-lmc":  # full local gradients on z_i; the prior in the server's exact draw; α = 1
-        out |= {"batch-fraction", "l", "alpha", "prior-on", "tau", "aggregation"}
+        out |= {"batch-fraction", "l", "alpha", "prior-on", "tau", "aggregation", "q"}
     elif name == "fsgld":  # one client a round by its data share, all of the noise, the prior on the client
-        out |= {"batch-fraction", "l", "alpha", "prior-on", "tau", "aggregation", "rho"}
+        out |= {"batch-fraction", "l", "alpha", "prior-on", "tau", "aggregation", "rho", "q"}
     else:
-        out |= {"local-steps", "tau", "rho"}
+        out |= {"local-steps", "tau", "rho", "q"}
     if metric in ("identity",) or metric.endswith(".npy"):
         out.add("metric-from")
     if "metric-from" in out or str(raw.get("metric-from", "curvature")).strip().lower() != "adapt":
@@ -333,6 +333,9 @@ def _check_biased_aggregation(variant: str, oracle: str, aggregation: str, p: np
 
 def _check_local_steps(variant, oracle, raw, engine, metric, aggregation, p, rank) -> None:
     """What the rivals (FALD, VR-FALD*, DG-LMC, FSGLD) do not take yet, refused by key."""
+    if oracle != "fald-star" and float(raw.get("q", 0.0)) != 0.0:
+        raise ConfigError(f"q: only vr-fald-star refreshes a reference point (QLSD++'s anchor period is l); "
+                          f"{variant} takes q = 0")
     if oracle not in ("fald", "fald-star", "dglmc", "fsgld"):
         return
     if oracle == "fsgld" and np.any(p < 1.0):

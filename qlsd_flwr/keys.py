@@ -126,6 +126,10 @@ KEYS: tuple[Key, ...] = (
         "ρ", lo=0, open_lo=True, words=("auto",), group=SAMPLER),
     Key("tau", 0.0, "float", "FALD, VR-FALD*: the share of the Langevin noise common to the clients (1: one "
         "shared draw, 0: each client its own); the chain targets π for every τ", "τ", lo=0, hi=1, group=SAMPLER),
+    Key("q", 0.0, "float", "VR-FALD*: the probability that a round refreshes the reference θ_r of the control "
+        "variates (0: θ_r = θ* for the whole run). In such a round every client kept takes part (p_i = 1 that round) "
+        "and also sends ∇U_i(θ_k); θ_r becomes θ_k from the next round, once every reply has come (docs/RIVALS.md)",
+        "q", lo=0, hi=1, group=SAMPLER),
     Key("num-rounds", 2000, "int", "number of rounds (one sample each)", "K", lo=1, cap=10**12, group=SAMPLER),
     Key("burn-in", 500, "int", "rounds dropped before samples are kept (< num-rounds)", "", lo=0, cap=10**12,
         group=SAMPLER),

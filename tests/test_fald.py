@@ -1,6 +1,5 @@
 """FALD's core (:mod:`qlsd_flwr.core.fald`, issue 23) against its own stationary law on the toy
-Gaussian. Only the framework-free sampler exists so far: the Flower messages, the engines and the
-outputs are not built.
+Gaussian (the round protocol, the engines and the Flower paths: ``tests/test_rivals_protocol.py``).
 
 * With one local step the round is exactly ULA on the whole posterior (its law in closed form:
   the posterior mean, variance ``1/(P(1 − hP/2))``), whatever the common share τ of the noise;
@@ -10,6 +9,9 @@ outputs are not built.
 * A long chain's mean and variance match the exact law within their batch-means Monte Carlo
   error (4 standard errors, each coordinate and the pooled variance), at a step where the
   local-step bias is many of those errors wide (the test can tell the two apart).
+* VR-FALD* with its reference refreshed (probability q; the refresh round asks every client) matches
+  :func:`qlsd_flwr.core.fald.gaussian_stationary_refresh`, the law of the pair (θ, θ_r), and forgets
+  a reference started off the mode, whose fixed-reference law is many standard errors away.
 """
 
 from __future__ import annotations
@@ -98,3 +100,33 @@ def test_a_long_chain_matches_its_exact_stationary_law(vr):
     first = fald.run(task, h, steps, burn + 50, tau=tau, seed=1, theta0=task.posterior_mean, rule="equal",
                      anchor=anchor)
     assert np.array_equal(first[burn:], trace[:50])
+
+
+def test_vr_fald_star_with_its_reference_refreshed_matches_the_law_of_theta_and_the_reference():
+    # equal weights on clients of unequal sizes, so the reference matters (a_i/w_i differ); θ_r starts
+    # 20 posterior sd off the mode. With q = 0.3 the chain forgets it: the law of (θ, θ_r) derived in
+    # gaussian_stationary_refresh (a refresh round: every client, p_i = 1, θ_r = θ_k from the next round);
+    # the law with the reference fixed at its start is more than 8 standard errors away in the mean
+    task = build_gaussian_task(b=B, d=D, data_seed=0, prior_var=PV)
+    n, ybar = _stats(task)
+    P = n.sum() + 1 / PV
+    h, q, p = 0.05 / P, 0.3, [0.9, 0.6, 0.8, 0.5]
+    off = task.posterior_mean + 20 * np.sqrt(task.posterior_var)
+    trace = fald.run(task, h, 3, 10_000, 0.5, seed=1, theta0=task.posterior_mean, rule="equal", anchor=off,
+                     q=q, p=p)[200:]
+    m, v = fald.gaussian_stationary_refresh(n, ybar, h, 3, 0.5, PV, q, p=p, rule="equal")
+    batches = np.array_split(trace, 40)
+    se = np.std([b.mean(axis=0) for b in batches], axis=0, ddof=1) / np.sqrt(40)
+    assert np.all(np.abs(trace.mean(axis=0) - m) <= 4 * se), (trace.mean(axis=0) - m) / se
+    e2 = (trace - m) ** 2
+    se_v = np.std([b.mean(axis=0) for b in np.array_split(e2, 40)], axis=0, ddof=1) / np.sqrt(40)
+    assert np.all(np.abs(e2.mean(axis=0) - v) <= 4 * se_v), (e2.mean(axis=0) - v) / se_v
+    fixed, _ = fald.gaussian_stationary(n, ybar, h, 3, 0.5, PV, rule="equal", anchor=off, p=p)
+    assert np.min(np.abs(fixed - m) / se) > 8, np.abs(fixed - m) / se
+    # with weights N_i/N every client's a_i/w_i is P: the reference drops out, and the law is the fixed one's
+    # but for the refresh rounds' full participation (less participation noise)
+    m1, v1 = fald.gaussian_stationary_refresh(n, ybar, h, 3, 0.5, PV, q, p=p)
+    m0, v0 = fald.gaussian_stationary(n, ybar, h, 3, 0.5, PV, anchor=off, p=p)
+    assert np.allclose(m1, m0, rtol=0, atol=1e-12) and np.all(v1 < v0)
+    with pytest.raises(ValueError, match="q > 0"):
+        fald.gaussian_stationary_refresh(n, ybar, h, 3, 0.5, PV, 0.0)

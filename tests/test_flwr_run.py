@@ -101,9 +101,10 @@ def test_flwr_run_dot_from_a_conf_file_stopped_by_flwr_stop_and_resumed_bitwise(
     # names the rounds it ends at (num-rounds may change at a resume), the rest from config.json
     values.update({"num-clients": B, "num-rounds": 10**6, "burn-in": 10, "thin": 5, "checkpoint-every": 5,
                    "output-dir": str(out), "run-name": "dot", "progress": False, "loo": "pointwise"})
-    # a rival (issue 23) on this path: VR-FALD*'s θ* claims, local steps and QSGD-coded messages, stopped
-    # and resumed (the QLSD family's flwr run: test_example_project_through_flwr_run, tests/test_deployment.py)
-    values.update({"variant": "vr-fald-star", "local-steps": 2, "tau": 0.5, "compressor": "qsgd"})
+    # a rival (issue 23) on this path: VR-FALD*'s θ* claims, local steps, QSGD-coded messages and its reference
+    # refreshed (q: every client's ∇U_i(θ_k) in the refresh rounds), stopped and resumed (the QLSD family's
+    # flwr run: test_example_project_through_flwr_run, tests/test_deployment.py)
+    values.update({"variant": "vr-fald-star", "local-steps": 2, "tau": 0.5, "compressor": "qsgd", "q": 0.2})
     conf = root / "run.toml"
     conf.write_text("".join(D.format_run_config({k: v}).replace("=", " = ", 1) + "\n" for k, v in values.items()))
     run_id = D.flwr_run(REPO, "local", env, conf)
@@ -124,6 +125,8 @@ def test_flwr_run_dot_from_a_conf_file_stopped_by_flwr_stop_and_resumed_bitwise(
     ref = run({**values, "num-rounds": end, "engine": "local", "output-dir": str(root / "ref"), "run-name": "dot"})
     theirs = load_samples(folder)
     assert theirs.shape[0] == 1 and theirs.shape[2] == 50 and theirs.shape[1] > 10
+    facts = json.loads((folder / "summary.json").read_text())["reference_refresh"]  # counted across the resume
+    assert facts["installed"] >= 1 and facts == ref.summary["reference_refresh"], facts
     assert np.array_equal(theirs, load_samples(ref.run_dir))
     # the federated LOO's pointwise log-likelihood reached the flwr run file: az.loo takes it as it is,
     # and gives the CLI run's number (tests/test_loo.py checks that one against a pooled computation)

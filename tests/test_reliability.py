@@ -130,6 +130,9 @@ CASES = {
     # FALD with a dense metric and gamma = auto: M and γ from the checkpoint, M sent again to every client
     "local-fald-metric": ({"engine": "local", "variant": "fald", "p": "0.5", "local-steps": 2, "metric": "dense",
                            "gamma": "auto"}, {}, 19),
+    # VR-FALD* refreshing its reference (q): θ_r, its claims and the refresh counts from the checkpoint
+    "local-vr-fald-refresh": ({"engine": "local", "variant": "vr-fald-star", "p": "0.5", "q": 0.3, "local-steps": 2},
+                              {}, 19),
     "inprocess-2-chains-fsgld": ({"engine": "inprocess", "variant": "fsgld", "local-steps": 2, "compressor": "qsgd",
                                   "s": "4", "num-chains": 2}, {"shuffle_seed": 17}, 17),
     "inprocess-2-chains-adapt": ({"engine": "inprocess", "variant": "qlsd-pp", "p": "0.5", "s": "4", "num-chains": 2,
@@ -288,7 +291,8 @@ FUZZ_VARIANTS = {"qlsd-pp": {"variant": "qlsd-pp", "s": "4"},  # QSGD (Elias/pac
                  "lsd-pp": {"variant": "lsd-pp"},  # raw float64 payloads
                  # the rivals' local-step messages Δ_i: raw, and QSGD-coded with θ* and ∇U(θ*) sent in the round
                  "fald": {"variant": "fald", "local-steps": 2, "tau": 0.5},
-                 "vr-fald-qsgd": {"variant": "vr-fald-star", "local-steps": 2, "compressor": "qsgd", "s": "4"},
+                 # VR-FALD* with q = 1: every round refreshes θ_r, so the fuzzed reply carries ref_grad = ∇U_i(θ_k)
+                 "vr-fald-qsgd": {"variant": "vr-fald-star", "local-steps": 2, "compressor": "qsgd", "s": "4", "q": 1.0},
                  # DG-LMC: the change of z_i, QSGD-coded, added to the server's mirror of z_i
                  "dg-lmc-qsgd": {"variant": "dg-lmc", "local-steps": 2, "compressor": "qsgd", "s": "4"},
                  # FSGLD: the round's one client's Δ_s, QSGD-coded, with θ*, ∇U(θ*), λ_s and Λ sent in the round
@@ -362,7 +366,7 @@ def _hostile(valid: dict, d: int):
     payload = valid["payload"]
     any_value = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True),
                           st.text(max_size=8), st.binary(max_size=64), st.lists(st.integers(), max_size=3))
-    keys = st.sampled_from(["client", "status", "payload", "anchor_version", "eta", "x"])
+    keys = st.sampled_from(["client", "status", "payload", "anchor_version", "eta", "x", "anchor_grad", "ref_grad"])
 
     def with_(**kw):
         return {**valid, **kw}
@@ -382,7 +386,10 @@ def _hostile(valid: dict, d: int):
         st.tuples(st.sampled_from(["elias", "packed"]), st.integers(0, 2**31)).map(  # levels > s
             lambda t: _levels_above_s(t[0], t[1], d)),
     )
+    ref_grad = st.one_of(any_value, st.sampled_from([np.nan, np.inf, 1e308]).map(lambda v: np.full(d, v).tobytes()),
+                         st.integers(0, 8 * d + 16).filter(lambda n: n != 8 * d).map(lambda n: bytes(n)))
     return st.one_of(
+        ref_grad.map(lambda v: with_(ref_grad=v)),  # VR-FALD*'s refresh: a missing or unusable ∇U_i(θ_k)
         mutated_payload.map(lambda p: with_(payload=p)),
         any_value.map(lambda v: with_(payload=v)),  # wrong types
         st.one_of(st.integers(-3, 10), any_value).map(lambda c: with_(client=c)),  # another client id
@@ -414,6 +421,9 @@ def check_hostile_reply(fz: ReplyFuzzer, j: int, fields, inactive) -> str | None
         a, b = getattr(server.state, name), getattr(ref.state, name)
         if not (a is None and b is None or np.array_equal(a, b)):
             return f"state {name} differs from the run where client {j} was inactive"
+    a, b = server.spec.theta_star, ref.spec.theta_star  # θ* (VR-FALD*: the reference θ_r, refreshed or not)
+    if not (a is None and b is None or np.array_equal(a, b)):
+        return "theta_star differs from the run where the client was inactive"
     if not np.array_equal(server.eta_count, ref.eta_count):
         return "eta_count differs from the run where the client was inactive"
     return None

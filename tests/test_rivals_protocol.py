@@ -199,6 +199,93 @@ def test_a_bad_metric_from_the_server_installs_nothing_and_a_client_without_it_a
     assert st.metric.kind == good.kind and np.array_equal(st.metric.m, good.m)
 
 
+class _Tempered:
+    """``κ U_i``: client ``i``'s points with per-datum precision ``κ`` (its curvature per unit of weight then
+    differs from the others', so VR-FALD*'s reference matters)."""
+
+    def __init__(self, base, kappa: float):
+        self.base, self.kappa, self.y, self.n_data, self.dim = base, float(kappa), base.y, base.n_data, base.dim
+
+    def grad_sum(self, theta, idx=None):
+        return self.kappa * self.base.grad_sum(theta, idx)
+
+    def value(self, theta):
+        return self.kappa * self.base.value(theta)
+
+
+def test_vr_fald_star_refreshes_its_reference_on_the_protocol_and_matches_the_law_of_theta_and_the_reference():
+    # κ = (0.3, 0.3, 2.5, 2.5) and weights N_i/N: a_i/w_i differ, so the reference θ_r matters. θ* is given 15
+    # posterior sd off the mode (as an unconverged descent leaves it). With q = 0.3 a refresh round asks every
+    # kept client (p_i = 1 that round), each reply carries ∇U_i(θ_k), and θ_r = θ_k from the next round: the
+    # chain matches fald.gaussian_stationary_refresh (the law of (θ, θ_r)) within 4 batch-means standard
+    # errors, and the law with θ_r fixed at θ* is more than 8 standard errors away in every coordinate's mean
+    import dataclasses
+
+    o = {**TOY, "variant": "vr-fald-star", "q": 0.3, "num-rounds": 5000, "burn-in": 100}
+    base = loading.load_task(resolve(o))
+    kappa = np.array([0.3, 0.3, 2.5, 2.5])
+    n = base.n_data.astype(float)
+    ybar = np.stack([c.y.mean(axis=0) for c in base.clients])
+    P = float(np.sum(kappa * n)) + 1 / 5.0
+    mode = (kappa[:, None] * n[:, None] * ybar).sum(axis=0) / P
+    off = mode + 15 / np.sqrt(P)
+    task = dataclasses.replace(base, clients=[_Tempered(c, k) for c, k in zip(base.clients, kappa)], theta_star=off,
+                               posterior_mean=mode, posterior_var=np.full(3, 1 / P), theta0=mode)
+    h = 0.05 / P
+    r = run_local(resolve({**o, "gamma": h}), task=task, write=False, keep_trace=True)
+    trace = r.trace[200:]
+    m, v = fald.gaussian_stationary_refresh(n, ybar, h, 3, 0.5, 5.0, 0.3, p=P_I, kappa=kappa)
+    se = _batch_se(trace)
+    assert np.all(np.abs(trace.mean(axis=0) - m) <= 4 * se), ((trace.mean(axis=0) - m) / se)
+    e2 = (trace - m) ** 2
+    se_v = _batch_se(e2)
+    assert np.all(np.abs(e2.mean(axis=0) - v) <= 4 * se_v), ((e2.mean(axis=0) - v) / se_v)
+    fixed, _ = fald.gaussian_stationary(n, ybar, h, 3, 0.5, 5.0, anchor=off, p=P_I, kappa=kappa)
+    assert np.min(np.abs(fixed - m) / se) > 8, np.abs(fixed - m) / se
+    facts = r.summary["reference_refresh"]  # about q · 5000 refresh rounds (a binomial count), each installed
+    assert abs(facts["rounds"] - 1500) <= 4 * np.sqrt(5000 * 0.3 * 0.7) and facts["installed"] == facts["rounds"]
+    assert facts["incomplete"] == 0 and facts["uplink_bits"] == 64 * 3 * 4 * facts["rounds"]
+    assert r.summary["rejected"] == {} and "excluded" not in r.summary
+
+
+def test_a_refresh_reply_without_a_usable_gradient_is_refused_and_the_reference_stays():
+    # a refresh round's reply must carry ∇U_i(θ_k) as 8d finite bytes; one that does not is refused whole
+    # (counted as malformed), and the round installs no reference (counted incomplete): θ_r and the claims
+    # stay, so the clients' control variates stay exact
+    from qlsd_flwr.protocol.server import QLSDServer
+    from qlsd_flwr.protocol.wire import arr_to_bytes
+
+    cfg = resolve({**TOY, "variant": "vr-fald-star", "q": 1.0, "p": "1", "gamma": 1e-4, "num-rounds": 5, "burn-in": 0})
+    task = loading.load_task(cfg)
+    specs = [build.client_spec(cfg, i, c.n_data, 3, task.prior) for i, c in enumerate(task.clients)]
+    states = [ClientState() for _ in specs]
+    for bad in (None, b"x" * 8, arr_to_bytes(np.full(3, np.nan)), arr_to_bytes(np.ones(4)), [1.0, 2.0, 3.0]):
+        server = QLSDServer(cfg, task)
+        server.begin(task.posterior_mean, {})
+        server.set_claims([task.clients[i].grad_sum(task.posterior_mean) for i in range(4)])
+        before = (server.spec.theta_star.copy(), server.claims.claims.copy())
+        for i in server.begin_round():
+            rep = handle(specs[i], task.clients[i], states[i], cfg.seed, server.fields_for(i), 3)
+            assert "ref_grad" in rep
+            if i == 2:
+                rep = {k: v for k, v in rep.items() if k != "ref_grad"} if bad is None else {**rep, "ref_grad": bad}
+            server.accept(i, rep)
+        server.end_round()
+        assert server.rejected == {"malformed": 1} and server.ts_info["reference_refresh"]["incomplete"] == 1
+        assert np.array_equal(server.spec.theta_star, before[0]) and np.array_equal(server.claims.claims, before[1])
+    # every reply whole: θ_r = θ_0 (the round's θ), and the next message carries it as the anchor
+    server = QLSDServer(cfg, task)
+    server.begin(task.posterior_mean, {})
+    server.set_claims([task.clients[i].grad_sum(task.posterior_mean) for i in range(4)])
+    theta0 = server.state.theta.copy()
+    for i in server.begin_round():
+        server.accept(i, handle(specs[i], task.clients[i], states[i], cfg.seed, server.fields_for(i), 3))
+    server.end_round()
+    assert server.ts_info["reference_refresh"]["installed"] == 1 and np.array_equal(server.spec.theta_star, theta0)
+    server.begin_round()
+    assert np.array_equal(server.fields_for(0)["anchor"], theta0)
+
+
 def test_dg_lmc_on_the_protocol_matches_its_exact_law_under_partial_participation():
     from qlsd_flwr.core import dglmc
 
@@ -264,6 +351,8 @@ def test_fsgld_on_the_protocol_matches_its_exact_law_with_the_surrogates_the_cli
     {"variant": "dg-lmc", "p": "0.6", "local-steps": 2, "metric": "diagonal", "prior-var": 5.0},
     {"task": "logistic", "variant": "vr-fald-star", "p": "0.7", "local-steps": 2, "metric": "kronecker", "gamma": "auto",
      "num-rounds": 15},
+    # VR-FALD*'s reference refreshed (q): ref_grad in the refresh rounds' replies, QSGD-coded messages
+    {"variant": "vr-fald-star", "p": "0.6", "q": 0.3, "local-steps": 2, "compressor": "qsgd", "s": "8", "prior-var": 5.0},
 ])
 def test_inprocess_flower_gives_the_local_chain_bit_for_bit(over, tmp_path):
     o = {"num-rounds": 30, "burn-in": 0, "progress": False, "gamma": 4.9e-4, "output-dir": str(tmp_path), **over}
@@ -310,6 +399,8 @@ def test_a_rival_runs_side_by_side_with_the_qlsd_family_on_the_same_seeds():
 
 
 @pytest.mark.parametrize("variant, over", [("vr-fald-star", {}), ("dg-lmc", {}), ("fsgld", {}),
+                                           # each chain refreshes its own reference (refresh_chains, ref_grad)
+                                           ("vr-fald-star", {"q": 0.4}),
                                            # the metric travels once in a several-chain message (metric_chains)
                                            ("fald", {"metric": "dense", "prior-var": 5.0})])
 def test_chain_c_of_a_several_chain_run_is_the_one_chain_run_with_seed_plus_c(tmp_path, variant, over):
@@ -330,6 +421,8 @@ def test_chain_c_of_a_several_chain_run_is_the_one_chain_run_with_seed_plus_c(tm
     ({"variant": "dg-lmc", "rho": -1.0}, "rho"),
     ({"variant": "fsgld", "p": "0.5"}, "p: fsgld asks one client a round"),
     ({"variant": "dg-lmc", "metric": "kronecker"}, "metric: dg-lmc's coupling"),
+    ({"q": 0.3}, "q: only vr-fald-star refreshes a reference point"),
+    ({"variant": "qlsd-pp", "q": 0.3}, "qlsd-pp takes q = 0"),
 ])
 def test_what_the_rivals_do_not_take_is_refused_by_key(over, words):
     with pytest.raises(ConfigError, match=words):

@@ -126,11 +126,18 @@ def run(task, h: float, steps: int, rounds: int, tau: float = 0.0, seed: int = 0
 
     With ``anchor`` (a reference point θ_r, e.g. the mode θ*), **VR-FALD\***: each client's local
     gradient is the control-variate estimate ``G_i(x) = ∇Ũ_i(x) − ∇Ũ_i(θ_r) + w_i ∇U(θ_r)``, whose
-    weighted sum over clients is still ``∇U(x)`` at a common point; after each round, with
-    probability ``q`` (stream ``(seed, PARTICIPATION, k, 0)``), θ_r becomes the new θ and
-    ``∇U(θ_r)`` is gathered again (one more exchange). The control variate pulls every client's
-    local steps toward the federation's mode instead of its own: with θ_r = θ* and ``q = 0`` the
-    stationary mean on the toy Gaussian is exact for any weights and ``K``."""
+    weighted sum over clients is still ``∇U(x)`` at a common point. The control variate pulls every
+    client's local steps toward the federation's mode instead of its own: with θ_r = θ* and ``q = 0``
+    the stationary mean on the toy Gaussian is exact for any weights and ``K``.
+
+    **The refresh** (``q > 0``), as the round protocol runs it: round ``k`` refreshes with probability
+    ``q`` (stream ``(seed, REFRESH, k, 0)``). In that round every client takes part (``p_i = 1`` for
+    the round: ``S_A = 1``) and, besides its local steps with the current θ_r, gives ``∇Ũ_i(θ_k)``;
+    θ_r becomes θ_k from round ``k + 1`` on, once the sum ``∇U(θ_k)`` is whole (the authors' code also
+    installs a new reference one step after it computes it). Any θ_r fixed before the rounds it serves
+    keeps ``Σ_i G_i = ∇U`` at a common point, so the refresh changes the local-step bias (a θ_r near
+    the chain instead of θ*), never the unbiasedness; :func:`gaussian_stationary_refresh` gives the
+    law."""
     d = task.dim
     w = weights([c.n_data for c in task.clients], rule)
     prior = task.prior  # Ũ_i = U_i + w_i U_0: the prior's own gradient (any mean, any prior with one)
@@ -141,24 +148,31 @@ def run(task, h: float, steps: int, rounds: int, tau: float = 0.0, seed: int = 0
     pp = np.ones(task.b) if p is None else np.broadcast_to(np.asarray(p, dtype=np.float64), (task.b,))
     out = np.empty((rounds, d))
     for k in range(rounds):
-        on = np.flatnonzero(participation.active_mask(seed, k, pp))
-        share = float(np.sum(w[on] / pp[on]))
+        fresh = ref is not None and refreshes(q, seed, k)
+        pk = np.ones(task.b) if fresh else pp  # a refresh round asks every client
+        on = np.flatnonzero(np.ones(task.b, dtype=bool) if fresh else participation.active_mask(seed, k, pp))
+        share = float(np.sum(w[on] / pk[on]))
         step = np.zeros(d)
         for i in on:  # θ_{k+1} = θ_k + Σ_A (w_i/p_i)(θ_i − θ_k)
             g = grads[i]
             if ref is not None:  # VR-FALD*: G_i(x) = ∇Ũ_i(x) − ∇Ũ_i(θ_r) + w_i ∇U(θ_r)
                 total = np.sum(at_ref, axis=0)
                 g = (lambda x, g=g, c=w[i] * total - at_ref[i]: g(x) + c)
-            step += (w[i] / pp[i]) * (local_steps(g, theta, w[i], h, tau, steps, seed, k, i, share, pp[i]) - theta)
+            step += (w[i] / pk[i]) * (local_steps(g, theta, w[i], h, tau, steps, seed, k, i, share, pk[i]) - theta)
+        if fresh:  # θ_r = θ_k from the next round: every client's ∇Ũ_i(θ_k) came with its reply
+            ref, at_ref = theta.copy(), [g(theta) for g in grads]
         theta = theta + step
         out[k] = theta
-        if ref is not None and q > 0 and rng.uniform(seed, rng.Stream.PARTICIPATION, k, 0, 1)[0] < q:
-            ref, at_ref = theta.copy(), [g(theta) for g in grads]
     return out
 
 
+def refreshes(q: float, seed: int, k: int) -> bool:
+    """Whether round ``k`` refreshes VR-FALD*'s reference (probability ``q``; its own stream)."""
+    return q > 0 and rng.uniform(seed, rng.Stream.REFRESH, k, 0, 1)[0] < q
+
+
 def gaussian_stationary(n, ybar, h: float, steps: int, tau: float = 0.0, prior_var: float = np.inf,
-                        rule: str = "data", anchor=None, p=None):
+                        rule: str = "data", anchor=None, p=None, kappa=None):
     r"""The exact stationary law of FALD's θ on the toy Gaussian (clients of ``n[i]`` points with
     mean ``ybar[i]``, the prior ``N(0, σ_0²)``): ``(mean (d,), variance)``, the variance one number
     when every coordinate has the same (always with ``p = None``), else ``(d,)``.
@@ -180,11 +194,17 @@ def gaussian_stationary(n, ybar, h: float, steps: int, tau: float = 0.0, prior_v
     clients of unequal sizes and the mean moves by ``O(hK)``.
 
     With ``anchor`` (VR-FALD\* with a fixed θ_r, ``q = 0``), ``G_i(x) = a_i (x − θ_r) + w_i g_r`` with
-    ``g_r = P θ_r − Σ_i N_i ȳ_i``: then ``c_i = h (a_i θ_r − w_i g_r) / w_i``."""
+    ``g_r = P θ_r − Σ_i N_i ȳ_i``: then ``c_i = h (a_i θ_r − w_i g_r) / w_i``.
+
+    ``kappa``: each client's per-datum precision ``κ_i`` (1: the toy Gaussian); its points then weigh
+    ``κ_i N_i`` in every formula above but the weights ``w_i = N_i / N``, so ``a_i / w_i`` differ between
+    the clients and the reference of VR-FALD\* matters."""
     n = np.asarray(n, dtype=np.float64)
     ybar = np.asarray(ybar, dtype=np.float64)
     b = n.size
     w = weights(n, rule)
+    if kappa is not None:
+        n = n * np.broadcast_to(np.asarray(kappa, dtype=np.float64), (b,))
     pp = np.ones(b) if p is None else np.broadcast_to(np.asarray(p, dtype=np.float64), (b,))
     prec0 = 0.0 if not np.isfinite(prior_var) else 1.0 / prior_var
     rho = 1.0 - h * (n + w * prec0) / w
@@ -292,3 +312,68 @@ def gaussian_stationary_metric(n, ybar, h: float, steps: int, tau: float, prior_
                    for prob, A, beta in parts)
     second = np.linalg.solve(np.eye(d * d) - EAA, rhs.ravel()).reshape(d, d)
     return m, second - np.outer(m, m)
+
+
+def gaussian_stationary_refresh(n, ybar, h: float, steps: int, tau: float, prior_var: float, q: float,
+                                p=None, rule: str = "data", kappa=None):
+    r"""The exact stationary law of VR-FALD\*'s θ with its reference refreshed (probability ``q > 0``,
+    :func:`run`) on a Gaussian whose client ``i`` has ``n[i]`` points of mean ``ybar[i]`` and per-datum
+    precision ``κ_i`` (``kappa``; 1: the toy Gaussian): ``(mean (d,), variance (d,))``.
+
+    Per coordinate, ``∇Ũ_i(x) = a_i x − e_i`` (``a_i = κ_i N_i + w_i/σ_0²``, ``e_i = κ_i N_i ȳ_i``), so
+    ``G_i(x) = a_i x + (w_i A − a_i) θ_r − w_i E`` (``A = Σ a_i``, ``E = Σ e_i``) and a local step is
+    ``x ← ρ_i x + u_i θ_r + h E`` with ``ρ_i = 1 − h a_i/w_i`` and ``u_i = h (a_i/w_i − A)``: the
+    reference drops out when every ``a_i/w_i`` is ``A`` (the toy Gaussian with ``w_i = N_i/N``), and
+    matters when the clients' curvatures per unit of weight differ. The state ``(θ, θ_r)`` follows
+    ``y' = T y + t + ε``: a round that does not refresh (probability ``1 − q``, the active set as the
+    participation draws it, weights ``w_i/p_i``) has ``T = [[α, u], [0, 1]]``; a refresh round
+    (probability ``q``, every client, weights ``w_i``) ``T = [[α, u], [1, 0]]`` (θ_r becomes the round's
+    θ), with ``α = 1 − Σ_A ω_i (1 − ρ_i^K)``, ``u = Σ_A ω_i u_i Σ_j ρ_i^j``, ``t = (h E Σ_A ω_i Σ_j ρ_i^j, 0)``
+    and the noise's variance of :func:`gaussian_stationary`. Mean and second moment as there, through
+    ``T ⊗ T``."""
+    n = np.asarray(n, dtype=np.float64)
+    ybar = np.asarray(ybar, dtype=np.float64)
+    if not q > 0:
+        raise ValueError("gaussian_stationary_refresh: q > 0 (with q = 0 the reference stays: gaussian_stationary)")
+    b = n.size
+    kap = np.ones(b) if kappa is None else np.broadcast_to(np.asarray(kappa, dtype=np.float64), (b,))
+    w = weights(n, rule)
+    pp = np.ones(b) if p is None else np.broadcast_to(np.asarray(p, dtype=np.float64), (b,))
+    prec0 = 0.0 if not np.isfinite(prior_var) else 1.0 / prior_var
+    a = kap * n + w * prec0
+    rho = 1.0 - h * a / w
+    powers = rho[:, None] ** np.arange(steps)[None, :]
+    geo = powers.sum(axis=1)
+    u = h * (a / w - a.sum())
+    kinds = [(q, np.ones(b, dtype=bool), np.ones(b), True)]  # (probability, active, p that round, refresh)
+    for mask in range(1 << b):
+        on = ((mask >> np.arange(b)) & 1).astype(bool)
+        prob = (1.0 - q) * float(np.prod(np.where(on, pp, 1.0 - pp)))
+        if prob > 0:
+            kinds.append((prob, on, pp, False))
+    means, variances = [], []
+    for j in range(ybar.shape[1]):
+        E = float(np.sum(kap * n * ybar[:, j]))
+        ET, ETT, Et, EN, parts = np.zeros((2, 2)), np.zeros((4, 4)), np.zeros(2), np.zeros((2, 2)), []
+        for prob, on, pk, fresh in kinds:
+            if not on.any():
+                T, t, var = np.array([[1.0, 0.0], [0.0, 1.0]]), np.zeros(2), 0.0
+            else:
+                om = np.where(on, w / pk, 0.0)
+                S = float(om.sum())
+                alpha = 1.0 - float(np.sum(om * (1.0 - rho**steps)))
+                T = np.array([[alpha, float(np.sum(om * geo * u))], [1.0, 0.0] if fresh else [0.0, 1.0]])
+                t = np.array([h * E * float(np.sum(om * geo)), 0.0])
+                var = 2.0 * h * (tau / S**2 * float(np.sum((om[:, None] * powers).sum(axis=0) ** 2))
+                                 + float(np.sum(om**2 * (1.0 - tau) * pk / (w * S) * (powers**2).sum(axis=1))))
+            ET += prob * T
+            ETT += prob * np.kron(T, T)
+            Et += prob * t
+            EN[0, 0] += prob * var
+            parts.append((prob, T, t))
+        m = np.linalg.solve(np.eye(2) - ET, Et)
+        rhs = EN + sum(pr * (np.outer(T @ m, t) + np.outer(t, T @ m) + np.outer(t, t)) for pr, T, t in parts)
+        second = np.linalg.solve(np.eye(4) - ETT, rhs.ravel()).reshape(2, 2)
+        means.append(m[0])
+        variances.append(second[0, 0] - m[0] ** 2)
+    return np.array(means), np.array(variances)

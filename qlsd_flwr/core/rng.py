@@ -40,6 +40,7 @@ class Stream(IntEnum):
     DATA = 6  # synthetic data generation
     LOCAL = 7  # local Langevin steps on a client (DG-LMC's z_i), client i, round k
     ADAPT = 8  # the warm-up chain of metric-from = adapt (its round r, client 0)
+    REFRESH = 9  # VR-FALD*'s coin: does round k refresh the reference θ_r (client 0)
 
 
 def _mix(z: np.ndarray) -> np.ndarray:

@@ -53,6 +53,7 @@ def _prepare(spec: ClientSpec, pot: LocalPotential, st: ClientState, fields: dic
     # every field is read and checked before any of the client's state changes
     if spec.oracle in LOCAL_ORACLES:
         local_of(fields, spec.oracle)  # the round's numbers
+        refresh_of(fields)
     version, count = int(fields["anchor_version"]), int(fields["eta_count"])
     eta = vector(fields["eta"], d) if "eta" in fields else None
     anchor = vector(fields["anchor"], d) if "anchor" in fields else None
@@ -114,6 +115,23 @@ def local_of(fields: dict, oracle: str = "fald") -> tuple[float, float, float, f
     return h, w, share, p
 
 
+def refresh_of(fields: dict) -> bool:
+    """VR-FALD*'s ``refresh`` (absent, 0 or 1): whether the reply also carries ``∇U_i(θ_k)`` for the next
+    reference; else ``ValueError`` naming it."""
+    x = fields.get("refresh", 0)
+    if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or int(x) not in (0, 1):
+        raise ValueError("sample: 'refresh' must be 0 or 1")
+    return bool(x)
+
+
+def _refreshed(spec: ClientSpec, pot: LocalPotential, fields: dict, theta: np.ndarray, out: dict) -> dict:
+    """A VR-FALD* reply in a refresh round also carries ``ref_grad = ∇U_i(θ_k)`` (the message's θ), the
+    client's part of the next reference's ``∇U(θ_r)`` (:mod:`qlsd_flwr.protocol.local_chains`)."""
+    if spec.oracle == "fald-star" and refresh_of(fields):
+        out["ref_grad"] = arr_to_bytes(full_local_grad(spec, pot, theta))
+    return out
+
+
 def block_of(x, d: int) -> np.ndarray:
     """The server's block of vectors (``metric-rank``) as ``(b, d)``: float64 bytes of ``b ≤``
     :data:`~qlsd_flwr.core.lowrank.MAX_BLOCK` finite rows, else ``ValueError`` saying why."""
@@ -125,13 +143,19 @@ def block_of(x, d: int) -> np.ndarray:
     return V
 
 
-def _sampled(spec: ClientSpec, pot: LocalPotential, st: ClientState, q, fields: dict) -> dict:
+def _sampled(spec: ClientSpec, pot: LocalPotential, st: ClientState, q, fields: dict, done: dict | None = None) -> dict:
     out = {"client": spec.index, "status": "ok", "payload": spec.compressor.encode(q),
            "anchor_version": st.anchor_version}
     if spec.oracle in ("star", "fald-star", "fsgld") and "anchor" in fields:
         # QLSD*: the reply to θ* repeats ∇U_i(θ*), which the server holds against this client's θ* phase
-        # reply (a client that lied there, honest now, is caught: protocol.server.QLSDServer.accept)
-        out["anchor_grad"] = arr_to_bytes(full_local_grad(spec, pot, st.anchor))
+        # reply (a client that lied there, honest now, is caught: protocol.server.QLSDServer.accept);
+        # ``done``: the chains' anchors already answered (θ* is the run's; VR-FALD*'s refreshed θ_r a chain's)
+        key = st.anchor.tobytes()
+        if done is None or key not in done:
+            grad = arr_to_bytes(full_local_grad(spec, pot, st.anchor))
+            done = {} if done is None else done
+            done[key] = grad
+        out["anchor_grad"] = done[key]
     return out
 
 
@@ -141,7 +165,7 @@ def handle(spec: ClientSpec, pot: LocalPotential, st: ClientState, seed: int, fi
         return reply
     q, _ = client_round(spec, pot, st, seed, int(fields["round"]), theta,
                         local_of(fields, spec.oracle) if spec.oracle in LOCAL_ORACLES else None)
-    return _sampled(spec, pot, st, q, fields)
+    return _refreshed(spec, pot, fields, theta, _sampled(spec, pot, st, q, fields))
 
 
 def handle_chains(spec: ClientSpec, pot: LocalPotential, load_state, seed: int, fields: dict,
@@ -164,7 +188,7 @@ def handle_chains(spec: ClientSpec, pot: LocalPotential, load_state, seed: int, 
         outs = client_rounds(spec, pot, [states[c] for c in chains], [seed + c for c in chains],
                              int(fields["round"]), np.stack([theta for _, theta in ready]),
                              [local_of(per[c], spec.oracle) if spec.oracle in LOCAL_ORACLES else None for c in chains])
-        once = next((c for c in chains if "anchor" in per[c]), None)  # θ* is the run's: ∇U_i(θ*) computed once
-        for c, (q, _) in zip(chains, outs):
-            replies[c] = _sampled(spec, pot, states[c], q, per[c] if c == once else {})
+        done: dict = {}  # ∇U_i at each anchor sent, computed once (θ* is the run's, shared by the chains)
+        for (c, theta), (q, _) in zip(ready, outs):
+            replies[c] = _refreshed(spec, pot, per[c], theta, _sampled(spec, pot, states[c], q, per[c], done))
     return bundle_reply(spec.index, replies), states

@@ -31,7 +31,9 @@ import numpy as np
 from qlsd_flwr.config import ConfigError
 from qlsd_flwr.core import dglmc, fald, fsgld
 from qlsd_flwr.core.oracles import AT_THETA_STAR
-from qlsd_flwr.protocol.wire import metric_to_bytes
+from qlsd_flwr.protocol import build
+from qlsd_flwr.protocol.claims import ThetaStarClaims
+from qlsd_flwr.protocol.wire import ReplyError, gradient_of, metric_to_bytes
 
 #: ``rho = auto``: ``ρ = RHO_AUTO · γ``
 RHO_AUTO = 0.1
@@ -103,7 +105,7 @@ def begin_round(server) -> None:
         server._local = {i: row for i in server._active}
         return
     if server.cfg.oracle in AT_THETA_STAR:
-        server._star_version = len(server.norm_guard.excluded)
+        server._star_version = len(server.norm_guard.excluded) + _installed(server)
         off = None if server.claims is None else server.claims.offset(server.norm_guard.excluded)
         server._star_total = off if off is not None or server.claims is None else server.claims.total
     n = [server.norm_guard.n.get(i, 1) for i in range(b)]
@@ -121,9 +123,16 @@ def begin_round(server) -> None:
         server.spec = dataclasses.replace(server.spec, local_weights=one)
         server._local = {s: np.array([server.spec.gamma, f[s], 1.0, 1.0], dtype="<f8").tobytes()}
         return
-    w, share = fald.round_shares(n, kept, server._active, server.cfg.p)
-    server.spec = dataclasses.replace(server.spec, local_weights=w)
-    server._local = {i: np.array([server.spec.gamma, w[i], share, server.cfg.p[i]], dtype="<f8").tobytes()
+    # VR-FALD*'s refresh round (probability q, its own stream): every kept client, p_i = 1 for the round
+    server._fresh = server.cfg.oracle == "fald-star" and fald.refreshes(float(server.cfg.get("q") or 0.0),
+                                                                        server.cfg.seed, server.state.k)
+    server._ref_grads = {}
+    if server._fresh:
+        server._active = list(kept)
+    p = np.ones(b) if server._fresh else server.cfg.p
+    w, share = fald.round_shares(n, kept, server._active, p)
+    server.spec = dataclasses.replace(server.spec, local_weights=w, p=p)
+    server._local = {i: np.array([server.spec.gamma, w[i], share, p[i]], dtype="<f8").tobytes()
                      for i in server._active}
 
 
@@ -132,6 +141,8 @@ def add_fields(server, i: int, fields: dict) -> None:
     too), and the metric (as :func:`~qlsd_flwr.protocol.wire.metric_to_bytes` makes it) with the client's
     first message and after a resync."""
     fields["local"] = server._local[i]
+    if getattr(server, "_fresh", False):
+        fields["refresh"] = 1
     if server._metric_bytes is not None and (i not in server._metric_sent or server.needs_resync[i]):
         fields["metric"] = server._metric_bytes
         server._metric_sent.add(i)
@@ -145,11 +156,57 @@ def add_fields(server, i: int, fields: dict) -> None:
         fields["surrogate_total"] = server._lam_total
 
 
+def check_reply(server, i: int, rep: dict) -> None:
+    """VR-FALD*'s reply in a refresh round must carry ``ref_grad``, ``∇U_i(θ_k)`` as ``8d`` bytes of
+    finite numbers (:class:`ReplyError` otherwise: the whole reply is refused, counted, and the refresh
+    waits for another round); it is held until the round's judgement."""
+    if not getattr(server, "_fresh", False):
+        return
+    try:
+        server._ref_grads[i] = gradient_of(rep.get("ref_grad"), server.d)
+    except ValueError as exc:
+        raise ReplyError(f"ref_grad: {exc}") from None
+
+
 def before_step(server) -> None:
     """Before the server's step: DG-LMC's draw couples only the clients still kept (one excluded in
-    this round's judgement leaves θ | z at once; its mirror was zeroed)."""
+    this round's judgement leaves θ | z at once; its mirror was zeroed). VR-FALD*'s refresh round
+    installs its new reference θ_r = θ_k, with ``∇U(θ_r)`` the sum of the kept clients' ``ref_grad``
+    and the prior's, when every kept client's reply was accepted; otherwise the reference stays (counted
+    as ``incomplete``: the control variate is unbiased for any reference fixed before its rounds)."""
     if server.cfg.oracle == "dglmc":
         _couple(server)
+    if not getattr(server, "_fresh", False):
+        return
+    facts, kept = refresh_facts(server), _kept(server)
+    facts["rounds"] += 1
+    got = {i: g for i, g in server._ref_grads.items() if i in server._g_hat}  # the accepted replies only
+    facts["uplink_bits"] += 64 * server.d * len(server._ref_grads)
+    if not kept or set(got) != set(kept):
+        facts["incomplete"] += 1
+        return
+    theta = server.state.theta.copy()
+    claims = np.zeros((server.cfg.b, server.d))
+    for i in kept:
+        claims[i] = got[i]
+    total = build.combine_grads(server.cfg, server.task.prior, [claims[i] for i in kept], theta)
+    server.claims = ThetaStarClaims(claims, total)  # what each client's reply to θ_r must repeat
+    server.spec = dataclasses.replace(server.spec, theta_star=theta)
+    facts["installed"] += 1
+    server._star_version = len(server.norm_guard.excluded) + facts["installed"]
+
+
+def _installed(server) -> int:
+    """How many references VR-FALD*'s refresh has installed (each a new anchor version)."""
+    return int(server.ts_info.get("reference_refresh", {}).get("installed", 0))
+
+
+def refresh_facts(server) -> dict:
+    """VR-FALD*'s refresh counts, kept in ``ts_info`` (so in ``summary.json`` and the checkpoints):
+    ``rounds`` (refresh rounds), ``installed`` (new references), ``incomplete`` (a kept client's
+    ``ref_grad`` missing or refused: the reference stayed) and ``uplink_bits`` (their ``ref_grad``)."""
+    return server.ts_info.setdefault("reference_refresh", {"q": float(server.cfg.get("q") or 0.0), "rounds": 0,
+                                                          "installed": 0, "incomplete": 0, "uplink_bits": 0})
 
 
 def reply_norms(server, pending: dict) -> tuple[dict[int, float], float | None]:
@@ -197,6 +254,12 @@ def restore(server, a: dict) -> None:
     from qlsd_flwr.outputs.checkpoint import CheckpointError
 
     _set_metric(server, CheckpointError)
+    facts = server.ts_info.get("reference_refresh")
+    if facts is not None and not (isinstance(facts, dict) and all(
+            isinstance(facts.get(k), int) and not isinstance(facts.get(k), bool) and 0 <= facts[k] < 2**62
+            for k in ("rounds", "installed", "incomplete", "uplink_bits"))):
+        raise CheckpointError("checkpoint: 'ts_info.reference_refresh' must hold the counts rounds, installed, "
+                              "incomplete and uplink_bits as integers ≥ 0 (vr-fald-star)")
     if server.cfg.oracle != "fsgld":
         return
 

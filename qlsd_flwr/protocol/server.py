@@ -273,9 +273,8 @@ class QLSDServer:
                 self.needs_resync[i] = True
                 self._count("resync")
                 return
-            # every oracle: a version other than the round's (−1 without an anchor) is either a
-            # reply computed with another ζ/θ* (not this round's H_i) or a forged value (2^63
-            # would not fit anchor_acked); either way nothing of it is kept
+            # a version other than the round's (−1 without an anchor): a reply computed with another
+            # ζ/θ* (not this round's H_i) or a forged value (2^63 would not fit anchor_acked)
             if rep["anchor_version"] != self.anchor()[1]:
                 self._reject("stale_anchor")
                 return
@@ -292,6 +291,8 @@ class QLSDServer:
             # everything the reply adds to the round, computed before any state changes
             bound = comp.bound_bits(self.d)
             bits = q.code_bits if getattr(q, "code_bits", None) is not None else comp.code_length_bits(q)
+            if self.local:  # VR-FALD*'s refresh round: its ∇U_i(θ_k) too (protocol.local_chains)
+                local_chains.check_reply(self, i, rep)
         except (ReplyError, DecodeError) as exc:
             self._reject("malformed" if isinstance(exc, ReplyError) else "decode_error")
             log.debug("client %d: rejected reply: %s", i, exc)

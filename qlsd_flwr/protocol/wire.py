@@ -131,10 +131,11 @@ def parse_fields(rec: dict | None, expected_client: int) -> dict:
     except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise ReplyError(f"missing or bad anchor_version: {exc!r}") from exc
     out = {"status": status, "payload": bytes(payload), "anchor_version": version}
-    if "anchor_grad" in rec:  # QLSD*'s reply to θ*: ∇U_i(θ*) as 8d bytes (checked by the server)
-        if not isinstance(rec["anchor_grad"], (bytes, bytearray)):
-            raise ReplyError("anchor_grad is not bytes")
-        out["anchor_grad"] = bytes(rec["anchor_grad"])
+    for name in ("anchor_grad", "ref_grad"):  # ∇U_i(θ*) repeated; VR-FALD*'s ∇U_i(θ_k) (8d bytes, checked later)
+        if name in rec:
+            if not isinstance(rec[name], (bytes, bytearray)):
+                raise ReplyError(f"{name} is not bytes")
+            out[name] = bytes(rec[name])
     return out
 
 
@@ -168,6 +169,9 @@ def bundle_request(per_chain: dict[int, dict], theta: np.ndarray | None = None) 
     rows = [c for c in chains if "metric" in per_chain[c]]
     if rows:  # the rivals' local-step metric: the run's, the same for every chain: once
         out["metric_chains"], out["metric"] = rows, bytes(per_chain[rows[0]]["metric"])
+    rows = [c for c in chains if per_chain[c].get("refresh")]
+    if rows:  # VR-FALD*: the chains whose round refreshes the reference
+        out["refresh_chains"] = rows
     for name in SENT_WITH:
         rows = [c for c in chains if name in per_chain[c]]
         if rows:
@@ -223,12 +227,13 @@ def unbundle_request(fields: dict, d: int) -> dict[int, dict]:
             raise ValueError(f"local: expected {32 * m} bytes (four float64 a chain)")
         for j, c in enumerate(chains):
             per[c]["local"] = bytes(loc[32 * j: 32 * j + 32])
-    if "metric_chains" in fields:  # one metric for the chains named (checked by the client's handle)
-        rows = _chain_list(fields["metric_chains"], "metric_chains")
-        if not set(rows) <= set(chains):
-            raise ValueError("metric_chains: names a chain the message does not carry")
-        for c in rows:
-            per[c]["metric"] = fields.get("metric")
+    for name, value in (("metric", lambda: fields.get("metric")), ("refresh", lambda: 1)):
+        if f"{name}_chains" in fields:  # the metric (checked by the client's handle), the refresh flag
+            rows = _chain_list(fields[f"{name}_chains"], f"{name}_chains")
+            if not set(rows) <= set(chains):
+                raise ValueError(f"{name}_chains: names a chain the message does not carry")
+            for c in rows:
+                per[c][name] = value()
     for name in SENT_WITH:
         if f"{name}_chains" not in fields:
             continue
@@ -248,9 +253,13 @@ def bundle_reply(client: int, per_chain: dict[int, dict]) -> dict:
            "status": [str(per_chain[c]["status"]) for c in chains],
            "payload": [bytes(per_chain[c].get("payload", b"")) for c in chains],
            "anchor_version": [int(per_chain[c].get("anchor_version", -1)) for c in chains]}
-    grads = [per_chain[c]["anchor_grad"] for c in chains if "anchor_grad" in per_chain[c]]
-    if grads:  # ∇U_i(θ*): one θ* for every chain, sent once
-        out["anchor_grad"] = grads[0]
+    grads = [per_chain[c].get("anchor_grad") for c in chains]
+    given = [g for g in grads if g is not None]
+    if given:  # ∇U_i(θ*): one θ* for every chain, sent once; VR-FALD*'s refreshed θ_r, one a chain
+        same = all(g == given[0] for g in given)
+        out["anchor_grad"] = given[0] if same else [b"" if g is None else bytes(g) for g in grads]
+    if any("ref_grad" in per_chain[c] for c in chains):  # VR-FALD*'s refresh: each chain's own θ_k
+        out["ref_grad"] = [bytes(per_chain[c].get("ref_grad", b"")) for c in chains]
     return out
 
 
@@ -277,9 +286,21 @@ def unbundle_reply(rec: dict | None, asked: list[int]) -> dict[int, dict]:
         if not isinstance(v, (list, tuple)) or len(v) != len(chains):
             raise ReplyError(f"{name}: expected one entry per chain ({len(chains)})")
         cols[name] = v
-    extra = {"anchor_grad": rec["anchor_grad"]} if "anchor_grad" in rec else {}
-    return {c: {"client": rec.get("client"), "status": cols["status"][j], "payload": cols["payload"][j],
-                "anchor_version": cols["anchor_version"][j], **extra} for j, c in enumerate(chains)}
+    per = {c: {"client": rec.get("client"), "status": cols["status"][j], "payload": cols["payload"][j],
+               "anchor_version": cols["anchor_version"][j]} for j, c in enumerate(chains)}
+    for name in ("anchor_grad", "ref_grad"):  # one for every chain (bytes), or one a chain (b"": none)
+        x = rec.get(name)
+        if x is None:
+            continue
+        if isinstance(x, (bytes, bytearray)) and name == "anchor_grad":
+            x = [x] * len(chains)
+        if not isinstance(x, (list, tuple)) or len(x) != len(chains) or \
+                not all(isinstance(v, (bytes, bytearray)) for v in x):
+            raise ReplyError(f"{name}: expected bytes, or one bytes entry per chain ({len(chains)})")
+        for j, c in enumerate(chains):
+            if len(x[j]):
+                per[c][name] = x[j]
+    return per
 
 
 def memory_report(rec: dict, d: int) -> dict[int, tuple[np.ndarray, int]]:
