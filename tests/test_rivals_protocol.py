@@ -44,6 +44,17 @@ def _batch_se(x: np.ndarray, n: int = 40) -> np.ndarray:
     return np.std([b.mean(axis=0) for b in np.array_split(x, n)], axis=0, ddof=1) / np.sqrt(n)
 
 
+def _assert_law(trace: np.ndarray, mean, var) -> tuple[np.ndarray, np.ndarray]:
+    """Every coordinate's mean and variance (about ``mean``) within 4 batch-means standard errors of the
+    law's; returns the two standard errors ``(se, se_v)`` for the checks that the test can fail."""
+    se = _batch_se(trace)
+    assert np.all(np.abs(trace.mean(axis=0) - mean) <= 4 * se), ((trace.mean(axis=0) - mean) / se)
+    e2 = (trace - mean) ** 2
+    se_v = _batch_se(e2)
+    assert np.all(np.abs(e2.mean(axis=0) - var) <= 4 * se_v), ((e2.mean(axis=0) - var) / se_v)
+    return se, se_v
+
+
 @pytest.mark.parametrize("variant", ["fald", "vr-fald-star"])
 def test_the_protocol_chain_matches_the_exact_law_under_partial_participation(variant):
     probe = loading.load_task(resolve({**TOY, "variant": variant}))
@@ -55,11 +66,7 @@ def test_the_protocol_chain_matches_the_exact_law_under_partial_participation(va
     trace = r.trace[200:]
     anchor = probe.posterior_mean if variant == "vr-fald-star" else None  # θ* in closed form
     m, v = fald.gaussian_stationary(n, ybar, h, 3, 0.5, 5.0, anchor=anchor, p=P_I)
-    se = _batch_se(trace)
-    assert np.all(np.abs(trace.mean(axis=0) - m) <= 4 * se), ((trace.mean(axis=0) - m) / se)
-    e2 = (trace - m) ** 2
-    se_v = _batch_se(e2)
-    assert np.all(np.abs(e2.mean(axis=0) - v) <= 4 * se_v), ((e2.mean(axis=0) - v) / se_v)
+    se, se_v = _assert_law(trace, m, v)
     # the other sampler's law is many standard errors away: the check can fail
     _, other = fald.gaussian_stationary(n, ybar, h, 3, 0.5, 5.0, anchor=None if anchor is not None else
                                         probe.posterior_mean, p=P_I)
@@ -86,11 +93,7 @@ def test_a_diagonal_metric_preconditions_the_local_steps_coordinate_by_coordinat
                                      anchor=None if anchor is None else anchor[j:j + 1]) for j in range(3)]
     mean = np.array([float(np.ravel(a)[0]) for a, _ in laws])
     var = np.array([float(np.ravel(v)[0]) for _, v in laws])
-    se = _batch_se(trace)
-    assert np.all(np.abs(trace.mean(axis=0) - mean) <= 4 * se), ((trace.mean(axis=0) - mean) / se)
-    e2 = (trace - mean) ** 2
-    se_v = _batch_se(e2)
-    assert np.all(np.abs(e2.mean(axis=0) - var) <= 4 * se_v), ((e2.mean(axis=0) - var) / se_v)
+    se, se_v = _assert_law(trace, mean, var)
     if variant == "fald":
         _, identity = fald.gaussian_stationary(n, ybar, h, 3, 0.5, 5.0, p=P_I)
         assert np.all((np.abs(np.asarray(identity) - var) / se_v)[[0, 2]] > 10)
@@ -158,11 +161,7 @@ def test_dg_lmc_with_a_diagonal_metric_couples_in_its_norm_coordinate_by_coordin
     laws = [dglmc.gaussian_stationary(n, ybar[:, j:j + 1], rho * m[j], g_i * m[j], 3, 5.0, p=P_I) for j in range(3)]
     mean = np.array([float(np.ravel(a)[0]) for a, _ in laws])
     var = np.array([float(np.ravel(v)[0]) for _, v in laws])
-    se = _batch_se(trace)
-    assert np.all(np.abs(trace.mean(axis=0) - mean) <= 4 * se), ((trace.mean(axis=0) - mean) / se)
-    e2 = (trace - mean) ** 2
-    se_v = _batch_se(e2)
-    assert np.all(np.abs(e2.mean(axis=0) - var) <= 4 * se_v), ((e2.mean(axis=0) - var) / se_v)
+    se, se_v = _assert_law(trace, mean, var)
     _, identity = dglmc.gaussian_stationary(n, ybar, rho, g_i, 3, 5.0, p=P_I)
     assert np.all((np.abs(np.asarray(identity) - var) / se_v)[[0, 2]] > 5), np.abs(np.asarray(identity) - var) / se_v
     assert r.summary["rejected"] == {}
@@ -235,11 +234,7 @@ def test_vr_fald_star_refreshes_its_reference_on_the_protocol_and_matches_the_la
     r = run_local(resolve({**o, "gamma": h}), task=task, write=False, keep_trace=True)
     trace = r.trace[200:]
     m, v = fald.gaussian_stationary_refresh(n, ybar, h, 3, 0.5, 5.0, 0.3, p=P_I, kappa=kappa)
-    se = _batch_se(trace)
-    assert np.all(np.abs(trace.mean(axis=0) - m) <= 4 * se), ((trace.mean(axis=0) - m) / se)
-    e2 = (trace - m) ** 2
-    se_v = _batch_se(e2)
-    assert np.all(np.abs(e2.mean(axis=0) - v) <= 4 * se_v), ((e2.mean(axis=0) - v) / se_v)
+    se, se_v = _assert_law(trace, m, v)
     fixed, _ = fald.gaussian_stationary(n, ybar, h, 3, 0.5, 5.0, anchor=off, p=P_I, kappa=kappa)
     assert np.min(np.abs(fixed - m) / se) > 8, np.abs(fixed - m) / se
     facts = r.summary["reference_refresh"]  # about q · 5000 refresh rounds (a binomial count), each installed
@@ -298,11 +293,7 @@ def test_dg_lmc_on_the_protocol_matches_its_exact_law_under_partial_participatio
     r = run_local(resolve(o), write=False, keep_trace=True)
     trace = r.trace[200:]
     m, v = dglmc.gaussian_stationary(n, ybar, rho, dglmc.local_step(gamma, rho, 0.25), 3, 5.0, p=P_I)
-    se = _batch_se(trace)
-    assert np.all(np.abs(trace.mean(axis=0) - m) <= 4 * se), ((trace.mean(axis=0) - m) / se)
-    e2 = (trace - m) ** 2
-    se_v = _batch_se(e2)
-    assert np.all(np.abs(e2.mean(axis=0) - v) <= 4 * se_v), ((e2.mean(axis=0) - v) / se_v)
+    se, se_v = _assert_law(trace, m, v)
     assert np.min(np.abs(probe.posterior_var - v) / se_v) > 10, np.abs(probe.posterior_var - v) / se_v  # not π
     assert r.summary["rejected"] == {}
 
@@ -325,11 +316,7 @@ def test_fsgld_on_the_protocol_matches_its_exact_law_with_the_surrogates_the_cli
     lam = np.repeat((scale * n)[:, None], 3, axis=1)
     mu = ts - n[:, None] * (ts - ybar) / lam  # μ_i = θ* − ∇U_i(θ*)/λ_i
     m, v = fsgld.gaussian_stationary(n, ybar, mu, lam, n / n.sum(), h, 2, 5.0)
-    se = _batch_se(trace)
-    assert np.all(np.abs(trace.mean(axis=0) - m) <= 4 * se), ((trace.mean(axis=0) - m) / se)
-    e2 = (trace - m) ** 2
-    se_v = _batch_se(e2)
-    assert np.all(np.abs(e2.mean(axis=0) - v) <= 4 * se_v), ((e2.mean(axis=0) - v) / se_v)
+    se, se_v = _assert_law(trace, m, v)
     _, exact = fsgld.gaussian_stationary(n, ybar, *fsgld.gaussian_surrogates(task), n / n.sum(), h, 2, 5.0)
     assert np.min(np.abs(exact - v) / se_v) > 4, np.abs(exact - v) / se_v  # the surrogates' error shows
     assert r.summary["rejected"] == {}
