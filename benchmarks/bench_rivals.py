@@ -13,7 +13,9 @@ steps of ``γ/5``):
 
 * the QLSD family on the vectorised engine (bit for bit the Flower engines' chains): QLSD++ and
   QLSD* with QSGD ``s = 16``, LSD++ uncompressed;
-* FALD (``K = 5``, τ = 0.5) raw and QSGD-coded (``s = 16``), VR-FALD* (reference θ*), and DG-LMC
+* FALD (``K = 5``, τ = 0.5) raw and QSGD-coded (``s = 16``), VR-FALD* (reference θ*, and refreshed
+  with ``q = 0.1``: its uplink adds every client's ``∇U_i(θ_k)`` in the refresh rounds, its downlink
+  the new θ_r and ``∇U(θ_r)`` to every client once per reference installed), and DG-LMC
   (``K = 5`` ULA steps on each z_i, ``ρ = γ/10`` and ``ρ = γ``, raw and QSGD-coded) **through the round
   protocol** (the local engine: the messages the Flower apps exchange, their bits counted by the
   server);
@@ -134,7 +136,7 @@ class Bench:
         base = {**self.cfg, "num-rounds": self.R, "burn-in": 0, "thin": 1, "loo": "off", "plot": False,
                 "progress": False, "output-dir": self.tmp, "engine": engine, **over}
         seeds = [None] if engine == "vectorised" else range(CHAINS)
-        draws, bits, active = [], 0.0, 0.0
+        draws, bits, active, refreshed = [], 0.0, 0.0, 0.0
         for c in seeds:
             o = {**base, "num-chains": CHAINS} if c is None else {**base, "seed": c}
             o["run-name"] = f"{name}-{c}".replace(" ", "_").replace("/", "_")
@@ -150,13 +152,18 @@ class Bench:
             draws.append(load_samples(r.run_dir))
             bits += float(r.summary["totals"]["bits_exact"])
             active += float(r.summary["totals"]["n_active"])
+            facts = r.summary.get("reference_refresh")  # VR-FALD* with q: every kept client's ∇U_i(θ_k) up,
+            if facts:  # and the new θ_r with ∇U(θ_r) down to each client once per installed reference
+                bits += float(facts["uplink_bits"])
+                refreshed += float(facts["installed"])
         draws = np.concatenate(draws)
         d = self.task.dim
         # downlink: θ (float64) to every active client each round; VR-FALD* also θ* and ∇U(θ*) once a client,
         # FSGLD θ*, ∇U(θ*), λ_i and Λ (its uplink once: the claim and the curvature, 2 · 64 d a client)
         anchor = {"vr-fald-star": 2, "qlsd-star": 2, "lsd-star": 2, "fsgld": 4}.get(over.get("variant"), 0) \
             * 64.0 * d * self.task.b
-        self.record(name, draws, bits / (self.R * CHAINS), 64 * d * active / (self.R * CHAINS), 0.0,
+        self.record(name, draws, bits / (self.R * CHAINS),
+                    (64 * d * active + 2 * 64.0 * d * self.task.b * refreshed) / (self.R * CHAINS), 0.0,
                     time.perf_counter() - t)
         self.out["samplers"][name]["once_downlink_bits"] = anchor
         if over.get("variant") == "fsgld":
@@ -223,6 +230,7 @@ def rival_runs(bench: Bench, gamma: float) -> None:
     bench.protocol("VR-FALD* (K = 5, at θ*)", {"variant": "vr-fald-star", **common})
     bench.protocol("VR-FALD* (K = 5, at θ*), QSGD s = 16", {"variant": "vr-fald-star", "compressor": "qsgd", "s": "16",
                                                            **common})
+    bench.protocol("VR-FALD* (K = 5, θ_r refreshed, q = 0.1)", {"variant": "vr-fald-star", "q": 0.1, **common})
     for rho, label in ((gamma / 10, "γ/10 (auto)"), (gamma, "γ")):
         bench.protocol(f"DG-LMC (K = 5, ρ = {label})", {"variant": "dg-lmc", "local-steps": K, "gamma": gamma,
                                                        "rho": rho})

@@ -341,9 +341,9 @@ def _check_local_steps(variant, oracle, raw, engine, metric, aggregation, p, ran
     if oracle == "fsgld" and np.any(p < 1.0):
         raise ConfigError("p: fsgld asks one client a round, drawn with probability f_i = N_i/N (its data share); "
                           "the participation probabilities do not apply; allowed: 1")
-    if oracle == "dglmc" and (metric in ("dense", "kronecker") or int(rank)):
-        raise ConfigError(f"metric: {variant}'s coupling takes metric = identity, diagonal or a .npy of d numbers, "
-                          "and metric-rank = 0 (its exact θ | z draw is coordinate by coordinate)")
+    if oracle == "dglmc" and int(rank):
+        raise ConfigError(f"metric-rank: {variant}'s exact θ | z draw takes its metric in the metric's own eigenbasis, "
+                          "which a low-rank correction changes; allowed: metric-rank = 0")
     if oracle == "dglmc" and float(raw["temperature"]) != 1.0:
         raise ConfigError(f"temperature: {variant} samples T = 1 only (its exact θ | z draw and the clients' "
                           "steps are not tempered yet); allowed: 1.0")

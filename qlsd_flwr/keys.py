@@ -143,8 +143,8 @@ KEYS: tuple[Key, ...] = (
     Key("metric", "identity", "text", "the preconditioner M of the step θ − γ M g + √(2γT) M^½ Z: identity (the "
         "paper's chain), diagonal, dense (d ≤ 2000; noise by its Cholesky factor), kronecker (one dense softmax "
         "layer's K-FAC factors: the logistic tasks), or a path to a .npy of d positive numbers or an SPD d × d "
-        "matrix. FALD, VR-FALD*, FSGLD: M preconditions the clients' local steps (any of these); DG-LMC: identity "
-        "or diagonal, the coupling ‖z_i − θ‖² taken in M⁻¹'s norm (docs/RIVALS.md)", "M", group=SAMPLER),
+        "matrix. FALD, VR-FALD*, FSGLD: M preconditions the clients' local steps; DG-LMC: also its coupling "
+        "‖z_i − θ‖², taken in M⁻¹'s norm (docs/RIVALS.md)", "M", group=SAMPLER),
     Key("metric-from", "curvature", "choice", "how a diagonal or dense M is built: curvature (the inverse of the "
         "prior's curvature plus the clients' curvature reports at θ*, exchanges before sampling) or adapt (that "
         "metric refined by the covariance of a warm-up chain on exact gradients, in doubling windows, frozen "

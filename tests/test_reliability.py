@@ -117,8 +117,10 @@ CASES = {
                                 {"block_rounds": 4, "backend": "numpy"}, 13),
     # metric-from = adapt: the checkpoint holds the frozen M, so the resume does not rerun the warm-up
     # the rivals: VR-FALD*'s θ* claims and FALD's QSGD-coded local-step messages, over two chains
+    # two VR-FALD* chains, each refreshing its own reference (its counts in its own checkpoint arrays)
     "inprocess-2-chains-vr-fald": ({"engine": "inprocess", "variant": "vr-fald-star", "p": "0.5", "local-steps": 2,
-                                    "compressor": "qsgd", "s": "4", "num-chains": 2}, {"shuffle_seed": 15}, 15),
+                                    "compressor": "qsgd", "s": "4", "num-chains": 2, "q": 0.2},
+                                   {"shuffle_seed": 15}, 15),
     # DG-LMC: the clients' z_i are the checkpoint's memory mirrors
     "local-dg-lmc": ({"engine": "local", "variant": "dg-lmc", "p": "0.5", "local-steps": 2}, {}, 16),
     # FSGLD: the surrogates and the claims at θ* are in the checkpoint; one client a round
@@ -175,7 +177,8 @@ def test_kill_and_resume_is_bitwise_an_uninterrupted_run(case, tmp_path):
         for r in rows_ref + rows:
             r.pop("bytes_message")
     assert rows_ref == rows
-    for key in ("totals", "sample_mean", "sample_var", "draws_kept", "rounds", "rejected", "stats"):
+    for key in ("totals", "sample_mean", "sample_var", "draws_kept", "rounds", "rejected", "stats",
+                "reference_refresh", "reference_refresh_per_chain"):
         a_, b_ = ref.summary.get(key), res.summary.get(key)
         if key == "totals" and over["variant"] in ("vr-fald-star", "fsgld"):
             a_, b_ = ({k: v for k, v in t.items() if k != "bytes_message"} for t in (a_, b_))

@@ -167,6 +167,43 @@ def test_dg_lmc_with_a_diagonal_metric_couples_in_its_norm_coordinate_by_coordin
     assert r.summary["rejected"] == {}
 
 
+def test_dg_lmc_with_a_dense_metric_draws_theta_in_its_eigenbasis_and_has_the_rotated_law(tmp_path):
+    # M = Q diag(0.4, 1, 2) Qᵀ, every client in every round: the toy Gaussian's potentials and prior are
+    # isotropic, so in M's eigenbasis ψ = Qᵀθ every coordinate k is DG-LMC with (γ_i s_k, ρ s_k) on the rotated
+    # data Qᵀȳ_i, independent of the others; θ = Qψ has mean Q m̃ and covariance Q diag(ṽ) Qᵀ. Every mean,
+    # variance and covariance within 4 batch-means standard errors; the identity's law is far in some
+    from qlsd_flwr.core import dglmc
+
+    probe = loading.load_task(resolve({**TOY, "variant": "dg-lmc"}))
+    n = probe.n_data.astype(float)
+    ybar = np.stack([c.y.mean(axis=0) for c in probe.clients])
+    P = n.sum() + 1 / 5.0
+    gamma, rho, s = 0.25 / P, 6.0 / P, np.array([0.4, 1.0, 2.0])
+    M = _rotated(s)
+    Q = np.linalg.eigh(M)[1]
+    s = np.linalg.eigh(M)[0]
+    np.save(tmp_path / "m.npy", M)
+    o = {**TOY, "variant": "dg-lmc", "p": "1", "gamma": gamma, "rho": rho, "num-rounds": 5000, "burn-in": 100,
+         "metric": str(tmp_path / "m.npy")}
+    r = run_local(resolve(o), write=False, keep_trace=True)
+    trace = r.trace[200:]
+    g_i, rotated = dglmc.local_step(gamma, rho, 0.25), ybar @ Q
+    laws = [dglmc.gaussian_stationary(n, rotated[:, k:k + 1], rho * s[k], g_i * s[k], 3, 5.0) for k in range(3)]
+    mean = Q @ np.array([float(np.ravel(a)[0]) for a, _ in laws])
+    cov = Q @ np.diag([float(np.ravel(v)[0]) for _, v in laws]) @ Q.T
+    se = _batch_se(trace)
+    assert np.all(np.abs(trace.mean(axis=0) - mean) <= 4 * se), ((trace.mean(axis=0) - mean) / se)
+    x = trace - mean
+    prods = np.stack([x[:, j] * x[:, k] for j in range(3) for k in range(j, 3)], axis=1)
+    want = np.array([cov[j, k] for j in range(3) for k in range(j, 3)])
+    se_c = _batch_se(prods)
+    assert np.all(np.abs(prods.mean(axis=0) - want) <= 4 * se_c), ((prods.mean(axis=0) - want) / se_c)
+    _, identity = dglmc.gaussian_stationary(n, ybar, rho, g_i, 3, 5.0)
+    other = np.array([identity if j == k else 0.0 for j in range(3) for k in range(j, 3)])
+    assert np.max(np.abs(other - want) / se_c) > 8, np.abs(other - want) / se_c
+    assert r.summary["rejected"] == {}
+
+
 @pytest.mark.parametrize("variant, bad, words", [
     ("fald", np.array([1.0, -1.0, 1.0]), "not a usable metric"),
     ("fald", np.array([1.0, np.nan, 1.0]), "finite"),
@@ -176,7 +213,8 @@ def test_dg_lmc_with_a_diagonal_metric_couples_in_its_norm_coordinate_by_coordin
     ("fald", np.diag([1.0, -1.0, 1.0]), "positive-definite"),
     ("fald", np.array([-1.0, 1.0, 3.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]),
      "Kronecker"),
-    ("dg-lmc", _rotated(np.array([0.4, 1.0, 2.0])), "must be diagonal"),
+    # a low-rank correction of the identity (marker −2, rank 1, t = 2, the direction e_0)
+    ("dg-lmc", np.array([-2.0, 1.0, 2.0, 1.0, 0.0, 0.0]), "low-rank correction"),
 ])
 def test_a_bad_metric_from_the_server_installs_nothing_and_a_client_without_it_asks_again(variant, bad, words):
     from qlsd_flwr.core.metric import Metric
@@ -193,7 +231,7 @@ def test_a_bad_metric_from_the_server_installs_nothing_and_a_client_without_it_a
         handle(spec, task.clients[0], st, 0, {**fields, "metric": arr_to_bytes(np.ravel(bad))}, 3)
     assert st.metric is None
     assert handle(spec, task.clients[0], st, 0, fields, 3)["status"] == "resync"  # it lost (or never had) M
-    good = Metric.diagonal(np.full(3, 0.5)) if variant == "dg-lmc" else Metric.dense(_rotated(np.array([0.5, 1, 2])))
+    good = Metric.dense(_rotated(np.array([0.5, 1, 2])))
     assert handle(spec, task.clients[0], st, 0, {**fields, "metric": metric_to_bytes(good)}, 3)["status"] == "ok"
     assert st.metric.kind == good.kind and np.array_equal(st.metric.m, good.m)
 
@@ -241,6 +279,37 @@ def test_vr_fald_star_refreshes_its_reference_on_the_protocol_and_matches_the_la
     assert abs(facts["rounds"] - 1500) <= 4 * np.sqrt(5000 * 0.3 * 0.7) and facts["installed"] == facts["rounds"]
     assert facts["incomplete"] == 0 and facts["uplink_bits"] == 64 * 3 * 4 * facts["rounds"]
     assert r.summary["rejected"] == {} and "excluded" not in r.summary
+
+
+def test_a_client_told_to_expect_a_metric_gets_the_identity_when_the_correction_found_none():
+    # metric-rank > 0 tells the clients a metric comes; a correction that found no direction leaves the
+    # identity, which is sent as empty bytes (else the clients would answer resync every round)
+    from qlsd_flwr.protocol.server import QLSDServer
+
+    cfg = resolve({**TOY, "variant": "fald", "metric-rank": 2, "gamma": 1e-4, "num-rounds": 5, "burn-in": 0})
+    task = loading.load_task(cfg)
+    server = QLSDServer(cfg, task)
+    server.begin(None, {})  # no preparation: the identity
+    assert server.spec.metric.is_identity and server.settings[0]["metric"] == "sent"
+    st = ClientState()
+    i = server.begin_round()[0]
+    spec = build.client_spec(cfg, i, task.clients[i].n_data, 3, task.prior)
+    fields = server.fields_for(i)
+    assert fields["metric"] == b""
+    assert handle(spec, task.clients[i], st, 0, fields, 3)["status"] == "ok" and st.metric.is_identity
+
+
+def test_a_dense_metric_with_a_low_rank_correction_travels_and_checkpoints_whole():
+    from qlsd_flwr.core.metric import Metric
+    from qlsd_flwr.protocol.wire import metric_of, metric_to_bytes
+
+    M = Metric.dense(_rotated(np.array([0.5, 1.0, 2.0])))
+    u = np.linalg.qr(np.array([[1.0, 0.2], [0.3, 1.0], [0.5, -0.4]]))[0]
+    C = M.corrected(u, np.array([2.0, 0.5]))
+    z = np.array([1.0, -2.0, 0.5])
+    for back in (Metric.from_array(C.array(), 3), metric_of(metric_to_bytes(C), 3)):
+        assert back.kind == "dense" and np.array_equal(back.apply(z), C.apply(z))
+        assert np.array_equal(back.apply_root(z), C.apply_root(z))
 
 
 def test_a_refresh_reply_without_a_usable_gradient_is_refused_and_the_reference_stays():
@@ -335,7 +404,7 @@ def test_fsgld_on_the_protocol_matches_its_exact_law_with_the_surrogates_the_cli
     # DG-LMC's coupling in a diagonal metric's norm
     {"variant": "fald", "p": "0.5", "local-steps": 2, "metric": "dense", "prior-var": 5.0, "dim": 8},
     {"variant": "fsgld", "local-steps": 2, "metric": "diagonal", "metric-rank": 2, "prior-var": 5.0, "dim": 8},
-    {"variant": "dg-lmc", "p": "0.6", "local-steps": 2, "metric": "diagonal", "prior-var": 5.0},
+    {"variant": "dg-lmc", "p": "0.6", "local-steps": 2, "metric": "dense", "prior-var": 5.0},
     {"task": "logistic", "variant": "vr-fald-star", "p": "0.7", "local-steps": 2, "metric": "kronecker", "gamma": "auto",
      "num-rounds": 15},
     # VR-FALD*'s reference refreshed (q): ref_grad in the refresh rounds' replies, QSGD-coded messages
@@ -393,21 +462,22 @@ def test_a_rival_runs_side_by_side_with_the_qlsd_family_on_the_same_seeds():
 def test_chain_c_of_a_several_chain_run_is_the_one_chain_run_with_seed_plus_c(tmp_path, variant, over):
     o = {"variant": variant, "p": "1" if variant == "fsgld" else "0.6", "local-steps": 2, "num-chains": 3, "num-rounds": 25, "burn-in": 0,
          "progress": False, "gamma": 4.9e-4, "output-dir": str(tmp_path), **over}
-    trace = np.array(run_inprocess(resolve(o), o, shuffle_seed=5, strategy_kwargs={"keep_trace": True}).trace)
+    strat = run_inprocess(resolve(o), o, shuffle_seed=5, strategy_kwargs={"keep_trace": True})
+    trace = np.array(strat.trace)
     for c in range(3):
         one = run_local(resolve({**o, "num-chains": 1, "seed": c, "engine": "local"}), write=False,
-                        keep_trace=True, progress=False).trace
-        np.testing.assert_array_equal(trace[:, c], one)
+                        keep_trace=True, progress=False)
+        np.testing.assert_array_equal(trace[:, c], one.trace)
+        if "q" in over:  # each chain counts its own refreshes, as its one-chain run does
+            assert strat.summary_data["reference_refresh_per_chain"][c] == one.summary["reference_refresh"]
 
 
 @pytest.mark.parametrize("over, words", [
-    ({"variant": "dg-lmc", "metric": "dense"}, "metric: dg-lmc's coupling takes metric = identity, diagonal or a"),
-    ({"variant": "dg-lmc", "metric-rank": 4}, "metric: dg-lmc's coupling"),
+    ({"variant": "dg-lmc", "metric-rank": 4}, "metric-rank: dg-lmc's exact θ | z draw takes its metric in the"),
     ({"aggregation": "active-fraction", "p": "0.5"}, "aggregation: fald averages its clients with the weights"),
     ({"variant": "dg-lmc", "temperature": 0.5}, "temperature: dg-lmc samples T = 1 only"),
     ({"variant": "dg-lmc", "rho": -1.0}, "rho"),
     ({"variant": "fsgld", "p": "0.5"}, "p: fsgld asks one client a round"),
-    ({"variant": "dg-lmc", "metric": "kronecker"}, "metric: dg-lmc's coupling"),
     ({"q": 0.3}, "q: only vr-fald-star refreshes a reference point"),
     ({"variant": "qlsd-pp", "q": 0.3}, "qlsd-pp takes q = 0"),
 ])
@@ -416,9 +486,9 @@ def test_what_the_rivals_do_not_take_is_refused_by_key(over, words):
         resolve({"variant": "fald", **over})
     # DG-LMC takes any aggregation: it weighs no reply by 1/p_i
     assert resolve({"variant": "dg-lmc", "aggregation": "active-fraction", "p": "0.5"}).oracle == "dglmc"
-    # the FALD family's local steps take every metric; DG-LMC's coupling a diagonal one
+    # the FALD family's local steps take every metric; DG-LMC's coupling every one but a low-rank corrected one
     for v, metric, rank in [("fald", "dense", 0), ("vr-fald-star", "kronecker", 0), ("fsgld", "diagonal", 4),
-                            ("dg-lmc", "diagonal", 0)]:
+                            ("dg-lmc", "diagonal", 0), ("dg-lmc", "dense", 0), ("dg-lmc", "kronecker", 0)]:
         assert resolve({"variant": v, "metric": metric, "metric-rank": rank}).metric == metric
 
 

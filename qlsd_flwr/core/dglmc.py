@@ -40,20 +40,23 @@ from __future__ import annotations
 
 import numpy as np
 
+from dataclasses import dataclass
+
 from qlsd_flwr.core import rng
+from qlsd_flwr.core.kron import Kron
 
 
 def local_steps(grad_u, z: np.ndarray, theta: np.ndarray, rho: float, gamma: float, steps: int, seed: int,
                 k: int, i: int, metric=None) -> np.ndarray:
     """Client ``i``'s ``K = steps`` ULA steps on ``z`` at round ``k`` (``grad_u(z) = ∇U_i(z)``).
 
-    ``metric``: a diagonal metric ``M = diag(m)`` (a :class:`~qlsd_flwr.core.metric.Metric`; ``None``:
-    the identity). The augmented model then couples in the metric's norm,
+    ``metric``: a metric ``M`` (a :class:`~qlsd_flwr.core.metric.Metric`, diagonal, dense or Kronecker;
+    ``None``: the identity). The augmented model then couples in the metric's norm,
     ``π_ρ ∝ exp(−U_0(θ) − Σ_i [U_i(z_i) + (z_i − θ)ᵀ M⁻¹ (z_i − θ)/(2ρ_i)])``, and each step is ULA on
-    ``z``'s conditional preconditioned by ``M``: ``z ← z − γ (m ⊙ ∇U_i(z) + (z − θ)/ρ) + √(2γ) √m ⊙ ξ``.
-    Coordinate ``j`` is then DG-LMC with ``(γ m_j, ρ m_j)``: the ρ-bias is measured in the metric's
-    scale (with ``M`` near the posterior covariance, in posterior standard deviations), and its
-    θ-marginal still tends to ``π`` as ``ρ → 0``."""
+    ``z``'s conditional preconditioned by ``M``: ``z ← z − γ (M ∇U_i(z) + (z − θ)/ρ) + √(2γ) M^{1/2} ξ``.
+    In ``M``'s eigenbasis coordinate ``j`` is DG-LMC with ``(γ s_j, ρ s_j)``: the ρ-bias is measured in
+    the metric's scale (with ``M`` near the posterior covariance, in posterior standard deviations), and
+    the θ-marginal still tends to ``π`` as ``ρ → 0``. The server's draw: :func:`metric_draw`."""
     d = z.shape[-1]
     xi = rng.normal(seed, rng.Stream.LOCAL, k, i, steps * d).reshape(steps, d)
     root = np.sqrt(2.0 * gamma)
@@ -66,16 +69,58 @@ def local_steps(grad_u, z: np.ndarray, theta: np.ndarray, rho: float, gamma: flo
     return z
 
 
-def server_draw(zs: np.ndarray, rho: np.ndarray, prior_var: float, seed: int, k: int, m=None,
-                prior_mean: float = 0.0) -> np.ndarray:
-    """``θ_{k+1} | z`` (``zs`` ``(b, d)``), exactly; ``m``: a diagonal metric's ``d`` numbers (the
-    coupling ``(z_i − θ)ᵀ M⁻¹ (z_i − θ)/(2ρ_i)``: coordinate ``j``'s precision ``Σ_i 1/(ρ_i m_j) + 1/σ_0²``)."""
+@dataclass(frozen=True)
+class Spectrum:
+    """A metric ``M = V diag(s) Vᵀ`` in its eigenbasis, for DG-LMC's exact draw of θ | z when the
+    coupling is ``Σ_i (z_i − θ)ᵀ M⁻¹ (z_i − θ)/(2ρ_i)``: then θ | z has precision ``c M⁻¹ + I/σ_0²``
+    (``c = Σ_i 1/ρ_i``), which the prior's isotropic term keeps diagonal in that basis only. Diagonal,
+    dense (``eigh`` once) and Kronecker metrics (already held in their eigenbasis); a low-rank correction
+    is refused (its basis is another)."""
+
+    s: np.ndarray  # M's eigenvalues (diagonal: m itself)
+    vecs: np.ndarray | None = None  # dense: the eigenvectors V
+    kron: Kron | None = None
+
+    @staticmethod
+    def of(metric) -> "Spectrum":
+        if metric.low is not None or metric.kind not in ("diagonal", "dense", "kronecker"):
+            raise ValueError(f"dg-lmc: no eigenbasis for a {metric.kind} metric"
+                             f"{' with a low-rank correction' if metric.low is not None else ''}")
+        if metric.kind == "diagonal":
+            return Spectrum(metric.m)
+        if metric.kind == "kronecker":
+            return Spectrum(1.0 / metric.kron.den, kron=metric.kron)
+        s, v = np.linalg.eigh(metric.m)
+        return Spectrum(s, vecs=v)
+
+    def map(self, x: np.ndarray, f) -> np.ndarray:
+        """``f(M) x`` for ``x`` of shape ``(d,)`` or ``(C, d)`` (``f`` of the eigenvalues, element by element)."""
+        if x.ndim > 1:
+            return np.stack([self.map(r, f) for r in x])
+        if self.kron is not None:
+            return self.kron.map(x, lambda den: f(1.0 / den))
+        if self.vecs is None:
+            return f(self.s) * x
+        return self.vecs @ (f(self.s) * (self.vecs.T @ x))
+
+
+def metric_draw(spectrum: Spectrum, pull: np.ndarray, c: float, prec0: float, prior_mean: float,
+                z: np.ndarray) -> np.ndarray:
+    """θ | z with the coupling in ``M``'s norm, exactly: in ``M``'s eigenbasis coordinate ``j`` has precision
+    ``c/s_j + 1/σ_0²`` and mean ``(pull_j/s_j + μ_0/σ_0²)/(c/s_j + 1/σ_0²)``, so ``θ = (c + s/σ_0²)⁻¹ pull +
+    μ_0 s/(σ_0² c + s) + (s/(c + s/σ_0²))^{1/2} z`` as functions of ``M`` (``pull = Σ_i z_i/ρ_i``, ``z``
+    standard normal)."""
+    mean = spectrum.map(pull, lambda s: 1.0 / (c + prec0 * s))
+    if prec0:
+        mean = mean + spectrum.map(np.full(pull.shape, prior_mean * prec0), lambda s: s / (c + prec0 * s))
+    return mean + spectrum.map(z, lambda s: np.sqrt(s / (c + prec0 * s)))
+
+
+def server_draw(zs: np.ndarray, rho: np.ndarray, prior_var: float, seed: int, k: int) -> np.ndarray:
+    """``θ_{k+1} | z`` (``zs`` ``(b, d)``), exactly (the identity metric; with one, :func:`metric_draw`)."""
     rho = np.asarray(rho, dtype=np.float64)
-    prec0 = 0.0 if not np.isfinite(prior_var) else 1.0 / float(prior_var)
-    pull = np.sum(zs / rho[:, None], axis=0)
-    c = float(np.sum(1.0 / rho))
-    q = c + prec0 if m is None else c / m + prec0
-    mean = (pull + prec0 * prior_mean) / q if m is None else (pull / m + prec0 * prior_mean) / q
+    q = float(np.sum(1.0 / rho)) + (0.0 if not np.isfinite(prior_var) else 1.0 / float(prior_var))
+    mean = np.sum(zs / rho[:, None], axis=0) / q
     return mean + rng.normal(seed, rng.Stream.NOISE, k, 0, zs.shape[-1]) / np.sqrt(q)
 
 

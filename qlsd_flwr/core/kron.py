@@ -24,9 +24,14 @@ class Kron:
     den: np.ndarray  # (F̃, K), positive
 
     def apply(self, r: np.ndarray, t: float) -> np.ndarray:
+        return self.map(r, lambda den: den**t)
+
+    def map(self, r: np.ndarray, f) -> np.ndarray:
+        """``f(∇²U) r`` for a function ``f`` of the eigenvalues ``den`` (``den^t``: ``M^t``; DG-LMC's exact
+        θ | z draw takes others, :class:`qlsd_flwr.core.dglmc.Spectrum`)."""
         F, K = self.den.shape
         V = r[self.perm].reshape(F, K)
-        W = (self.qg.T @ V @ self.qa) * self.den**t
+        W = (self.qg.T @ V @ self.qa) * f(self.den)
         out = np.empty_like(r)
         out[self.perm] = (self.qg @ W @ self.qa.T).ravel()
         return out
@@ -50,8 +55,11 @@ class Kron:
                 raise ValueError("sizes")
             parts = np.split(a[3:], np.cumsum(sizes)[:-1])
             perm = parts[3].astype(np.int64)
-            if not np.array_equal(np.sort(perm), np.arange(d)) or not np.all(parts[2] > 0):
+            qg, qa = parts[0].reshape(F, F), parts[1].reshape(K, K)
+            if not np.array_equal(np.sort(perm), np.arange(d)) or not np.all(parts[2] > 0) \
+                    or not np.allclose(qg.T @ qg, np.eye(F), atol=1e-8) or not np.allclose(qa.T @ qa, np.eye(K), atol=1e-8):
                 raise ValueError("values")
         except (ValueError, IndexError, OverflowError):
-            raise ValueError(f"metric: not a Kronecker metric of d = {d} (bad sizes, order or values)") from None
+            raise ValueError(f"metric: not a Kronecker metric of d = {d} (bad sizes, order, eigenvalues, or "
+                             "factors not orthogonal)") from None
         return Kron(perm, parts[0].reshape(F, F), parts[1].reshape(K, K), parts[2].reshape(F, K))

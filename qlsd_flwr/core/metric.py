@@ -191,8 +191,8 @@ class Metric:
         """For checkpoints: an empty array for the identity, ``m``, or the Kronecker factors
         flattened behind the marker ``−1`` (a diagonal metric's first number is positive); a low-rank
         correction goes in front, behind the marker ``−2``."""
-        if self.low is not None:
-            return np.concatenate([self.low.flat(), self.base.array()])
+        if self.low is not None:  # a dense base row by row behind it (from_array takes d² numbers as d × d)
+            return np.concatenate([self.low.flat(), self.base.array().ravel()])
         if self.kind == "kronecker":
             return self.kron.flat()
         return np.zeros(0) if self.m is None else self.m
@@ -208,7 +208,8 @@ class Metric:
                 (u, t), rest = LowRank.from_flat(a, d)
             except ValueError as exc:
                 raise MetricError(str(exc)) from None
-            return Metric.from_array(rest, d).corrected(u, t)
+            dense = rest.size == d * d and d > 1 and rest[0] > 0  # M[0, 0] > 0; a Kronecker base starts at −1
+            return Metric.from_array(rest.reshape(d, d) if dense else rest, d).corrected(u, t)
         if a.ndim == 1 and a[0] == -1.0:
             try:
                 return Metric("kronecker", kron=Kron.from_flat(a, d))

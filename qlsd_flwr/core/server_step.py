@@ -26,10 +26,11 @@ step is written; chain ``c`` of a vectorised step is bit for bit the one-chain s
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from qlsd_flwr.core import participation, rng
+from qlsd_flwr.core import dglmc, participation, rng
 from qlsd_flwr.core.metric import Metric
 from qlsd_flwr.core.oracles import LOCAL_ORACLES
 from qlsd_flwr.core.potential import GaussianPrior
@@ -72,6 +73,7 @@ class ServerSpec:
     local_weights: np.ndarray | None = None
     # DG-LMC (oracle dglmc): 1/ρ_i of the clients kept (0 for one excluded), the exact θ | z draw's couplings
     coupling: np.ndarray | None = None
+    spectrum: Any = None  # DG-LMC with a metric: M in its eigenbasis (core.dglmc.Spectrum)
 
     @property
     def plain(self) -> bool:
@@ -176,23 +178,20 @@ def _average_step(spec: ServerSpec, st: ServerState, g_hat: np.ndarray, replied:
 def _gibbs_step(spec: ServerSpec, st: ServerState, seed, g_hat: np.ndarray, replied: np.ndarray) -> np.ndarray:
     """DG-LMC's server step (:mod:`qlsd_flwr.core.dglmc`): the replied clients' ``z_i ← z_i + ĝ_i`` (the
     mirrors), then ``θ_{k+1} ~ N(Q⁻¹ (Σ_i z_i/ρ_i + μ_0/σ_0²), Q⁻¹)`` exactly, ``Q = Σ_i 1/ρ_i + 1/σ_0²``
-    over the clients kept, the noise from stream ``(seed, NOISE, k, 0)``; with a diagonal metric ``m``,
-    coordinate ``j``'s ``Q_j = Σ_i 1/(ρ_i m_j) + 1/σ_0²`` and ``z_i/(ρ_i m_j)``. Never skipped."""
+    over the clients kept, the noise from stream ``(seed, NOISE, k, 0)``; with a metric, the coupling in its
+    norm (:func:`qlsd_flwr.core.dglmc.metric_draw`). Never skipped."""
     for i in np.flatnonzero(np.any(replied.reshape(-1, spec.b), axis=0)):  # index order
         eta_i = st.eta_i[..., i, :]
         np.add(eta_i, spec.alpha[i] * g_hat[..., i, :], out=eta_i, where=replied[..., i, None])
     st.eta = st.eta_i.sum(axis=-2)
     prec0 = 0.0 if spec.prior.is_flat else 1.0 / float(spec.prior.var)
     pull = np.tensordot(spec.coupling, st.eta_i, axes=([0], [-2]))
-    if spec.metric.kind == "diagonal":  # the coupling in M's norm: coordinate j's is 1/(ρ_i m_j) (core.dglmc)
-        m = spec.metric.m
-        q = float(np.sum(spec.coupling)) / m + prec0
-        mean = (pull / m + prec0 * float(spec.prior.mean)) / q
+    z = rng.normal(seed, rng.Stream.NOISE, st.k, 0, st.theta.shape[-1])
+    if spec.spectrum is not None:  # the coupling in M's norm: the draw in M's eigenbasis (core.dglmc)
+        st.theta = dglmc.metric_draw(spec.spectrum, pull, float(np.sum(spec.coupling)), prec0, float(spec.prior.mean), z)
     else:
         q = float(np.sum(spec.coupling)) + prec0
-        mean = (pull + prec0 * float(spec.prior.mean)) / q
-    z = rng.normal(seed, rng.Stream.NOISE, st.k, 0, st.theta.shape[-1])
-    st.theta = mean + z / np.sqrt(q)
+        st.theta = (pull + prec0 * float(spec.prior.mean)) / q + z / np.sqrt(q)
     st.k += 1
     return np.zeros(np.shape(replied)[:-1], dtype=bool)
 

@@ -14,6 +14,7 @@ import numpy as np
 from qlsd_flwr.compression.identity import Identity
 from qlsd_flwr.compression.qsgd import QSGD
 from qlsd_flwr.config import ConfigError, RunConfig
+from qlsd_flwr.core.dglmc import Spectrum
 from qlsd_flwr.core.metric import Metric
 from qlsd_flwr.core.oracles import LOCAL_ORACLES, ClientSpec
 from qlsd_flwr.core.potential import GaussianPrior, Task
@@ -233,11 +234,15 @@ def server_spec(cfg: RunConfig, task: Task, theta_star: np.ndarray | None, block
     if not np.isfinite(cfg.gamma):
         raise ConfigError("gamma = auto: the step is chosen before sampling (core.precondition.prepare); "
                           "this path started a chain without it")
+    metric = Metric() if metric is None else metric
+    # DG-LMC coupled in M's norm draws θ | z in M's eigenbasis (a low-rank correction: refused by
+    # protocol.local_chains, naming the key)
+    spectrum = Spectrum.of(metric) if cfg.oracle == "dglmc" and not metric.is_identity and metric.low is None else None
     return ServerSpec(
         b=cfg.b, gamma=cfg.gamma, p=cfg.p, rule=cfg.aggregation, memory=cfg.memory,
         alpha=alphas(cfg, task.dim, blocks), l=cfg.l, oracle=cfg.oracle, prior=task.prior,
         prior_on_server=(cfg.prior_on == "server"), theta_star=theta_star,
-        metric=Metric() if metric is None else metric, temperature=float(cfg.temperature),
+        metric=metric, temperature=float(cfg.temperature), spectrum=spectrum,
     )
 
 

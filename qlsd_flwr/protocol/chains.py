@@ -271,6 +271,9 @@ class ChainSet:
                                  for c, m in self.missed_rounds.items()}}
         excluded = {str(c): {str(i): k for i, k in sorted(ch.norm_guard.excluded.items())}
                     for c, ch in enumerate(self.chains) if ch.norm_guard.excluded}
+        refresh = [ch.ts_info["reference_refresh"] for ch in self.chains if "reference_refresh" in ch.ts_info]
+        if refresh:  # VR-FALD*'s refresh counts, each chain its own (protocol.local_chains)
+            out["reference_refresh_per_chain"] = refresh
         return {**out, "excluded": excluded} if excluded else out
 
     def finish(self) -> dict:

@@ -88,12 +88,11 @@ def _surrogate(fields: dict, d: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _metric(fields: dict, d: int, oracle: str):
-    """The local steps' metric ``M`` (:func:`qlsd_flwr.protocol.wire.metric_of`); DG-LMC's must be
-    diagonal (its coupling ``‖z − θ‖²_{M⁻¹}`` is drawn coordinate by coordinate); else ``ValueError``
-    naming it."""
+    """The local steps' metric ``M`` (:func:`qlsd_flwr.protocol.wire.metric_of`); DG-LMC's without a
+    low-rank correction (its server draws θ | z in ``M``'s eigenbasis); else ``ValueError`` naming it."""
     m = metric_of(fields["metric"], d)
-    if oracle == "dglmc" and not (m.kind == "diagonal" and m.low is None):
-        raise ValueError(f"sample: 'metric' for dg-lmc must be diagonal (d numbers), got {m.kind}")
+    if oracle == "dglmc" and m.low is not None:
+        raise ValueError("sample: 'metric' for dg-lmc may not carry a low-rank correction")
     return m
 
 

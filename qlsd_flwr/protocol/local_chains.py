@@ -62,7 +62,7 @@ def start(server, prep=None) -> None:
     carries its mirror (a resync), which it installs as its ``z_i``. FSGLD keeps the surrogates the
     preparation gathered (``prep.surrogate``). FALD's, VR-FALD*'s and FSGLD's local steps take any metric
     (identity, diagonal, dense, Kronecker, with or without ``metric-rank``'s correction); DG-LMC's
-    coupling the identity or a diagonal one."""
+    coupling any but a low-rank corrected one."""
     _set_metric(server, ConfigError)
     if server.cfg.oracle == "fsgld":
         if prep is None or prep.surrogate is None:
@@ -80,15 +80,17 @@ def start(server, prep=None) -> None:
 
 def _set_metric(server, error) -> None:
     """The local steps' metric as it travels (sent with each client's first message and after a resync:
-    a started or restored server has sent it to no client yet); DG-LMC's must be diagonal (``error``
-    naming the key, or the checkpoint's field)."""
+    a started or restored server has sent it to no client yet); DG-LMC's may not carry a low-rank
+    correction (``error`` naming the key)."""
     m = server.spec.metric
-    if server.cfg.oracle == "dglmc" and not (m.is_identity or (m.kind == "diagonal" and m.low is None)):
-        raise error(f"metric: {server.cfg.variant}'s coupling takes metric = identity or a diagonal one "
-                    f"(diagonal, or a .npy of d numbers), and metric-rank = 0; got {m.kind}"
-                    f"{' with a low-rank correction' if m.low is not None else ''}")
+    if server.cfg.oracle == "dglmc" and m.low is not None:
+        raise error(f"metric-rank: {server.cfg.variant}'s exact θ | z draw takes its metric in the metric's own "
+                    "eigenbasis, which a low-rank correction changes; allowed: metric-rank = 0")
     server._metric_sent = set()
-    server._metric_bytes = None if m.is_identity else metric_to_bytes(m)
+    # sent whenever the clients' settings say so: a metric-rank whose correction found no direction leaves
+    # the identity, sent as empty bytes (a client told to expect M would otherwise answer resync forever)
+    sent = server.settings[0].get("metric", "identity") != "identity"
+    server._metric_bytes = metric_to_bytes(m) if sent or not m.is_identity else None
 
 
 def begin_round(server) -> None:
@@ -178,12 +180,12 @@ def before_step(server) -> None:
         _couple(server)
     if not getattr(server, "_fresh", False):
         return
-    facts, kept = refresh_facts(server), _kept(server)
-    facts["rounds"] += 1
+    kept = _kept(server)
     got = {i: g for i, g in server._ref_grads.items() if i in server._g_hat}  # the accepted replies only
-    facts["uplink_bits"] += 64 * server.d * len(server._ref_grads)
-    if not kept or set(got) != set(kept):
-        facts["incomplete"] += 1
+    complete = bool(kept) and set(got) == set(kept)
+    _count(server, rounds=1, uplink_bits=64 * server.d * len(server._ref_grads), incomplete=int(not complete),
+           installed=int(complete))
+    if not complete:
         return
     theta = server.state.theta.copy()
     claims = np.zeros((server.cfg.b, server.d))
@@ -191,31 +193,39 @@ def before_step(server) -> None:
         claims[i] = got[i]
     total = build.combine_grads(server.cfg, server.task.prior, [claims[i] for i in kept], theta)
     server.claims = ThetaStarClaims(claims, total)  # what each client's reply to θ_r must repeat
-    server.spec = dataclasses.replace(server.spec, theta_star=theta)
-    facts["installed"] += 1
-    server._star_version = len(server.norm_guard.excluded) + facts["installed"]
+    server.spec = dataclasses.replace(server.spec, theta_star=theta)  # from the next round's begin_round on
+
+
+#: VR-FALD*'s refresh counts: refresh rounds, new references installed, rounds that installed none (a
+#: kept client's ref_grad missing or refused: the reference stayed), and the ref_grad bits received
+#: (those of replies the guard then refused too: they were sent)
+REFRESH_COUNTS = ("rounds", "installed", "incomplete", "uplink_bits")
+
+
+def _refreshing(server) -> bool:
+    return server.cfg.oracle == "fald-star" and float(server.cfg.get("q") or 0.0) > 0
 
 
 def _installed(server) -> int:
     """How many references VR-FALD*'s refresh has installed (each a new anchor version)."""
-    return int(server.ts_info.get("reference_refresh", {}).get("installed", 0))
+    return int(server.ts_info.get("reference_refresh", {}).get("installed", 0)) if _refreshing(server) else 0
 
 
-def refresh_facts(server) -> dict:
-    """VR-FALD*'s refresh counts, kept in ``ts_info`` (so in ``summary.json`` and the checkpoints):
-    ``rounds`` (refresh rounds), ``installed`` (new references), ``incomplete`` (a kept client's
-    ``ref_grad`` missing or refused: the reference stayed) and ``uplink_bits`` (their ``ref_grad``)."""
-    return server.ts_info.setdefault("reference_refresh", {"q": float(server.cfg.get("q") or 0.0), "rounds": 0,
-                                                          "installed": 0, "incomplete": 0, "uplink_bits": 0})
+def _count(server, **inc) -> None:
+    """Add to this chain's refresh counts, kept in its ``ts_info`` (``summary.json``): a new dict each
+    time, since the chains of a several-chain run start from one shared ``ts_info``."""
+    old = server.ts_info.get("reference_refresh") or {k: 0 for k in REFRESH_COUNTS}
+    new = {"q": float(server.cfg.get("q")), **{k: int(old[k]) + int(inc.get(k, 0)) for k in REFRESH_COUNTS}}
+    server.ts_info = {**server.ts_info, "reference_refresh": new}
 
 
 def reply_norms(server, pending: dict) -> tuple[dict[int, float], float | None]:
     """What the bounded-influence rule judges of each valid reply (module docstring), and FSGLD's
     reference while its pool is thin (:func:`predicted_scale`)."""
-    if server.cfg.oracle == "dglmc":  # M⁻¹ (z_i' − θ)/ρ with a diagonal metric (core.dglmc)
-        rho, st, m = rho_of(server), server.state, server.spec.metric
-        inv = 1.0 if m.is_identity else 1.0 / m.m
-        return {i: float(np.linalg.norm(inv * (st.eta_i[i] + p[0] - st.theta))) / rho for i, p in pending.items()}, None
+    if server.cfg.oracle == "dglmc":  # M⁻¹ (z_i' − θ)/ρ with a metric (core.dglmc)
+        rho, st, sp = rho_of(server), server.state, server.spec.spectrum
+        pull = (lambda x: x) if sp is None else (lambda x: sp.map(x, lambda s: 1.0 / s))
+        return {i: float(np.linalg.norm(pull(st.eta_i[i] + p[0] - st.theta))) / rho for i, p in pending.items()}, None
     if server.cfg.oracle == "fsgld":
         return ({i: float(server._f[i] * np.linalg.norm(p[0])) for i, p in pending.items()},
                 predicted_scale(server) if pending else None)
@@ -243,9 +253,13 @@ def predicted_scale(server) -> float:
 
 
 def arrays(server) -> dict:
-    """FSGLD's surrogates, for checkpoints."""
+    """FSGLD's surrogates and VR-FALD*'s refresh counts (this chain's), for checkpoints."""
     s = getattr(server, "surrogate", None)
-    return {} if s is None else {"surrogate": s}
+    out = {} if s is None else {"surrogate": s}
+    if _refreshing(server):
+        facts = server.ts_info.get("reference_refresh") or {}
+        out["reference_refresh"] = np.array([int(facts.get(k, 0)) for k in REFRESH_COUNTS], dtype=np.int64)
+    return out
 
 
 def restore(server, a: dict) -> None:
@@ -254,12 +268,14 @@ def restore(server, a: dict) -> None:
     from qlsd_flwr.outputs.checkpoint import CheckpointError
 
     _set_metric(server, CheckpointError)
-    facts = server.ts_info.get("reference_refresh")
-    if facts is not None and not (isinstance(facts, dict) and all(
-            isinstance(facts.get(k), int) and not isinstance(facts.get(k), bool) and 0 <= facts[k] < 2**62
-            for k in ("rounds", "installed", "incomplete", "uplink_bits"))):
-        raise CheckpointError("checkpoint: 'ts_info.reference_refresh' must hold the counts rounds, installed, "
-                              "incomplete and uplink_bits as integers ≥ 0 (vr-fald-star)")
+    server.ts_info = {k: v for k, v in server.ts_info.items() if k != "reference_refresh"}  # this chain's, below
+    if _refreshing(server):
+        c = a.get("reference_refresh")
+        if c is None or c.shape != (len(REFRESH_COUNTS),) or c.dtype.kind not in "iu" or np.any(c < 0) \
+                or np.any(c >= 2**62):
+            raise CheckpointError(f"checkpoint: 'reference_refresh' must be the {len(REFRESH_COUNTS)} counts "
+                                  f"{', '.join(REFRESH_COUNTS)} as integers ≥ 0 (vr-fald-star, q > 0)")
+        _count(server, **{k: int(v) for k, v in zip(REFRESH_COUNTS, c)})
     if server.cfg.oracle != "fsgld":
         return
 

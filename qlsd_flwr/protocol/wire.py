@@ -50,14 +50,17 @@ def metric_to_bytes(metric) -> bytes:
 
 def metric_of(x, d: int):
     """A metric sent as :func:`metric_to_bytes` made: a :class:`~qlsd_flwr.core.metric.Metric`
-    (diagonal, dense, Kronecker, with or without a low-rank correction), every number finite and the
-    matrix symmetric positive-definite; else ``ValueError`` naming ``metric``. Its length is held to
+    (identity, diagonal, dense, Kronecker, with or without a low-rank correction), every number finite,
+    a dense matrix symmetric positive-definite, Kronecker factors orthogonal with positive eigenvalues;
+    else ``ValueError`` naming ``metric``. Its length is held to
     what the largest of them takes (``2d² + 4d + 8`` numbers) before anything is allocated from it."""
     from qlsd_flwr.core.metric import Metric, MetricError
 
-    if not isinstance(x, (bytes, bytearray)) or not 0 < len(x) <= 8 * (2 * d * d + 4 * d + 8) or len(x) % 8:
+    if not isinstance(x, (bytes, bytearray)) or not len(x) <= 8 * (2 * d * d + 4 * d + 8) or len(x) % 8:
         raise ValueError(f"sample: 'metric' must be float64 bytes of a metric of d = {d} "
-                         "(d numbers, d × d, or a Kronecker or low-rank one)")
+                         "(none: the identity; d numbers, d × d, or a Kronecker or low-rank one)")
+    if not len(x):  # the identity (metric-rank's correction found no direction)
+        return Metric()
     a = np.frombuffer(bytes(x), dtype="<f8").astype(np.float64)
     if not np.all(np.isfinite(a)):
         raise ValueError("sample: 'metric' must be finite numbers")
