@@ -44,6 +44,26 @@ def _batch_se(x: np.ndarray, n: int = 40) -> np.ndarray:
     return np.std([b.mean(axis=0) for b in np.array_split(x, n)], axis=0, ddof=1) / np.sqrt(n)
 
 
+def _assert_cov(trace: np.ndarray, mean, cov) -> tuple[np.ndarray, np.ndarray]:
+    """Every mean, variance and covariance (the upper triangle, row by row) within 4 batch-means standard
+    errors of the law's; returns that triangle of ``cov`` and its standard errors."""
+    d = trace.shape[1]
+    se = _batch_se(trace)
+    assert np.all(np.abs(trace.mean(axis=0) - mean) <= 4 * se), ((trace.mean(axis=0) - mean) / se)
+    x = trace - mean
+    prods = np.stack([x[:, j] * x[:, k] for j in range(d) for k in range(j, d)], axis=1)
+    want = np.array([cov[j, k] for j in range(d) for k in range(j, d)])
+    se_c = _batch_se(prods)
+    assert np.all(np.abs(prods.mean(axis=0) - want) <= 4 * se_c), ((prods.mean(axis=0) - want) / se_c)
+    return want, se_c
+
+
+def _toy_stats(variant: str):
+    """The toy task of these tests: ``(task, N_i, ȳ_i)``."""
+    probe = loading.load_task(resolve({**TOY, "variant": variant}))
+    return probe, probe.n_data.astype(float), np.stack([c.y.mean(axis=0) for c in probe.clients])
+
+
 def _assert_law(trace: np.ndarray, mean, var) -> tuple[np.ndarray, np.ndarray]:
     """Every coordinate's mean and variance (about ``mean``) within 4 batch-means standard errors of the
     law's; returns the two standard errors ``(se, se_v)`` for the checks that the test can fail."""
@@ -57,9 +77,7 @@ def _assert_law(trace: np.ndarray, mean, var) -> tuple[np.ndarray, np.ndarray]:
 
 @pytest.mark.parametrize("variant", ["fald", "vr-fald-star"])
 def test_the_protocol_chain_matches_the_exact_law_under_partial_participation(variant):
-    probe = loading.load_task(resolve({**TOY, "variant": variant}))
-    n = probe.n_data.astype(float)
-    ybar = np.stack([c.y.mean(axis=0) for c in probe.clients])
+    probe, n, ybar = _toy_stats(variant)
     h = 0.05 / (n.sum() + 1 / 5.0)
     o = {**TOY, "variant": variant, "gamma": h, "num-rounds": 5000, "burn-in": 100}
     r = run_local(resolve(o), write=False, keep_trace=True)
@@ -79,9 +97,7 @@ def test_a_diagonal_metric_preconditions_the_local_steps_coordinate_by_coordinat
     # with M = diag(m) every local step is x − (h/w_i) m ⊙ ∇Ũ_i(x) + √(2h) √m ⊙ noise: on the toy Gaussian each
     # coordinate j is FALD with the step h m_j, whose law fald.gaussian_stationary derives; the identity's law
     # is more than 10 standard errors away in FALD's variance where m_j ≠ 1
-    probe = loading.load_task(resolve({**TOY, "variant": variant}))
-    n = probe.n_data.astype(float)
-    ybar = np.stack([c.y.mean(axis=0) for c in probe.clients])
+    probe, n, ybar = _toy_stats(variant)
     m = np.array([0.4, 1.0, 2.0])
     np.save(tmp_path / "m.npy", m)
     h = 0.05 / (n.sum() + 1 / 5.0)
@@ -113,9 +129,7 @@ def test_a_dense_metric_preconditions_the_local_steps_and_the_chain_has_the_matr
     # the scalar law, the expectation over every active set; it equals the scalar law for diagonal M). Checked:
     # every coordinate's mean, variance and every covariance within 4 batch-means standard errors; for FALD
     # the off-diagonal covariances are seen, and the identity's law is more than 10 standard errors away
-    probe = loading.load_task(resolve({**TOY, "variant": variant}))
-    n = probe.n_data.astype(float)
-    ybar = np.stack([c.y.mean(axis=0) for c in probe.clients])
+    probe, n, ybar = _toy_stats(variant)
     M = _rotated(np.array([0.4, 1.0, 2.0]))
     np.save(tmp_path / "m.npy", M)
     h = 0.05 / (n.sum() + 1 / 5.0)
@@ -125,13 +139,7 @@ def test_a_dense_metric_preconditions_the_local_steps_and_the_chain_has_the_matr
     trace = r.trace[200:]
     anchor = probe.posterior_mean if variant == "vr-fald-star" else None
     mean, cov = fald.gaussian_stationary_metric(n, ybar, h, 3, 0.5, 5.0, M, anchor=anchor, p=P_I)
-    se = _batch_se(trace)
-    assert np.all(np.abs(trace.mean(axis=0) - mean) <= 4 * se), ((trace.mean(axis=0) - mean) / se)
-    x = trace - mean
-    prods = np.stack([x[:, j] * x[:, k] for j in range(3) for k in range(j, 3)], axis=1)
-    want = np.array([cov[j, k] for j in range(3) for k in range(j, 3)])
-    se_c = _batch_se(prods)
-    assert np.all(np.abs(prods.mean(axis=0) - want) <= 4 * se_c), ((prods.mean(axis=0) - want) / se_c)
+    want, se_c = _assert_cov(trace, mean, cov)
     if variant == "fald":  # the covariances the metric and the shared active set make are seen
         assert np.max(np.abs(want[[1, 2, 4]]) / se_c[[1, 2, 4]]) > 4
         _, identity = fald.gaussian_stationary_metric(n, ybar, h, 3, 0.5, 5.0, np.eye(3), p=P_I)
@@ -147,9 +155,7 @@ def test_dg_lmc_with_a_diagonal_metric_couples_in_its_norm_coordinate_by_coordin
     # variance is more than 5 standard errors away where m_j ≠ 1 (6 and 15 seen)
     from qlsd_flwr.core import dglmc
 
-    probe = loading.load_task(resolve({**TOY, "variant": "dg-lmc"}))
-    n = probe.n_data.astype(float)
-    ybar = np.stack([c.y.mean(axis=0) for c in probe.clients])
+    probe, n, ybar = _toy_stats("dg-lmc")
     P = n.sum() + 1 / 5.0
     gamma, rho, m = 0.25 / P, 6.0 / P, np.array([0.4, 1.0, 2.0])
     np.save(tmp_path / "m.npy", m)
@@ -174,9 +180,7 @@ def test_dg_lmc_with_a_dense_metric_draws_theta_in_its_eigenbasis_and_has_the_ro
     # variance and covariance within 4 batch-means standard errors; the identity's law is far in some
     from qlsd_flwr.core import dglmc
 
-    probe = loading.load_task(resolve({**TOY, "variant": "dg-lmc"}))
-    n = probe.n_data.astype(float)
-    ybar = np.stack([c.y.mean(axis=0) for c in probe.clients])
+    probe, n, ybar = _toy_stats("dg-lmc")
     P = n.sum() + 1 / 5.0
     gamma, rho, s = 0.25 / P, 6.0 / P, np.array([0.4, 1.0, 2.0])
     M = _rotated(s)
@@ -191,13 +195,7 @@ def test_dg_lmc_with_a_dense_metric_draws_theta_in_its_eigenbasis_and_has_the_ro
     laws = [dglmc.gaussian_stationary(n, rotated[:, k:k + 1], rho * s[k], g_i * s[k], 3, 5.0) for k in range(3)]
     mean = Q @ np.array([float(np.ravel(a)[0]) for a, _ in laws])
     cov = Q @ np.diag([float(np.ravel(v)[0]) for _, v in laws]) @ Q.T
-    se = _batch_se(trace)
-    assert np.all(np.abs(trace.mean(axis=0) - mean) <= 4 * se), ((trace.mean(axis=0) - mean) / se)
-    x = trace - mean
-    prods = np.stack([x[:, j] * x[:, k] for j in range(3) for k in range(j, 3)], axis=1)
-    want = np.array([cov[j, k] for j in range(3) for k in range(j, 3)])
-    se_c = _batch_se(prods)
-    assert np.all(np.abs(prods.mean(axis=0) - want) <= 4 * se_c), ((prods.mean(axis=0) - want) / se_c)
+    want, se_c = _assert_cov(trace, mean, cov)
     _, identity = dglmc.gaussian_stationary(n, ybar, rho, g_i, 3, 5.0)
     other = np.array([identity if j == k else 0.0 for j in range(3) for k in range(j, 3)])
     assert np.max(np.abs(other - want) / se_c) > 8, np.abs(other - want) / se_c
@@ -353,9 +351,7 @@ def test_a_refresh_reply_without_a_usable_gradient_is_refused_and_the_reference_
 def test_dg_lmc_on_the_protocol_matches_its_exact_law_under_partial_participation():
     from qlsd_flwr.core import dglmc
 
-    probe = loading.load_task(resolve({**TOY, "variant": "dg-lmc"}))
-    n = probe.n_data.astype(float)
-    ybar = np.stack([c.y.mean(axis=0) for c in probe.clients])
+    probe, n, ybar = _toy_stats("dg-lmc")
     P = n.sum() + 1 / 5.0
     gamma, rho = 0.25 / P, 6.0 / P
     o = {**TOY, "variant": "dg-lmc", "gamma": gamma, "rho": rho, "num-rounds": 5000, "burn-in": 100}
