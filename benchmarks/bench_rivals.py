@@ -25,7 +25,11 @@ steps of ``γ/5``):
   client's own mode (exact on the Gaussian), uplink counted as float64 (``64 d`` bits a message;
   its surrogates ``2 · 64 d`` per client once);
 * the centralised reference on the pooled data (ULA; on the logistic task the ``sgld`` variant
-  with full batches).
+  with full batches);
+* FedAvg, a point estimate: FALD's drift with its noise off (``temperature = 1e-12``), i.e. ``K = 5``
+  full-batch gradient steps on each client's MAP objective, averaged with the weights ``N_i/N``; its
+  error is that of its iterate at each budget (its variance ratio 0: a point has no spread; on the
+  network, the plug-in predictive's TV from HMC's posterior predictive).
 
 Downlink: θ (float64) to every active client each round (FSGLD: θ and its aggregated surrogate).
 Measured after each budget of rounds (the second half of the rounds so far kept): the largest
@@ -115,18 +119,19 @@ class Bench:
         return True
 
     def record(self, name: str, traces: np.ndarray, up: float, down: float, once: float = 0.0,
-               seconds: float = 0.0, how: str = "protocol"):
+               seconds: float = 0.0, how: str = "protocol", point: bool = False):
         rows = []
-        for r in self.budgets:
+        for r in self.budgets:  # a point estimate: its iterate at round r (its variance ratio is 0)
             rows.append({"rounds": r, "uplink_bits": once + up * r, "downlink_bits": down * r,
-                         **self.errors(traces[:, r // 2:r])})
+                         **self.errors(traces[:, r - 1:r] if point else traces[:, r // 2:r])})
         self.out["samplers"][name] = {"rows": rows, "uplink_bits_per_round": up, "downlink_bits_per_round": down,
                                       "once_bits": once, "seconds": seconds, "how": how}
         print(name, json.dumps(rows[-1]), flush=True)
 
-    def protocol(self, name: str, over: dict, engine: str = "local"):
+    def protocol(self, name: str, over: dict, engine: str = "local", point: bool = False):
         """``CHAINS`` chains through the round protocol (engine ``local``: one chain each, seeds 0..3;
-        ``vectorised``: all at once), every round's draw kept, the bits as counted by the server."""
+        ``vectorised``: all at once), every round's draw kept, the bits as counted by the server;
+        ``point``: one run whose iterate at each budget is a point estimate (FedAvg)."""
         from qlsd_flwr.outputs.recorder import load_samples
         from qlsd_flwr.run.simulate import run
 
@@ -135,7 +140,7 @@ class Bench:
         t = time.perf_counter()
         base = {**self.cfg, "num-rounds": self.R, "burn-in": 0, "thin": 1, "loo": "off", "plot": False,
                 "progress": False, "output-dir": self.tmp, "engine": engine, **over}
-        seeds = [None] if engine == "vectorised" else range(CHAINS)
+        seeds = [None] if engine == "vectorised" else [0] if point else range(CHAINS)
         draws, bits, active, refreshed = [], 0.0, 0.0, 0.0
         for c in seeds:
             o = {**base, "num-chains": CHAINS} if c is None else {**base, "seed": c}
@@ -162,9 +167,10 @@ class Bench:
         # FSGLD θ*, ∇U(θ*), λ_i and Λ (its uplink once: the claim and the curvature, 2 · 64 d a client)
         anchor = {"vr-fald-star": 2, "qlsd-star": 2, "lsd-star": 2, "fsgld": 4}.get(over.get("variant"), 0) \
             * 64.0 * d * self.task.b
-        self.record(name, draws, bits / (self.R * CHAINS),
-                    (64 * d * active + 2 * 64.0 * d * self.task.b * refreshed) / (self.R * CHAINS), 0.0,
-                    time.perf_counter() - t)
+        runs = len(seeds) if engine != "vectorised" else CHAINS
+        self.record(name, draws, bits / (self.R * runs),
+                    (64 * d * active + 2 * 64.0 * d * self.task.b * refreshed) / (self.R * runs), 0.0,
+                    time.perf_counter() - t, point=point)
         self.out["samplers"][name]["once_downlink_bits"] = anchor
         if over.get("variant") == "fsgld":
             self.out["samplers"][name]["once_bits"] = 2 * 64.0 * d * self.task.b
@@ -236,6 +242,11 @@ def rival_runs(bench: Bench, gamma: float) -> None:
                                                        "rho": rho})
     bench.protocol("DG-LMC (K = 5, ρ = γ), QSGD s = 16", {"variant": "dg-lmc", "local-steps": K, "gamma": gamma,
                                                          "rho": gamma, "compressor": "qsgd", "s": "16"})
+    # FedAvg, the point estimate a user would otherwise ship: FALD's drift with the noise off (T = 1e-12),
+    # i.e. K full-batch gradient steps of γ/(K w_i) on each client's MAP objective U_i + w_i U_0 (per example:
+    # the learning rate γN/K), averaged with the weights N_i/N; its iterate at each budget
+    bench.protocol("FedAvg (K = 5 local GD steps; a point estimate)",
+                   {"variant": "fald", "local-steps": K, "gamma": gamma / K, "temperature": 1e-12}, point=True)
     fs = {"variant": "fsgld", "local-steps": K, "gamma": gamma / K}
     bench.protocol("FSGLD (K = 5, Taylor at θ*)", fs)
     bench.protocol("FSGLD (K = 5, Taylor at θ*), QSGD s = 16", {**fs, "compressor": "qsgd", "s": "16"})
