@@ -517,3 +517,25 @@ def test_a_crafted_vectorised_checkpoint_of_a_rival_is_refused_by_name(tmp_path,
     ckpt.save(ckpt.path_in(tmp_path / "r"), arrays, meta)
     with pytest.raises(ConfigError, match=words):
         simulate.run({"resume": str(tmp_path / "r"), "progress": False}, block_rounds=4)
+
+
+@pytest.mark.parametrize("edit", [
+    lambda a: a.pop("reference_refresh"),
+    lambda a: a.update(reference_refresh=np.array([3, -1, 0, 0])),
+    lambda a: a.update(reference_refresh=np.array([3.0, 1.0, 0.0, 0.0])),
+    lambda a: a.update(reference_refresh=np.array([3, 1, 0])),
+])
+def test_a_checkpoint_with_bad_refresh_counts_is_refused_by_name(tmp_path, edit):
+    # VR-FALD*'s refresh counts give its anchor versions: a resume reads them from the checkpoint's arrays,
+    # and a missing or malformed one is a one-line error naming the field, not a crash or a reset count
+    o = {"engine": "local", "variant": "vr-fald-star", "q": 0.5, "num-clients": 4, "dim": 6, "num-rounds": 40,
+         "burn-in": 2, "checkpoint-every": 5, "progress": False, "loo": "off", "output-dir": str(tmp_path),
+         "run-name": "r"}
+    run_and_kill(o, 12)  # killed after its checkpoint at round 10
+    meta, arrays = ckpt.load(ckpt.path_in(tmp_path / "r"))
+    assert arrays["reference_refresh"][0] >= 1  # it refreshed before the checkpoint
+    meta.pop("format")
+    edit(arrays)
+    ckpt.save(ckpt.path_in(tmp_path / "r"), arrays, meta)
+    with pytest.raises(ConfigError, match="'reference_refresh' must be the 4 counts rounds, installed"):
+        simulate.run({"resume": str(tmp_path / "r"), "progress": False})
