@@ -110,18 +110,24 @@ def run_local(cfg: RunConfig, task: Task | None = None, write: bool = True,
 def _rounds(cfg, server, specs, states, task, d, bar) -> None:
     """The protocol's rounds from the server's ``k`` to ``K``, clients called directly."""
     for _ in range(server.state.k, cfg.num_rounds):
-        for i in server.begin_round():
-            fields = vectors_to_bytes(server.fields_for(i))  # a message as bytes, as on a wire
-            saved = copy.copy(states[i])  # handle() rebinds the state's arrays, never writes into them
-            try:
-                reply = handle(specs[i], task.clients[i], states[i], cfg.seed, fields, d)
-            except Exception as exc:  # as Flower does: an error reply, the client's state unchanged
-                states[i] = saved
-                server.accept(i, None, error=f"{type(exc).__name__}: {exc}")
-                continue
-            server.accept(i, reply)
-        server.end_round()
+        direct_round(server, specs, states, task, cfg.seed, d)
         bar.update(1)
+
+
+def direct_round(server, specs, states, task, seed: int, d: int) -> dict:
+    """One round of ``server`` with its clients called directly (``states[i]``: client ``i``'s state,
+    ``seed``: the chain's); returns the round's row. Also the vectorised engine's rivals' round."""
+    for i in server.begin_round():
+        fields = vectors_to_bytes(server.fields_for(i))  # a message as bytes, as on a wire
+        saved = copy.copy(states[i])  # handle() rebinds the state's arrays, never writes into them
+        try:
+            reply = handle(specs[i], task.clients[i], states[i], seed, fields, d)
+        except Exception as exc:  # as Flower does: an error reply, the client's state unchanged
+            states[i] = saved
+            server.accept(i, None, error=f"{type(exc).__name__}: {exc}")
+            continue
+        server.accept(i, reply)
+    return server.end_round()
 
 
 def _run_direct(cfg, task, specs, states, prep, keep_trace, bar) -> RunResult:

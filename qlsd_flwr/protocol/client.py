@@ -149,11 +149,10 @@ def _sampled(spec: ClientSpec, pot: LocalPotential, st: ClientState, q, fields: 
         # QLSD*: the reply to θ* repeats ∇U_i(θ*), which the server holds against this client's θ* phase
         # reply (a client that lied there, honest now, is caught: protocol.server.QLSDServer.accept);
         # ``done``: the chains' anchors already answered (θ* is the run's; VR-FALD*'s refreshed θ_r a chain's)
+        done = {} if done is None else done
         key = st.anchor.tobytes()
-        if done is None or key not in done:
-            grad = arr_to_bytes(full_local_grad(spec, pot, st.anchor))
-            done = {} if done is None else done
-            done[key] = grad
+        if key not in done:
+            done[key] = arr_to_bytes(full_local_grad(spec, pot, st.anchor))
         out["anchor_grad"] = done[key]
     return out
 

@@ -99,6 +99,7 @@ def begin_round(server) -> None:
     round: a client excluded during the round changes them from the next (every reply of a round is
     judged against the same version, whatever order the replies arrive in)."""
     b, kept = server.cfg.b, _kept(server)
+    server._fresh = False  # VR-FALD*'s refresh round (below)
     if server.cfg.oracle == "dglmc":
         _couple(server)
         rho = rho_of(server)
@@ -143,7 +144,7 @@ def add_fields(server, i: int, fields: dict) -> None:
     too), and the metric (as :func:`~qlsd_flwr.protocol.wire.metric_to_bytes` makes it) with the client's
     first message and after a resync."""
     fields["local"] = server._local[i]
-    if getattr(server, "_fresh", False):
+    if server._fresh:
         fields["refresh"] = 1
     if server._metric_bytes is not None and (i not in server._metric_sent or server.needs_resync[i]):
         fields["metric"] = server._metric_bytes
@@ -162,7 +163,7 @@ def check_reply(server, i: int, rep: dict) -> None:
     """VR-FALD*'s reply in a refresh round must carry ``ref_grad``, ``∇U_i(θ_k)`` as ``8d`` bytes of
     finite numbers (:class:`ReplyError` otherwise: the whole reply is refused, counted, and the refresh
     waits for another round); it is held until the round's judgement."""
-    if not getattr(server, "_fresh", False):
+    if not server._fresh:
         return
     try:
         server._ref_grads[i] = gradient_of(rep.get("ref_grad"), server.d)
@@ -178,7 +179,7 @@ def before_step(server) -> None:
     as ``incomplete``: the control variate is unbiased for any reference fixed before its rounds)."""
     if server.cfg.oracle == "dglmc":
         _couple(server)
-    if not getattr(server, "_fresh", False):
+    if not server._fresh:
         return
     kept = _kept(server)
     got = {i: g for i, g in server._ref_grads.items() if i in server._g_hat}  # the accepted replies only
@@ -224,8 +225,8 @@ def reply_norms(server, pending: dict) -> tuple[dict[int, float], float | None]:
     reference while its pool is thin (:func:`predicted_scale`)."""
     if server.cfg.oracle == "dglmc":  # M⁻¹ (z_i' − θ)/ρ with a metric (core.dglmc)
         rho, st, sp = rho_of(server), server.state, server.spec.spectrum
-        pull = (lambda x: x) if sp is None else (lambda x: sp.map(x, lambda s: 1.0 / s))
-        return {i: float(np.linalg.norm(pull(st.eta_i[i] + p[0] - st.theta))) / rho for i, p in pending.items()}, None
+        inv = (lambda x: x) if sp is None else (lambda x: sp.map(x, lambda s: 1.0 / s))  # M⁻¹
+        return {i: float(np.linalg.norm(inv(st.eta_i[i] + p[0] - st.theta))) / rho for i, p in pending.items()}, None
     if server.cfg.oracle == "fsgld":
         return ({i: float(server._f[i] * np.linalg.norm(p[0])) for i, p in pending.items()},
                 predicted_scale(server) if pending else None)
@@ -263,8 +264,8 @@ def arrays(server) -> dict:
 
 
 def restore(server, a: dict) -> None:
-    """FSGLD's surrogates from a checkpoint's arrays; :class:`CheckpointError` naming the field. A restored
-    server has sent its metric to no client yet."""
+    """A checkpoint's part of the rivals' state: the metric as it travels (sent to no client yet), this
+    chain's VR-FALD* refresh counts and FSGLD's surrogates; :class:`CheckpointError` naming the field."""
     from qlsd_flwr.outputs.checkpoint import CheckpointError
 
     _set_metric(server, CheckpointError)

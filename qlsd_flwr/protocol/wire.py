@@ -28,6 +28,8 @@ client that lost its state computes exactly the reply it would have, and no roun
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 
@@ -49,6 +51,14 @@ def metric_to_bytes(metric) -> bytes:
 
 
 def metric_of(x, d: int):
+    """:func:`_parse_metric`, the last two metrics rebuilt kept (a Flower client rebuilds its state's
+    metric at every message: a dense one's Cholesky factor, so, once a run instead)."""
+    if not isinstance(x, (bytes, bytearray)):
+        return _parse_metric(x, d)  # refused there, naming the field
+    return _parsed_metric(bytes(x), int(d))
+
+
+def _parse_metric(x, d: int):
     """A metric sent as :func:`metric_to_bytes` made: a :class:`~qlsd_flwr.core.metric.Metric`
     (identity, diagonal, dense, Kronecker, with or without a low-rank correction), every number finite,
     a dense matrix symmetric positive-definite, Kronecker factors orthogonal with positive eigenvalues;
@@ -70,6 +80,9 @@ def metric_of(x, d: int):
         return Metric.from_array(a, d)
     except (MetricError, ValueError) as exc:
         raise ValueError(f"sample: 'metric' is not a usable metric: {exc}") from None
+
+
+_parsed_metric = functools.lru_cache(maxsize=2)(_parse_metric)
 
 
 def vectors_to_bytes(fields: dict) -> dict:

@@ -17,19 +17,17 @@ engine per chain: the cost is the clients' local steps.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 
 import numpy as np
 
 from qlsd_flwr.core.oracles import ClientState, full_local_grad
+from qlsd_flwr.engines.local import direct_round
 from qlsd_flwr.engines.vectorised.results import keeps
 from qlsd_flwr.outputs.recorder import _jsonable
 from qlsd_flwr.protocol.chains import ChainSet
-from qlsd_flwr.protocol.client import handle
 from qlsd_flwr.protocol.divergence import DivergenceError
-from qlsd_flwr.protocol.wire import vectors_to_bytes
 
 
 class RivalChains:
@@ -97,18 +95,7 @@ class RivalChains:
 
     def _round(self, c: int) -> dict:
         """One round of chain ``c``: its server, its clients called directly (``engines.local``)."""
-        server, cfg, task = self.set.chains[c], self.cfg, self.task
-        for i in server.begin_round():
-            fields = vectors_to_bytes(server.fields_for(i))
-            saved = copy.copy(self.clients[c][i])  # handle() rebinds the state's arrays, never writes into them
-            try:
-                reply = handle(self.specs[i], task.clients[i], self.clients[c][i], cfg.seed + c, fields, self.d)
-            except Exception as exc:  # noqa: BLE001 (as Flower does: an error reply, the state unchanged)
-                self.clients[c][i] = saved
-                server.accept(i, None, error=f"{type(exc).__name__}: {exc}")
-                continue
-            server.accept(i, reply)
-        return server.end_round()
+        return direct_round(self.set.chains[c], self.specs, self.clients[c], self.task, self.cfg.seed + c, self.d)
 
     # ---- checkpoints: the chains' servers' own snapshots ---------------------------------------
     def checkpoint_arrays(self) -> dict:
