@@ -170,9 +170,9 @@ def run_regressions(out: Path) -> dict:
             wall = time.perf_counter() - t
             draws = res.trace[:, burn:, :]
             flat = draws.reshape(-1, task.dim)
-            from qlsd_flwr.evaluation.metrics import rhat_ess
+            from qlsd_flwr.evaluation.reference import diagnostics_of
 
-            diag = rhat_ess(draws)
+            diag = diagnostics_of(draws)
             z = np.abs(flat.mean(axis=0) - m_ref) / s_ref
             ratio = flat.std(axis=0) / s_ref
             rows[name][key] = {"gamma": res.summary["gamma"], "lambda_max": res.summary.get("lambda_max"),

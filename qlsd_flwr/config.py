@@ -18,26 +18,12 @@ import numpy as np
 
 from qlsd_flwr.keys import DEFAULTS, ConfigError, flag, parse  # noqa: F401 (DEFAULTS, ConfigError: re-exported)
 
-# variant -> (oracle, compressed?, memory?)
-#   oracle: "full" ∇U_i(θ); "minibatch" QLSD#; "star" control variate at θ*; "svrg" QLSD++.
+from qlsd_flwr import samplers
+from qlsd_flwr.samplers import ALIASES  # noqa: F401 (re-exported)
+
+#: variant -> (oracle, compressed?, memory?), read off the samplers' declarations (qlsd_flwr.samplers)
 VARIANTS: dict[str, tuple[str, bool, bool]] = {
-    "qlsd": ("full", True, False),
-    "qlsd-sharp": ("minibatch", True, False),
-    "qlsd-star": ("star", True, False),
-    "qlsd-pp": ("svrg", True, True),
-    "lsd-star": ("star", False, False),
-    "lsd-pp": ("svrg", False, True),
-    "sgld": ("minibatch", False, False),
-    # the rivals (issue 23): local Langevin steps on the clients, averaged by the server (core.fald)
-    "fald": ("fald", False, False),
-    "vr-fald-star": ("fald-star", False, False),
-    # DG-LMC: each client's z_i kept on both sides as QLSD++'s memory is (α = 1; core.dglmc)
-    "dg-lmc": ("dglmc", False, True),
-    # FSGLD: one client a round, conducive gradients from Taylor surrogates at θ* (core.fsgld)
-    "fsgld": ("fsgld", False, False),
-}
-ALIASES = {"qlsd#": "qlsd-sharp", "qlsd*": "qlsd-star", "qlsd++": "qlsd-pp",
-           "lsd*": "lsd-star", "lsd++": "lsd-pp", "vr-fald*": "vr-fald-star"}
+    name: (s.oracle, s.compressed, s.memory) for name, s in samplers.SAMPLERS.items()}
 ENGINES = ("ray", "inprocess", "local", "vectorised")
 TASKS = ("gaussian", "logistic", "mnist")
 # "external": the clients bring their own potentials (qlsd_flwr.flower.make_client_app(potential_fn)),
@@ -106,6 +92,16 @@ class RunConfig:
     def get(self, key: str) -> Any:
         return self.raw[key]
 
+    @property
+    def sampler(self) -> samplers.Sampler:
+        """The ``variant``'s declaration (:mod:`qlsd_flwr.samplers`)."""
+        return samplers.SAMPLERS[self.variant]
+
+    @property
+    def kind(self) -> samplers.Estimator:
+        """What its clients' messages estimate (:class:`qlsd_flwr.samplers.Estimator`)."""
+        return samplers.ESTIMATORS[self.oracle]
+
     def to_dict(self) -> dict:
         """``config.json``'s content: ``config``, the keys that apply to this run (what a resume
         reads), ``not_applicable``, the names of the others, and ``resolved``."""
@@ -116,9 +112,6 @@ class RunConfig:
         skip = not_applicable(self.raw)
         return {"config": {k: v for k, v in self.raw.items() if k not in skip}, "not_applicable": sorted(skip),
                 "resolved": d}
-
-
-STAR_VARIANTS = ("qlsd-star", "lsd-star", "vr-fald-star", "fsgld")
 
 
 def not_applicable(raw: dict) -> set[str]:
@@ -141,20 +134,14 @@ def not_applicable(raw: dict) -> set[str]:
             (task == "mnist" and str(raw.get("partition", "auto")).lower() == "auto"):
         out.add("partition-alpha")
     metric = str(raw.get("metric", "identity")).strip()
-    needs_point = (str(raw.get("variant", "")).lower().replace("*", "-star") in STAR_VARIANTS or metric != "identity"
+    named = samplers.find(raw.get("variant", ""))
+    needs_point = ((named is not None and named.estimator.needs_theta_star) or metric != "identity"
                    or str(raw.get("gamma", "")).lower() == "auto" or str(raw.get("init", "theta0")) == "dispersed"
                   or str(raw.get("metric-rank", 0)).strip() not in ("0", ""))
     if not needs_point:
         out |= {"theta-star", "opt-rounds", "opt-tol", "opt-accept-unconverged"}
-    name = ALIASES.get(str(raw.get("variant", "")).strip().lower(), str(raw.get("variant", "")).strip().lower())
-    if name in ("fald", "vr-fald-star"):  # full local gradients; the prior shared by w_i
-        out |= {"batch-fraction", "l", "alpha", "prior-on", "rho"} | ({"q"} if name == "fald" else set())
-    elif name == "dg-lmc":  # full local gradients on z_i; the prior in the server's exact draw; α = 1
-        out |= {"batch-fraction", "l", "alpha", "prior-on", "tau", "aggregation", "q"}
-    elif name == "fsgld":  # one client a round by its data share, all of the noise, the prior on the client
-        out |= {"batch-fraction", "l", "alpha", "prior-on", "tau", "aggregation", "rho", "q"}
-    else:
-        out |= {"local-steps", "tau", "rho", "q"}
+    # the keys its sampler does not read (an unknown variant: the QLSD family's, until resolve names it)
+    out |= (named or samplers.SAMPLERS["qlsd-pp"]).not_applicable
     if metric in ("identity",) or metric.endswith(".npy"):
         out.add("metric-from")
     if "metric-from" in out or str(raw.get("metric-from", "curvature")).strip().lower() != "adapt":
@@ -235,9 +222,9 @@ def resolve(overrides: Mapping[str, Any] | None = None) -> RunConfig:
 
     v = {key: parse(key, raw[key]) for key in DEFAULTS}  # every key by its own rules (keys.py)
     name = str(raw["variant"]).strip().lower()
-    name = ALIASES.get(name, name)
-    variant = _choice("variant", name, tuple(VARIANTS))
-    oracle, compressed, memory = VARIANTS[variant]
+    variant = _choice("variant", ALIASES.get(name, name), tuple(samplers.SAMPLERS))
+    sampler = samplers.SAMPLERS[variant]
+    oracle, compressed, memory = sampler.oracle, sampler.compressed, sampler.memory
     task = _task_key(raw["task"])
     engine = _choice("engine", raw["engine"], ENGINES)
     b, dim, K = v["num-clients"], v["dim"], v["num-rounds"]
@@ -251,17 +238,17 @@ def resolve(overrides: Mapping[str, Any] | None = None) -> RunConfig:
                           "runs one chain); allowed engines for several chains: ray, inprocess, vectorised")
 
     # SGLD is centralised: the task's data is pooled into one client that always takes part.
-    b_eff = 1 if variant == "sgld" else b
+    b_eff = 1 if sampler.pooled else b
     s = _per_client("s", v["s"], b_eff)
     p = _per_client("p", v["p"], b_eff).astype(np.float64)
-    if variant == "sgld" and np.any(p != 1.0):
+    if sampler.pooled and np.any(p != 1.0):
         raise ConfigError(f"p must be 1 for variant sgld (centralised: its one pooled client takes part in "
                           f"every round; got {raw['p']!r})")
     aggregation = _choice("aggregation", raw["aggregation"], ("unbiased", "active-fraction"))
     alpha = None if v["alpha"] == "auto" else float(v["alpha"])
     prior_var = math.inf if isinstance(v["prior-var"], str) else float(v["prior-var"])
     prior_on = _choice("prior-on", raw["prior-on"], ("server", "clients"))
-    if oracle in ("fald", "fald-star", "dglmc", "fsgld"):  # n/a: FALD shares U_0 by w_i, DG-LMC draws it exactly
+    if sampler.estimator.local:  # n/a: FALD shares U_0 by w_i, DG-LMC draws it exactly
         prior_on = "server"
     block_norm = _choice("block-norm", raw["block-norm"], ("vector", "tensor"))
     encoding = _choice("encoding", raw["encoding"], ("auto", "elias", "packed"))
@@ -283,8 +270,12 @@ def resolve(overrides: Mapping[str, Any] | None = None) -> RunConfig:
     raw["convergence-criterion"] = _choice("convergence-criterion", raw["convergence-criterion"],
                                            ("auto", "theta", "predictive"))
     raw["loo"] = _choice("loo", raw["loo"], ("psis", "pointwise", "off"))
-    _check_biased_aggregation(variant, oracle, aggregation, p, raw)
-    _check_local_steps(variant, oracle, raw, engine, metric, aggregation, p, v["metric-rank"])
+    _check_biased_aggregation(sampler, aggregation, p, raw)
+    if not sampler.estimator.refreshable and float(raw.get("q", 0.0)) != 0.0:
+        raise ConfigError(f"q: only vr-fald-star refreshes a reference point (QLSD++'s anchor period is l); "
+                          f"{variant} takes q = 0")
+    sampler.refuse(samplers.Settings(raw=raw, p=p, aggregation=aggregation, metric=metric,
+                                     metric_rank=int(v["metric-rank"]), engine=engine))
     _check_data_keys(raw)
     return RunConfig(
         raw=raw, variant=variant, oracle=oracle, compressed=compressed, memory=memory, b=b_eff,
@@ -313,43 +304,22 @@ def _metric_key(value: Any) -> str:
     raise ConfigError(f"metric: unknown value {value!r}; allowed: identity, diagonal, dense, kronecker, or a path to a .npy")
 
 
-def _check_biased_aggregation(variant: str, oracle: str, aggregation: str, p: np.ndarray, raw: dict) -> None:
+def _check_biased_aggregation(sampler: samplers.Sampler, aggregation: str, p: np.ndarray, raw: dict) -> None:
     """``active-fraction`` weighs a reply by ``b/|A_k|``, so ``E[w_i 1_i] = p_i E[b/|A_k|]``, which is 1
     for every client only when the ``p_i`` are equal. A variant whose messages carry ``∇U_i`` itself
     (no control variate: QLSD, QLSD#, SGLD) then follows ``Σ_i p_i E[b/|A|] ∇U_i``, a different
     potential: its chain is centred off the posterior (61 posterior sd on a heterogeneous Gaussian with
     p_i from 0.1 to 0.95). The control-variate variants send differences whose mean vanishes at the
     mode, so only their spread changes. Refused unless ``accept-biased-aggregation`` is set."""
-    if aggregation != "active-fraction" or oracle in ("star", "svrg") or np.all(p == p[0]):
+    if aggregation != "active-fraction" or sampler.estimator.control_variate or np.all(p == p[0]):
         return
     if flag("accept-biased-aggregation", raw.get("accept-biased-aggregation", False)):
         return
     raise ConfigError(
         f"aggregation: active-fraction with unequal p_i (from {float(p.min()):g} to {float(p.max()):g}) biases "
-        f"{variant}: client i's gradient enters with mean weight p_i·E[b/|A_k|] ≠ 1, so the chain samples a "
+        f"{sampler.name}: client i's gradient enters with mean weight p_i·E[b/|A_k|] ≠ 1, so the chain samples a "
         "shifted target; use aggregation = unbiased, or a control-variate variant (qlsd-star, qlsd-pp, lsd-star, "
         "lsd-pp), or set accept-biased-aggregation = true")
-
-
-def _check_local_steps(variant, oracle, raw, engine, metric, aggregation, p, rank) -> None:
-    """What the rivals (FALD, VR-FALD*, DG-LMC, FSGLD) do not take yet, refused by key."""
-    if oracle != "fald-star" and float(raw.get("q", 0.0)) != 0.0:
-        raise ConfigError(f"q: only vr-fald-star refreshes a reference point (QLSD++'s anchor period is l); "
-                          f"{variant} takes q = 0")
-    if oracle not in ("fald", "fald-star", "dglmc", "fsgld"):
-        return
-    if oracle == "fsgld" and np.any(p < 1.0):
-        raise ConfigError("p: fsgld asks one client a round, drawn with probability f_i = N_i/N (its data share); "
-                          "the participation probabilities do not apply; allowed: 1")
-    if oracle == "dglmc" and int(rank):
-        raise ConfigError(f"metric-rank: {variant}'s exact θ | z draw takes its metric in the metric's own eigenbasis, "
-                          "which a low-rank correction changes; allowed: metric-rank = 0")
-    if oracle == "dglmc" and float(raw["temperature"]) != 1.0:
-        raise ConfigError(f"temperature: {variant} samples T = 1 only (its exact θ | z draw and the clients' "
-                          "steps are not tempered yet); allowed: 1.0")
-    if oracle in ("fald", "fald-star") and aggregation != "unbiased" and np.any(p < 1.0):
-        raise ConfigError(f"aggregation: {variant} averages its clients with the weights w_i/p_i (unbiased), "
-                          "which keep its noise exact under partial participation; allowed: unbiased")
 
 
 #: a run may plan for at most this share of the machine's physical memory
@@ -363,7 +333,7 @@ def memory_estimate(cfg: RunConfig, d: int, keep_trace: bool = False) -> int:
     three quarters of ``adapt-rounds`` draws per chain) and, with ``keep_trace`` (the programmatic
     API's every-state trace), ``num-rounds`` states per chain. Each key is within its own cap; this
     is their product."""
-    per_chain = d * (6 + (cfg.b if cfg.memory else 0) + (1 if cfg.oracle == "svrg" else 0))
+    per_chain = d * (6 + (cfg.b if cfg.memory else 0) + (1 if cfg.kind.cv_zeta else 0))
     if keep_trace:
         per_chain += d * int(cfg.num_rounds)
     if adapts(cfg):

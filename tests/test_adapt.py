@@ -9,7 +9,6 @@ from scipy.linalg import solve_discrete_lyapunov
 
 from qlsd_flwr.config import ConfigError, resolve
 from qlsd_flwr.core import adapt
-from qlsd_flwr.core import metric as mt
 from qlsd_flwr.core.metric import Metric
 from qlsd_flwr.outputs.recorder import load_samples
 from qlsd_flwr.run.simulate import run
@@ -160,7 +159,11 @@ sys.exit(3)
 def test_a_run_killed_in_its_warm_up_continues_it_bit_for_bit(engine, tmp_path, caplog):
     """kill -9 during the warm-up (after its state was saved at round 24 of 40), then the same keys
     again: the warm-up continues from round 24, and the chain is bitwise the uninterrupted one."""
-    import json, os, signal, subprocess, sys
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
     from pathlib import Path
 
     o = {"engine": engine, "num-chains": 2, "num-rounds": 12, "burn-in": 2, "progress": False, "dim": 5,

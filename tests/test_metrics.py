@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from qlsd_flwr.evaluation import metrics as M
+from qlsd_flwr.evaluation.reference import diagnostics_of
 
 # Four points, three classes. Top-1 predictions: [0, 1, 2, 0]; confidences [.7, .4, .8, .5].
 P = np.array([[0.7, 0.2, 0.1],
@@ -124,7 +125,7 @@ def test_rhat_ess_closed_forms():
     # i.i.d. N(0,1), 4 chains x 1000: R-hat → 1 (its sd here is O(1/√n) ≈ 0.003, bound 1.02)
     # and ESS ≈ n = 4000 (over seeds the estimator's relative sd is ≈ 8%: band ≈ ±3.5 sd).
     iid = rng.standard_normal((4, 1000, 2))
-    d = M.rhat_ess(iid)
+    d = diagnostics_of(iid)
     assert np.all(d["rhat"] < 1.02)
     assert np.all((d["ess_bulk"] > 2900) & (d["ess_bulk"] < 5100))
     # AR(1) with φ = .9: ESS = n(1-φ)/(1+φ) = 4000·.1/1.9 ≈ 210.5; over seeds the estimate's
@@ -133,11 +134,11 @@ def test_rhat_ess_closed_forms():
     x[:, 0] = rng.standard_normal((4, 1)) / math.sqrt(1 - phi**2)
     for t in range(1, 1000):
         x[:, t] = phi * x[:, t - 1] + rng.standard_normal((4, 1))
-    ess = M.rhat_ess(x)["ess_mean"][0]
+    ess = diagnostics_of(x)["ess_mean"][0]
     assert 110 < ess < 310, ess
     # chains stuck at different places: R-hat far above 1
     shifted = iid + np.array([0.0, 0.0, 3.0, 3.0])[:, None, None]
-    assert np.all(M.rhat_ess(shifted)["rhat"] > 1.5)
+    assert np.all(diagnostics_of(shifted)["rhat"] > 1.5)
 
 
 def test_reliability_diagram(tmp_path):

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from qlsd_flwr.core.potential import GaussianPrior, Task
-from qlsd_flwr.evaluation import metrics
 from qlsd_flwr.evaluation import reference as R
+from qlsd_flwr.evaluation.reference import diagnostics_of
 
 
 class Quadratic:
@@ -44,7 +44,7 @@ def gaussian_task(mu=MU, sigma=SIGMA):
 
 
 def _ess(stat):  # stat: (chain, draw)
-    return float(metrics.rhat_ess(stat[:, :, None])["ess_mean"][0])
+    return float(diagnostics_of(stat[:, :, None])["ess_mean"][0])
 
 
 def assert_gaussian_moments(samples, mu, sigma, zmax=4.0, min_ess=100):

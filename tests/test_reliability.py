@@ -287,7 +287,7 @@ from qlsd_flwr.core.oracles import ClientState, full_local_grad  # noqa: E402
 from qlsd_flwr.protocol import build  # noqa: E402
 from qlsd_flwr.protocol.client import handle  # noqa: E402
 from qlsd_flwr.protocol.server import QLSDServer  # noqa: E402
-from qlsd_flwr.tasks import loading
+from qlsd_flwr.tasks import loading  # noqa: E402
 
 FUZZ_VARIANTS = {"qlsd-pp": {"variant": "qlsd-pp", "s": "4"},  # QSGD (Elias/packed), memory, ζ anchor
                  "qlsd-packed": {"variant": "qlsd-star", "s": "3", "encoding": "packed"},

@@ -87,11 +87,11 @@ def cap_total(lam: np.ndarray, h: float) -> int:
 
 def surrogates_from_reports(reports: dict, n_data, b: int, d: int) -> tuple[np.ndarray, list[int]]:
     """The precisions ``λ`` ``(b, d)`` from the clients' valid diagonal curvature reports ``{i: (d,)}``,
-    each capped per datum as the metric's are (:func:`qlsd_flwr.core.metric.cap_reports`: one client
+    each capped per datum as the metric's are (:func:`qlsd_flwr.robust.reports.cap_reports`: one client
     cannot make ``Λ`` and so every client's step stiffer than ``REPORT_CAP × N_i`` honest points
     would). A client without a valid report gets ``λ_i = 0`` (a linear surrogate: still unbiased).
     Returns ``(λ, the clients whose report was scaled down)``."""
-    from qlsd_flwr.core.metric import cap_reports
+    from qlsd_flwr.robust.reports import cap_reports
 
     reports = {int(i): np.asarray(h, dtype=np.float64) for i, h in reports.items()}
     scaled = cap_reports(reports, n_data)

@@ -30,8 +30,8 @@ Offline on the main job (the exact ``B``): ``b = 32``, ``q = 20`` (640 products)
 bring ``κ`` from 136 to 9.5; the same 150 directions from a full eigendecomposition, 16.
 
 Every client report is untrusted (:func:`check_block`): the wrong size, a non-finite value or a
-value above :data:`qlsd_flwr.core.metric.REPORT_MAX` is refused (``curvature_rejected``); a report
-whose per-datum size ``‖H_i V‖_F / N_i`` exceeds :data:`qlsd_flwr.core.metric.REPORT_CAP` times the
+value above :data:`qlsd_flwr.robust.reports.REPORT_MAX` is refused (``curvature_rejected``); a report
+whose per-datum size ``‖H_i V‖_F / N_i`` exceeds :data:`qlsd_flwr.robust.reports.REPORT_CAP` times the
 clients' lower median is scaled down to it (``curvature_scaled``), as the curvature reports are.
 """
 
@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from qlsd_flwr.core import rng
+from qlsd_flwr.robust.reports import REPORT_CAP, REPORT_MAX, ReportError, clamped_counts, lower_median
 
 #: vectors per exchange (``b``) and exchanges (``q``) of the block Krylov method
 LOWRANK_BLOCK = 32
@@ -87,6 +88,12 @@ class LowRank:
         return (u, t), a[2 + k + d * k:]
 
 
+def fd_step(theta: np.ndarray) -> float:
+    """The finite-difference step on θ's scale."""
+    # central differences: error O(ε²·∇³U) against rounding O(u/ε); ε ≈ u^{1/3} on θ's scale
+    return 6e-6 * (1.0 + float(np.max(np.abs(theta))))
+
+
 def local_hvp(pot, theta: np.ndarray, V: np.ndarray) -> np.ndarray:
     """Client ``i``'s ``∇²U_i(θ) v`` for each row ``v`` of ``V`` (``(b, d)`` → ``(b, d)``): the
     potential's own ``hvp_batch(θ, V)`` when it has one (exact), otherwise central differences of
@@ -95,9 +102,8 @@ def local_hvp(pot, theta: np.ndarray, V: np.ndarray) -> np.ndarray:
     V = np.asarray(V, dtype=np.float64)
     if hasattr(pot, "hvp_batch"):
         return np.asarray(pot.hvp_batch(theta, V), dtype=np.float64)
-    from qlsd_flwr.core.metric import _fd_step
 
-    eps = _fd_step(theta) / np.maximum(np.max(np.abs(V), axis=1), 1e-300)
+    eps = fd_step(theta) / np.maximum(np.max(np.abs(V), axis=1), 1e-300)
     pts = np.concatenate([theta + eps[:, None] * V, theta - eps[:, None] * V])
     if hasattr(pot, "grad_sum_batch"):
         g = pot.grad_sum_batch(pts)
@@ -109,7 +115,6 @@ def local_hvp(pot, theta: np.ndarray, V: np.ndarray) -> np.ndarray:
 
 def check_block(h, b: int, d: int) -> np.ndarray:
     """A client's block of products as ``(b, d)`` float64, or ``ReportError`` saying why."""
-    from qlsd_flwr.core.metric import REPORT_MAX, ReportError
 
     try:
         a = np.asarray(h, dtype=np.float64)
@@ -126,9 +131,8 @@ def check_block(h, b: int, d: int) -> np.ndarray:
 
 def summed_products(reports: dict, n_data, b: int, d: int, info: dict, log=None) -> np.ndarray:
     """``Σ_i H_i V`` (``(b, d)``) from the clients' reports, each checked (:func:`check_block`) and
-    scaled down to :data:`~qlsd_flwr.core.metric.REPORT_CAP` times the lower median of the per-datum
+    scaled down to :data:`~qlsd_flwr.robust.reports.REPORT_CAP` times the lower median of the per-datum
     sizes; refused and scaled clients are recorded in ``info``."""
-    from qlsd_flwr.core.metric import REPORT_CAP, ReportError, _lower_median, clamped_counts
 
     ok = {}
     for i, h in sorted(reports.items()):
@@ -140,7 +144,7 @@ def summed_products(reports: dict, n_data, b: int, d: int, info: dict, log=None)
                 log.warning("client %s: Hessian-vector products refused: %s (curvature_rejected)", i, exc)
     n = clamped_counts(n_data, ok)
     size = {i: float(np.linalg.norm(h)) / n[i] for i, h in ok.items()}
-    ref = _lower_median(size.values()) if size else 0.0
+    ref = lower_median(size.values()) if size else 0.0
     total = np.zeros((b, d))
     for i in sorted(ok):
         h = ok[i]

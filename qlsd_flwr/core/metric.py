@@ -34,7 +34,8 @@ import numpy as np
 from qlsd_flwr.config import ConfigError
 from qlsd_flwr.core import rng
 from qlsd_flwr.core.kron import Kron
-from qlsd_flwr.core.lowrank import LowRank
+from qlsd_flwr.core.lowrank import LowRank, fd_step
+from qlsd_flwr.robust.reports import REPORT_CAP, REPORT_MAX, ReportError, cap_reports, clamped_counts, lower_median
 
 #: ``gamma = auto`` sets ``γ = c / λ_max(M^{1/2} ∇²U(θ*) M^{1/2})`` with this ``c``. With exact
 #: gradients on a Gaussian, a direction of curvature ``λ`` has stationary variance
@@ -45,16 +46,10 @@ GAMMA_AUTO_C = 0.25
 #: ``metric = dense`` keeps a ``d × d`` matrix and its factor on the server and asks each client
 #: for a ``d × d`` curvature: refused above this ``d`` (Stan's ``dense_e`` has the same trade-off).
 DENSE_MAX_DIM = 2000
-#: one client's curvature report may weigh at most this many times its share ``N_i`` of the
-#: (lower-median) honest clients' per-datum curvature before it is scaled down
-#: (:func:`metric_from_curvature`).
-REPORT_CAP = 10.0
 #: above this spread of ``M``'s scales, QSGD's noise (set by the message's norm, i.e. by the stiff
 #: coordinates) multiplied by ``M`` dominates the flat directions: measured on the regressions of
 #: ``benchmarks/bench_metric.py`` (spread 5.9e3: no effect; 2.6e5 and 2.2e6: sd up to 1.4× and 5.7×)
 COMPRESSED_SPREAD_WARN = 1e4
-#: a curvature report with a value above this is refused: sums of a few such reports stay finite
-REPORT_MAX = 1e150
 #: Hutchinson probes of :func:`local_curvature`'s estimate for potentials without ``curvature_diag``.
 HUTCHINSON_PROBES = 64
 
@@ -256,14 +251,14 @@ def local_curvature(pot, theta: np.ndarray, kind: str, seed: int, client: int) -
     elif kind == "diagonal":
         u = rng.uniform(seed, rng.Stream.INIT, -1 & 0xFFFFFFFF, client, HUTCHINSON_PROBES * d)
         V = np.where(u.reshape(HUTCHINSON_PROBES, d) < 0.5, -1.0, 1.0)
-        eps = _fd_step(theta)
+        eps = fd_step(theta)
         h = np.zeros(d)
         for v in V:
             hv = (pot.grad_sum(theta + eps * v) - pot.grad_sum(theta - eps * v)) / (2.0 * eps)
             h += v * hv
         h /= HUTCHINSON_PROBES
     else:
-        eps = _fd_step(theta)
+        eps = fd_step(theta)
         h = np.empty((d, d))
         for j in range(d):
             e = np.zeros(d)
@@ -274,15 +269,6 @@ def local_curvature(pot, theta: np.ndarray, kind: str, seed: int, client: int) -
         return np.maximum(h, 0.0)
     w, Q = np.linalg.eigh(0.5 * (h + h.T))
     return (Q * np.maximum(w, 0.0)) @ Q.T
-
-
-def _fd_step(theta: np.ndarray) -> float:
-    # central differences: error O(ε²·∇³U) against rounding O(u/ε); ε ≈ u^{1/3} on θ's scale
-    return 6e-6 * (1.0 + float(np.max(np.abs(theta))))
-
-
-class ReportError(ValueError):
-    """A curvature report the server refuses (counted as ``curvature_rejected``)."""
 
 
 def check_report(h, kind: str, d: int) -> np.ndarray:
@@ -366,7 +352,7 @@ def metric_from_kronecker(reports: dict[int, dict], n_data, prior_curv: np.ndarr
     n = clamped_counts(n_data, reports)
     for part in ("G", "A"):
         sc = {i: float(np.trace(r[part])) / n[i] for i, r in reports.items()}
-        ref = _lower_median(sc.values())
+        ref = lower_median(sc.values())
         for i in sorted(reports):
             if ref > 0 and sc[i] > REPORT_CAP * ref:
                 reports[i] = {**reports[i], part: reports[i][part] * (REPORT_CAP * ref / sc[i])}
@@ -386,44 +372,6 @@ def metric_from_kronecker(reports: dict[int, dict], n_data, prior_curv: np.ndarr
     info["curvature_scaled"] = sorted(set(info["curvature_scaled"]))
     perm = reports[min(reports)]["perm"]
     return Metric("kronecker", kron=Kron(perm, qg, qa, den)), info
-
-
-def clamped_counts(n_data, clients) -> dict[int, int]:
-    """Each client's ``N_i`` as used to scale its report: at least 1 and at most :data:`REPORT_CAP`
-    times the lower median of the claims (``N_i`` is the client's own claim at the handshake; a
-    claim of 10^12 must not make its report look small per datum)."""
-    n_data = np.asarray(n_data)
-    n = {i: max(int(n_data[i]) if i < n_data.size else 1, 1) for i in clients}
-    if not n:
-        return n
-    ref = _lower_median(n.values())
-    return {i: int(min(v, REPORT_CAP * ref)) for i, v in n.items()}
-
-
-def _lower_median(values) -> float:
-    """The lower median: an honest client's value when at least half the clients are honest."""
-    s = np.sort(np.fromiter(values, dtype=np.float64))
-    return float(s[(len(s) - 1) // 2])
-
-
-def _per_datum_scale(h: np.ndarray, n: int) -> float:
-    return float(np.max(np.diag(h) if h.ndim == 2 else h)) / max(int(n), 1)
-
-
-def cap_reports(reports: dict[int, np.ndarray], n_data) -> list[int]:
-    """Scale down, in place, each report whose per-datum scale ``max_j (H_i)_jj / N_i`` passes
-    :data:`REPORT_CAP` times the lower median of the reports' scales; returns the clients scaled."""
-    n = clamped_counts(n_data, reports)
-    scales = {i: _per_datum_scale(h, n[i]) for i, h in reports.items()}
-    scaled = []
-    if scales:
-        ref = _lower_median(scales.values())
-        cap = REPORT_CAP * ref
-        for i in sorted(reports):
-            if ref > 0 and scales[i] > cap:
-                reports[i] = reports[i] * (cap / scales[i])
-                scaled.append(i)
-    return scaled
 
 
 def metric_from_curvature(kind: str, reports: dict[int, np.ndarray], n_data, prior_curv: np.ndarray,
@@ -481,7 +429,7 @@ def lambda_max(grad_fn, theta: np.ndarray, metric: Metric, seed: int, iters: int
     lam, it = 0.0, 0
     for it in range(1, iters + 1):
         u = metric.apply_root(v)
-        eps = _fd_step(theta) / max(float(np.max(np.abs(u))), 1e-300)
+        eps = fd_step(theta) / max(float(np.max(np.abs(u))), 1e-300)
         hu = (grad_fn(theta + eps * u) - grad_fn(theta - eps * u)) / (2.0 * eps)
         w = metric.apply_root_t(hu)  # (M^{1/2})ᵀ H u
         new = float(v @ w)

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from qlsd_flwr import samplers
 from qlsd_flwr.core import rng
 from qlsd_flwr.core.potential import GaussianPrior, LocalPotential
 
@@ -58,14 +59,10 @@ class ClientSpec:
     temperature: float = 1.0  # FALD: T, the noise's variance factor (the QLSD family's T is the server's)
     metric: str = "identity"  # the rivals: "sent" when the server sends a metric M for the local steps
 
-
-#: the oracles whose message is ``Δ_i = (θ − θ_i)/h`` after local Langevin steps (:mod:`qlsd_flwr.core.fald`)
-FALD_ORACLES = ("fald", "fald-star")
-#: the oracles that run local chains, with the round's numbers ``local`` from the server: FALD's and
-#: DG-LMC's (its message the change of ``z_i`` after local ULA steps, :mod:`qlsd_flwr.core.dglmc`)
-LOCAL_ORACLES = FALD_ORACLES + ("dglmc", "fsgld")  # FSGLD: FALD's steps on one client (core.fsgld)
-#: the local-chain oracles whose clients are sent θ* and ∇U(θ*) as their anchor (their claims at θ* gathered first)
-AT_THETA_STAR = ("fald-star", "fsgld")
+    @property
+    def kind(self) -> samplers.Estimator:
+        """What this client's message estimates (:class:`qlsd_flwr.samplers.Estimator`)."""
+        return samplers.ESTIMATORS[self.oracle]
 
 
 @dataclass
@@ -88,9 +85,9 @@ def set_anchor(spec: ClientSpec, pot: LocalPotential, state: ClientState,
     """Cache a new anchor; for QLSD++ compute ``∇U_i(ζ)`` once (one pass over local data)."""
     state.anchor = np.array(anchor, dtype=np.float64, copy=True)
     state.anchor_version = int(version)
-    if spec.oracle == "svrg":
+    if spec.kind.cv_zeta:
         state.anchor_grad = full_local_grad(spec, pot, state.anchor)
-    elif spec.oracle in AT_THETA_STAR:  # the data part; the prior's share is the round's (local_message)
+    elif spec.kind.at_theta_star:  # the data part; the prior's share is the round's (local_message)
         state.anchor_grad = pot.grad_sum(state.anchor)
 
 
@@ -102,15 +99,15 @@ def full_local_grad(spec: ClientSpec, pot: LocalPotential, theta: np.ndarray) ->
 def oracle(spec: ClientSpec, pot: LocalPotential, state: ClientState, theta: np.ndarray,
            idx: np.ndarray | None) -> np.ndarray:
     """``H_i(θ_k)`` for the client's oracle kind (see module docstring)."""
-    w = spec.prior_weight
-    if spec.oracle == "full":
+    w, kind = spec.prior_weight, spec.kind
+    if not kind.minibatch:
         return full_local_grad(spec, pot, theta)
     scale = pot.n_data / len(idx)
-    if spec.oracle == "minibatch":
+    if not kind.control_variate:
         return scale * pot.grad_sum(theta, idx) + w * spec.prior.grad(theta)
     c = state.anchor
     h = scale * (pot.grad_sum(theta, idx) - pot.grad_sum(c, idx)) + w * (spec.prior.grad(theta) - spec.prior.grad(c))
-    if spec.oracle == "svrg":
+    if kind.cv_zeta:
         h = h + state.anchor_grad
     return h
 
@@ -150,16 +147,16 @@ def oracle_batch(spec: ClientSpec, pot: LocalPotential, thetas: np.ndarray, idx:
                              anchor_grad=None if anchor_grad is None else anchor_grad[c])
             out[c] = oracle(spec, pot, st, thetas[c], None if idx is None else idx[c])
         return out
-    w = spec.prior_weight
-    if spec.oracle == "full":
+    w, kind = spec.prior_weight, spec.kind
+    if not kind.minibatch:
         return full_local_grad_batch(spec, pot, thetas)
     scale = pot.n_data / idx.shape[-1]
-    if spec.oracle == "minibatch":
+    if not kind.control_variate:
         return scale * pot.grad_sum_batch(thetas, idx) + w * spec.prior.grad(thetas)
     c = np.broadcast_to(anchor, thetas.shape)
     g = pot.grad_sum_batch(np.concatenate([thetas, c]), np.concatenate([idx, idx]))
     h = scale * (g[:C] - g[C:]) + w * (spec.prior.grad(thetas) - spec.prior.grad(c))
-    if spec.oracle == "svrg":
+    if kind.cv_zeta:
         h = h + anchor_grad
     return h
 
@@ -169,7 +166,7 @@ def batched_clients(specs, pots) -> bool:
     client): one potential class with ``grad_sum_clients``, one oracle kind, one prior."""
     cls = type(pots[0])
     return (callable(getattr(cls, "grad_sum_clients", None)) and all(type(p) is cls for p in pots)
-            and all(s.oracle == specs[0].oracle for s in specs) and all(s.prior == specs[0].prior for s in specs))
+            and len({s.kind for s in specs}) == 1 and all(s.prior == specs[0].prior for s in specs))
 
 
 def oracle_batch_clients(specs, pots, thetas: np.ndarray, idxs, anchor: np.ndarray | None = None,
@@ -185,24 +182,24 @@ def oracle_batch_clients(specs, pots, thetas: np.ndarray, idxs, anchor: np.ndarr
     if not batched_clients(specs, pots):
         return np.stack([oracle_batch(s, p, thetas, ix, anchor, None if anchor_grads is None else anchor_grads[:, g])
                          for g, (s, p, ix) in enumerate(zip(specs, pots, idxs))], axis=1)
-    spec = specs[0]
+    spec, kind = specs[0], specs[0].kind
     grad = type(pots[0]).grad_sum_clients
     w = np.array([s.prior_weight for s in specs])[:, None, None]  # (G, 1, 1)
-    if spec.oracle == "full":
+    if not kind.minibatch:
         return (grad(pots, thetas[None], [None] * len(pots))[:, 0] + w * spec.prior.grad(thetas)).transpose(1, 0, 2)
     scale = np.array([p.n_data / np.shape(ix)[-1] for p, ix in zip(pots, idxs)])[:, None, None]
-    if spec.oracle == "minibatch":
+    if not kind.control_variate:
         return (scale * grad(pots, thetas[None], idxs)[:, 0] + w * spec.prior.grad(thetas)).transpose(1, 0, 2)
     c = np.broadcast_to(anchor, thetas.shape)
     g = grad(pots, np.stack([thetas, c]), idxs)  # (G, 2, C, d)
     h = (scale * (g[:, 0] - g[:, 1]) + w * (spec.prior.grad(thetas) - spec.prior.grad(c))).transpose(1, 0, 2)
-    if spec.oracle == "svrg":
+    if kind.cv_zeta:
         h = h + anchor_grads
     return h
 
 
 def minibatch(seed: int, round_: int, spec: ClientSpec, n_data: int) -> np.ndarray | None:
-    if spec.oracle == "full":
+    if not spec.kind.minibatch:
         return None
     return rng.subset(seed, rng.Stream.MINIBATCH, round_, spec.index, n_data, spec.batch_size)
 
@@ -218,7 +215,7 @@ def local_message(spec: ClientSpec, pot: LocalPotential, state: ClientState, see
 
     h, w, share, p = (float(x) for x in local)
     prior = spec.prior
-    if spec.oracle == "fsgld":  # (h, f_s, 1, 1): the conducive gradient of the round's one client
+    if spec.kind.surrogate:  # (h, f_s, 1, 1): the conducive gradient of the round's one client
         star = state.anchor
         g = fsgld.conducive_grad(pot.grad_sum, prior.grad, w, state.surrogate, state.surrogate_total, star,
                                  state.anchor_grad, state.anchor_total - prior.grad(star))
@@ -228,7 +225,7 @@ def local_message(spec: ClientSpec, pot: LocalPotential, state: ClientState, see
         return pot.grad_sum(x) + w * prior.grad(x)
 
     g = grad
-    if spec.oracle == "fald-star":
+    if spec.kind.at_theta_star:  # VR-FALD*'s control variate at its reference
         c = w * state.anchor_total - (state.anchor_grad + w * prior.grad(state.anchor))
 
         def g(x):
@@ -258,9 +255,9 @@ def client_round(spec: ClientSpec, pot: LocalPotential, state: ClientState, seed
     Updates ``state.eta`` in place when memory is on. The caller encodes the message. ``local``:
     the round's ``(h, w_i, S_A, p_i)`` for the local-step oracles (:func:`local_message`).
     """
-    if spec.oracle == "dglmc":
+    if spec.kind.coupled:
         return compress_round(spec, state, seed, round_, auxiliary_step(spec, pot, state, seed, round_, theta, local))
-    if spec.oracle in LOCAL_ORACLES:
+    if spec.kind.local:
         return compress_round(spec, state, seed, round_, local_message(spec, pot, state, seed, round_, theta, local))
     return compress_round(spec, state, seed, round_, oracle(spec, pot, state, theta,
                                                             minibatch(seed, round_, spec, pot.n_data)))
@@ -274,11 +271,12 @@ def client_rounds(spec: ClientSpec, pot: LocalPotential, states: list[ClientStat
     per-chain oracle; row by row otherwise). Element ``c`` equals ``client_round`` of chain
     ``c`` bit for bit. ``locals_``: each chain's ``local`` (the local-step oracles, computed chain
     by chain)."""
-    if spec.oracle in LOCAL_ORACLES:
+    kind = spec.kind
+    if kind.local:
         return [client_round(spec, pot, st, s, round_, th, lc) for st, s, th, lc in zip(states, seeds, thetas, locals_)]
-    idx = None if spec.oracle == "full" else np.stack([minibatch(s, round_, spec, pot.n_data) for s in seeds])
-    anchor = np.stack([st.anchor for st in states]) if spec.oracle in ("svrg", "star") else None
-    anchor_grad = np.stack([st.anchor_grad for st in states]) if spec.oracle == "svrg" else None
+    idx = None if not kind.minibatch else np.stack([minibatch(s, round_, spec, pot.n_data) for s in seeds])
+    anchor = np.stack([st.anchor for st in states]) if kind.control_variate else None
+    anchor_grad = np.stack([st.anchor_grad for st in states]) if kind.cv_zeta else None
     h = oracle_batch(spec, pot, thetas, idx, anchor, anchor_grad)
     return [compress_round(spec, st, s, round_, h_c) for st, s, h_c in zip(states, seeds, h)]
 

@@ -32,6 +32,7 @@ from qlsd_flwr.core import metric as mt
 from qlsd_flwr.core import rng
 from qlsd_flwr.core.metric import Metric, MetricError
 from qlsd_flwr.core.potential import Task
+from qlsd_flwr.robust.reports import REPORT_CAP, ReportError
 from qlsd_flwr.core.theta_star import closed_form_theta_star, needs_theta_star, optimise_theta_star, resolve_theta_star
 from qlsd_flwr.outputs.metric_file import metric_from_file  # the one file the preparation reads
 
@@ -218,7 +219,7 @@ def prepare(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | No
 def _with_surrogates(cfg: RunConfig, task: Task, prep: Prepared, curv_fn: CurvFn | None, n_data) -> Prepared:
     """FSGLD: every client's diagonal curvature at θ*, validated and capped, as its surrogate's precision
     (:func:`qlsd_flwr.core.fsgld.surrogates_from_reports`); a refused report leaves that client's λ_i = 0."""
-    if cfg.oracle != "fsgld":
+    if not cfg.kind.surrogate:
         return prep
     from qlsd_flwr.core import fsgld
 
@@ -229,7 +230,7 @@ def _with_surrogates(cfg: RunConfig, task: Task, prep: Prepared, curv_fn: CurvFn
     for i, h in curv_fn(prep.theta_star, "diagonal").items():
         try:
             ok[int(i)] = mt.check_report(h, "diagonal", task.dim)
-        except mt.ReportError as exc:
+        except ReportError as exc:
             refused[str(i)] = str(exc)
             log.warning("client %s: curvature report refused: %s (fsgld: its surrogate is linear)", i, exc)
     prep.surrogate, scaled = fsgld.surrogates_from_reports(ok, n_data, cfg.b, task.dim)
@@ -325,7 +326,7 @@ def _curvature_metric(cfg: RunConfig, task: Task, point: np.ndarray, curv_fn: Cu
     for i, h in reports.items():
         try:
             ok[int(i)] = mt.check_report(h, cfg.metric, task.dim)
-        except mt.ReportError as exc:
+        except ReportError as exc:
             refused[int(i)] = str(exc)
             log.warning("client %s: curvature report refused: %s (curvature_rejected)", i, exc)
     try:
@@ -339,7 +340,7 @@ def _curvature_metric(cfg: RunConfig, task: Task, point: np.ndarray, curv_fn: Cu
                                    **cinfo.get("curvature_rejected", {})}
     for i in cinfo["curvature_scaled"]:
         log.warning("client %d: curvature report scaled down to %g × the clients' per-datum curvature "
-                    "(curvature_scaled)", i, mt.REPORT_CAP)
+                    "(curvature_scaled)", i, REPORT_CAP)
     return metric, cinfo
 
 

@@ -32,7 +32,7 @@ import numpy as np
 
 from qlsd_flwr.core import dglmc, participation, rng
 from qlsd_flwr.core.metric import Metric
-from qlsd_flwr.core.oracles import LOCAL_ORACLES
+from qlsd_flwr import samplers
 from qlsd_flwr.core.potential import GaussianPrior
 
 
@@ -76,6 +76,11 @@ class ServerSpec:
     spectrum: Any = None  # DG-LMC with a metric: M in its eigenbasis (core.dglmc.Spectrum)
 
     @property
+    def kind(self) -> samplers.Estimator:
+        """What the clients' messages estimate (:class:`qlsd_flwr.samplers.Estimator`)."""
+        return samplers.ESTIMATORS[self.oracle]
+
+    @property
     def plain(self) -> bool:
         """Whether the step is the paper's own (identity metric, ``T = 1``)."""
         return self.metric.is_identity and self.temperature == 1.0
@@ -94,7 +99,7 @@ def init_state(spec: ServerSpec, theta0: np.ndarray) -> ServerState:
 
 def refresh_anchor(spec: ServerSpec, st: ServerState) -> bool:
     """Step 1: set ``ζ_k = θ_k`` when ``k ≡ 0 (mod l)``; returns whether it changed."""
-    if spec.oracle == "svrg" and st.k % spec.l == 0:
+    if spec.kind.cv_zeta and st.k % spec.l == 0:
         st.zeta = st.theta.copy()
         st.zeta_version += 1
         return True
@@ -107,7 +112,7 @@ def prior_term(spec: ServerSpec, theta: np.ndarray) -> np.ndarray | None:
     if not spec.prior_on_server or spec.prior.is_flat:
         return None
     t = spec.prior.grad(theta)
-    if spec.oracle == "star":
+    if spec.kind.cv_theta_star:
         t = t - spec.prior.grad(spec.theta_star)
     return t
 
@@ -122,9 +127,9 @@ def server_step(spec: ServerSpec, st: ServerState, seed, g_hat: np.ndarray,
     under the ``active-fraction`` rule when no client replied). Memory increments use ``ĝ_i``
     as decoded, so the server's mirror of ``η_i`` equals the client's bit for bit.
     """
-    if spec.oracle == "dglmc":
+    if spec.kind.coupled:
         return _gibbs_step(spec, st, seed, g_hat, replied)
-    if spec.oracle in LOCAL_ORACLES:
+    if spec.kind.local:
         return _average_step(spec, st, g_hat, replied)
     k = st.k
     skipped = participation.skips_round(replied, spec.rule)

@@ -24,7 +24,7 @@ log = logging.getLogger("qlsd_flwr")
 
 def needs_theta_star(cfg: RunConfig) -> bool:
     """Whether the variant's oracle is centred at θ* (QLSD*, LSD*, VR-FALD*, FSGLD's surrogates)."""
-    return cfg.oracle in ("star", "fald-star", "fsgld")
+    return cfg.kind.needs_theta_star
 
 
 def closed_form_theta_star(cfg: RunConfig, task: Task) -> np.ndarray:

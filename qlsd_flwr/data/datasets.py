@@ -195,7 +195,10 @@ def synthetic_fedprox(alpha: float = 1.0, beta: float = 1.0, b: int = 30, seed: 
         y = np.argmax(x @ w + bias, axis=1).astype(np.int64)
         n_te = int(round(test_frac * n))
         n_tr = n - n_te
-        Xtr.append(x[:n_tr]); ytr.append(y[:n_tr]); Xte.append(x[n_tr:]); yte.append(y[n_tr:])
+        Xtr.append(x[:n_tr])
+        ytr.append(y[:n_tr])
+        Xte.append(x[n_tr:])
+        yte.append(y[n_tr:])
         part.append(np.arange(start, start + n_tr, dtype=np.int64))
         start += n_tr
     ds = _finish(f"synthetic({alpha},{beta})", np.concatenate(Xtr), np.concatenate(ytr),
@@ -381,7 +384,8 @@ def load_femnist(timeout: float = 5.0, n_writers: int | None = None, test_frac: 
         ix = rng.permutation(np.flatnonzero(writers == w))
         n_te = int(round(test_frac * len(ix)))
         tr, te = np.sort(ix[n_te:]), np.sort(ix[:n_te])
-        tr_idx.append(tr); te_idx.append(te)
+        tr_idx.append(tr)
+        te_idx.append(te)
         part.append(np.arange(start, start + len(tr), dtype=np.int64))
         start += len(tr)
     tr_all, te_all = np.concatenate(tr_idx), np.concatenate(te_idx)

@@ -18,8 +18,6 @@ from qlsd_flwr.config import ConfigError, RunConfig
 from qlsd_flwr.core import participation
 from qlsd_flwr.core import server_step as sampler
 from qlsd_flwr.core.oracles import (
-    AT_THETA_STAR,
-    LOCAL_ORACLES,
     ClientState,
     client_round,
     full_local_grad,
@@ -74,17 +72,17 @@ def run_local(cfg: RunConfig, task: Task | None = None, write: bool = True,
         warm=warmup_store(cfg) if write and wire else None)
     theta_star, ts_info = (None, {}) if prep is None else (prep.theta_star, prep.info)
     bound = str(cfg.raw.get("norm-bound", "auto"))
-    wants = cfg.oracle in AT_THETA_STAR or (cfg.oracle == "star" and bound.strip().lower() != "off")
+    wants = cfg.kind.at_theta_star or (cfg.kind.cv_theta_star and bound.strip().lower() != "off")
     claims = None if prep is None or not wants else [
         full_local_grad(s, task.clients[s.index], prep.theta_star) for s in specs]
     # QLSD*'s replies carry c_i (judged as c_i + ĝ_i); VR-FALD*'s are judged as w_i Δ_i, not on c_i
-    if claims is not None and cfg.oracle == "star" and (over := over_bound(claims, fixed_bound(bound))):
+    if claims is not None and cfg.kind.cv_theta_star and (over := over_bound(claims, fixed_bound(bound))):
         # this engine's clients are honest: a claim over a fixed B means B is too small for the data
         raise ConfigError("norm-bound: " + "; ".join(f"client {i}: {w}" for i, w in over.items())
                           + "; every reply of theirs would be refused, a bias: raise norm-bound or use auto")
     bar = progress_bar(cfg.num_rounds, cfg.progress if progress is None else progress, f"{cfg.variant} local")
     if not wire:
-        if cfg.oracle in LOCAL_ORACLES:
+        if cfg.kind.local:
             raise ValueError(f"{cfg.variant} runs on the protocol path (wire=True)")
         return _run_direct(precondition.apply(cfg, prep), task, specs, states, prep, keep_trace, bar)
     server = QLSDServer(cfg, task, keep_trace=keep_trace, engine_label="local",
@@ -137,10 +135,10 @@ def _run_direct(cfg, task, specs, states, prep, keep_trace, bar) -> RunResult:
     trace = np.empty((cfg.num_rounds, task.dim)) if keep_trace else None
     for k in range(cfg.num_rounds):
         sampler.refresh_anchor(spec, st)
-        anchor, version = (st.zeta, st.zeta_version) if cfg.oracle == "svrg" else (theta_star, 0)
+        anchor, version = (st.zeta, st.zeta_version) if cfg.kind.cv_zeta else (theta_star, 0)
         g_hat = {}
         for i in np.flatnonzero(participation.active_mask(cfg.seed, k, cfg.p)):
-            if cfg.oracle in ("svrg", "star") and states[i].anchor_version != version:
+            if cfg.kind.control_variate and states[i].anchor_version != version:
                 set_anchor(specs[i], task.clients[i], states[i], anchor, version)
             try:
                 g_hat[int(i)] = client_round(specs[i], task.clients[i], states[i], cfg.seed, k, st.theta)[1]

@@ -176,8 +176,10 @@ def reliability_diagram(probs: np.ndarray, y: np.ndarray, n_bins: int = 10,
         ax.bar(centers, np.abs(conf - acc), bottom=np.minimum(acc, conf), width=width,
                edgecolor="tab:red", color="tab:red", alpha=0.3, label="gap to confidence")
         ax.plot([0, 1], [0, 1], "k--", lw=1)
-        ax.set_xlim(0, 1); ax.set_ylim(0, 1)
-        ax.set_xlabel("confidence"); ax.set_ylabel("accuracy")
+        ax.set_xlim(0, 1)
+        ax.set_ylim(0, 1)
+        ax.set_xlabel("confidence")
+        ax.set_ylabel("accuracy")
         ax.set_title(title or f"ECE = {e:.4f} ({n_bins} bins)")
         ax.legend(loc="upper left")
         fig.tight_layout()
@@ -237,28 +239,3 @@ def moment_errors(samples: np.ndarray, ref_samples: np.ndarray) -> dict:
             "rel_mean_error": mean_error(samples, m, relative=True),
             "rel_var_error": var_error(samples, v, relative=True)}
 
-
-def rhat_ess(samples: np.ndarray) -> dict:
-    """Rank-normalised split R-hat, bulk and tail ESS, and ESS of the mean, per coordinate.
-
-    ``samples``: ``(chain, draw, dim)`` (a 2-d array is one chain). Uses arviz
-    (Vehtari et al. 2021).
-    """
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        import arviz as az
-
-    s = np.asarray(samples, dtype=np.float64)
-    if s.ndim == 2:
-        s = s[None]
-    if s.ndim != 3:
-        raise ValueError(f"samples must be (chain, draw, dim), got shape {s.shape}")
-    ds = az.convert_to_dataset({"theta": s})
-    return {
-        "rhat": np.asarray(az.rhat(ds)["theta"].values, dtype=np.float64),
-        "ess_bulk": np.asarray(az.ess(ds, method="bulk")["theta"].values, dtype=np.float64),
-        "ess_tail": np.asarray(az.ess(ds, method="tail")["theta"].values, dtype=np.float64),
-        "ess_mean": np.asarray(az.ess(ds, method="mean")["theta"].values, dtype=np.float64),
-    }

@@ -116,17 +116,24 @@ def _initial_step(vg, x, target: float, rng, propose_log_r, h0: float = 0.1) -> 
 
 
 def _diagnostics(samples: np.ndarray, potentials: np.ndarray, max_dim: int) -> dict:
-    from qlsd_flwr.evaluation.metrics import rhat_ess
-
     out: dict[str, Any] = {}
     n_chain, n_draw = potentials.shape
     if n_draw < 4:
         return out
-    pot = rhat_ess(potentials[:, :, None])
+    pot = diagnostics_of(potentials[:, :, None])
     out.update({f"{k}_potential": v for k, v in pot.items()})
     if samples.shape[-1] <= max_dim:
-        out.update(rhat_ess(samples))
+        out.update(diagnostics_of(samples))
     return out
+
+
+def diagnostics_of(x: np.ndarray) -> dict:
+    """``x`` ``(chain, draw, k)``: ArviZ's R-hat, bulk, tail and mean ESS per coordinate, by the
+    package's one implementation (:func:`qlsd_flwr.outputs.diagnostics.rhat_ess`)."""
+    from qlsd_flwr.outputs.diagnostics import ess_mean, rhat_ess
+
+    r, bulk, tail = rhat_ess(x)
+    return {"rhat": r, "ess_bulk": bulk, "ess_tail": tail, "ess_mean": ess_mean(x)}
 
 
 def _settings(**kw) -> dict:

@@ -34,7 +34,6 @@ from flwr.server.strategy import Strategy as LegacyStrategy
 from qlsd_flwr.config import ConfigError, RunConfig
 from qlsd_flwr.core.potential import Task
 from qlsd_flwr.core import precondition
-from qlsd_flwr.core.oracles import AT_THETA_STAR
 from qlsd_flwr.flower.client_app import (
     load_state,
     run_config_of,
@@ -56,7 +55,7 @@ class LegacyQLSDStrategy(LegacyStrategy):
         if cfg.num_chains > 1:
             raise ConfigError(f"num-chains = {cfg.num_chains}: the legacy strategy runs one chain; use the "
                               "Message-API strategy (engine = ray or inprocess) for several chains in one run")
-        if cfg.oracle in AT_THETA_STAR:
+        if cfg.kind.at_theta_star:
             raise ConfigError(f"variant: {cfg.variant} needs every client's ∇U_i(θ*) (and fsgld their curvature) "
                               "before sampling, which the legacy round loop cannot ask; use the Message-API strategy "
                               "(engine = ray or inprocess), or variant = fald")

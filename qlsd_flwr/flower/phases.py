@@ -136,7 +136,7 @@ class PhaseExchanges:
         for i, old in before.items():
             if i not in self.left_out and (gap := relative_gap(self._dirs @ grads[i], old)) is not None:
                 changed[i] = f"its ∇U_i(θ*) changed between the descent and the claims (relative {gap:.3g})"
-        if self.cfg.oracle == "star":  # QLSD*'s estimates carry c_i (VR-FALD*'s replies are judged as w_i Δ_i)
+        if self.cfg.kind.cv_theta_star:  # QLSD*'s estimates carry c_i (VR-FALD*'s replies are judged as w_i Δ_i)
             changed.update(over_bound(grads, fixed_bound(self.cfg.raw.get("norm-bound", "auto"))))
         if changed:
             self._leave_out(changed)

@@ -46,6 +46,8 @@ from pathlib import Path
 
 import numpy as np
 
+from qlsd_flwr.outputs.jsonio import dumps
+
 from qlsd_flwr.config import ConfigError, RunConfig
 
 NAME = "checkpoint.npz"
@@ -90,7 +92,7 @@ def save(path, arrays: dict, meta: dict) -> None:
     path = Path(path)
     buf = io.BytesIO()
     payload = {f"a_{k}": np.asarray(v) for k, v in arrays.items() if v is not None}
-    payload["meta"] = np.frombuffer(json.dumps({"format": FORMAT, **meta}, default=_jsonable).encode(), dtype=np.uint8)
+    payload["meta"] = np.frombuffer(dumps({"format": FORMAT, **meta}).encode(), dtype=np.uint8)
     np.savez(buf, **payload)
     for stale in path.parent.glob(".checkpoint-*.tmp"):  # left by a write that was killed
         try:
@@ -145,16 +147,6 @@ def _fsync_dir(d: Path) -> None:
 def fsync_file(f) -> None:
     f.flush()
     os.fsync(f.fileno())
-
-
-def _jsonable(x):
-    if isinstance(x, np.ndarray):
-        return x.tolist()
-    if isinstance(x, np.integer):
-        return int(x)
-    if isinstance(x, np.floating):
-        return float(x)
-    return str(x)
 
 
 # ------------------------------------------------------------------------------ resume
@@ -215,7 +207,7 @@ def load_for_resume(cfg: RunConfig, kind: str) -> tuple[Path, dict, dict]:
     validate(meta, arrays, path_in(run_dir))
     if kind == "server":
         _check_server_parts(cfg, meta, arrays, path_in(run_dir))
-    elif cfg.oracle in ("fald", "fald-star", "dglmc", "fsgld"):  # the rivals' servers (engines.vectorised.rivals)
+    elif cfg.kind.local:  # the rivals' servers (engines.vectorised.rivals)
         _check_runner_parts(cfg, meta, arrays, path_in(run_dir))
     old = meta["config"]
     from qlsd_flwr.config import not_applicable
@@ -360,7 +352,7 @@ def _check_runner_parts(cfg: RunConfig, meta: dict, arrays: dict, path) -> None:
         acked = arrays.get(f"run_c{c}.anchor_acked")
         if acked is None or acked.shape != (cfg.b,):
             raise CheckpointError(f"checkpoint {path}: chain {c}: array 'anchor_acked' must hold num-clients = {cfg.b}")
-        if cfg.oracle in ("fald-star", "fsgld") and f"run_c{c}.claims" not in arrays:
+        if cfg.kind.at_theta_star and f"run_c{c}.claims" not in arrays:
             raise CheckpointError(f"checkpoint {path}: chain {c}: the claims at θ* ('claims') are missing")
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import json
 import logging
 import os
 import time
@@ -31,6 +30,8 @@ from pathlib import Path
 
 import h5netcdf
 import numpy as np
+
+from qlsd_flwr.outputs.jsonio import dumps
 
 log = logging.getLogger("qlsd_flwr")
 
@@ -140,7 +141,7 @@ class Recorder:
         if resume is not None:
             self._reopen(resume)
             return
-        (self.dir / "config.json").write_text(json.dumps(config, indent=2, default=_jsonable))
+        (self.dir / "config.json").write_text(dumps(config, indent=2))
         self._csv_file = open(self.dir / "metrics.csv", "w", newline="")
         self._csv = csv.DictWriter(self._csv_file, fieldnames=METRIC_FIELDS, extrasaction="ignore")
         self._csv.writeheader()
@@ -283,7 +284,7 @@ class Recorder:
 
             summary["convergence"] = self.convergence
             log_report(self.convergence)
-        (self.dir / "summary.json").write_text(json.dumps(summary, indent=2, default=_jsonable))
+        (self.dir / "summary.json").write_text(dumps(summary, indent=2))
         return summary
 
     def _build_nc(self, keep_raw: bool = False) -> None:
@@ -420,21 +421,11 @@ def provenance(config: dict) -> dict:
     except Exception:  # noqa: BLE001 — provenance must never stop a run
         flwr_version = "unknown"
     raw = config.get("config", config) if isinstance(config, dict) else {}
-    text = json.dumps(raw, sort_keys=True, default=_jsonable)
+    text = dumps(raw, sort_keys=True)
     return {"inference_library": "qlsd_flwr", "inference_library_version": __version__,
             "flwr_version": flwr_version, "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "seed": str(raw.get("seed", "")), "variant": str(raw.get("variant", "")),
             "config_sha256": hashlib.sha256(text.encode()).hexdigest()}
-
-
-def _jsonable(x):
-    if isinstance(x, np.ndarray):
-        return x.tolist()
-    if isinstance(x, (np.integer,)):
-        return int(x)
-    if isinstance(x, (np.floating,)):
-        return float(x)
-    return str(x)
 
 
 def load_samples(run_dir: str | os.PathLike) -> np.ndarray:

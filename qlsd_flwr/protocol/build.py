@@ -16,7 +16,8 @@ from qlsd_flwr.compression.qsgd import QSGD
 from qlsd_flwr.config import ConfigError, RunConfig
 from qlsd_flwr.core.dglmc import Spectrum
 from qlsd_flwr.core.metric import Metric
-from qlsd_flwr.core.oracles import LOCAL_ORACLES, ClientSpec
+from qlsd_flwr import samplers
+from qlsd_flwr.core.oracles import ClientSpec
 from qlsd_flwr.core.potential import GaussianPrior, Task
 from qlsd_flwr.core.server_step import ServerSpec
 
@@ -38,7 +39,7 @@ def warn_if_unstable(cfg: RunConfig, task: Task) -> None:
         log.warning(why)
     for why in participation_warnings(cfg, task):
         log.warning(why)
-    if cfg.oracle == "dglmc":  # a known bias, named (docs/RIVALS.md)
+    if cfg.kind.coupled:  # a known bias, named (docs/RIVALS.md)
         log.warning("dg-lmc samples the augmented model π_ρ (rho = %s; auto: γ/10): its θ-marginal is wider than "
                     "the posterior and, with clients of different data, shifted, by O(ρ); a smaller ρ mixes more "
                     "slowly (check R-hat; docs/RIVALS.md)", cfg.get("rho"))
@@ -64,10 +65,10 @@ def participation_warnings(cfg: RunConfig, task: Task) -> list[str]:
     if rare.size:
         out.append(f"p: client(s) {rare[:5].tolist()}{' …' if rare.size > 5 else ''} are expected to take part "
                    f"in fewer than one of the {K} rounds (K · p_i < 1); their data barely enter the chain")
-    cv = cfg.oracle in ("star", "svrg")  # active-fraction is biased without a control variate unless p is equal
+    cv = cfg.kind.control_variate  # active-fraction is biased without a control variate unless p is equal
     remedy = "aggregation = active-fraction" if cv or np.all(p == p[0]) else "a control-variate variant (qlsd-pp)"
-    if cfg.aggregation == "unbiased" and cfg.oracle not in ("dglmc", "fsgld"):  # they weigh no reply by 1/p_i
-        if task.posterior_var is not None and task.clients and cfg.oracle != "svrg" and np.isfinite(cfg.gamma):
+    if cfg.aggregation == "unbiased" and cfg.kind.weighs_by_p:
+        if task.posterior_var is not None and task.clients and not cfg.kind.cv_zeta and np.isfinite(cfg.gamma):
             over = cfg.gamma * task.n_data[: cfg.b] / p
             if float(over.max()) >= 2.0:
                 i = int(np.argmax(over))
@@ -131,7 +132,7 @@ def alphas(cfg: RunConfig, d: int, blocks=None) -> np.ndarray:
     """``α_i``: the configured value, or ``1/(ω_i + 1)``; ``0`` when the variant has no memory."""
     if not cfg.memory:
         return np.zeros(cfg.b)
-    if cfg.oracle == "dglmc":  # z_i ← z_i + ĝ_i: the mirror is the client's z_i itself
+    if cfg.kind.coupled:  # z_i ← z_i + ĝ_i: the mirror is the client's z_i itself
         return np.ones(cfg.b)
     if cfg.alpha is not None:
         return np.full(cfg.b, float(cfg.alpha))
@@ -142,7 +143,7 @@ def alpha_of(cfg: RunConfig, i: int, d: int, blocks=None) -> float:
     """Client ``i``'s ``α_i`` (one entry of :func:`alphas`)."""
     if not cfg.memory:
         return 0.0
-    if cfg.oracle == "dglmc":
+    if cfg.kind.coupled:
         return 1.0
     if cfg.alpha is not None:
         return float(cfg.alpha)
@@ -180,11 +181,10 @@ def client_settings(cfg: RunConfig, i: int, d: int, prior: GaussianPrior, blocks
             "temperature": float(cfg.temperature),
             # M for the local steps travels with the first message (protocol.local_chains)
             "metric": "identity" if cfg.metric == "identity" and not int(cfg.get("metric-rank") or 0) else "sent"}
-           if cfg.oracle in LOCAL_ORACLES else {}),
+           if cfg.kind.local else {}),
     }
 
 
-_ORACLES = ("full", "minibatch", "star", "svrg") + LOCAL_ORACLES
 _ENCODINGS = ("auto", "elias", "packed")
 
 
@@ -205,14 +205,16 @@ def client_spec_from_settings(settings: dict, i: int, n_data: int, d: int) -> tu
         metric = str(settings.get("metric", "identity"))
     except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise ValueError(f"client settings: missing or malformed value ({type(exc).__name__}: {exc})") from None
-    checks = {"oracle": oracle in _ORACLES, "encoding": encoding in _ENCODINGS, "s": 0 <= s < 2 ** 31,
+    kind = samplers.ESTIMATORS.get(oracle)
+    local = kind is not None and kind.local
+    checks = {"oracle": kind is not None, "encoding": encoding in _ENCODINGS, "s": 0 <= s < 2 ** 31,
               "alpha": 0.0 <= alpha <= 1.0, "batch_fraction": 0.0 < bf <= 1.0, "prior_var": prior_var > 0,
               "prior_mean": np.isfinite(prior_mean),
               "prior_weight": 0.0 <= w <= 1.0, "seed": 0 <= seed < 2 ** 63,
               "blocks": blocks is None or (all(x > 0 for x in blocks) and sum(blocks) == d),
-              "local_steps": (1 <= steps <= 10**5) if oracle in LOCAL_ORACLES else steps == 0,
+              "local_steps": (1 <= steps <= 10**5) if local else steps == 0,
               "tau": 0.0 <= tau <= 1.0, "temperature": 0.0 < temperature <= 1e6,
-              "metric": metric in ("identity", "sent") and (metric == "identity" or oracle in LOCAL_ORACLES)}
+              "metric": metric in ("identity", "sent") and (metric == "identity" or local)}
     if bad := [k for k, ok in checks.items() if not ok]:
         raise ValueError(f"client settings: bad value for {', '.join(bad)}")
     compressor = QSGD(s=s, blocks=blocks, encoding=encoding) if s else Identity()
@@ -237,7 +239,7 @@ def server_spec(cfg: RunConfig, task: Task, theta_star: np.ndarray | None, block
     metric = Metric() if metric is None else metric
     # DG-LMC coupled in M's norm draws θ | z in M's eigenbasis (a low-rank correction: refused by
     # protocol.local_chains, naming the key)
-    spectrum = Spectrum.of(metric) if cfg.oracle == "dglmc" and not metric.is_identity and metric.low is None else None
+    spectrum = Spectrum.of(metric) if cfg.kind.coupled and not metric.is_identity and metric.low is None else None
     return ServerSpec(
         b=cfg.b, gamma=cfg.gamma, p=cfg.p, rule=cfg.aggregation, memory=cfg.memory,
         alpha=alphas(cfg, task.dim, blocks), l=cfg.l, oracle=cfg.oracle, prior=task.prior,

@@ -15,8 +15,6 @@ from __future__ import annotations
 import numpy as np
 
 from qlsd_flwr.core.oracles import (
-    AT_THETA_STAR,
-    LOCAL_ORACLES,
     ClientSpec,
     ClientState,
     client_round,
@@ -51,15 +49,15 @@ def _prepare(spec: ClientSpec, pot: LocalPotential, st: ClientState, fields: dic
             else local_curvature(pot, theta, kind, seed, i)
         return theta, {"client": i, "status": "ok", "payload": arr_to_bytes(h.ravel())}
     # every field is read and checked before any of the client's state changes
-    if spec.oracle in LOCAL_ORACLES:
-        local_of(fields, spec.oracle)  # the round's numbers
+    if spec.kind.local:
+        local_of(fields, spec.kind.coupled)  # the round's numbers
         refresh_of(fields)
     version, count = int(fields["anchor_version"]), int(fields["eta_count"])
     eta = vector(fields["eta"], d) if "eta" in fields else None
     anchor = vector(fields["anchor"], d) if "anchor" in fields else None
-    total = vector(fields.get("anchor_total"), d) if anchor is not None and spec.oracle in AT_THETA_STAR else None
-    surrogate = _surrogate(fields, d) if anchor is not None and spec.oracle == "fsgld" else None
-    metric = _metric(fields, d, spec.oracle) if "metric" in fields and spec.metric != "identity" else None
+    total = vector(fields.get("anchor_total"), d) if anchor is not None and spec.kind.at_theta_star else None
+    surrogate = _surrogate(fields, d) if anchor is not None and spec.kind.surrogate else None
+    metric = _metric(fields, d, spec.kind.coupled) if "metric" in fields and spec.metric != "identity" else None
     if metric is not None:
         st.metric = metric
     if eta is not None:
@@ -70,7 +68,7 @@ def _prepare(spec: ClientSpec, pot: LocalPotential, st: ClientState, fields: dic
         st.surrogate, st.surrogate_total = surrogate
     if anchor is not None:
         set_anchor(spec, pot, st, anchor, version)
-    stale_anchor = spec.oracle in ("svrg", "star", "fald-star", "fsgld") and st.anchor_version != version
+    stale_anchor = spec.kind.anchored and st.anchor_version != version
     stale_eta = spec.memory and st.eta_count != count
     lost_metric = spec.metric != "identity" and st.metric is None  # a restarted node: the server sends it again
     if stale_anchor or stale_eta or lost_metric:
@@ -87,25 +85,25 @@ def _surrogate(fields: dict, d: int) -> tuple[np.ndarray, np.ndarray]:
     return lam, total
 
 
-def _metric(fields: dict, d: int, oracle: str):
+def _metric(fields: dict, d: int, coupled: bool):
     """The local steps' metric ``M`` (:func:`qlsd_flwr.protocol.wire.metric_of`); DG-LMC's without a
     low-rank correction (its server draws θ | z in ``M``'s eigenbasis); else ``ValueError`` naming it."""
     m = metric_of(fields["metric"], d)
-    if oracle == "dglmc" and m.low is not None:
+    if coupled and m.low is not None:
         raise ValueError("sample: 'metric' for dg-lmc may not carry a low-rank correction")
     return m
 
 
-def local_of(fields: dict, oracle: str = "fald") -> tuple[float, float, float, float]:
+def local_of(fields: dict, coupled: bool = False) -> tuple[float, float, float, float]:
     r"""The round's four numbers ``local`` of a local-chain oracle, 32 bytes of float64 (a legacy config
     holds no lists): FALD and VR-FALD\* ``(h, w_i, S_A, p_i)`` (:func:`qlsd_flwr.core.oracles.local_message`)
     with ``h > 0``, ``0 < w_i ≤ 1``, ``S_A > 0``, ``0 < p_i ≤ 1`` (FSGLD's ``(h, f_s, 1, 1)`` the same); DG-LMC ``(γ_i, ρ_i, 1, 1)``
-    (:func:`qlsd_flwr.core.oracles.auxiliary_step`) with ``γ_i, ρ_i > 0``, all finite; else ``ValueError``."""
+    (:func:`qlsd_flwr.core.oracles.auxiliary_step`, ``coupled``) with ``γ_i, ρ_i > 0``, all finite; else ``ValueError``."""
     x = fields.get("local")
     if not isinstance(x, (bytes, bytearray)) or len(x) != 32:
         raise ValueError("sample: 'local' must be four numbers as 32 bytes of float64")
     h, w, share, p = (float(v) for v in np.frombuffer(bytes(x), dtype="<f8"))
-    if oracle == "dglmc":
+    if coupled:
         if not (0 < h < np.inf and 0 < w < np.inf):
             raise ValueError(f"sample: 'local' out of range (γ_i > 0, ρ_i > 0): {[h, w]}")
     elif not (0 < h < np.inf and 0 < w <= 1 and 0 < share < np.inf and 0 < p <= 1):
@@ -126,7 +124,7 @@ def refresh_of(fields: dict) -> bool:
 def _refreshed(spec: ClientSpec, pot: LocalPotential, fields: dict, theta: np.ndarray, out: dict) -> dict:
     """A VR-FALD* reply in a refresh round also carries ``ref_grad = ∇U_i(θ_k)`` (the message's θ), the
     client's part of the next reference's ``∇U(θ_r)`` (:mod:`qlsd_flwr.protocol.local_chains`)."""
-    if spec.oracle == "fald-star" and refresh_of(fields):
+    if spec.kind.refreshable and refresh_of(fields):
         out["ref_grad"] = arr_to_bytes(full_local_grad(spec, pot, theta))
     return out
 
@@ -145,7 +143,7 @@ def block_of(x, d: int) -> np.ndarray:
 def _sampled(spec: ClientSpec, pot: LocalPotential, st: ClientState, q, fields: dict, done: dict | None = None) -> dict:
     out = {"client": spec.index, "status": "ok", "payload": spec.compressor.encode(q),
            "anchor_version": st.anchor_version}
-    if spec.oracle in ("star", "fald-star", "fsgld") and "anchor" in fields:
+    if spec.kind.needs_theta_star and "anchor" in fields:
         # QLSD*: the reply to θ* repeats ∇U_i(θ*), which the server holds against this client's θ* phase
         # reply (a client that lied there, honest now, is caught: protocol.server.QLSDServer.accept);
         # ``done``: the chains' anchors already answered (θ* is the run's; VR-FALD*'s refreshed θ_r a chain's)
@@ -162,7 +160,7 @@ def handle(spec: ClientSpec, pot: LocalPotential, st: ClientState, seed: int, fi
     if reply is not None:
         return reply
     q, _ = client_round(spec, pot, st, seed, int(fields["round"]), theta,
-                        local_of(fields, spec.oracle) if spec.oracle in LOCAL_ORACLES else None)
+                        local_of(fields, spec.kind.coupled) if spec.kind.local else None)
     return _refreshed(spec, pot, fields, theta, _sampled(spec, pot, st, q, fields))
 
 
@@ -185,7 +183,7 @@ def handle_chains(spec: ClientSpec, pot: LocalPotential, load_state, seed: int, 
         chains = [c for c, _ in ready]
         outs = client_rounds(spec, pot, [states[c] for c in chains], [seed + c for c in chains],
                              int(fields["round"]), np.stack([theta for _, theta in ready]),
-                             [local_of(per[c], spec.oracle) if spec.oracle in LOCAL_ORACLES else None for c in chains])
+                             [local_of(per[c], spec.kind.coupled) if spec.kind.local else None for c in chains])
         done: dict = {}  # ∇U_i at each anchor sent, computed once (θ* is the run's, shared by the chains)
         for (c, theta), (q, _) in zip(ready, outs):
             replies[c] = _refreshed(spec, pot, per[c], theta, _sampled(spec, pot, states[c], q, per[c], done))

@@ -30,7 +30,6 @@ import numpy as np
 
 from qlsd_flwr.config import ConfigError
 from qlsd_flwr.core import dglmc, fald, fsgld
-from qlsd_flwr.core.oracles import AT_THETA_STAR
 from qlsd_flwr.protocol import build
 from qlsd_flwr.protocol.claims import ThetaStarClaims
 from qlsd_flwr.protocol.wire import ReplyError, gradient_of, metric_to_bytes
@@ -64,13 +63,14 @@ def start(server, prep=None) -> None:
     (identity, diagonal, dense, Kronecker, with or without ``metric-rank``'s correction); DG-LMC's
     coupling any but a low-rank corrected one."""
     _set_metric(server, ConfigError)
-    if server.cfg.oracle == "fsgld":
+    kind = server.cfg.kind
+    if kind.surrogate:
         if prep is None or prep.surrogate is None:
             raise ConfigError("fsgld: the clients' surrogates were not gathered before sampling "
                               "(core.precondition.prepare); this path started a chain without them")
         server.surrogate = np.array(prep.surrogate, dtype=np.float64)
         return
-    if server.cfg.oracle != "dglmc":
+    if not kind.coupled:
         return
     st = server.state
     st.eta_i[...] = st.theta
@@ -83,7 +83,7 @@ def _set_metric(server, error) -> None:
     a started or restored server has sent it to no client yet); DG-LMC's may not carry a low-rank
     correction (``error`` naming the key)."""
     m = server.spec.metric
-    if server.cfg.oracle == "dglmc" and m.low is not None:
+    if server.cfg.kind.coupled and m.low is not None:
         raise error(f"metric-rank: {server.cfg.variant}'s exact θ | z draw takes its metric in the metric's own "
                     "eigenbasis, which a low-rank correction changes; allowed: metric-rank = 0")
     server._metric_sent = set()
@@ -100,19 +100,20 @@ def begin_round(server) -> None:
     judged against the same version, whatever order the replies arrive in)."""
     b, kept = server.cfg.b, _kept(server)
     server._fresh = False  # VR-FALD*'s refresh round (below)
-    if server.cfg.oracle == "dglmc":
+    kind = server.cfg.kind
+    if kind.coupled:
         _couple(server)
         rho = rho_of(server)
         step = dglmc.local_step(float(server.spec.gamma), rho, float(server.cfg.get("gamma-c")))
         row = np.array([step, rho, 1.0, 1.0], dtype="<f8").tobytes()
         server._local = {i: row for i in server._active}
         return
-    if server.cfg.oracle in AT_THETA_STAR:
+    if kind.at_theta_star:
         server._star_version = len(server.norm_guard.excluded) + _installed(server)
         off = None if server.claims is None else server.claims.offset(server.norm_guard.excluded)
         server._star_total = off if off is not None or server.claims is None else server.claims.total
     n = [server.norm_guard.n.get(i, 1) for i in range(b)]
-    if server.cfg.oracle == "fsgld":  # one kept client, by its data share; the step weighs it 1
+    if kind.surrogate:  # one kept client, by its data share; the step weighs it 1
         f, _ = fald.round_shares(n, kept, [], server.cfg.p)
         if not kept:  # every client excluded: nobody is asked, the round is skipped (as FALD's)
             server._active, server._f, server._local = [], f, {}
@@ -127,7 +128,7 @@ def begin_round(server) -> None:
         server._local = {s: np.array([server.spec.gamma, f[s], 1.0, 1.0], dtype="<f8").tobytes()}
         return
     # VR-FALD*'s refresh round (probability q, its own stream): every kept client, p_i = 1 for the round
-    server._fresh = server.cfg.oracle == "fald-star" and fald.refreshes(float(server.cfg.get("q") or 0.0),
+    server._fresh = kind.refreshable and fald.refreshes(float(server.cfg.get("q") or 0.0),
                                                                         server.cfg.seed, server.state.k)
     server._ref_grads = {}
     if server._fresh:
@@ -149,12 +150,12 @@ def add_fields(server, i: int, fields: dict) -> None:
     if server._metric_bytes is not None and (i not in server._metric_sent or server.needs_resync[i]):
         fields["metric"] = server._metric_bytes
         server._metric_sent.add(i)
-    if "anchor" in fields and server.cfg.oracle in AT_THETA_STAR:
+    if "anchor" in fields and server.cfg.kind.at_theta_star:
         if server.claims is None:
             raise ConfigError(f"{server.cfg.variant}: the clients' ∇U_i(θ*) were not gathered before sampling "
                               "(QLSDServer.set_claims); its clients need ∇U(θ*)")
         fields["anchor_total"] = server._star_total
-    if "anchor" in fields and server.cfg.oracle == "fsgld":  # λ_i and Λ over the clients kept
+    if "anchor" in fields and server.cfg.kind.surrogate:  # λ_i and Λ over the clients kept
         fields["surrogate"] = server.surrogate[i]
         fields["surrogate_total"] = server._lam_total
 
@@ -177,7 +178,7 @@ def before_step(server) -> None:
     installs its new reference θ_r = θ_k, with ``∇U(θ_r)`` the sum of the kept clients' ``ref_grad``
     and the prior's, when every kept client's reply was accepted; otherwise the reference stays (counted
     as ``incomplete``: the control variate is unbiased for any reference fixed before its rounds)."""
-    if server.cfg.oracle == "dglmc":
+    if server.cfg.kind.coupled:
         _couple(server)
     if not server._fresh:
         return
@@ -204,7 +205,7 @@ REFRESH_COUNTS = ("rounds", "installed", "incomplete", "uplink_bits")
 
 
 def _refreshing(server) -> bool:
-    return server.cfg.oracle == "fald-star" and float(server.cfg.get("q") or 0.0) > 0
+    return server.cfg.kind.refreshable and float(server.cfg.get("q") or 0.0) > 0
 
 
 def _installed(server) -> int:
@@ -223,11 +224,11 @@ def _count(server, **inc) -> None:
 def reply_norms(server, pending: dict) -> tuple[dict[int, float], float | None]:
     """What the bounded-influence rule judges of each valid reply (module docstring), and FSGLD's
     reference while its pool is thin (:func:`predicted_scale`)."""
-    if server.cfg.oracle == "dglmc":  # M⁻¹ (z_i' − θ)/ρ with a metric (core.dglmc)
+    if server.cfg.kind.coupled:  # M⁻¹ (z_i' − θ)/ρ with a metric (core.dglmc)
         rho, st, sp = rho_of(server), server.state, server.spec.spectrum
         inv = (lambda x: x) if sp is None else (lambda x: sp.map(x, lambda s: 1.0 / s))  # M⁻¹
         return {i: float(np.linalg.norm(inv(st.eta_i[i] + p[0] - st.theta))) / rho for i, p in pending.items()}, None
-    if server.cfg.oracle == "fsgld":
+    if server.cfg.kind.surrogate:
         return ({i: float(server._f[i] * np.linalg.norm(p[0])) for i, p in pending.items()},
                 predicted_scale(server) if pending else None)
     return {i: float(server.spec.local_weights[i] * np.linalg.norm(p[0])) for i, p in pending.items()}, None
@@ -277,7 +278,7 @@ def restore(server, a: dict) -> None:
             raise CheckpointError(f"checkpoint: 'reference_refresh' must be the {len(REFRESH_COUNTS)} counts "
                                   f"{', '.join(REFRESH_COUNTS)} as integers ≥ 0 (vr-fald-star, q > 0)")
         _count(server, **{k: int(v) for k, v in zip(REFRESH_COUNTS, c)})
-    if server.cfg.oracle != "fsgld":
+    if not server.cfg.kind.surrogate:
         return
 
     s = a.get("surrogate")

@@ -5,7 +5,7 @@ judges each round's valid replies before any state changes. What it measures is 
 gradient estimate the reply makes, ``ĝ_i`` (or ``η_i + ĝ_i`` for the memory variants, whose replies
 are differences with norms spanning orders of magnitude), *per datum*: ``v_i = ‖·‖ / N_i`` with
 ``N_i`` the client's data count (its claim, clamped to
-:data:`~qlsd_flwr.core.metric.REPORT_CAP` times the lower median of the claims). Every variant's
+:data:`~qlsd_flwr.robust.reports.REPORT_CAP` times the lower median of the claims). Every variant's
 estimate is a sum over the client's data, so honest clients of different sizes have comparable
 ``v_i``. The reference ``R`` is the median of every valid reply's ``v`` over the last
 :data:`WINDOW` rounds, all clients pooled: one client is at most ``1/b`` of the pool and cannot move
@@ -87,7 +87,7 @@ class NormGuard:
 
     def set_counts(self, n_data) -> None:
         """The clients' ``N_i`` (claims; clamped as the curvature reports' scale is)."""
-        from qlsd_flwr.core.metric import clamped_counts
+        from qlsd_flwr.robust.reports import clamped_counts
 
         self.n = clamped_counts(np.ones(self.b) if n_data is None else np.asarray(n_data), range(self.b))
 

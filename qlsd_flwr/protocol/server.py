@@ -29,7 +29,6 @@ import numpy as np
 from qlsd_flwr.compression.format import DecodeError
 from qlsd_flwr.config import ConfigError, RunConfig, check_memory
 from qlsd_flwr.core import participation
-from qlsd_flwr.core.oracles import AT_THETA_STAR, LOCAL_ORACLES
 from qlsd_flwr.core.potential import GaussianPrior
 from qlsd_flwr.core import precondition
 from qlsd_flwr.core import server_step as sampler
@@ -70,14 +69,12 @@ class QLSDServer:
         self.blocks = build.blocks_for(cfg, task)
         self.compressors = [build.compressor_for(cfg, i, self.blocks) for i in range(cfg.b)]
         self.settings = [build.client_settings(cfg, i, self.d, task.prior, self.blocks) for i in range(cfg.b)]
-        self.local = cfg.oracle in LOCAL_ORACLES  # FALD, VR-FALD*, DG-LMC: local chains (protocol.local_chains)
+        self.local = cfg.kind.local  # FALD, VR-FALD*, DG-LMC: local chains (protocol.local_chains)
         if self.local and not isinstance(task.prior, GaussianPrior):
             raise ConfigError(f"prior: {cfg.variant}'s clients share the prior in their local steps, and only a "
                               f"Gaussian prior's two numbers travel to them (got {type(task.prior).__name__})")
-        measure = {"star": "claim+difference", "fald": "share*displacement", "fald-star": "share*displacement",
-                   "dglmc": "coupling pull", "fsgld": "share*displacement"}.get(cfg.oracle, "estimate")
         self.norm_guard = NormGuard(cfg.raw.get("norm-bound", "auto"), cfg.b, task.n_data if task.clients else None,
-                                    measure)  # see _commit
+                                    cfg.kind.measure)  # see _commit
         self._norm_warned: set[int] = set()
         self.keep_trace, self.engine_label, self.observer = keep_trace, engine_label, observer
         if keep_trace:  # the trace is the run's largest allocation: sized before the first round
@@ -132,7 +129,7 @@ class QLSDServer:
 
     def wants_claims(self) -> bool:
         """QLSD*/LSD*, unless norm-bound = off (no defence at all): every client's ∇U_i(θ*) is asked."""
-        return (self.cfg.oracle == "star" and self.norm_guard.mode != "off") or self.cfg.oracle in AT_THETA_STAR
+        return (self.cfg.kind.cv_theta_star and self.norm_guard.mode != "off") or self.cfg.kind.at_theta_star
 
     def set_claims(self, grads) -> None:
         """Every client's ``∇U_i(θ*)`` (``None``: not asked), what its reply to θ* must repeat and what
@@ -210,11 +207,12 @@ class QLSDServer:
         log.info("resumed at round %d from a checkpoint", st.k)
 
     def anchor(self):
-        if self.cfg.oracle == "svrg":
+        kind = self.cfg.kind
+        if kind.cv_zeta:
             return self.state.zeta, self.state.zeta_version
-        if self.cfg.oracle == "star":
+        if kind.cv_theta_star:
             return self.spec.theta_star, 0
-        if self.cfg.oracle in AT_THETA_STAR:  # ∇U(θ*) changes when a client leaves: a new version
+        if kind.at_theta_star:  # ∇U(θ*) changes when a client leaves: a new version
             return self.spec.theta_star, getattr(self, "_star_version", len(self.norm_guard.excluded))
         return None, -1
 

@@ -22,7 +22,7 @@ def load_task(cfg: RunConfig) -> Task:
 
 def _load_task(cfg: RunConfig) -> Task:
     name = cfg.task
-    pooled = cfg.variant == "sgld"
+    pooled = cfg.sampler.pooled
     if name == "gaussian":
         from qlsd_flwr.tasks.gaussian import build_gaussian_task
 
@@ -92,7 +92,7 @@ def load_client(cfg: RunConfig, i: int, data_path: str | None = None):
     name = cfg.task
     if data_path:
         return load_partition(cfg, data_path)
-    if name == "gaussian" and cfg.variant != "sgld":
+    if name == "gaussian" and not cfg.sampler.pooled:
         from qlsd_flwr.tasks.gaussian import GaussianLocal, client_data
 
         d = cfg.dim

@@ -273,7 +273,7 @@ def load_client(cfg: RunConfig, i: int):
     :func:`qlsd_flwr.tasks.loading.load_client` returns it (``blocks`` ``None`` unless
     ``block-norm = tensor``)."""
     spec = spec_of(cfg)
-    pooled = cfg.variant == "sgld"
+    pooled = cfg.sampler.pooled
     idx = _client_indices(spec, pooled)
     if not 0 <= i < len(idx):
         raise ConfigError(f"partition-id {i} out of range: the split has {len(idx)} client(s)")

@@ -4,14 +4,12 @@ backend, outputs, checkpoints and divergence (see :mod:`qlsd_flwr.engines.vector
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 
 import numpy as np
 
 from qlsd_flwr.config import ConfigError, RunConfig, check_memory
 from qlsd_flwr.core import precondition
-from qlsd_flwr.core.oracles import LOCAL_ORACLES
 from qlsd_flwr.core.potential import GaussianPrior, Task
 from qlsd_flwr.outputs import loo
 from qlsd_flwr.engines.vectorised.numba_backend import NumbaChains
@@ -23,10 +21,10 @@ from qlsd_flwr.engines.vectorised.results import (
     chain_seeds,
 )
 from qlsd_flwr.outputs import checkpoint as ckpt
+from qlsd_flwr.outputs.jsonio import dumps
 from qlsd_flwr.outputs.progress import progress_bar
 from qlsd_flwr.outputs.recorder import (
     Recorder,
-    _jsonable,
     deferred_signals,
     make_run_dir,
 )
@@ -62,7 +60,7 @@ def backend_for(cfgs, task: Task, backend: str = "auto") -> str:
     reference. On the logistic task ``numba`` runs only when asked for: its gradient is equal to
     the reference's within float rounding, not bit for bit (see :mod:`.kernel`)."""
     cfgs = [cfgs] if isinstance(cfgs, RunConfig) else list(cfgs)
-    if any(c.oracle in LOCAL_ORACLES for c in cfgs):  # the rivals' local chains: engines.vectorised.rivals
+    if any(c.kind.local for c in cfgs):  # the rivals' local chains: engines.vectorised.rivals
         if backend == "numba":
             raise ValueError("vectorised-backend = numba runs the QLSD family only; the rivals (fald, vr-fald-star, "
                              "dg-lmc, fsgld) run on: auto, numpy")
@@ -94,7 +92,7 @@ def _check_side_by_side(cfgs: list[RunConfig]) -> None:
         if bad:
             raise ValueError(f"run_side_by_side: configurations differ in {', '.join(bad)}; only "
                              f"{', '.join(SIDE_BY_SIDE_KEYS)} may differ")
-        if (c.variant == "sgld") != (ref.variant == "sgld"):
+        if c.sampler.pooled != ref.sampler.pooled:
             raise ValueError("run_side_by_side: sgld pools the data on one client; run it apart")
 
 
@@ -193,7 +191,7 @@ def run_side_by_side(cfgs, task: Task | None = None, write: bool = False, keep_t
         if which == "numba":
             runner = NumbaChains(cfgs, task, parts, stats, threads)
         else:
-            runner = Sequential([RivalChains(cfg, task, pt[0], pt[5], st) if cfg.oracle in LOCAL_ORACLES else
+            runner = Sequential([RivalChains(cfg, task, pt[0], pt[5], st) if cfg.kind.local else
                                  NumpyGeneric(cfg, task, *pt[:4], st, theta0=pt[4])
                                  for cfg, pt, st in zip(cfgs, parts, stats)])
         t0 = time.perf_counter()
@@ -259,7 +257,7 @@ def run_side_by_side(cfgs, task: Task | None = None, write: bool = False, keep_t
         if recs[v] is not None:
             summary = recs[v].close(extra)
             summary["per_chain_round"] = {kk: val / nchain for kk, val in summary["per_round"].items()}
-            (run_dirs[v] / "summary.json").write_text(json.dumps(summary, indent=2, default=_jsonable))
+            (run_dirs[v] / "summary.json").write_text(dumps(summary, indent=2))
             mode = cfgs[v].get("loo")  # the federated LOO, each client's part computed as its node would
             loo.attach(run_dirs[v], mode, task.n_data, loo.local_ask(task.clients, mode), summary)
         else:

@@ -102,7 +102,7 @@ def kernel_params(cfgs, task, parts, noise_in_kernel: bool) -> KernelParams:
         active_fraction=Aggregation.of(spec0.rule) is Aggregation.ACTIVE_FRACTION, burn_in=int(ref.burn_in), thin=int(ref.thin),
         prior_flat=bool(prior.is_flat), prior_on_server=bool(spec0.prior_on_server),
         noise_in_kernel=bool(noise_in_kernel),
-        need_minibatch=bool(np.any(oracle != int(Oracle.FULL))), need_dither=bool(compressed.any()),
+        need_minibatch=any(c.kind.minibatch for c in cfgs), need_dither=bool(compressed.any()),
         prior_var=float(prior.var), prior_mean=float(prior.mean),
         prior_weight=float(specs0[0].prior_weight))
 
@@ -131,7 +131,7 @@ class NumbaChains:
         for v, pt in enumerate(parts):  # init = dispersed: each configuration's own starts (θ* may differ)
             theta[:, v, :] = build.theta0_of(task) if pt[4] is None else pt[4]
         # ∇U_i(ζ) (QLSD++) and η_i (memory): a last axis of 1 when no configuration uses them
-        wide_ag = d if np.any(self.prm.oracle == int(Oracle.SVRG)) else 1
+        wide_ag = d if any(c.kind.cv_zeta for c in cfgs) else 1
         wide_eta = d if self.prm.memory.any() else 1
         self.ch = ChainArrays(
             seeds=chain_seeds(ref).astype(np.uint64), theta=theta, zeta=theta.copy(),

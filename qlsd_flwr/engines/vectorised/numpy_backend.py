@@ -144,21 +144,21 @@ class NumpyGeneric:
         if not self.batched:
             # per (chain, client) client state: anchor cache (ζ or θ*) and memory η_i
             self.states = [[ClientState() for _ in range(b)] for _ in range(nc)]
-            if cfg.oracle == "star":
+            if cfg.kind.cv_theta_star:
                 for row in self.states:
                     for st in row:
                         st.anchor = np.array(theta_star, dtype=np.float64, copy=True)
             return
         # the batched path keeps the clients' state as arrays over (chain, client)
         self.theta_star = None if theta_star is None else np.array(theta_star, dtype=np.float64, copy=True)
-        self.anchor_grad = np.zeros((nc, b, d)) if cfg.oracle == "svrg" else None  # ∇U_i(ζ_c)
+        self.anchor_grad = np.zeros((nc, b, d)) if cfg.kind.cv_zeta else None  # ∇U_i(ζ_c)
         # minibatches: clients drawing an n_i-subset of N_i > n_i points; the others take all
         self.seeds_u64 = np.asarray(self.seeds).astype(np.uint64)
         self.n_data = np.array([task.clients[i].n_data for i in range(b)], dtype=np.int64)
         self.n_batch = np.array([s.batch_size for s in specs], dtype=np.int64)
-        self.sub = np.array([i for i in range(b) if specs[i].oracle != "full"
+        self.sub = np.array([i for i in range(b) if specs[i].kind.minibatch
                              and self.n_batch[i] < self.n_data[i]], dtype=np.int64)
-        self.all_rows = [None if specs[i].oracle == "full" or i in self.sub else
+        self.all_rows = [None if not specs[i].kind.minibatch or i in self.sub else
                          np.broadcast_to(np.arange(self.n_data[i], dtype=np.int64), (nc, self.n_data[i]))
                          for i in range(b)]
         # clients whose oracles are computed together (grad_sum_clients): consecutive runs of at
@@ -234,7 +234,7 @@ class NumpyGeneric:
         a = {"theta": st.theta, "n_kept": np.asarray(self.stats.n_kept)}
         if st.zeta is not None:
             a["zeta"] = st.zeta
-            if self.cfg.oracle == "svrg":
+            if self.cfg.kind.cv_zeta:
                 a["anchor_grad"] = (self.anchor_grad.copy() if self.batched else
                                     np.array([[cs.anchor_grad for cs in row] for row in self.states]))
         if st.eta_i is not None:
@@ -296,7 +296,7 @@ class NumpyGeneric:
         h = np.zeros((nc, b, d))
         ag = self.anchor_grad
         done = ~on
-        anchor = st.zeta if cfg.oracle == "svrg" else self.theta_star
+        anchor = st.zeta if cfg.kind.cv_zeta else self.theta_star
         for m in self.ogroups:  # a group of clients active in every chain: together
             if active[:, m].all():
                 h[:, m] = oracle_batch_clients([self.specs[i] for i in m], [task.clients[i] for i in m],
@@ -308,7 +308,7 @@ class NumpyGeneric:
             rows = slice(None) if act.all() else np.flatnonzero(act)
             idx = idxs[i]
             h[rows, i] = oracle_batch(si, pot, st.theta[rows], None if idx is None else idx[rows],
-                                      st.zeta[rows] if si.oracle == "svrg" else self.theta_star,
+                                      st.zeta[rows] if si.kind.cv_zeta else self.theta_star,
                                       None if ag is None else ag[rows, i])
         if cfg.memory:
             h = np.where(active[:, :, None], h - st.eta_i, 0.0)  # send C(H_i − η_i)
@@ -380,7 +380,7 @@ class NumpyGeneric:
             if not act.any():
                 continue
             idx = None
-            if si.oracle != "full":
+            if si.kind.minibatch:
                 if si.batch_size >= pot.n_data:
                     idx = np.broadcast_to(np.arange(pot.n_data, dtype=np.int64), (nc, pot.n_data))
                 else:

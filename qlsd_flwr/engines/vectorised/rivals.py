@@ -25,7 +25,7 @@ import numpy as np
 from qlsd_flwr.core.oracles import ClientState, full_local_grad
 from qlsd_flwr.engines.local import direct_round
 from qlsd_flwr.engines.vectorised.results import keeps
-from qlsd_flwr.outputs.recorder import _jsonable
+from qlsd_flwr.outputs.jsonio import dumps
 from qlsd_flwr.protocol.chains import ChainSet
 from qlsd_flwr.protocol.divergence import DivergenceError
 
@@ -104,7 +104,7 @@ class RivalChains:
 
     def checkpoint_meta(self) -> dict:
         """The chains' servers' JSON state (their guards, counters, the θ* facts)."""
-        return json.loads(json.dumps(self.set.snapshot()[1], default=_jsonable))
+        return json.loads(dumps(self.set.snapshot()[1]))
 
     def restore(self, a: dict, meta: dict | None = None) -> None:
         """The state of :meth:`checkpoint_arrays` and :meth:`checkpoint_meta`; every client starts

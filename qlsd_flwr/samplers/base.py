@@ -1,0 +1,102 @@
+"""What a sampler declares, in one place: :class:`Estimator` (what a client's message estimates, the
+``oracle`` label that travels in the client settings) and :class:`Sampler` (a ``variant``: its estimator,
+whether its messages are compressed and carry a memory, what it needs before sampling, the keys that
+do not apply to it and the ones it refuses).
+
+The rest of the package asks these objects, never the names: ``cfg.sampler.pooled``,
+``spec.kind.cv_zeta``, ``cfg.kind.coupled``. Both are plain, frozen data and import nothing of the
+package but the key table's :class:`~qlsd_flwr.keys.ConfigError`, so every layer (the configuration,
+the core's specs, the protocol, the engines, Flower, the checkpoints) may read them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """What client ``i``'s message is, as the core and the protocol ask about it (ALGORITHMS.md).
+
+    The flags are independent facts; the properties combine them.
+    """
+
+    name: str  # the ``oracle`` label in the client settings and ``RunConfig.oracle``
+    minibatch: bool = False  # draws a minibatch S_i each round (QLSD#, QLSD*, QLSD++, SGLD)
+    cv_theta_star: bool = False  # H_i(θ) − H_i(θ*): a control variate at θ* (QLSD*, LSD*)
+    cv_zeta: bool = False  # H_i(θ) − H_i(ζ) + ∇U_i(ζ), ζ refreshed every l rounds (QLSD++, LSD++)
+    local: bool = False  # K local steps, the round's numbers sent in ``local`` (FALD, VR-FALD*, DG-LMC, FSGLD)
+    at_theta_star: bool = False  # anchored at θ* with the federation's ∇U(θ*) sent beside it (VR-FALD*, FSGLD)
+    coupled: bool = False  # z_i kept on both sides, θ | z drawn exactly by the server (DG-LMC)
+    refreshable: bool = False  # its reference θ_r refreshed with probability q (VR-FALD*)
+    surrogate: bool = False  # Taylor surrogates at θ*, one client a round by its data share (FSGLD)
+    measure: str = "estimate"  # what the bounded-influence rule judges of a reply, as its messages name it
+
+    @property
+    def control_variate(self) -> bool:
+        """A difference at an anchor, whose mean vanishes at the mode (QLSD*, QLSD++, LSD*, LSD++)."""
+        return self.cv_theta_star or self.cv_zeta
+
+    @property
+    def anchored(self) -> bool:
+        """The client keeps an anchor (θ* or ζ) and its version."""
+        return self.control_variate or self.at_theta_star
+
+    @property
+    def needs_theta_star(self) -> bool:
+        """θ* is settled before sampling and every client's ``∇U_i(θ*)`` repeated in its replies to it."""
+        return self.cv_theta_star or self.at_theta_star
+
+    @property
+    def averaged(self) -> bool:
+        """The server averages the clients' local moves ``Δ_i`` (FALD's step; FSGLD with one client)."""
+        return self.local and not self.coupled
+
+    @property
+    def weighs_by_p(self) -> bool:
+        """A reply is weighed by ``1/p_i`` under ``aggregation = unbiased`` (not DG-LMC's draw nor FSGLD)."""
+        return not (self.coupled or self.surrogate)
+
+
+#: Refusals: ``check(settings)`` raises :class:`~qlsd_flwr.keys.ConfigError` naming the key.
+Check = Callable[["Settings"], None]
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The parsed keys a sampler's refusals read (``config.resolve`` builds it)."""
+
+    raw: dict
+    p: object  # np.ndarray of p_i
+    aggregation: str
+    metric: str
+    metric_rank: int
+    engine: str
+
+
+@dataclass(frozen=True)
+class Sampler:
+    """One ``variant``: everything the rest of the package asks about it.
+
+    Symbols follow the paper and ALGORITHMS.md; ``reference`` cites the sampler.
+    """
+
+    name: str  # the ``variant`` key's value
+    title: str  # as printed (QLSD++, VR-FALD*, ...)
+    estimator: Estimator
+    compressed: bool  # QSGD-coded messages under ``compressor = auto``
+    memory: bool  # a memory η_i (QLSD++'s; DG-LMC's z_i) kept on both sides
+    reference: str
+    pooled: bool = False  # centralised: the task's data pooled into one client taking part every round (SGLD)
+    not_applicable: frozenset = field(default_factory=frozenset)  # keys that cannot change its runs
+    checks: tuple = ()  # its refusals (Check)
+
+    @property
+    def oracle(self) -> str:
+        return self.estimator.name
+
+    def refuse(self, settings: Settings) -> None:
+        """Raise :class:`~qlsd_flwr.keys.ConfigError` for a key this sampler does not take."""
+        for check in self.checks:
+            check(self, settings)
