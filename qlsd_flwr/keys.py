@@ -24,9 +24,8 @@ from typing import Any
 
 import numpy as np
 
-
-class ConfigError(ValueError):
-    """A run configuration value is missing, unknown or out of range."""
+from qlsd_flwr import samplers
+from qlsd_flwr.errors import ConfigError  # noqa: F401 (the key table's error, re-exported)
 
 
 @dataclass(frozen=True)
@@ -114,8 +113,7 @@ KEYS: tuple[Key, ...] = (
         "anchor and memory), LSD*, LSD++ (uncompressed), SGLD (centralised); the rivals FALD, VR-FALD* (local "
         "Langevin steps, averaged), DG-LMC (local chains on z_i, exact θ | z) and FSGLD (one client a round, "
         "conducive gradients from surrogates at θ*): docs/RIVALS.md", "",
-        choices=("qlsd", "qlsd-sharp", "qlsd-star", "qlsd-pp", "lsd-star", "lsd-pp", "sgld", "fald", "vr-fald-star",
-                 "dg-lmc", "fsgld"),
+        choices=tuple(samplers.SAMPLERS),  # the registry (qlsd_flwr.samplers)
         group=SAMPLER),
     Key("local-steps", 1, "int", "FALD, VR-FALD*: local Langevin steps of step γ/w_i per round on each active "
         "client (w_i = N_i/N its data share); DG-LMC: ULA steps on each active client's z_i; FSGLD: Langevin "

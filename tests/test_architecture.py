@@ -18,7 +18,7 @@ PKG = ROOT / "qlsd_flwr"
 
 # bottom to top; a package may import its own layer's modules and those of lower layers
 LAYERS = [
-    {"plugins", "data"},
+    {"plugins", "data", "errors"},
     {"config", "keys", "samplers"},
     {"core", "compression", "outputs", "robust"},
     {"protocol"},

@@ -1,9 +1,12 @@
 """The samplers: one object per ``variant`` (:class:`~qlsd_flwr.samplers.base.Sampler`), one module per
 family, and the registry that maps the ``variant`` key to its object.
 
-How to add a sampler (docs/ARCHITECTURE.md): declare its :class:`Estimator` and :class:`Sampler` in a
-module of this package and list the module in ``_FAMILIES``; the configuration, the key table, the
-engines, the protocol and the checkpoints read the declaration.
+How to add a sampler (docs/ARCHITECTURE.md): declare its :class:`Sampler` (and, for a new kind of client
+message, its :class:`Estimator`) in a module of this package and list the module in ``_FAMILIES``, or
+call :func:`register` from anywhere (``tests/test_toy_sampler.py`` adds one from a test file alone); the
+configuration, the key table, the engines, the protocol, Flower's apps and the checkpoints read the
+declaration. A new estimator's flags must describe a message the core computes (a new formula is code in
+:mod:`qlsd_flwr.core.oracles`).
 """
 
 from __future__ import annotations
@@ -11,7 +14,8 @@ from __future__ import annotations
 from qlsd_flwr.samplers import dglmc, fald, fsgld, qlsd
 from qlsd_flwr.samplers.base import Estimator, Sampler, Settings
 
-__all__ = ["ALIASES", "ESTIMATORS", "SAMPLERS", "Estimator", "Sampler", "Settings", "estimator", "find", "get"]
+__all__ = ["ALIASES", "ESTIMATORS", "SAMPLERS", "Estimator", "Sampler", "Settings", "estimator", "find", "get",
+           "register", "unregister"]
 
 _FAMILIES = (qlsd, fald, dglmc, fsgld)
 
@@ -41,3 +45,25 @@ def get(name) -> Sampler:
 def estimator(oracle: str) -> Estimator:
     """The estimator an ``oracle`` label names (``KeyError`` for another)."""
     return ESTIMATORS[oracle]
+
+
+def register(sampler: Sampler) -> Sampler:
+    """Add ``sampler`` to the registry, so that ``variant = sampler.name`` runs it on every engine in this
+    process (a Flower run on Ray or a SuperLink needs it registered where its ServerApp and ClientApps
+    import their code). ``ValueError`` if its name is taken, or its estimator's label names another
+    estimator."""
+    if find(sampler.name) is not None:
+        raise ValueError(f"variant: {sampler.name!r} is already a sampler; allowed: a new name")
+    known = ESTIMATORS.get(sampler.oracle)
+    if known is not None and known != sampler.estimator:
+        raise ValueError(f"oracle: {sampler.oracle!r} already names another estimator ({known})")
+    SAMPLERS[sampler.name] = sampler
+    ESTIMATORS.setdefault(sampler.oracle, sampler.estimator)
+    return sampler
+
+
+def unregister(name: str) -> None:
+    """Remove a sampler :func:`register` added (its estimator stays while another sampler uses it)."""
+    sampler = SAMPLERS.pop(name)
+    if not any(s.oracle == sampler.oracle for s in SAMPLERS.values()):
+        ESTIMATORS.pop(sampler.oracle, None)

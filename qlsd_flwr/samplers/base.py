@@ -5,7 +5,7 @@ do not apply to it and the ones it refuses).
 
 The rest of the package asks these objects, never the names: ``cfg.sampler.pooled``,
 ``spec.kind.cv_zeta``, ``cfg.kind.coupled``. Both are plain, frozen data and import nothing of the
-package but the key table's :class:`~qlsd_flwr.keys.ConfigError`, so every layer (the configuration,
+package but :class:`~qlsd_flwr.errors.ConfigError`, so every layer (the configuration,
 the core's specs, the protocol, the engines, Flower, the checkpoints) may read them.
 """
 
@@ -59,7 +59,7 @@ class Estimator:
         return not (self.coupled or self.surrogate)
 
 
-#: Refusals: ``check(settings)`` raises :class:`~qlsd_flwr.keys.ConfigError` naming the key.
+#: Refusals: ``check(settings)`` raises :class:`~qlsd_flwr.errors.ConfigError` naming the key.
 Check = Callable[["Settings"], None]
 
 
@@ -97,6 +97,6 @@ class Sampler:
         return self.estimator.name
 
     def refuse(self, settings: Settings) -> None:
-        """Raise :class:`~qlsd_flwr.keys.ConfigError` for a key this sampler does not take."""
+        """Raise :class:`~qlsd_flwr.errors.ConfigError` for a key this sampler does not take."""
         for check in self.checks:
             check(self, settings)

@@ -6,7 +6,7 @@ It samples the augmented model π_ρ, whose θ-marginal is wider than the poster
 
 from __future__ import annotations
 
-from qlsd_flwr.keys import ConfigError
+from qlsd_flwr.errors import ConfigError
 from qlsd_flwr.samplers.base import Estimator, Sampler, Settings
 
 DGLMC = Estimator("dglmc", local=True, coupled=True, measure="coupling pull")

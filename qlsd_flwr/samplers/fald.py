@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from qlsd_flwr.keys import ConfigError
+from qlsd_flwr.errors import ConfigError
 from qlsd_flwr.samplers.base import Estimator, Sampler, Settings
 
 FALD = Estimator("fald", local=True, measure="share*displacement")

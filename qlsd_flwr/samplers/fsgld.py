@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from qlsd_flwr.keys import ConfigError
+from qlsd_flwr.errors import ConfigError
 from qlsd_flwr.samplers.base import Estimator, Sampler, Settings
 
 FSGLD = Estimator("fsgld", local=True, at_theta_star=True, surrogate=True, measure="share*displacement")
