@@ -342,7 +342,7 @@ def test_node_keys_bind_each_partition_to_its_registered_key(tmp_path):
 def test_review_cases_values_norms_and_closing(tmp_path):
     from qlsd_flwr.outputs.checkpoint import same_value
     from qlsd_flwr.outputs.recorder import Recorder
-    from qlsd_flwr.protocol.norm_guard import NormGuard
+    from qlsd_flwr.robust.norm_guard import NormGuard
 
     # resume compares meanings: aliases, one value against one per client, a key an older
     # checkpoint lacks against its default; a plug-in path as written

@@ -1,5 +1,5 @@
 """One client cannot move the chain (issue 21): the bounded-influence rule
-(:mod:`qlsd_flwr.protocol.norm_guard`), run-away detection, and the guard's state on resume.
+(:mod:`qlsd_flwr.robust.norm_guard`), run-away detection, and the guard's state on resume.
 
 Hostile replies go through Flower's in-process path, as a client mod that decodes client 0's real
 reply, transforms it and re-encodes it as a valid code (``benchmarks/bench_byzantine.py``, whose
@@ -18,7 +18,7 @@ import pytest
 from qlsd_flwr.config import ConfigError
 from qlsd_flwr.outputs.recorder import load_samples
 from qlsd_flwr.protocol.divergence import DivergenceError
-from qlsd_flwr.protocol.norm_guard import FACTOR_PROBATION, OWN_MIN, NormGuard
+from qlsd_flwr.robust.norm_guard import FACTOR_PROBATION, OWN_MIN, NormGuard
 from qlsd_flwr.run.simulate import run
 from qlsd_flwr.tasks.gaussian import build_gaussian_task
 

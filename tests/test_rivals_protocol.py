@@ -32,6 +32,7 @@ from qlsd_flwr.core.oracles import ClientState
 from qlsd_flwr.engines.local import run_local
 from qlsd_flwr.protocol import build
 from qlsd_flwr.protocol.client import handle
+from qlsd_flwr.robust.reports import cap_total
 from qlsd_flwr.run.simulate import run_inprocess
 from qlsd_flwr.tasks import loading
 
@@ -625,12 +626,11 @@ def test_fsgld_asks_one_client_a_round_by_its_data_share_and_sends_theta_star_wi
 def test_fsgld_caps_the_summed_surrogate_precision_at_one_over_gamma():
     # one client's report may pass the per-datum cap (its claimed N_i and 10× the others' per datum): its λ
     # stiffens every client's local step through Λ, so Λ is held to 1/γ (any λ keeps the gradient unbiased)
-    from qlsd_flwr.core import fsgld
 
     lam = np.array([[1.0, 2.0], [1.0, 2.0], [500.0, 2.0]])
-    assert fsgld.cap_total(lam.copy(), h=1e-3) == 0  # Λ = (502, 6): under 1/h = 1000
+    assert cap_total(lam.copy(), h=1e-3) == 0  # Λ = (502, 6): under 1/h = 1000
     capped = lam.copy()
-    assert fsgld.cap_total(capped, h=1e-2) == 1  # Λ_0 = 502 > 100: scaled to 100 in that coordinate only
+    assert cap_total(capped, h=1e-2) == 1  # Λ_0 = 502 > 100: scaled to 100 in that coordinate only
     assert capped[:, 0].sum() == pytest.approx(100.0) and np.array_equal(capped[:, 1], lam[:, 1])
     assert np.allclose(capped[:, 0] / capped[0, 0], lam[:, 0] / lam[0, 0])  # the clients' shares kept
 

@@ -73,18 +73,6 @@ def message(g, theta: np.ndarray, h: float, steps: int, seed: int, k: int, i: in
     return fald.message(g, theta, 1.0, h, 1.0, steps, seed, k, i, 1.0, 1.0, temperature, metric)
 
 
-def cap_total(lam: np.ndarray, h: float) -> int:
-    """Scale the precisions ``λ`` ``(b, d)`` down, in place, in each coordinate where ``Λ = Σ_i λ_i``
-    exceeds ``1/h``; returns how many coordinates. Every client's local step holds ``h Λ``, which must
-    stay below 2 for its steps to be stable whatever its own data (honest surrogates give
-    ``Λ ≤ λ_max(∇²U)``, and ``h λ_max`` is ``c = 0.25`` under ``gamma = auto``); any ``λ`` keeps
-    the conducive gradient unbiased, so a smaller one costs variance, never bias."""
-    total = lam.sum(axis=0)
-    over = total * h > 1.0
-    lam[:, over] *= (1.0 / h) / total[over]
-    return int(np.count_nonzero(over))
-
-
 def surrogates_from_reports(reports: dict, n_data, b: int, d: int) -> tuple[np.ndarray, list[int]]:
     """The precisions ``λ`` ``(b, d)`` from the clients' valid diagonal curvature reports ``{i: (d,)}``,
     each capped per datum as the metric's are (:func:`qlsd_flwr.robust.reports.cap_reports`: one client

@@ -32,7 +32,7 @@ from qlsd_flwr.core import metric as mt
 from qlsd_flwr.core import rng
 from qlsd_flwr.core.metric import Metric, MetricError
 from qlsd_flwr.core.potential import Task
-from qlsd_flwr.robust.reports import REPORT_CAP, ReportError
+from qlsd_flwr.robust.reports import REPORT_CAP, ReportError, cap_total
 from qlsd_flwr.core.theta_star import closed_form_theta_star, needs_theta_star, optimise_theta_star, resolve_theta_star
 from qlsd_flwr.outputs.metric_file import metric_from_file  # the one file the preparation reads
 
@@ -234,7 +234,7 @@ def _with_surrogates(cfg: RunConfig, task: Task, prep: Prepared, curv_fn: CurvFn
             refused[str(i)] = str(exc)
             log.warning("client %s: curvature report refused: %s (fsgld: its surrogate is linear)", i, exc)
     prep.surrogate, scaled = fsgld.surrogates_from_reports(ok, n_data, cfg.b, task.dim)
-    capped = fsgld.cap_total(prep.surrogate, prep.gamma)
+    capped = cap_total(prep.surrogate, prep.gamma)
     if capped:
         log.warning("fsgld: the clients' summed surrogate precision Λ exceeds 1/γ in %d coordinate(s) (a report far "
                     "over the others', or gamma near the stability limit): scaled down there to 1/γ, which keeps "

@@ -30,10 +30,10 @@ from qlsd_flwr.outputs.checkpoint import resume_dir, warmup_store
 from qlsd_flwr.outputs.observer import RunOutputs
 from qlsd_flwr.outputs.progress import progress_bar
 from qlsd_flwr.protocol import build
-from qlsd_flwr.protocol.claims import over_bound
+from qlsd_flwr.robust.claims import over_bound
 from qlsd_flwr.protocol.client import handle
 from qlsd_flwr.protocol.divergence import DivergenceError, divergence_message
-from qlsd_flwr.protocol.norm_guard import fixed_bound
+from qlsd_flwr.robust.norm_guard import fixed_bound
 from qlsd_flwr.protocol.server import QLSDServer
 from qlsd_flwr.protocol.wire import vectors_to_bytes
 from qlsd_flwr.tasks import loading

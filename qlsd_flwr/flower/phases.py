@@ -32,8 +32,8 @@ from flwr.app import Message, MessageType
 
 from qlsd_flwr.flower.records import record_fields, to_content
 from qlsd_flwr.protocol import build
-from qlsd_flwr.protocol.claims import over_bound, relative_gap
-from qlsd_flwr.protocol.norm_guard import fixed_bound
+from qlsd_flwr.robust.claims import over_bound, relative_gap
+from qlsd_flwr.robust.norm_guard import fixed_bound
 from qlsd_flwr.protocol.wire import PhaseError, arr_to_bytes, gradient_of
 
 log = logging.getLogger("qlsd_flwr")

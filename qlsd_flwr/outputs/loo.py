@@ -40,21 +40,17 @@ from typing import Callable
 
 import numpy as np
 
+from qlsd_flwr.robust.loo import LooError, check_reply  # noqa: F401 (LooError: the public name)
+
 MODES = ("psis", "pointwise", "off")
 GROUP = "loo"  # the psis mode's group in samples.nc (ArviZ reads no group of that name)
 HELDOUT = "heldout_log_likelihood"  # the held-out test points' log p(y_j | θ_s): never az.loo's input
-VALUE_MAX = 1e150
 #: above this share of points with k̂ > good_k the PSIS estimate is called unreliable (summary
 #: ``loo.reliable``); Vehtari et al. (2017) call each such point's estimate unreliable
 UNRELIABLE_SHARE = 0.1
 #: the most the draws may weigh in one message to a client (Flower's gRPC limit is 512 MiB)
 DOWNLINK_MAX_BYTES = 256 * 2**20
 log = logging.getLogger(__name__)
-
-
-class LooError(ValueError):
-    """The LOO cannot be computed (a potential without ``pointwise_log_lik``, a bad reply, a file
-    without it)."""
 
 
 def pointwise(pot, draws: np.ndarray) -> np.ndarray:
@@ -121,25 +117,6 @@ def reff_of(posterior) -> float:
     x = np.concatenate([np.asarray(posterior[v].values, dtype=np.float64).reshape(c, s, -1)
                         for v in posterior.data_vars], axis=2)
     return float(ess_mean(x).mean() / (c * s))
-
-
-def check_reply(payload, n_i: int, S: int, mode: str) -> np.ndarray:
-    """The reply as an array of its mode's shape; :class:`LooError` naming what is wrong."""
-    rows = S if mode == "pointwise" else 3
-    if not isinstance(payload, (bytes, bytearray, np.ndarray)):
-        raise LooError(f"payload of type {type(payload).__name__}, expected float64 bytes")
-    if isinstance(payload, (bytes, bytearray)) and len(payload) % 8:
-        raise LooError(f"{len(payload)} bytes, not whole float64 numbers, expected {rows} × N_i = {rows * n_i}")
-    a = np.frombuffer(bytes(payload), dtype="<f8") if isinstance(payload, (bytes, bytearray)) else payload
-    if a.size != rows * n_i:
-        raise LooError(f"{a.size} numbers, expected {rows} × N_i = {rows * n_i}")
-    a = np.asarray(a, dtype=np.float64).reshape(rows, n_i)
-    vals = a if mode == "pointwise" else a[:2]
-    if not np.all(np.isfinite(vals)) or np.any(np.abs(vals) > VALUE_MAX):
-        raise LooError("values not finite or beyond 1e150")
-    if mode == "psis" and (np.any(np.isnan(a[2])) or np.any(a[2] == -np.inf)):
-        raise LooError("a Pareto shape that is NaN or −inf")
-    return a
 
 
 def good_k(S: int) -> float:

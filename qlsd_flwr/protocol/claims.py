@@ -11,7 +11,7 @@ the Flower path each is held to what the client said at θ* in the descent:
 :mod:`qlsd_flwr.flower.phases`), and the first sampling reply to θ* (``anchor`` in the message)
 repeats ``a_i = ∇U_i(θ*)``, computed by the same function
 (:func:`qlsd_flwr.core.oracles.full_local_grad`). An honest client gives the same numbers (bit for
-bit on one machine; :data:`RTOL` leaves room for a GPU's reduction order). A client whose two
+bit on one machine; :data:`qlsd_flwr.robust.claims.RTOL` leaves room for a GPU's reduction order). A client whose two
 answers differ cannot be trusted in either: it leaves the federation (not asked again, ``excluded``
 in the summary, the reply counted as ``theta_star_mismatch``), and the step adds the sum of the
 *other* clients' claims at θ*, ``r − c_i`` (``r`` the phase's whole sum, the prior's term included),
@@ -24,7 +24,7 @@ What it cannot see: a client that tells the same lie in both (a constant offset 
 gradient it ever sends). That client is indistinguishable from one holding other data (its
 potential plus a linear term). The norm guard judges QLSD*'s replies as ``c_i + ĝ_i``, the
 estimate they make, as it judges every variant's; only a fixed ``norm-bound = B`` bounds such a lie
-(:func:`over_bound` holds the claims to it; ``docs/DEPLOYMENT.md`` §9b).
+(:func:`qlsd_flwr.robust.claims.over_bound` holds the claims to it; ``docs/DEPLOYMENT.md`` §9b).
 """
 
 from __future__ import annotations
@@ -35,19 +35,9 @@ import numpy as np
 
 from qlsd_flwr.outputs.checkpoint import CheckpointError
 from qlsd_flwr.protocol.wire import ReplyError, bytes_to_arr
+from qlsd_flwr.robust.claims import relative_gap
 
 log = logging.getLogger("qlsd_flwr")
-
-#: ``‖a_i − c_i‖ ≤ RTOL (‖a_i‖ + ‖c_i‖)`` is the same answer
-RTOL = 1e-6
-
-
-def relative_gap(a: np.ndarray, c: np.ndarray) -> float | None:
-    """``‖a − c‖ / (‖a‖ + ‖c‖)`` when over :data:`RTOL` (two different answers); ``None`` when they agree."""
-    gap = float(np.linalg.norm(a - c))
-    scale = float(np.linalg.norm(a) + np.linalg.norm(c))
-    return None if gap <= RTOL * scale else gap / max(scale, np.finfo(float).tiny)
-
 
 class ThetaStarClaims:
     """Every client's ``∇U_i(θ*)`` from the θ* phase, and the step's correction (module docstring)."""
@@ -98,12 +88,3 @@ class ThetaStarClaims:
         if not gone:
             return None
         return self.total - self.claims[gone].sum(axis=0)
-
-
-def over_bound(claims, bound: float | None) -> dict[int, str]:
-    """The clients whose claim ``c_i`` alone passes a fixed ``norm-bound = B`` (``None``: no fixed
-    bound), with why: each later estimate ``c_i + ĝ_i`` would carry it, so they are left out
-    before sampling and θ* is found again without them (:mod:`qlsd_flwr.flower.phases`)."""
-    norms = {i: float(np.linalg.norm(c)) for i, c in enumerate(claims)}
-    return {} if bound is None else {i: f"its ∇U_i(θ*) has norm {n:.3g}, over norm-bound = {bound:.3g}"
-                                     for i, n in norms.items() if not n <= bound}

@@ -45,7 +45,7 @@ from qlsd_flwr.protocol.divergence import (
     is_overflow,
 )
 from qlsd_flwr.outputs.checkpoint import CheckpointError
-from qlsd_flwr.protocol.norm_guard import GuardStateError, NormGuard
+from qlsd_flwr.robust.norm_guard import GuardStateError, NormGuard
 from qlsd_flwr.protocol.claims import ThetaStarClaims
 from qlsd_flwr.protocol.wire import ReplyError, parse_fields
 from qlsd_flwr.protocol.facts import summary_extra
@@ -303,7 +303,7 @@ class QLSDServer:
 
     def _commit(self) -> None:
         """This round's valid replies judged by the bounded-influence rule
-        (:mod:`qlsd_flwr.protocol.norm_guard`) become the round's ``ĝ_i``, in client order; those
+        (:mod:`qlsd_flwr.robust.norm_guard`) become the round's ``ĝ_i``, in client order; those
         it refuses are rejected (``norm_bound``, or ``excluded`` for a client whose replies are
         steadily out of scale: it is not asked again and its ``η_i`` mirror leaves ``η``) and leave
         no other trace. The clients' own η_i then differ from the mirrors for the rejected ones,
@@ -457,7 +457,7 @@ class QLSDServer:
 
     def set_counts(self, n_data) -> None:
         """The clients' ``N_i`` (their handshake claims), the scale of the bounded-influence rule
-        (:mod:`qlsd_flwr.protocol.norm_guard`)."""
+        (:mod:`qlsd_flwr.robust.norm_guard`)."""
         self.norm_guard.set_counts(n_data)
 
     def memory_check(self, reports: dict[int, tuple[np.ndarray, int]]) -> dict:

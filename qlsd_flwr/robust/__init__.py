@@ -1,6 +1,28 @@
-"""The one home for the bounds on what a client sends (issue 36; the rest move here in issue 38).
+"""The one home for the rules that judge what a client sends (issue 36; issue 38 derives them anew).
 
-Now here: the per-datum clamps and the caps on curvature reports (:mod:`qlsd_flwr.robust.reports`).
-Still in their old homes: reply norms and exclusion (``protocol/norm_guard.py``), θ* claims
-(``protocol/claims.py``), FSGLD's total precision (``core/fsgld.py``) and the LOO replies (``outputs/loo.py``).
+Every bound below acts before any state changes: a reply or report over it is refused and counted,
+or scaled down where that keeps the chain unbiased. "Per datum" means divided by the client's data
+count ``N_i`` as :func:`~qlsd_flwr.robust.reports.clamped_counts` gives it (its handshake claim, at
+least 1 and at most ``REPORT_CAP`` times the lower median of the claims): one definition, used by
+the reply guard and the report caps alike.
+
+=================================  ==================================  =====================================
+what a client sends                the rule and its constants          what it rests on (today)
+=================================  ==================================  =====================================
+sampling replies                   :mod:`.norm_guard`: FACTOR_PROBATION  honest maxima measured on the built-in
+                                   30, FACTOR_ROUND 1000, FACTOR_STEADY  tasks and Dirichlet splits (9.9, 278,
+                                   100 × the pooled median per datum;    31 × R; norm_guard's docstring); no
+                                   WINDOW 32, OWN 16, OWN_MIN 8,         committed script regenerates them yet
+                                   POOL_MIN 3
+θ* claims and their repeats        :mod:`.claims`: RTOL 1e-6 (the same   a GPU's reduction order; the fixed
+                                   answer twice), ``norm-bound = B``     ``B`` is the user's
+curvature reports, products,       :mod:`.reports`: REPORT_CAP 10 × the  one client of ten moves M by at most
+surrogate precisions               lower median per datum, REPORT_MAX    ~REPORT_CAP along the largest diagonal
+                                   1e150; FSGLD's Λ held to 1/γ          entry (issue 38: the operator norm)
+LOO replies                        :mod:`.loo`: shape from ``N_i``,      sums of many points stay finite
+                                   finite, VALUE_MAX 1e150
+=================================  ==================================  =====================================
+
+Still in their old homes (issue 38 moves them): the handshake facts (``flower/nodes.py``) and the
+Hessian-vector block's size (``core/lowrank.py``: ``MAX_BLOCK``).
 """

@@ -59,3 +59,15 @@ def cap_reports(reports: dict[int, np.ndarray], n_data) -> list[int]:
                 reports[i] = reports[i] * (cap / scales[i])
                 scaled.append(i)
     return scaled
+
+
+def cap_total(lam: np.ndarray, h: float) -> int:
+    """FSGLD's surrogate precisions: scale the precisions ``λ`` ``(b, d)`` down, in place, in each coordinate where ``Λ = Σ_i λ_i``
+    exceeds ``1/h``; returns how many coordinates. Every client's local step holds ``h Λ``, which must
+    stay below 2 for its steps to be stable whatever its own data (honest surrogates give
+    ``Λ ≤ λ_max(∇²U)``, and ``h λ_max`` is ``c = 0.25`` under ``gamma = auto``); any ``λ`` keeps
+    the conducive gradient unbiased, so a smaller one costs variance, never bias."""
+    total = lam.sum(axis=0)
+    over = total * h > 1.0
+    lam[:, over] *= (1.0 / h) / total[over]
+    return int(np.count_nonzero(over))
