@@ -9,7 +9,7 @@ from scipy.linalg import solve_discrete_lyapunov
 
 from qlsd_flwr.config import ConfigError, resolve
 from qlsd_flwr.core import adapt
-from qlsd_flwr.core.metric import Metric
+from qlsd_flwr.core.metric import Dense, Diagonal
 from qlsd_flwr.outputs.recorder import load_samples
 from qlsd_flwr.run.simulate import run
 from test_metric import MatrixGaussian, _exact, ill_conditioned_task
@@ -64,9 +64,9 @@ def test_the_pooled_covariance_centres_each_chain_on_its_own_mean():
 def test_regularisation_keeps_a_singular_window_positive_definite():
     d = 6
     cov = np.outer(np.arange(1.0, 7.0), np.arange(1.0, 7.0))  # rank one: fewer draws than d
-    m = adapt.regularise(cov, 1, Metric.dense(np.eye(d) * 2.0), d)
+    m = adapt.regularise(cov, 1, Dense(np.eye(d) * 2.0), d)
     assert m.kind == "dense" and np.all(np.linalg.eigvalsh(m.m) > 0)
-    m2 = adapt.regularise(np.zeros(d), 3, Metric.diagonal(np.full(d, 4.0)), d)
+    m2 = adapt.regularise(np.zeros(d), 3, Diagonal(np.full(d, 4.0)), d)
     assert np.allclose(m2.m, 4.0 * 5 / 8)  # the shrinkage weight n / (n + 5)
 
 
@@ -194,7 +194,7 @@ def test_a_damaged_warm_up_state_is_refused_naming_the_file(tmp_path):
                    "dim": 3})
     store = ckpt.warmup_store(cfg)
     R = 100  # windows(100): the first slow window is rounds 15..24, so round 17 holds 2 of its draws
-    good = adapt.snapshot(17, 0, 0.1, Metric.dense(np.eye(3)), np.zeros((2, 3)), [np.ones((2, 3))] * 2, [])
+    good = adapt.snapshot(17, 0, 0.1, Dense(np.eye(3)), np.zeros((2, 3)), [np.ones((2, 3))] * 2, [])
     store.save(good)
     assert store.load(2, 3, "dense", R)["r"] == 17
     with pytest.raises(ckpt.CheckpointError, match=r"warm-up state .*\.warmup-.*array 'theta' is not 4 × 3"):
@@ -207,7 +207,7 @@ def test_a_damaged_warm_up_state_is_refused_naming_the_file(tmp_path):
     store.save({**good, "theta": np.full((2, 3), np.nan)})
     with pytest.raises(ckpt.CheckpointError, match="non-finite|is not 2 × 3 finite"):
         store.load(2, 3, "dense", R)
-    store.save({**good, "metric": Metric.diagonal(np.ones(3))})
+    store.save({**good, "metric": Diagonal(np.ones(3))})
     with pytest.raises(ckpt.CheckpointError, match="its metric is diagonal, this run's dense"):
         store.load(2, 3, "dense", R)
     store.path.write_bytes(b"not a zip")

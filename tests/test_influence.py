@@ -368,7 +368,7 @@ def test_fuzz_the_optimisation_phases_replies(replies):
     hst.lists(_FLOATS, max_size=20), hst.lists(hst.lists(_FLOATS, min_size=3, max_size=3), min_size=3, max_size=3),
     hst.binary(max_size=40), hst.text(max_size=5), hst.integers(-2**80, 2**80), hst.none()))
 def test_fuzz_the_curvature_exchanges_reports(kind, report):
-    from qlsd_flwr.core.metric import check_report
+    from qlsd_flwr.core.curvature import check_report
     from qlsd_flwr.robust.reports import ReportError
 
     try:

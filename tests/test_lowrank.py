@@ -10,6 +10,8 @@ under that ``M`` (as in ``test_metric.py``, with the same Monte Carlo tolerance)
 
 from __future__ import annotations
 
+import struct
+
 import logging
 
 import numpy as np
@@ -18,9 +20,9 @@ from scipy.linalg import solve_discrete_lyapunov
 
 from qlsd_flwr.config import ConfigError, resolve
 from qlsd_flwr.core import lowrank as lr
-from qlsd_flwr.core import metric as mt
+from qlsd_flwr.core import curvature as cv
 from qlsd_flwr.core import precondition
-from qlsd_flwr.core.metric import Metric, MetricError
+from qlsd_flwr.core.metric import Dense, Diagonal, Identity, MetricError, from_array, from_bytes, to_array
 from qlsd_flwr.outputs.recorder import load_samples
 from qlsd_flwr.protocol import build
 from qlsd_flwr.run.simulate import run
@@ -42,8 +44,8 @@ def _columns(f, d):
 def test_a_full_krylov_space_maps_the_k_farthest_eigenvalues_to_one(base, rank):
     d = 40
     P = _spd(d, 1e3)
-    metric = {"identity": Metric(), "diagonal": Metric.diagonal(1.0 / np.diag(P)),
-              "dense": Metric.dense(np.linalg.inv(P + 50.0 * np.eye(d)))}[base]
+    metric = {"identity": Identity(), "diagonal": Diagonal(1.0 / np.diag(P)),
+              "dense": Dense(np.linalg.inv(P + 50.0 * np.eye(d)))}[base]
     R = _columns(metric.apply_root, d)
     lam = np.linalg.eigvalsh(R.T @ P @ R)
     (u, t), info = lr.correction(lambda W: W @ P, metric.apply_root, metric.apply_root_t, d, rank, seed=3,
@@ -71,7 +73,7 @@ def test_a_partial_krylov_space_still_gives_an_spd_metric_that_helps():
     and the condition number falls."""
     d = 200
     P = _spd(d, 1e4, seed=1)
-    base = Metric.diagonal(1.0 / np.diag(P))
+    base = Diagonal(1.0 / np.diag(P))
     R = _columns(base.apply_root, d)
     (u, t), info = lr.correction(lambda W: W @ P, base.apply_root, base.apply_root_t, d, 30, seed=0,
                                  block=10, exchanges=6)
@@ -84,21 +86,31 @@ def test_a_partial_krylov_space_still_gives_an_spd_metric_that_helps():
 def test_a_corrected_metric_survives_its_array_and_a_bad_one_is_refused_by_name():
     d = 12
     P = _spd(d, 50.0)
-    base = Metric.diagonal(1.0 / np.diag(P))
+    base = Diagonal(1.0 / np.diag(P))
     (u, t), _ = lr.correction(lambda W: W @ P, base.apply_root, base.apply_root_t, d, 4, seed=0, block=4, exchanges=3)
     m = base.corrected(u, t)
-    back = Metric.from_array(m.array(), d)
+    back = from_array(to_array(m), d)
     z = np.random.default_rng(0).normal(size=(3, d))
     for f in ("apply", "apply_root", "apply_root_t"):
         assert np.array_equal(getattr(back, f)(z), getattr(m, f)(z))
-    assert back.kind == "diagonal" and not back.is_identity and m.base.array().tolist() == base.array().tolist()
-    a = m.array()
-    for bad in (np.concatenate([[-2.0, 4], -t, u.ravel(), base.array()]),  # a negative curvature
-                np.concatenate([[-2.0, 4], t, 2 * u.ravel(), base.array()]),  # directions not orthonormal
-                a[:10],  # cut short
-                np.concatenate([[-2.0, np.nan], a[2:]])):
-        with pytest.raises(MetricError, match="low-rank"):
-            Metric.from_array(bad, d)
+    assert back.kind == "diagonal" and not back.is_identity and np.array_equal(back.base.m, base.m)
+    tail = base.to_bytes()
+    for bad, why in ((_corrected_bytes(u, -t) + tail, "low-rank correction"),  # a negative curvature
+                     (_corrected_bytes(2 * u, t) + tail, "low-rank correction"),  # directions not orthonormal
+                     (m.to_bytes()[:40], "ends early"),  # cut short
+                     (_corrected_bytes(u, np.r_[np.nan, t[1:]]) + tail, "not finite"),
+                     (_corrected_bytes(u, t) + m.to_bytes(), "a correction's base")):  # a correction of a correction
+        with pytest.raises(MetricError, match=why):
+            from_bytes(bad, d)
+
+
+def _corrected_bytes(u: np.ndarray, t: np.ndarray) -> bytes:
+    """The head of a corrected metric's encoding (its base's follows), written by hand."""
+    out = [b"QM", struct.pack("<BB", 4, 2)]
+    for name, a in (("u", u), ("t", t)):
+        a = np.asarray(a, dtype="<f8")
+        out += [struct.pack("<BB", 1, a.ndim), name.encode(), struct.pack(f"<{a.ndim}I", *a.shape), a.tobytes()]
+    return b"".join(out)
 
 
 def test_client_products_are_the_hessian_s_exact_or_by_differences():
@@ -138,7 +150,7 @@ def test_stationary_covariance_with_a_corrected_metric_is_the_discrete_lyapunov_
     want = np.sort(np.r_[np.delete(before, np.argmax(np.abs(np.log(before)))), 1.0])
     np.testing.assert_allclose(np.sort(lam), want, rtol=1e-8)
     assert prep.info["lowrank_rank"] == 1
-    rho = 1.0 - mt.GAMMA_AUTO_C * lam.min() / lam.max()
+    rho = 1.0 - cv.GAMMA_AUTO_C * lam.min() / lam.max()
     C, K = 2000, int(np.ceil(np.log(1e-5) / (2 * np.log(rho))))
     res = _exact(keys, task, C, K)
     gamma = res.summary["gamma"]
@@ -261,6 +273,6 @@ def test_a_curvature_that_is_not_positive_definite_leaves_the_metric_uncorrected
     cfg = resolve({"num-clients": 1, "dim": d, "metric-rank": 3, "gamma": 1e-3, "progress": False})
     info: dict = {}
     caplog.set_level(logging.WARNING, logger="qlsd_flwr")
-    out = precondition._lowrank(cfg, task, np.zeros(d), lambda th, kind, V: {0: V @ A}, np.array([1]), Metric(), info)
+    out = precondition._lowrank(cfg, task, np.zeros(d), lambda th, kind, V: {0: V @ A}, np.array([1]), Identity(), info)
     assert out.is_identity and info["lowrank_rank"] == 0 and info["lowrank_ritz_min"] < 0
     assert "not positive-definite" in info["lowrank_skipped"] and "left uncorrected" in caplog.text

@@ -19,9 +19,9 @@ import pytest
 from scipy.linalg import solve_discrete_lyapunov
 
 from qlsd_flwr.config import ConfigError, resolve
-from qlsd_flwr.core import metric as mt
+from qlsd_flwr.core import curvature as cv
 from qlsd_flwr.core import server_step as sampler
-from qlsd_flwr.core.metric import Metric
+from qlsd_flwr.core.metric import Diagonal, from_array, to_array
 from qlsd_flwr.core.potential import GaussianPrior, Task
 from qlsd_flwr.engines.vectorised import run_vectorised
 from qlsd_flwr.outputs.recorder import load_samples
@@ -97,12 +97,12 @@ def test_stationary_covariance_is_the_discrete_lyapunov_solution(metric, T, tmp_
     # gamma = auto must be c / λ_max(M^½ P M^½); the rounds K are those after which the start is forgotten
     L = np.linalg.cholesky(M)
     lam = np.linalg.eigvalsh(L.T @ P @ L)
-    rho = 1.0 - mt.GAMMA_AUTO_C * lam.min() / lam.max()  # B's spectral radius at that γ
+    rho = 1.0 - cv.GAMMA_AUTO_C * lam.min() / lam.max()  # B's spectral radius at that γ
     C, K = 2000, int(np.ceil(np.log(1e-5) / (2 * np.log(rho))))
     res = _exact(keys, task, C, K, keep=False)
     gamma = res.summary["gamma"]
     # the power iteration stops when its Rayleigh quotient (a lower bound of λ_max) moves by < 1 %: γ within a few %
-    assert mt.GAMMA_AUTO_C / lam.max() <= gamma * (1 + 1e-9) and gamma == pytest.approx(mt.GAMMA_AUTO_C / lam.max(), rel=5e-2)
+    assert cv.GAMMA_AUTO_C / lam.max() <= gamma * (1 + 1e-9) and gamma == pytest.approx(cv.GAMMA_AUTO_C / lam.max(), rel=5e-2)
     B = np.eye(3) - gamma * M @ P
     sigma_inf = solve_discrete_lyapunov(B, 2 * gamma * T * M)
     sig = np.zeros((3, 3))
@@ -122,12 +122,12 @@ def test_a_mutated_step_fails_the_lyapunov_check():
     task = ill_conditioned_task()
     P = sum(c.A for c in task.clients)
     M = np.diag(1.0 / np.diag(P))
-    orig = Metric.apply_root
+    orig = Diagonal.apply_root
     try:
-        Metric.apply_root = lambda self, z: self.m * z if self.kind == "diagonal" else orig(self, z)
+        Diagonal.apply_root = lambda self, z: self.m * z
         res = _exact({"gamma": "auto", "metric": "diagonal"}, task, 2000, 400)
     finally:
-        Metric.apply_root = orig
+        Diagonal.apply_root = orig
     gamma = res.summary["gamma"]
     B = np.eye(3) - gamma * M @ P
     sigma = solve_discrete_lyapunov(B, 2 * gamma * M)
@@ -192,22 +192,22 @@ def test_check_report_refuses_each_kind_of_bad_report_by_name():
     for bad, why in ((np.full(d, np.nan), "non-finite"), (np.array([1.0, -1.0, 1.0, 1.0]), "negative"),
                      (np.ones(d + 1), "shape"), ("text", "not an array"), (np.full(d, np.inf), "non-finite")):
         with pytest.raises(ReportError, match=why):
-            mt.check_report(bad, "diagonal", d)
+            cv.check_report(bad, "diagonal", d)
     A = np.eye(d)
     A[0, 1] = 1.0
     with pytest.raises(ReportError, match="symmetric"):
-        mt.check_report(A, "dense", d)
+        cv.check_report(A, "dense", d)
     with pytest.raises(ReportError, match="semi-definite"):
-        mt.check_report(-np.eye(d), "dense", d)
-    assert mt.check_report(np.eye(d).ravel(), "dense", d).shape == (d, d)  # as it travels
+        cv.check_report(-np.eye(d), "dense", d)
+    assert cv.check_report(np.eye(d).ravel(), "dense", d).shape == (d, d)  # as it travels
 
 
 def test_one_huge_report_is_scaled_to_its_share_and_cannot_dominate_the_metric():
     d, n = 3, np.array([10, 10, 10, 10])
     honest = {i: np.full(d, 10.0 * (1 + 0.1 * i)) for i in range(4)}
-    ref, _ = mt.metric_from_curvature("diagonal", dict(honest), n, np.full(d, 1.0), d)
+    ref, _ = cv.metric_from_curvature("diagonal", dict(honest), n, np.full(d, 1.0), d)
     hostile = {**honest, 3: np.full(d, 1e30)}
-    got, info = mt.metric_from_curvature("diagonal", hostile, n, np.full(d, 1.0), d)
+    got, info = cv.metric_from_curvature("diagonal", hostile, n, np.full(d, 1.0), d)
     assert info["curvature_scaled"] == [3]
     # one client weighs at most REPORT_CAP × an honest client's curvature: M shrinks by a bounded factor
     assert np.all(got.m > ref.m / (REPORT_CAP + 1))
@@ -375,7 +375,7 @@ def _kron_reports(F=4, K=3):
 
 def _kron_metric(F=4, K=3):
     d = F * K
-    return mt.metric_from_kronecker(_kron_reports(F, K), np.full(3, 20), np.full(d, 0.5), d), d
+    return cv.metric_from_kronecker(_kron_reports(F, K), np.full(3, 20), np.full(d, 0.5), d), d
 
 
 def test_the_kronecker_metric_is_the_inverse_of_g_kron_a_plus_the_prior_and_its_root_squares_to_it():
@@ -393,7 +393,7 @@ def test_the_kronecker_metric_is_the_inverse_of_g_kron_a_plus_the_prior_and_its_
     Minv = np.linalg.inv(M)[np.ix_(k.perm, k.perm)]
     assert np.allclose(Minv, H, rtol=1e-9, atol=1e-9 * np.abs(H).max())
     # as a checkpoint stores it
-    again = Metric.from_array(m.array(), d)
+    again = from_array(to_array(m), d)
     assert np.array_equal(again.apply(np.arange(d, dtype=float)), m.apply(np.arange(d, dtype=float)))
 
 
@@ -401,18 +401,18 @@ def test_kronecker_reports_are_checked_and_a_foreign_layout_is_refused():
     d, F, K = 6, 3, 2
     G, A = np.eye(F), np.eye(K) * 0.2
     good = np.concatenate([[F, K], G.ravel(), A.ravel(), np.arange(d)])
-    assert mt.check_report(good, "kronecker", d)["G"].shape == (F, F)
+    assert cv.check_report(good, "kronecker", d)["G"].shape == (F, F)
     for bad, why in ((np.concatenate([[F, K], G.ravel(), A.ravel(), np.zeros(d)]), "ordering"),
                      (np.concatenate([[4, K], G.ravel(), A.ravel(), np.arange(d)]), "sizes"),
                      (np.concatenate([[F, K], -G.ravel(), A.ravel(), np.arange(d)]), "semi-definite"),
                      (good[:-1], "sizes|numbers"), (np.full_like(good, np.nan), "non-finite")):
         with pytest.raises(ReportError, match=why):
-            mt.check_report(bad, "kronecker", d)
-    reps = {i: mt.check_report(good, "kronecker", d) for i in range(3)}
+            cv.check_report(bad, "kronecker", d)
+    reps = {i: cv.check_report(good, "kronecker", d) for i in range(3)}
     other = good.copy()
     other[-d:] = np.arange(d)[::-1]
-    reps[3] = mt.check_report(other, "kronecker", d)
-    _, info = mt.metric_from_kronecker(reps, np.full(4, 10), np.full(d, 1.0), d)
+    reps[3] = cv.check_report(other, "kronecker", d)
+    _, info = cv.metric_from_kronecker(reps, np.full(4, 10), np.full(d, 1.0), d)
     assert list(info["curvature_rejected"]) == ["3"]
 
 
@@ -505,26 +505,26 @@ def test_curvature_reports_that_would_overflow_or_misclaim_their_size_cannot_bre
     d = 4
     huge = np.full(d, 1e200)
     with pytest.raises(ReportError, match="above"):
-        mt.check_report(huge, "diagonal", d)
+        cv.check_report(huge, "diagonal", d)
     with pytest.raises(ReportError, match="above"):
-        mt.check_report(np.full((d, d), 1.5e308), "dense", d)
+        cv.check_report(np.full((d, d), 1.5e308), "dense", d)
     # a client claiming N_i = 10^12 is scaled as if it held at most REPORT_CAP × the median N
     honest = {i: np.full(d, 10.0) for i in range(3)}
-    ref, _ = mt.metric_from_curvature("diagonal", dict(honest), np.array([10, 10, 10]), np.ones(d), d)
-    got, info = mt.metric_from_curvature("diagonal", {**honest, 3: np.full(d, 1e13)}, np.array([10, 10, 10, 10**12]),
+    ref, _ = cv.metric_from_curvature("diagonal", dict(honest), np.array([10, 10, 10]), np.ones(d), d)
+    got, info = cv.metric_from_curvature("diagonal", {**honest, 3: np.full(d, 1e13)}, np.array([10, 10, 10, 10**12]),
                                          np.ones(d), d)
     assert info["curvature_scaled"] == [3] and np.all(got.m > ref.m / (REPORT_CAP * REPORT_CAP + 1))
     # a tiny report in a direction nothing else constrains keeps M finite
     tiny = {0: np.array([5e-324, 0, 0, 0]), 1: np.array([0, 1.0, 1.0, 1.0])}
-    m, _ = mt.metric_from_curvature("diagonal", tiny, np.array([5, 5]), np.zeros(d), d)
+    m, _ = cv.metric_from_curvature("diagonal", tiny, np.array([5, 5]), np.zeros(d), d)
     assert np.all(np.isfinite(m.m)) and np.all(m.m > 0)
     # Kronecker reports with the same layout but another layer shape are refused, not summed
     F, K = 3, 2
     a = np.concatenate([[F, K], np.eye(F).ravel(), np.eye(K).ravel(), np.arange(F * K)])
     b = np.concatenate([[K, F], np.eye(K).ravel(), np.eye(F).ravel(), np.arange(F * K)])
-    reps = {0: mt.check_report(a, "kronecker", F * K), 1: mt.check_report(a, "kronecker", F * K),
-            2: mt.check_report(b, "kronecker", F * K)}
-    _, info = mt.metric_from_kronecker(reps, np.full(3, 5), np.ones(F * K), F * K)
+    reps = {0: cv.check_report(a, "kronecker", F * K), 1: cv.check_report(a, "kronecker", F * K),
+            2: cv.check_report(b, "kronecker", F * K)}
+    _, info = cv.metric_from_kronecker(reps, np.full(3, 5), np.ones(F * K), F * K)
     assert list(info["curvature_rejected"]) == ["2"]
 
 

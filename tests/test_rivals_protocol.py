@@ -23,6 +23,8 @@ keys refuse.
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 import pytest
 
@@ -203,21 +205,39 @@ def test_dg_lmc_with_a_dense_metric_draws_theta_in_its_eigenbasis_and_has_the_ro
     assert r.summary["rejected"] == {}
 
 
+def _metric_bytes(code: int, arrays: dict, magic: bytes = b"QM") -> bytes:
+    """A metric's tagged encoding made by hand (qlsd_flwr.core.metric.Metric.to_bytes's layout)."""
+    out = [magic, struct.pack("<BB", code, len(arrays))]
+    for name, a in arrays.items():
+        a = np.asarray(a, dtype="<f8")
+        out += [struct.pack("<BB", len(name), a.ndim), name.encode(), struct.pack(f"<{a.ndim}I", *a.shape), a.tobytes()]
+    return b"".join(out)
+
+
+_NOT_ORTHOGONAL = {"qg": [[1.0, 0.5, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 1.0]], "qa": [[1.0]], "den": [[1.0], [1.0], [1.0]],
+                   "perm": [0.0, 1.0, 2.0]}
+
+
 @pytest.mark.parametrize("variant, bad, words", [
-    ("fald", np.array([1.0, -1.0, 1.0]), "not a usable metric"),
-    ("fald", np.array([1.0, np.nan, 1.0]), "finite"),
-    ("fald", np.ones(4), "not a usable metric"),
-    ("fald", np.ones(10**4), "float64 bytes of a metric"),
-    ("fald", np.array([[1.0, 0.5, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 1.0]]), "symmetric"),
-    ("fald", np.diag([1.0, -1.0, 1.0]), "positive-definite"),
-    ("fald", np.array([-1.0, 1.0, 3.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]),
-     "Kronecker"),
-    # a low-rank correction of the identity (marker −2, rank 1, t = 2, the direction e_0)
-    ("dg-lmc", np.array([-2.0, 1.0, 2.0, 1.0, 0.0, 0.0]), "low-rank correction"),
+    ("fald", _metric_bytes(1, {"m": [1.0, -1.0, 1.0]}), "finite positive"),
+    ("fald", _metric_bytes(1, {"m": [1.0, np.nan, 1.0]}), "not finite"),
+    ("fald", _metric_bytes(1, {"m": np.ones(4)}), "needs 3 numbers"),
+    ("fald", np.ones(10**4).tobytes(), "more than any metric"),
+    ("fald", _metric_bytes(2, {"M": [[1.0, 0.5, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 1.0]]}), "symmetric"),
+    ("fald", _metric_bytes(2, {"M": np.diag([1.0, -1.0, 1.0])}), "positive-definite"),
+    ("fald", _metric_bytes(3, _NOT_ORTHOGONAL), "Kronecker"),
+    ("fald", _metric_bytes(1, {"m": np.ones(3)}, magic=b"QX"), "tag"),
+    ("fald", _metric_bytes(7, {"m": np.ones(3)}), "unknown kind code 7"),
+    ("fald", _metric_bytes(1, {"x": np.ones(3)}), "where 'm' was expected"),
+    ("fald", _metric_bytes(1, {"m": np.ones(3)})[:-4], "ends early"),
+    ("fald", _metric_bytes(1, {"m": np.ones(3)}) + b"\0", "after the metric's end"),
+    ("fald", "a string", "not str"),
+    # a low-rank correction of the identity (rank 1, t = 2, the direction e_0): DG-LMC takes none
+    ("dg-lmc", _metric_bytes(4, {"u": [[1.0], [0.0], [0.0]], "t": [2.0]}) + b"QM\0\0", "low-rank correction"),
 ])
 def test_a_bad_metric_from_the_server_installs_nothing_and_a_client_without_it_asks_again(variant, bad, words):
-    from qlsd_flwr.core.metric import Metric
-    from qlsd_flwr.protocol.wire import arr_to_bytes, metric_to_bytes
+    from qlsd_flwr.core.metric import Dense
+    from qlsd_flwr.protocol.wire import metric_to_bytes
 
     cfg = resolve({**TOY, "variant": variant, "metric": "diagonal"})
     task = loading.load_task(cfg)
@@ -227,10 +247,10 @@ def test_a_bad_metric_from_the_server_installs_nothing_and_a_client_without_it_a
     fields = {"phase": "sample", "round": 0, "client": 0, "theta": np.zeros(3), "anchor_version": -1, "eta_count": 0,
               "local": _f8(1e-3, 0.5, 1.0, 1.0)}
     with pytest.raises(ValueError, match=words):
-        handle(spec, task.clients[0], st, 0, {**fields, "metric": arr_to_bytes(np.ravel(bad))}, 3)
+        handle(spec, task.clients[0], st, 0, {**fields, "metric": bad}, 3)
     assert st.metric is None
     assert handle(spec, task.clients[0], st, 0, fields, 3)["status"] == "resync"  # it lost (or never had) M
-    good = Metric.dense(_rotated(np.array([0.5, 1, 2])))
+    good = Dense(_rotated(np.array([0.5, 1, 2])))
     assert handle(spec, task.clients[0], st, 0, {**fields, "metric": metric_to_bytes(good)}, 3)["status"] == "ok"
     assert st.metric.kind == good.kind and np.array_equal(st.metric.m, good.m)
 
@@ -299,14 +319,14 @@ def test_a_client_told_to_expect_a_metric_gets_the_identity_when_the_correction_
 
 
 def test_a_dense_metric_with_a_low_rank_correction_travels_and_checkpoints_whole():
-    from qlsd_flwr.core.metric import Metric
+    from qlsd_flwr.core.metric import Dense, from_array, to_array
     from qlsd_flwr.protocol.wire import metric_of, metric_to_bytes
 
-    M = Metric.dense(_rotated(np.array([0.5, 1.0, 2.0])))
+    M = Dense(_rotated(np.array([0.5, 1.0, 2.0])))
     u = np.linalg.qr(np.array([[1.0, 0.2], [0.3, 1.0], [0.5, -0.4]]))[0]
     C = M.corrected(u, np.array([2.0, 0.5]))
     z = np.array([1.0, -2.0, 0.5])
-    for back in (Metric.from_array(C.array(), 3), metric_of(metric_to_bytes(C), 3)):
+    for back in (from_array(to_array(C), 3), metric_of(metric_to_bytes(C), 3)):
         assert back.kind == "dense" and np.array_equal(back.apply(z), C.apply(z))
         assert np.array_equal(back.apply_root(z), C.apply_root(z))
 

@@ -15,13 +15,13 @@ metric. At the end of each slow window:
   previous metric fills the directions it has not seen). A convex mix of a positive semi-definite and
   a positive-definite matrix is positive-definite, so ``M`` stays a metric;
 - with ``gamma = auto``, ``γ ← c / λ_max(M^{1/2} ∇²U(θ*) M^{1/2})`` again (the power iteration of
-  :func:`qlsd_flwr.core.metric.lambda_max`).
+  :func:`qlsd_flwr.core.curvature.lambda_max`).
 
 Why a separate chain on exact gradients and not the sampling chain's burn-in: the compressed chain's
 covariance carries the compression noise (inflated along every direction the messages' norms reach),
 and ``M`` and ``γ`` must be the same on every engine, a function of the seed, settled before the run
 folder is written (so that a checkpoint holds the frozen ``M``). The first metric is the curvature
-metric (:func:`qlsd_flwr.core.metric.metric_from_curvature`): the warm-up refines it. ``M`` is frozen
+metric (:func:`qlsd_flwr.core.curvature.metric_from_curvature`): the warm-up refines it. ``M`` is frozen
 before the first sampling round, so the kept draws are those of ULA under a constant metric, and
 the theory of ``docs/METRIC.md`` applies unchanged. The sampling chains continue from where the
 warm-up chains end.
@@ -35,7 +35,7 @@ from typing import Callable
 import numpy as np
 
 from qlsd_flwr.core import rng
-from qlsd_flwr.core.metric import Metric, MetricError
+from qlsd_flwr.core.metric import Dense, Diagonal, Metric, MetricError
 
 #: the stream of the warm-up's noise (chain seed, ADAPT stream, warm-up round, client 0)
 STREAM = rng.Stream.ADAPT
@@ -86,11 +86,13 @@ def regularise(cov: np.ndarray, n: int, prev: Metric, d: int) -> Metric:
     """``w Σ̂ + (1 − w) M_prev`` (see the module docstring), as a :class:`Metric` of ``Σ̂``'s kind."""
     if cov.ndim == 1:
         w = n / (n + 5.0)
-        base = prev.m if prev.kind == "diagonal" else (np.diag(prev.m) if prev.kind == "dense" else np.ones(d))
-        return Metric.diagonal(w * cov + (1.0 - w) * base)
+        was = prev.base
+        base = was.m if isinstance(was, Diagonal) else (np.diag(was.m) if isinstance(was, Dense) else np.ones(d))
+        return Diagonal(w * cov + (1.0 - w) * base)
     w = n / (n + 5.0 + d)
-    base = prev.m if prev.kind == "dense" else (np.diag(prev.m) if prev.kind == "diagonal" else np.eye(d))
-    return Metric.dense(w * cov + (1.0 - w) * base)
+    was = prev.base
+    base = was.m if isinstance(was, Dense) else (np.diag(was.m) if isinstance(was, Diagonal) else np.eye(d))
+    return Dense(w * cov + (1.0 - w) * base)
 
 
 def warmup(grad_fn: Callable[[np.ndarray], np.ndarray], starts: np.ndarray, metric: Metric, gamma: float,
@@ -111,7 +113,7 @@ def warmup(grad_fn: Callable[[np.ndarray], np.ndarray], starts: np.ndarray, metr
     """
     theta = np.array(starts, dtype=np.float64, copy=True)
     C, d = theta.shape
-    dense = metric.kind == "dense"
+    dense = isinstance(metric.base, Dense)
     wins = windows(rounds)
     history: list[dict] = []
     kept: list[np.ndarray] = []

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 from qlsd_flwr.core import rng
 from qlsd_flwr.core.kron import Kron
+from qlsd_flwr.core.metric import Dense, Diagonal, Kronecker
 
 
 def local_steps(grad_u, z: np.ndarray, theta: np.ndarray, rho: float, gamma: float, steps: int, seed: int,
@@ -83,12 +84,12 @@ class Spectrum:
 
     @staticmethod
     def of(metric) -> "Spectrum":
-        if metric.low is not None or metric.kind not in ("diagonal", "dense", "kronecker"):
+        if metric.low is not None or not isinstance(metric, (Diagonal, Dense, Kronecker)):
             raise ValueError(f"dg-lmc: no eigenbasis for a {metric.kind} metric"
                              f"{' with a low-rank correction' if metric.low is not None else ''}")
-        if metric.kind == "diagonal":
+        if isinstance(metric, Diagonal):
             return Spectrum(metric.m)
-        if metric.kind == "kronecker":
+        if isinstance(metric, Kronecker):
             return Spectrum(1.0 / metric.kron.den, kron=metric.kron)
         s, v = np.linalg.eigh(metric.m)
         return Spectrum(s, vecs=v)

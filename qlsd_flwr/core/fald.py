@@ -106,9 +106,9 @@ def local_steps(grad_u, theta: np.ndarray, w: float, h: float, tau: float, steps
 
 def as_metric(metric):
     """A :class:`~qlsd_flwr.core.metric.Metric`, or ``d`` numbers taken as a diagonal one."""
-    from qlsd_flwr.core.metric import Metric
+    from qlsd_flwr.core.metric import Diagonal, Metric
 
-    return metric if isinstance(metric, Metric) else Metric.diagonal(metric)
+    return metric if isinstance(metric, Metric) else Diagonal(metric)
 
 
 def message(grad_u, theta: np.ndarray, w: float, h: float, tau: float, steps: int, seed: int, k: int, i: int,

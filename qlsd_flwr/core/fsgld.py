@@ -24,7 +24,7 @@ to the old one (``+=``).
 **On the round protocol** (``variant = fsgld``; :mod:`qlsd_flwr.protocol.local_chains`) each client's
 surrogate is its second-order Taylor expansion at the federation's mode θ*, the natural fit a
 client can make once without knowing the posterior: ``λ_i`` the diagonal of its curvature at θ*
-(its report of ``metric-from = curvature``, :func:`qlsd_flwr.core.metric.local_curvature`, capped as
+(its report of ``metric-from = curvature``, :func:`qlsd_flwr.core.curvature.local_curvature`, capped as
 the metric's are: :func:`surrogates_from_reports`) and ``μ_i = θ* − ∇U_i(θ*)/λ_i``, so that
 ``∇Û_i(θ) = λ_i (θ − θ*) + ∇U_i(θ*)`` (:func:`conducive_grad`; a direction of zero curvature keeps the
 linear term, and the estimator stays unbiased). The clients' ``∇U_i(θ*)`` are the claims QLSD\* and

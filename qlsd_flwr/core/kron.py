@@ -1,6 +1,6 @@
 """One dense layer's Kronecker-factored curvature (K-FAC), the form ``metric = kronecker`` keeps:
 :class:`Kron` applies ``M^t`` for ``t = −1`` (the metric) and ``t = −1/2`` (its symmetric root)
-without ever forming the ``d × d`` matrix. Built by :func:`qlsd_flwr.core.metric.metric_from_kronecker`."""
+without ever forming the ``d × d`` matrix. Built by :func:`qlsd_flwr.core.curvature.metric_from_kronecker`."""
 
 from __future__ import annotations
 
@@ -41,25 +41,19 @@ class Kron:
         return {"kind": "kronecker", "inputs": F, "outputs": K,
                 "den_min": float(self.den.min()), "den_max": float(self.den.max())}
 
-    def flat(self) -> np.ndarray:
-        F, K = self.den.shape
-        return np.concatenate([[-1.0, F, K], self.qg.ravel(), self.qa.ravel(), self.den.ravel(),
-                               self.perm.astype(np.float64)])
-
     @staticmethod
-    def from_flat(a: np.ndarray, d: int) -> "Kron":
+    def checked(perm, qg, qa, den, d: int) -> "Kron":
+        """A :class:`Kron` of dimension ``d`` from its arrays (as received: a permutation of ``0..d−1``,
+        orthogonal factors, positive eigenvalues of the right shapes), else ``ValueError`` saying so."""
         try:
-            F, K = int(a[1]), int(a[2])
-            sizes = (F * F, K * K, F * K, d)
-            if F * K != d or a.size != 3 + sum(sizes) or F < 1 or K < 1:
-                raise ValueError("sizes")
-            parts = np.split(a[3:], np.cumsum(sizes)[:-1])
-            perm = parts[3].astype(np.int64)
-            qg, qa = parts[0].reshape(F, F), parts[1].reshape(K, K)
-            if not np.array_equal(np.sort(perm), np.arange(d)) or not np.all(parts[2] > 0) \
-                    or not np.allclose(qg.T @ qg, np.eye(F), atol=1e-8) or not np.allclose(qa.T @ qa, np.eye(K), atol=1e-8):
-                raise ValueError("values")
-        except (ValueError, IndexError, OverflowError):
+            perm, qg, qa, den = (np.asarray(x, dtype=np.float64) for x in (perm, qg, qa, den))
+            F, K = den.shape
+            ok = (perm.shape == (d,) and F * K == d and qg.shape == (F, F) and qa.shape == (K, K)
+                  and np.array_equal(np.sort(perm), np.arange(d)) and np.all(den > 0)
+                  and np.allclose(qg.T @ qg, np.eye(F), atol=1e-8) and np.allclose(qa.T @ qa, np.eye(K), atol=1e-8))
+        except ValueError:
+            ok = False
+        if not ok:
             raise ValueError(f"metric: not a Kronecker metric of d = {d} (bad sizes, order, eigenvalues, or "
-                             "factors not orthogonal)") from None
-        return Kron(perm, parts[0].reshape(F, F), parts[1].reshape(K, K), parts[2].reshape(F, K))
+                             "factors not orthogonal)")
+        return Kron(perm.astype(np.int64), qg, qa, den)

@@ -72,21 +72,6 @@ class LowRank:
         """``out + left diag(t^power − 1) rightᵀ x`` for one vector ``x``."""
         return out + left @ ((self.t ** power - 1.0) * (right.T @ x))
 
-    def flat(self) -> np.ndarray:
-        return np.concatenate([[-2.0, self.t.size], self.t, self.u.ravel()])
-
-    @staticmethod
-    def from_flat(a: np.ndarray, d: int) -> tuple[tuple[np.ndarray, np.ndarray], np.ndarray]:
-        """The correction's ``(U, t)`` at the front of a metric's array, and the rest (the base metric's)."""
-        k = int(a[1]) if a.size > 1 and np.isfinite(a[1]) and a[1] == int(a[1]) else -1
-        if k < 1 or a.size < 2 + k + d * k:
-            raise ValueError(f"metric: not a low-rank correction of d = {d} (bad sizes)")
-        t, u = a[2:2 + k], a[2 + k:2 + k + d * k].reshape(d, k)
-        if not (np.all(np.isfinite(t)) and np.all(t > 0) and np.all(np.isfinite(u))) \
-                or not np.allclose(u.T @ u, np.eye(k), atol=1e-8):
-            raise ValueError("metric: a low-rank correction needs positive values and orthonormal directions")
-        return (u, t), a[2 + k + d * k:]
-
 
 def fd_step(theta: np.ndarray) -> float:
     """The finite-difference step on θ's scale."""

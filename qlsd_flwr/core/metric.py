@@ -1,4 +1,4 @@
-"""The metric ``M`` (a constant preconditioner) of the Langevin step, and the numerics that choose it.
+"""The metric ``M`` (a constant preconditioner) of the Langevin step: one class per kind.
 
 With a metric the server's step is (ALGORITHMS.md, "Metric")
 
@@ -13,74 +13,170 @@ target ``exp(−U_M/T)``. Multiplying by ``M^{1/2}`` gives the step above; the u
 in ``φ`` with the constants of ``∇²U_M = M^{1/2} ∇²U M^{1/2}``. A good ``M`` (close to the inverse
 Hessian) makes that matrix's eigenvalues alike, so one ``γ`` serves every direction.
 
-* :class:`Metric` — identity, diagonal (``d`` positive numbers) or dense (SPD ``d × d``, its lower
-  Cholesky factor ``L`` giving ``M^{1/2} Z`` as ``L Z``, as Stan's ``dense_e``).
-* :func:`metric_from_curvature` — ``M = (prior curvature + Σ_i H_i)^{-1}`` from the clients'
-  curvature reports at θ*, each validated and bounded (:func:`check_report`).
-* :func:`lambda_max` — the largest eigenvalue of ``M^{1/2} ∇²U M^{1/2}`` by power iteration on
-  Hessian-vector products (gradient differences through the engine's own clients);
-  :data:`GAMMA_AUTO_C` ``/ λ_max`` is ``gamma = auto``.
-* :func:`local_curvature` — what a client reports: its potential's own ``curvature_diag`` /
-  ``hessian`` when it has them, otherwise an estimate from ``grad_sum`` alone.
+The kinds (Stan's ``diag_e`` and ``dense_e`` are two of them):
 
-It is framework-free numpy; engines call it through :mod:`qlsd_flwr.core.precondition`.
+* :class:`Identity`; :class:`Diagonal` (``d`` positive numbers); :class:`Dense` (SPD ``d × d``, its lower
+  Cholesky factor ``L`` giving ``M^{1/2} Z`` as ``L Z``); :class:`Kronecker` (one dense layer's K-FAC,
+  :class:`~qlsd_flwr.core.kron.Kron`); :class:`Corrected` (a low-rank correction of any of them,
+  ``metric-rank``, :mod:`qlsd_flwr.core.lowrank`).
+* Each has ``apply`` (``M g``), ``apply_root`` (``M^{1/2} z``), ``apply_root_t``, ``spread``, ``largest``,
+  ``to_json`` (``summary.json``) and ``to_bytes``; :func:`from_bytes` reads the tagged encoding the
+  wire and the checkpoints share (a kind code and its named arrays, each with its shape: no sentinel
+  value, no layout guessed from a length), validating every number before a metric is built.
+
+How the metric is chosen (the clients' curvature, ``gamma = auto``): :mod:`qlsd_flwr.core.curvature`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import struct
+
 import numpy as np
 
-from qlsd_flwr.config import ConfigError
-from qlsd_flwr.core import rng
 from qlsd_flwr.core.kron import Kron
-from qlsd_flwr.core.lowrank import LowRank, fd_step
-from qlsd_flwr.robust.reports import REPORT_CAP, REPORT_MAX, ReportError, cap_reports, clamped_counts, lower_median
-
-#: ``gamma = auto`` sets ``γ = c / λ_max(M^{1/2} ∇²U(θ*) M^{1/2})`` with this ``c``. With exact
-#: gradients on a Gaussian, a direction of curvature ``λ`` has stationary variance
-#: ``1/(λ (1 − γλ/2))`` (the discrete Lyapunov equation), so the stiffest direction's variance is
-#: inflated by at most ``1/(1 − c/2)``: 14 % (sd 7 %) at ``c = 0.25``; flatter directions less.
-#: Larger ``c`` mixes faster and costs more bias; the stability limit is ``c < 2``.
-GAMMA_AUTO_C = 0.25
-#: ``metric = dense`` keeps a ``d × d`` matrix and its factor on the server and asks each client
-#: for a ``d × d`` curvature: refused above this ``d`` (Stan's ``dense_e`` has the same trade-off).
-DENSE_MAX_DIM = 2000
-#: above this spread of ``M``'s scales, QSGD's noise (set by the message's norm, i.e. by the stiff
-#: coordinates) multiplied by ``M`` dominates the flat directions: measured on the regressions of
-#: ``benchmarks/bench_metric.py`` (spread 5.9e3: no effect; 2.6e5 and 2.2e6: sd up to 1.4× and 5.7×)
-COMPRESSED_SPREAD_WARN = 1e4
-#: Hutchinson probes of :func:`local_curvature`'s estimate for potentials without ``curvature_diag``.
-HUTCHINSON_PROBES = 64
+from qlsd_flwr.core.lowrank import LowRank
+from qlsd_flwr.errors import ConfigError
 
 
 class MetricError(ConfigError):
-    """A metric file or value that cannot be used (names the file or the key)."""
+    """A metric that cannot be used (not positive-definite, wrong size, not finite)."""
 
 
-@dataclass(frozen=True)
+def _rows(f, x: np.ndarray) -> np.ndarray:
+    """``f`` row by row: chain ``c`` of a ``(C, d)`` step is the very computation of a one-chain step (one
+    BLAS call shape on every engine; a ``(C, d) @ (d, d)`` product could sum in another order)."""
+    if x.ndim == 1:
+        return f(x)
+    return np.stack([f(r) for r in x])
+
+
 class Metric:
-    """A constant metric ``M``: ``kind`` is ``identity``, ``diagonal`` (``m``: ``(d,)``),
-    ``dense`` (``m``: ``(d, d)``, ``root``: its lower Cholesky factor) or ``kronecker``
-    (``kron``: :class:`Kron`, one dense layer's Kronecker-factored curvature, K-FAC). ``low``: a
-    low-rank correction of any of them (``metric-rank``, :mod:`qlsd_flwr.core.lowrank`): the root
-    becomes ``R (I + U diag(t^{−1/2} − 1) Uᵀ)`` for the base root ``R``."""
+    """The family's interface; :class:`Identity` is ``M = I``. Subclasses set ``kind`` (what
+    ``summary.json`` names) and ``code`` (the encoding's tag)."""
 
-    kind: str = "identity"
-    m: np.ndarray | None = None
-    root: np.ndarray | None = None
+    kind = "identity"
+    code = 0
+    m: np.ndarray | None = None  # Diagonal: m (d,); Dense: M (d, d)
+    root: np.ndarray | None = None  # Diagonal: √m; Dense: its lower Cholesky factor L
     kron: Kron | None = None
     low: LowRank | None = None
 
-    @staticmethod
-    def diagonal(m) -> "Metric":
+    @property
+    def is_identity(self) -> bool:
+        return False
+
+    @property
+    def base(self) -> "Metric":
+        """The metric without its low-rank correction."""
+        return self
+
+    def corrected(self, u: np.ndarray, t: np.ndarray) -> "Corrected":
+        """This metric with the low-rank correction ``(U, t)`` (:mod:`qlsd_flwr.core.lowrank`)."""
+        b = self.base
+        return Corrected(b, LowRank(u, t, np.stack([b.apply_root(x) for x in u.T], axis=1)))
+
+    def apply(self, g: np.ndarray) -> np.ndarray:
+        """``M g`` for ``g`` of shape ``(d,)`` or ``(C, d)``."""
+        raise NotImplementedError
+
+    def apply_root(self, z: np.ndarray) -> np.ndarray:
+        """``M^{1/2} z`` for ``z`` of shape ``(d,)`` or ``(C, d)``."""
+        raise NotImplementedError
+
+    def apply_root_t(self, x: np.ndarray) -> np.ndarray:
+        """``(M^{1/2})ᵀ x`` for the root of :meth:`apply_root` (the same for the symmetric roots)."""
+        return self.apply_root(x)
+
+    def spread(self) -> float:
+        """``λ_max(M) / λ_min(M)``: how far apart the metric's scales are."""
+        raise NotImplementedError
+
+    def largest(self) -> float:
+        """``λ_max(M)``: the metric's largest scale (a variance, when M comes from the curvature)."""
+        raise NotImplementedError
+
+    def to_json(self):
+        """What ``summary.json`` records."""
+        raise NotImplementedError
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The named float64 arrays :meth:`to_bytes` carries."""
+        return {}
+
+    def to_bytes(self) -> bytes:
+        """The tagged encoding (wire and checkpoints): ``b"QM"``, the kind's code, the number of arrays,
+        then for each its name, shape and float64 values (little-endian); a corrected metric's base
+        follows its own arrays."""
+        parts = self.arrays()
+        out = [_MAGIC, struct.pack("<BB", self.code, len(parts))]
+        for name, a in parts.items():
+            a = np.ascontiguousarray(a, dtype="<f8")
+            key = name.encode()
+            out += [struct.pack("<BB", len(key), a.ndim), key, struct.pack(f"<{a.ndim}I", *a.shape), a.tobytes()]
+        if self.low is not None:
+            out.append(self.base.to_bytes())
+        return b"".join(out)
+
+
+class Identity(Metric):
+    """``M = I``: the paper's step."""
+
+    @property
+    def is_identity(self) -> bool:
+        return True
+
+    def apply(self, g):
+        return g
+
+    def apply_root(self, z):
+        return z
+
+    def spread(self) -> float:
+        return 1.0
+
+    def largest(self) -> float:
+        return 1.0
+
+    def to_json(self):
+        return "identity"
+
+
+class Diagonal(Metric):
+    """``M = diag(m)``, ``m > 0`` (Stan's ``diag_e``)."""
+
+    kind, code = "diagonal", 1
+
+    def __init__(self, m):
         m = np.array(m, dtype=np.float64)
         if m.ndim != 1 or not np.all(np.isfinite(m)) or not np.all(m > 0):
             raise MetricError("metric: a diagonal metric needs finite positive numbers")
-        return Metric("diagonal", m, np.sqrt(m))
+        self.m, self.root = m, np.sqrt(m)
 
-    @staticmethod
-    def dense(M) -> "Metric":
+    def apply(self, g):
+        return self.m * g
+
+    def apply_root(self, z):
+        return self.root * z
+
+    def spread(self) -> float:
+        return float(self.m.max() / self.m.min())
+
+    def largest(self) -> float:
+        return float(self.m.max())
+
+    def to_json(self):
+        return self.m.tolist()
+
+    def arrays(self):
+        return {"m": self.m}
+
+
+class Dense(Metric):
+    """A symmetric positive-definite ``M`` and its lower Cholesky factor ``L`` (Stan's ``dense_e``)."""
+
+    kind, code = "dense", 2
+
+    def __init__(self, M):
         M = np.array(M, dtype=np.float64)
         if M.ndim != 2 or M.shape[0] != M.shape[1] or not np.all(np.isfinite(M)):
             raise MetricError("metric: a dense metric needs a finite square matrix")
@@ -91,354 +187,206 @@ class Metric:
             L = np.linalg.cholesky(M)
         except np.linalg.LinAlgError:
             raise MetricError("metric: a dense metric must be positive-definite") from None
-        return Metric("dense", M, L)
+        self.m, self.root = M, L
 
-    @property
-    def is_identity(self) -> bool:
-        return self.kind == "identity" and self.low is None
+    def apply(self, g):
+        return _rows(lambda r: self.m @ r, g)
 
-    @property
-    def base(self) -> "Metric":
-        """The metric without its low-rank correction."""
-        return self if self.low is None else Metric(self.kind, self.m, self.root, self.kron)
+    def apply_root(self, z):
+        return _rows(lambda r: self.root @ r, z)
 
-    def corrected(self, u: np.ndarray, t: np.ndarray) -> "Metric":
-        """This metric with the low-rank correction ``(U, t)`` (:mod:`qlsd_flwr.core.lowrank`)."""
-        b = self.base
-        return Metric(b.kind, b.m, b.root, b.kron, LowRank(u, t, np.stack([b.apply_root(x) for x in u.T], axis=1)))
-
-    def apply(self, g: np.ndarray) -> np.ndarray:
-        """``M g`` for ``g`` of shape ``(d,)`` or ``(C, d)``. Matrix metrics act row by row, so that
-        chain ``c`` of a ``(C, d)`` step is the very computation of a one-chain step (one BLAS call
-        shape on every engine; a ``(C, d) @ (d, d)`` product could sum in another order)."""
-        if self.low is not None:  # M g + W (1/t − 1) Wᵀ g
-            lo, b = self.low, self.base
-            return _rows(lambda r: lo.add(b.apply(r), lo.w, lo.w, r, -1.0), g)
-        if self.kind == "identity":
-            return g
-        if self.kind == "diagonal":
-            return self.m * g
-        return _rows(lambda r: self.m @ r if self.kind == "dense" else self.kron.apply(r, -1.0), g)
-
-    def apply_root(self, z: np.ndarray) -> np.ndarray:
-        """``M^{1/2} z`` (``L z`` for dense, the symmetric root for kronecker) for ``z`` of shape
-        ``(d,)`` or ``(C, d)``."""
-        if self.low is not None:  # R z + W (t^{−1/2} − 1) Uᵀ z
-            lo, b = self.low, self.base
-            return _rows(lambda r: lo.add(b.apply_root(r), lo.w, lo.u, r, -0.5), z)
-        if self.kind == "identity":
-            return z
-        if self.kind == "diagonal":
-            return self.root * z
-        return _rows(lambda r: self.root @ r if self.kind == "dense" else self.kron.apply(r, -0.5), z)
-
-    def apply_root_t(self, x: np.ndarray) -> np.ndarray:
-        """``(M^{1/2})ᵀ x`` for the root of :meth:`apply_root` (the same for the symmetric roots)."""
-        if self.low is not None:  # Rᵀ x + U (t^{−1/2} − 1) Wᵀ x
-            lo, b = self.low, self.base
-            return _rows(lambda r: lo.add(b.apply_root_t(r), lo.u, lo.w, r, -0.5), x)
-        if self.kind == "dense":
-            return _rows(lambda r: self.root.T @ r, x)
-        return self.apply_root(x)
+    def apply_root_t(self, x):
+        return _rows(lambda r: self.root.T @ r, x)
 
     def spread(self) -> float:
-        """``λ_max(M) / λ_min(M)``: how far apart the metric's scales are (1 for the identity; with a
-        low-rank correction, the base's spread times the correction's, an upper bound)."""
-        if self.low is not None:
-            f = 1.0 / self.low.t
-            return self.base.spread() * max(float(f.max()), 1.0) / min(float(f.min()), 1.0)
-        if self.kind == "identity":
-            return 1.0
-        if self.kind == "diagonal":
-            return float(self.m.max() / self.m.min())
-        if self.kind == "kronecker":
-            return float(self.kron.den.max() / self.kron.den.min())
         w = np.linalg.eigvalsh(self.m)
         return float(w.max() / w.min())
 
     def largest(self) -> float:
-        """``λ_max(M)``: the metric's largest scale (a variance, when M comes from the curvature; with a
-        low-rank correction, an upper bound)."""
-        if self.low is not None:
-            return self.base.largest() * max(float((1.0 / self.low.t).max()), 1.0)
-        if self.kind == "identity":
-            return 1.0
-        if self.kind == "diagonal":
-            return float(self.m.max())
-        if self.kind == "kronecker":
-            return float(1.0 / self.kron.den.min())
         return float(np.linalg.eigvalsh(self.m)[-1])
 
     def to_json(self):
-        """What ``summary.json`` records: ``"identity"``, ``d`` numbers, a ``d × d`` list, or the
-        Kronecker factors' eigenvalues and the prior's curvature; with a low-rank correction, the
-        base's record and the corrected directions' curvature ``t``."""
-        if self.low is not None:
-            return {"base": self.base.to_json(), "lowrank": {"rank": int(self.low.t.size),
-                                                             "t": [float(x) for x in self.low.t]}}
-        if self.kind == "identity":
-            return "identity"
-        if self.kind == "kronecker":
-            return self.kron.describe()
         return self.m.tolist()
 
-    def array(self) -> np.ndarray:
-        """For checkpoints: an empty array for the identity, ``m``, or the Kronecker factors
-        flattened behind the marker ``−1`` (a diagonal metric's first number is positive); a low-rank
-        correction goes in front, behind the marker ``−2``."""
-        if self.low is not None:  # a dense base row by row behind it (from_array takes d² numbers as d × d)
-            return np.concatenate([self.low.flat(), self.base.array().ravel()])
-        if self.kind == "kronecker":
-            return self.kron.flat()
-        return np.zeros(0) if self.m is None else self.m
-
-    @staticmethod
-    def from_array(a: np.ndarray | None, d: int) -> "Metric":
-        """The inverse of :meth:`array` (a checkpoint's ``metric``)."""
-        if a is None or np.asarray(a).size == 0:
-            return Metric()
-        a = np.asarray(a, dtype=np.float64)
-        if a.ndim == 1 and a[0] == -2.0:
-            try:
-                (u, t), rest = LowRank.from_flat(a, d)
-            except ValueError as exc:
-                raise MetricError(str(exc)) from None
-            dense = rest.size == d * d and d > 1 and rest[0] > 0  # M[0, 0] > 0; a Kronecker base starts at −1
-            return Metric.from_array(rest.reshape(d, d) if dense else rest, d).corrected(u, t)
-        if a.ndim == 1 and a[0] == -1.0:
-            try:
-                return Metric("kronecker", kron=Kron.from_flat(a, d))
-            except ValueError as exc:
-                raise MetricError(str(exc)) from None
-        if a.shape == (d,):
-            return Metric.diagonal(a)
-        if a.shape == (d, d):
-            return Metric.dense(a)
-        raise MetricError(f"metric: expected {d} numbers or a {d} × {d} matrix, got shape {a.shape}")
+    def arrays(self):
+        return {"M": self.m}
 
 
-def _rows(f, x: np.ndarray) -> np.ndarray:
-    if x.ndim == 1:
-        return f(x)
-    return np.stack([f(r) for r in x])
+class Kronecker(Metric):
+    """One dense layer's K-FAC metric, ``M^t`` applied through its factors' eigenbases (:class:`Kron`)."""
+
+    kind, code = "kronecker", 3
+
+    def __init__(self, kron: Kron):
+        self.kron = kron
+
+    def apply(self, g):
+        return _rows(lambda r: self.kron.apply(r, -1.0), g)
+
+    def apply_root(self, z):
+        return _rows(lambda r: self.kron.apply(r, -0.5), z)
+
+    def spread(self) -> float:
+        return float(self.kron.den.max() / self.kron.den.min())
+
+    def largest(self) -> float:
+        return float(1.0 / self.kron.den.min())
+
+    def to_json(self):
+        return self.kron.describe()
+
+    def arrays(self):
+        k = self.kron
+        return {"qg": k.qg, "qa": k.qa, "den": k.den, "perm": k.perm.astype(np.float64)}
 
 
-# ---- the clients' curvature -------------------------------------------------------------------
-def local_curvature(pot, theta: np.ndarray, kind: str, seed: int, client: int) -> np.ndarray:
-    """Client ``i``'s curvature of its data potential at ``θ``: ``(d,)`` (``kind = diagonal``) or
-    ``(d, d)`` (``dense``), positive semi-definite.
+class Corrected(Metric):
+    """A base metric with a low-rank correction: the root ``R (I + U diag(t^{−1/2} − 1) Uᵀ)`` for the
+    base's root ``R`` (:class:`~qlsd_flwr.core.lowrank.LowRank`)."""
 
-    Uses the potential's own ``curvature_diag(θ)`` / ``hessian(θ)`` when it has them (the built-in
-    tasks do: exact, or the Gauss–Newton matrix). Otherwise it is estimated from ``grad_sum``
-    alone: the diagonal by Hutchinson's estimator ``E[v ⊙ H v]`` over :data:`HUTCHINSON_PROBES`
-    Rademacher probes ``v`` (from the stream ``(seed, INIT, −1, client)``), ``H v`` by central
-    differences; the dense matrix by central differences along each axis, symmetrised. Negative
-    values (noise, or a non-convex point) are set to zero: a metric needs only positive numbers,
-    and the server adds the prior's curvature.
-    """
-    d = theta.shape[0]
-    if kind == "kronecker":
-        if not hasattr(pot, "kron_factors"):
-            raise ValueError("metric = kronecker needs a potential with kron_factors(theta) (one dense softmax "
-                             "layer: the logistic tasks, TorchPotential of a single nn.Linear); use diagonal")
-        G, A, perm = pot.kron_factors(theta)
-        F, K = G.shape[0], A.shape[0]
-        return np.concatenate([[F, K], np.ravel(G), np.ravel(A), np.asarray(perm, dtype=np.float64)])
-    if kind == "diagonal" and hasattr(pot, "curvature_diag"):
-        h = np.asarray(pot.curvature_diag(theta), dtype=np.float64)
-    elif kind == "dense" and hasattr(pot, "hessian"):
-        h = np.asarray(pot.hessian(theta), dtype=np.float64)
-    elif kind == "diagonal":
-        u = rng.uniform(seed, rng.Stream.INIT, -1 & 0xFFFFFFFF, client, HUTCHINSON_PROBES * d)
-        V = np.where(u.reshape(HUTCHINSON_PROBES, d) < 0.5, -1.0, 1.0)
-        eps = fd_step(theta)
-        h = np.zeros(d)
-        for v in V:
-            hv = (pot.grad_sum(theta + eps * v) - pot.grad_sum(theta - eps * v)) / (2.0 * eps)
-            h += v * hv
-        h /= HUTCHINSON_PROBES
-    else:
-        eps = fd_step(theta)
-        h = np.empty((d, d))
-        for j in range(d):
-            e = np.zeros(d)
-            e[j] = eps
-            h[j] = (pot.grad_sum(theta + e) - pot.grad_sum(theta - e)) / (2.0 * eps)
-        h = 0.5 * (h + h.T)
-    if kind == "diagonal":
-        return np.maximum(h, 0.0)
-    w, Q = np.linalg.eigh(0.5 * (h + h.T))
-    return (Q * np.maximum(w, 0.0)) @ Q.T
+    code = 4
+
+    def __init__(self, base: Metric, low: LowRank):
+        if base.low is not None:
+            raise MetricError("metric: a low-rank correction corrects a base metric, not another correction")
+        self._base, self.low = base, low
+        self.kind, self.m, self.root, self.kron = base.kind, base.m, base.root, base.kron
+
+    @property
+    def base(self) -> Metric:
+        return self._base
+
+    def apply(self, g):  # M g + W (1/t − 1) Wᵀ g
+        lo, b = self.low, self._base
+        return _rows(lambda r: lo.add(b.apply(r), lo.w, lo.w, r, -1.0), g)
+
+    def apply_root(self, z):  # R z + W (t^{−1/2} − 1) Uᵀ z
+        lo, b = self.low, self._base
+        return _rows(lambda r: lo.add(b.apply_root(r), lo.w, lo.u, r, -0.5), z)
+
+    def apply_root_t(self, x):  # Rᵀ x + U (t^{−1/2} − 1) Wᵀ x
+        lo, b = self.low, self._base
+        return _rows(lambda r: lo.add(b.apply_root_t(r), lo.u, lo.w, r, -0.5), x)
+
+    def spread(self) -> float:
+        """The base's spread times the correction's (an upper bound)."""
+        f = 1.0 / self.low.t
+        return self._base.spread() * max(float(f.max()), 1.0) / min(float(f.min()), 1.0)
+
+    def largest(self) -> float:
+        """An upper bound."""
+        return self._base.largest() * max(float((1.0 / self.low.t).max()), 1.0)
+
+    def to_json(self):
+        return {"base": self._base.to_json(), "lowrank": {"rank": int(self.low.t.size),
+                                                           "t": [float(x) for x in self.low.t]}}
+
+    def arrays(self):
+        return {"u": self.low.u, "t": self.low.t}
 
 
-def check_report(h, kind: str, d: int) -> np.ndarray:
-    """A client's curvature report as a float64 array, or :class:`ReportError` saying why: the wrong
-    length, a value that is not finite, a negative diagonal, an asymmetric or indefinite matrix."""
+_MAGIC = b"QM"
+_KINDS = {1: ("m",), 2: ("M",), 3: ("qg", "qa", "den", "perm"), 4: ("u", "t")}
+
+
+def max_bytes(d: int) -> int:
+    """The longest encoding of a metric of dimension ``d`` (a dense base and a correction of rank ``d``)."""
+    return 4 * len(_MAGIC) + 64 * 8 + 8 * (2 * d * d + 3 * d + 8)
+
+
+def from_bytes(x, d: int) -> Metric:
+    """The metric :meth:`Metric.to_bytes` encoded, for dimension ``d``; :class:`MetricError` saying what is
+    wrong (the tag, a kind, a name, a shape, the length, a value) before anything is built. Empty bytes
+    are the identity (a metric the server sends when ``metric-rank``'s correction found no direction)."""
+    if not isinstance(x, (bytes, bytearray, memoryview)):
+        raise MetricError(f"metric: expected bytes, got {type(x).__name__}")
+    x = bytes(x)
+    if not x:
+        return Identity()
+    if len(x) > max_bytes(d):
+        raise MetricError(f"metric: {len(x)} bytes, more than any metric of d = {d} takes")
+    metric, end = _read(x, 0, d, nested=False)
+    if end != len(x):
+        raise MetricError(f"metric: {len(x) - end} bytes after the metric's end")
+    return metric
+
+
+def _read(x: bytes, at: int, d: int, nested: bool) -> tuple[Metric, int]:
+    def take(n: int) -> bytes:
+        nonlocal at
+        if at + n > len(x):
+            raise MetricError("metric: the encoding ends early")
+        at += n
+        return x[at - n:at]
+
+    if take(2) != _MAGIC:
+        raise MetricError("metric: not a metric's encoding (no 'QM' tag)")
+    code, count = struct.unpack("<BB", take(2))
+    if code == 0 and count == 0:
+        return Identity(), at
+    names = _KINDS.get(code)
+    if names is None or (nested and code == 4):
+        raise MetricError(f"metric: unknown kind code {code}; allowed: 0 to 4 (a correction's base: 0 to 3)")
+    if count != len(names):
+        raise MetricError(f"metric: kind {code} carries {len(names)} arrays, not {count}")
+    parts = {}
+    for want in names:
+        n, ndim = struct.unpack("<BB", take(2))
+        name = take(n).decode("ascii", "replace")
+        if name != want or not 1 <= ndim <= 2:
+            raise MetricError(f"metric: array {name!r} of {ndim} dimensions where {want!r} was expected")
+        shape = struct.unpack(f"<{ndim}I", take(4 * ndim))
+        size = int(np.prod(shape))
+        if size > 2 * d * d + 8:
+            raise MetricError(f"metric: array {name!r} of shape {shape} is larger than d = {d} allows")
+        a = np.frombuffer(take(8 * size), dtype="<f8").reshape(shape)
+        if not np.all(np.isfinite(a)):
+            raise MetricError(f"metric: array {name!r} holds a value that is not finite")
+        parts[name] = a.copy()
+    if code == 4:
+        base, at = _read(x, at, d, nested=True)
+        u, t = parts["u"], parts["t"]
+        k = t.size
+        if t.ndim != 1 or u.shape != (d, k) or k < 1 or not np.all(t > 0) \
+                or not np.allclose(u.T @ u, np.eye(k), atol=1e-8):
+            raise MetricError("metric: a low-rank correction needs positive values and orthonormal directions "
+                              f"of d = {d}")
+        return base.corrected(u, t), at
+    if code == 1:
+        if parts["m"].shape != (d,):
+            raise MetricError(f"metric: a diagonal metric of d = {d} needs {d} numbers, got {parts['m'].shape}")
+        return Diagonal(parts["m"]), at
+    if code == 2:
+        if parts["M"].shape != (d, d):
+            raise MetricError(f"metric: a dense metric of d = {d} needs {d} × {d} numbers, got {parts['M'].shape}")
+        return Dense(parts["M"]), at
     try:
-        a = np.asarray(h, dtype=np.float64)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise ReportError(f"not an array of numbers ({type(exc).__name__})") from None
-    if a.size and np.all(np.isfinite(a)) and float(np.max(np.abs(a))) > REPORT_MAX:
-        raise ReportError(f"values above {REPORT_MAX:g}")
-    if kind == "kronecker":
-        return _check_kron_report(a, d)
-    shape = (d,) if kind == "diagonal" else (d, d)
-    if kind == "dense" and a.shape == (d * d,):  # as it travels: the matrix row by row
-        a = a.reshape(d, d)
-    if a.shape != shape:
-        raise ReportError(f"expected shape {shape}, got {a.shape}")
-    if not np.all(np.isfinite(a)):
-        raise ReportError("non-finite values")
-    if kind == "diagonal":
-        if np.any(a < 0):
-            raise ReportError("negative curvature on the diagonal")
-        return a
-    return _psd(a, "the matrix")
+        return Kronecker(Kron.checked(parts["perm"], parts["qg"], parts["qa"], parts["den"], d)), at
+    except ValueError as exc:
+        raise MetricError(str(exc)) from None
 
 
-def _psd(a: np.ndarray, what: str) -> np.ndarray:
-    scale = float(np.max(np.abs(a))) or 1.0
-    if not np.allclose(a, a.T, rtol=0.0, atol=1e-9 * scale):
-        raise ReportError(f"{what} is not symmetric")
-    sym = 0.5 * a + 0.5 * a.T  # (never a + a.T: it could overflow)
-    try:
-        low = float(np.linalg.eigvalsh(sym)[0])
-    except np.linalg.LinAlgError:
-        raise ReportError(f"{what}: its eigenvalues cannot be computed") from None
-    if low < -1e-9 * scale:
-        raise ReportError(f"{what} is not positive semi-definite")
-    return sym
+def from_user_array(a: np.ndarray, d: int) -> Metric:
+    """A user's metric file's array (``metric = <path>.npy``): ``d`` positive numbers or an SPD ``d × d``
+    matrix; :class:`MetricError` otherwise (an empty array too: the identity is ``metric = identity``)."""
+    a = np.asarray(a)
+    if a.dtype.kind not in "fiu":
+        raise MetricError(f"metric: expected numbers, got an array of {a.dtype}")
+    if a.shape == (d,):
+        return Diagonal(a)
+    if a.shape == (d, d):
+        return Dense(a)
+    raise MetricError(f"metric: expected {d} numbers or a {d} × {d} matrix, got shape {a.shape}")
 
 
-def _check_kron_report(a: np.ndarray, d: int) -> dict:
-    """A Kronecker report ``[F̃, K, G (F̃²), A (K²), perm (d)]`` as a dict, or :class:`ReportError`."""
-    if a.ndim != 1 or a.size < 2:
-        raise ReportError("expected a flat Kronecker report")
-    if not np.all(np.isfinite(a)):
-        raise ReportError("non-finite values")
-    F, K = a[0], a[1]
-    if F != int(F) or K != int(K) or F < 1 or K < 1 or F * K != d:
-        raise ReportError(f"the layer's sizes {F:g} × {K:g} do not make d = {d}")
-    F, K = int(F), int(K)
-    if a.size != 2 + F * F + K * K + d:
-        raise ReportError(f"expected {2 + F * F + K * K + d} numbers, got {a.size}")
-    G = a[2:2 + F * F].reshape(F, F)
-    A = a[2 + F * F:2 + F * F + K * K].reshape(K, K)
-    perm = a[2 + F * F + K * K:]
-    if not np.array_equal(np.sort(perm), np.arange(d, dtype=np.float64)):
-        raise ReportError("perm is not an ordering of θ's coordinates")
-    return {"G": _psd(G, "G"), "A": _psd(A, "A"), "perm": perm.astype(np.int64)}
+def to_array(metric: Metric) -> np.ndarray:
+    """The metric as a checkpoint holds it: its tagged encoding as a ``uint8`` array."""
+    return np.frombuffer(metric.to_bytes(), dtype=np.uint8).copy()
 
 
-def metric_from_kronecker(reports: dict[int, dict], n_data, prior_curv: np.ndarray, d: int) -> tuple[Metric, dict]:
-    """K-FAC's ``M = (G ⊗ Ā + λ_0 I)^{-1}`` (:class:`Kron`) from the valid reports. The layout
-    ``perm`` is the one most reports give (the others are refused, ``curvature_rejected``); each
-    report's per-datum scales ``tr G_i / N_i`` and ``tr A_i / N_i`` are capped at
-    :data:`REPORT_CAP` times the lower median, as for the diagonal. ``λ_0`` is the prior's mean
-    curvature (exact for the isotropic Gaussian prior)."""
-    n_data = np.asarray(n_data)
-    info: dict = {"curvature_reports": len(reports), "curvature_scaled": [], "curvature_rejected": {}}
-    if not reports:
-        raise MetricError("metric = kronecker: no valid curvature report")
-    # the layer's shape and layout most reports give; a tie goes to the lowest client's (a function of
-    # the reports alone, never of hashing)
-    keys = {i: (r["G"].shape[0], r["A"].shape[0], r["perm"].tobytes()) for i, r in reports.items()}
-    votes = {k: sum(v == k for v in keys.values()) for k in keys.values()}
-    common = keys[min(reports, key=lambda i: (-votes[keys[i]], i))]
-    for i in sorted(reports):
-        if keys[i] != common:
-            info["curvature_rejected"][str(i)] = "a layer shape or layout (perm) other than the other clients'"
-            del reports[i]
-    n = clamped_counts(n_data, reports)
-    for part in ("G", "A"):
-        sc = {i: float(np.trace(r[part])) / n[i] for i, r in reports.items()}
-        ref = lower_median(sc.values())
-        for i in sorted(reports):
-            if ref > 0 and sc[i] > REPORT_CAP * ref:
-                reports[i] = {**reports[i], part: reports[i][part] * (REPORT_CAP * ref / sc[i])}
-                info["curvature_scaled"].append(i)
-    G = sum(reports[i]["G"] for i in sorted(reports))
-    A = sum(reports[i]["A"] for i in sorted(reports)) / float(sum(n.values()))
-    if not (np.all(np.isfinite(G)) and np.all(np.isfinite(A))):
-        raise MetricError("metric = kronecker: the summed factors are not finite")
-    lg, qg = np.linalg.eigh(G)
-    la, qa = np.linalg.eigh(A)
-    lam0 = float(np.mean(prior_curv))
-    den = np.outer(np.maximum(lg, 0.0), np.maximum(la, 0.0)) + lam0
-    pos = den[den > 0]
-    if pos.size == 0:
-        raise MetricError("metric = kronecker: the curvature is zero and the prior flat; give a prior (prior-var)")
-    den = np.maximum(den, max(float(pos.max()) * 1e-12, float(pos.min())))
-    info["curvature_scaled"] = sorted(set(info["curvature_scaled"]))
-    perm = reports[min(reports)]["perm"]
-    return Metric("kronecker", kron=Kron(perm, qg, qa, den)), info
-
-
-def metric_from_curvature(kind: str, reports: dict[int, np.ndarray], n_data, prior_curv: np.ndarray,
-                          d: int) -> tuple[Metric, dict]:
-    """``M = (P_0 + Σ_i H_i)^{-1}`` from the valid reports ``{i: H_i}`` and the prior's curvature
-    ``P_0`` (``(d,)``, the diagonal of ``∇²U_0``; zero for a flat prior). Returns the metric and the
-    facts for the summary.
-
-    Bounded influence: each report's per-datum scale ``max_j (H_i)_jj / N_i`` is compared with
-    the lower median of all reports' scales; a report above :data:`REPORT_CAP` times it is scaled
-    down to that cap (``curvature_scaled``). So, with at least half the reports honest, one client
-    can shrink ``M`` only as much as ``REPORT_CAP × N_i`` honest data points would: it slows the
-    chain in those directions and never biases it (any SPD ``M`` keeps ``π`` stationary up to
-    ``O(γ)``). A direction no report and no prior constrains gets the smallest curvature of the
-    others (``M`` must stay finite).
-    """
-    scaled = cap_reports(reports, n_data)
-    info = {"curvature_reports": len(reports), "curvature_scaled": scaled}
-    if kind == "diagonal":
-        h = np.array(prior_curv, dtype=np.float64)
-        for i in sorted(reports):
-            h = h + reports[i]
-        pos = h[h > 0]
-        if pos.size == 0 or not np.all(np.isfinite(h)):
-            raise MetricError("metric-from = curvature: no usable curvature (none reported, or not finite) and the "
-                              "prior is flat; give a prior (prior-var) or metric = identity")
-        h = np.maximum(h, max(float(pos.min()), 1e-12 * float(pos.max())))
-        return Metric.diagonal(1.0 / h), info
-    H = np.diag(np.asarray(prior_curv, dtype=np.float64))
-    for i in sorted(reports):
-        H = H + reports[i]
-    if not np.all(np.isfinite(H)):
-        raise MetricError("metric-from = curvature: the summed curvature is not finite")
-    w, Q = np.linalg.eigh(0.5 * H + 0.5 * H.T)
-    pos = w[w > 1e-12 * max(float(w.max()), 0.0)]
-    if pos.size == 0:
-        raise MetricError("metric-from = curvature: the summed curvature is zero; give a prior (prior-var) or "
-                          "metric = identity")
-    w = np.maximum(w, float(pos.min()))
-    M = (Q / w) @ Q.T
-    return Metric.dense(0.5 * (M + M.T)), info
-
-
-# ---- the step from the curvature -----------------------------------------------------------------
-def lambda_max(grad_fn, theta: np.ndarray, metric: Metric, seed: int, iters: int = 60,
-               tol: float = 1e-2) -> tuple[float, int]:
-    """``λ_max(M^{1/2} ∇²U(θ) M^{1/2})`` by power iteration; ``∇²U u`` by the central difference
-    ``(∇U(θ + εu) − ∇U(θ − εu)) / 2ε``, each ``∇U`` one exchange with every client (``grad_fn``).
-    Stops when the Rayleigh quotient changes by less than ``tol`` (relative; 1 % moves γ by 1 %,
-    far below what matters) or after ``iters`` iterations; returns ``(λ, iterations)``. The start is random (stream ``(seed, INIT, −2, 0)``),
-    so it is not orthogonal to the top eigenvector."""
-    d = theta.shape[0]
-    v = rng.normal(seed, rng.Stream.INIT, -2 & 0xFFFFFFFF, 0, d)
-    v /= np.linalg.norm(v)
-    lam, it = 0.0, 0
-    for it in range(1, iters + 1):
-        u = metric.apply_root(v)
-        eps = fd_step(theta) / max(float(np.max(np.abs(u))), 1e-300)
-        hu = (grad_fn(theta + eps * u) - grad_fn(theta - eps * u)) / (2.0 * eps)
-        w = metric.apply_root_t(hu)  # (M^{1/2})ᵀ H u
-        new = float(v @ w)
-        nw = float(np.linalg.norm(w))
-        if not np.isfinite(nw) or nw == 0.0:
-            break
-        v = w / nw
-        done = it > 3 and abs(new - lam) <= tol * abs(new)
-        lam = max(new, 0.0)
-        if done:
-            break
-    return lam, it
+def from_array(a, d: int) -> Metric:
+    """The inverse of :func:`to_array` (a checkpoint's ``metric``); :class:`MetricError` saying what is wrong."""
+    a = np.asarray(a)
+    if a.dtype != np.uint8 or a.ndim != 1:
+        raise MetricError(f"metric: expected the metric's encoding as bytes (uint8), got {a.dtype} of shape {a.shape}")
+    return from_bytes(a.tobytes(), d)

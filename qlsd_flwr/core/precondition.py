@@ -11,7 +11,7 @@ all of them. The order:
    (needed by QLSD*/LSD*, and as the point where the curvature is taken). With a metric or
    ``gamma = auto`` the descent is preconditioned, accelerated and stepped by ``1/λ_max``, in
    :data:`DESCENT_STAGES` stages that each take the curvature again (:func:`curvature_point`).
-2. ``M`` from the clients' curvature at θ* (:func:`qlsd_flwr.core.metric.metric_from_curvature`),
+2. ``M`` from the clients' curvature at θ* (:func:`qlsd_flwr.core.curvature.metric_from_curvature`),
    or from a ``.npy`` file, or the identity.
 3. ``λ_max(M^{1/2} ∇²U(θ*) M^{1/2})`` by power iteration on gradient differences, when ``gamma =
    auto`` (``γ = c/λ_max``) or when a metric is used (the start-up check ``γ λ_max < 2``).
@@ -28,9 +28,9 @@ from typing import Callable
 import numpy as np
 
 from qlsd_flwr.config import ConfigError, RunConfig, adapts
-from qlsd_flwr.core import metric as mt
+from qlsd_flwr.core import curvature as cv
 from qlsd_flwr.core import rng
-from qlsd_flwr.core.metric import Metric, MetricError
+from qlsd_flwr.core.metric import Identity, Metric, MetricError
 from qlsd_flwr.core.potential import Task
 from qlsd_flwr.robust.reports import REPORT_CAP, ReportError, cap_total
 from qlsd_flwr.core.theta_star import closed_form_theta_star, needs_theta_star, optimise_theta_star, resolve_theta_star
@@ -85,8 +85,8 @@ def check(cfg: RunConfig, d: int) -> None:
     from qlsd_flwr.config import check_memory
 
     check_memory(cfg, d)
-    if cfg.metric == "dense" and d > mt.DENSE_MAX_DIM:
-        raise ConfigError(f"metric: dense needs d ≤ {mt.DENSE_MAX_DIM} (this task has d = {d}); use diagonal")
+    if cfg.metric == "dense" and d > cv.DENSE_MAX_DIM:
+        raise ConfigError(f"metric: dense needs d ≤ {cv.DENSE_MAX_DIM} (this task has d = {d}); use diagonal")
 
 
 def prior_curvature(task: Task, theta: np.ndarray | None = None) -> np.ndarray:
@@ -128,7 +128,7 @@ def curvature_point(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: Gra
             _merge_reports(info, ci)
         lr = cfg.gamma
         if cfg.gamma_auto or metric is not None:
-            lam, _ = mt.lambda_max(grad_fn, theta, metric or Metric(), cfg.seed, iters=20, tol=5e-2)
+            lam, _ = cv.lambda_max(grad_fn, theta, metric or Identity(), cfg.seed, iters=20, tol=5e-2)
             lr = 1.0 / lam if lam > 0 else 1.0
             info.setdefault("opt_lr", []).append(lr)
         budget = cfg.opt_rounds // stages + (cfg.opt_rounds % stages if stage == stages - 1 else 0)
@@ -165,7 +165,7 @@ def prepare(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | No
     grad_fn, curv_fn = _counted(grad_fn, curv_fn, cfg.b, task.dim, traffic)
     if not needs_preparation(cfg):
         ts, info = resolve_theta_star(cfg, task, theta0, grad_fn)
-        prep = _with_surrogates(cfg, task, Prepared(ts, info, Metric(), cfg.gamma), curv_fn, n_data)
+        prep = _with_surrogates(cfg, task, Prepared(ts, info, Identity(), cfg.gamma), curv_fn, n_data)
         info.update(traffic)  # the counts with FSGLD's curvature exchange in them
         return prep
     info: dict = traffic  # the counts go on as the exchanges are made
@@ -185,17 +185,17 @@ def prepare(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | No
         metric, cinfo = _curvature_metric(cfg, task, point, curv_fn, n_data)
         _merge_reports(info, cinfo)
     else:
-        metric = file_metric or Metric()
+        metric = file_metric or Identity()
     if lowrank_rank(cfg) > 0 and not adapts(cfg):
         metric = _lowrank(cfg, task, point, curv_fn, n_data, metric, info)
     spread = metric.spread()
     info["metric_spread"] = spread
-    if cfg.compressed and spread > mt.COMPRESSED_SPREAD_WARN:
+    if cfg.compressed and spread > cv.COMPRESSED_SPREAD_WARN:
         log.warning("metric: its scales span %s%.3g (above %.0e) and the messages are QSGD-compressed: the compression "
                     "noise, set by each message's norm, is multiplied by M in the flat directions and biases the "
                     "chain there (measured: sd up to 5.7× on a regression with spread 2e6); use an uncompressed "
                     "variant (lsd-pp, lsd-star), a larger s, or check against a reference (docs/METRIC.md)",
-                    "up to " if metric.low is not None else "", spread, mt.COMPRESSED_SPREAD_WARN)
+                    "up to " if metric.low is not None else "", spread, cv.COMPRESSED_SPREAD_WARN)
     # 3. the step
     gamma = _step(cfg, grad_fn, point, metric, info, quiet=adapts(cfg))  # announced once, after the warm-up
     # 4. the starts
@@ -229,7 +229,7 @@ def _with_surrogates(cfg: RunConfig, task: Task, prep: Prepared, curv_fn: CurvFn
     ok, refused = {}, {}
     for i, h in curv_fn(prep.theta_star, "diagonal").items():
         try:
-            ok[int(i)] = mt.check_report(h, "diagonal", task.dim)
+            ok[int(i)] = cv.check_report(h, "diagonal", task.dim)
         except ReportError as exc:
             refused[str(i)] = str(exc)
             log.warning("client %s: curvature report refused: %s (fsgld: its surrogate is linear)", i, exc)
@@ -265,12 +265,12 @@ def _step(cfg: RunConfig, grad_fn: GradFn | None, point: np.ndarray, metric: Met
     given γ, with a warning when it is beyond the estimated stability limit."""
     gamma = cfg.gamma
     if (cfg.gamma_auto or not metric.is_identity) and grad_fn is not None:
-        lam, iters = mt.lambda_max(grad_fn, point, metric, cfg.seed, iters=iters, tol=tol)
+        lam, iters = cv.lambda_max(grad_fn, point, metric, cfg.seed, iters=iters, tol=tol)
         if quiet and not (cfg.gamma_auto and lam <= 0):  # the warm-up's own steps: no announcement
             return float(cfg.get("gamma-c")) / lam if cfg.gamma_auto else gamma
         info.update({"lambda_max": lam, "lambda_max_iterations": iters})
         c = float(cfg.get("gamma-c"))
-        stable = mt.GAMMA_AUTO_C / lam if lam > 0 else None
+        stable = cv.GAMMA_AUTO_C / lam if lam > 0 else None
         if cfg.gamma_auto:
             if stable is None:
                 raise ConfigError("gamma = auto: the estimated curvature λ_max is zero (a flat potential); give a "
@@ -325,15 +325,15 @@ def _curvature_metric(cfg: RunConfig, task: Task, point: np.ndarray, curv_fn: Cu
     ok = {}
     for i, h in reports.items():
         try:
-            ok[int(i)] = mt.check_report(h, cfg.metric, task.dim)
+            ok[int(i)] = cv.check_report(h, cfg.metric, task.dim)
         except ReportError as exc:
             refused[int(i)] = str(exc)
             log.warning("client %s: curvature report refused: %s (curvature_rejected)", i, exc)
     try:
         if cfg.metric == "kronecker":
-            metric, cinfo = mt.metric_from_kronecker(ok, n_data, prior_curvature(task, point), task.dim)
+            metric, cinfo = cv.metric_from_kronecker(ok, n_data, prior_curvature(task, point), task.dim)
         else:
-            metric, cinfo = mt.metric_from_curvature(cfg.metric, ok, n_data, prior_curvature(task, point), task.dim)
+            metric, cinfo = cv.metric_from_curvature(cfg.metric, ok, n_data, prior_curvature(task, point), task.dim)
     except MetricError as exc:
         raise ConfigError(str(exc)) from None
     cinfo["curvature_rejected"] = {**{str(i): why for i, why in sorted(refused.items())},

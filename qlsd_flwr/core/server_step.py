@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from qlsd_flwr.core import dglmc, participation, rng
-from qlsd_flwr.core.metric import Metric
+from qlsd_flwr.core.metric import Identity, Metric
 from qlsd_flwr import samplers
 from qlsd_flwr.core.potential import GaussianPrior
 
@@ -63,7 +63,7 @@ class ServerSpec:
     prior: GaussianPrior
     prior_on_server: bool
     theta_star: np.ndarray | None = None
-    metric: Metric = Metric()  # M: identity, diagonal, dense or Kronecker (constant during the run)
+    metric: Metric = Identity()  # M: identity, diagonal, dense or Kronecker (constant during the run)
     temperature: float = 1.0  # T: the chain targets π^{1/T}
     # QLSD*/LSD* once a client has left the federation: Σ_{j kept} ∇U_j(θ*) (+ ∇U_0(θ*) with the prior on the
     # server), the control variate's sum, no longer zero without the client's term (None: zero, the paper's)

@@ -51,7 +51,7 @@ from qlsd_flwr.outputs.jsonio import dumps
 from qlsd_flwr.config import ConfigError, RunConfig
 
 NAME = "checkpoint.npz"
-FORMAT = 1
+FORMAT = 2  # 2: the metric in its tagged encoding (qlsd_flwr.core.metric.to_array)
 # keys that may differ between a run and its resumption (they do not change the chain)
 RESUME_FREE_KEYS = ("num-rounds", "progress", "plot", "verbose", "checkpoint-every", "resume", "engine",
                     "client-cpus", "reply-timeout", "output-dir", "run-name", "device",
@@ -394,11 +394,11 @@ def _check_server_chain(meta: dict, arrays: dict, bad) -> None:
         if name in arrays and arrays[name].shape != shape:
             raise bad(f"array {name!r} has shape {arrays[name].shape}, expected {shape}")
     m = arrays.get("metric")
-    if m is not None and m.size:
-        from qlsd_flwr.core.metric import Metric, MetricError
+    if m is not None:
+        from qlsd_flwr.core.metric import MetricError, from_array
 
         try:
-            Metric.from_array(m, d)
+            from_array(m, d)
         except MetricError as exc:
             raise bad(f"array 'metric': {exc}") from None
     g = meta.get("gamma", 1.0)
@@ -428,7 +428,9 @@ class WarmupStore:
 
     def save(self, state: dict) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        arrays = {"theta": state["theta"], "kept": state["kept"], "metric": state["metric"].array()}
+        from qlsd_flwr.core.metric import to_array
+
+        arrays = {"theta": state["theta"], "kept": state["kept"], "metric": to_array(state["metric"])}
         save(self.path, arrays, {"kind": "warmup", "config": self.config, "r": state["r"], "w_idx": state["w_idx"],
                                  "gamma": state["gamma"], "history": state["history"]})
 
@@ -438,7 +440,7 @@ class WarmupStore:
         naming the file and field."""
         if not self.path.exists():
             return None
-        from qlsd_flwr.core.metric import Metric, MetricError
+        from qlsd_flwr.core.metric import MetricError, from_array
 
         meta, a = load(self.path)
 
@@ -470,7 +472,7 @@ class WarmupStore:
                     not np.all(np.isfinite(x)) or (x.size and float(np.max(np.abs(x))) > VALUE_MAX):
                 raise bad(f"array {name!r} is not {' × '.join('n' if s is None else str(s) for s in shape)} finite numbers")
         try:
-            metric = Metric.from_array(a.get("metric"), d)
+            metric = from_array(a.get("metric"), d)
         except MetricError as exc:
             raise bad(str(exc)) from None
         if metric.kind != kind:

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
-from qlsd_flwr.core.metric import DENSE_MAX_DIM, Metric, MetricError
+from qlsd_flwr.core.metric import Metric, MetricError, from_user_array
+from qlsd_flwr.core.curvature import DENSE_MAX_DIM
 
 
 def metric_from_file(path: str, d: int) -> Metric:
@@ -21,6 +22,6 @@ def metric_from_file(path: str, d: int) -> Metric:
         raise MetricError(f"metric: {str(p)!r} is a dense {d} × {d} metric; dense metrics are allowed up to "
                           f"d = {DENSE_MAX_DIM}")
     try:
-        return Metric.from_array(a, d)
+        return from_user_array(a, d)
     except MetricError as exc:
         raise MetricError(f"{exc} (in {str(p)!r})") from None

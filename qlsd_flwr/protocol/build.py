@@ -106,7 +106,7 @@ def stable_gamma(task: Task, info: dict | None = None) -> float | None:
     target whose posterior precision ``τ`` is known; ``None`` otherwise."""
     lam = (info or {}).get("lambda_max")
     if isinstance(lam, (int, float)) and lam > 0:
-        from qlsd_flwr.core.metric import GAMMA_AUTO_C
+        from qlsd_flwr.core.curvature import GAMMA_AUTO_C
 
         return GAMMA_AUTO_C / float(lam)
     if task.posterior_var is None:
@@ -236,7 +236,7 @@ def server_spec(cfg: RunConfig, task: Task, theta_star: np.ndarray | None, block
     if not np.isfinite(cfg.gamma):
         raise ConfigError("gamma = auto: the step is chosen before sampling (core.precondition.prepare); "
                           "this path started a chain without it")
-    metric = Metric() if metric is None else metric
+    metric = Identity() if metric is None else metric
     # DG-LMC coupled in M's norm draws θ | z in M's eigenbasis (a low-rank correction: refused by
     # protocol.local_chains, naming the key)
     spectrum = Spectrum.of(metric) if cfg.kind.coupled and not metric.is_identity and metric.low is None else None
@@ -267,7 +267,7 @@ def direct_exchanges(cfg: RunConfig, task: Task, specs):
     """``(grad_fn, curv_fn)`` for the engines that call their clients directly (local, vectorised):
     the very functions a ClientApp runs for the ``grad`` and ``curvature`` phases."""
     from qlsd_flwr.core.lowrank import local_hvp
-    from qlsd_flwr.core.metric import local_curvature
+    from qlsd_flwr.core.curvature import local_curvature
     from qlsd_flwr.core.oracles import full_local_grad
 
     def grad_fn(th):

@@ -2,7 +2,7 @@
 
 :func:`handle` takes the fields the server sent (see :mod:`qlsd_flwr.protocol.wire`) and the client's
 state, and returns the reply fields: for ``phase = "grad"`` the full local gradient, for
-``phase = "curvature"`` its curvature report (:func:`qlsd_flwr.core.metric.local_curvature`), for
+``phase = "curvature"`` its curvature report (:func:`qlsd_flwr.core.curvature.local_curvature`), for
 ``phase = "sample"`` the encoded compressed message of :func:`qlsd_flwr.core.oracles.client_round`,
 or ``status = "resync"`` when the client's cached anchor or memory counter disagrees with the
 server's. An ``anchor`` or ``eta`` (with ``eta_count``) in the fields is installed *before* that
@@ -23,7 +23,7 @@ from qlsd_flwr.core.oracles import (
     set_anchor,
 )
 from qlsd_flwr.core.lowrank import MAX_BLOCK, local_hvp
-from qlsd_flwr.core.metric import local_curvature
+from qlsd_flwr.core.curvature import local_curvature
 from qlsd_flwr.core.potential import LocalPotential
 from qlsd_flwr.protocol.wire import (
     arr_to_bytes,

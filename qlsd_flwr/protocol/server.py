@@ -32,7 +32,7 @@ from qlsd_flwr.core import participation
 from qlsd_flwr.core.potential import GaussianPrior
 from qlsd_flwr.core import precondition
 from qlsd_flwr.core import server_step as sampler
-from qlsd_flwr.core.metric import Metric
+from qlsd_flwr.core.metric import Identity, from_array, to_array
 from qlsd_flwr.core.precondition import Prepared
 from qlsd_flwr.core.potential import Task
 from qlsd_flwr.protocol import build, local_chains
@@ -115,7 +115,7 @@ class QLSDServer:
                     theta0: np.ndarray | None = None, prep: Prepared | None = None) -> None:
         """The chain at ``θ_0`` (the task's unless given), round 0."""
         self.ts_info = ts_info or {}
-        metric = Metric()
+        metric = Identity()
         if prep is not None:
             self.cfg = precondition.apply(self.cfg, prep)
             metric = prep.metric
@@ -155,7 +155,7 @@ class QLSDServer:
         arrays = {"theta": st.theta, "zeta": st.zeta, "eta_i": st.eta_i, "eta": st.eta,
                   "theta_star": self.spec.theta_star, "anchor_acked": self.anchor_acked,
                   "eta_count": self.eta_count, "needs_resync": self.needs_resync,
-                  "metric": self.spec.metric.array(), **(self.claims.arrays() if self.claims else {}),
+                  "metric": to_array(self.spec.metric), **(self.claims.arrays() if self.claims else {}),
                   **local_chains.arrays(self)}
         meta = {"kind": "server", "k": int(st.k), "zeta_version": int(st.zeta_version), "gamma": float(self.spec.gamma),
                 "config": self.cfg.raw, "rejected": self.rejected,
@@ -171,7 +171,7 @@ class QLSDServer:
         theta_star = a.get("theta_star")
         if "gamma" in meta:  # the step the run was started with (gamma = auto chose it then)
             self.cfg = cfg = dataclasses.replace(cfg, gamma=float(meta["gamma"]))
-        metric = Metric.from_array(a.get("metric"), self.d)
+        metric = from_array(a["metric"], self.d) if "metric" in a else Identity()
         self.spec = build.server_spec(cfg, self.task, None if theta_star is None else theta_star.copy(), self.blocks,
                                       metric)
         st = sampler.init_state(self.spec, a["theta"])

@@ -44,10 +44,9 @@ VECTORS = ("theta",) + SENT_WITH
 
 def metric_to_bytes(metric) -> bytes:
     """The rivals' local-step metric as it travels (``metric``, sent with a client's first message and
-    after a resync): float64 bytes of :meth:`qlsd_flwr.core.metric.Metric.array`, flattened (``d``
-    numbers, ``d × d`` row by row, or the Kronecker factors and a low-rank correction behind their
-    markers). One run's chains share it, so a several-chain message carries it once."""
-    return arr_to_bytes(np.ravel(metric.array()))
+    after a resync): its tagged encoding (:meth:`qlsd_flwr.core.metric.Metric.to_bytes`; the identity as
+    empty bytes). One run's chains share it, so a several-chain message carries it once."""
+    return b"" if metric.is_identity else metric.to_bytes()
 
 
 def metric_of(x, d: int):
@@ -59,26 +58,17 @@ def metric_of(x, d: int):
 
 
 def _parse_metric(x, d: int):
-    """A metric sent as :func:`metric_to_bytes` made: a :class:`~qlsd_flwr.core.metric.Metric`
-    (identity, diagonal, dense, Kronecker, with or without a low-rank correction), every number finite,
-    a dense matrix symmetric positive-definite, Kronecker factors orthogonal with positive eigenvalues;
-    else ``ValueError`` naming ``metric``. Its length is held to
-    what the largest of them takes (``2d² + 4d + 8`` numbers) before anything is allocated from it."""
-    from qlsd_flwr.core.metric import Metric, MetricError
+    """A metric sent as :func:`metric_to_bytes` made (:func:`qlsd_flwr.core.metric.from_bytes`: the tag, the
+    kind, each array's name and shape, every number finite, a dense matrix symmetric positive-definite,
+    Kronecker factors orthogonal with positive eigenvalues, the length held to what the largest metric
+    of ``d`` takes before anything is allocated); else ``ValueError`` naming ``metric``."""
+    from qlsd_flwr.core.metric import MetricError, from_bytes
 
-    if not isinstance(x, (bytes, bytearray)) or not len(x) <= 8 * (2 * d * d + 4 * d + 8) or len(x) % 8:
-        raise ValueError(f"sample: 'metric' must be float64 bytes of a metric of d = {d} "
-                         "(none: the identity; d numbers, d × d, or a Kronecker or low-rank one)")
-    if not len(x):  # the identity (metric-rank's correction found no direction)
-        return Metric()
-    a = np.frombuffer(bytes(x), dtype="<f8").astype(np.float64)
-    if not np.all(np.isfinite(a)):
-        raise ValueError("sample: 'metric' must be finite numbers")
-    if a.size == d * d and a[0] > 0 and d > 1:
-        a = a.reshape(d, d)
+    if not isinstance(x, (bytes, bytearray)):
+        raise ValueError(f"sample: 'metric' must be the bytes of a metric of d = {d}, not {type(x).__name__}")
     try:
-        return Metric.from_array(a, d)
-    except (MetricError, ValueError) as exc:
+        return from_bytes(x, d)
+    except MetricError as exc:
         raise ValueError(f"sample: 'metric' is not a usable metric: {exc}") from None
 
 

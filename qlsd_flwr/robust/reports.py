@@ -12,7 +12,7 @@ import numpy as np
 
 #: one client's curvature report may weigh at most this many times its share ``N_i`` of the
 #: (lower-median) honest clients' per-datum curvature before it is scaled down
-#: (:func:`qlsd_flwr.core.metric.metric_from_curvature`).
+#: (:func:`qlsd_flwr.core.curvature.metric_from_curvature`).
 REPORT_CAP = 10.0
 #: a curvature report with a value above this is refused: sums of a few such reports stay finite
 REPORT_MAX = 1e150

@@ -10,6 +10,7 @@ import numpy as np
 
 from qlsd_flwr.config import ConfigError, RunConfig, check_memory
 from qlsd_flwr.core import precondition
+from qlsd_flwr.core.metric import Identity, to_array
 from qlsd_flwr.core.potential import GaussianPrior, Task
 from qlsd_flwr.outputs import loo
 from qlsd_flwr.engines.vectorised.numba_backend import NumbaChains
@@ -159,7 +160,7 @@ def run_side_by_side(cfgs, task: Task | None = None, write: bool = False, keep_t
         if "gamma" in resume[1] and float(resume[1]["gamma"]) != float(spec0.gamma):
             raise ConfigError(f"resume: gamma differs from the checkpoint's ({resume[1]['gamma']!r} against "
                               f"{spec0.gamma!r}); the run's data or metric file changed")
-        if saved_m is not None and not np.array_equal(saved_m, spec0.metric.array()):
+        if saved_m is not None and not np.array_equal(saved_m, to_array(spec0.metric)):
             raise ConfigError("resume: the metric differs from the checkpoint's; the run's data or metric file changed")
     recs, run_dirs = [], []
     k = 0
@@ -377,7 +378,7 @@ def _save_checkpoint(cfg, backend, runner, st: ChainStats, rec: Recorder, run_di
     rec_meta, rec_arrays = rec.checkpoint_state()
     arrays = {**{f"run_{n}": a for n, a in r.checkpoint_arrays().items()}, **_stats_arrays(st),
               **{f"rec_{n}": a for n, a in rec_arrays.items()}}
-    arrays["metric"] = np.zeros(0) if isinstance(r, NumbaChains) else r.spec.metric.array()
+    arrays["metric"] = to_array(Identity() if isinstance(r, NumbaChains) else r.spec.metric)
     meta = {"kind": "vectorised", "backend": backend, "k": k, "config": cfg.raw, "gamma": _gamma_of(r),
             "stats": {"n_kept": st.n_kept, "rounds": st.rounds}, "recorder": rec_meta}
     if isinstance(r, RivalChains):  # the chains' servers' JSON state (guards, counters)

@@ -1,0 +1,260 @@
+"""How the metric ``M`` is chosen: the clients' curvature reports and ``gamma = auto``.
+
+* :func:`local_curvature` — what a client reports: its potential's own ``curvature_diag`` /
+  ``hessian`` when it has them, otherwise an estimate from ``grad_sum`` alone.
+* :func:`check_report` — a report as the server accepts it, or :class:`~qlsd_flwr.robust.reports.ReportError`.
+* :func:`metric_from_curvature`, :func:`metric_from_kronecker` — ``M = (prior curvature + Σ_i H_i)^{-1}``
+  from the valid reports at θ*, each bounded per datum (:mod:`qlsd_flwr.robust.reports`).
+* :func:`lambda_max` — the largest eigenvalue of ``M^{1/2} ∇²U M^{1/2}`` by power iteration on
+  Hessian-vector products (gradient differences through the engine's own clients);
+  :data:`GAMMA_AUTO_C` ``/ λ_max`` is ``gamma = auto``.
+
+It is framework-free numpy; engines call it through :mod:`qlsd_flwr.core.precondition`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from qlsd_flwr.core import rng
+from qlsd_flwr.core.kron import Kron
+from qlsd_flwr.core.lowrank import fd_step
+from qlsd_flwr.core.metric import Dense, Diagonal, Kronecker, Metric, MetricError
+from qlsd_flwr.robust.reports import REPORT_CAP, REPORT_MAX, ReportError, cap_reports, clamped_counts, lower_median
+
+#: ``gamma = auto`` sets ``γ = c / λ_max(M^{1/2} ∇²U(θ*) M^{1/2})`` with this ``c``. With exact
+#: gradients on a Gaussian, a direction of curvature ``λ`` has stationary variance
+#: ``1/(λ (1 − γλ/2))`` (the discrete Lyapunov equation), so the stiffest direction's variance is
+#: inflated by at most ``1/(1 − c/2)``: 14 % (sd 7 %) at ``c = 0.25``; flatter directions less.
+#: Larger ``c`` mixes faster and costs more bias; the stability limit is ``c < 2``.
+GAMMA_AUTO_C = 0.25
+#: ``metric = dense`` keeps a ``d × d`` matrix and its factor on the server and asks each client
+#: for a ``d × d`` curvature: refused above this ``d`` (Stan's ``dense_e`` has the same trade-off).
+DENSE_MAX_DIM = 2000
+#: above this spread of ``M``'s scales, QSGD's noise (set by the message's norm, i.e. by the stiff
+#: coordinates) multiplied by ``M`` dominates the flat directions: measured on the regressions of
+#: ``benchmarks/bench_metric.py`` (spread 5.9e3: no effect; 2.6e5 and 2.2e6: sd up to 1.4× and 5.7×)
+COMPRESSED_SPREAD_WARN = 1e4
+#: Hutchinson probes of :func:`local_curvature`'s estimate for potentials without ``curvature_diag``.
+HUTCHINSON_PROBES = 64
+
+
+
+def local_curvature(pot, theta: np.ndarray, kind: str, seed: int, client: int) -> np.ndarray:
+    """Client ``i``'s curvature of its data potential at ``θ``: ``(d,)`` (``kind = diagonal``) or
+    ``(d, d)`` (``dense``), positive semi-definite.
+
+    Uses the potential's own ``curvature_diag(θ)`` / ``hessian(θ)`` when it has them (the built-in
+    tasks do: exact, or the Gauss–Newton matrix). Otherwise it is estimated from ``grad_sum``
+    alone: the diagonal by Hutchinson's estimator ``E[v ⊙ H v]`` over :data:`HUTCHINSON_PROBES`
+    Rademacher probes ``v`` (from the stream ``(seed, INIT, −1, client)``), ``H v`` by central
+    differences; the dense matrix by central differences along each axis, symmetrised. Negative
+    values (noise, or a non-convex point) are set to zero: a metric needs only positive numbers,
+    and the server adds the prior's curvature.
+    """
+    d = theta.shape[0]
+    if kind == "kronecker":
+        if not hasattr(pot, "kron_factors"):
+            raise ValueError("metric = kronecker needs a potential with kron_factors(theta) (one dense softmax "
+                             "layer: the logistic tasks, TorchPotential of a single nn.Linear); use diagonal")
+        G, A, perm = pot.kron_factors(theta)
+        F, K = G.shape[0], A.shape[0]
+        return np.concatenate([[F, K], np.ravel(G), np.ravel(A), np.asarray(perm, dtype=np.float64)])
+    if kind == "diagonal" and hasattr(pot, "curvature_diag"):
+        h = np.asarray(pot.curvature_diag(theta), dtype=np.float64)
+    elif kind == "dense" and hasattr(pot, "hessian"):
+        h = np.asarray(pot.hessian(theta), dtype=np.float64)
+    elif kind == "diagonal":
+        u = rng.uniform(seed, rng.Stream.INIT, -1 & 0xFFFFFFFF, client, HUTCHINSON_PROBES * d)
+        V = np.where(u.reshape(HUTCHINSON_PROBES, d) < 0.5, -1.0, 1.0)
+        eps = fd_step(theta)
+        h = np.zeros(d)
+        for v in V:
+            hv = (pot.grad_sum(theta + eps * v) - pot.grad_sum(theta - eps * v)) / (2.0 * eps)
+            h += v * hv
+        h /= HUTCHINSON_PROBES
+    else:
+        eps = fd_step(theta)
+        h = np.empty((d, d))
+        for j in range(d):
+            e = np.zeros(d)
+            e[j] = eps
+            h[j] = (pot.grad_sum(theta + e) - pot.grad_sum(theta - e)) / (2.0 * eps)
+        h = 0.5 * (h + h.T)
+    if kind == "diagonal":
+        return np.maximum(h, 0.0)
+    w, Q = np.linalg.eigh(0.5 * (h + h.T))
+    return (Q * np.maximum(w, 0.0)) @ Q.T
+
+
+def check_report(h, kind: str, d: int) -> np.ndarray:
+    """A client's curvature report as a float64 array, or :class:`ReportError` saying why: the wrong
+    length, a value that is not finite, a negative diagonal, an asymmetric or indefinite matrix."""
+    try:
+        a = np.asarray(h, dtype=np.float64)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ReportError(f"not an array of numbers ({type(exc).__name__})") from None
+    if a.size and np.all(np.isfinite(a)) and float(np.max(np.abs(a))) > REPORT_MAX:
+        raise ReportError(f"values above {REPORT_MAX:g}")
+    if kind == "kronecker":
+        return _check_kron_report(a, d)
+    shape = (d,) if kind == "diagonal" else (d, d)
+    if kind == "dense" and a.shape == (d * d,):  # as it travels: the matrix row by row
+        a = a.reshape(d, d)
+    if a.shape != shape:
+        raise ReportError(f"expected shape {shape}, got {a.shape}")
+    if not np.all(np.isfinite(a)):
+        raise ReportError("non-finite values")
+    if kind == "diagonal":
+        if np.any(a < 0):
+            raise ReportError("negative curvature on the diagonal")
+        return a
+    return _psd(a, "the matrix")
+
+
+def _psd(a: np.ndarray, what: str) -> np.ndarray:
+    scale = float(np.max(np.abs(a))) or 1.0
+    if not np.allclose(a, a.T, rtol=0.0, atol=1e-9 * scale):
+        raise ReportError(f"{what} is not symmetric")
+    sym = 0.5 * a + 0.5 * a.T  # (never a + a.T: it could overflow)
+    try:
+        low = float(np.linalg.eigvalsh(sym)[0])
+    except np.linalg.LinAlgError:
+        raise ReportError(f"{what}: its eigenvalues cannot be computed") from None
+    if low < -1e-9 * scale:
+        raise ReportError(f"{what} is not positive semi-definite")
+    return sym
+
+
+def _check_kron_report(a: np.ndarray, d: int) -> dict:
+    """A Kronecker report ``[F̃, K, G (F̃²), A (K²), perm (d)]`` as a dict, or :class:`ReportError`."""
+    if a.ndim != 1 or a.size < 2:
+        raise ReportError("expected a flat Kronecker report")
+    if not np.all(np.isfinite(a)):
+        raise ReportError("non-finite values")
+    F, K = a[0], a[1]
+    if F != int(F) or K != int(K) or F < 1 or K < 1 or F * K != d:
+        raise ReportError(f"the layer's sizes {F:g} × {K:g} do not make d = {d}")
+    F, K = int(F), int(K)
+    if a.size != 2 + F * F + K * K + d:
+        raise ReportError(f"expected {2 + F * F + K * K + d} numbers, got {a.size}")
+    G = a[2:2 + F * F].reshape(F, F)
+    A = a[2 + F * F:2 + F * F + K * K].reshape(K, K)
+    perm = a[2 + F * F + K * K:]
+    if not np.array_equal(np.sort(perm), np.arange(d, dtype=np.float64)):
+        raise ReportError("perm is not an ordering of θ's coordinates")
+    return {"G": _psd(G, "G"), "A": _psd(A, "A"), "perm": perm.astype(np.int64)}
+
+
+def metric_from_kronecker(reports: dict[int, dict], n_data, prior_curv: np.ndarray, d: int) -> tuple[Metric, dict]:
+    """K-FAC's ``M = (G ⊗ Ā + λ_0 I)^{-1}`` (:class:`Kron`) from the valid reports. The layout
+    ``perm`` is the one most reports give (the others are refused, ``curvature_rejected``); each
+    report's per-datum scales ``tr G_i / N_i`` and ``tr A_i / N_i`` are capped at
+    :data:`REPORT_CAP` times the lower median, as for the diagonal. ``λ_0`` is the prior's mean
+    curvature (exact for the isotropic Gaussian prior)."""
+    n_data = np.asarray(n_data)
+    info: dict = {"curvature_reports": len(reports), "curvature_scaled": [], "curvature_rejected": {}}
+    if not reports:
+        raise MetricError("metric = kronecker: no valid curvature report")
+    # the layer's shape and layout most reports give; a tie goes to the lowest client's (a function of
+    # the reports alone, never of hashing)
+    keys = {i: (r["G"].shape[0], r["A"].shape[0], r["perm"].tobytes()) for i, r in reports.items()}
+    votes = {k: sum(v == k for v in keys.values()) for k in keys.values()}
+    common = keys[min(reports, key=lambda i: (-votes[keys[i]], i))]
+    for i in sorted(reports):
+        if keys[i] != common:
+            info["curvature_rejected"][str(i)] = "a layer shape or layout (perm) other than the other clients'"
+            del reports[i]
+    n = clamped_counts(n_data, reports)
+    for part in ("G", "A"):
+        sc = {i: float(np.trace(r[part])) / n[i] for i, r in reports.items()}
+        ref = lower_median(sc.values())
+        for i in sorted(reports):
+            if ref > 0 and sc[i] > REPORT_CAP * ref:
+                reports[i] = {**reports[i], part: reports[i][part] * (REPORT_CAP * ref / sc[i])}
+                info["curvature_scaled"].append(i)
+    G = sum(reports[i]["G"] for i in sorted(reports))
+    A = sum(reports[i]["A"] for i in sorted(reports)) / float(sum(n.values()))
+    if not (np.all(np.isfinite(G)) and np.all(np.isfinite(A))):
+        raise MetricError("metric = kronecker: the summed factors are not finite")
+    lg, qg = np.linalg.eigh(G)
+    la, qa = np.linalg.eigh(A)
+    lam0 = float(np.mean(prior_curv))
+    den = np.outer(np.maximum(lg, 0.0), np.maximum(la, 0.0)) + lam0
+    pos = den[den > 0]
+    if pos.size == 0:
+        raise MetricError("metric = kronecker: the curvature is zero and the prior flat; give a prior (prior-var)")
+    den = np.maximum(den, max(float(pos.max()) * 1e-12, float(pos.min())))
+    info["curvature_scaled"] = sorted(set(info["curvature_scaled"]))
+    perm = reports[min(reports)]["perm"]
+    return Kronecker(Kron(perm, qg, qa, den)), info
+
+
+def metric_from_curvature(kind: str, reports: dict[int, np.ndarray], n_data, prior_curv: np.ndarray,
+                          d: int) -> tuple[Metric, dict]:
+    """``M = (P_0 + Σ_i H_i)^{-1}`` from the valid reports ``{i: H_i}`` and the prior's curvature
+    ``P_0`` (``(d,)``, the diagonal of ``∇²U_0``; zero for a flat prior). Returns the metric and the
+    facts for the summary.
+
+    Bounded influence: each report's per-datum scale ``max_j (H_i)_jj / N_i`` is compared with
+    the lower median of all reports' scales; a report above :data:`REPORT_CAP` times it is scaled
+    down to that cap (``curvature_scaled``). So, with at least half the reports honest, one client
+    can shrink ``M`` only as much as ``REPORT_CAP × N_i`` honest data points would: it slows the
+    chain in those directions and never biases it (any SPD ``M`` keeps ``π`` stationary up to
+    ``O(γ)``). A direction no report and no prior constrains gets the smallest curvature of the
+    others (``M`` must stay finite).
+    """
+    scaled = cap_reports(reports, n_data)
+    info = {"curvature_reports": len(reports), "curvature_scaled": scaled}
+    if kind == "diagonal":
+        h = np.array(prior_curv, dtype=np.float64)
+        for i in sorted(reports):
+            h = h + reports[i]
+        pos = h[h > 0]
+        if pos.size == 0 or not np.all(np.isfinite(h)):
+            raise MetricError("metric-from = curvature: no usable curvature (none reported, or not finite) and the "
+                              "prior is flat; give a prior (prior-var) or metric = identity")
+        h = np.maximum(h, max(float(pos.min()), 1e-12 * float(pos.max())))
+        return Diagonal(1.0 / h), info
+    H = np.diag(np.asarray(prior_curv, dtype=np.float64))
+    for i in sorted(reports):
+        H = H + reports[i]
+    if not np.all(np.isfinite(H)):
+        raise MetricError("metric-from = curvature: the summed curvature is not finite")
+    w, Q = np.linalg.eigh(0.5 * H + 0.5 * H.T)
+    pos = w[w > 1e-12 * max(float(w.max()), 0.0)]
+    if pos.size == 0:
+        raise MetricError("metric-from = curvature: the summed curvature is zero; give a prior (prior-var) or "
+                          "metric = identity")
+    w = np.maximum(w, float(pos.min()))
+    M = (Q / w) @ Q.T
+    return Dense(0.5 * (M + M.T)), info
+
+
+# ---- the step from the curvature -----------------------------------------------------------------
+def lambda_max(grad_fn, theta: np.ndarray, metric: Metric, seed: int, iters: int = 60,
+               tol: float = 1e-2) -> tuple[float, int]:
+    """``λ_max(M^{1/2} ∇²U(θ) M^{1/2})`` by power iteration; ``∇²U u`` by the central difference
+    ``(∇U(θ + εu) − ∇U(θ − εu)) / 2ε``, each ``∇U`` one exchange with every client (``grad_fn``).
+    Stops when the Rayleigh quotient changes by less than ``tol`` (relative; 1 % moves γ by 1 %,
+    far below what matters) or after ``iters`` iterations; returns ``(λ, iterations)``. The start is random (stream ``(seed, INIT, −2, 0)``),
+    so it is not orthogonal to the top eigenvector."""
+    d = theta.shape[0]
+    v = rng.normal(seed, rng.Stream.INIT, -2 & 0xFFFFFFFF, 0, d)
+    v /= np.linalg.norm(v)
+    lam, it = 0.0, 0
+    for it in range(1, iters + 1):
+        u = metric.apply_root(v)
+        eps = fd_step(theta) / max(float(np.max(np.abs(u))), 1e-300)
+        hu = (grad_fn(theta + eps * u) - grad_fn(theta - eps * u)) / (2.0 * eps)
+        w = metric.apply_root_t(hu)  # (M^{1/2})ᵀ H u
+        new = float(v @ w)
+        nw = float(np.linalg.norm(w))
+        if not np.isfinite(nw) or nw == 0.0:
+            break
+        v = w / nw
+        done = it > 3 and abs(new - lam) <= tol * abs(new)
+        lam = max(new, 0.0)
+        if done:
+            break
+    return lam, it
