@@ -15,6 +15,7 @@ from qlsd_flwr.compression.identity import Identity
 from qlsd_flwr.compression.qsgd import QSGD
 from qlsd_flwr.config import ConfigError, RunConfig
 from qlsd_flwr.core.dglmc import Spectrum
+from qlsd_flwr.core.metric import Identity as IdentityMetric
 from qlsd_flwr.core.metric import Metric
 from qlsd_flwr import samplers
 from qlsd_flwr.core.oracles import ClientSpec
@@ -236,7 +237,7 @@ def server_spec(cfg: RunConfig, task: Task, theta_star: np.ndarray | None, block
     if not np.isfinite(cfg.gamma):
         raise ConfigError("gamma = auto: the step is chosen before sampling (core.precondition.prepare); "
                           "this path started a chain without it")
-    metric = Identity() if metric is None else metric
+    metric = IdentityMetric() if metric is None else metric
     # DG-LMC coupled in M's norm draws θ | z in M's eigenbasis (a low-rank correction: refused by
     # protocol.local_chains, naming the key)
     spectrum = Spectrum.of(metric) if cfg.kind.coupled and not metric.is_identity and metric.low is None else None
