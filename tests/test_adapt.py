@@ -142,14 +142,14 @@ def test_a_warm_up_that_diverges_names_the_step():
 
 WARM_KILLER = """
 import json, os, signal, sys
-from qlsd_flwr.outputs import checkpoint
+from qlsd_flwr.outputs import warmup
 from qlsd_flwr.run import simulate
-save = checkpoint.WarmupStore.save
+save = warmup.WarmupStore.save
 def killing_save(self, state):
     save(self, state)
     if state["r"] >= int(sys.argv[2]):
         os.kill(os.getpid(), signal.SIGKILL)
-checkpoint.WarmupStore.save = killing_save
+warmup.WarmupStore.save = killing_save
 simulate.run(json.loads(sys.argv[1]))
 sys.exit(3)
 """
@@ -189,10 +189,11 @@ def test_a_run_killed_in_its_warm_up_continues_it_bit_for_bit(engine, tmp_path, 
 
 def test_a_damaged_warm_up_state_is_refused_naming_the_file(tmp_path):
     from qlsd_flwr.outputs import checkpoint as ckpt
+    from qlsd_flwr.outputs.warmup import warmup_store
 
     cfg = resolve({"metric": "dense", "metric-from": "adapt", "checkpoint-every": 5, "output-dir": str(tmp_path),
                    "dim": 3})
-    store = ckpt.warmup_store(cfg)
+    store = warmup_store(cfg)
     R = 100  # windows(100): the first slow window is rounds 15..24, so round 17 holds 2 of its draws
     good = adapt.snapshot(17, 0, 0.1, Dense(np.eye(3)), np.zeros((2, 3)), [np.ones((2, 3))] * 2, [])
     store.save(good)

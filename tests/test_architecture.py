@@ -5,7 +5,8 @@
   Flower, no torch and no file I/O;
 * a user who imports the strategy and the apps pulls in no experiment driver, no deployment
   tooling and no torch;
-* no module is over 500 lines.
+* no module is over 500 lines;
+* no import cycle, and the mathematics reaches no configuration or I/O through any chain of imports.
 """
 
 import ast
@@ -160,3 +161,24 @@ def test_no_sampler_is_named_outside_its_declaration():
     hits = [f"{f.relative_to(ROOT)}:{n}" for f in PKG.rglob("*.py") if "samplers" not in f.parts
             for n, line in enumerate(f.read_text().splitlines(), 1) if pattern.search(line)]
     assert len(hits) <= 3, hits
+
+
+def test_the_mathematics_reaches_no_configuration_files_or_flower_through_any_import():
+    """Following every import through (not only the direct ones), ``core/`` and ``compression/`` reach only
+    the mathematics' own layers: no configuration, key table, outputs, protocol, Flower or engines."""
+    graph = _graph()
+    allowed = ("qlsd_flwr.core", "qlsd_flwr.compression", "qlsd_flwr.errors", "qlsd_flwr.samplers",
+               "qlsd_flwr.robust")
+    bad = [f"{start} reaches {m}" for start in sorted(graph) if start.startswith(("qlsd_flwr.core", "qlsd_flwr.compression"))
+           for m in sorted(_reach(graph, start)) if not m.startswith(allowed)]
+    assert not bad, "\n".join(bad)
+    assert "qlsd_flwr.config" in _reach(graph, "qlsd_flwr.protocol.precondition")  # the walk sees a real path
+
+
+def _reach(graph: dict, start: str) -> set:
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in graph[todo.pop()] - seen:
+            seen.add(nxt)
+            todo.append(nxt)
+    return seen

@@ -25,7 +25,7 @@ from qlsd_flwr.core.oracles import (
     set_anchor,
 )
 from qlsd_flwr.core.potential import GaussianPrior, Task
-from qlsd_flwr.core.theta_star import resolve_theta_star
+from qlsd_flwr.protocol.theta_star import resolve_theta_star
 from qlsd_flwr.protocol import build
 from qlsd_flwr.tasks.logistic import LogisticLocal
 

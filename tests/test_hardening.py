@@ -241,7 +241,7 @@ def test_a_stopped_checkpointed_run_resumes_bitwise_and_a_second_resume_is_locke
 
 
 def test_resume_compares_values_not_spellings_and_names_a_broken_config(tmp_path):
-    from qlsd_flwr.outputs.checkpoint import resume_overrides
+    from qlsd_flwr.outputs.resume import resume_overrides
 
     o = {**BASE, "engine": "local", "num-rounds": 20, "checkpoint-every": 5, "p": "1.0",
          "output-dir": str(tmp_path), "run-name": "r"}

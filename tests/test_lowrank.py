@@ -21,7 +21,7 @@ from scipy.linalg import solve_discrete_lyapunov
 from qlsd_flwr.config import ConfigError, resolve
 from qlsd_flwr.core import lowrank as lr
 from qlsd_flwr.core import curvature as cv
-from qlsd_flwr.core import precondition
+from qlsd_flwr.protocol import precondition
 from qlsd_flwr.core.metric import Dense, Diagonal, Identity, MetricError, from_array, from_bytes, to_array
 from qlsd_flwr.outputs.recorder import load_samples
 from qlsd_flwr.protocol import build

@@ -1,4 +1,4 @@
-"""The metric M, the temperature T, gamma = auto and dispersed starts (core.metric, core.precondition).
+"""The metric M, the temperature T, gamma = auto and dispersed starts (core.metric, protocol.precondition).
 
 The reference for a metric is exact: with exact gradients on a Gaussian target of precision P the
 chain is the linear recursion e_{k+1} = B e_k + √(2γT) M^{1/2} Z with B = I − γ M P, whose

@@ -282,7 +282,7 @@ import struct  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from qlsd_flwr.core import precondition  # noqa: E402
+from qlsd_flwr.protocol import precondition  # noqa: E402
 from qlsd_flwr.core.oracles import ClientState, full_local_grad  # noqa: E402
 from qlsd_flwr.protocol import build  # noqa: E402
 from qlsd_flwr.protocol.client import handle  # noqa: E402

@@ -662,7 +662,7 @@ def test_fsgld_counts_its_surrogate_exchange_and_skips_a_round_when_no_client_is
     r = run_local(cfg, write=False)
     assert r.summary["prep_exchanges"] >= 1 and r.summary["prep_uplink_bits"] >= 4 * 64 * 3  # the curvature reports
     task = loading.load_task(cfg)
-    from qlsd_flwr.core import precondition
+    from qlsd_flwr.protocol import precondition
 
     specs = [build.client_spec(cfg, i, task.clients[i].n_data, 3, task.prior) for i in range(4)]
     prep = precondition.prepare(cfg, task, build.theta0_of(task), *build.direct_exchanges(cfg, task, specs))

@@ -9,7 +9,7 @@
   Hessian-vector products (gradient differences through the engine's own clients);
   :data:`GAMMA_AUTO_C` ``/ λ_max`` is ``gamma = auto``.
 
-It is framework-free numpy; engines call it through :mod:`qlsd_flwr.core.precondition`.
+It is framework-free numpy; engines call it through :mod:`qlsd_flwr.protocol.precondition`.
 """
 
 from __future__ import annotations

@@ -24,9 +24,10 @@ from qlsd_flwr.core.oracles import (
     set_anchor,
 )
 from qlsd_flwr.core.potential import Task
-from qlsd_flwr.core import precondition
+from qlsd_flwr.protocol import precondition
 from qlsd_flwr.outputs import loo
-from qlsd_flwr.outputs.checkpoint import resume_dir, warmup_store
+from qlsd_flwr.outputs.checkpoint import resume_dir
+from qlsd_flwr.outputs.warmup import warmup_store
 from qlsd_flwr.outputs.observer import RunOutputs
 from qlsd_flwr.outputs.progress import progress_bar
 from qlsd_flwr.protocol import build

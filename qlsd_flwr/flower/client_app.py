@@ -38,7 +38,7 @@ from qlsd_flwr.config import resolve
 from qlsd_flwr.core.oracles import ClientState
 from qlsd_flwr.core.potential import LocalPotential
 from qlsd_flwr.flower import loo_phase
-from qlsd_flwr.outputs.checkpoint import flwr_run_config
+from qlsd_flwr.outputs.resume import flwr_run_config
 from qlsd_flwr.flower.records import (
     RECORD,
     SETTINGS,

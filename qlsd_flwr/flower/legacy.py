@@ -33,7 +33,7 @@ from flwr.server.strategy import Strategy as LegacyStrategy
 
 from qlsd_flwr.config import ConfigError, RunConfig
 from qlsd_flwr.core.potential import Task
-from qlsd_flwr.core import precondition
+from qlsd_flwr.protocol import precondition
 from qlsd_flwr.flower.client_app import (
     load_state,
     run_config_of,

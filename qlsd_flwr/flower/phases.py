@@ -145,7 +145,7 @@ class PhaseExchanges:
     def curvature(self, grid, theta: np.ndarray, kind: str, timeout: float,
                   vectors: np.ndarray | None = None) -> dict[int, np.ndarray]:
         """The kept clients' curvature reports at ``θ`` (``kind = "hvp"``: their Hessian-vector products
-        with the rows of ``vectors``), as received: :func:`qlsd_flwr.core.precondition.prepare`
+        with the rows of ``vectors``), as received: :func:`qlsd_flwr.protocol.precondition.prepare`
         validates each."""
         fields = {"phase": "curvature", "round": -1, "theta": theta, "kind": kind}
         if vectors is not None:

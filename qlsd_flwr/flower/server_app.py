@@ -9,7 +9,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from qlsd_flwr.config import resolve
 from qlsd_flwr.flower.strategy import QLSDStrategy
-from qlsd_flwr.outputs.checkpoint import flwr_run_config
+from qlsd_flwr.outputs.resume import flwr_run_config
 from qlsd_flwr.tasks import loading
 
 

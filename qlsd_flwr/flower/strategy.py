@@ -14,7 +14,7 @@ app builds it from a run config (:meth:`QLSDStrategy.from_config`).
 What :meth:`start` adds around Flower's loop, and why:
 
 * before it: the node handshake (:class:`~qlsd_flwr.flower.nodes.NodeRegistry`: client index
-  ``i`` ↔ node id), the θ* phase for QLSD* (:mod:`qlsd_flwr.core.theta_star`), and the start of
+  ``i`` ↔ node id), the θ* phase for QLSD* (:mod:`qlsd_flwr.protocol.theta_star`), and the start of
   the chain (or its restart from a checkpoint);
 * after it: the memory audit (every client's own η_i against the server's mirror) and the run's
   summary;
@@ -55,7 +55,7 @@ from flwr.serverapp.strategy import Result, Strategy
 
 from qlsd_flwr.config import ConfigError, RunConfig, resolve
 from qlsd_flwr.core.potential import GaussianPrior, Task
-from qlsd_flwr.core import precondition
+from qlsd_flwr.protocol import precondition
 from qlsd_flwr.core.priors import check_prior
 from qlsd_flwr.flower import stopping
 from qlsd_flwr.flower.loo_phase import after_sampling
@@ -63,7 +63,8 @@ from qlsd_flwr.flower.nodes import NodeRegistry, load_bound_keys
 from qlsd_flwr.flower.phases import LeftOut, PhaseExchanges
 from qlsd_flwr.flower.records import labels_from_arrays, record_fields, theta_from_arrays, to_content
 from qlsd_flwr.flower.sizing import message_nbytes
-from qlsd_flwr.outputs.checkpoint import resume_dir, warmup_store
+from qlsd_flwr.outputs.checkpoint import resume_dir
+from qlsd_flwr.outputs.warmup import warmup_store
 from qlsd_flwr.outputs.observer import RunOutputs
 from qlsd_flwr.outputs.progress import announce, progress_bar
 from qlsd_flwr.protocol import build

@@ -37,7 +37,6 @@ would have (see :mod:`qlsd_flwr.protocol.wire`), with no ``resync`` round lost.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -150,50 +149,6 @@ def fsync_file(f) -> None:
 
 
 # ------------------------------------------------------------------------------ resume
-def flwr_run_config(run_config: dict, where: str = "server") -> dict:
-    """A ``flwr run`` run config as the keys given: with ``resume`` set, the keys whose values differ
-    from the app's declared defaults (:data:`qlsd_flwr.keys.FLWR_APP_DEFAULTS` over ``DEFAULTS``)
-    are the overrides and the run folder's saved configuration
-    supplies the rest (:func:`resume_overrides`), as ``qlsd-flwr run --set resume=...`` does;
-    ``flwr run`` itself always sends every declared key, defaults included. A client
-    (``where = "client"``) whose machine does not hold the run folder keeps the keys it was given."""
-    from qlsd_flwr.keys import DEFAULTS, FLWR_APP_DEFAULTS
-
-    if not str(run_config.get("resume", "") or ""):
-        return dict(run_config)
-    declared = {**DEFAULTS, **FLWR_APP_DEFAULTS}
-    given = {k: v for k, v in run_config.items() if k not in declared or not same_value(k, v, declared[k])}
-    if where == "client" and not (Path(str(run_config["resume"])) / "config.json").is_file():
-        return dict(run_config)
-    return resume_overrides(given)
-
-
-def resume_overrides(overrides: dict | None) -> dict:
-    """With ``resume`` set, the run folder's original configuration with ``overrides`` on top
-    (keys outside :data:`RESUME_FREE_KEYS` must agree with the original); else ``overrides``."""
-    overrides = dict(overrides or {})
-    r = overrides.get("resume", "")
-    if not r:
-        return overrides
-    run_dir = Path(str(r))
-    conf = run_dir / "config.json"
-    if not conf.exists():
-        raise ConfigError(f"resume: {run_dir} is not a run folder (no config.json)")
-    try:
-        original = json.loads(conf.read_text())["config"]
-        if not isinstance(original, dict):
-            raise TypeError("'config' is not a table")
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(f"resume: {conf} cannot be read ({type(exc).__name__}: {exc})") from None
-    norm = {str(k).replace("_", "-"): v for k, v in overrides.items()}
-    bad = [k for k, v in norm.items() if k not in RESUME_FREE_KEYS and k in original and not same_value(k, original[k], v)]
-    if bad:
-        raise ConfigError(f"resume: {', '.join(bad)} differ from the run being resumed "
-                          f"({', '.join(f'{k}={original[k]!r}' for k in bad)}); only "
-                          f"{', '.join(RESUME_FREE_KEYS)} may change")
-    return {**original, **norm, "resume": str(run_dir)}
-
-
 def load_for_resume(cfg: RunConfig, kind: str) -> tuple[Path, dict, dict]:
     """The run folder, meta and arrays of the checkpoint ``cfg`` resumes, checked against ``cfg``."""
     run_dir = resume_dir(cfg)
@@ -409,85 +364,3 @@ def _check_server_chain(meta: dict, arrays: dict, bad) -> None:
 def recorder_part(meta: dict, arrays: dict) -> dict:
     """The output recorder's saved position (for :class:`qlsd_flwr.outputs.recorder.Recorder`)."""
     return {**meta["recorder"], **{k[4:]: v for k, v in arrays.items() if k.startswith("rec_")}}
-
-
-# ------------------------------------------------------------------------------ the warm-up's state
-class WarmupStore:
-    """Where ``metric-from = adapt`` keeps its warm-up's state (:mod:`qlsd_flwr.core.adapt`) while
-    it runs: ``<output-dir>/.warmup-<digest>/state.npz``, the digest of the keys that change the chain (the
-    run folder is written only once ``M`` is frozen). A run stopped during the warm-up and started
-    again with the same keys continues it from there, bit for bit; the file is removed when the
-    warm-up ends (``M`` then lives in the run folder's checkpoint)."""
-
-    def __init__(self, cfg: RunConfig):
-        chain_keys = {k: str(v) for k, v in sorted(cfg.raw.items()) if k not in RESUME_FREE_KEYS}
-        digest = hashlib.sha1(json.dumps(chain_keys, sort_keys=True).encode()).hexdigest()[:16]
-        self.path = Path(str(cfg.get("output-dir"))) / f".warmup-{digest}" / "state.npz"  # its own folder: a
-        # concurrent run's temporary files are never touched (save removes stale ones in the file's folder)
-        self.config = chain_keys
-
-    def save(self, state: dict) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        from qlsd_flwr.core.metric import to_array
-
-        arrays = {"theta": state["theta"], "kept": state["kept"], "metric": to_array(state["metric"])}
-        save(self.path, arrays, {"kind": "warmup", "config": self.config, "r": state["r"], "w_idx": state["w_idx"],
-                                 "gamma": state["gamma"], "history": state["history"]})
-
-    def load(self, chains: int, d: int, kind: str, rounds: int) -> dict | None:
-        """The state kept, checked against this run (``chains`` chains, ``d`` coordinates, a ``kind``
-        metric, a warm-up of ``rounds`` rounds), or ``None`` when there is none; :class:`CheckpointError`
-        naming the file and field."""
-        if not self.path.exists():
-            return None
-        from qlsd_flwr.core.metric import MetricError, from_array
-
-        meta, a = load(self.path)
-
-        def bad(why: str) -> CheckpointError:
-            return CheckpointError(f"warm-up state {self.path}: {why} (remove the file to start the warm-up again)")
-
-        if meta.get("kind") != "warmup" or meta.get("config") != self.config:
-            raise bad("it belongs to another run")
-        from qlsd_flwr.core.adapt import windows
-
-        wins = windows(rounds)
-        for name, top in (("r", rounds), ("w_idx", len(wins))):
-            v = meta.get(name)
-            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= top:
-                raise bad(f"{name} must be an integer in [0, {top}] (got {v!r})")
-        g = meta.get("gamma")
-        if isinstance(g, bool) or not isinstance(g, (int, float)) or not (0 < g < VALUE_MAX):
-            raise bad(f"gamma must be a positive number (got {g!r})")
-        if not isinstance(meta.get("history"), list) or not all(isinstance(h, dict) for h in meta["history"]):
-            raise bad("history is not a list of windows")
-        r, w = meta["r"], meta["w_idx"]  # the current window's draws so far: what the warm-up would hold
-        held = r - wins[w][0] if w < len(wins) and wins[w][0] <= r else 0
-        if a.get("kept") is not None and len(a["kept"]) != held:
-            raise bad(f"it holds {len(a['kept'])} draws of the current window, its round {r} means {held}")
-        for name, shape in (("theta", (chains, d)), ("kept", (None, chains, d))):
-            x = a.get(name)
-            if x is None or x.dtype.kind != "f" or x.ndim != len(shape) or \
-                    any(s is not None and s != t for s, t in zip(shape, x.shape)) or \
-                    not np.all(np.isfinite(x)) or (x.size and float(np.max(np.abs(x))) > VALUE_MAX):
-                raise bad(f"array {name!r} is not {' × '.join('n' if s is None else str(s) for s in shape)} finite numbers")
-        try:
-            metric = from_array(a.get("metric"), d)
-        except MetricError as exc:
-            raise bad(str(exc)) from None
-        if metric.kind != kind:
-            raise bad(f"its metric is {metric.kind}, this run's {kind}")
-        return {"r": meta["r"], "w_idx": meta["w_idx"], "gamma": float(g), "metric": metric, "theta": a["theta"],
-                "kept": list(a["kept"]), "history": meta["history"]}
-
-    def clear(self) -> None:
-        for p in (self.path, self.path.parent):
-            try:
-                p.unlink() if p is self.path else p.rmdir()
-            except OSError:  # gone already, or a stray file left in the folder
-                pass
-
-
-def warmup_store(cfg: RunConfig) -> WarmupStore | None:
-    """The warm-up's store for a writing run with ``checkpoint-every > 0``, else ``None``."""
-    return WarmupStore(cfg) if cfg.checkpoint_every > 0 else None

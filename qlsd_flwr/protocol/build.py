@@ -91,7 +91,7 @@ def stability_warning(cfg: RunConfig, task: Task) -> str | None:
     ``1 − γτ``), i.e. when the chain will diverge; ``None`` otherwise."""
     if task.posterior_var is None or not np.isfinite(cfg.gamma) or cfg.metric != "identity" \
             or int(cfg.get("metric-rank") or 0):
-        return None  # gamma = auto and a metric are checked against the estimated λ_max (core.precondition)
+        return None  # gamma = auto and a metric are checked against the estimated λ_max (protocol.precondition)
     tau = float(1.0 / np.min(task.posterior_var))
     if cfg.gamma * tau < 2.0:
         return None
@@ -102,7 +102,7 @@ def stability_warning(cfg: RunConfig, task: Task) -> str | None:
 
 def stable_gamma(task: Task, info: dict | None = None) -> float | None:
     """The step the divergence error suggests: ``c/λ_max`` where the run estimated ``λ_max`` of
-    ``M^{1/2} ∇²U M^{1/2}`` before sampling (``info['lambda_max']``, :mod:`qlsd_flwr.core.precondition`,
+    ``M^{1/2} ∇²U M^{1/2}`` before sampling (``info['lambda_max']``, :mod:`qlsd_flwr.protocol.precondition`,
     ``c`` as ``gamma = auto``); else ``1/τ`` (``γτ = 1``, half the stability limit ``2/τ``) on a
     target whose posterior precision ``τ`` is known; ``None`` otherwise."""
     lam = (info or {}).get("lambda_max")
@@ -232,10 +232,10 @@ def client_spec(cfg: RunConfig, i: int, n_data: int, d: int, prior: GaussianPrio
 
 def server_spec(cfg: RunConfig, task: Task, theta_star: np.ndarray | None, blocks=None,
                 metric: Metric | None = None) -> ServerSpec:
-    """The server step's settings; ``metric``: what :mod:`qlsd_flwr.core.precondition` settled
+    """The server step's settings; ``metric``: what :mod:`qlsd_flwr.protocol.precondition` settled
     (the identity unless given)."""
     if not np.isfinite(cfg.gamma):
-        raise ConfigError("gamma = auto: the step is chosen before sampling (core.precondition.prepare); "
+        raise ConfigError("gamma = auto: the step is chosen before sampling (protocol.precondition.prepare); "
                           "this path started a chain without it")
     metric = IdentityMetric() if metric is None else metric
     # DG-LMC coupled in M's norm draws θ | z in M's eigenbasis (a low-rank correction: refused by

@@ -38,7 +38,7 @@ from qlsd_flwr.protocol import build
 from qlsd_flwr.protocol.divergence import DivergenceError, divergence_message
 from qlsd_flwr.protocol.facts import summary_extra
 from qlsd_flwr.protocol.server import QLSDServer, resume_snapshot
-from qlsd_flwr.core import precondition
+from qlsd_flwr.protocol import precondition
 from qlsd_flwr.protocol.wire import bundle_request, unbundle_reply
 
 log = logging.getLogger("qlsd_flwr")

@@ -17,7 +17,7 @@ a round's messages carry besides θ, and what the bounded-influence rule measure
   (:func:`qlsd_flwr.core.fsgld.choose`; the participation draw does not apply) and sent ``(γ, f_s, 1, 1)``;
   its first message (and the first after a client leaves: a new version) carries ``θ*``, ``∇U(θ*)``,
   its surrogate's precision ``λ_s`` and ``Λ = Σ_{j kept} λ_j`` (the curvature reports gathered before
-  sampling, :func:`qlsd_flwr.core.precondition.prepare`). The step is ``θ − γ Δ̂_s``; a reply is judged
+  sampling, :func:`qlsd_flwr.protocol.precondition.prepare`). The step is ``θ − γ Δ̂_s``; a reply is judged
   as ``f_s ‖Δ̂_s‖``, the client's expected part of the step (a sum over the federation's data scaled
   by its share, so honest clients of any size have the same per-datum scale).
 """
@@ -67,7 +67,7 @@ def start(server, prep=None) -> None:
     if kind.surrogate:
         if prep is None or prep.surrogate is None:
             raise ConfigError("fsgld: the clients' surrogates were not gathered before sampling "
-                              "(core.precondition.prepare); this path started a chain without them")
+                              "(protocol.precondition.prepare); this path started a chain without them")
         server.surrogate = np.array(prep.surrogate, dtype=np.float64)
         return
     if not kind.coupled:

@@ -30,10 +30,10 @@ from qlsd_flwr.compression.format import DecodeError
 from qlsd_flwr.config import ConfigError, RunConfig, check_memory
 from qlsd_flwr.core import participation
 from qlsd_flwr.core.potential import GaussianPrior
-from qlsd_flwr.core import precondition
+from qlsd_flwr.protocol import precondition
 from qlsd_flwr.core import server_step as sampler
 from qlsd_flwr.core.metric import Identity, from_array, to_array
-from qlsd_flwr.core.precondition import Prepared
+from qlsd_flwr.protocol.precondition import Prepared
 from qlsd_flwr.core.potential import Task
 from qlsd_flwr.protocol import build, local_chains
 from qlsd_flwr.protocol.divergence import (
@@ -102,7 +102,7 @@ class QLSDServer:
               theta0: np.ndarray | None = None, prep: Prepared | None = None) -> None:
         """Start the chain at ``θ_0`` (the task's unless given), or where the observer's checkpoint
         left it (``theta_star``, ``ts_info``, the metric and ``γ`` are then the checkpoint's).
-        ``prep``: what :func:`qlsd_flwr.core.precondition.prepare` settled (metric, ``γ``)."""
+        ``prep``: what :func:`qlsd_flwr.protocol.precondition.prepare` settled (metric, ``γ``)."""
         snap = resume_snapshot(self.cfg, self.observer)
         if snap is not None:
             self.restore(*snap)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from qlsd_flwr.config import RunConfig, resolve
 from qlsd_flwr.core.potential import Task
-from qlsd_flwr.outputs.checkpoint import resume_overrides
+from qlsd_flwr.outputs.resume import resume_overrides
 from qlsd_flwr.tasks import loading
 
 

@@ -9,7 +9,7 @@ import time
 import numpy as np
 
 from qlsd_flwr.config import ConfigError, RunConfig, check_memory
-from qlsd_flwr.core import precondition
+from qlsd_flwr.protocol import precondition
 from qlsd_flwr.core.metric import Identity, to_array
 from qlsd_flwr.core.potential import GaussianPrior, Task
 from qlsd_flwr.outputs import loo
@@ -23,6 +23,7 @@ from qlsd_flwr.engines.vectorised.results import (
 )
 from qlsd_flwr.outputs import checkpoint as ckpt
 from qlsd_flwr.outputs.jsonio import dumps
+from qlsd_flwr.outputs.warmup import warmup_store
 from qlsd_flwr.outputs.progress import progress_bar
 from qlsd_flwr.outputs.recorder import (
     Recorder,
@@ -273,14 +274,14 @@ def run_side_by_side(cfgs, task: Task | None = None, write: bool = False, keep_t
 def _parts(cfg: RunConfig, task: Task, write: bool = True):
     """Client specs, server spec, θ*, its facts, the chains' starts and the whole preparation for ``cfg``
     (as the other engines build them); a writing run keeps the ``metric-from = adapt`` warm-up's state
-    (:func:`ckpt.warmup_store`)."""
+    (:func:`qlsd_flwr.outputs.warmup.warmup_store`)."""
     d = task.dim
     build.check_clients(task)
     build.warn_if_unstable(cfg, task)
     blocks = build.blocks_for(cfg, task)
     specs = [build.client_spec(cfg, i, task.clients[i].n_data, d, task.prior, blocks) for i in range(cfg.b)]
     prep = precondition.prepare(cfg, task, build.theta0_of(task), *build.direct_exchanges(cfg, task, specs),
-                                warm=ckpt.warmup_store(cfg) if write else None)
+                                warm=warmup_store(cfg) if write else None)
     spec = build.server_spec(precondition.apply(cfg, prep), task, prep.theta_star, blocks, prep.metric)
     return specs, spec, prep.theta_star, prep.info, prep.theta0, prep
 

@@ -137,7 +137,7 @@ class NumpyGeneric:
         self.seeds = chain_seeds(cfg)
         nc, d, b = cfg.num_chains, task.dim, cfg.b
         self.d, self.b = d, b
-        # θ_0 of every chain: the task's, or each chain's own (init = dispersed, core.precondition)
+        # θ_0 of every chain: the task's, or each chain's own (init = dispersed, protocol.precondition)
         self.st = sampler.init_state(spec, np.tile(build.theta0_of(task), (nc, 1)) if theta0 is None else theta0)
         self.bound = np.array([s.compressor.bound_bits(d) for s in specs])
         self.batched = self.BATCHED if batched is None else bool(batched)

@@ -51,7 +51,7 @@ def optimise_theta_star(cfg: RunConfig, theta0: np.ndarray,
     """Federated gradient descent for ``θ* = argmin U``: ``θ ← θ − γ ∇U(θ)``.
 
     ``lr`` replaces ``γ`` as the step and ``precondition`` (a :class:`~qlsd_flwr.core.metric.Metric`)
-    makes it ``θ ← θ − lr M ∇U(θ)`` (:mod:`qlsd_flwr.core.precondition` does both for ``gamma =
+    makes it ``θ ← θ − lr M ∇U(θ)`` (:mod:`qlsd_flwr.protocol.precondition` does both for ``gamma =
     auto`` and a metric); ``max_rounds`` replaces ``opt-rounds`` and ``g0_norm`` the start's
     ``‖∇U(θ_0)‖`` in the stopping rule (a descent resumed in stages keeps the first stage's).
 

@@ -7,7 +7,7 @@ over every client's full local gradient and the server's prior: the θ* phase's 
 curvature``). Nothing else differs between engines, so a run is the same function of its seed on
 all of them. The order:
 
-1. θ*: the task's closed form, or the federated descent of :mod:`qlsd_flwr.core.theta_star`
+1. θ*: the task's closed form, or the federated descent of :mod:`qlsd_flwr.protocol.theta_star`
    (needed by QLSD*/LSD*, and as the point where the curvature is taken). With a metric or
    ``gamma = auto`` the descent is preconditioned, accelerated and stepped by ``1/λ_max``, in
    :data:`DESCENT_STAGES` stages that each take the curvature again (:func:`curvature_point`).
@@ -33,7 +33,7 @@ from qlsd_flwr.core import rng
 from qlsd_flwr.core.metric import Identity, Metric, MetricError
 from qlsd_flwr.core.potential import Task
 from qlsd_flwr.robust.reports import REPORT_CAP, ReportError, cap_total
-from qlsd_flwr.core.theta_star import closed_form_theta_star, needs_theta_star, optimise_theta_star, resolve_theta_star
+from qlsd_flwr.protocol.theta_star import closed_form_theta_star, needs_theta_star, optimise_theta_star, resolve_theta_star
 from qlsd_flwr.outputs.metric_file import metric_from_file  # the one file the preparation reads
 
 log = logging.getLogger("qlsd_flwr")
@@ -108,7 +108,7 @@ DESCENT_STAGES = 4
 def curvature_point(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | None,
                     curv_fn: CurvFn | None, n_data, file_metric: Metric | None, info: dict) -> np.ndarray:
     """θ* as the point where the curvature is taken: the closed form where the task has one,
-    otherwise the federated descent (:func:`qlsd_flwr.core.theta_star.optimise_theta_star`),
+    otherwise the federated descent (:func:`qlsd_flwr.protocol.theta_star.optimise_theta_star`),
     preconditioned by the metric and stepped by ``1/λ_max`` of that metric when there is one (or
     ``gamma = auto``), in :data:`DESCENT_STAGES` stages that each take the curvature again."""
     if task.theta_star is not None and (cfg.theta_star == "closed-form" or not needs_theta_star(cfg)):
@@ -157,7 +157,7 @@ def prepare(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | No
     (default ``num-chains``); ``n_data`` the clients' ``N_i`` (default the task's: a user's
     ServerApp knows them from the handshake), the scale of their curvature reports; ``warm`` where
     ``metric-from = adapt`` keeps its warm-up's state (``load()``, ``save(state)``, ``clear()``:
-    :func:`qlsd_flwr.outputs.checkpoint.warmup_store`), or ``None``."""
+    :func:`qlsd_flwr.outputs.warmup.warmup_store`), or ``None``."""
     check(cfg, task.dim)
     n_data = task.n_data if n_data is None else np.asarray(n_data, dtype=np.int64)
     C = int(cfg.num_chains if chains is None else chains)
