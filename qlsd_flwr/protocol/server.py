@@ -32,10 +32,10 @@ from qlsd_flwr.core import participation
 from qlsd_flwr.core.potential import GaussianPrior
 from qlsd_flwr.protocol import precondition
 from qlsd_flwr.core import server_step as sampler
-from qlsd_flwr.core.metric import Identity, from_array, to_array
+from qlsd_flwr.core.metric import Identity
 from qlsd_flwr.protocol.precondition import Prepared
 from qlsd_flwr.core.potential import Task
-from qlsd_flwr.protocol import build, local_chains
+from qlsd_flwr.protocol import build, local_chains, snapshot
 from qlsd_flwr.protocol.divergence import (
     RUNAWAY_FACTOR,
     RUNAWAY_WINDOW,
@@ -44,8 +44,7 @@ from qlsd_flwr.protocol.divergence import (
     divergence_message,
     is_overflow,
 )
-from qlsd_flwr.outputs.checkpoint import CheckpointError
-from qlsd_flwr.robust.norm_guard import GuardStateError, NormGuard
+from qlsd_flwr.robust.norm_guard import NormGuard
 from qlsd_flwr.protocol.claims import ThetaStarClaims
 from qlsd_flwr.protocol.wire import ReplyError, parse_fields
 from qlsd_flwr.protocol.facts import summary_extra
@@ -150,61 +149,14 @@ class QLSDServer:
 
     # ---- checkpoints: the state as plain arrays and JSON ------------------------------------
     def snapshot(self) -> tuple[dict, dict]:
-        """``(arrays, meta)``: the chain's whole state after round ``k``, for a checkpoint."""
-        st = self.state
-        arrays = {"theta": st.theta, "zeta": st.zeta, "eta_i": st.eta_i, "eta": st.eta,
-                  "theta_star": self.spec.theta_star, "anchor_acked": self.anchor_acked,
-                  "eta_count": self.eta_count, "needs_resync": self.needs_resync,
-                  "metric": to_array(self.spec.metric), **(self.claims.arrays() if self.claims else {}),
-                  **local_chains.arrays(self)}
-        meta = {"kind": "server", "k": int(st.k), "zeta_version": int(st.zeta_version), "gamma": float(self.spec.gamma),
-                "config": self.cfg.raw, "rejected": self.rejected,
-                "missed_rounds": {str(i): r for i, r in self.missed_rounds.items()},
-                "ts_info": self.ts_info, "persist": self.persist, "guard": self.norm_guard.state(),
-                "runaway_scale": self._scale}
-        return arrays, meta
+        """``(arrays, meta)``: the chain's whole state after round ``k``, for a checkpoint
+        (:func:`qlsd_flwr.protocol.snapshot.snapshot`)."""
+        return snapshot.snapshot(self)
 
     def restore(self, meta: dict, a: dict) -> None:
-        """The state of a :meth:`snapshot`; every client is marked as needing a resync."""
-        cfg = self.cfg
-        self.ts_info = dict(meta["ts_info"])
-        theta_star = a.get("theta_star")
-        if "gamma" in meta:  # the step the run was started with (gamma = auto chose it then)
-            self.cfg = cfg = dataclasses.replace(cfg, gamma=float(meta["gamma"]))
-        metric = from_array(a["metric"], self.d) if "metric" in a else Identity()
-        self.spec = build.server_spec(cfg, self.task, None if theta_star is None else theta_star.copy(), self.blocks,
-                                      metric)
-        st = sampler.init_state(self.spec, a["theta"])
-        st.k = int(meta["k"])
-        st.zeta_version = int(meta["zeta_version"])
-        if "zeta" in a:
-            st.zeta = a["zeta"].copy()
-        if self.spec.memory:
-            st.eta_i, st.eta = a["eta_i"].copy(), a["eta"].copy()
-        self.state = st
-        # the run-away scale the chain started with (its start is not in the checkpoint); an older
-        # checkpoint, or a value that is not a positive finite number, takes it from θ_k
-        saved = meta.get("runaway_scale")
-        ok = isinstance(saved, (int, float)) and not isinstance(saved, bool) and 0 < saved < float("inf")
-        self._set_scale(float(saved) if ok else None)
-        self.anchor_acked = a["anchor_acked"].astype(np.int64)
-        self.eta_count = a["eta_count"].astype(np.int64)
-        # the clients may have lost their state with the restart: the first message to each
-        # carries the anchor and its η_i mirror (fields_for), so no round is lost to a resync
-        self.needs_resync = np.ones(cfg.b, dtype=bool)
-        try:
-            self.norm_guard.restore(meta.get("guard"))
-        except GuardStateError as exc:
-            raise CheckpointError(f"checkpoint: {exc}") from None
-        self.claims = ThetaStarClaims.restored(a, cfg.b, self.d)
-        if self.local:  # the rivals: the metric as it travels, FSGLD's surrogates
-            local_chains.restore(self, a)
-        self._set_offset()
-        self.rejected = dict(meta["rejected"])
-        self.missed_rounds = {int(i): list(r) for i, r in meta["missed_rounds"].items()}
-        self.persist = dict(meta.get("persist", {}))
-        self.resumed_from = st.k
-        log.info("resumed at round %d from a checkpoint", st.k)
+        """The state of a :meth:`snapshot`; every client is marked as needing a resync
+        (:func:`qlsd_flwr.protocol.snapshot.restore`)."""
+        snapshot.restore(self, meta, a)
 
     def anchor(self):
         kind = self.cfg.kind

@@ -14,6 +14,7 @@ from qlsd_flwr.core.metric import Identity, to_array
 from qlsd_flwr.core.potential import GaussianPrior, Task
 from qlsd_flwr.outputs import loo
 from qlsd_flwr.engines.vectorised.numba_backend import NumbaChains
+from qlsd_flwr.engines.vectorised.runaway import first_bad_round, runaway_limits
 from qlsd_flwr.engines.vectorised.numpy_backend import NumpyGeneric, Sequential
 from qlsd_flwr.engines.vectorised.rivals import RivalChains
 from qlsd_flwr.engines.vectorised.results import (
@@ -31,7 +32,7 @@ from qlsd_flwr.outputs.recorder import (
     make_run_dir,
 )
 from qlsd_flwr.protocol import build
-from qlsd_flwr.protocol.divergence import RUNAWAY_FACTOR, DivergenceError, divergence_message, runaway_scale
+from qlsd_flwr.protocol.divergence import DivergenceError, divergence_message
 from qlsd_flwr.protocol.facts import summary_extra
 from qlsd_flwr.tasks import loading
 from qlsd_flwr.tasks.gaussian import GaussianLocal
@@ -205,7 +206,7 @@ def run_side_by_side(cfgs, task: Task | None = None, write: bool = False, keep_t
             bar.update(k)
         every = ref.checkpoint_every if ck_on else 0
         R = block_rounds or runner.initial_block()
-        limits = [_runaway_limits(cfg, task, pt, runner.theta_of(v)) for v, (cfg, pt) in enumerate(zip(cfgs, parts))]
+        limits = [runaway_limits(cfg, task, pt, runner.theta_of(v)) for v, (cfg, pt) in enumerate(zip(cfgs, parts))]
         need_states = write or keep_trace
     except BaseException as exc:
         _close_stopped(recs, exc, k)
@@ -219,7 +220,7 @@ def run_side_by_side(cfgs, task: Task | None = None, write: bool = False, keep_t
             outs = runner.run_block(k, R, need_states)
             dt = time.perf_counter() - tb
             for v, out in enumerate(outs):
-                bad = _first_bad_round(out, runner.theta_of(v), R, limits[v])
+                bad = first_bad_round(out, runner.theta_of(v), R, limits[v])
                 if bad is not None:
                     _diverge(cfgs[v], recs, v, k, bad, out, traces, dt / len(cfgs), run_dirs[v], last_ckpt,
                              build.stable_gamma(task, parts[v][3]))
@@ -312,42 +313,6 @@ def _record_rows(rec, k0, R, act, skp, be, bb, by, states, dt) -> None:
                           "seconds": dt / R})
         if rec.keeps(j):
             rec.record_sample(j, states[:, r])
-
-
-def _runaway_limits(cfg: RunConfig, task: Task, part, theta_now: np.ndarray) -> np.ndarray:
-    """Each chain's run-away limit on ``‖θ‖`` (:func:`qlsd_flwr.protocol.divergence.runaway_scale`
-    of its own start, as the protocol engines take it; ``inf`` with ``norm-bound = off``)."""
-    if str(cfg.raw.get("norm-bound", "auto")).strip().lower() == "off":
-        return np.full(theta_now.shape[0], np.inf)
-    theta0 = part[4] if part[4] is not None else np.broadcast_to(build.theta0_of(task), theta_now.shape)
-    return np.array([RUNAWAY_FACTOR * runaway_scale(task, theta0[c], part[2], part[1].metric)
-                     for c in range(theta_now.shape[0])])
-
-
-def _first_bad_round(out: dict, theta: np.ndarray, R: int, limits: np.ndarray | None = None) -> int | None:
-    """Index in the block of the first round whose state is not finite or has run away (``‖θ‖``
-    over its chain's limit), or was not computed because a client's message could not be formed;
-    ``None`` when the whole block is fine."""
-    limits = np.full(theta.shape[0], np.inf) if limits is None else limits
-    states = out.get("states")
-    # each round's ‖θ‖ is within its chain's limit (one pass over the block's states)
-    within = (np.linalg.norm(theta, axis=-1) <= limits)[:, None] if states is None else \
-        np.linalg.norm(states, axis=2) <= limits[:, None]  # (C, R); NaN compares False
-    finite = np.all(np.isfinite(theta))
-    if out.get("error") is None and finite and within.all():
-        return None
-    if states is None:
-        if out.get("error") is None and finite:
-            out["error"] = RAN_AWAY
-        return 0  # not recorded: somewhere in this block
-    ok = np.isfinite(states).all(axis=(0, 2)) & within.all(axis=0)
-    bad = np.flatnonzero(~ok)
-    if bad.size and np.isfinite(states[:, bad[0]]).all():  # finite, over its limit: that is the news
-        out["error"] = RAN_AWAY
-    return int(bad[0]) if bad.size else R - 1
-
-
-RAN_AWAY = "θ ran away (‖θ‖ over 10^4 times the scale its start, θ* and the prior allow)"
 
 
 def _diverge(cfg, recs, v, k0, bad, out, traces, dt, run_dir, last_ckpt, stable=None) -> None:
