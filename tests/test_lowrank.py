@@ -22,6 +22,7 @@ from qlsd_flwr.config import ConfigError, resolve
 from qlsd_flwr.core import lowrank as lr
 from qlsd_flwr.core import curvature as cv
 from qlsd_flwr.protocol import precondition
+from qlsd_flwr.protocol.curvature_exchange import lowrank_correction
 from qlsd_flwr.core.metric import Dense, Diagonal, Identity, MetricError, from_array, from_bytes, to_array
 from qlsd_flwr.outputs.recorder import load_samples
 from qlsd_flwr.protocol import build
@@ -273,6 +274,6 @@ def test_a_curvature_that_is_not_positive_definite_leaves_the_metric_uncorrected
     cfg = resolve({"num-clients": 1, "dim": d, "metric-rank": 3, "gamma": 1e-3, "progress": False})
     info: dict = {}
     caplog.set_level(logging.WARNING, logger="qlsd_flwr")
-    out = precondition._lowrank(cfg, task, np.zeros(d), lambda th, kind, V: {0: V @ A}, np.array([1]), Identity(), info)
+    out = lowrank_correction(cfg, task, np.zeros(d), lambda th, kind, V: {0: V @ A}, np.array([1]), Identity(), info)
     assert out.is_identity and info["lowrank_rank"] == 0 and info["lowrank_ritz_min"] < 0
     assert "not positive-definite" in info["lowrank_skipped"] and "left uncorrected" in caplog.text

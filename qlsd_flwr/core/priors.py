@@ -3,7 +3,7 @@
 The server adds ``∇U_0(θ_k)`` to every step (``prior-on = server``), so any prior with a value and a
 gradient works, not only an isotropic Gaussian; its curvature (``curvature_diag``) enters the
 metric (:mod:`qlsd_flwr.core.metric`). Each class has ``grad``, ``value``, ``curvature_diag`` and
-``is_flat`` (what the server step and :func:`qlsd_flwr.protocol.precondition.prior_curvature` read).
+``is_flat`` (what the server step and :func:`qlsd_flwr.protocol.curvature_exchange.prior_curvature` read).
 
 * :class:`~qlsd_flwr.core.potential.GaussianPrior` — ``‖θ − m‖²/(2σ²)`` (the default; it may also be
   shared by the clients, ``prior-on = clients``, since each client can compute it from two numbers).

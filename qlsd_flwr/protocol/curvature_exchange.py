@@ -1,0 +1,109 @@
+"""The preparation's curvature exchanges (:mod:`qlsd_flwr.protocol.precondition`): ``M`` from the clients'
+curvature reports, the low-rank correction from their Hessian-vector products (``metric-rank``), and the
+facts each exchange adds to the run's summary."""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import numpy as np
+
+from qlsd_flwr.config import ConfigError, RunConfig
+from qlsd_flwr.core import curvature as cv
+from qlsd_flwr.core.metric import Metric, MetricError
+from qlsd_flwr.core.potential import Task
+from qlsd_flwr.robust.reports import REPORT_CAP, ReportError
+
+log = logging.getLogger("qlsd_flwr")
+
+CurvFn = Callable[[np.ndarray, str], dict]
+
+
+def lowrank_rank(cfg: RunConfig) -> int:
+    """``metric-rank``: how many directions the low-rank correction maps to 1 (0: none)."""
+    return int(cfg.get("metric-rank") or 0)
+
+
+def prior_curvature(task: Task, theta: np.ndarray | None = None) -> np.ndarray:
+    """The diagonal of ``∇²U_0`` at ``θ`` (the prior's curvature; zero for a flat prior or one that
+    does not say)."""
+    pr = task.prior
+    theta = np.zeros(task.dim) if theta is None else theta
+    if hasattr(pr, "curvature_diag"):
+        h = np.asarray(pr.curvature_diag(theta), dtype=np.float64)
+        return np.where(np.isfinite(h) & (h > 0), h, 0.0)
+    return np.zeros(task.dim)
+
+
+def curvature_metric(cfg: RunConfig, task: Task, point: np.ndarray, curv_fn: CurvFn, n_data: np.ndarray):
+    """``M`` from one curvature exchange at ``point``: each report checked (refused ones counted and named),
+    bounded per datum and summed with the prior's (:mod:`qlsd_flwr.core.curvature`); ``(metric, facts)``."""
+    reports, refused = curv_fn(point, cfg.metric), {}
+    ok = {}
+    for i, h in reports.items():
+        try:
+            ok[int(i)] = cv.check_report(h, cfg.metric, task.dim)
+        except ReportError as exc:
+            refused[int(i)] = str(exc)
+            log.warning("client %s: curvature report refused: %s (curvature_rejected)", i, exc)
+    try:
+        if cfg.metric == "kronecker":
+            metric, cinfo = cv.metric_from_kronecker(ok, n_data, prior_curvature(task, point), task.dim)
+        else:
+            metric, cinfo = cv.metric_from_curvature(cfg.metric, ok, n_data, prior_curvature(task, point), task.dim)
+    except MetricError as exc:
+        raise ConfigError(str(exc)) from None
+    cinfo["curvature_rejected"] = {**{str(i): why for i, why in sorted(refused.items())},
+                                   **cinfo.get("curvature_rejected", {})}
+    for i in cinfo["curvature_scaled"]:
+        log.warning("client %d: curvature report scaled down to %g × the clients' per-datum curvature "
+                    "(curvature_scaled)", i, REPORT_CAP)
+    return metric, cinfo
+
+
+def lowrank_correction(cfg: RunConfig, task: Task, point: np.ndarray, curv_fn: CurvFn | None, n_data, metric: Metric,
+             info: dict) -> Metric:
+    """``metric-rank = k``: the metric corrected along the ``k`` directions where ``M^½ᵀ ∇²U(θ*) M^½`` is
+    farthest from 1 (:mod:`qlsd_flwr.core.lowrank`), from the clients' Hessian-vector products."""
+    from qlsd_flwr.core import lowrank as lr
+
+    if curv_fn is None:
+        raise ConfigError("metric-rank: this path cannot ask its clients for Hessian-vector products (the legacy "
+                          "Flower API); use metric-rank = 0")
+    prior_c = prior_curvature(task, point)
+    d = task.dim
+
+    def products(W):
+        return lr.summed_products(curv_fn(point, "hvp", W), n_data, W.shape[0], d, info, log) + W * prior_c
+
+    low, linfo = lr.correction(products, metric.apply_root, metric.apply_root_t, d, lowrank_rank(cfg), cfg.seed)
+    info.update(linfo)
+    if low is None:
+        log.warning("metric-rank: no direction of the curvature converged in %d exchanges; the metric is left as it "
+                    "was", linfo["lowrank_exchanges"])
+        return metric
+    if linfo["lowrank_ritz_min"] <= 0:  # the curvature at θ* is not positive-definite: not a convex model there
+        info.update({"lowrank_rank": 0, "lowrank_skipped": "the curvature at θ* is not positive-definite"})
+        log.warning("metric-rank: the curvature at θ* has a direction of curvature %.3g ≤ 0, so the model is not "
+                    "convex there, and a metric and a step taken from θ*'s curvature can be far too large elsewhere "
+                    "(measured on an MLP on digits: 23× the HMC halves' total variation, against 4.4× without the "
+                    "correction; benchmarks/RESULTS.md); the metric is left uncorrected (lowrank_skipped)",
+                    linfo["lowrank_ritz_min"])
+        return metric
+    log.info("metric-rank: %d directions corrected (%d Hessian-vector exchanges of %d vectors); the preconditioned "
+             "curvature's condition number over the directions found: %.3g before, %.3g over those left",
+             linfo["lowrank_rank"], linfo["lowrank_exchanges"], linfo["lowrank_block"], linfo["lowrank_kappa_before"],
+             linfo["lowrank_kappa_left"])
+    return metric.corrected(*low)
+
+
+def merge_reports(info: dict, cinfo: dict) -> None:
+    """The facts of one curvature exchange added to the run's: every exchange's refused and scaled
+    clients (a client refused in an early stage of the descent stays on record)."""
+    info["curvature_reports"] = cinfo.get("curvature_reports", 0)
+    info["curvature_exchanges"] = info.get("curvature_exchanges", 0) + 1
+    rej = info.setdefault("curvature_rejected", {})
+    for i, why in cinfo.get("curvature_rejected", {}).items():
+        rej.setdefault(i, why)
+    info["curvature_scaled"] = sorted(set(info.get("curvature_scaled", [])) | set(cinfo.get("curvature_scaled", [])))
