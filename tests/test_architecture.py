@@ -5,7 +5,7 @@
   Flower, no torch and no file I/O;
 * a user who imports the strategy and the apps pulls in no experiment driver, no deployment
   tooling and no torch;
-* no module is over 500 lines;
+* no module is over 400 lines, but the ones named in OVER_400, which may not grow;
 * no import cycle, and the mathematics reaches no configuration or I/O through any chain of imports.
 """
 
@@ -92,9 +92,19 @@ def test_importing_the_strategy_pulls_in_no_experiment_deployment_or_torch():
     assert torch == "False"
 
 
-def test_no_module_is_over_500_lines():
-    long = {str(f.relative_to(ROOT)): n for f in PKG.rglob("*.py") if (n := len(f.read_text().splitlines())) > 500}
+#: the modules still over 400 lines (issue 36's limit), each capped at its size today: none may grow, and
+#: a module split below 400 leaves this table (the test says so)
+OVER_400 = {"compression/qsgd.py": 403, "keys.py": 409, "tasks/torch_models.py": 415,
+            "engines/vectorised/numpy_backend.py": 434, "data/datasets.py": 447, "protocol/server.py": 450,
+            "engines/vectorised/kernel.py": 482, "flower/strategy.py": 488}
+
+
+def test_no_module_is_over_400_lines_but_the_named_ones_which_do_not_grow():
+    sizes = {f.relative_to(PKG).as_posix(): len(f.read_text().splitlines()) for f in PKG.rglob("*.py")}
+    long = {m: n for m, n in sizes.items() if n > OVER_400.get(m, 400)}
     assert not long, long
+    done = [m for m in OVER_400 if sizes.get(m, 0) <= 400]
+    assert not done, f"under 400 lines now: remove {done} from OVER_400"
 
 
 def _graph() -> dict[str, set[str]]:

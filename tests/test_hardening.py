@@ -206,7 +206,8 @@ def test_a_stopped_checkpointed_run_resumes_bitwise_and_a_second_resume_is_locke
     # second run on the same folder is refused before it touches a file
     from qlsd_flwr.config import resolve
     from qlsd_flwr.engines.local import run_local
-    from qlsd_flwr.outputs.recorder import load_samples, lock_run_dir
+    from qlsd_flwr.outputs.recorder import load_samples
+    from qlsd_flwr.outputs.run_dir import lock_run_dir
 
     o = {**BASE, "engine": "local", "num-rounds": 40, "checkpoint-every": 10, "output-dir": str(tmp_path)}
     ref = load_samples(run({**o, "run-name": "ref"}).run_dir)

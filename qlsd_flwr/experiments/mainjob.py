@@ -138,7 +138,7 @@ def run_main_job(overrides: dict | None = None) -> int:
     from qlsd_flwr.evaluation import evaluate as E
     from qlsd_flwr.evaluation.report import draw_overview
     from qlsd_flwr.experiments.fedavg import run_fedavg
-    from qlsd_flwr.outputs.recorder import make_run_dir
+    from qlsd_flwr.outputs.run_dir import make_run_dir
     from qlsd_flwr.run.simulate import run
 
     ov = dict(overrides or {})

@@ -18,7 +18,7 @@ at least what the checkpoint says. The draws always stream to an append-only raw
 can leave it unreadable); ``samples.nc`` is built from it when the run stops. A run stopped by
 Ctrl-C or SIGTERM after a checkpoint keeps ``draws.f8`` and may resume (``summary.json`` then
 has ``stopped``); a second process on a folder that a run is writing is refused
-(:func:`qlsd_flwr.outputs.recorder.lock_run_dir`).
+(:func:`qlsd_flwr.outputs.run_dir.lock_run_dir`).
 
 Resume: ``qlsd-flwr run --set resume=<run folder>`` (or ``simulate.run({"resume": path})``)
 reads the folder's ``config.json``, applies the keys given with it (only those in

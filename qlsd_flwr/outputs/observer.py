@@ -3,7 +3,7 @@
 
 :class:`RunOutputs` is handed to :class:`~qlsd_flwr.protocol.server.QLSDServer` as its
 ``observer``: the server computes and keeps the chain's state; this object makes the run folder
-(:func:`~qlsd_flwr.outputs.recorder.make_run_dir`), records every round and kept draw
+(:func:`~qlsd_flwr.outputs.run_dir.make_run_dir`), records every round and kept draw
 (:class:`~qlsd_flwr.outputs.recorder.Recorder`; ``server.state.theta`` is ``(d,)`` or ``(C, d)``), writes ``checkpoint.npz`` every
 ``checkpoint-every`` rounds from the server's :meth:`~QLSDServer.snapshot`, and with ``resume``
 set reads the checkpoint back for the server to restore. Every engine with one chain per run
@@ -17,7 +17,8 @@ from pathlib import Path
 
 from qlsd_flwr.config import RunConfig
 from qlsd_flwr.outputs import checkpoint as ckpt
-from qlsd_flwr.outputs.recorder import Recorder, deferred_signals, make_run_dir
+from qlsd_flwr.outputs.recorder import Recorder, deferred_signals
+from qlsd_flwr.outputs.run_dir import make_run_dir
 
 log = logging.getLogger("qlsd_flwr")
 

@@ -31,6 +31,8 @@ from pathlib import Path
 import h5netcdf
 import numpy as np
 
+from qlsd_flwr.outputs.run_dir import lock_run_dir
+
 from qlsd_flwr.outputs.jsonio import dumps
 
 log = logging.getLogger("qlsd_flwr")
@@ -65,25 +67,6 @@ def stop_signal(name: str) -> None:
         _CRITICAL["pending"] = name
         return
     raise KeyboardInterrupt(name)
-
-
-def make_run_dir(output_dir: str | os.PathLike, run_name: str, variant: str) -> Path:
-    from qlsd_flwr.keys import check_run_name  # a run never writes outside output-dir
-
-    given = check_run_name(run_name)
-    name = given or f"{time.strftime('%Y%m%d-%H%M%S')}-{variant}"
-    path = Path(output_dir) / name
-    if given and path.exists():  # a name the user chose is never silently changed
-        from qlsd_flwr.config import ConfigError
-
-        raise ConfigError(f"run-name: {path} already exists; choose another run-name, leave it empty for a "
-                          f"timestamped folder, or continue that run with resume = {path}")
-    i = 1
-    while path.exists():  # two timestamped runs started in the same second
-        path = Path(output_dir) / f"{name}-{i}"
-        i += 1
-    path.mkdir(parents=True)
-    return path
 
 
 CHUNK_BYTES = 1 << 22  # an HDF5 chunk of samples.nc holds at most ~4 MiB (one draw at least)
@@ -378,30 +361,6 @@ def _crc_of(path: Path, n: int) -> int:
             crc = zlib.crc32(piece, crc)
             n -= len(piece)
     return crc
-
-
-def lock_run_dir(run_dir: Path):
-    """An exclusive lock on ``<run_dir>/.lock`` for as long as a run writes the folder (two runs,
-    e.g. two resumes of one folder, would corrupt each other's files); ``ConfigError`` naming the
-    folder and the process that holds it. The lock goes with the process, however it ends."""
-    import fcntl
-
-    f = open(run_dir / ".lock", "a+")
-    try:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        f.seek(0)
-        holder = f.read().strip() or "?"
-        f.close()
-        from qlsd_flwr.keys import ConfigError
-
-        raise ConfigError(f"run folder {run_dir} is in use by another run (process {holder}); wait for it "
-                          "to end, or resume into another copy of the folder") from None
-    f.seek(0)
-    f.truncate()
-    f.write(str(os.getpid()))
-    f.flush()
-    return f
 
 
 STAT_FIELDS = ["n_active", "n_replied", "n_rejected", "bits_exact"]  # sample_stats, per kept draw

@@ -29,8 +29,8 @@ from qlsd_flwr.outputs.progress import progress_bar
 from qlsd_flwr.outputs.recorder import (
     Recorder,
     deferred_signals,
-    make_run_dir,
 )
+from qlsd_flwr.outputs.run_dir import make_run_dir
 from qlsd_flwr.protocol import build
 from qlsd_flwr.protocol.divergence import DivergenceError, divergence_message
 from qlsd_flwr.protocol.facts import summary_extra
