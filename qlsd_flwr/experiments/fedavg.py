@@ -78,27 +78,17 @@ def _setup(cfg_json: str):
 
 
 def _local_sgd(model, X, y, epochs, lr, batch, wd, momentum, seed_key, device):
+    """:func:`qlsd_flwr.flower.fedavg.map_sgd` (the package's one FedAvg step) on client arrays, with torch's
+    mean cross-entropy."""
     import torch
     import torch.nn.functional as F
 
+    from qlsd_flwr.flower.fedavg import map_sgd
+
     X = torch.as_tensor(np.asarray(X), dtype=torch.float32, device=device)
     y = torch.as_tensor(np.asarray(y), dtype=torch.long, device=device)
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=wd)
-    gen = torch.Generator().manual_seed(int(seed_key))
-    model.train()
-    total, n = 0.0, 0
-    for _ in range(epochs):
-        perm = torch.randperm(len(y), generator=gen).to(device)
-        for s in range(0, len(y), batch):
-            sel = perm[s:s + batch]
-            opt.zero_grad()
-            loss = F.cross_entropy(model(X[sel]), y[sel])
-            loss.backward()
-            opt.step()
-            total += loss.item() * len(sel)
-            n += len(sel)
-    model.eval()
-    return total / max(n, 1)
+    return map_sgd(model, model.parameters(), F.cross_entropy, X, y, epochs, lr, batch, wd, seed_key,
+                   momentum=momentum, device=device)
 
 
 def make_client_app(overrides: dict, fed: dict):

@@ -28,28 +28,38 @@ from typing import Callable
 import numpy as np
 
 
-def map_train(pot, epochs: int, lr: float, batch_size: int, weight_decay: float, seed: int) -> float:
-    """Minibatch SGD on ``pot``'s model (in place) for the per-example MAP objective; returns the
-    mean training loss of the last epoch."""
+def map_sgd(model, params, batch_loss, X, y, epochs: int, lr: float, batch_size: int, weight_decay: float,
+            seed: int, momentum: float = 0.0, device=None) -> float:
+    """FedAvg's local step, the package's one: minibatch SGD on ``model`` (in place) for the per-example MAP
+    objective ``batch_loss(model(X[S]), y[S])`` with weight decay ``1/(σ² N)``, the minibatch order drawn
+    by a torch generator seeded with ``seed``; returns the mean loss of the last epoch. The user-facing
+    ClientApp below and the main job's FedAvg (:mod:`qlsd_flwr.experiments.fedavg`) both train with it."""
     import torch
 
     gen = torch.Generator().manual_seed(int(seed))
-    opt = torch.optim.SGD(pot.params, lr=float(lr), weight_decay=float(weight_decay))
-    n, last = pot.n_data, 0.0
-    pot.model.train()
+    opt = torch.optim.SGD(params, lr=float(lr), momentum=float(momentum), weight_decay=float(weight_decay))
+    n, last = len(y), 0.0
+    model.train()
     for _ in range(int(epochs)):
-        perm = torch.randperm(n, generator=gen).to(pot.device)
+        perm = torch.randperm(n, generator=gen).to(device)
         total = 0.0
         for s in range(0, n, int(batch_size)):
             sel = perm[s:s + int(batch_size)]
             opt.zero_grad()
-            loss = pot.example_losses(pot.model(pot.X[sel]), pot.y[sel]).mean()
+            loss = batch_loss(model(X[sel]), y[sel])
             loss.backward()
             opt.step()
             total += float(loss.detach()) * len(sel)
         last = total / max(n, 1)
-    pot.model.eval()
+    model.eval()
     return last
+
+
+def map_train(pot, epochs: int, lr: float, batch_size: int, weight_decay: float, seed: int) -> float:
+    """:func:`map_sgd` on a :class:`~qlsd_flwr.potentials.TorchPotential`'s model and data, with its own
+    per-example loss (cross-entropy by default, or the user's ``loss`` / ``−log_likelihood``)."""
+    return map_sgd(pot.model, pot.params, lambda out, y: pot.example_losses(out, y).mean(), pot.X, pot.y, epochs,
+                   lr, batch_size, weight_decay, seed, device=pot.device)
 
 
 def make_fedavg_client_app(potential_fn: Callable, *, prior_var: float, n_total: int, local_epochs: int = 2,
