@@ -10,7 +10,7 @@ from pathlib import Path
 
 from qlsd_flwr import __version__
 from qlsd_flwr.config import ConfigError
-from qlsd_flwr.keys import help_text, markdown_table, pyproject_block
+from qlsd_flwr.keys_text import help_text, markdown_table, pyproject_block
 from qlsd_flwr.protocol.divergence import DivergenceError
 from qlsd_flwr.protocol.wire import PhaseError
 
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--toy", action="store_true",
                    help="run the toy Gaussian demo instead (about 1 minute)")
     d.add_argument("sets", nargs="*", help="key=value overrides")
-    from qlsd_flwr.keys import help_text
+    from qlsd_flwr.keys_text import help_text
 
     r = sub.add_parser("run", help="run a configuration", formatter_class=argparse.RawDescriptionHelpFormatter,
                        epilog="run-config keys (key = default (symbol), then meaning and allowed values):\n\n"

@@ -5,10 +5,11 @@ and one line of documentation. The table drives:
 
 * validation — :func:`parse` reads one value by its key's rules (called by
   :func:`qlsd_flwr.config.resolve` for every key, before the checks that involve several keys);
-* ``[tool.flwr.app.config]`` in ``pyproject.toml`` — :func:`pyproject_block` (a test checks that
+* ``[tool.flwr.app.config]`` in ``pyproject.toml`` — :func:`qlsd_flwr.keys_text.pyproject_block` (a test checks that
   the declared keys are the table's and their values valid);
-* ``qlsd-flwr config`` and ``qlsd-flwr run --help`` — :func:`help_text`;
-* the key table of docs/CONFIGURATION.md — :func:`markdown_table` (a test checks that the page holds it).
+* ``qlsd-flwr config`` and ``qlsd-flwr run --help`` — :func:`qlsd_flwr.keys_text.help_text`;
+* the key table of docs/CONFIGURATION.md — :func:`qlsd_flwr.keys_text.markdown_table` (a test checks that the page holds
+  it).
 
 Parsing rules, the same for a TOML file, ``--set``, ``flwr run --run-config`` and Python:
 booleans are ``true/false/yes/no/on/off/1/0`` (anything else is refused, never ``bool("no")``);
@@ -363,47 +364,3 @@ def _parts(raw: Any) -> list:
     if isinstance(raw, (list, tuple, np.ndarray)):
         return list(raw)
     return [raw]
-
-
-# ---- what the table generates ------------------------------------------------------------------
-def _toml(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
-def pyproject_block(values: dict | None = None) -> str:
-    """``[tool.flwr.app.config]`` with every key (``values`` over the defaults)."""
-    vals = {**DEFAULTS, **(values or {})}
-    return "[tool.flwr.app.config]\n" + "".join(f"{k.name} = {_toml(vals[k.name])}\n" for k in KEYS)
-
-
-def help_text(width: int = 100) -> str:
-    """Every key with its default, symbol, allowed values and meaning, grouped (plain text)."""
-    import textwrap
-
-    out = []
-    for group in (SAMPLE, SAMPLER, RUN):
-        out.append(f"{group}:")
-        for k in (k for k in KEYS if k.group == group):
-            sym = f" ({k.symbol})" if k.symbol else ""
-            head = f"  {k.name} = {_toml(k.default)}{sym}"
-            body = f"{k.doc}; allowed: {k.allowed()}" if k.kind not in ("text",) else k.doc
-            out.append(head)
-            out.extend(textwrap.wrap(body, width, initial_indent="      ", subsequent_indent="      ",
-                                     break_on_hyphens=False))  # a choice such as qlsd-sharp stays whole
-    return "\n".join(out) + "\n"
-
-
-def markdown_table() -> str:
-    """docs/CONFIGURATION.md's key table."""
-    def cell(text: str) -> str:  # '<module>' would be read as an HTML tag, '|' as a column
-        return text.replace("|", "/").replace("<", "&lt;").replace(">", "&gt;")
-
-    rows = ["| key | meaning | symbol | allowed | default |", "|---|---|---|---|---|"]
-    for k in KEYS:
-        allowed = k.allowed() if k.kind != "text" else "text"
-        rows.append(f"| `{k.name}` | {cell(k.doc)} | {k.symbol} | {cell(allowed)} | `{_toml(k.default)}` |")
-    return "\n".join(rows) + "\n"

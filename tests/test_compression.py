@@ -33,7 +33,8 @@ from qlsd_flwr.compression.format import (
     DecodeError,
 )
 from qlsd_flwr.compression.identity import Identity
-from qlsd_flwr.compression.qsgd import QSGD, Quantised, dequantise, make_compressor
+from qlsd_flwr.compression.factory import make_compressor
+from qlsd_flwr.compression.qsgd import QSGD, Quantised, dequantise
 
 EPS = 2.0**-52
 Z = 5.0  # standard errors for every Monte Carlo assertion (two-sided p ≈ 6e-7 per check)

@@ -164,7 +164,8 @@ def test_pyproject_declares_the_table_with_valid_values(monkeypatch):
     import tomllib
     from pathlib import Path
 
-    from qlsd_flwr.keys import KEYS, parse, pyproject_block
+    from qlsd_flwr.keys import KEYS, parse
+    from qlsd_flwr.keys_text import pyproject_block
 
     py = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
     declared = py["tool"]["flwr"]["app"]["config"]
@@ -184,7 +185,8 @@ def test_readme_help_and_config_command_come_from_the_table(capsys):
     from pathlib import Path
 
     from qlsd_flwr.cli import main
-    from qlsd_flwr.keys import KEYS, markdown_table
+    from qlsd_flwr.keys import KEYS
+    from qlsd_flwr.keys_text import markdown_table
 
     readme = (Path(__file__).resolve().parents[1] / "docs" / "CONFIGURATION.md").read_text()
     assert markdown_table() in readme

@@ -53,7 +53,6 @@ from qlsd_flwr.compression.elias import _write_fields, omega_length
 from qlsd_flwr.compression.format import (
     ENCODINGS,
     HEADER_BYTES,
-    KINDS,
     MAX_D,
     MAX_S,
     TAG_ELIAS,
@@ -62,7 +61,6 @@ from qlsd_flwr.compression.format import (
     Encoding,
     QuantiseError,
 )
-from qlsd_flwr.compression.identity import Identity
 from qlsd_flwr.compression.qsgd_nb import quantise_row
 
 
@@ -388,16 +386,3 @@ class QSGD:
 
     def _max_elias_bits(self, blocks) -> int:
         return _max_elias_bits(self.s, tuple(blocks))
-
-
-def make_compressor(kind: str, s: int | None = None, blocks=None, encoding: str = "auto",
-                    dtype: str = "float64"):
-    """``"qsgd"`` → ``QSGD(s, blocks, encoding)``; ``"identity"`` → ``Identity(dtype)``."""
-    key = kind.strip().lower() if isinstance(kind, str) else kind
-    if key == "qsgd":
-        if s is None:
-            raise ValueError("make_compressor: kind 'qsgd' needs s (number of levels, >= 1)")
-        return QSGD(s=s, blocks=None if blocks is None else tuple(blocks), encoding=encoding)
-    if key == "identity":
-        return Identity(dtype=dtype)
-    raise ValueError(f"make_compressor: unknown kind {kind!r}; allowed: {', '.join(KINDS)}")
