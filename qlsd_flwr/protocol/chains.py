@@ -37,7 +37,8 @@ from qlsd_flwr.core.potential import Task
 from qlsd_flwr.protocol import build
 from qlsd_flwr.protocol.divergence import DivergenceError, divergence_message
 from qlsd_flwr.protocol.facts import summary_extra
-from qlsd_flwr.protocol.server import QLSDServer, resume_snapshot
+from qlsd_flwr.protocol.server import QLSDServer
+from qlsd_flwr.protocol.snapshot import resume_snapshot
 from qlsd_flwr.protocol import precondition
 from qlsd_flwr.protocol.wire import bundle_request, unbundle_reply
 

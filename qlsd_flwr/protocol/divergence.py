@@ -70,3 +70,22 @@ def runaway_scale(task, theta0: np.ndarray, theta_star, metric) -> float:
     if not metric.is_identity:
         scales.append(math.sqrt(d * metric.largest()))
     return max(scales)
+
+
+def runaway_why(size: float, scale: float, recent) -> str:
+    """Why a run-away chain stops: ``‖θ‖ = size`` over :data:`RUNAWAY_FACTOR` × ``scale``, naming the clients
+    whose replies dominated the last rounds (``recent``: per round, each client's reply norm): an attacker
+    inside the norm bound, or a p so small that one 1/p-weighted reply throws θ."""
+    totals: dict[int, float] = {}
+    for rnd in recent:
+        for i, x in rnd.items():
+            totals[i] = totals.get(i, 0.0) + x
+    whole = sum(totals.values()) or 1.0
+    top = sorted(totals.items(), key=lambda t: -t[1])[:3]
+    named = ", ".join(f"client {i} ({100 * x / whole:.0f} %)" for i, x in top) or "none (no replies)"
+    cause = ("one client dominated them" if top and top[0][1] > 0.5 * whole else
+             "they were spread over the clients: the step, not one client, is the likely cause")
+    return (f"‖θ‖ = {size:.3g} is over {RUNAWAY_FACTOR:g}× the scale {scale:.3g} that the start, θ* and the prior "
+            f"allow (a run-away chain); the largest replies of the last {len(recent)} rounds came from {named}: "
+            f"{cause}. A posterior truly at this scale: start near it (initial θ) or set norm-bound = off, which "
+            "turns this check off too")

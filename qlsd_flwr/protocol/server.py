@@ -41,6 +41,7 @@ from qlsd_flwr.protocol.divergence import (
     RUNAWAY_WINDOW,
     DivergenceError,
     runaway_scale,
+    runaway_why,
     divergence_message,
     is_overflow,
 )
@@ -102,7 +103,7 @@ class QLSDServer:
         """Start the chain at ``θ_0`` (the task's unless given), or where the observer's checkpoint
         left it (``theta_star``, ``ts_info``, the metric and ``γ`` are then the checkpoint's).
         ``prep``: what :func:`qlsd_flwr.protocol.precondition.prepare` settled (metric, ``γ``)."""
-        snap = resume_snapshot(self.cfg, self.observer)
+        snap = snapshot.resume_snapshot(self.cfg, self.observer)
         if snap is not None:
             self.restore(*snap)
         else:
@@ -355,20 +356,7 @@ class QLSDServer:
         size = float(np.linalg.norm(self.state.theta))
         if size <= RUNAWAY_FACTOR * self._scale or self.norm_guard.mode == "off":
             return
-        totals: dict[int, float] = {}
-        for rnd in self._recent:
-            for i, x in rnd.items():
-                totals[i] = totals.get(i, 0.0) + x
-        whole = sum(totals.values()) or 1.0
-        top = sorted(totals.items(), key=lambda t: -t[1])[:3]
-        named = ", ".join(f"client {i} ({100 * x / whole:.0f} %)" for i, x in top) or "none (no replies)"
-        cause = ("one client dominated them" if top and top[0][1] > 0.5 * whole else
-                 "they were spread over the clients: the step, not one client, is the likely cause")
-        self._diverged(round_, f"‖θ‖ = {size:.3g} is over {RUNAWAY_FACTOR:g}× the scale {self._scale:.3g} that the "
-                               f"start, θ* and the prior allow (a run-away chain); the largest replies of the last "
-                               f"{len(self._recent)} rounds came from {named}: {cause}. A posterior truly at this "
-                               f"scale: start near it (initial θ) or set norm-bound = off, which turns this check off "
-                               f"too")
+        self._diverged(round_, runaway_why(size, self._scale, self._recent))
 
     def _diverged(self, round_: int, why: str = "θ is not finite") -> None:
         """Stop the observer (samples up to the last finite θ) and raise DivergenceError."""
@@ -439,12 +427,3 @@ class QLSDServer:
 
     def _count(self, why: str) -> None:
         self.rejected[why] = self.rejected.get(why, 0) + 1
-
-
-def resume_snapshot(cfg: RunConfig, observer) -> tuple[dict, dict] | None:
-    """With ``resume`` set, the observer's checkpoint ``(meta, arrays)`` to restore (a run that
-    writes nothing cannot resume: ``ConfigError``); ``None`` for a new run."""
-    if observer is None and str(cfg.get("resume") or ""):
-        raise ConfigError("resume: continuing a run needs its run folder (the checkpoint is read "
-                          "and the outputs appended to); run with write=True")
-    return observer.resume_snapshot() if observer is not None else None

@@ -8,6 +8,7 @@ import logging
 
 import numpy as np
 
+from qlsd_flwr.config import ConfigError, RunConfig
 from qlsd_flwr.core import server_step as sampler
 from qlsd_flwr.core.metric import Identity, from_array, to_array
 from qlsd_flwr.outputs.checkpoint import CheckpointError
@@ -74,3 +75,12 @@ def restore(server, meta: dict, a: dict) -> None:
     server.persist = dict(meta.get("persist", {}))
     server.resumed_from = st.k
     log.info("resumed at round %d from a checkpoint", st.k)
+
+
+def resume_snapshot(cfg: RunConfig, observer) -> tuple[dict, dict] | None:
+    """With ``resume`` set, the observer's checkpoint ``(meta, arrays)`` to restore (a run that
+    writes nothing cannot resume: ``ConfigError``); ``None`` for a new run."""
+    if observer is None and str(cfg.get("resume") or ""):
+        raise ConfigError("resume: continuing a run needs its run folder (the checkpoint is read "
+                          "and the outputs appended to); run with write=True")
+    return observer.resume_snapshot() if observer is not None else None
