@@ -232,6 +232,9 @@ _NOT_ORTHOGONAL = {"qg": [[1.0, 0.5, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 1.0]], "q
     ("fald", _metric_bytes(1, {"m": np.ones(3)})[:-4], "ends early"),
     ("fald", _metric_bytes(1, {"m": np.ones(3)}) + b"\0", "after the metric's end"),
     ("fald", "a string", "not str"),
+    # dimensions whose product wraps around a 64-bit integer
+    ("fald", b"QM\x01\x01\x01\x02m" + struct.pack("<2I", 2**32 - 1, 2**32 - 1), "larger than d = 3 allows"),
+    ("fald", _metric_bytes(2, {"M": np.full((3, 3), 1.7e308)}), "positive-definite|too large"),
     # a low-rank correction of the identity (rank 1, t = 2, the direction e_0): DG-LMC takes none
     ("dg-lmc", _metric_bytes(4, {"u": [[1.0], [0.0], [0.0]], "t": [2.0]}) + b"QM\0\0", "low-rank correction"),
 ])

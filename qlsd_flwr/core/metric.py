@@ -29,6 +29,7 @@ How the metric is chosen (the clients' curvature, ``gamma = auto``): :mod:`qlsd_
 
 from __future__ import annotations
 
+import math
 import struct
 
 import numpy as np
@@ -187,6 +188,8 @@ class Dense(Metric):
             L = np.linalg.cholesky(M)
         except np.linalg.LinAlgError:
             raise MetricError("metric: a dense metric must be positive-definite") from None
+        if not (np.all(np.isfinite(M)) and np.all(np.isfinite(L))):  # entries near the largest float overflow above
+            raise MetricError("metric: a dense metric's entries are too large to use")
         self.m, self.root = M, L
 
     def apply(self, g):
@@ -336,7 +339,7 @@ def _read(x: bytes, at: int, d: int, nested: bool) -> tuple[Metric, int]:
         if name != want or not 1 <= ndim <= 2:
             raise MetricError(f"metric: array {name!r} of {ndim} dimensions where {want!r} was expected")
         shape = struct.unpack(f"<{ndim}I", take(4 * ndim))
-        size = int(np.prod(shape))
+        size = math.prod(shape)  # Python integers: a product of crafted dimensions cannot wrap around
         if size > 2 * d * d + 8:
             raise MetricError(f"metric: array {name!r} of shape {shape} is larger than d = {d} allows")
         a = np.frombuffer(take(8 * size), dtype="<f8").reshape(shape)

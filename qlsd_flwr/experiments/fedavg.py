@@ -79,7 +79,7 @@ def _setup(cfg_json: str):
 
 def _local_sgd(model, X, y, epochs, lr, batch, wd, momentum, seed_key, device):
     """:func:`qlsd_flwr.flower.fedavg.map_sgd` (the package's one FedAvg step) on client arrays, with torch's
-    mean cross-entropy."""
+    mean cross-entropy; returns the mean loss over all epochs."""
     import torch
     import torch.nn.functional as F
 
@@ -88,7 +88,7 @@ def _local_sgd(model, X, y, epochs, lr, batch, wd, momentum, seed_key, device):
     X = torch.as_tensor(np.asarray(X), dtype=torch.float32, device=device)
     y = torch.as_tensor(np.asarray(y), dtype=torch.long, device=device)
     return map_sgd(model, model.parameters(), F.cross_entropy, X, y, epochs, lr, batch, wd, seed_key,
-                   momentum=momentum, device=device)
+                   momentum=momentum, device=device)[1]  # the mean over all epochs, as this job has reported
 
 
 def make_client_app(overrides: dict, fed: dict):

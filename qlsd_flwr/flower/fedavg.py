@@ -29,16 +29,16 @@ import numpy as np
 
 
 def map_sgd(model, params, batch_loss, X, y, epochs: int, lr: float, batch_size: int, weight_decay: float,
-            seed: int, momentum: float = 0.0, device=None) -> float:
+            seed: int, momentum: float = 0.0, device=None) -> tuple[float, float]:
     """FedAvg's local step, the package's one: minibatch SGD on ``model`` (in place) for the per-example MAP
     objective ``batch_loss(model(X[S]), y[S])`` with weight decay ``1/(σ² N)``, the minibatch order drawn
-    by a torch generator seeded with ``seed``; returns the mean loss of the last epoch. The user-facing
+    by a torch generator seeded with ``seed``; returns the mean loss of the last epoch and of all epochs. The user-facing
     ClientApp below and the main job's FedAvg (:mod:`qlsd_flwr.experiments.fedavg`) both train with it."""
     import torch
 
     gen = torch.Generator().manual_seed(int(seed))
     opt = torch.optim.SGD(params, lr=float(lr), momentum=float(momentum), weight_decay=float(weight_decay))
-    n, last = len(y), 0.0
+    n, last, overall = len(y), 0.0, 0.0
     model.train()
     for _ in range(int(epochs)):
         perm = torch.randperm(n, generator=gen).to(device)
@@ -50,16 +50,16 @@ def map_sgd(model, params, batch_loss, X, y, epochs: int, lr: float, batch_size:
             loss.backward()
             opt.step()
             total += float(loss.detach()) * len(sel)
-        last = total / max(n, 1)
+        last, overall = total / max(n, 1), overall + total
     model.eval()
-    return last
+    return last, overall / max(n * int(epochs), 1)
 
 
 def map_train(pot, epochs: int, lr: float, batch_size: int, weight_decay: float, seed: int) -> float:
     """:func:`map_sgd` on a :class:`~qlsd_flwr.potentials.TorchPotential`'s model and data, with its own
     per-example loss (cross-entropy by default, or the user's ``loss`` / ``−log_likelihood``)."""
     return map_sgd(pot.model, pot.params, lambda out, y: pot.example_losses(out, y).mean(), pot.X, pot.y, epochs,
-                   lr, batch_size, weight_decay, seed, device=pot.device)
+                   lr, batch_size, weight_decay, seed, device=pot.device)[0]
 
 
 def make_fedavg_client_app(potential_fn: Callable, *, prior_var: float, n_total: int, local_epochs: int = 2,
