@@ -20,10 +20,6 @@ from qlsd_flwr.keys import DEFAULTS, ConfigError, flag, parse  # noqa: F401 (DEF
 
 from qlsd_flwr import samplers
 from qlsd_flwr.samplers import ALIASES  # noqa: F401 (re-exported)
-
-#: variant -> (oracle, compressed?, memory?), read off the samplers' declarations (qlsd_flwr.samplers)
-VARIANTS: dict[str, tuple[str, bool, bool]] = {
-    name: (s.oracle, s.compressed, s.memory) for name, s in samplers.SAMPLERS.items()}
 ENGINES = ("ray", "inprocess", "local", "vectorised")
 TASKS = ("gaussian", "logistic", "mnist")
 # "external": the clients bring their own potentials (qlsd_flwr.flower.make_client_app(potential_fn)),
@@ -274,8 +270,7 @@ def resolve(overrides: Mapping[str, Any] | None = None) -> RunConfig:
     if not sampler.estimator.refreshable and float(raw.get("q", 0.0)) != 0.0:
         raise ConfigError(f"q: only vr-fald-star refreshes a reference point (QLSD++'s anchor period is l); "
                           f"{variant} takes q = 0")
-    sampler.refuse(samplers.Settings(raw=raw, p=p, aggregation=aggregation, metric=metric,
-                                     metric_rank=int(v["metric-rank"]), engine=engine))
+    sampler.refuse(samplers.Settings(raw=raw, p=p, aggregation=aggregation, metric_rank=int(v["metric-rank"])))
     _check_data_keys(raw)
     return RunConfig(
         raw=raw, variant=variant, oracle=oracle, compressed=compressed, memory=memory, b=b_eff,

@@ -22,10 +22,10 @@ CELLS = golden.cells()
 
 
 def test_the_grid_covers_every_sampler_and_engine():
-    from qlsd_flwr.config import VARIANTS
+    from qlsd_flwr.samplers import SAMPLERS
 
     names = {name for name, _, _ in CELLS}
-    for variant in VARIANTS:
+    for variant in SAMPLERS:
         for engine in ("local", "vectorised-numpy"):
             assert f"{engine}/{variant}" in names
     assert set(WANT.files) == names

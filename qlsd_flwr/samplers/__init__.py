@@ -14,8 +14,8 @@ from __future__ import annotations
 from qlsd_flwr.samplers import dglmc, fald, fsgld, qlsd
 from qlsd_flwr.samplers.base import Estimator, Sampler, Settings
 
-__all__ = ["ALIASES", "ESTIMATORS", "SAMPLERS", "Estimator", "Sampler", "Settings", "estimator", "find", "get",
-           "register", "unregister"]
+__all__ = ["ALIASES", "ESTIMATORS", "SAMPLERS", "Estimator", "Sampler", "Settings", "find", "get", "register",
+           "unregister"]
 
 _FAMILIES = (qlsd, fald, dglmc, fsgld)
 
@@ -40,11 +40,6 @@ def get(name) -> Sampler:
     if s is None:
         raise KeyError(f"variant: unknown value {name!r}; allowed: {', '.join(SAMPLERS)}")
     return s
-
-
-def estimator(oracle: str) -> Estimator:
-    """The estimator an ``oracle`` label names (``KeyError`` for another)."""
-    return ESTIMATORS[oracle]
 
 
 def register(sampler: Sampler) -> Sampler:

@@ -49,18 +49,13 @@ class Estimator:
         return self.cv_theta_star or self.at_theta_star
 
     @property
-    def averaged(self) -> bool:
-        """The server averages the clients' local moves ``Δ_i`` (FALD's step; FSGLD with one client)."""
-        return self.local and not self.coupled
-
-    @property
     def weighs_by_p(self) -> bool:
         """A reply is weighed by ``1/p_i`` under ``aggregation = unbiased`` (not DG-LMC's draw nor FSGLD)."""
         return not (self.coupled or self.surrogate)
 
 
-#: Refusals: ``check(settings)`` raises :class:`~qlsd_flwr.errors.ConfigError` naming the key.
-Check = Callable[["Settings"], None]
+#: Refusals: ``check(sampler, settings)`` raises :class:`~qlsd_flwr.errors.ConfigError` naming the key.
+Check = Callable[["Sampler", "Settings"], None]
 
 
 @dataclass(frozen=True)
@@ -70,9 +65,7 @@ class Settings:
     raw: dict
     p: object  # np.ndarray of p_i
     aggregation: str
-    metric: str
     metric_rank: int
-    engine: str
 
 
 @dataclass(frozen=True)
