@@ -59,7 +59,7 @@ def _timed_stream(S, log: list):
     """The strategy's reply stream, timed per round: when it starts (before the push), when the
     round's last reply was pulled, and how long the consumer (``aggregate_train``: decoding,
     validation) held each reply."""
-    real = S._RepliesAsTheyArrive._stream
+    real = S.RepliesAsTheyArrive._stream
 
     def stream(self, msgs, timeout, interval):
         t0, held, last = time.perf_counter(), 0.0, None
@@ -74,18 +74,18 @@ def _timed_stream(S, log: list):
 def actor(rounds: int) -> dict:
     from bench_chains import LENET, _round_seconds
 
-    import qlsd_flwr.flower.strategy as S
+    import qlsd_flwr.flower.grid_stream as S
     from qlsd_flwr.config import resolve
     from qlsd_flwr.run.simulate import run_ray
 
     folder = tempfile.mkdtemp(prefix="qlsd-actor-")
     log: list = []
-    real, S._RepliesAsTheyArrive._stream = _timed_stream(S, log)
+    real, S.RepliesAsTheyArrive._stream = _timed_stream(S, log)
     try:
         o = {**LENET, "engine": "ray", "num-rounds": rounds, "output-dir": tempfile.mkdtemp()}
         strat = run_ray(resolve(o), o, mods=[_actor_mod(folder)])
     finally:
-        S._RepliesAsTheyArrive._stream = real
+        S.RepliesAsTheyArrive._stream = real
     rows = sorted(line.split() for f in glob.glob(os.path.join(folder, "*.txt")) for line in open(f))
     train = [r for r in rows if r[2] == "train"][5 * 20:]  # in time order; the first 5 rounds warm the actors
     wall = [float(b) - float(a) for a, b, *_ in train]
@@ -108,7 +108,7 @@ def poll(pairs: int) -> dict:
     40 rounds) and LeNet-5 (30 rounds) on Ray, and 1,000 toy clients (8 rounds, one pair)."""
     from bench_chains import LENET, _round_seconds
 
-    import qlsd_flwr.flower.strategy as S
+    import qlsd_flwr.flower.grid_stream as S
     from qlsd_flwr.run import simulate
 
     toy = {"variant": "qlsd-pp", "num-clients": 20, "dim": 50, "burn-in": 0, "p": "1.0", "s": "16",

@@ -22,6 +22,7 @@ compared with the per-client path (``batched=False``), chain by chain, with ever
 import numpy as np
 import pytest
 
+from qlsd_flwr import samplers
 from qlsd_flwr.compression.qsgd import QSGD
 from qlsd_flwr.config import resolve
 from qlsd_flwr.core import participation, rng
@@ -113,7 +114,7 @@ def test_grad_sum_clients_is_grad_sum_slice_by_slice():
 
 
 def _spec(i, kind, n, w, prior_var=PRIOR_VAR):
-    return ClientSpec(index=i, oracle=kind, batch_size=n, compressor=QSGD(16), memory=kind == "svrg",
+    return ClientSpec(index=i, kind=samplers.ESTIMATORS[kind], batch_size=n, compressor=QSGD(16), memory=kind == "svrg",
                       alpha=0.5, prior=GaussianPrior(var=prior_var), prior_weight=w)
 
 
@@ -235,14 +236,14 @@ def test_round_draws_equal_the_reference_streams(monkeypatch):
             u = rng.uniform(seeds, rng.Stream.DITHER, k, i, d)
             act = active[:, i]
             assert np.array_equal(idxs[i][act], ref[act]) and same(U[act, i], u[act])
-    import qlsd_flwr.engines.vectorised.numpy_backend as nb
-    real = nb._draw_round
+    import qlsd_flwr.engines.vectorised.numpy_draws as nb
+    real = nb.draw_round
 
     def tied(*args):
         real(*args)
         args[-2][1, :] = 1  # pretend client sub[1] had a tie in every chain
 
-    monkeypatch.setattr(nb, "_draw_round", tied)
+    monkeypatch.setattr(nb, "draw_round", tied)
     active, idxs, _ = ng._draw(3)
     i = int(ng.sub[1])
     assert np.array_equal(idxs[i], rng.subset(seeds, rng.Stream.MINIBATCH, 3, i, TASK.clients[i].n_data,

@@ -13,6 +13,7 @@
 import numpy as np
 import pytest
 
+from qlsd_flwr import samplers
 from qlsd_flwr.config import resolve
 from qlsd_flwr.core import participation, rng
 from qlsd_flwr.core import server_step as sampler
@@ -186,7 +187,7 @@ def test_participation_frequencies_match_p():
 
 def _spec(rule="unbiased", memory=True, prior_on_server=True, oracle_="svrg"):
     return sampler.ServerSpec(b=3, gamma=0.01, p=np.array([0.5, 1.0, 0.25]), rule=rule, memory=memory,
-                              alpha=np.array([0.5, 0.25, 1.0]), l=10, oracle=oracle_,
+                              alpha=np.array([0.5, 0.25, 1.0]), l=10, kind=samplers.ESTIMATORS[oracle_],
                               prior=GaussianPrior(var=2.0, mean=0.5), prior_on_server=prior_on_server)
 
 

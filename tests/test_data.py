@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from qlsd_flwr.data import datasets as data
+from qlsd_flwr.data import hub
 from qlsd_flwr.data import partition
 from qlsd_flwr.tasks.logistic import LogisticLocal, build_logistic_task, predict_proba
 
@@ -111,7 +112,7 @@ def test_hub_conversion_on_in_memory_dataset(monkeypatch):
             cols["writer_id"] = [f"w{i % 4}" for i in range(n)]
         return datasets.Dataset.from_dict(cols)
 
-    monkeypatch.setattr(data, "_hub_load", lambda name, timeout: datasets.DatasetDict(
+    monkeypatch.setattr(hub, "_hub_load", lambda name, timeout: datasets.DatasetDict(
         {"train": fake(name, 24, (32, 32, 3) if name == "cifar10" else (28, 28)),
          "test": fake(name, 6, (32, 32, 3) if name == "cifar10" else (28, 28))}))
     c = data.load_dataset("cifar10", max_train=10)

@@ -317,7 +317,7 @@ def test_replies_are_polled_soon_after_one_came_and_never_slower_than_the_grid(m
     # grid's own pull_interval (a flat 0.1 s left the round's last reply waiting 0.05 s on average)
     from types import SimpleNamespace
 
-    from qlsd_flwr.flower import strategy as S
+    from qlsd_flwr.flower import grid_stream as S
 
     class Grid:
         pull_interval = 0.1
@@ -338,7 +338,7 @@ def test_replies_are_polled_soon_after_one_came_and_never_slower_than_the_grid(m
     waits = []
     monkeypatch.setattr(S.time, "sleep", waits.append)
     pushed = []
-    view = S._RepliesAsTheyArrive(Grid(), pushed.append)
+    view = S.RepliesAsTheyArrive(Grid(), pushed.append)
     got = [m.metadata.reply_to_message_id for m in view.send_and_receive(["m1", "m2", "m3"])]
     assert got == ["a", "b", "c"] and pushed == [["m1", "m2", "m3"]]
     assert waits[0] == S.FIRST_POLL_S  # right after a reply

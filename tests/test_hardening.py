@@ -82,6 +82,22 @@ def test_a_client_without_data_is_refused_at_the_start(tmp_path, monkeypatch):
         run_local(resolve({**BASE, "num-clients": 2, "engine": "local"}), task=task, write=False)
 
 
+def test_a_data_count_beyond_float64s_integers_is_refused_at_the_handshake():
+    # Flower carries uint64: a claim of 2^63 points used to reach numpy's int64 and raise OverflowError
+    class Boastful(GaussianLocal):
+        def __init__(self, y):
+            super().__init__(y)
+            self.n_data = 2 ** 63
+
+    def potential(c):
+        i = int(c.node_config["partition-id"])
+        return (Boastful if i == 1 else GaussianLocal)(client_data(i, D, 0))
+
+    with pytest.raises(HandshakeError, match=r"partition-id 1: node .*claims 9223372036854775808 data points"):
+        QLSDStrategy(num_clients=B, dim=D, write=False, progress=False).start(
+            InProcessGrid(make_client_app(potential), B))
+
+
 def test_theta_star_optimisation_that_stops_short_is_an_error_unless_accepted(tmp_path, caplog):
     o = {**BASE, "variant": "qlsd-star", "theta-star": "optimise", "opt-rounds": 2, "engine": "local",
          "gamma": 1e-4, "output-dir": str(tmp_path)}

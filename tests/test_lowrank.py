@@ -25,6 +25,7 @@ from qlsd_flwr.protocol import precondition
 from qlsd_flwr.protocol.curvature_exchange import lowrank_correction
 from qlsd_flwr.core.metric import Dense, Diagonal, Identity, MetricError, from_array, from_bytes, to_array
 from qlsd_flwr.outputs.recorder import load_samples
+from qlsd_flwr.robust.reports import MAX_BLOCK
 from qlsd_flwr.protocol import build
 from qlsd_flwr.run.simulate import run
 from test_metric import _curvature_mod, _exact, ill_conditioned_task
@@ -242,7 +243,7 @@ def test_a_server_block_a_client_cannot_use_is_refused_by_name():
     from qlsd_flwr.protocol.client import block_of
 
     d = 4
-    for bad in (b"", b"\x00" * 12, np.full(d, np.nan).tobytes(), np.zeros((lr.MAX_BLOCK + 1) * d).tobytes(), "text"):
+    for bad in (b"", b"\x00" * 12, np.full(d, np.nan).tobytes(), np.zeros((MAX_BLOCK + 1) * d).tobytes(), "text"):
         with pytest.raises(ValueError, match="vectors"):
             block_of(bad, d)
     assert block_of(np.arange(8.0).tobytes(), d).shape == (2, 4)

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from scipy.linalg import solve_discrete_lyapunov
 
+from qlsd_flwr import samplers
 from qlsd_flwr.config import ConfigError, resolve
 from qlsd_flwr.core import curvature as cv
 from qlsd_flwr.core import server_step as sampler
@@ -139,7 +140,7 @@ def test_a_mutated_step_fails_the_lyapunov_check():
 def test_identity_metric_at_t1_is_the_papers_step_bit_for_bit():
     rng = np.random.default_rng(0)
     spec = sampler.ServerSpec(b=3, gamma=1e-2, p=np.ones(3), rule="unbiased", memory=False, alpha=np.zeros(3),
-                              l=10, oracle="full", prior=GaussianPrior(2.0), prior_on_server=True)
+                              l=10, kind=samplers.ESTIMATORS["full"], prior=GaussianPrior(2.0), prior_on_server=True)
     st = sampler.init_state(spec, rng.normal(size=7))
     theta0 = st.theta.copy()
     g_hat = rng.normal(size=(3, 7))

@@ -2,9 +2,12 @@
 the vectorised engine (both backends) and in-process Flower, with no other file touched.
 
 The toy is federated ULA: every active client sends its full gradient ``∇U_i(θ)`` uncompressed, the server
-takes the Langevin step. It is composed of pieces the package has (the ``full`` estimator and the paper's
-server step), so its chain must equal QLSD's with ``compressor = identity`` bit for bit on every engine,
-and with ``p = 1`` its law on the toy Gaussian is ULA's, whose variance the task gives in closed form.
+takes the Langevin step. Its client update is written here (:func:`ula_message`, its own formula: the
+engines cannot know it), its server update is the paper's step (:func:`qlsd_flwr.core.server_step.langevin_step`).
+Its message is QLSD's ``H_i`` for the ``full`` estimator, evaluated by the same expression, so its chain must
+equal QLSD's with ``compressor = identity`` bit for bit on every engine that runs it (the numba kernel
+compiles the QLSD family's formulas only, and refuses it by name), and with ``p = 1`` its law on the toy
+Gaussian is ULA's, whose variance the task gives in closed form.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import pytest
 
 from qlsd_flwr import samplers
 from qlsd_flwr.config import ConfigError, resolve
+from qlsd_flwr.core.server_step import langevin_step
 from qlsd_flwr.engines.local import run_local
 from qlsd_flwr.engines.vectorised import run_vectorised
 from qlsd_flwr.run.simulate import run_inprocess
@@ -28,7 +32,13 @@ def no_tempering(sampler: Sampler, s: Settings) -> None:
         raise ConfigError(f"temperature: {sampler.name} samples T = 1; allowed: 1.0")
 
 
-TOY = Sampler("toy-ula", "federated ULA (a test's)", Estimator("full"), compressed=False, memory=False,
+def ula_message(spec, pot, state, seed, round_, theta, local=None):
+    """Client ``i``'s ``∇U_i(θ) + w_i ∇U_0(θ)``: its whole data and its share of the prior."""
+    return pot.grad_sum(theta) + spec.prior_weight * spec.prior.grad(theta)
+
+
+ULA = Estimator("ula-gradient", message=ula_message, step=langevin_step)
+TOY = Sampler("toy-ula", "federated ULA (a test's)", ULA, compressed=False, memory=False,
               reference="tests/test_toy_sampler.py", not_applicable=frozenset({"local-steps", "tau", "rho", "q"}),
               checks=(no_tempering,))
 
@@ -49,16 +59,18 @@ def _twin(o: dict) -> dict:
 def test_the_toy_sampler_runs_on_every_engine_as_its_pieces_do(toy, tmp_path):
     o = {**BASE, "variant": toy.name, "output-dir": str(tmp_path)}
     cfg = resolve(o)
-    assert cfg.sampler is toy and not cfg.compressed and cfg.kind.name == "full"
+    assert cfg.sampler is toy and not cfg.compressed and cfg.kind is ULA
     local = run_local(cfg, write=False, keep_trace=True, progress=False).trace
     np.testing.assert_array_equal(local, run_local(resolve(_twin(o)), write=False, keep_trace=True,
                                                    progress=False).trace)
-    for backend in ("numpy", "numba"):
-        v = run_vectorised(resolve({**o, "num-chains": 2, "engine": "vectorised"}), write=False, keep_trace=True,
-                           progress=False, backend=backend)
-        np.testing.assert_array_equal(v.trace[0], local)  # chain 0: seed + 0
+    v = run_vectorised(resolve({**o, "num-chains": 2, "engine": "vectorised"}), write=False, keep_trace=True,
+                       progress=False)  # auto: numpy, the toy's own message chain by chain
+    np.testing.assert_array_equal(v.trace[0], local)  # chain 0: seed + 0
+    for backend in ("numpy", "numba"):  # QLSD's twin, on both backends, is the same chain
         np.testing.assert_array_equal(v.trace, run_vectorised(resolve({**_twin(o), "num-chains": 2}), write=False,
                                                               keep_trace=True, progress=False, backend=backend).trace)
+    with pytest.raises(ValueError, match="numba runs the QLSD family only; toy-ula runs on: auto, numpy"):
+        run_vectorised(resolve({**o, "num-chains": 2}), write=False, progress=False, backend="numba")
     o2 = {**o, "num-chains": 2, "engine": "inprocess"}
     strat = run_inprocess(resolve(o2), o2, shuffle_seed=9, strategy_kwargs={"keep_trace": True})
     np.testing.assert_array_equal(np.asarray(strat.trace)[:, 0], local)

@@ -60,13 +60,13 @@ def local_steps(grad_u, z: np.ndarray, theta: np.ndarray, rho: float, gamma: flo
     the θ-marginal still tends to ``π`` as ``ρ → 0``. The server's draw: :func:`metric_draw`."""
     d = z.shape[-1]
     xi = rng.normal(seed, rng.Stream.LOCAL, k, i, steps * d).reshape(steps, d)
-    root = np.sqrt(2.0 * gamma)
+    noise_sd = np.sqrt(2.0 * gamma)
     if metric is None:
         for j in range(steps):
-            z = z - gamma * (grad_u(z) + (z - theta) / rho) + root * xi[j]
+            z = z - gamma * (grad_u(z) + (z - theta) / rho) + noise_sd * xi[j]
         return z
     for j in range(steps):
-        z = z - gamma * (metric.apply(grad_u(z)) + (z - theta) / rho) + root * metric.apply_root(xi[j])
+        z = z - gamma * (metric.apply(grad_u(z)) + (z - theta) / rho) + noise_sd * metric.apply_root(xi[j])
     return z
 
 

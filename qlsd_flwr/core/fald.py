@@ -38,7 +38,7 @@ with participation too, exactly (the expectation over every active set).
 
 **The message** a client sends is ``Δ_i = (θ_k − θ_i)/h`` (:func:`message`), which the server
 decodes and applies as ``θ_{k+1} = θ_k − h Σ_{i∈A} (w_i/p_i) Δ̂_i``
-(:func:`qlsd_flwr.core.server_step.server_step`); with QSGD it is compressed like a gradient
+(:func:`qlsd_flwr.samplers.fald.average_step`); with QSGD it is compressed like a gradient
 (unbiased, so the average is; the noise it carries is part of what is compressed, so the
 quantisation adds variance of order ``ω`` relative to the Langevin noise).
 
@@ -92,15 +92,15 @@ def local_steps(grad_u, theta: np.ndarray, w: float, h: float, tau: float, steps
     common = rng.normal(seed, rng.Stream.NOISE, k, 0, steps * d).reshape(steps, d)
     own = rng.normal(seed, rng.Stream.LOCAL, k, i, steps * d).reshape(steps, d)
     a, b = noise_scales(w, tau, share, p)
-    root = np.sqrt(2.0 * h * temperature)
+    noise_sd = np.sqrt(2.0 * h * temperature)
     x = np.asarray(theta, dtype=np.float64).copy()
     if metric is None:
         for j in range(steps):
-            x = x - (h / w) * grad_u(x) + root * (a * common[j] + b * own[j])
+            x = x - (h / w) * grad_u(x) + noise_sd * (a * common[j] + b * own[j])
         return x
     M = as_metric(metric)
     for j in range(steps):
-        x = x - (h / w) * M.apply(grad_u(x)) + root * M.apply_root(a * common[j] + b * own[j])
+        x = x - (h / w) * M.apply(grad_u(x)) + noise_sd * M.apply_root(a * common[j] + b * own[j])
     return x
 
 

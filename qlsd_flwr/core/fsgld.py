@@ -105,14 +105,14 @@ def run(task, mu: np.ndarray, lam: np.ndarray, f, h: float, steps: int, rounds: 
     d = task.dim
     theta = np.zeros(d) if theta0 is None else np.asarray(theta0, dtype=np.float64).copy()
     out = np.empty((rounds, d))
-    root = np.sqrt(2.0 * h)
+    noise_sd = np.sqrt(2.0 * h)
     for k in range(rounds):
         s = choose(f, seed, k)
         xi = rng.normal(seed, rng.Stream.NOISE, k, 0, steps * d).reshape(steps, d)
         pot = task.clients[s]
         for j in range(steps):
             g = (pot.grad_sum(theta) - lam[s] * (theta - mu[s])) / f[s] + Lam * theta - LamMu + prior.grad(theta)
-            theta = theta - h * g + root * xi[j]
+            theta = theta - h * g + noise_sd * xi[j]
         out[k] = theta
     return out
 

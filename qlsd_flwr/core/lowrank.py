@@ -52,8 +52,6 @@ RITZ_TOL = 0.1
 #: Ritz values are clipped to at least this, so that one direction of ``M`` grows at most ``1/RITZ_FLOOR``
 #: times over the base metric's
 RITZ_FLOOR = 1e-3
-#: the most vectors a client computes for one message (a server message asking more is refused)
-MAX_BLOCK = 256
 
 
 @dataclass(frozen=True)

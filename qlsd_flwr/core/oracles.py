@@ -8,6 +8,9 @@ With ``S_i`` a uniform ``n_i``-subset of ``[N_i]`` and ``w_i`` the client's shar
 * ``star``       (QLSD*):  ``H_i(θ) = (N_i/n_i) Σ_{j∈S_i} [∇U_ij(θ) − ∇U_ij(θ*)] + w_i[∇U_0(θ) − ∇U_0(θ*)]``
 * ``svrg``       (QLSD++): ``H_i(θ) = (N_i/n_i) Σ_{j∈S_i} [∇U_ij(θ) − ∇U_ij(ζ)] + w_i[∇U_0(θ) − ∇U_0(ζ)] + ∇U_i(ζ)``
 
+(the QLSD family's message: :func:`qlsd_flwr.samplers.qlsd.message`; the rivals' messages are their
+samplers' own, :mod:`qlsd_flwr.samplers`).
+
 The prior enters both sides of every control-variate difference with the same weight (the
 authors' code did not). The client then sends ``g_i = C(H_i − η_i)`` (QLSD++ with memory) or
 ``g_i = C(H_i)``, and with memory updates ``η_i ← η_i + α ĝ_i`` where ``ĝ_i`` is the *decoded*
@@ -24,7 +27,6 @@ from typing import Any
 
 import numpy as np
 
-from qlsd_flwr import samplers
 from qlsd_flwr.core import rng
 from qlsd_flwr.core.potential import GaussianPrior, LocalPotential
 
@@ -47,7 +49,7 @@ class ClientSpec:
     """Static settings of client ``i`` (the same on every path)."""
 
     index: int
-    oracle: str  # full | minibatch | star | svrg
+    kind: Any  # what its message is: a qlsd_flwr.samplers.Estimator (its flags, its update functions)
     batch_size: int  # n_i
     compressor: Any  # qlsd_flwr.compression.qsgd.QSGD or Identity
     memory: bool
@@ -60,9 +62,9 @@ class ClientSpec:
     metric: str = "identity"  # the rivals: "sent" when the server sends a metric M for the local steps
 
     @property
-    def kind(self) -> samplers.Estimator:
-        """What this client's message estimates (:class:`qlsd_flwr.samplers.Estimator`)."""
-        return samplers.ESTIMATORS[self.oracle]
+    def oracle(self) -> str:
+        """The estimator's label (``full``, ``svrg``, ...), as the client settings carry it."""
+        return self.kind.name
 
 
 @dataclass
@@ -87,7 +89,7 @@ def set_anchor(spec: ClientSpec, pot: LocalPotential, state: ClientState,
     state.anchor_version = int(version)
     if spec.kind.cv_zeta:
         state.anchor_grad = full_local_grad(spec, pot, state.anchor)
-    elif spec.kind.at_theta_star:  # the data part; the prior's share is the round's (local_message)
+    elif spec.kind.at_theta_star:  # the data part; the prior's share is the round's (qlsd_flwr.samplers.fald.message)
         state.anchor_grad = pot.grad_sum(state.anchor)
 
 
@@ -204,63 +206,15 @@ def minibatch(seed: int, round_: int, spec: ClientSpec, n_data: int) -> np.ndarr
     return rng.subset(seed, rng.Stream.MINIBATCH, round_, spec.index, n_data, spec.batch_size)
 
 
-def local_message(spec: ClientSpec, pot: LocalPotential, state: ClientState, seed: int, round_: int,
-                  theta: np.ndarray, local) -> np.ndarray:
-    r"""FALD's and VR-FALD\*'s message ``Δ_i = (θ − θ_i)/h`` (:func:`qlsd_flwr.core.fald.message`); FSGLD's
-    (:func:`qlsd_flwr.core.fsgld.message`, ``local = (h, f_s, 1, 1)``).
-    ``local = (h, w_i, S_A, p_i)``: the step, the client's data share, the round's active share
-    and its participation probability, sent by the server each round. The local gradient is
-    ``∇Ũ_i = ∇U_i + w_i ∇U_0``; VR-FALD\* uses ``∇Ũ_i(x) − ∇Ũ_i(θ*) + w_i ∇U(θ*)``."""
-    from qlsd_flwr.core import fald, fsgld
-
-    h, w, share, p = (float(x) for x in local)
-    prior = spec.prior
-    if spec.kind.surrogate:  # (h, f_s, 1, 1): the conducive gradient of the round's one client
-        star = state.anchor
-        g = fsgld.conducive_grad(pot.grad_sum, prior.grad, w, state.surrogate, state.surrogate_total, star,
-                                 state.anchor_grad, state.anchor_total - prior.grad(star))
-        return fsgld.message(g, theta, h, spec.local_steps, seed, round_, spec.index, spec.temperature, state.metric)
-
-    def grad(x):
-        return pot.grad_sum(x) + w * prior.grad(x)
-
-    g = grad
-    if spec.kind.at_theta_star:  # VR-FALD*'s control variate at its reference
-        c = w * state.anchor_total - (state.anchor_grad + w * prior.grad(state.anchor))
-
-        def g(x):
-            return grad(x) + c
-    return fald.message(g, theta, w, h, spec.tau, spec.local_steps, seed, round_, spec.index, share, p,
-                        spec.temperature, state.metric)
-
-
-def auxiliary_step(spec: ClientSpec, pot: LocalPotential, state: ClientState, seed: int, round_: int,
-                   theta: np.ndarray, local) -> np.ndarray:
-    """DG-LMC's ``z_i'``: ``K`` ULA steps on ``z_i`` (the client's memory ``η_i``: the chain's ``θ_0``, sent
-    with the first message, at the start) toward
-    ``exp(−U_i(z) − ‖z − θ‖²/(2ρ_i))`` (:func:`qlsd_flwr.core.dglmc.local_steps`); ``local = (γ_i, ρ_i, 1, 1)``.
-    The caller's :func:`compress_round` sends ``C(z_i' − z_i)`` and adds it to ``z_i`` (``α = 1``)."""
-    from qlsd_flwr.core import dglmc
-
-    gamma, rho = float(local[0]), float(local[1])
-    z = np.zeros_like(theta) if state.eta is None else state.eta
-    return dglmc.local_steps(pot.grad_sum, z, theta, rho, gamma, spec.local_steps, seed, round_, spec.index,
-                             state.metric)
-
-
 def client_round(spec: ClientSpec, pot: LocalPotential, state: ClientState, seed: int,
                  round_: int, theta: np.ndarray, local=None):
     """One active round of client ``i``: returns ``(quantised message, decoded ĝ_i)``.
 
-    Updates ``state.eta`` in place when memory is on. The caller encodes the message. ``local``:
-    the round's ``(h, w_i, S_A, p_i)`` for the local-step oracles (:func:`local_message`).
+    The message is the sampler's own (``spec.kind.message``: the QLSD family's ``H_i``, FALD's local steps,
+    DG-LMC's ``z_i'``, ...), then :func:`compress_round`. Updates ``state.eta`` in place when memory is on.
+    The caller encodes the message. ``local``: the round's numbers of the local-step samplers.
     """
-    if spec.kind.coupled:
-        return compress_round(spec, state, seed, round_, auxiliary_step(spec, pot, state, seed, round_, theta, local))
-    if spec.kind.local:
-        return compress_round(spec, state, seed, round_, local_message(spec, pot, state, seed, round_, theta, local))
-    return compress_round(spec, state, seed, round_, oracle(spec, pot, state, theta,
-                                                            minibatch(seed, round_, spec, pot.n_data)))
+    return compress_round(spec, state, seed, round_, spec.kind.message(spec, pot, state, seed, round_, theta, local))
 
 
 def client_rounds(spec: ClientSpec, pot: LocalPotential, states: list[ClientState], seeds: list[int],
@@ -272,7 +226,8 @@ def client_rounds(spec: ClientSpec, pot: LocalPotential, states: list[ClientStat
     ``c`` bit for bit. ``locals_``: each chain's ``local`` (the local-step oracles, computed chain
     by chain)."""
     kind = spec.kind
-    if kind.local:
+    if not kind.batched:  # a message without batched forms: chain by chain
+        locals_ = [None] * len(states) if locals_ is None else locals_
         return [client_round(spec, pot, st, s, round_, th, lc) for st, s, th, lc in zip(states, seeds, thetas, locals_)]
     idx = None if not kind.minibatch else np.stack([minibatch(s, round_, spec, pot.n_data) for s in seeds])
     anchor = np.stack([st.anchor for st in states]) if kind.control_variate else None

@@ -4,7 +4,7 @@ Read next to Algorithm 2 of the paper (QLSD++; the other variants switch parts o
 
 1. ``ζ_k = θ_k`` if ``k ≡ 0 (mod l)`` else ``ζ_{k−1}``                       (:func:`refresh_anchor`)
 2. clients in ``A_{k+1}`` send ``g_i``; the server decodes ``ĝ_i``
-3. ``g_{k+1} = Σ_{i∈A} w_i ĝ_i  [+ η_k]  + ∇U_0(θ_k) [− ∇U_0(θ*)]``          (:func:`server_step`)
+3. ``g_{k+1} = Σ_{i∈A} w_i ĝ_i  [+ η_k]  + ∇U_0(θ_k) [− ∇U_0(θ*)]``          (:func:`langevin_step`)
    (prior terms only when the prior stays on the server; ``− ∇U_0(θ*)`` for QLSD*)
 4. ``η_{k+1}^{(i)} = η_k^{(i)} + α_i ĝ_i`` for ``i ∈ A``;  ``η_{k+1} = Σ_i η_{k+1}^{(i)}``
 5. ``θ_{k+1} = θ_k − γ g_{k+1} + √(2γ) Z_{k+1}``, ``Z`` from stream ``(seed, NOISE, k, 0)``;
@@ -18,9 +18,11 @@ the order replies arrive in. The server keeps a mirror of every ``η_i`` and rec
 
 Every function takes an optional leading chain axis: ``θ`` of shape ``(d,)`` for one chain (the
 Flower and local paths) or ``(C, d)`` for ``C`` chains side by side (the vectorised engine's
-numpy backend), with ``seed`` then a ``(C,)`` array. This module is the one place the server
-step is written; chain ``c`` of a vectorised step is bit for bit the one-chain step with seed
-``seed[c]`` (numpy's reductions over a leading axis add rows in the same order).
+numpy backend), with ``seed`` then a ``(C,)`` array. :func:`langevin_step` is the one place the QLSD
+family's server step is written (the rivals' are their samplers', :mod:`qlsd_flwr.samplers`, and
+:func:`server_step` calls whichever the spec's estimator names); chain ``c`` of a vectorised step is
+bit for bit the one-chain step with seed ``seed[c]`` (numpy's reductions over a leading axis add rows
+in the same order).
 """
 
 from __future__ import annotations
@@ -30,9 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from qlsd_flwr.core import dglmc, participation, rng
+from qlsd_flwr.core import participation, rng
 from qlsd_flwr.core.metric import Identity, Metric
-from qlsd_flwr import samplers
 from qlsd_flwr.core.potential import GaussianPrior
 
 
@@ -59,7 +60,7 @@ class ServerSpec:
     memory: bool
     alpha: np.ndarray  # α_i per client
     l: int
-    oracle: str
+    kind: Any  # what the clients' messages are: a qlsd_flwr.samplers.Estimator (its step is this round's)
     prior: GaussianPrior
     prior_on_server: bool
     theta_star: np.ndarray | None = None
@@ -76,9 +77,9 @@ class ServerSpec:
     spectrum: Any = None  # DG-LMC with a metric: M in its eigenbasis (core.dglmc.Spectrum)
 
     @property
-    def kind(self) -> samplers.Estimator:
-        """What the clients' messages estimate (:class:`qlsd_flwr.samplers.Estimator`)."""
-        return samplers.ESTIMATORS[self.oracle]
+    def oracle(self) -> str:
+        """The estimator's label (``full``, ``svrg``, ...)."""
+        return self.kind.name
 
     @property
     def plain(self) -> bool:
@@ -119,6 +120,14 @@ def prior_term(spec: ServerSpec, theta: np.ndarray) -> np.ndarray | None:
 
 def server_step(spec: ServerSpec, st: ServerState, seed, g_hat: np.ndarray,
                 replied: np.ndarray) -> np.ndarray:
+    """The sampler's server update for round ``k = st.k`` (``spec.kind.step``: :func:`langevin_step` for
+    the QLSD family; FALD's average, DG-LMC's exact draw, :mod:`qlsd_flwr.samplers`); advances ``st`` to
+    ``k + 1`` and returns the chains' ``skipped`` flags."""
+    return spec.kind.step(spec, st, seed, g_hat, replied)
+
+
+def langevin_step(spec: ServerSpec, st: ServerState, seed, g_hat: np.ndarray,
+                  replied: np.ndarray) -> np.ndarray:
     """Steps 3–5 for round ``k = st.k``; advances ``st`` to ``k + 1``.
 
     ``g_hat``: the decoded messages ``ĝ_i``, shape ``(b, d)`` (or ``(C, b, d)``); only rows with
@@ -127,10 +136,6 @@ def server_step(spec: ServerSpec, st: ServerState, seed, g_hat: np.ndarray,
     under the ``active-fraction`` rule when no client replied). Memory increments use ``ĝ_i``
     as decoded, so the server's mirror of ``η_i`` equals the client's bit for bit.
     """
-    if spec.kind.coupled:
-        return _gibbs_step(spec, st, seed, g_hat, replied)
-    if spec.kind.local:
-        return _average_step(spec, st, g_hat, replied)
     k = st.k
     skipped = participation.skips_round(replied, spec.rule)
     w = participation.weights(replied, spec.p, spec.rule)
@@ -163,42 +168,6 @@ def server_step(spec: ServerSpec, st: ServerState, seed, g_hat: np.ndarray,
     st.theta = np.where(np.asarray(skipped)[..., None], st.theta, new)
     st.k += 1
     return skipped
-
-
-def _average_step(spec: ServerSpec, st: ServerState, g_hat: np.ndarray, replied: np.ndarray) -> np.ndarray:
-    """FALD's server step (:mod:`qlsd_flwr.core.fald`): ``θ_{k+1} = θ_k − h Σ_{i∈A} (w_i/p_i) Δ̂_i``, the
-    Horvitz–Thompson average of the clients' local steps (the noise is in them); a round with no
-    reply leaves θ (skipped)."""
-    skipped = ~np.any(replied, axis=-1)
-    w = np.where(replied, spec.local_weights / spec.p, 0.0)
-    g = np.zeros_like(st.theta)
-    tmp = np.empty_like(g)
-    for i in np.flatnonzero(np.any(replied.reshape(-1, spec.b), axis=0)):  # index order
-        np.add(g, np.multiply(w[..., i, None], g_hat[..., i, :], out=tmp), out=g, where=replied[..., i, None])
-    st.theta = np.where(np.asarray(skipped)[..., None], st.theta, st.theta - spec.gamma * g)
-    st.k += 1
-    return skipped
-
-
-def _gibbs_step(spec: ServerSpec, st: ServerState, seed, g_hat: np.ndarray, replied: np.ndarray) -> np.ndarray:
-    """DG-LMC's server step (:mod:`qlsd_flwr.core.dglmc`): the replied clients' ``z_i ← z_i + ĝ_i`` (the
-    mirrors), then ``θ_{k+1} ~ N(Q⁻¹ (Σ_i z_i/ρ_i + μ_0/σ_0²), Q⁻¹)`` exactly, ``Q = Σ_i 1/ρ_i + 1/σ_0²``
-    over the clients kept, the noise from stream ``(seed, NOISE, k, 0)``; with a metric, the coupling in its
-    norm (:func:`qlsd_flwr.core.dglmc.metric_draw`). Never skipped."""
-    for i in np.flatnonzero(np.any(replied.reshape(-1, spec.b), axis=0)):  # index order
-        eta_i = st.eta_i[..., i, :]
-        np.add(eta_i, spec.alpha[i] * g_hat[..., i, :], out=eta_i, where=replied[..., i, None])
-    st.eta = st.eta_i.sum(axis=-2)
-    prec0 = 0.0 if spec.prior.is_flat else 1.0 / float(spec.prior.var)
-    pull = np.tensordot(spec.coupling, st.eta_i, axes=([0], [-2]))
-    z = rng.normal(seed, rng.Stream.NOISE, st.k, 0, st.theta.shape[-1])
-    if spec.spectrum is not None:  # the coupling in M's norm: the draw in M's eigenbasis (core.dglmc)
-        st.theta = dglmc.metric_draw(spec.spectrum, pull, float(np.sum(spec.coupling)), prec0, float(spec.prior.mean), z)
-    else:
-        q = float(np.sum(spec.coupling)) + prec0
-        st.theta = (pull + prec0 * float(spec.prior.mean)) / q + z / np.sqrt(q)
-    st.k += 1
-    return np.zeros(np.shape(replied)[:-1], dtype=bool)
 
 
 def stack_replies(g_hat: dict[int, np.ndarray], b: int, d: int) -> tuple[np.ndarray, np.ndarray]:

@@ -16,7 +16,7 @@ Offline (no network needed):
 Tabular features (breast cancer, digits, synthetic are left raw) are standardised with the
 mean/std of the *training* split only (no test leakage).
 
-Online (need the Hugging Face hub, or a pre-filled cache): :func:`load_mnist`,
+Online (need the Hugging Face hub, or a pre-filled cache; in :mod:`.hub`): :func:`load_mnist`,
 :func:`load_fashion_mnist`, :func:`load_femnist` (natural split by writer),
 :func:`load_cifar10`, :func:`load_svhn`. Without network they raise
 :class:`DatasetUnavailableError` quickly, with a message naming the offline alternatives and
@@ -27,90 +27,14 @@ how to pre-download (``HF_DATASETS_CACHE``/``HF_HOME``, then ``HF_HUB_OFFLINE=1`
 
 from __future__ import annotations
 
-import contextlib
-import os
-import socket
-from dataclasses import dataclass, field
 from typing import Any, Callable
-from urllib.parse import urlparse
 
 import numpy as np
 
-OFFLINE_DATASETS = ("breast_cancer", "digits", "mnist_subset", "synthetic")
-ONLINE_DATASETS = ("mnist", "fashion_mnist", "femnist", "cifar10", "svhn")
-
-
-class DatasetUnavailableError(RuntimeError):
-    """A dataset that must come from the Hugging Face hub could not be obtained."""
-
-
-@dataclass
-class ArrayDataset:
-    """A labelled train/test split held in memory.
-
-    ``natural_partition`` is set when the data come with their own clients (FEMNIST writers,
-    the synthetic generator's clients): a list of index arrays into the *training* split.
-    """
-
-    name: str
-    X_train: np.ndarray
-    y_train: np.ndarray
-    X_test: np.ndarray
-    y_test: np.ndarray
-    n_classes: int
-    input_shape: tuple[int, ...]
-    natural_partition: list[np.ndarray] | None = None
-    meta: dict = field(default_factory=dict)
-
-    @property
-    def n_features(self) -> int:
-        return int(self.X_train.shape[1])
-
-    def per_client(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """``(Xs, ys)``: the training data split along ``natural_partition``."""
-        if self.natural_partition is None:
-            raise ValueError(f"dataset {self.name!r} has no natural per-client split; "
-                             "use qlsd_flwr.data.partition.make_partition")
-        return ([self.X_train[ix] for ix in self.natural_partition],
-                [self.y_train[ix] for ix in self.natural_partition])
-
-    def summary(self) -> dict:
-        """A JSON-able description (shapes, class counts), for run outputs."""
-        return {
-            "name": self.name, "n_train": int(len(self.y_train)), "n_test": int(len(self.y_test)),
-            "n_features": self.n_features, "n_classes": int(self.n_classes),
-            "input_shape": list(self.input_shape),
-            "train_class_counts": np.bincount(self.y_train, minlength=self.n_classes).tolist(),
-            "natural_clients": None if self.natural_partition is None
-            else len(self.natural_partition),
-            **{k: v for k, v in self.meta.items() if isinstance(v, (int, float, str, bool))},
-        }
-
-
-# ----------------------------------------------------------------------------- helpers
-def _split(X: np.ndarray, y: np.ndarray, test_frac: float, seed: int):
-    """Stratified, seeded train/test split."""
-    from sklearn.model_selection import train_test_split
-
-    if not 0.0 < test_frac < 1.0:
-        raise ValueError(f"test_frac must be in (0, 1), got {test_frac}")
-    return train_test_split(X, y, test_size=test_frac, random_state=seed, stratify=y)
-
-
-def _standardise(X_train: np.ndarray, X_test: np.ndarray):
-    mu = X_train.mean(axis=0)
-    sd = X_train.std(axis=0)
-    sd = np.where(sd > 0, sd, 1.0)  # constant pixels (digits' borders) stay 0
-    return (X_train - mu) / sd, (X_test - mu) / sd
-
-
-def _finish(name, X_tr, y_tr, X_te, y_te, n_classes, input_shape, dtype, **meta) -> ArrayDataset:
-    return ArrayDataset(
-        name=name,
-        X_train=np.ascontiguousarray(X_tr, dtype=dtype), y_train=np.asarray(y_tr, dtype=np.int64),
-        X_test=np.ascontiguousarray(X_te, dtype=dtype), y_test=np.asarray(y_te, dtype=np.int64),
-        n_classes=int(n_classes), input_shape=tuple(input_shape), meta=dict(meta),
-    )
+from qlsd_flwr.data.arrays import (  # noqa: F401  (ArrayDataset and the error are this module's public names)
+    OFFLINE_DATASETS, ONLINE_DATASETS, ArrayDataset, DatasetUnavailableError)
+from qlsd_flwr.data.arrays import finish as _finish, split as _split, standardise as _standardise
+from qlsd_flwr.data.hub import load_cifar10, load_fashion_mnist, load_femnist, load_mnist, load_svhn
 
 
 # ----------------------------------------------------------------------------- offline
@@ -208,192 +132,6 @@ def synthetic_fedprox(alpha: float = 1.0, beta: float = 1.0, b: int = 30, seed: 
     ds.meta["client_sizes"] = sizes.tolist()
     return ds
 
-
-# ----------------------------------------------------------------------------- online
-# name -> (HF hub id, subset, image column, label column, input_shape, n_classes)
-_HUB: dict[str, tuple[str, str | None, str, str, tuple[int, ...], int]] = {
-    "mnist": ("ylecun/mnist", None, "image", "label", (1, 28, 28), 10),
-    "fashion_mnist": ("zalando-datasets/fashion_mnist", None, "image", "label", (1, 28, 28), 10),
-    "cifar10": ("uoft-cs/cifar10", None, "img", "label", (3, 32, 32), 10),
-    "svhn": ("ufldl-stanford/svhn", "cropped_digits", "image", "label", (3, 32, 32), 10),
-    "femnist": ("flwrlabs/femnist", None, "image", "character", (1, 28, 28), 62),
-}
-
-
-def _truthy(v: str | None) -> bool:
-    return v is not None and v.strip().lower() in ("1", "true", "yes", "on")
-
-
-def _offline_requested() -> bool:
-    return _truthy(os.environ.get("HF_HUB_OFFLINE")) or _truthy(os.environ.get("HF_DATASETS_OFFLINE"))
-
-
-def _unavailable(name: str, reason: str) -> DatasetUnavailableError:
-    hub_id, subset = _HUB[name][0], _HUB[name][1]
-    sub = f", {subset!r}" if subset else ""
-    return DatasetUnavailableError(
-        f"Dataset {name!r} (Hugging Face hub id {hub_id!r}) needs network access to the "
-        f"Hugging Face hub (or a local cache of it), and could not be obtained: {reason}.\n"
-        f"Offline alternatives that need no network: {', '.join(OFFLINE_DATASETS)} "
-        f"(qlsd_flwr.data.datasets.load_dataset(name)).\n"
-        f"To use {name!r} without network: on a machine with network run\n"
-        f"    HF_DATASETS_CACHE=/path/to/cache python -c \"import datasets; "
-        f"datasets.load_dataset({hub_id!r}{sub})\"\n"
-        f"(or set HF_HOME), copy that directory over, and there set "
-        f"HF_DATASETS_CACHE=/path/to/cache and HF_HUB_OFFLINE=1 so the cache is used without "
-        f"contacting the hub.")
-
-
-def _probe_hub(timeout: float) -> str | None:
-    """``None`` if the hub's host accepts a TCP connection within ``timeout`` s, else why not.
-
-    Skipped (returns ``None``) when a proxy is configured, since then only the HTTP client
-    knows how to get out.
-    """
-    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
-        return None
-    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
-    host = url.hostname or "huggingface.co"
-    port = url.port or (80 if url.scheme == "http" else 443)
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return None
-    except OSError as e:  # DNS failure, refused, timeout
-        return f"cannot connect to {host}:{port} ({type(e).__name__}: {e})"
-
-
-@contextlib.contextmanager
-def _honour_offline_env():
-    """Apply ``HF_HUB_OFFLINE`` set *after* ``datasets``/``huggingface_hub`` were imported.
-
-    Both libraries read it once at import time; without this, a late ``HF_HUB_OFFLINE=1``
-    would be ignored and a missing network would cost minutes of retries.
-    """
-    if not _offline_requested():
-        yield
-        return
-    import datasets.config as dc
-    import huggingface_hub.constants as hc
-
-    saved = (dc.HF_HUB_OFFLINE, hc.HF_HUB_OFFLINE)
-    dc.HF_HUB_OFFLINE = hc.HF_HUB_OFFLINE = True
-    try:
-        yield
-    finally:
-        dc.HF_HUB_OFFLINE, hc.HF_HUB_OFFLINE = saved
-
-
-def _hub_load(name: str, timeout: float):
-    """``datasets.load_dataset`` with fast, explained failure."""
-    if name not in _HUB:
-        raise ValueError(f"unknown hub dataset {name!r}")
-    if not _offline_requested():
-        reason = _probe_hub(timeout)
-        if reason is not None:
-            raise _unavailable(name, reason + "; if the dataset is already in your local cache, "
-                                              "set HF_HUB_OFFLINE=1 to use it")
-    hub_id, subset = _HUB[name][0], _HUB[name][1]
-    try:
-        import datasets
-
-        with _honour_offline_env():
-            return datasets.load_dataset(hub_id, subset) if subset else datasets.load_dataset(hub_id)
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except Exception as e:  # ConnectionError, OfflineModeIsEnabled, FileNotFoundError, HTTP errors
-        raise _unavailable(name, f"{type(e).__name__}: {e}") from e
-
-
-def _images_to_array(split, col: str, input_shape: tuple[int, ...]) -> np.ndarray:
-    """An image column as ``(n, C·H·W)`` float32 in ``[0, 1]``, channels first."""
-    imgs = split.with_format("numpy")[:][col]
-    if not isinstance(imgs, np.ndarray) or imgs.dtype == object:
-        imgs = np.stack([np.asarray(im) for im in split[col]])
-    imgs = np.asarray(imgs, dtype=np.float32)
-    if imgs.ndim == 4:  # (n, H, W, C) -> (n, C, H, W)
-        imgs = imgs.transpose(0, 3, 1, 2)
-    if imgs.max() > 1.5:
-        imgs = imgs / 255.0
-    return imgs.reshape(len(imgs), int(np.prod(input_shape)))
-
-
-def _load_image_dataset(name: str, timeout: float, max_train: int | None, max_test: int | None,
-                        seed: int) -> ArrayDataset:
-    hub_id, _, img_col, lab_col, shape, n_classes = _HUB[name]
-    dd = _hub_load(name, timeout)
-    out = []
-    for split_name, cap in (("train", max_train), ("test", max_test)):
-        split = dd[split_name]
-        if cap is not None and cap < len(split):
-            sel = np.sort(np.random.default_rng(seed).choice(len(split), cap, replace=False))
-            split = split.select(sel.tolist())
-        out.append((_images_to_array(split, img_col, shape),
-                    np.asarray(split[lab_col], dtype=np.int64)))
-    (X_tr, y_tr), (X_te, y_te) = out
-    return _finish(name, X_tr, y_tr, X_te, y_te, n_classes, shape, np.float32, hub_id=hub_id)
-
-
-def load_mnist(timeout: float = 5.0, max_train: int | None = None, max_test: int | None = None,
-               seed: int = 0) -> ArrayDataset:
-    """MNIST (60k/10k) from the hub; ``max_*`` keep a seeded random subset."""
-    return _load_image_dataset("mnist", timeout, max_train, max_test, seed)
-
-
-def load_fashion_mnist(timeout: float = 5.0, max_train: int | None = None,
-                       max_test: int | None = None, seed: int = 0) -> ArrayDataset:
-    """Fashion-MNIST (60k/10k), the paper's OOD set for MNIST."""
-    return _load_image_dataset("fashion_mnist", timeout, max_train, max_test, seed)
-
-
-def load_cifar10(timeout: float = 5.0, max_train: int | None = None, max_test: int | None = None,
-                 seed: int = 0) -> ArrayDataset:
-    """CIFAR-10 (50k/10k), ``input_shape = (3, 32, 32)``, pixels in ``[0, 1]``."""
-    return _load_image_dataset("cifar10", timeout, max_train, max_test, seed)
-
-
-def load_svhn(timeout: float = 5.0, max_train: int | None = None, max_test: int | None = None,
-              seed: int = 0) -> ArrayDataset:
-    """SVHN cropped digits (73k/26k), the paper's OOD set for CIFAR-10."""
-    return _load_image_dataset("svhn", timeout, max_train, max_test, seed)
-
-
-def load_femnist(timeout: float = 5.0, n_writers: int | None = None, test_frac: float = 0.1,
-                 seed: int = 0) -> ArrayDataset:
-    """FEMNIST (LEAF, 62 classes) with its natural split by writer.
-
-    The hub version has one split; each writer's images are split ``1 − test_frac`` /
-    ``test_frac`` (seeded), the test parts pooled. ``n_writers`` keeps a seeded random subset
-    of writers (the paper uses ``b = 50`` clients). ``natural_partition[k]`` indexes writer
-    ``k``'s training images; ``meta['writers']`` lists the writer ids in that order.
-    """
-    hub_id, _, img_col, lab_col, shape, n_classes = _HUB["femnist"]
-    dd = _hub_load("femnist", timeout)
-    split = dd["train"]
-    writers = np.asarray(split["writer_id"])
-    uniq = np.unique(writers)
-    rng = np.random.default_rng(seed)
-    if n_writers is not None and n_writers < len(uniq):
-        uniq = np.sort(rng.choice(uniq, n_writers, replace=False))
-        keep = np.flatnonzero(np.isin(writers, uniq))
-        split = split.select(keep.tolist())
-        writers = writers[keep]
-    X = _images_to_array(split, img_col, shape)
-    y = np.asarray(split[lab_col], dtype=np.int64)
-    tr_idx, te_idx, part, start = [], [], [], 0
-    for w in uniq:
-        ix = rng.permutation(np.flatnonzero(writers == w))
-        n_te = int(round(test_frac * len(ix)))
-        tr, te = np.sort(ix[n_te:]), np.sort(ix[:n_te])
-        tr_idx.append(tr)
-        te_idx.append(te)
-        part.append(np.arange(start, start + len(tr), dtype=np.int64))
-        start += len(tr)
-    tr_all, te_all = np.concatenate(tr_idx), np.concatenate(te_idx)
-    ds = _finish("femnist", X[tr_all], y[tr_all], X[te_all], y[te_all], n_classes, shape,
-                 np.float32, hub_id=hub_id)
-    ds.natural_partition = part
-    ds.meta["writers"] = [str(w) for w in uniq]
-    return ds
 
 
 # ----------------------------------------------------------------------------- registry

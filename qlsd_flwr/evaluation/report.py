@@ -19,11 +19,11 @@ def posterior_errors(summary: dict) -> dict:
     """Errors of the sample moments against the exact posterior, when the task knows it."""
     if "posterior_mean_exact" not in summary:
         return {}
-    m = np.asarray(summary["posterior_mean_exact"])
+    mean = np.asarray(summary["posterior_mean_exact"])
     v = np.asarray(summary["posterior_var_exact"])
     sm, sv = np.asarray(summary["sample_mean"]), np.asarray(summary["sample_var"])
     out = {
-        "max |mean error| / posterior sd": float(np.max(np.abs(sm - m) / np.sqrt(v))),
+        "max |mean error| / posterior sd": float(np.max(np.abs(sm - mean) / np.sqrt(v))),
         "sample var / posterior var (avg)": float(np.mean(sv / v)),
     }
     if "ula_var_exact" in summary:

@@ -16,6 +16,7 @@ import numpy as np
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
+from qlsd_flwr.robust import handshake
 from qlsd_flwr.flower.records import RECORD, config_record
 from qlsd_flwr.protocol.wire import memory_report
 
@@ -167,11 +168,8 @@ class NodeRegistry:
             why = None
             if not self._key_matches(grid, i, node):
                 why = "its key is not the one bound to that partition (node-keys)"
-            elif d != self.d:
-                why = f"has dim {d}, the server expects {self.d}"
-            elif n < 1:
-                why = (f"holds no data points (client {i}: every client needs at least one; check its "
-                       f"partition)")
+            else:
+                why = handshake.refusal(d, n, self.d, i)
             claims.setdefault(i, {})[node] = why
             if why is not None:
                 self._refuse(i, node, 0, why)
@@ -298,3 +296,23 @@ class NodeRegistry:
             except (KeyError, TypeError, ValueError):
                 continue
         return got
+
+    def finish_run(self, server, grid: Grid, timeout: float) -> None:
+        """After the last round: the memory audit (every client's own ``η_i`` against the server's
+        mirror, when the sampler has memory), then ``server.finish()`` with the nodes' facts
+        (rejoins, refused claims) in the summary. A stop during the audit, which waits for the
+        nodes up to ``timeout``, still closes the outputs."""
+        extra: dict = {"rejoined": {str(i): r for i, r in sorted(self.rejoined.items())},
+                       "refused_claims": {str(i): r for i, r in sorted(self.refused_claims.items())}}
+        try:
+            if server.cfg.memory:
+                reports = self.memory_reports(grid, timeout)
+                if server.cfg.num_chains == 1:
+                    reports = {i: r[0] for i, r in reports.items() if 0 in r}
+                extra["memory_check"] = server.memory_check(reports)
+        except BaseException as exc:
+            server.ts_info = {**server.ts_info, **extra}
+            server.stop(exc)
+            raise
+        server.ts_info = {**server.ts_info, **extra}  # finish() puts ts_info in the summary
+        server.finish()

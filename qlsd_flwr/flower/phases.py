@@ -31,7 +31,7 @@ import numpy as np
 from flwr.app import Message, MessageType
 
 from qlsd_flwr.flower.records import record_fields, to_content
-from qlsd_flwr.protocol import build
+from qlsd_flwr.protocol import build, precondition
 from qlsd_flwr.robust.claims import over_bound, relative_gap
 from qlsd_flwr.robust.norm_guard import fixed_bound
 from qlsd_flwr.protocol.wire import PhaseError, arr_to_bytes, gradient_of
@@ -58,6 +58,22 @@ class PhaseExchanges:
         self._dirs = np.random.default_rng(0).normal(size=(SKETCH, self.d))
         self._sketches: list = []  # a heap of (−‖∇U‖, n, θ bytes, {i: sketch}): the KEPT smallest ‖∇U‖
         self._n = 0
+
+    def prepare(self, grid, theta0: np.ndarray, timeout: float, warm, wants_claims: bool):
+        """The preparation (θ*, the metric, γ: :func:`qlsd_flwr.protocol.precondition.prepare`) over
+        ``grid``, then the claims at θ* when the sampler takes them. A client left out
+        (:class:`LeftOut`) starts it again without that client, and clears the warm-up store
+        ``warm``. Returns ``(prep, claims)``."""
+        while True:
+            try:
+                prep = precondition.prepare(
+                    self.cfg, self.task, theta0, lambda th: self.full_grad(grid, th, timeout),
+                    lambda th, kind, vectors=None: self.curvature(grid, th, kind, timeout, vectors),
+                    n_data=[self.nodes.n_data.get(i, 1) for i in range(self.cfg.b)], warm=warm)
+                return prep, (self.claims(grid, prep.theta_star, timeout) if wants_claims else None)
+            except LeftOut:
+                if warm is not None:
+                    warm.clear()
 
     def clients(self) -> list[int]:
         return [i for i in range(self.cfg.b) if i not in self.left_out]

@@ -19,12 +19,8 @@ What :meth:`start` adds around Flower's loop, and why:
 * after it: the memory audit (every client's own η_i against the server's mirror) and the run's
   summary;
 * one documented override of one step: on Flower's grids the grid passed to Flower's loop hands
-  replies to :meth:`aggregate_train` *as they arrive* (push, then pull: the loop of
-  ``send_and_receive``, but waiting 5 ms after a poll that brought a reply and doubling the wait
-  after each empty one, up to the grid's ``pull_interval``, or 0.1 s on the deployment's grid,
-  whose own loop sleeps a fixed 3 s between polls in Flower 1.42), so decoding overlaps the
-  clients still at work, and a reply is taken within a few ms of its arrival. The in-process
-  test grid uses its own ``send_and_receive``. The chain does not depend on the order replies
+  replies to :meth:`aggregate_train` *as they arrive* (:mod:`qlsd_flwr.flower.grid_stream`), so
+  decoding overlaps the clients still at work. The chain does not depend on the order replies
   are taken in.
 
 Participation is drawn per client from the counter stream ``(seed, PARTICIPATION, k, i)``,
@@ -37,9 +33,8 @@ re-raise it).
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Iterable
 
 import numpy as np
 from flwr.app import (
@@ -54,13 +49,12 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
 from qlsd_flwr.config import ConfigError, RunConfig, resolve
-from qlsd_flwr.core.potential import GaussianPrior, Task
-from qlsd_flwr.protocol import precondition
-from qlsd_flwr.core.priors import check_prior
+from qlsd_flwr.core.potential import Task
 from qlsd_flwr.flower import stopping
+from qlsd_flwr.flower.grid_stream import RepliesAsTheyArrive
 from qlsd_flwr.flower.loo_phase import after_sampling
 from qlsd_flwr.flower.nodes import NodeRegistry, load_bound_keys
-from qlsd_flwr.flower.phases import LeftOut, PhaseExchanges
+from qlsd_flwr.flower.phases import PhaseExchanges
 from qlsd_flwr.flower.records import labels_from_arrays, record_fields, theta_from_arrays, to_content
 from qlsd_flwr.flower.sizing import message_nbytes
 from qlsd_flwr.outputs.checkpoint import resume_dir
@@ -72,55 +66,6 @@ from qlsd_flwr.protocol.chains import make_server
 from qlsd_flwr.protocol.divergence import DivergenceError
 
 log = logging.getLogger("qlsd_flwr")
-
-
-FIRST_POLL_S = 0.005  # the reply poll's shortest wait (see _RepliesAsTheyArrive._stream)
-DEPLOY_POLL_S = 0.1  # its longest on a Flower grid without pull_interval (the SuperLink's)
-
-
-class _RepliesAsTheyArrive:
-    """The grid Flower's loop sees: ``send_and_receive`` returns the replies as an iterator that
-    yields each one as a poll brings it in, on a grid that polls in process (``pull_interval``);
-    anything else is the real grid's (see the module docstring)."""
-
-    def __init__(self, grid: Grid, on_pushed: Callable[[list[Message]], None]):
-        self._grid, self._on_pushed = grid, on_pushed
-
-    def __getattr__(self, name):
-        return getattr(self._grid, name)
-
-    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None):
-        msgs = list(messages)
-        if not msgs:  # Flower's evaluation step of every round: nothing to send
-            return []
-        interval = getattr(self._grid, "pull_interval", None)
-        if interval is None and type(self._grid).__module__.startswith("flwr."):
-            interval = DEPLOY_POLL_S  # Flower's deployment grid: its own loop sleeps 3 s between polls
-        if interval is None:
-            replies = self._grid.send_and_receive(msgs, timeout=timeout)
-            self._on_pushed(msgs)
-            return replies
-        return self._stream(msgs, timeout, interval)
-
-    def _stream(self, msgs: list[Message], timeout: float | None, interval: float) -> Iterator[Message]:
-        pending = {m for m in self._grid.push_messages(msgs) if m}  # Flower marks unpushable ones None
-        self._on_pushed(msgs)
-        end = None if timeout is None else time.time() + timeout
-        wait = FIRST_POLL_S
-        while pending:
-            stopping.check()
-            arrived = False
-            for msg in self._grid.pull_messages(pending):
-                pending.discard(msg.metadata.reply_to_message_id)
-                arrived = True
-                yield msg
-            if not pending or (end is not None and time.time() >= end):
-                return
-            # Replies of a round come in a stream: poll again soon after one came, back off
-            # (10, 20, 40 ms, ...) while none comes, never slower than Flower's own interval. A
-            # flat ``interval`` (0.1 s) left the round's last reply waiting 0.05 s on average.
-            wait = FIRST_POLL_S if arrived else min(interval, 2 * wait)
-            time.sleep(min(wait, interval))
 
 
 class QLSDStrategy(Strategy):
@@ -244,19 +189,7 @@ class QLSDStrategy(Strategy):
                 "init": init,
                 **{k.replace("_", "-"): v for k, v in config.items()}}
         cfg = resolve(keys)
-        if cfg.block_norm == "tensor" and not blocks:
-            raise ValueError("block_norm = 'tensor' needs blocks (the sizes of θ's tensors)")
-        if blocks is not None and sum(int(x) for x in blocks) != cfg.dim:
-            raise ValueError(f"blocks: the sizes add up to {sum(int(x) for x in blocks)}, dim is {cfg.dim}")
-        if theta_star is not None:
-            theta_star = np.asarray(theta_star, dtype=np.float64).ravel()
-            if theta_star.shape != (cfg.dim,) or not np.all(np.isfinite(theta_star)):
-                raise ValueError(f"theta_star: expected {cfg.dim} finite values, got shape {theta_star.shape}")
-        if prior is not None:
-            check_prior(prior, prior_var)
-        task = Task(name="external", dim=cfg.dim, clients=[],
-                    prior=GaussianPrior(var=cfg.prior_var) if prior is None else prior,
-                    theta_star=theta_star, meta={"blocks": tuple(int(x) for x in blocks)} if blocks else {})
+        task = build.external_task(cfg, blocks, theta_star, prior, prior_var)
         self._setup(cfg, task, write=write, keep_trace=keep_trace, on_round=on_round)
 
     @classmethod
@@ -421,18 +354,9 @@ class QLSDStrategy(Strategy):
         self.server.set_counts([self.nodes.n_data.get(i, 1) for i in range(cfg.b)])
         ph = PhaseExchanges(cfg, self.task, self.nodes, self.server.settings)  # a bad reply: counted, asked again
         prep = claims = None
-        while not resuming:  # resume: θ*, M and γ are in the checkpoint
-            try:
-                prep = precondition.prepare(
-                    cfg, self.task, build.theta0_of(self.task) if theta0 is None else theta0,
-                    lambda th: ph.full_grad(grid, th, self._timeout),
-                    lambda th, kind, vectors=None: ph.curvature(grid, th, kind, self._timeout, vectors),
-                    n_data=[self.nodes.n_data.get(i, 1) for i in range(cfg.b)], warm=self._warm)
-                claims = ph.claims(grid, prep.theta_star, self._timeout) if self.server.wants_claims() else None
-                break
-            except LeftOut:  # a client left out: the preparation again, without it (flower.phases)
-                if self._warm is not None:
-                    self._warm.clear()
+        if not resuming:  # resume: θ*, M and γ are in the checkpoint
+            prep, claims = ph.prepare(grid, build.theta0_of(self.task) if theta0 is None else theta0,
+                                      self._timeout, self._warm, self.server.wants_claims())
         if prep is None:
             self.server.begin(None, {}, theta0)
         else:
@@ -453,7 +377,7 @@ class QLSDStrategy(Strategy):
             flwr_log.setLevel(max(level, logging.WARNING))
         with stopping.Stopper():  # flwr stop / SIGTERM of Flower's process: stop here, close the outputs
             try:
-                result = super().start(_RepliesAsTheyArrive(grid, self._note_sent),
+                result = super().start(RepliesAsTheyArrive(grid, self._note_sent),
                                        ArrayRecord({"theta": Array(np.asarray(self.state.theta))}),
                                        num_rounds=max(K - self.state.k, 0), timeout=self._timeout,
                                        train_config=train_config, evaluate_fn=evaluate_fn)
@@ -463,20 +387,7 @@ class QLSDStrategy(Strategy):
             finally:
                 self._bar.close()
                 flwr_log.setLevel(level)
-        extra: dict = {"rejoined": {str(i): r for i, r in sorted(self.nodes.rejoined.items())},
-                       "refused_claims": {str(i): r for i, r in sorted(self.nodes.refused_claims.items())}}
-        try:  # the audit waits for the nodes (up to reply-timeout): a stop there keeps the outputs too
-            if cfg.memory:
-                reports = self.nodes.memory_reports(grid, self._timeout)
-                if cfg.num_chains == 1:
-                    reports = {i: r[0] for i, r in reports.items() if 0 in r}
-                extra["memory_check"] = self.server.memory_check(reports)
-        except BaseException as exc:
-            self.server.ts_info = {**self.server.ts_info, **extra}
-            self.server.stop(exc)
-            raise
-        self.server.ts_info = {**self.server.ts_info, **extra}  # finish() puts ts_info in the summary
-        self.server.finish()
+        self.nodes.finish_run(self.server, grid, self._timeout)  # the memory audit, then the summary
         after_sampling(self, grid)  # the federated LOO (key loo), into samples.nc and summary.json
         from qlsd_flwr.evaluation.report import draw_overview  # lazily: the strategy imports no evaluation
 

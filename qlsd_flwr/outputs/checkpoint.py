@@ -348,12 +348,12 @@ def _check_server_chain(meta: dict, arrays: dict, bad) -> None:
                         ("zeta", (d,)), ("theta_star", (d,))):
         if name in arrays and arrays[name].shape != shape:
             raise bad(f"array {name!r} has shape {arrays[name].shape}, expected {shape}")
-    m = arrays.get("metric")
-    if m is not None:
+    metric_array = arrays.get("metric")
+    if metric_array is not None:
         from qlsd_flwr.core.metric import MetricError, from_array
 
         try:
-            from_array(m, d)
+            from_array(metric_array, d)
         except MetricError as exc:
             raise bad(f"array 'metric': {exc}") from None
     g = meta.get("gamma", 1.0)

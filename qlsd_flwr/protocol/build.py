@@ -20,6 +20,7 @@ from qlsd_flwr.core.metric import Metric
 from qlsd_flwr import samplers
 from qlsd_flwr.core.oracles import ClientSpec
 from qlsd_flwr.core.potential import GaussianPrior, Task
+from qlsd_flwr.core.priors import check_prior
 from qlsd_flwr.core.server_step import ServerSpec
 
 
@@ -219,7 +220,7 @@ def client_spec_from_settings(settings: dict, i: int, n_data: int, d: int) -> tu
     if bad := [k for k, ok in checks.items() if not ok]:
         raise ValueError(f"client settings: bad value for {', '.join(bad)}")
     compressor = QSGD(s=s, blocks=blocks, encoding=encoding) if s else Identity()
-    return ClientSpec(index=i, oracle=oracle, batch_size=minibatch_size(bf, n_data), compressor=compressor,
+    return ClientSpec(index=i, kind=kind, batch_size=minibatch_size(bf, n_data), compressor=compressor,
                       memory=memory, alpha=alpha, prior=GaussianPrior(var=prior_var, mean=prior_mean),
                       prior_weight=w, local_steps=steps, tau=tau, temperature=temperature, metric=metric), seed
 
@@ -243,10 +244,29 @@ def server_spec(cfg: RunConfig, task: Task, theta_star: np.ndarray | None, block
     spectrum = Spectrum.of(metric) if cfg.kind.coupled and not metric.is_identity and metric.low is None else None
     return ServerSpec(
         b=cfg.b, gamma=cfg.gamma, p=cfg.p, rule=cfg.aggregation, memory=cfg.memory,
-        alpha=alphas(cfg, task.dim, blocks), l=cfg.l, oracle=cfg.oracle, prior=task.prior,
+        alpha=alphas(cfg, task.dim, blocks), l=cfg.l, kind=cfg.kind, prior=task.prior,
         prior_on_server=(cfg.prior_on == "server"), theta_star=theta_star,
         metric=metric, temperature=float(cfg.temperature), spectrum=spectrum,
     )
+
+
+def external_task(cfg: RunConfig, blocks=None, theta_star=None, prior=None, prior_var="flat") -> Task:
+    """The :class:`Task` of a user's own strategy (:class:`~qlsd_flwr.flower.QLSDStrategy`'s keyword
+    parameters): ``d``, the prior, θ* when given, the tensors' sizes; ``ValueError`` naming the first
+    argument that does not fit ``cfg``. The clients' potentials live on the clients."""
+    if cfg.block_norm == "tensor" and not blocks:
+        raise ValueError("block_norm = 'tensor' needs blocks (the sizes of θ's tensors)")
+    if blocks is not None and sum(int(x) for x in blocks) != cfg.dim:
+        raise ValueError(f"blocks: the sizes add up to {sum(int(x) for x in blocks)}, dim is {cfg.dim}")
+    if theta_star is not None:
+        theta_star = np.asarray(theta_star, dtype=np.float64).ravel()
+        if theta_star.shape != (cfg.dim,) or not np.all(np.isfinite(theta_star)):
+            raise ValueError(f"theta_star: expected {cfg.dim} finite values, got shape {theta_star.shape}")
+    if prior is not None:
+        check_prior(prior, prior_var)
+    return Task(name="external", dim=cfg.dim, clients=[],
+                prior=GaussianPrior(var=cfg.prior_var) if prior is None else prior,
+                theta_star=theta_star, meta={"blocks": tuple(int(x) for x in blocks)} if blocks else {})
 
 
 def theta0_of(task: Task) -> np.ndarray:

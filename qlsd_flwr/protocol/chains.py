@@ -160,9 +160,9 @@ class ChainSet:
         """Every chain's :meth:`QLSDServer.snapshot`, its arrays under ``c<c>.<name>``."""
         arrays, metas = {}, []
         for c, ch in enumerate(self.chains):
-            a, m = ch.snapshot()
-            arrays.update({f"c{c}.{k}": v for k, v in a.items()})
-            metas.append({k: m[k] for k in ("k", "zeta_version", "gamma", "rejected", "missed_rounds", "guard",
+            chain_arrays, chain_meta = ch.snapshot()
+            arrays.update({f"c{c}.{k}": v for k, v in chain_arrays.items()})
+            metas.append({k: chain_meta[k] for k in ("k", "zeta_version", "gamma", "rejected", "missed_rounds", "guard",
                                                    "runaway_scale")})
         meta = {"kind": "server", "k": self.state.k, "chains": self.C, "chain_meta": metas,
                 "zeta_version": metas[0]["zeta_version"], "config": self.cfg.raw,

@@ -22,7 +22,8 @@ from qlsd_flwr.core.oracles import (
     full_local_grad,
     set_anchor,
 )
-from qlsd_flwr.core.lowrank import MAX_BLOCK, local_hvp
+from qlsd_flwr.core.lowrank import local_hvp
+from qlsd_flwr.robust.reports import MAX_BLOCK
 from qlsd_flwr.core.curvature import local_curvature
 from qlsd_flwr.core.potential import LocalPotential
 from qlsd_flwr.protocol.wire import (
@@ -88,17 +89,17 @@ def _surrogate(fields: dict, d: int) -> tuple[np.ndarray, np.ndarray]:
 def _metric(fields: dict, d: int, coupled: bool):
     """The local steps' metric ``M`` (:func:`qlsd_flwr.protocol.wire.metric_of`); DG-LMC's without a
     low-rank correction (its server draws θ | z in ``M``'s eigenbasis); else ``ValueError`` naming it."""
-    m = metric_of(fields["metric"], d)
-    if coupled and m.low is not None:
+    metric = metric_of(fields["metric"], d)
+    if coupled and metric.low is not None:
         raise ValueError("sample: 'metric' for dg-lmc may not carry a low-rank correction")
-    return m
+    return metric
 
 
 def local_of(fields: dict, coupled: bool = False) -> tuple[float, float, float, float]:
     r"""The round's four numbers ``local`` of a local-chain oracle, 32 bytes of float64 (a legacy config
-    holds no lists): FALD and VR-FALD\* ``(h, w_i, S_A, p_i)`` (:func:`qlsd_flwr.core.oracles.local_message`)
+    holds no lists): FALD and VR-FALD\* ``(h, w_i, S_A, p_i)`` (:func:`qlsd_flwr.samplers.fald.message`)
     with ``h > 0``, ``0 < w_i ≤ 1``, ``S_A > 0``, ``0 < p_i ≤ 1`` (FSGLD's ``(h, f_s, 1, 1)`` the same); DG-LMC ``(γ_i, ρ_i, 1, 1)``
-    (:func:`qlsd_flwr.core.oracles.auxiliary_step`, ``coupled``) with ``γ_i, ρ_i > 0``, all finite; else ``ValueError``."""
+    (:func:`qlsd_flwr.samplers.dglmc.message`, ``coupled``) with ``γ_i, ρ_i > 0``, all finite; else ``ValueError``."""
     x = fields.get("local")
     if not isinstance(x, (bytes, bytearray)) or len(x) != 32:
         raise ValueError("sample: 'local' must be four numbers as 32 bytes of float64")
@@ -131,7 +132,7 @@ def _refreshed(spec: ClientSpec, pot: LocalPotential, fields: dict, theta: np.nd
 
 def block_of(x, d: int) -> np.ndarray:
     """The server's block of vectors (``metric-rank``) as ``(b, d)``: float64 bytes of ``b ≤``
-    :data:`~qlsd_flwr.core.lowrank.MAX_BLOCK` finite rows, else ``ValueError`` saying why."""
+    :data:`~qlsd_flwr.robust.reports.MAX_BLOCK` finite rows, else ``ValueError`` saying why."""
     if not isinstance(x, (bytes, bytearray)) or len(x) == 0 or len(x) % (8 * d):
         raise ValueError(f"curvature: 'vectors' must be float64 bytes of whole rows of {d}")
     V = np.frombuffer(bytes(x), dtype="<f8").reshape(-1, d)

@@ -25,11 +25,11 @@ def summary_extra(cfg: RunConfig, task: Task, extra: dict) -> dict:
         # no per-coordinate formula is given then.)
         v = np.asarray(task.posterior_var)
         metric = out.get("metric", "identity")
-        m = 1.0 if metric == "identity" else (np.asarray(metric, dtype=np.float64)
+        diag = 1.0 if metric == "identity" else (np.asarray(metric, dtype=np.float64)
                                               if isinstance(metric, list) and len(metric) == v.size
                                               and np.ndim(metric) == 1 else None)
-        if m is not None:
-            den = 1.0 - cfg.gamma * m / (2.0 * v)
-            if np.all(den > 0):
-                out["ula_var_exact"] = (cfg.temperature * v / den).tolist()
+        if diag is not None:  # ULA's exact variance at this γ: T v / (1 − γ M / (2 v)), coordinate-wise
+            shrink = 1.0 - cfg.gamma * diag / (2.0 * v)
+            if np.all(shrink > 0):
+                out["ula_var_exact"] = (cfg.temperature * v / shrink).tolist()
     return out

@@ -82,15 +82,15 @@ def _set_metric(server, error) -> None:
     """The local steps' metric as it travels (sent with each client's first message and after a resync:
     a started or restored server has sent it to no client yet); DG-LMC's may not carry a low-rank
     correction (``error`` naming the key)."""
-    m = server.spec.metric
-    if server.cfg.kind.coupled and m.low is not None:
+    metric = server.spec.metric
+    if server.cfg.kind.coupled and metric.low is not None:
         raise error(f"metric-rank: {server.cfg.variant}'s exact θ | z draw takes its metric in the metric's own "
                     "eigenbasis, which a low-rank correction changes; allowed: metric-rank = 0")
     server._metric_sent = set()
     # sent whenever the clients' settings say so: a metric-rank whose correction found no direction leaves
     # the identity, sent as empty bytes (a client told to expect M would otherwise answer resync forever)
     sent = server.settings[0].get("metric", "identity") != "identity"
-    server._metric_bytes = metric_to_bytes(m) if sent or not m.is_identity else None
+    server._metric_bytes = metric_to_bytes(metric) if sent or not metric.is_identity else None
 
 
 def begin_round(server) -> None:
@@ -247,9 +247,9 @@ def predicted_scale(server) -> float:
     ts = server.spec.theta_star
     total = server._star_total - server.task.prior.grad(ts)
     g = fsgld.conducive_grad(lambda x: 0.0, server.task.prior.grad, 1.0, 0.0, server._lam_total, ts, 0.0, total)
-    m = None if server.spec.metric.is_identity else server.spec.metric
+    metric = None if server.spec.metric.is_identity else server.spec.metric
     delta = fsgld.message(g, st.theta, float(server.spec.gamma), int(cfg.get("local-steps")), cfg.seed, st.k, s,
-                          float(cfg.temperature), m)
+                          float(cfg.temperature), metric)
     coded = np.sqrt(1.0 + float(server.compressors[s].omega(server.d)))
     return coded * float(server._f[s] * np.linalg.norm(delta)) / server.norm_guard.n.get(s, 1)
 

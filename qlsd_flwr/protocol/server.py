@@ -1,20 +1,16 @@
 """The server's round protocol, with no Flower in it: who is asked, what they are sent, what
-is accepted, and the bookkeeping. Flower strategies (Message API and legacy) only translate
-between this and their message types.
+is accepted, and the bookkeeping. Flower strategies (Message API and legacy) only translate.
 
 A round ``k``:  ``begin_round(k)`` → the active clients;  ``fields_for(i)`` → what client ``i``
 is sent;  ``accept(i, reply_fields, error, message_bytes)`` per reply;  ``end_round()`` → the
 server step and the records.
 
-It does no I/O. An optional *observer* (:class:`~qlsd_flwr.outputs.observer.RunOutputs` writes
-the run folder and the checkpoints) is told of each round and of the end, and on
-:meth:`QLSDServer.begin` may hand back a checkpoint's :meth:`~QLSDServer.snapshot` to restore:
-the server then marks every client as needing a resync, so that the first message to each
-client after the restart carries the anchor and its ``η_i`` mirror (a client whose state was
-lost computes the very reply it would have). A non-finite ``θ`` after a step stops the observer
-cleanly and raises :class:`~qlsd_flwr.protocol.divergence.DivergenceError` naming the round and
-suggesting a smaller ``gamma``.
-"""
+It does no I/O. An optional *observer* (:class:`~qlsd_flwr.outputs.observer.RunOutputs`: the run
+folder, the checkpoints) is told of each round and of the end, and on :meth:`QLSDServer.begin`
+may hand back a checkpoint's :meth:`~QLSDServer.snapshot`: every client then needs a resync, so
+the first message to each after the restart carries the anchor and its ``η_i`` mirror. A
+non-finite ``θ`` after a step stops the observer cleanly and raises
+:class:`~qlsd_flwr.protocol.divergence.DivergenceError`, naming the round."""
 
 from __future__ import annotations
 
@@ -29,22 +25,13 @@ import numpy as np
 from qlsd_flwr.compression.format import DecodeError
 from qlsd_flwr.config import ConfigError, RunConfig, check_memory
 from qlsd_flwr.core import participation
-from qlsd_flwr.core.potential import GaussianPrior
-from qlsd_flwr.protocol import precondition
 from qlsd_flwr.core import server_step as sampler
 from qlsd_flwr.core.metric import Identity
+from qlsd_flwr.core.potential import GaussianPrior, Task
+from qlsd_flwr.protocol import build, local_chains, memory_audit, precondition, snapshot
+from qlsd_flwr.protocol.divergence import (RUNAWAY_FACTOR, RUNAWAY_WINDOW, DivergenceError, divergence_message,
+                                           is_overflow, runaway_scale, runaway_why)
 from qlsd_flwr.protocol.precondition import Prepared
-from qlsd_flwr.core.potential import Task
-from qlsd_flwr.protocol import build, local_chains, snapshot
-from qlsd_flwr.protocol.divergence import (
-    RUNAWAY_FACTOR,
-    RUNAWAY_WINDOW,
-    DivergenceError,
-    runaway_scale,
-    runaway_why,
-    divergence_message,
-    is_overflow,
-)
 from qlsd_flwr.robust.norm_guard import NormGuard
 from qlsd_flwr.protocol.claims import ThetaStarClaims
 from qlsd_flwr.protocol.wire import ReplyError, parse_fields
@@ -343,8 +330,7 @@ class QLSDServer:
         return row
 
     def _set_scale(self, scale: float | None = None) -> None:
-        """The scale θ may reach (:func:`runaway_scale` of the start, unless given), and the window
-        of recent reply norms."""
+        """The scale θ may reach (:func:`runaway_scale` of the start, unless given); the recent reply norms."""
         self._scale = scale if scale is not None else runaway_scale(self.task, self.state.theta, self.spec.theta_star,
                                                                     self.spec.metric)
         self._recent: deque = deque(maxlen=RUNAWAY_WINDOW)
@@ -401,24 +387,9 @@ class QLSDServer:
         self.norm_guard.set_counts(n_data)
 
     def memory_check(self, reports: dict[int, tuple[np.ndarray, int]]) -> dict:
-        """Compare the server's mirrors with the clients' own ``(η_i, update count)``:
-        ``max_abs_eta_minus_sum`` = ``max |η − Σ_i η_i^{client}|`` (when all reported) and
-        ``max_abs_mirror_diff`` = ``max_i |η_i^{mirror} − η_i^{client}|``."""
-        st, b = self.state, self.cfg.b
-        # a client not heard from since a resume (or a restart) holds no η_i yet: not comparable
-        pending = sorted(i for i in reports if self.needs_resync[i])
-        got = {i: v for i, v in reports.items() if not self.needs_resync[i]}
-        out: dict = {"clients_reported": sorted(got), "clients_pending_resync": pending,
-                     "max_abs_eta": float(np.max(np.abs(st.eta))),
-                     "eta_count_agrees": {str(i): bool(c == self.eta_count[i]) for i, (_, c) in sorted(got.items())}}
-        if got:
-            out["max_abs_mirror_diff"] = float(max(np.max(np.abs(st.eta_i[i] - e)) for i, (e, _) in got.items()))
-        if len(got) == b:
-            total = np.sum([got[i][0] for i in range(b)], axis=0)
-            out["max_abs_eta_minus_sum"] = float(np.max(np.abs(st.eta - total)))
-        if out.get("max_abs_mirror_diff", 0.0) > 1e-9 * (1.0 + float(np.max(np.abs(st.eta_i)))):
-            log.warning("memory check: server mirrors and clients' η_i differ: %s", out)
-        return out
+        """The clients' own ``(η_i, update count)`` against the server's mirrors
+        (:func:`qlsd_flwr.protocol.memory_audit.memory_check`)."""
+        return memory_audit.memory_check(self.state, self.needs_resync, self.eta_count, reports)
 
     # ---- helpers ------------------------------------------------------------------------
     def _reject(self, why: str) -> None:

@@ -220,17 +220,17 @@ def unbundle_request(fields: dict, d: int) -> dict[int, dict]:
     """The per-chain fields of a several-chain message (:func:`bundle_request`); ``ValueError``
     naming the field when it is malformed."""
     chains = _chain_list(fields.get("chains"), "chains")
-    m = len(chains)
-    theta = matrix(fields["theta"], m, d)
-    versions = _int_list(fields.get("anchor_version"), m, "anchor_version")
-    counts = _int_list(fields.get("eta_count"), m, "eta_count")
+    n_chains = len(chains)
+    theta = matrix(fields["theta"], n_chains, d)
+    versions = _int_list(fields.get("anchor_version"), n_chains, "anchor_version")
+    counts = _int_list(fields.get("eta_count"), n_chains, "eta_count")
     per = {c: {"phase": fields["phase"], "round": fields["round"], "client": fields["client"],
                "theta": theta[j], "anchor_version": versions[j], "eta_count": counts[j]}
            for j, c in enumerate(chains)}
     if "local" in fields:
         loc = fields["local"]
-        if not isinstance(loc, (bytes, bytearray)) or len(loc) != 32 * m:
-            raise ValueError(f"local: expected {32 * m} bytes (four float64 a chain)")
+        if not isinstance(loc, (bytes, bytearray)) or len(loc) != 32 * n_chains:
+            raise ValueError(f"local: expected {32 * n_chains} bytes (four float64 a chain)")
         for j, c in enumerate(chains):
             per[c]["local"] = bytes(loc[32 * j: 32 * j + 32])
     for name, value in (("metric", lambda: fields.get("metric")), ("refresh", lambda: 1)):

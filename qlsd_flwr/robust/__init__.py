@@ -19,10 +19,12 @@ sampling replies                   :mod:`.norm_guard`: FACTOR_PROBATION  honest 
 curvature reports, products,       :mod:`.reports`: REPORT_CAP 10 × the  one client of ten moves M by at most
 surrogate precisions               lower median per datum, REPORT_MAX    ~REPORT_CAP along the largest diagonal
                                    1e150; FSGLD's Λ held to 1/γ          entry (issue 38: the operator norm)
+                                   MAX_BLOCK 256 products a message      a client's cost per message
 LOO replies                        :mod:`.loo`: shape from ``N_i``,      sums of many points stay finite
                                    finite, VALUE_MAX 1e150
+handshake facts                    :mod:`.handshake`: client in 0..b-1,  2^53: float64's exact integers
+                                   ``d``, 1 ≤ N_i ≤ N_DATA_MAX 2^53
 =================================  ==================================  =====================================
 
-Still in their old homes (issue 38 moves them): the handshake facts (``flower/nodes.py``) and the
-Hessian-vector block's size (``core/lowrank.py``: ``MAX_BLOCK``).
+Nothing else in the package holds a bound on what a client sends.
 """

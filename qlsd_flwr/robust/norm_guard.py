@@ -61,8 +61,8 @@ POOL_MIN = 3  # distinct clients needed in the pool
 
 def fixed_bound(mode) -> float | None:
     """The number ``B`` of ``norm-bound = B``; ``None`` for ``auto`` and ``off``."""
-    m = str(mode).strip().lower()
-    return None if m in ("auto", "off") else float(mode)
+    word = str(mode).strip().lower()
+    return None if word in ("auto", "off") else float(mode)
 
 
 class GuardStateError(ValueError):
@@ -74,8 +74,8 @@ class NormGuard:
 
     def __init__(self, mode="auto", b: int = 1, n_data=None, measure: str = "estimate"):
         self.measure = measure  # what a norm is of (checkpoints of another measure restart the rule)
-        m = str(mode).strip().lower()
-        self.mode = "off" if m == "off" else "auto" if m == "auto" else "fixed"
+        word = str(mode).strip().lower()
+        self.mode = word if word in ("off", "auto") else "fixed"
         self.fixed = fixed_bound(mode)
         self.b = int(b)
         self.set_counts(n_data)

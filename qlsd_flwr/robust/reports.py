@@ -16,6 +16,9 @@ import numpy as np
 REPORT_CAP = 10.0
 #: a curvature report with a value above this is refused: sums of a few such reports stay finite
 REPORT_MAX = 1e150
+#: the most Hessian-vector products a client computes for one message (a server message asking more
+#: is refused by the client): one block then costs it at most 256 gradient pairs
+MAX_BLOCK = 256
 
 
 class ReportError(ValueError):

@@ -5,8 +5,8 @@ How to add a sampler (docs/ARCHITECTURE.md): declare its :class:`Sampler` (and, 
 message, its :class:`Estimator`) in a module of this package and list the module in ``_FAMILIES``, or
 call :func:`register` from anywhere (``tests/test_toy_sampler.py`` adds one from a test file alone); the
 configuration, the key table, the engines, the protocol, Flower's apps and the checkpoints read the
-declaration. A new estimator's flags must describe a message the core computes (a new formula is code in
-:mod:`qlsd_flwr.core.oracles`).
+declaration. A new estimator brings its client update (``message``) and its server update (``step``),
+written beside it.
 """
 
 from __future__ import annotations
@@ -49,6 +49,9 @@ def register(sampler: Sampler) -> Sampler:
     estimator."""
     if find(sampler.name) is not None:
         raise ValueError(f"variant: {sampler.name!r} is already a sampler; allowed: a new name")
+    if sampler.estimator.message is None or sampler.estimator.step is None:
+        raise ValueError(f"oracle: {sampler.oracle!r} declares no client update (message) or no server update "
+                         "(step); an Estimator needs both")
     known = ESTIMATORS.get(sampler.oracle)
     if known is not None and known != sampler.estimator:
         raise ValueError(f"oracle: {sampler.oracle!r} already names another estimator ({known})")

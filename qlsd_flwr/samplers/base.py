@@ -1,12 +1,13 @@
-"""What a sampler declares, in one place: :class:`Estimator` (what a client's message estimates, the
-``oracle`` label that travels in the client settings) and :class:`Sampler` (a ``variant``: its estimator,
-whether its messages are compressed and carry a memory, what it needs before sampling, the keys that
-do not apply to it and the ones it refuses).
+"""What a sampler declares, in one place: :class:`Estimator` (what a client's message is: its flags, the
+``oracle`` label that travels in the client settings, the client's update that computes the message and
+the server's update that takes it) and :class:`Sampler` (a ``variant``: its estimator, whether its messages
+are compressed and carry a memory, what it needs before sampling, the keys that do not apply to it and
+the ones it refuses).
 
 The rest of the package asks these objects, never the names: ``cfg.sampler.pooled``,
-``spec.kind.cv_zeta``, ``cfg.kind.coupled``. Both are plain, frozen data and import nothing of the
-package but :class:`~qlsd_flwr.errors.ConfigError`, so every layer (the configuration,
-the core's specs, the protocol, the engines, Flower, the checkpoints) may read them.
+``spec.kind.cv_zeta``, ``spec.kind.message(...)``. The updates are functions of explicit state, built from
+the mathematics in :mod:`qlsd_flwr.core`; this package sits above it and below the configuration, so
+every layer above (the configuration, the protocol, the engines, Flower, the checkpoints) may read them.
 """
 
 from __future__ import annotations
@@ -32,6 +33,15 @@ class Estimator:
     refreshable: bool = False  # its reference θ_r refreshed with probability q (VR-FALD*)
     surrogate: bool = False  # Taylor surrogates at θ*, one client a round by its data share (FSGLD)
     measure: str = "estimate"  # what the bounded-influence rule judges of a reply, as its messages name it
+    #: the client's update: ``message(spec, pot, state, seed, round_, theta, local)`` → the vector it sends
+    #: before compression (``core.oracles.client_round`` compresses it and keeps the memory)
+    message: Callable | None = None
+    #: the server's update: ``step(spec, st, seed, g_hat, replied)`` → each chain's skipped flag, advancing
+    #: ``st`` (a :class:`qlsd_flwr.core.server_step.ServerState`) by one round
+    step: Callable | None = None
+    #: ``message`` is the QLSD family's ``H_i``, whose batched forms (``core.oracles.oracle_batch``, the numba
+    #: kernel) the vectorised engine may use; otherwise it runs ``message`` chain by chain
+    batched: bool = False
 
     @property
     def control_variate(self) -> bool:

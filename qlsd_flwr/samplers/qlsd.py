@@ -1,8 +1,9 @@
 """The QLSD family (Vono et al., AISTATS 2022, Algorithm 2) and its uncompressed twins.
 
 Each round a client takes part with probability ``p_i`` and sends ``g_i = C(H_i − η_i)``; the server
-steps ``θ_{k+1} = θ_k − γ g_{k+1} + √(2γ) Z_{k+1}`` (:mod:`qlsd_flwr.core.oracles`,
-:mod:`qlsd_flwr.core.server_step`). The samplers differ in the estimator ``H_i``:
+steps ``θ_{k+1} = θ_k − γ g_{k+1} + √(2γ) Z_{k+1}`` (:func:`message`, whose ``H_i`` is
+:func:`qlsd_flwr.core.oracles.oracle`; :func:`qlsd_flwr.core.server_step.langevin_step`). The samplers
+differ in the estimator ``H_i``:
 
 * QLSD: ``∇U_i(θ)``; QLSD#: a minibatch of it;
 * QLSD*, LSD*: the minibatch difference at θ*, a control variate;
@@ -13,12 +14,22 @@ steps ``θ_{k+1} = θ_k − γ g_{k+1} + √(2γ) Z_{k+1}`` (:mod:`qlsd_flwr.cor
 
 from __future__ import annotations
 
+from qlsd_flwr.core import oracles
+from qlsd_flwr.core.server_step import langevin_step
 from qlsd_flwr.samplers.base import Estimator, Sampler
 
-FULL = Estimator("full")
-MINIBATCH = Estimator("minibatch", minibatch=True)
-STAR = Estimator("star", minibatch=True, cv_theta_star=True, measure="claim+difference")
-SVRG = Estimator("svrg", minibatch=True, cv_zeta=True)
+
+def message(spec, pot, state, seed: int, round_: int, theta, local=None):
+    """Client ``i``'s ``H_i(θ_k)`` (:func:`qlsd_flwr.core.oracles.oracle`) on the round's minibatch ``S_i``,
+    the ``n_i``-subset of stream ``(seed, MINIBATCH, k, i)``; ``local`` is not used."""
+    return oracles.oracle(spec, pot, state, theta, oracles.minibatch(seed, round_, spec, pot.n_data))
+
+
+_UPDATES = {"message": message, "step": langevin_step, "batched": True}
+FULL = Estimator("full", **_UPDATES)
+MINIBATCH = Estimator("minibatch", minibatch=True, **_UPDATES)
+STAR = Estimator("star", minibatch=True, cv_theta_star=True, measure="claim+difference", **_UPDATES)
+SVRG = Estimator("svrg", minibatch=True, cv_zeta=True, **_UPDATES)
 
 #: keys of the rivals' local steps, which no QLSD-family run reads
 _LOCAL_KEYS = frozenset({"local-steps", "tau", "rho", "q"})

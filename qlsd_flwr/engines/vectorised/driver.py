@@ -63,10 +63,10 @@ def backend_for(cfgs, task: Task, backend: str = "auto") -> str:
     reference. On the logistic task ``numba`` runs only when asked for: its gradient is equal to
     the reference's within float rounding, not bit for bit (see :mod:`.kernel`)."""
     cfgs = [cfgs] if isinstance(cfgs, RunConfig) else list(cfgs)
-    if any(c.kind.local for c in cfgs):  # the rivals' local chains: engines.vectorised.rivals
-        if backend == "numba":
-            raise ValueError("vectorised-backend = numba runs the QLSD family only; the rivals (fald, vr-fald-star, "
-                             "dg-lmc, fsgld) run on: auto, numpy")
+    if not all(c.kind.batched for c in cfgs):  # the rivals' local chains (engines.vectorised.rivals), or a message
+        if backend == "numba":                  # the kernel does not compile: numpy runs the sampler's own
+            raise ValueError(f"vectorised-backend = numba runs the QLSD family only; "
+                             f"{', '.join(sorted({c.variant for c in cfgs if not c.kind.batched}))} runs on: auto, numpy")
         return "numpy"
     one_norm = all(build.blocks_for(c, task) is None for c in cfgs)
     # the kernel's step is the paper's, with a Gaussian prior

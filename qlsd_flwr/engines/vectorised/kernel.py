@@ -1,28 +1,19 @@
 """The numba backend's kernel: blocks of rounds of toy-Gaussian or logistic chains, compiled.
 
-On the toy Gaussian it runs the algorithm of the other engines with the same floating-point
-operations in the same order, so its chains are theirs bit for bit. On the logistic task it runs
-the same algorithm with one difference: its gradient (:func:`_logistic_grad_rows`) sums the
-rows' products in its own order and takes libm's ``exp``, where the reference calls BLAS and
-numpy's ``exp``; those gradients agree to a few units of the last place, not bit for bit, so
-its chains follow the reference's within float rounding (``tests/test_numba_logistic.py``). Each piece it needs is the compiled twin that sits
+On the toy Gaussian it runs the other engines' algorithm with the same floating-point operations
+in the same order, so its chains are theirs bit for bit. On the logistic task its gradient
+(:func:`_logistic_grad_rows`) sums the rows' products in its own order and takes libm's ``exp``
+(the reference: BLAS and numpy's ``exp``), so its chains follow the reference's within float
+rounding (``tests/test_numba_logistic.py``). Each piece it needs is the compiled twin that sits
 beside its Python reference and is tested against it there: the random streams
-(:mod:`qlsd_flwr.core.rng`: keys, uniforms, the dither, the subset draw, Box–Muller), QSGD's
-quantise and dequantise and numpy's pairwise norm (:mod:`qlsd_flwr.compression.qsgd`), the exact
-Elias code length (:mod:`qlsd_flwr.compression.codec`). What is only here is what is special to
-each task (the Gaussian's oracle in closed form over a minibatch sum of ``y``; the logistic
-oracle over the minibatch's rows) and the loop itself,
-whose server step is :func:`qlsd_flwr.core.server_step.server_step` written out per coordinate.
-
-Its inputs are three named tuples of arrays: :class:`KernelParams` (read only),
-:class:`ChainArrays` (each chain's state, updated in place; sliced per thread) and
-:class:`BlockOutputs` (what a block reports).
-"""
+(:mod:`qlsd_flwr.core.rng`), QSGD and numpy's pairwise norm (:mod:`qlsd_flwr.compression.qsgd`),
+the exact Elias code length (:mod:`qlsd_flwr.compression.codec`). Only each task's oracle and the
+loop are here; the loop's server step is :func:`qlsd_flwr.core.server_step.server_step` written
+out per coordinate. Its inputs are the named tuples of :mod:`.kernel_arrays`."""
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import numpy as np
 from numba import njit
@@ -32,6 +23,7 @@ from qlsd_flwr.compression.format import HEADER_BYTES, Encoding, QuantiseError
 from qlsd_flwr.compression.qsgd_nb import quantise_block_nb, sumsq_nb
 from qlsd_flwr.core import rng
 from qlsd_flwr.core.oracles import Oracle
+from qlsd_flwr.engines.vectorised.kernel_arrays import LOGISTIC
 
 # enum values as plain globals: numba freezes them into the compiled code
 _PARTICIPATION = np.uint64(int(rng.Stream.PARTICIPATION))
@@ -41,82 +33,6 @@ _NOISE = np.uint64(int(rng.Stream.NOISE))
 _FULL, _MINIBATCH, _STAR, _SVRG = (int(o) for o in (Oracle.FULL, Oracle.MINIBATCH, Oracle.STAR, Oracle.SVRG))
 _PACKED, _ELIAS = int(Encoding.PACKED), int(Encoding.ELIAS)
 _IDENTITY_NON_FINITE = int(QuantiseError.IDENTITY_NON_FINITE)
-GAUSSIAN, LOGISTIC = 0, 1  # KernelParams.task
-
-
-class KernelParams(NamedTuple):
-    """What the kernel reads: the data, the settings of each of ``V`` configurations run side by
-    side (axis 0), and the settings they share."""
-
-    p: np.ndarray  # (b,) participation probabilities p_i
-    Ns: np.ndarray  # (b,) N_i
-    ns: np.ndarray  # (b,) minibatch sizes n_i
-    y: np.ndarray  # (Σ N_i, d) every client's points (logistic: its rows [x, 1]), client after client
-    yoff: np.ndarray  # (b + 1,) where client i's rows start
-    ysum: np.ndarray  # (b, d) Σ_j y_ij (Gaussian only)
-    labels: np.ndarray  # (Σ N_i,) class labels (logistic only; else empty)
-    n_classes: int  # K (logistic; θ is the row-major (p+1)×K matrix W), else 1
-    task: int  # GAUSSIAN or LOGISTIC
-    oracle: np.ndarray  # (V,) Oracle values
-    compressed: np.ndarray  # (V,) QSGD (True) or the float64 identity
-    memory: np.ndarray  # (V,) η_i on
-    encoding: np.ndarray  # (V,) Encoding values
-    l: np.ndarray  # (V,) anchor period
-    gamma: np.ndarray  # (V,) γ
-    sqrt2gamma: np.ndarray  # (V,) √(2γ), as the reference computes it
-    s: np.ndarray  # (V, b) levels s_i
-    packed: np.ndarray  # (V, b) packed code length (bits); the identity's raw length
-    bound: np.ndarray  # (V, b) analytic bound (bits)
-    alpha: np.ndarray  # (V, b) α_i
-    theta_star: np.ndarray  # (V, d) θ* (QLSD*)
-    star_prior: np.ndarray  # (V, d) ∇U_0(θ*)
-    active_fraction: bool  # aggregation rule b/|A| (else 1/p_i)
-    burn_in: int
-    thin: int
-    prior_flat: bool
-    prior_on_server: bool
-    noise_in_kernel: bool  # libm's Box–Muller equals numpy's here (else noise comes in `BlockOutputs`)
-    need_minibatch: bool  # some configuration's oracle reads a minibatch
-    need_dither: bool  # some configuration quantises
-    prior_var: float
-    prior_mean: float
-    prior_weight: float  # w_i, the clients' share of the prior
-
-
-class ChainArrays(NamedTuple):
-    """Each chain's state (axis 0: chains; axis 1: configurations), updated in place."""
-
-    seeds: np.ndarray  # (C,) uint64
-    theta: np.ndarray  # (C, V, d)
-    zeta: np.ndarray  # (C, V, d)
-    agrad: np.ndarray  # (C, V, b, d or 1) ∇U_i(ζ)
-    eta_i: np.ndarray  # (C, V, b, d or 1)
-    eta: np.ndarray  # (C, V, d)
-    s_th: np.ndarray  # (C, V, d) Σ θ over kept draws
-    s_th2: np.ndarray  # (C, V, d) Σ θ²
-    s_f: np.ndarray  # (C, V) Σ ‖θ‖
-    s_f2: np.ndarray  # (C, V) Σ ‖θ‖²
-    kept: np.ndarray  # (C,) kept draws
-    ties: np.ndarray  # (C,) subset boundary ties
-    err: np.ndarray  # (C, V) QuantiseError of the round the chain stopped at (0: none)
-
-    def rows(self, a: int, z: int) -> ChainArrays:
-        return ChainArrays(*(x[a:z] for x in self))
-
-
-class BlockOutputs(NamedTuple):
-    """What one block reports (axis 0: chains)."""
-
-    noise: np.ndarray  # (C, R, d) Langevin noise when not drawn in the kernel, else (C, 0, d)
-    states: np.ndarray  # (C, V, R, d) θ after each round, or (C, V, 0, d)
-    m_act: np.ndarray  # (C, R) active clients
-    m_skip: np.ndarray  # (C, R) skipped rounds
-    m_bits: np.ndarray  # (C, V, R) exact code bits
-    m_bound: np.ndarray  # (C, V, R) analytic bound
-    m_bytes: np.ndarray  # (C, V, R) payload bytes
-
-    def rows(self, a: int, z: int) -> BlockOutputs:
-        return BlockOutputs(*(x[a:z] for x in self))
 
 
 @njit(cache=True)

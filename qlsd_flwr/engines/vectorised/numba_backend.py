@@ -14,14 +14,8 @@ from qlsd_flwr.compression.qsgd import QSGD
 from qlsd_flwr.core import rng
 from qlsd_flwr.core.oracles import Oracle
 from qlsd_flwr.core.participation import Aggregation
-from qlsd_flwr.engines.vectorised.kernel import (
-    GAUSSIAN,
-    LOGISTIC,
-    BlockOutputs,
-    ChainArrays,
-    KernelParams,
-    chains_block,
-)
+from qlsd_flwr.engines.vectorised.kernel import chains_block
+from qlsd_flwr.engines.vectorised.kernel_arrays import GAUSSIAN, LOGISTIC, BlockOutputs, ChainArrays, KernelParams
 from qlsd_flwr.engines.vectorised.results import chain_seeds
 from qlsd_flwr.protocol import build
 from qlsd_flwr.tasks.logistic import LogisticLocal

@@ -28,12 +28,9 @@ one with the reference loop):
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
-from qlsd_flwr.compression.codec import elias_bits_float
 from qlsd_flwr.compression.format import HEADER_BYTES, Encoding, QuantiseError
 from qlsd_flwr.compression.qsgd import QSGD
-from qlsd_flwr.compression.qsgd_nb import quantise_block_nb
 from qlsd_flwr.core import participation, rng
 from qlsd_flwr.core import server_step as sampler
 from qlsd_flwr.core.oracles import (
@@ -45,84 +42,9 @@ from qlsd_flwr.core.oracles import (
     oracle_batch,
     oracle_batch_clients,
 )
+from qlsd_flwr.engines.vectorised import numpy_draws
 from qlsd_flwr.engines.vectorised.results import chain_seeds, keeps
 from qlsd_flwr.protocol import build
-
-_PACKED, _ELIAS = int(Encoding.PACKED), int(Encoding.ELIAS)
-
-
-@njit(cache=True)
-def _qsgd_rows(H, U, active, clients, s, packed, enc, g_hat, bits):
-    """QSGD of every active (chain, client) row of ``H`` ``(C, b, d)`` with dither ``U``: ``ĝ`` into
-    ``g_hat`` and the exact code length into ``bits`` (rows left untouched where inactive). The
-    functions are the compiled twins the one-vector ``QSGD.quantise`` and the numba kernel call
-    (bitwise equal to ``QSGD.quantise_batch`` / ``dequantise_batch`` / ``code_length_bits_batch``,
-    tested in ``tests/test_vectorised.py``). Returns the :class:`QuantiseError` value of the first
-    row that cannot be quantised (0: every row was)."""
-    d = H.shape[2]
-    lev = np.empty(d)
-    nzpos = np.empty(d, np.int64)
-    n32 = np.empty(1, np.float32)
-    for c in range(H.shape[0]):
-        for t in range(clients.shape[0]):
-            i = clients[t]
-            if not active[c, i]:
-                continue
-            e = quantise_block_nb(H[c, i], U[c, i], s[t], lev, g_hat[c, i], n32)
-            if e != 0:
-                return e
-            bb = packed[t]
-            if enc[t] != _PACKED:  # QSGD's sparse code, or the shorter of the two (auto)
-                eb = elias_bits_float(lev, nzpos)
-                bb = eb if enc[t] == _ELIAS else min(eb, bb)
-            bits[c, i] = bb
-    return 0
-
-
-_PARTICIPATION = np.uint64(int(rng.Stream.PARTICIPATION))
-_MINIBATCH = np.uint64(int(rng.Stream.MINIBATCH))
-_DITHER = np.uint64(int(rng.Stream.DITHER))
-
-
-@njit(cache=True)
-def _draw_round(seeds, k, p, sub, Ns, ns, dithered, active, sel, ties, U):
-    """The round's random draws for every chain, from the compiled twins of :mod:`qlsd_flwr.core.rng`
-    the numba kernel uses (tested bit for bit against the numpy functions in ``tests/test_vectorised.py``):
-
-    * ``active[c, i]``: ``u < p_i`` with ``u`` the first uniform of ``(seed_c, PARTICIPATION, k, i)``,
-      as :func:`qlsd_flwr.core.participation.active_mask`; not drawn where ``p_i ≥ 1`` (``u < 1``);
-    * ``sel[t, c, :n]``: for the active chains of client ``sub[t]``, its minibatch, the
-      ``n = ns[t]``-subset of ``[0, Ns[t])`` of :func:`qlsd_flwr.core.rng.subset` (ascending), with
-      ``ties[t, c] = 1`` where two keys tie at the ``n``-th place (the caller then draws that
-      client's subsets with ``rng.subset`` itself);
-    * ``U[c, i]``: for active ``(c, i)`` with ``dithered[i]``, the QSGD dither, the first ``d``
-      uniforms of ``(seed_c, DITHER, k, i)``.
-
-    Nothing is drawn for inactive (chain, client) pairs: those numbers are never used."""
-    C, b, d = U.shape
-    nmax = max(1, Ns.max()) if Ns.shape[0] else 1
-    keys = np.empty(nmax, np.int64)
-    cand_i = np.empty(nmax, np.int64)
-    cand_k = np.empty(nmax, np.int64)
-    amb = np.empty(nmax, np.int64)
-    row = np.empty(nmax, np.int64)
-    ulo = np.empty(d, np.int64)
-    for c in range(C):
-        ksp = rng.key_seed_nb(seeds[c], _PARTICIPATION)
-        for i in range(b):
-            active[c, i] = True if p[i] >= 1.0 else rng.unif_nb(rng.key_rc_nb(ksp, k, i), 1) < p[i]
-        ksm = rng.key_seed_nb(seeds[c], _MINIBATCH)
-        for t in range(sub.shape[0]):
-            i = sub[t]
-            if active[c, i]:
-                ties[t, c] = rng.subset_nb(rng.key_rc_nb(ksm, k, i), Ns[t], ns[t], keys, cand_i, cand_k, amb, row)
-                for j in range(ns[t]):
-                    sel[t, c, j] = row[j]
-        ksd = rng.key_seed_nb(seeds[c], _DITHER)
-        for i in range(b):
-            if dithered[i] and active[c, i]:
-                rng.dither_nb(rng.key_rc_nb(ksd, k, i), d, U[c, i], ulo)
-
 
 class NumpyGeneric:
     """Any task: vectorised over chains and clients (see the module docstring for the two paths)."""
@@ -140,7 +62,8 @@ class NumpyGeneric:
         # θ_0 of every chain: the task's, or each chain's own (init = dispersed, protocol.precondition)
         self.st = sampler.init_state(spec, np.tile(build.theta0_of(task), (nc, 1)) if theta0 is None else theta0)
         self.bound = np.array([s.compressor.bound_bits(d) for s in specs])
-        self.batched = self.BATCHED if batched is None else bool(batched)
+        # the batched path computes the QLSD family's H_i only; another message runs chain by chain
+        self.batched = (self.BATCHED if batched is None else bool(batched)) and cfg.kind.batched
         if not self.batched:
             # per (chain, client) client state: anchor cache (ζ or θ*) and memory η_i
             self.states = [[ClientState() for _ in range(b)] for _ in range(nc)]
@@ -268,7 +191,7 @@ class NumpyGeneric:
     def _draw(self, k: int):
         """Round ``k``'s participation ``(C, b)``, every client's minibatches (``(C, n_i)`` int64
         indices, or ``None`` for the full oracle) and the dither ``(C, b, d)`` (zeros where not
-        drawn), by :func:`_draw_round`. Equal to what :func:`participation.active_mask`,
+        drawn), by :func:`~.numpy_draws.draw_round`. Equal to what :func:`participation.active_mask`,
         :func:`rng.subset` and :func:`rng.uniform` give (rows of inactive pairs aside)."""
         nc, b, d, sub = len(self.seeds), self.b, self.d, self.sub
         ns = self.n_batch[sub]
@@ -276,7 +199,7 @@ class NumpyGeneric:
         sel = np.zeros((sub.size, nc, max(1, int(ns.max()) if sub.size else 1)), dtype=np.int64)
         ties = np.zeros((sub.size, nc), dtype=np.int64)
         U = np.zeros((nc, b, d))
-        _draw_round(self.seeds_u64, k, self.p, sub, self.n_data[sub], ns, self.qsgd, active, sel, ties, U)
+        numpy_draws.draw_round(self.seeds_u64, k, self.p, sub, self.n_data[sub], ns, self.qsgd, active, sel, ties, U)
         idxs = list(self.all_rows)
         for t, i in enumerate(sub):
             if ties[t].any():  # a tie at the n_i-th key (chance ~N_i·2^-53): the reference draw
@@ -316,7 +239,7 @@ class NumpyGeneric:
         bits = np.zeros((nc, b), dtype=np.int64)
         err = 0
         if self.fast.size:
-            err = _qsgd_rows(h, u, active, self.fast, self.fast_s, self.fast_packed, self.fast_enc, g_hat, bits)
+            err = numpy_draws.qsgd_rows(h, u, active, self.fast, self.fast_s, self.fast_packed, self.fast_enc, g_hat, bits)
         if err:  # the per-client path raises the error it would have raised, for the same client
             self._quantise_per_client(h, u, active)
             raise ValueError(QuantiseError(err).message)
@@ -387,7 +310,10 @@ class NumpyGeneric:
                     idx = rng.subset(seeds, rng.Stream.MINIBATCH, k, i, pot.n_data, si.batch_size)
             h = np.zeros((nc, d))
             for c in np.flatnonzero(act):
-                h[c] = oracle(si, pot, self.states[c][i], st.theta[c], None if idx is None else idx[c])
+                if si.kind.batched:
+                    h[c] = oracle(si, pot, self.states[c][i], st.theta[c], None if idx is None else idx[c])
+                else:  # a message the QLSD family's H_i does not compute: the sampler's own
+                    h[c] = si.kind.message(si, pot, self.states[c][i], int(seeds[c]), k, st.theta[c], None)
             if si.memory:
                 h = h - st.eta_i[:, i]
             comp = si.compressor

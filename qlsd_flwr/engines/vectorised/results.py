@@ -55,8 +55,8 @@ class ChainStats:
         return self.sum_theta / max(self.n_kept, 1)
 
     def var_theta(self) -> np.ndarray:
-        m = self.mean_theta()
-        return np.maximum(self.sum_theta2 / max(self.n_kept, 1) - m * m, 0.0)
+        mean = self.mean_theta()
+        return np.maximum(self.sum_theta2 / max(self.n_kept, 1) - mean * mean, 0.0)
 
     def add_round(self, theta: np.ndarray, kept: bool, out: dict, r: int) -> None:
         """Round ``r`` of a block's outputs ``out`` (``(C, R)`` counts), and θ ``(C, d)`` when its draw is kept."""
