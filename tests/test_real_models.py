@@ -169,6 +169,13 @@ def test_fedavg_comparison_end_to_end_on_ray(tmp_path, capsys):
     assert fa["uplink_bits_total"] == 32 * P * b * R
     assert fa["uplink_bits_per_round"] == 32 * P * b
     assert fa["uplink_bytes_message_total"] > fa["uplink_bits_total"] / 8  # the message wraps it
+    # both ways: the global model down to every client, every round; the bits objects add up
+    assert fa["downlink_bits_total"] == 32 * P * b * R and fa["downlink_bytes_message_total"] > 4 * P * b * R
+    assert fa["bits"]["total"] == 2 * 32 * P * b * R == sum(fa["bits"]["uplink"].values()) + sum(
+        fa["bits"]["downlink"].values())
+    qb = q["bits"]
+    assert qb["uplink"]["sampling"] == q["bits_total"] and qb["downlink"]["sampling"] > 0
+    assert qb["total"] == sum(qb["uplink"].values()) + sum(qb["downlink"].values())
     for name, m in (("fedavg", fa["metrics"]), ("qlsd", q["evaluation"])):
         for k in ("accuracy", "nnll", "ece", "brier", "ood_auroc"):
             assert math.isfinite(m[k]), (name, k, m[k])
@@ -190,10 +197,11 @@ def test_fedavg_comparison_end_to_end_on_ray(tmp_path, capsys):
     lines = out.splitlines()
     head = next(i for i, l in enumerate(lines) if l.startswith("method"))
     for col in ("acc %", "nNLL", "ECE", "Brier", "OOD AUROC", "R-hat ll", "ESS ll", "R-hat p", "ESS p",
-                "uplink bits", "bits/round", "rounds", "wall"):
+                "uplink bits", "bits/round", "total bits", "rounds", "wall"):
         assert col in lines[head]
     rows = lines[head + 2: head + 4]
     assert rows[0].startswith("QLSD++") and rows[1].startswith("FedAvg")
     fed_cells = rows[1].split()
-    assert f"{32 * P * b * R:.3g}" in fed_cells and str(R) in fed_cells
+    assert f"{32 * P * b * R:.3g}" in fed_cells and f"{2 * 32 * P * b * R:.3g}" in fed_cells and str(R) in fed_cells
+    assert f"{qb['total']:.3g}" in rows[0].split()
     assert (job / "reliability.png").exists() and (job / "qlsd-pp" / "samples.nc").exists()

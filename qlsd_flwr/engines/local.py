@@ -24,6 +24,7 @@ from qlsd_flwr.core.oracles import (
     set_anchor,
 )
 from qlsd_flwr.core.potential import Task
+from qlsd_flwr.protocol.traffic import count_claims
 from qlsd_flwr.protocol import precondition
 from qlsd_flwr.outputs import loo
 from qlsd_flwr.outputs.checkpoint import resume_dir
@@ -76,6 +77,8 @@ def run_local(cfg: RunConfig, task: Task | None = None, write: bool = True,
     wants = cfg.kind.at_theta_star or (cfg.kind.cv_theta_star and bound.strip().lower() != "off")
     claims = None if prep is None or not wants else [
         full_local_grad(s, task.clients[s.index], prep.theta_star) for s in specs]
+    if claims is not None:  # as the Flower path asks them: θ* down, ∇U_i(θ*) up
+        count_claims(prep.info, cfg.b, d)
     # QLSD*'s replies carry c_i (judged as c_i + ĝ_i); VR-FALD*'s are judged as w_i Δ_i, not on c_i
     if claims is not None and cfg.kind.cv_theta_star and (over := over_bound(claims, fixed_bound(bound))):
         # this engine's clients are honest: a claim over a fixed B means B is too small for the data

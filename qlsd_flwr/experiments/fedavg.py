@@ -11,8 +11,10 @@ total number of training points (so ``N ×`` it is ``U(θ)``), i.e. weight decay
 unseeded ``sample_nodes`` draws no random subset) and FedAvg averages their weights by
 ``num-examples``.
 
-Uplink: each client sends its full float32 model, ``32 × P`` bits (``P`` parameters), so
-``32 × P × clients`` bits per round; the bytes of the Flower reply messages are counted too.
+Both ways, every round: the server sends each client the global float32 model and each client sends
+its own back, ``32 × P`` bits each way (``P`` parameters), counted as the code length of the arrays
+the messages carry; the Flower messages' sizes are counted beside. ``bits`` is the run's
+:mod:`qlsd_flwr.outputs.bits` object (its ``sampling`` phase: the training rounds).
 Predictive metrics use the plug-in predictive ``softmax(model_θ̂(x))`` of the final global
 model (:func:`qlsd_flwr.evaluation.evaluate.predictive_metrics`).
 """
@@ -29,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from qlsd_flwr.config import resolve
+from qlsd_flwr.outputs.bits import rounds_only
 
 
 @dataclass
@@ -40,6 +43,9 @@ class FedAvgResult:
     uplink_bits_total: float
     uplink_bits_per_round: float
     uplink_bytes_message_total: int
+    downlink_bits_total: int  # the global model sent to every client, every round
+    downlink_bytes_message_total: int
+    bits: dict  # qlsd_flwr.outputs.bits: both ways, every phase (FedAvg: its rounds only)
     wall_seconds_rounds: float  # first round sent → last round aggregated
     wall_seconds_total: float  # including Ray's start-up
     history: list = field(default_factory=list)  # per round: test accuracy, nnll, seconds
@@ -120,6 +126,11 @@ def make_client_app(overrides: dict, fed: dict):
     return app
 
 
+def _array_bits(msg) -> int:
+    """The code length of the arrays a Flower message carries (8 bits a byte of their numbers)."""
+    return 8 * sum(int(arr.numpy().nbytes) for rec in msg.content.array_records.values() for arr in rec.values())
+
+
 def _counting_fedavg(b: int, log: dict):
     from flwr.serverapp.strategy import FedAvg
 
@@ -131,12 +142,16 @@ def _counting_fedavg(b: int, log: dict):
         def configure_train(self, server_round, arrays, config, grid):
             log["t_round"] = time.perf_counter()
             log.setdefault("t_first", log["t_round"])
-            return super().configure_train(server_round, arrays, config, grid)
+            msgs = list(super().configure_train(server_round, arrays, config, grid))
+            log["down_bits"].append(sum(_array_bits(m) for m in msgs))
+            log["down_bytes"].append(int(sum(message_nbytes(m) for m in msgs)))
+            return msgs
 
         def aggregate_train(self, server_round, replies):
             replies = list(replies)
             ok = [m for m in replies if not m.has_error()]
             log["replies"].append(len(ok))
+            log["up_bits"].append(sum(_array_bits(m) for m in ok))
             log["bytes"].append(int(sum(message_nbytes(m) for m in ok)))
             out = super().aggregate_train(server_round, replies)
             log["seconds"].append(time.perf_counter() - log["t_round"])
@@ -178,7 +193,7 @@ def run_fedavg(overrides: dict, num_rounds: int | None = None, local_epochs: int
     b = spec.b
     X_te, y_te, _, _ = registry.test_set(cfg)
     X_te_t = torch.as_tensor(np.asarray(X_te), dtype=torch.float32)
-    log = {"replies": [], "bytes": [], "seconds": [], "history": []}
+    log = {"replies": [], "bytes": [], "seconds": [], "history": [], "up_bits": [], "down_bits": [], "down_bytes": []}
     sink: dict = {}
     R = int(fed["num_rounds"])
     bar = progress_bar(R, cfg.progress if progress is None else progress, "fedavg flower-ray")
@@ -219,7 +234,7 @@ def run_fedavg(overrides: dict, num_rounds: int | None = None, local_epochs: int
         raise RuntimeError("the FedAvg simulation did not finish; rerun with verbose=true")
     state = sink["arrays"].to_torch_state_dict()
     P = int(sum(v.numel() for v in state.values()))
-    bits_rounds = [32.0 * P * n for n in log["replies"]]
+    bits_rounds = [float(n) for n in log["up_bits"]]
     run_dir = Path(out_dir) if out_dir is not None else None
     probs = probs_of(state, X_te_t)
     ood = {k: probs_of(state, torch.as_tensor(E.ood_inputs(X_te, k), dtype=torch.float32))
@@ -238,6 +253,8 @@ def run_fedavg(overrides: dict, num_rounds: int | None = None, local_epochs: int
         metrics=metrics, rounds=R, clients=b, params=P, uplink_bits_total=float(sum(bits_rounds)),
         uplink_bits_per_round=float(np.mean(bits_rounds)),
         uplink_bytes_message_total=int(sum(log["bytes"])),
+        downlink_bits_total=int(sum(log["down_bits"])), downlink_bytes_message_total=int(sum(log["down_bytes"])),
+        bits=rounds_only(int(sum(log["up_bits"])), int(sum(log["down_bits"]))),
         wall_seconds_rounds=float(log["t_last"] - log["t_first"]), wall_seconds_total=wall_total,
         history=log["history"], run_dir=run_dir, state_dict=state)
     if run_dir is not None:

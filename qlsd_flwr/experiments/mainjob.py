@@ -61,7 +61,7 @@ _SHARED = ("task", "dataset", "model", "partition", "partition-alpha", "num-clie
            "data-seed", "seed", "device", "verbose", "progress", "client-cpus")
 
 
-def _row(name, m, bits_total, bits_round, rounds, wall, conv: dict | None = None):
+def _row(name, m, bits_total, bits_round, rounds, wall, conv: dict | None = None, bits_all: float | None = None):
     def num(key, fmt):
         v = (conv or {}).get(key)
         return "—" if v is None else format(v, fmt)
@@ -69,7 +69,7 @@ def _row(name, m, bits_total, bits_round, rounds, wall, conv: dict | None = None
     return [name, f"{100 * m['accuracy']:.1f}", f"{m['nnll']:.3f}", f"{m['ece']:.4f}",
             f"{m['brier']:.4f}", f"{m['ood_auroc']:.3f}", num("rhat_loglik", ".3f"), num("ess_bulk_loglik", ".0f"),
             num("rhat_pred_max", ".2f"), num("ess_bulk_pred_min", ".0f"), f"{bits_total:.3g}",
-            f"{bits_round:.3g}", str(rounds), f"{wall:.0f} s"]
+            f"{bits_round:.3g}", "—" if bits_all is None else f"{bits_all:.3g}", str(rounds), f"{wall:.0f} s"]
 
 
 def convergence_notes(conv: dict | None) -> list[str]:
@@ -94,6 +94,16 @@ def convergence_notes(conv: dict | None) -> list[str]:
     return out
 
 
+def bits_notes(q: dict, f: dict) -> list[str]:
+    """Where QLSD++'s bits went, phase by phase, beside FedAvg's total."""
+    phases = ", ".join(f"{p} {q['uplink'][p] + q['downlink'][p]:.3g}" for p in q["uplink"]
+                       if q["uplink"][p] + q["downlink"][p])
+    prep = ", ".join(f"{k} {r['uplink'] + r['downlink']:.3g}" for k, r in q.get("preparation", {}).items())
+    return [f"QLSD++ moved {q['total']:.3g} bits ({sum(q['uplink'].values()):.3g} up, "
+            f"{sum(q['downlink'].values()):.3g} down): {phases}" + (f" (preparation: {prep})" if prep else "")
+            + f"; {q['total'] / max(f['total'], 1):.3g}× FedAvg's {f['total']:.3g} (its rounds, both ways)."]
+
+
 def qlsd_label(cfg: dict) -> str:
     """``QLSD++ (1 bit, p=1)`` for ``s = 2``, ``p = 1`` (``4 bits`` for ``s = 16``): the paper's "p bits" is
     ``s = 2^p``."""
@@ -108,7 +118,7 @@ def qlsd_label(cfg: dict) -> str:
 
 def format_table(rows: list[list[str]]) -> str:
     head = ["method", "acc %", "nNLL", "ECE", "Brier", "OOD AUROC", "R-hat ll", "ESS ll", "R-hat p",
-            "ESS p", "uplink bits", "bits/round", "rounds", "wall"]
+            "ESS p", "uplink bits", "bits/round", "total bits", "rounds", "wall"]
     w = [max(len(str(r[j])) for r in [head] + rows) for j in range(len(head))]
     line = lambda r: "  ".join(str(x).rjust(w[j]) if j else str(x).ljust(w[j]) for j, x in enumerate(r))
     return "\n".join([line(head), line(["-" * x for x in w])] + [line(r) for r in rows])
@@ -166,9 +176,9 @@ def run_main_job(overrides: dict | None = None) -> int:
 
     rows = [
         _row(qlsd_label(cfg), qm, qs["totals"]["bits_exact"], qs["per_round"]["bits_exact"],
-             qs["rounds"], qs["wall_seconds"], qm.get("convergence")),
+             qs["rounds"], qs["wall_seconds"], qm.get("convergence"), qs["bits"]["total"]),
         _row("FedAvg (float32)", fa.metrics, fa.uplink_bits_total, fa.uplink_bits_per_round,
-             fa.rounds, fa.wall_seconds_rounds),
+             fa.rounds, fa.wall_seconds_rounds, bits_all=fa.bits["total"]),
     ]
     table = format_table(rows)
     _side_by_side([q.run_dir / "reliability.png", job_dir / "fedavg" / "reliability.png"],
@@ -191,12 +201,10 @@ def run_main_job(overrides: dict | None = None) -> int:
            f"stiffest direction ×{1 / (1 - qs.get('gamma_c', 0.25) / 2):.3g}, ULA's bias)" if qs.get("gamma_auto") else "")
         + f", chains started {'dispersed around θ*' if cfg.get('init') == 'dispersed' else 'at one point'}.",
         *convergence_notes(qm.get("convergence")),
-        "uplink bits: QLSD++ exact Elias/packed code lengths, summed over its chains; FedAvg 32 × params × "
-        "clients. wall: "
-        "rounds only (Ray start-up excluded).",
-        *([f"before sampling, QLSD++'s preparation (θ*, the curvature, the step) made {qs['prep_exchanges']} "
-           f"exchanges whose float64 replies are {qs['prep_uplink_bits']:.3g} uplink bits, not in the column "
-           f"(a one-time cost, docs/METRIC.md)."] if qs.get("prep_uplink_bits") else []),
+        "uplink bits, bits/round: the sampling (training) rounds' uplink; QLSD++ exact Elias/packed code lengths, "
+        "summed over its chains; FedAvg 32 × params × clients. total bits: uplink + downlink of the whole run, "
+        "preparation and LOO included (summary.json 'bits'). wall: rounds only (Ray start-up excluded).",
+        *bits_notes(qs["bits"], fa.bits),
         f"total wall time of the job: {total:.0f} s; outputs: {job_dir}",
     ]
     if cfg.get("task") == "mnist":
@@ -213,6 +221,7 @@ def run_main_job(overrides: dict | None = None) -> int:
                     "bits_per_round": qs["per_round"]["bits_exact"],
                     "bits_bound_total": qs["totals"]["bits_bound"],
                     "bytes_message_total": qs["totals"]["bytes_message"], "rounds": qs["rounds"],
+                    "bits": qs["bits"],
                     "wall_seconds_rounds": qs["wall_seconds"], "run_dir": str(q.run_dir)},
         "fedavg": {"settings": fed, **fa.to_dict()},
         "total_wall_seconds": total}, indent=2, default=str))

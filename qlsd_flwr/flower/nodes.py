@@ -307,6 +307,9 @@ class NodeRegistry:
         try:
             if server.cfg.memory:
                 reports = self.memory_reports(grid, timeout)
+                # what the audit moved: each client's η_i of each chain up (the request carries no array)
+                extra["memory_check_bits"] = {"uplink": 64 * self.d * sum(len(r) for r in reports.values()),
+                                              "downlink": 0}
                 if server.cfg.num_chains == 1:
                     reports = {i: r[0] for i, r in reports.items() if 0 in r}
                 extra["memory_check"] = server.memory_check(reports)

@@ -32,6 +32,7 @@ from flwr.app import Message, MessageType
 
 from qlsd_flwr.flower.records import record_fields, to_content
 from qlsd_flwr.protocol import build, precondition
+from qlsd_flwr.protocol.traffic import count_claims
 from qlsd_flwr.robust.claims import over_bound, relative_gap
 from qlsd_flwr.robust.norm_guard import fixed_bound
 from qlsd_flwr.protocol.wire import PhaseError, arr_to_bytes, gradient_of
@@ -70,7 +71,11 @@ class PhaseExchanges:
                     self.cfg, self.task, theta0, lambda th: self.full_grad(grid, th, timeout),
                     lambda th, kind, vectors=None: self.curvature(grid, th, kind, timeout, vectors),
                     n_data=[self.nodes.n_data.get(i, 1) for i in range(self.cfg.b)], warm=warm)
-                return prep, (self.claims(grid, prep.theta_star, timeout) if wants_claims else None)
+                if not wants_claims:
+                    return prep, None
+                claims = self.claims(grid, prep.theta_star, timeout)
+                count_claims(prep.info, len(self.clients()), self.d)
+                return prep, claims
             except LeftOut:
                 if warm is not None:
                     warm.clear()

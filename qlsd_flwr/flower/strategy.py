@@ -269,6 +269,7 @@ class QLSDStrategy(Strategy):
             if config:
                 content["config"] = config
             msgs.append(Message(content, node, MessageType.TRAIN, group_id=str(k + 1)))
+            self.server.note_sent(i, message_nbytes(msgs[-1]))  # the downlink's Flower bytes (metrics.csv)
             self._sent[node] = i
         return msgs
 

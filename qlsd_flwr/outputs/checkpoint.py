@@ -50,7 +50,7 @@ from qlsd_flwr.outputs.jsonio import dumps
 from qlsd_flwr.config import ConfigError, RunConfig
 
 NAME = "checkpoint.npz"
-FORMAT = 2  # 2: the metric in its tagged encoding (qlsd_flwr.core.metric.to_array)
+FORMAT = 3  # 2: the metric in its tagged encoding (qlsd_flwr.core.metric.to_array); 3: metrics.csv counts the downlink
 # keys that may differ between a run and its resumption (they do not change the chain)
 RESUME_FREE_KEYS = ("num-rounds", "progress", "plot", "verbose", "checkpoint-every", "resume", "engine",
                     "client-cpus", "reply-timeout", "output-dir", "run-name", "device",

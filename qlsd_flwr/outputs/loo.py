@@ -40,6 +40,7 @@ from typing import Callable
 
 import numpy as np
 
+from qlsd_flwr.outputs.bits import bits_object
 from qlsd_flwr.robust.loo import LooError, check_reply  # noqa: F401 (LooError: the public name)
 
 MODES = ("psis", "pointwise", "off")
@@ -301,9 +302,11 @@ def attach(run_dir, mode: str, n_data, ask: Callable[[np.ndarray, float], dict],
     if path.is_file():
         data = json.loads(path.read_text())
         data["loo"] = out
+        data["bits"] = bits_object(data)  # the LOO's bits join the run's
         path.write_text(json.dumps(data, indent=2))
     if summary is not None:
         summary["loo"] = out
+        summary["bits"] = bits_object(summary)
     return out
 
 

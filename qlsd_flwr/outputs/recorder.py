@@ -10,10 +10,13 @@
     round's row of ``metrics.csv``; on the vectorised engine, totals over its chains); provenance attributes
     (package and Flower versions, the seed, a hash of the configuration) on both groups.
     ``draw`` counts the kept draws from 0, as ArviZ does. ``arviz.from_netcdf(path)`` loads it.
-  * ``metrics.csv`` — one row per round: active and replying clients, rejected replies, bits
-    (analytic bound, exact code length), bytes (payload, Flower message) and seconds.
+  * ``metrics.csv`` — one row per round: active and replying clients, rejected replies, uplink bits
+    (analytic bound, exact code length), uplink bytes (payload, Flower message), seconds, and the
+    downlink: ``bits_down`` (the code length of what the server sent) and ``bytes_message_down``
+    (the Flower messages' size; 0 where no Flower message travels: the local and vectorised engines).
   * ``config.json`` — the resolved configuration.
-  * ``summary.json`` — totals, and posterior error when the task knows its posterior.
+  * ``summary.json`` — totals, ``bits`` (every bit of the run, both ways, phase by phase:
+    :mod:`qlsd_flwr.outputs.bits`), and posterior error when the task knows its posterior.
   * while the run goes on, ``draws.f8`` (see above); with ``checkpoint-every > 0``,
     ``checkpoint.npz`` (:mod:`qlsd_flwr.outputs.checkpoint`).
 """
@@ -31,6 +34,7 @@ from pathlib import Path
 import h5netcdf
 import numpy as np
 
+from qlsd_flwr.outputs.bits import bits_object
 from qlsd_flwr.outputs.run_dir import lock_run_dir
 
 from qlsd_flwr.outputs.jsonio import dumps
@@ -38,7 +42,7 @@ from qlsd_flwr.outputs.jsonio import dumps
 log = logging.getLogger("qlsd_flwr")
 
 METRIC_FIELDS = ["round", "n_active", "n_replied", "n_rejected", "skipped", "bits_bound",
-                 "bits_exact", "bytes_payload", "bytes_message", "seconds"]
+                 "bits_exact", "bytes_payload", "bytes_message", "seconds", "bits_down", "bytes_message_down"]
 
 
 _CRITICAL = {"depth": 0, "pending": None}  # a stop signal that came while a round was being written
@@ -110,8 +114,8 @@ class Recorder:
         self.dim, self.num_chains = dim, num_chains
         self._buf: list[np.ndarray] = []
         self.n_draws = 0
-        self.totals = {k: 0 for k in ("n_active", "n_replied", "n_rejected", "skipped",
-                                      "bits_bound", "bits_exact", "bytes_payload", "bytes_message")}
+        self.totals = {k: 0 for k in ("n_active", "n_replied", "n_rejected", "skipped", "bits_bound", "bits_exact",
+                                      "bytes_payload", "bytes_message", "bits_down", "bytes_message_down")}
         self.rounds = 0
         # CRC-32 of what draws.f8 and metrics.csv hold so far: a checkpoint records them, and a
         # resume refuses a file whose bytes up to the checkpoint are not those written
@@ -262,6 +266,7 @@ class Recorder:
             "sample_var": var.mean(axis=0).tolist(),
         }
         summary.update(extra or {})
+        summary["bits"] = bits_object(summary)
         if self.convergence is not None:
             from qlsd_flwr.outputs.convergence import log_report
 

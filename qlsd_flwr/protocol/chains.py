@@ -45,7 +45,8 @@ from qlsd_flwr.protocol.wire import bundle_request, unbundle_reply
 log = logging.getLogger("qlsd_flwr")
 
 # the fields of a round's row that add up over the chains
-_SUMMED = ("n_active", "n_replied", "skipped", "n_rejected", "bits_exact", "bytes_payload", "bytes_message")
+_SUMMED = ("n_active", "n_replied", "skipped", "n_rejected", "bits_exact", "bytes_payload", "bytes_message",
+           "bits_down", "bytes_message_down")
 
 
 def make_server(cfg: RunConfig, task: Task, keep_trace: bool = False, engine_label: str = "flower",
@@ -198,6 +199,13 @@ class ChainSet:
         asked = self._asked[i]
         theta = self._theta if len(asked) == self.C else self._theta[asked]
         return bundle_request({c: self.chains[c].fields_for(i) for c in asked}, theta)
+
+    def note_sent(self, i: int, message_bytes: int) -> None:
+        """The Flower message to client ``i``, its bytes shared out over the chains it carried (as a reply's)."""
+        asked = self._asked[i]
+        share, rest = divmod(int(message_bytes), len(asked))
+        for j, c in enumerate(asked):
+            self.chains[c].note_sent(i, share + (rest if j == 0 else 0))
 
     def accept(self, i: int | None, fields: dict | None, error: str | None = None, message_bytes: int = 0) -> None:
         """One client's reply: each chain it answers takes its part (validated on its own)."""

@@ -42,6 +42,8 @@ from qlsd_flwr.protocol.curvature_exchange import (
 )
 from qlsd_flwr.protocol.theta_star import closed_form_theta_star, needs_theta_star, optimise_theta_star, resolve_theta_star
 from qlsd_flwr.outputs.metric_file import metric_from_file  # the one file the preparation reads
+from qlsd_flwr.outputs.progress import announce
+from qlsd_flwr.protocol.traffic import Traffic, counted, phase
 
 log = logging.getLogger("qlsd_flwr")
 
@@ -119,7 +121,8 @@ def curvature_point(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: Gra
             merge_reports(info, ci)
         lr = cfg.gamma
         if cfg.gamma_auto or metric is not None:
-            lam, _ = cv.lambda_max(grad_fn, theta, metric or Identity(), cfg.seed, iters=20, tol=5e-2)
+            with phase(grad_fn, "power_iteration"):
+                lam, _ = cv.lambda_max(grad_fn, theta, metric or Identity(), cfg.seed, iters=20, tol=5e-2)
             lr = 1.0 / lam if lam > 0 else 1.0
             info.setdefault("opt_lr", []).append(lr)
         budget = cfg.opt_rounds // stages + (cfg.opt_rounds % stages if stage == stages - 1 else 0)
@@ -152,14 +155,16 @@ def prepare(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | No
     check(cfg, task.dim)
     n_data = task.n_data if n_data is None else np.asarray(n_data, dtype=np.int64)
     C = int(cfg.num_chains if chains is None else chains)
-    traffic = {"prep_exchanges": 0, "prep_uplink_bits": 0}
-    grad_fn, curv_fn = _counted(grad_fn, curv_fn, cfg.b, task.dim, traffic)
+    counts: dict = {}
+    traffic = Traffic(cfg.b, task.dim, counts, say=lambda line: announce(line, cfg.progress))
+    grad_fn, curv_fn = counted(grad_fn, curv_fn, traffic)
     if not needs_preparation(cfg):
         ts, info = resolve_theta_star(cfg, task, theta0, grad_fn)
         prep = _with_surrogates(cfg, task, Prepared(ts, info, Identity(), cfg.gamma), curv_fn, n_data)
-        info.update(traffic)  # the counts with FSGLD's curvature exchange in them
+        info.update(counts)  # the counts with FSGLD's curvature exchange in them
+        traffic.summary()
         return prep
-    info: dict = traffic  # the counts go on as the exchanges are made
+    info: dict = counts  # the counts go on as the exchanges are made
     d = task.dim
     file_metric = metric_from_file(cfg.metric, d) if cfg.metric.endswith(".npy") else None
     needs_point = needs_theta_star(cfg) or needs_curvature(cfg) or cfg.gamma_auto or cfg.init == "dispersed" \
@@ -204,7 +209,9 @@ def prepare(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | No
     info.update({"metric": metric.to_json(), "metric_kind": metric.kind, "gamma_used": gamma, "gamma_auto": bool(cfg.gamma_auto),
                  "temperature": cfg.temperature})
     ts = point if needs_theta_star(cfg) else None
-    return _with_surrogates(cfg, task, Prepared(ts, info, metric, gamma, starts), curv_fn, n_data)
+    prep = _with_surrogates(cfg, task, Prepared(ts, info, metric, gamma, starts), curv_fn, n_data)
+    traffic.summary()
+    return prep
 
 
 def _with_surrogates(cfg: RunConfig, task: Task, prep: Prepared, curv_fn: CurvFn | None, n_data) -> Prepared:
@@ -256,7 +263,8 @@ def _step(cfg: RunConfig, grad_fn: GradFn | None, point: np.ndarray, metric: Met
     given γ, with a warning when it is beyond the estimated stability limit."""
     gamma = cfg.gamma
     if (cfg.gamma_auto or not metric.is_identity) and grad_fn is not None:
-        lam, iters = cv.lambda_max(grad_fn, point, metric, cfg.seed, iters=iters, tol=tol)
+        with phase(grad_fn, "power_iteration"):
+            lam, iters = cv.lambda_max(grad_fn, point, metric, cfg.seed, iters=iters, tol=tol)
         if quiet and not (cfg.gamma_auto and lam <= 0):  # the warm-up's own steps: no announcement
             return float(cfg.get("gamma-c")) / lam if cfg.gamma_auto else gamma
         info.update({"lambda_max": lam, "lambda_max_iterations": iters})
@@ -298,8 +306,10 @@ def _adapt(cfg: RunConfig, grad_fn: GradFn, point: np.ndarray, metric: Metric, g
     if state is not None:
         log.info("metric-from = adapt: continuing the warm-up from its round %d (%s)", state["r"], warm.path)
     try:
-        metric, gamma, ends, ainfo = warmup(grad_fn, begin, metric, gamma, rounds, cfg.seed, cfg.temperature, restep,
-                                            state, None if warm is None else warm.save, cfg.checkpoint_every)
+        with phase(grad_fn, "warmup"):
+            metric, gamma, ends, ainfo = warmup(grad_fn, begin, metric, gamma, rounds, cfg.seed, cfg.temperature,
+                                                restep, state, None if warm is None else warm.save,
+                                                cfg.checkpoint_every)
     except AdaptError as exc:
         raise ConfigError(str(exc)) from None
     if warm is not None:
@@ -309,25 +319,6 @@ def _adapt(cfg: RunConfig, grad_fn: GradFn, point: np.ndarray, metric: Metric, g
     log.info("metric-from = adapt: %d warm-up rounds × %d chains on exact gradients, %d windows; the metric's "
              "scales now span %.3g", rounds, C, len(ainfo["adapt_windows"]), metric.spread())
     return metric, gamma, ends
-
-
-def _counted(grad_fn: GradFn | None, curv_fn: CurvFn | None, b: int, d: int, traffic: dict):
-    """``grad_fn`` and ``curv_fn`` counting what the preparation costs (``summary.json``): each exchange,
-    and the uplink of its float64 replies (``64 d`` bits a client for a gradient, the reports' sizes for
-    the curvature and the Hessian-vector products). The sampling rounds' bits are counted apart."""
-    def grad(th):
-        traffic["prep_exchanges"] += 1
-        traffic["prep_uplink_bits"] += 64 * d * b
-        return grad_fn(th)
-
-    def curv(th, kind, vectors=None):
-        reports = curv_fn(th, kind, vectors) if vectors is not None else curv_fn(th, kind)
-        traffic["prep_exchanges"] += 1
-        traffic["prep_uplink_bits"] += sum(8 * len(h) if isinstance(h, (bytes, bytearray)) else 64 * int(np.size(h))
-                                           for h in reports.values())
-        return reports
-
-    return (None if grad_fn is None else grad), (None if curv_fn is None else curv)
 
 
 def apply(cfg: RunConfig, prep: Prepared) -> RunConfig:

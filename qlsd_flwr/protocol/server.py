@@ -34,10 +34,13 @@ from qlsd_flwr.protocol.divergence import (RUNAWAY_FACTOR, RUNAWAY_WINDOW, Diver
 from qlsd_flwr.protocol.precondition import Prepared
 from qlsd_flwr.robust.norm_guard import NormGuard
 from qlsd_flwr.protocol.claims import ThetaStarClaims
-from qlsd_flwr.protocol.wire import ReplyError, parse_fields
+from qlsd_flwr.protocol.wire import ReplyError, parse_fields, payload_bits
 from qlsd_flwr.protocol.facts import summary_extra
 
 log = logging.getLogger("qlsd_flwr")
+#: a round's counts before its first message: uplink bits and bytes, rejections, downlink bits and bytes
+_ROW = {"bits_bound": 0.0, "bits_exact": 0, "bytes_payload": 0, "bytes_message": 0, "n_rejected": 0, "bits_down": 0,
+        "bytes_message_down": 0}
 
 
 class QLSDServer:
@@ -80,9 +83,7 @@ class QLSDServer:
         self.resumed_from: int | None = None
         self.claims: ThetaStarClaims | None = None  # QLSD*: the θ* phase's ∇U_i(θ*), held to the replies
 
-    @property
-    def run_dir(self):
-        return None if self.observer is None else self.observer.run_dir
+    run_dir = property(lambda self: None if self.observer is None else self.observer.run_dir)
 
     # ---- set-up -------------------------------------------------------------------------
     def begin(self, theta_star: np.ndarray | None, ts_info: dict | None = None,
@@ -137,13 +138,11 @@ class QLSDServer:
 
     # ---- checkpoints: the state as plain arrays and JSON ------------------------------------
     def snapshot(self) -> tuple[dict, dict]:
-        """``(arrays, meta)``: the chain's whole state after round ``k``, for a checkpoint
-        (:func:`qlsd_flwr.protocol.snapshot.snapshot`)."""
+        """``(arrays, meta)``: the state after round ``k`` (:func:`qlsd_flwr.protocol.snapshot.snapshot`)."""
         return snapshot.snapshot(self)
 
     def restore(self, meta: dict, a: dict) -> None:
-        """The state of a :meth:`snapshot`; every client is marked as needing a resync
-        (:func:`qlsd_flwr.protocol.snapshot.restore`)."""
+        """A :meth:`snapshot`'s state; every client then needs a resync (:func:`.snapshot.restore`)."""
         snapshot.restore(self, meta, a)
 
     def anchor(self):
@@ -172,12 +171,11 @@ class QLSDServer:
         self._anchor_sent: set[int] = set()  # clients sent θ* this round (their reply repeats ∇U_i(θ*))
         if self.local:  # FALD's shares, DG-LMC's couplings (protocol.local_chains)
             local_chains.begin_round(self)
-        self._row = {"bits_bound": 0.0, "bits_exact": 0, "bytes_payload": 0, "bytes_message": 0, "n_rejected": 0}
+        self._row = dict(_ROW)
         return list(self._active)
 
     def fields_for(self, i: int) -> dict:
-        """What client ``i`` is sent this round (see :mod:`qlsd_flwr.protocol.wire`); its settings,
-        sent beside, are ``self.settings[i]``."""
+        """What client ``i`` is sent this round (:mod:`.wire`); its settings go beside (``self.settings[i]``)."""
         st = self.state
         anchor, version = self.anchor()
         fields = {"phase": "sample", "round": st.k, "client": i, "theta": st.theta,
@@ -189,7 +187,12 @@ class QLSDServer:
             fields["eta"] = st.eta_i[i]
         if self.local:
             local_chains.add_fields(self, i, fields)
+        self._row["bits_down"] += payload_bits(fields)  # the downlink's code length (metrics.csv)
         return fields
+
+    def note_sent(self, i: int, message_bytes: int) -> None:
+        """The size of the Flower message that carried client ``i``'s fields this round."""
+        self._row["bytes_message_down"] += int(message_bytes)
 
     def accept(self, i: int | None, fields: dict | None, error: str | None = None, message_bytes: int = 0) -> None:
         """Take one reply: validate, decode, or reject and count it."""
@@ -331,14 +334,13 @@ class QLSDServer:
 
     def _set_scale(self, scale: float | None = None) -> None:
         """The scale θ may reach (:func:`runaway_scale` of the start, unless given); the recent reply norms."""
-        self._scale = scale if scale is not None else runaway_scale(self.task, self.state.theta, self.spec.theta_star,
-                                                                    self.spec.metric)
+        start = (self.task, self.state.theta, self.spec.theta_star, self.spec.metric)
+        self._scale = scale if scale is not None else runaway_scale(*start)
         self._recent: deque = deque(maxlen=RUNAWAY_WINDOW)
 
     def _check_runaway(self, round_: int) -> None:
-        """A finite θ far beyond every scale the run knows stops the run, naming the clients whose
-        replies dominated the last rounds (an attacker inside the norm bound, or a p so small that
-        one 1/p-weighted reply throws θ)."""
+        """A finite θ far beyond every scale the run knows stops the run, naming the clients whose replies
+        dominated the last rounds (an attacker inside the norm bound, or a p so small one reply throws θ)."""
         size = float(np.linalg.norm(self.state.theta))
         if size <= RUNAWAY_FACTOR * self._scale or self.norm_guard.mode == "off":
             return
@@ -359,9 +361,8 @@ class QLSDServer:
         raise err
 
     def stop(self, why: BaseException | str) -> None:
-        """Close the outputs of a run stopped before its end (Ctrl-C, SIGTERM, an error): the run
-        folder then holds every draw and round so far, readable (``samples.nc``, ``summary.json``
-        with ``stopped``, the exception as text). Does nothing once the outputs are closed."""
+        """Close the outputs of a run stopped before its end (Ctrl-C, SIGTERM, an error): the folder holds every
+        draw and round so far (``summary.json`` with ``stopped``). Does nothing once the outputs are closed."""
         if self.observer is None or getattr(self.observer, "recorder", None) is None:
             return
         reason = f"{type(why).__name__}: {why}".rstrip(": ") if isinstance(why, BaseException) else str(why)
@@ -387,8 +388,7 @@ class QLSDServer:
         self.norm_guard.set_counts(n_data)
 
     def memory_check(self, reports: dict[int, tuple[np.ndarray, int]]) -> dict:
-        """The clients' own ``(η_i, update count)`` against the server's mirrors
-        (:func:`qlsd_flwr.protocol.memory_audit.memory_check`)."""
+        """The clients' own ``(η_i, update count)`` against the mirrors (:func:`.memory_audit.memory_check`)."""
         return memory_audit.memory_check(self.state, self.needs_resync, self.eta_count, reports)
 
     # ---- helpers ------------------------------------------------------------------------

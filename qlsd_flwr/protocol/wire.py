@@ -42,6 +42,13 @@ SENT_WITH = ("anchor", "eta", "anchor_total", "surrogate", "surrogate_total")
 VECTORS = ("theta",) + SENT_WITH
 
 
+def payload_bits(fields: dict) -> int:
+    """A message's code length: 8 bits a byte of every array and byte string in ``fields`` (64 a float64
+    number); its scalars (phase, round, client, versions, counts) are framing, as Flower's own."""
+    return sum(8 * (v.nbytes if isinstance(v, np.ndarray) else len(v)) for v in fields.values()
+               if isinstance(v, (np.ndarray, bytes, bytearray)))
+
+
 def metric_to_bytes(metric) -> bytes:
     """The rivals' local-step metric as it travels (``metric``, sent with a client's first message and
     after a resync): its tagged encoding (:meth:`qlsd_flwr.core.metric.Metric.to_bytes`; the identity as

@@ -9,6 +9,7 @@ import time
 import numpy as np
 
 from qlsd_flwr.config import ConfigError, RunConfig, check_memory
+from qlsd_flwr.protocol.downlink import SamplingDownlink
 from qlsd_flwr.protocol import precondition
 from qlsd_flwr.core.metric import Identity, to_array
 from qlsd_flwr.core.potential import GaussianPrior, Task
@@ -207,6 +208,10 @@ def run_side_by_side(cfgs, task: Task | None = None, write: bool = False, keep_t
         every = ref.checkpoint_every if ck_on else 0
         R = block_rounds or runner.initial_block()
         limits = [runaway_limits(cfg, task, pt, runner.theta_of(v)) for v, (cfg, pt) in enumerate(zip(cfgs, parts))]
+        # the downlink of the QLSD family's rounds, counted as the protocol server sends it (the rivals'
+        # rounds run through that server and count their own)
+        downs = [SamplingDownlink(cfg, d, chain_seeds(cfg), k) if rec is not None and not cfg.kind.local else None
+                 for cfg, rec in zip(cfgs, recs)]
         need_states = write or keep_trace
     except BaseException as exc:
         _close_stopped(recs, exc, k)
@@ -220,6 +225,8 @@ def run_side_by_side(cfgs, task: Task | None = None, write: bool = False, keep_t
             outs = runner.run_block(k, R, need_states)
             dt = time.perf_counter() - tb
             for v, out in enumerate(outs):
+                if downs[v] is not None:
+                    out["bits_down"] = downs[v].rounds(k, R)
                 bad = first_bad_round(out, runner.theta_of(v), R, limits[v])
                 if bad is not None:
                     _diverge(cfgs[v], recs, v, k, bad, out, traces, dt / len(cfgs), run_dirs[v], last_ckpt,
@@ -299,18 +306,19 @@ def _close_stopped(recs: list, exc: BaseException, k: int) -> None:
 def _record_block(rec: Recorder, k0: int, R: int, out: dict, dt: float) -> None:
     act, skp = out["n_active"].sum(axis=0), out["skipped"].sum(axis=0)
     be, bb, by = out["bits_exact"].sum(axis=0), out["bits_bound"].sum(axis=0), out["bytes"].sum(axis=0)
+    down = out["bits_down"].sum(axis=0) if "bits_down" in out else np.zeros(R, np.int64)
     states = out["states"]
     with deferred_signals():  # the block's rows and draws together (a stop then finds them consistent)
-        _record_rows(rec, k0, R, act, skp, be, bb, by, states, dt)
+        _record_rows(rec, k0, R, act, skp, be, bb, by, down, states, dt)
 
 
-def _record_rows(rec, k0, R, act, skp, be, bb, by, states, dt) -> None:
+def _record_rows(rec, k0, R, act, skp, be, bb, by, down, states, dt) -> None:
     for r in range(R):
         j = k0 + r + 1
         rec.record_round({"round": j, "n_active": int(act[r]), "n_replied": int(act[r]) ,
                           "n_rejected": 0, "skipped": int(skp[r]), "bits_bound": float(bb[r]),
                           "bits_exact": int(be[r]), "bytes_payload": int(by[r]), "bytes_message": 0,
-                          "seconds": dt / R})
+                          "seconds": dt / R, "bits_down": int(down[r]), "bytes_message_down": 0})
         if rec.keeps(j):
             rec.record_sample(j, states[:, r])
 

@@ -28,6 +28,7 @@ from qlsd_flwr.engines.vectorised.results import keeps
 from qlsd_flwr.outputs.jsonio import dumps
 from qlsd_flwr.protocol.chains import ChainSet
 from qlsd_flwr.protocol.divergence import DivergenceError
+from qlsd_flwr.protocol.traffic import count_claims
 
 
 class RivalChains:
@@ -43,6 +44,7 @@ class RivalChains:
         self.set.begin(prep.theta_star, prep.info, None, prep)
         if self.set.wants_claims():  # VR-FALD*, FSGLD: the clients' ∇U_i(θ*), as the engines ask them
             self.set.set_claims([full_local_grad(s, task.clients[s.index], prep.theta_star) for s in specs])
+            count_claims(prep.info, cfg.b, task.dim)
         self.clients = [[ClientState() for _ in range(cfg.b)] for _ in range(self.set.C)]
 
     @property
@@ -74,7 +76,7 @@ class RivalChains:
         C = self.set.C
         out = {"n_active": np.zeros((C, R), np.int64), "skipped": np.zeros((C, R), np.int64),
                "bits_exact": np.zeros((C, R), np.int64), "bits_bound": np.zeros((C, R)),
-               "bytes": np.zeros((C, R), np.int64), "error": None}
+               "bytes": np.zeros((C, R), np.int64), "bits_down": np.zeros((C, R), np.int64), "error": None}
         states = np.full((C, R, self.d), np.nan) if need_states else None
         for r in range(R):
             try:
@@ -85,7 +87,7 @@ class RivalChains:
             for c, row in enumerate(rows):
                 out["n_active"][c, r], out["skipped"][c, r] = row["n_active"], row["skipped"]
                 out["bits_exact"][c, r], out["bits_bound"][c, r] = row["bits_exact"], row["bits_bound"]
-                out["bytes"][c, r] = row["bytes_payload"]
+                out["bytes"][c, r], out["bits_down"][c, r] = row["bytes_payload"], row["bits_down"]
             theta = self.theta
             if need_states:
                 states[:, r] = theta

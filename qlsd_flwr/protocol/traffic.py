@@ -1,0 +1,119 @@
+"""What the preparation sends and receives, counted by kind of exchange as it is made.
+
+Every engine hands :func:`qlsd_flwr.protocol.precondition.prepare` the same two ways to reach the clients
+(``grad_fn``, ``curv_fn``); :func:`counted` wraps them so that each exchange adds its code lengths to a
+:class:`Traffic`: a gradient exchange sends θ to each of the ``b`` clients (``64 d`` bits each) and gets
+``∇U_i(θ)`` back (``64 d``); a curvature exchange sends θ (and, for Hessian-vector products, the block's
+``k`` vectors, ``64 k d``) and gets each client's report as sent. The kinds (``PREP_KINDS`` of
+:mod:`qlsd_flwr.outputs.bits`) follow what the exchange is for: a gradient in the θ* descent is
+``descent``, in the power iteration for λ_max ``power_iteration``, in the warm-up of ``metric-from =
+adapt`` ``warmup``; a curvature report ``curvature``, a block of products ``products``; the claims at θ*
+``claims`` (:func:`count_claims`). The counts go into the preparation's facts (``prep_bits``, and the
+totals ``prep_exchanges``, ``prep_uplink_bits``, ``prep_downlink_bits``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+
+
+#: how the progress lines name each kind of exchange
+LABELS = {"descent": "θ* descent", "curvature": "curvature reports", "products": "Hessian-vector products",
+          "power_iteration": "power iteration (λ_max)", "warmup": "warm-up", "claims": "claims at θ*"}
+
+
+class Traffic:
+    """The preparation's exchanges so far, by kind; ``phase`` names what a gradient exchange is for.
+
+    ``say(line)``, when given, is told one line each time the kind of exchange changes (the run of
+    exchanges of one kind just ended, with its bits) and, from :meth:`summary`, what the whole
+    preparation cost: the progress of a preparation that may take minutes."""
+
+    def __init__(self, b: int, d: int, info: dict, say=None):
+        self.b, self.d, self.info, self.say = int(b), int(d), info, say
+        self.phase = "descent"
+        info.setdefault("prep_bits", {})
+        self._run = None  # [kind, exchanges, uplink, downlink] of the exchanges since the kind last changed
+        self._totals()
+
+    def add(self, kind: str, uplink: int, downlink: int) -> None:
+        """One exchange of ``kind`` with these code lengths (bits, all clients together)."""
+        row = self.info["prep_bits"].setdefault(kind, {"uplink": 0, "downlink": 0, "exchanges": 0})
+        row["uplink"] += int(uplink)
+        row["downlink"] += int(downlink)
+        row["exchanges"] += 1
+        self._totals()
+        if self._run is not None and self._run[0] != kind:
+            self._flush()
+        if self._run is None:
+            self._run = [kind, 0, 0, 0]
+        self._run[1] += 1
+        self._run[2] += int(uplink)
+        self._run[3] += int(downlink)
+
+    def _flush(self) -> None:
+        if self._run is not None and self.say is not None:
+            kind, n, up, down = self._run
+            self.say(f"  preparation · {LABELS.get(kind, kind)}: {n} exchange{'s' if n != 1 else ''}, "
+                     f"{up:.3g} bits up, {down:.3g} down")
+        self._run = None
+
+    def summary(self) -> None:
+        """The last run's line, then one line with what the preparation cost (nothing when it made no exchange)."""
+        self._flush()
+        rows = self.info["prep_bits"]
+        if self.say is None or not rows:
+            return
+        up, down = self.info["prep_uplink_bits"], self.info["prep_downlink_bits"]
+        parts = ", ".join(f"{LABELS[k]} {rows[k]['uplink'] + rows[k]['downlink']:.3g}" for k in LABELS if k in rows)
+        self.say(f"preparation: {self.info['prep_exchanges']} exchanges, {up:.3g} bits up + {down:.3g} down "
+                 f"= {up + down:.3g} ({parts}); summary.json 'bits'")
+
+    def _totals(self) -> None:
+        rows = self.info["prep_bits"].values()
+        self.info["prep_exchanges"] = sum(r["exchanges"] for r in rows)
+        self.info["prep_uplink_bits"] = sum(r["uplink"] for r in rows)
+        self.info["prep_downlink_bits"] = sum(r["downlink"] for r in rows)
+
+
+@contextlib.contextmanager
+def phase(fn, name: str):
+    """Within the block, gradient exchanges through ``fn`` (a :func:`counted` ``grad_fn``) count as ``name``
+    (one of ``PREP_KINDS``)."""
+    traffic = getattr(fn, "traffic", None)
+    if traffic is None:
+        yield
+        return
+    before, traffic.phase = traffic.phase, name
+    try:
+        yield
+    finally:
+        traffic.phase = before
+
+
+def counted(grad_fn, curv_fn, traffic: Traffic):
+    """``grad_fn`` and ``curv_fn`` adding each exchange to ``traffic`` (module docstring); ``None`` stays ``None``."""
+    b, d = traffic.b, traffic.d
+
+    def grad(th):  # counted when asked: a request that fails still went out
+        traffic.add(traffic.phase, 64 * d * b, 64 * d * b)
+        return grad_fn(th)
+
+    def curv(th, kind, vectors=None):
+        reports = curv_fn(th, kind, vectors) if vectors is not None else curv_fn(th, kind)
+        up = sum(8 * len(h) if isinstance(h, (bytes, bytearray)) else 64 * int(np.size(h)) for h in reports.values())
+        sent = 64 * d + (0 if vectors is None else 64 * int(np.size(vectors)))
+        traffic.add("products" if vectors is not None else "curvature", up, sent * b)
+        return reports
+
+    if grad_fn is not None:
+        grad.traffic = traffic
+    return (None if grad_fn is None else grad), (None if curv_fn is None else curv)
+
+
+def count_claims(info: dict, b: int, d: int) -> None:
+    """The claims at θ* (QLSD*, VR-FALD*, FSGLD): θ* to each client, its ``∇U_i(θ*)`` back."""
+    Traffic(b, d, info).add("claims", 64 * d * b, 64 * d * b)

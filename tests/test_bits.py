@@ -1,0 +1,102 @@
+"""Every bit counted (issue 37): ``summary.json``'s ``bits`` object adds up, the downlink is counted on every
+engine alike, and Flower's own message sizes wrap the code lengths.
+
+* The ``bits`` object is the sum of what ``metrics.csv`` (the sampling rounds, both ways), the preparation
+  (by kind of exchange), the LOO and the audit counted, and a gradient exchange of the preparation costs
+  exactly ``64 d`` bits a client each way.
+* The vectorised engine counts the QLSD family's downlink without a protocol server
+  (:class:`qlsd_flwr.protocol.downlink.SamplingDownlink`); round by round it must be what the server's
+  ``fields_for`` sends on the local engine and in-process Flower (θ_k to each active client, the anchor
+  when the client's copy is stale), on both backends.
+* In-process Flower: each round's Flower messages are at least their code length and at most a few KiB of
+  framing a message longer, both ways.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import numpy as np
+import pytest
+
+from qlsd_flwr.config import resolve
+from qlsd_flwr.engines.local import run_local
+from qlsd_flwr.engines.vectorised import run_vectorised
+from qlsd_flwr.run.simulate import run_inprocess
+
+#: per message: Flower's records, metadata and the client's settings (sent with its first message)
+FRAMING_BYTES = 4096
+
+
+def _rows(run_dir) -> list[dict]:
+    with open(run_dir / "metrics.csv", newline="") as f:
+        return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
+def _column(run_dir, name) -> list[int]:
+    return [int(r[name]) for r in _rows(run_dir)]
+
+
+def test_the_bits_object_adds_up_phase_by_phase(tmp_path, capsys):
+    # softmax regression: the θ* descent, the curvature, the power iteration, then sampling and the LOO
+    o = {"task": "logistic", "dataset": "breast_cancer", "num-clients": 4, "prior-var": 0.05, "variant": "qlsd-pp",
+         "metric": "diagonal", "gamma": "auto", "num-rounds": 30, "burn-in": 10, "output-dir": str(tmp_path),
+         "run-name": "r", "progress": True, "plot": False, "loo": "psis", "p": "0.5,1,0.7,0.9", "l": 5}
+    res = run_local(resolve(o))
+    s = json.loads((res.run_dir / "summary.json").read_text())
+    bits, d, b = s["bits"], s["d"], 4
+    assert bits["total"] == sum(bits["uplink"].values()) + sum(bits["downlink"].values())
+    rows = _rows(res.run_dir)
+    assert bits["uplink"]["sampling"] == sum(int(r["bits_exact"]) for r in rows) > 0
+    assert bits["downlink"]["sampling"] == sum(int(r["bits_down"]) for r in rows) > 0
+    prep = bits["preparation"]
+    assert {"descent", "curvature", "power_iteration"} <= set(prep)
+    assert bits["uplink"]["preparation"] == sum(k["uplink"] for k in prep.values()) == s["prep_uplink_bits"]
+    assert bits["downlink"]["preparation"] == sum(k["downlink"] for k in prep.values()) == s["prep_downlink_bits"]
+    for kind in ("descent", "power_iteration"):  # θ down and ∇U_i(θ) up, 64 bits a number, each client
+        assert prep[kind]["uplink"] == prep[kind]["downlink"] == 64 * d * b * prep[kind]["exchanges"] > 0
+    assert prep["curvature"]["uplink"] == 64 * d * b * prep["curvature"]["exchanges"]  # a diagonal a client
+    assert (bits["uplink"]["loo"], bits["downlink"]["loo"]) == (s["loo"]["bits_up"], s["loo"]["bits_down"]) != (0, 0)
+    assert bits["uplink"]["other"] == bits["downlink"]["other"] == 0
+    # every round θ to each active client, and ζ to those whose copy is stale: at least 64 d a message
+    assert all(r["bits_down"] >= 64 * d * r["n_active"] for r in rows)
+    err = capsys.readouterr().err
+    assert "preparation · θ* descent:" in err and "preparation · power iteration (λ_max):" in err
+    assert f"preparation: {s['prep_exchanges']} exchanges" in err
+
+
+@pytest.mark.parametrize("variant", ["qlsd-pp", "qlsd-star", "qlsd"])
+def test_the_vectorised_engines_downlink_is_what_the_protocol_server_sends(variant, tmp_path):
+    o = {"task": "gaussian", "num-clients": 5, "dim": 6, "num-rounds": 40, "burn-in": 10, "variant": variant, "l": 7,
+         "p": "0.5,0.7,0.9,0.3,1", "output-dir": str(tmp_path), "progress": False, "plot": False, "seed": 3,
+         "loo": "off", "norm-bound": "off", "num-chains": 3}
+    ref = run_inprocess(resolve({**o, "run-name": "flower", "engine": "inprocess"}),
+                        {**o, "run-name": "flower", "engine": "inprocess"}, shuffle_seed=4)
+    want = _column(ref.run_dir, "bits_down")
+    for backend in ("numpy", "numba"):
+        v = run_vectorised(resolve({**o, "run-name": backend, "engine": "vectorised"}), backend=backend)
+        assert _column(v.run_dir, "bits_down") == want, backend
+    one = run_local(resolve({**o, "num-chains": 1, "run-name": "local"}))
+    alone = run_vectorised(resolve({**o, "num-chains": 1, "run-name": "alone", "engine": "vectorised"}))
+    assert _column(one.run_dir, "bits_down") == _column(alone.run_dir, "bits_down")
+    if variant == "qlsd":  # no anchor: θ to each active (chain, client) pair, nothing else
+        assert want == [64 * 6 * n for n in _column(ref.run_dir, "n_active")]
+    else:  # the anchor travels too, but not every round
+        extra = np.array(want) - 64 * 6 * np.array(_column(ref.run_dir, "n_active"))
+        assert extra.min() == 0 and extra.max() > 0
+
+
+def test_flowers_messages_wrap_the_code_lengths_both_ways(tmp_path):
+    # QLSD: no anchor, so no message carries two equal arrays (Flower sends an object once a message, and a
+    # refresh round's ζ equals θ: there the bytes can be fewer than the code length counts)
+    o = {"task": "gaussian", "num-clients": 5, "dim": 300, "num-rounds": 12, "burn-in": 2, "variant": "qlsd",
+         "p": "0.5,0.7,0.9,0.3,1", "output-dir": str(tmp_path), "progress": False, "plot": False, "seed": 3,
+         "loo": "off", "num-chains": 2, "run-name": "r", "engine": "inprocess"}
+    res = run_inprocess(resolve(o), o, shuffle_seed=2)
+    for r in _rows(res.run_dir):
+        down, up = r["bytes_message_down"] - r["bits_down"] / 8, r["bytes_message"] - r["bits_exact"] / 8
+        assert 0 < down <= FRAMING_BYTES * r["n_active"], r
+        assert 0 < up <= FRAMING_BYTES * r["n_replied"], r
+    s = json.loads((res.run_dir / "summary.json").read_text())
+    assert s["bits"]["total"] == s["totals"]["bits_exact"] + s["totals"]["bits_down"]
