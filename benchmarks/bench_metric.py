@@ -151,16 +151,22 @@ def run_regressions(out: Path) -> dict:
         # LSD++ (minibatches, SVRG anchors, no compression) with each metric, then QLSD++ with QSGD: its
         # noise scales with the message's norm, which the stiff coordinates set, and M multiplies it
         # where the target is flat
-        for variant, metric, init in few((("lsd-pp", "identity", "dispersed"), ("lsd-pp", "identity", "theta0"),
-                                          ("lsd-pp", "diagonal", "dispersed"), ("lsd-pp", "dense", "dispersed"),
-                                          ("qlsd-pp", "dense", "dispersed"))):
-            cfg = resolve({"task": "gaussian", "num-clients": task.b, "dim": task.dim, "variant": variant, "s": "64",
+        # compression-basis = metric (issue 37): the same QLSD++ runs with each client quantising Sᵀ H_i
+        for variant, metric, init, s, basis in few((
+                ("lsd-pp", "identity", "dispersed", 64, "theta"), ("lsd-pp", "identity", "theta0", 64, "theta"),
+                ("lsd-pp", "diagonal", "dispersed", 64, "theta"), ("lsd-pp", "dense", "dispersed", 64, "theta"),
+                ("qlsd-pp", "dense", "dispersed", 64, "theta"), ("qlsd-pp", "dense", "dispersed", 64, "metric"),
+                ("qlsd-pp", "dense", "dispersed", 16, "theta"), ("qlsd-pp", "dense", "dispersed", 16, "metric"))):
+            cfg = resolve({"task": "gaussian", "num-clients": task.b, "dim": task.dim, "variant": variant, "s": str(s),
+                           "compression-basis": basis,
                            "l": 20, "batch-fraction": 0.2, "metric": metric, "gamma": "auto", "init": init,
                            "num-chains": 4, "num-rounds": K, "burn-in": burn, "theta-star": "optimise",
                            "opt-rounds": small(5000, 100), "opt-accept-unconverged": True, "seed": 3, "progress": False,
                            "vectorised-backend": "numpy"})
             t = time.perf_counter()
-            key = f"{variant}{' s=64' if variant == 'qlsd-pp' else ''}, {metric}, init = {init}"
+            key = (f"{variant}{f' s={s}' if variant == 'qlsd-pp' else ''}"
+                   f"{' (compression-basis = metric)' if basis == 'metric' and variant == 'qlsd-pp' else ''}, {metric}, "
+                   f"init = {init}")
             try:
                 res = run_vectorised(cfg, task=task, write=False, keep_trace=True)
             except DivergenceError as exc:

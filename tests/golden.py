@@ -40,13 +40,15 @@ SAMPLERS = {
     "fsgld": {"variant": "fsgld", "local-steps": 2, "compressor": "qsgd", "s": "8"},
 }
 METRICS = {  # (sampler, extra keys)
-    "qlsd-pp-diagonal-auto": ("qlsd-pp", {"metric": "diagonal", "gamma": "auto"}),
+    # recorded before compression-basis existed: the paper's basis, as then (issue 37 made metric the default)
+    "qlsd-pp-diagonal-auto": ("qlsd-pp", {"metric": "diagonal", "gamma": "auto", "compression-basis": "theta"}),
     "lsd-pp-dense": ("lsd-pp", {"metric": "dense", "dim": 8}),
     "lsd-star-diagonal-rank": ("lsd-star", {"metric": "diagonal", "metric-rank": 2, "dim": 8}),
     "fald-dense": ("fald", {"metric": "dense", "dim": 8}),
     "dg-lmc-dense": ("dg-lmc", {"metric": "dense"}),
     "fsgld-diagonal-rank": ("fsgld", {"metric": "diagonal", "metric-rank": 2, "dim": 8}),
-    "qlsd-pp-logistic-kron": ("qlsd-pp", {"task": "logistic", "metric": "kronecker", "gamma": "auto", "num-rounds": 15}),
+    "qlsd-pp-logistic-kron": ("qlsd-pp", {"task": "logistic", "metric": "kronecker", "gamma": "auto", "num-rounds": 15,
+                                          "compression-basis": "theta"}),
     "vr-fald-star-logistic-kron": ("vr-fald-star", {"task": "logistic", "metric": "kronecker", "gamma": "auto",
                                                     "num-rounds": 15}),
 }

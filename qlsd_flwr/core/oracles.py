@@ -66,6 +66,11 @@ class ClientSpec:
         """The estimator's label (``full``, ``svrg``, ...), as the client settings carry it."""
         return self.kind.name
 
+    @property
+    def whitened(self) -> bool:
+        """``compression-basis = metric``: the client quantises ``Sᵀ H_i`` (``M = S Sᵀ``, sent by the server)."""
+        return self.metric == "sent" and not self.kind.local
+
 
 @dataclass
 class ClientState:
@@ -214,7 +219,8 @@ def client_round(spec: ClientSpec, pot: LocalPotential, state: ClientState, seed
     DG-LMC's ``z_i'``, ...), then :func:`compress_round`. Updates ``state.eta`` in place when memory is on.
     The caller encodes the message. ``local``: the round's numbers of the local-step samplers.
     """
-    return compress_round(spec, state, seed, round_, spec.kind.message(spec, pot, state, seed, round_, theta, local))
+    h = spec.kind.message(spec, pot, state, seed, round_, theta, local)
+    return compress_round(spec, state, seed, round_, state.metric.apply_root_t(h) if spec.whitened else h)
 
 
 def client_rounds(spec: ClientSpec, pot: LocalPotential, states: list[ClientState], seeds: list[int],
@@ -233,6 +239,8 @@ def client_rounds(spec: ClientSpec, pot: LocalPotential, states: list[ClientStat
     anchor = np.stack([st.anchor for st in states]) if kind.control_variate else None
     anchor_grad = np.stack([st.anchor_grad for st in states]) if kind.cv_zeta else None
     h = oracle_batch(spec, pot, thetas, idx, anchor, anchor_grad)
+    if spec.whitened:  # each chain's Sᵀ H_i (the same M in every chain's state)
+        h = np.stack([st.metric.apply_root_t(h_c) for st, h_c in zip(states, h)])
     return [compress_round(spec, st, s, round_, h_c) for st, s, h_c in zip(states, seeds, h)]
 
 

@@ -75,6 +75,9 @@ class ServerSpec:
     # DG-LMC (oracle dglmc): 1/ρ_i of the clients kept (0 for one excluded), the exact θ | z draw's couplings
     coupling: np.ndarray | None = None
     spectrum: Any = None  # DG-LMC with a metric: M in its eigenbasis (core.dglmc.Spectrum)
+    # compression-basis = metric: the replies, the memory and the step's g are in the metric's coordinates
+    # φ = S⁻¹ θ (M = S Sᵀ): the server applies S (langevin_step)
+    whitened: bool = False
 
     @property
     def oracle(self) -> str:
@@ -156,11 +159,14 @@ def langevin_step(spec: ServerSpec, st: ServerState, seed, g_hat: np.ndarray,
         st.eta = st.eta_i.sum(axis=-2)
     pt = prior_term(spec, st.theta)
     if pt is not None:
-        g = g + pt
+        g = g + (spec.metric.apply_root_t(pt) if spec.whitened else pt)
     if spec.offset is not None:
-        g = g + spec.offset
+        g = g + (spec.metric.apply_root_t(spec.offset) if spec.whitened else spec.offset)
     z = rng.normal(seed, rng.Stream.NOISE, k, 0, st.theta.shape[-1])
-    if spec.plain:
+    if spec.whitened:  # g is Sᵀ ∇U's estimate: θ − γ S g + √(2γT) S z, the metric's step in θ's coordinates
+        new = st.theta - spec.gamma * spec.metric.apply_root(g) \
+            + np.sqrt(2.0 * spec.gamma * spec.temperature) * spec.metric.apply_root(z)
+    elif spec.plain:
         new = st.theta - spec.gamma * g + np.sqrt(2.0 * spec.gamma) * z
     else:
         new = st.theta - spec.gamma * spec.metric.apply(g) \

@@ -161,6 +161,13 @@ def minibatch_size(fraction: float, n_data: int) -> int:
     return max(1, int(np.floor(n_data * fraction)))
 
 
+def whitens(cfg: RunConfig) -> bool:
+    """``compression-basis = metric`` on a run it applies to: the QLSD family's compressed messages with a
+    metric (or a low-rank correction) quantised in the metric's coordinates (docs/METRIC.md)."""
+    return (cfg.get("compression-basis") == "metric" and cfg.compressed and not cfg.kind.local
+            and (cfg.metric != "identity" or int(cfg.get("metric-rank") or 0) > 0))
+
+
 def client_settings(cfg: RunConfig, i: int, d: int, prior: GaussianPrior, blocks=None) -> dict:
     """What client ``i`` needs to compute its message, as plain scalars (the server sends them
     with every message, so that a client needs no run config of its own): the oracle, QSGD's
@@ -178,6 +185,8 @@ def client_settings(cfg: RunConfig, i: int, d: int, prior: GaussianPrior, blocks
         "prior_mean": float(getattr(prior, "mean", 0.0)),
         "prior_weight": (1.0 / cfg.b) if cfg.prior_on == "clients" else 0.0,
         "seed": int(cfg.seed),
+        # compression-basis = metric: M travels to the clients (protocol.metric_sent), which quantise Sᵀ H_i
+        **({"metric": "sent"} if whitens(cfg) else {}),
         # FALD, VR-FALD*: K local steps, the common share τ of the noise and T (0, 0, 1 for the others)
         **({"local_steps": int(cfg.get("local-steps")), "tau": float(cfg.get("tau")),
             "temperature": float(cfg.temperature),
@@ -216,7 +225,7 @@ def client_spec_from_settings(settings: dict, i: int, n_data: int, d: int) -> tu
               "blocks": blocks is None or (all(x > 0 for x in blocks) and sum(blocks) == d),
               "local_steps": (1 <= steps <= 10**5) if local else steps == 0,
               "tau": 0.0 <= tau <= 1.0, "temperature": 0.0 < temperature <= 1e6,
-              "metric": metric in ("identity", "sent") and (metric == "identity" or local)}
+              "metric": metric in ("identity", "sent") and (metric == "identity" or local or s > 0)}
     if bad := [k for k, ok in checks.items() if not ok]:
         raise ValueError(f"client settings: bad value for {', '.join(bad)}")
     compressor = QSGD(s=s, blocks=blocks, encoding=encoding) if s else Identity()
@@ -247,6 +256,7 @@ def server_spec(cfg: RunConfig, task: Task, theta_star: np.ndarray | None, block
         alpha=alphas(cfg, task.dim, blocks), l=cfg.l, kind=cfg.kind, prior=task.prior,
         prior_on_server=(cfg.prior_on == "server"), theta_star=theta_star,
         metric=metric, temperature=float(cfg.temperature), spectrum=spectrum,
+        whitened=whitens(cfg) and not metric.is_identity,
     )
 
 

@@ -56,6 +56,15 @@ class ThetaStarClaims:
             raise CheckpointError(f"checkpoint: 'claims' must be {b} × {d} numbers with a {d}-vector 'claims_total'")
         return cls(c, t)
 
+    def base(self, spec) -> np.ndarray:
+        """The claims as the norm guard adds them to a reply: ``c_i``, or ``Sᵀ c_i`` when the replies are in the
+        metric's coordinates (``compression-basis = metric``; computed once)."""
+        if not getattr(spec, "whitened", False):
+            return self.claims
+        if getattr(self, "_whitened", None) is None:
+            self._whitened = spec.metric.apply_root_t(self.claims)
+        return self._whitened
+
     def arrays(self) -> dict:
         """For checkpoints."""
         return {"claims": self.claims, "claims_total": self.total}

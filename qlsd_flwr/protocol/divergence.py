@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import math
 
 import numpy as np
 
 from qlsd_flwr.compression.format import QuantiseError
+
+log = logging.getLogger("qlsd_flwr")
 
 
 class DivergenceError(ValueError):
@@ -21,6 +24,21 @@ def is_overflow(reason) -> bool:
     """Whether an error (or a client's error reply) says the message could not be formed
     because the gradient overflowed or is not finite."""
     return any(m in str(reason) for m in _OVERFLOW)
+
+
+def stop_server(server, round_: int, why: str = "θ is not finite", stable: float | None = None) -> None:
+    """Stop ``server``'s observer (samples up to the last finite θ) and raise :class:`DivergenceError` naming
+    the round (``err.why``: the cause, which a several-chain run words its own message with)."""
+    obs = server.observer
+    msg = divergence_message(round_, server.cfg.gamma, obs.run_dir if obs is not None else None,
+                             obs.last_checkpoint if obs is not None else None, why=why, stable=stable)
+    log.error(msg)
+    if obs is not None:
+        server.ts_info = {**server.ts_info, "diverged_at_round": round_, "error": msg}
+        server.finish()  # the observer closes its folder (samples up to round_ - 1), keeps run_dir
+    err = DivergenceError(msg)
+    err.why = why
+    raise err
 
 
 def divergence_message(round_: int, gamma: float, run_dir=None, last_checkpoint: int | None = None,

@@ -30,9 +30,10 @@ import numpy as np
 
 from qlsd_flwr.config import ConfigError
 from qlsd_flwr.core import dglmc, fald, fsgld
+from qlsd_flwr.protocol import metric_sent
 from qlsd_flwr.protocol import build
 from qlsd_flwr.protocol.claims import ThetaStarClaims
-from qlsd_flwr.protocol.wire import ReplyError, gradient_of, metric_to_bytes
+from qlsd_flwr.protocol.wire import ReplyError, gradient_of
 
 #: ``rho = auto``: ``ρ = RHO_AUTO · γ``
 RHO_AUTO = 0.1
@@ -62,7 +63,7 @@ def start(server, prep=None) -> None:
     preparation gathered (``prep.surrogate``). FALD's, VR-FALD*'s and FSGLD's local steps take any metric
     (identity, diagonal, dense, Kronecker, with or without ``metric-rank``'s correction); DG-LMC's
     coupling any but a low-rank corrected one."""
-    _set_metric(server, ConfigError)
+    metric_sent.setup(server, ConfigError)
     kind = server.cfg.kind
     if kind.surrogate:
         if prep is None or prep.surrogate is None:
@@ -76,21 +77,6 @@ def start(server, prep=None) -> None:
     st.eta_i[...] = st.theta
     st.eta = st.eta_i.sum(axis=-2)
     server.needs_resync[:] = True
-
-
-def _set_metric(server, error) -> None:
-    """The local steps' metric as it travels (sent with each client's first message and after a resync:
-    a started or restored server has sent it to no client yet); DG-LMC's may not carry a low-rank
-    correction (``error`` naming the key)."""
-    metric = server.spec.metric
-    if server.cfg.kind.coupled and metric.low is not None:
-        raise error(f"metric-rank: {server.cfg.variant}'s exact θ | z draw takes its metric in the metric's own "
-                    "eigenbasis, which a low-rank correction changes; allowed: metric-rank = 0")
-    server._metric_sent = set()
-    # sent whenever the clients' settings say so: a metric-rank whose correction found no direction leaves
-    # the identity, sent as empty bytes (a client told to expect M would otherwise answer resync forever)
-    sent = server.settings[0].get("metric", "identity") != "identity"
-    server._metric_bytes = metric_to_bytes(metric) if sent or not metric.is_identity else None
 
 
 def begin_round(server) -> None:
@@ -147,9 +133,7 @@ def add_fields(server, i: int, fields: dict) -> None:
     fields["local"] = server._local[i]
     if server._fresh:
         fields["refresh"] = 1
-    if server._metric_bytes is not None and (i not in server._metric_sent or server.needs_resync[i]):
-        fields["metric"] = server._metric_bytes
-        server._metric_sent.add(i)
+    metric_sent.add(server, i, fields)
     if "anchor" in fields and server.cfg.kind.at_theta_star:
         if server.claims is None:
             raise ConfigError(f"{server.cfg.variant}: the clients' ∇U_i(θ*) were not gathered before sampling "
@@ -269,7 +253,7 @@ def restore(server, a: dict) -> None:
     chain's VR-FALD* refresh counts and FSGLD's surrogates; :class:`CheckpointError` naming the field."""
     from qlsd_flwr.outputs.checkpoint import CheckpointError
 
-    _set_metric(server, CheckpointError)
+    metric_sent.setup(server, CheckpointError)
     server.ts_info = {k: v for k, v in server.ts_info.items() if k != "reference_refresh"}  # this chain's, below
     if _refreshing(server):
         c = a.get("reference_refresh")

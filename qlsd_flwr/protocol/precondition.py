@@ -43,6 +43,7 @@ from qlsd_flwr.protocol.curvature_exchange import (
 from qlsd_flwr.protocol.theta_star import closed_form_theta_star, needs_theta_star, optimise_theta_star, resolve_theta_star
 from qlsd_flwr.outputs.metric_file import metric_from_file  # the one file the preparation reads
 from qlsd_flwr.outputs.progress import announce
+from qlsd_flwr.protocol import build
 from qlsd_flwr.protocol.traffic import Traffic, counted, phase
 
 log = logging.getLogger("qlsd_flwr")
@@ -186,11 +187,11 @@ def prepare(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | No
         metric = lowrank_correction(cfg, task, point, curv_fn, n_data, metric, info)
     spread = metric.spread()
     info["metric_spread"] = spread
-    if cfg.compressed and spread > cv.COMPRESSED_SPREAD_WARN:
-        log.warning("metric: its scales span %s%.3g (above %.0e) and the messages are QSGD-compressed: the compression "
-                    "noise, set by each message's norm, is multiplied by M in the flat directions and biases the "
-                    "chain there (measured: sd up to 5.7× on a regression with spread 2e6); use an uncompressed "
-                    "variant (lsd-pp, lsd-star), a larger s, or check against a reference (docs/METRIC.md)",
+    if cfg.compressed and spread > cv.COMPRESSED_SPREAD_WARN and not build.whitens(cfg) and not cfg.kind.local:
+        log.warning("metric: its scales span %s%.3g (above %.0e) and the messages are QSGD-compressed in θ's "
+                    "coordinates (compression-basis = theta): the compression noise, set by each message's norm, is "
+                    "multiplied by M in the flat directions and biases the chain there (measured: sd up to 59× on a "
+                    "regression with spread 2e6 at s = 16); use compression-basis = metric (docs/METRIC.md)",
                     "up to " if metric.low is not None else "", spread, cv.COMPRESSED_SPREAD_WARN)
     # 3. the step
     gamma = _step(cfg, grad_fn, point, metric, info, quiet=adapts(cfg))  # announced once, after the warm-up

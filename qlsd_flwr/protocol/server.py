@@ -28,9 +28,8 @@ from qlsd_flwr.core import participation
 from qlsd_flwr.core import server_step as sampler
 from qlsd_flwr.core.metric import Identity
 from qlsd_flwr.core.potential import GaussianPrior, Task
-from qlsd_flwr.protocol import build, local_chains, memory_audit, precondition, snapshot
-from qlsd_flwr.protocol.divergence import (RUNAWAY_FACTOR, RUNAWAY_WINDOW, DivergenceError, divergence_message,
-                                           is_overflow, runaway_scale, runaway_why)
+from qlsd_flwr.protocol import build, local_chains, memory_audit, metric_sent, precondition, snapshot
+from qlsd_flwr.protocol.divergence import RUNAWAY_FACTOR, RUNAWAY_WINDOW, is_overflow, runaway_scale, runaway_why, stop_server
 from qlsd_flwr.protocol.precondition import Prepared
 from qlsd_flwr.robust.norm_guard import NormGuard
 from qlsd_flwr.protocol.claims import ThetaStarClaims
@@ -113,6 +112,8 @@ class QLSDServer:
         self.state = sampler.init_state(self.spec, build.theta0_of(self.task) if theta0 is None else theta0)
         if self.local:  # DG-LMC's z_i start at the chain's θ_0; FSGLD's surrogates (protocol.local_chains)
             local_chains.start(self, prep)
+        elif metric_sent.wanted(self):  # compression-basis = metric: the clients quantise Sᵀ H_i
+            metric_sent.setup(self)
         self._set_scale()
 
     def wants_claims(self) -> bool:
@@ -187,6 +188,8 @@ class QLSDServer:
             fields["eta"] = st.eta_i[i]
         if self.local:
             local_chains.add_fields(self, i, fields)
+        else:
+            metric_sent.add(self, i, fields)
         self._row["bits_down"] += payload_bits(fields)  # the downlink's code length (metrics.csv)
         return fields
 
@@ -253,7 +256,7 @@ class QLSDServer:
         which the counters catch (a ``resync`` next time)."""
         # what a reply makes of client i's gradient estimate: ĝ_i itself, η_i + ĝ_i with memory, c_i + ĝ_i
         # for QLSD* (differences, whose norms span orders of magnitude; with c_i a lie told everywhere is seen)
-        base = self.state.eta_i if self.spec.memory else self.claims.claims if self.claims is not None else None
+        base = self.state.eta_i if self.spec.memory else self.claims.base(self.spec) if self.claims is not None else None
         given = None  # FSGLD: the server's prediction of an honest reply's scale (protocol.local_chains)
         if self.local:  # FALD's w_i Δ_i, DG-LMC's pull on θ, FSGLD's f_s Δ_s
             norms, given = local_chains.reply_norms(self, self._pending)
@@ -347,18 +350,7 @@ class QLSDServer:
         self._diverged(round_, runaway_why(size, self._scale, self._recent))
 
     def _diverged(self, round_: int, why: str = "θ is not finite") -> None:
-        """Stop the observer (samples up to the last finite θ) and raise DivergenceError."""
-        obs = self.observer
-        msg = divergence_message(round_, self.cfg.gamma, obs.run_dir if obs is not None else None,
-                                 obs.last_checkpoint if obs is not None else None, why=why,
-                                 stable=build.stable_gamma(self.task, self.ts_info))
-        log.error(msg)
-        if obs is not None:
-            self.ts_info = {**self.ts_info, "diverged_at_round": round_, "error": msg}
-            self.finish()  # the observer closes its folder (samples up to round_ - 1), keeps run_dir
-        err = DivergenceError(msg)
-        err.why = why  # a several-chain run (protocol.chains) words its own message with it
-        raise err
+        stop_server(self, round_, why, build.stable_gamma(self.task, self.ts_info))  # raises DivergenceError
 
     def stop(self, why: BaseException | str) -> None:
         """Close the outputs of a run stopped before its end (Ctrl-C, SIGTERM, an error): the folder holds every

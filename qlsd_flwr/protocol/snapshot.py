@@ -12,7 +12,7 @@ from qlsd_flwr.config import ConfigError, RunConfig
 from qlsd_flwr.core import server_step as sampler
 from qlsd_flwr.core.metric import Identity, from_array, to_array
 from qlsd_flwr.outputs.checkpoint import CheckpointError
-from qlsd_flwr.protocol import build, local_chains
+from qlsd_flwr.protocol import build, local_chains, metric_sent
 from qlsd_flwr.protocol.claims import ThetaStarClaims
 from qlsd_flwr.robust.norm_guard import GuardStateError
 
@@ -69,6 +69,8 @@ def restore(server, meta: dict, a: dict) -> None:
     server.claims = ThetaStarClaims.restored(a, cfg.b, server.d)
     if server.local:  # the rivals: the metric as it travels, FSGLD's surrogates
         local_chains.restore(server, a)
+    elif metric_sent.wanted(server):  # compression-basis = metric
+        metric_sent.setup(server, CheckpointError)
     server._set_offset()
     server.rejected = dict(meta["rejected"])
     server.missed_rounds = {int(i): list(r) for i, r in meta["missed_rounds"].items()}

@@ -69,6 +69,7 @@ def untempered(sampler: Sampler, s: Settings) -> None:
 SAMPLERS = (
     Sampler("dg-lmc", "DG-LMC", DGLMC, compressed=False, memory=True,
             reference="Plassier, Vono, Durmus & Moulines, ICML 2021; docs/RIVALS.md",
-            not_applicable=frozenset({"batch-fraction", "l", "alpha", "prior-on", "tau", "aggregation", "q"}),
+            not_applicable=frozenset({"batch-fraction", "l", "alpha", "prior-on", "tau", "aggregation", "q",
+                                      "compression-basis"}),
             checks=(no_low_rank, untempered)),
 )

@@ -233,6 +233,8 @@ class NumpyGeneric:
             h[rows, i] = oracle_batch(si, pot, st.theta[rows], None if idx is None else idx[rows],
                                       st.zeta[rows] if si.kind.cv_zeta else self.theta_star,
                                       None if ag is None else ag[rows, i])
+        if self.spec.whitened:  # compression-basis = metric: each row's Sᵀ H_i, as its client computes it
+            h = self.spec.metric.apply_root_t(h.reshape(-1, d)).reshape(h.shape)
         if cfg.memory:
             h = np.where(active[:, :, None], h - st.eta_i, 0.0)  # send C(H_i − η_i)
         g_hat = np.zeros((nc, b, d))
@@ -314,6 +316,8 @@ class NumpyGeneric:
                     h[c] = oracle(si, pot, self.states[c][i], st.theta[c], None if idx is None else idx[c])
                 else:  # a message the QLSD family's H_i does not compute: the sampler's own
                     h[c] = si.kind.message(si, pot, self.states[c][i], int(seeds[c]), k, st.theta[c], None)
+            if self.spec.whitened:
+                h = self.spec.metric.apply_root_t(h)
             if si.memory:
                 h = h - st.eta_i[:, i]
             comp = si.compressor
