@@ -69,7 +69,13 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--only", default="", help="rerun only the samplers whose name holds this text; the other "
                                                 "rows are kept from the file at --out (same task and rounds)")
+    ap.add_argument("--replot", action="store_true", help="redraw the figure from the recorded file at --out "
+                                                           "(no run)")
     a = ap.parse_args()
+    if a.replot:
+        recorded = Path(a.out or f"benchmarks/rivals_{a.task}.json")  # read where it lies; a smoke run writes elsewhere
+        plot(json.loads(recorded.read_text()), Path(smoke_out(str(recorded))).with_suffix(".png"))
+        return
     out_path = smoke_out(a.out or f"benchmarks/rivals_{a.task}.json")
     global ONLY, RECORDED
     ONLY = a.only
@@ -358,8 +364,14 @@ def logistic(R: int, path: Path) -> None:
     bench.save(path)
 
 
+def total_bits(sampler: dict, row: dict) -> float:
+    """Both ways, one chain, all clients: the row's uplink (its one-time part included), its downlink, and
+    the downlink sent once (θ*, ∇U(θ*), the surrogates)."""
+    return row["uplink_bits"] + row.get("downlink_bits", 0.0) + sampler.get("once_downlink_bits", 0.0)
+
+
 def plot(out: dict, path: Path) -> None:
-    """Error against uplink bits, one line per sampler (the issue's figure)."""
+    """Error against total bits (uplink and downlink, the one-time exchanges included), one line per sampler."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -369,7 +381,7 @@ def plot(out: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     colours = plt.get_cmap("tab20").colors  # one colour a sampler (12 of them), markers by family
     for j, (name, s) in enumerate(out["samplers"].items()):
-        x = [max(r["uplink_bits"], 1.0) for r in s["rows"]]
+        x = [max(total_bits(s, r), 1.0) for r in s["rows"]]
         style = {"color": colours[(2 * j) % 20 if j < 10 else (2 * j + 1) % 20], "label": name,
                  "marker": "s" if "QLSD" in name or "LSD" in name else "^" if "FALD" in name else "o",
                  "linestyle": "--" if "QSGD" in name or "s = 16" in name else "-"}
@@ -384,12 +396,12 @@ def plot(out: dict, path: Path) -> None:
     for ax, what in zip(axes, names):
         ax.set_xscale("log")
         ax.set_yscale("log")
-        ax.set_xlabel("uplink bits (all clients, one chain)")
+        ax.set_xlabel("total bits, uplink + downlink (all clients, one chain)")
         ax.set_ylabel(what)
         ax.grid(True, which="both", alpha=0.3)
     axes[1].legend(loc="center left", bbox_to_anchor=(1.02, 0.5), fontsize=8)
-    zero = any(r["uplink_bits"] == 0 for s in out["samplers"].values() for r in s["rows"])
-    fig.suptitle(f"{out['task']}: error against uplink bits ({out['chains']} chains"
+    zero = any(total_bits(s, r) == 0 for s in out["samplers"].values() for r in s["rows"])
+    fig.suptitle(f"{out['task']}: error against total bits, both ways ({out['chains']} chains"
                  + ("; the centralised chain sends nothing: drawn at 1 bit)" if zero else ")"))
     fig.tight_layout()
     fig.savefig(path, dpi=110)

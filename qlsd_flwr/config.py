@@ -140,8 +140,9 @@ def not_applicable(raw: dict) -> set[str]:
     out |= (named or samplers.SAMPLERS["qlsd-pp"]).not_applicable
     if metric in ("identity",) or metric.endswith(".npy"):
         out.add("metric-from")
-    if metric == "identity" and str(raw.get("metric-rank", 0)).strip() in ("0", ""):
-        out.add("compression-basis")  # no metric: the two bases are one
+    if (metric == "identity" and str(raw.get("metric-rank", 0)).strip() in ("0", "")) or \
+            (named is not None and named.estimator.local):
+        out.add("compression-basis")  # no metric, the two bases are one; the rivals' messages are their local steps
     if "metric-from" in out or str(raw.get("metric-from", "curvature")).strip().lower() != "adapt":
         out.add("adapt-rounds")
     if str(raw.get("gamma", "")).lower() != "auto":
@@ -253,7 +254,7 @@ def resolve(overrides: Mapping[str, Any] | None = None) -> RunConfig:
     compressor = _choice("compressor", str(raw["compressor"]).strip().lower(), ("auto", "qsgd", "identity"))
     if compressor != "auto":  # qsgd: any variant's messages QSGD-coded (the rivals' too); identity: none
         compressed = compressor == "qsgd"
-    raw["compression-basis"] = _choice("compression-basis", raw["compression-basis"], ("theta", "metric"))
+    raw["compression-basis"] = _choice("compression-basis", raw["compression-basis"], ("auto", "metric", "theta"))
     theta_star = _choice("theta-star", raw["theta-star"], ("closed-form", "optimise"))
     raw["vectorised-backend"] = _choice("vectorised-backend", raw["vectorised-backend"], ("auto", "numba", "numpy"))
     raw["resume"] = v["resume"]

@@ -165,11 +165,13 @@ KEYS: tuple[Key, ...] = (
     Key("compressor", "auto", "choice", "the uplink compressor: auto (the variant's: QSGD for the QLSD family, "
         "none for LSD, SGLD, FALD, VR-FALD*), qsgd (any variant's messages QSGD-coded), identity (none)", "C",
         choices=("auto", "qsgd", "identity"), group=SAMPLER),
-    Key("compression-basis", "metric", "choice", "the coordinates a compressed message is quantised in: metric "
+    Key("compression-basis", "auto", "choice", "the coordinates a compressed message is quantised in: metric "
         "(C(Sᵀ H_i − η_i) with M = S Sᵀ, the server applying S, so that the compression's noise takes M's shape as "
-        "the Langevin noise does; M travels to the clients once) or theta (the paper's C(H_i − η_i), whose noise M "
-        "multiplies in the flat directions). The QLSD family with a metric; without one the two are the same "
-        "(docs/METRIC.md)", "", choices=("metric", "theta"), group=SAMPLER),
+        "the Langevin noise does; M travels to the clients once and stays in their state), theta (the paper's "
+        "C(H_i − η_i), whose noise M multiplies in the flat directions), or auto (metric for a diagonal M or a "
+        "dense one of d ≤ 512, theta for K-FAC and a low-rank correction, whose M is too large to keep with every "
+        "chain). The QLSD family with a metric; without one the two are the same (docs/METRIC.md)", "",
+        choices=("auto", "metric", "theta"), group=SAMPLER),
     Key("s", "16", "ints", "QSGD levels, one value or one per client ('2,4,...'); s = 2^k is 'k bits'", "s_i",
         lo=1, cap=2**31 - 1, group=SAMPLER),
     Key("block-norm", "vector", "choice", "one QSGD norm for the whole vector, or one per tensor",

@@ -475,11 +475,13 @@ def test_a_student_t_prior_on_the_server_through_the_public_api_is_the_task_plug
 def test_a_wide_metric_with_compression_is_named(caplog, tmp_path):
     task = ill_conditioned_task(cond=1e6)
     caplog.set_level(logging.WARNING, logger="qlsd_flwr")
-    for variant, named in (("qlsd-star", True), ("lsd-star", False)):
+    # quantising in θ's coordinates is named; in the metric's (what auto picks for a small dense M) the
+    # compression's noise has M's shape, and an uncompressed chain has none
+    for variant, basis, named in (("qlsd-star", "theta", True), ("qlsd-star", "auto", False), ("lsd-star", "theta", False)):
         caplog.clear()
         cfg = resolve({"variant": variant, "num-clients": 2, "dim": 3, "num-rounds": 3, "burn-in": 0, "s": "64",
                        "metric": "dense", "gamma": "auto", "progress": False, "vectorised-backend": "numpy",
-                       "theta-star": "closed-form"})
+                       "theta-star": "closed-form", "compression-basis": basis})
         run_vectorised(cfg, task=task, write=False)
         assert ("the compression noise" in caplog.text) is named
 

@@ -108,7 +108,7 @@ def test_every_engine_runs_the_same_whitened_chain_and_the_metric_travels_once(t
          "p": "0.6,1,0.8,0.7", "metric": "diagonal", "gamma": "auto", "s": "4", "progress": False, "plot": False,
          "loo": "off", "seed": 2, "output-dir": str(tmp_path)}
     cfg = resolve({**o, "num-chains": 2, "engine": "vectorised"})
-    assert cfg.get("compression-basis") == "metric"  # the default
+    assert cfg.get("compression-basis") == "auto"  # the default: the metric's basis for a diagonal M
     vec = run_vectorised(cfg, write=False, keep_trace=True)
     one = run_local(resolve({**o, "run-name": "local"}), keep_trace=True)
     assert np.array_equal(one.trace, vec.trace[0])
@@ -123,3 +123,35 @@ def test_every_engine_runs_the_same_whitened_chain_and_the_metric_travels_once(t
     down = np.array([int(r["bits_down"]) for r in csv.DictReader(open(one.run_dir / "metrics.csv"))])
     down_theta = np.array([int(r["bits_down"]) for r in csv.DictReader(open(theta.run_dir / "metrics.csv"))])
     assert (down - down_theta).min() >= 0 and 0 < (down - down_theta).sum() <= 4 * 8 * (5 * 8 + 64)
+
+
+@pytest.mark.parametrize("bad, words", [
+    ("a string", "not str"),
+    (b"QX\x01\x01", "tag"),
+    (np.ones(3).tobytes(), "tag"),
+])
+def test_hostile_metric_bytes_at_a_whitening_client_install_nothing(bad, words):
+    """A QLSD++ client told to quantise in the metric's coordinates refuses malformed metric bytes before any
+    of its state changes, answers resync while it has no metric, and whitens with a good one."""
+    from qlsd_flwr.core.metric import Diagonal
+    from qlsd_flwr.core.oracles import ClientState
+    from qlsd_flwr.protocol import build
+    from qlsd_flwr.protocol.client import handle
+    from qlsd_flwr.protocol.wire import metric_to_bytes
+    from qlsd_flwr.tasks import loading
+
+    cfg = resolve({"task": "gaussian", "num-clients": 2, "dim": 3, "variant": "qlsd-pp", "metric": "diagonal",
+                   "progress": False})
+    task = loading.load_task(cfg)
+    spec = build.client_spec(cfg, 0, task.clients[0].n_data, 3, task.prior)
+    assert spec.whitened
+    st = ClientState()
+    fields = {"phase": "sample", "round": 0, "client": 0, "theta": np.zeros(3), "anchor_version": 0, "eta_count": 0,
+              "anchor": np.zeros(3)}
+    with pytest.raises(ValueError, match=words):
+        handle(spec, task.clients[0], st, 0, {**fields, "metric": bad}, 3)
+    assert st.metric is None and st.anchor is None and st.eta is None  # nothing installed
+    assert handle(spec, task.clients[0], st, 0, fields, 3)["status"] == "resync"  # no metric: it asks again
+    good = Diagonal(np.array([0.5, 1.0, 4.0]))
+    reply = handle(spec, task.clients[0], st, 0, {**fields, "metric": metric_to_bytes(good)}, 3)
+    assert reply["status"] == "ok" and np.array_equal(st.metric.m, good.m)

@@ -187,7 +187,8 @@ def prepare(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | No
         metric = lowrank_correction(cfg, task, point, curv_fn, n_data, metric, info)
     spread = metric.spread()
     info["metric_spread"] = spread
-    if cfg.compressed and spread > cv.COMPRESSED_SPREAD_WARN and not build.whitens(cfg) and not cfg.kind.local:
+    if cfg.compressed and spread > cv.COMPRESSED_SPREAD_WARN and not build.whitens(cfg, task.dim) \
+            and not cfg.kind.local:
         log.warning("metric: its scales span %s%.3g (above %.0e) and the messages are QSGD-compressed in θ's "
                     "coordinates (compression-basis = theta): the compression noise, set by each message's norm, is "
                     "multiplied by M in the flat directions and biases the chain there (measured: sd up to 59× on a "

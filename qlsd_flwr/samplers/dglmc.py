@@ -69,7 +69,6 @@ def untempered(sampler: Sampler, s: Settings) -> None:
 SAMPLERS = (
     Sampler("dg-lmc", "DG-LMC", DGLMC, compressed=False, memory=True,
             reference="Plassier, Vono, Durmus & Moulines, ICML 2021; docs/RIVALS.md",
-            not_applicable=frozenset({"batch-fraction", "l", "alpha", "prior-on", "tau", "aggregation", "q",
-                                      "compression-basis"}),
+            not_applicable=frozenset({"batch-fraction", "l", "alpha", "prior-on", "tau", "aggregation", "q"}),
             checks=(no_low_rank, untempered)),
 )

@@ -58,7 +58,7 @@ FALD_STAR = Estimator("fald-star", local=True, at_theta_star=True, refreshable=T
                       measure="share*displacement", message=message, step=average_step)
 
 #: keys of the QLSD family's estimators and server, which no FALD run reads (FALD shares U_0 by w_i)
-_QLSD_KEYS = frozenset({"batch-fraction", "l", "alpha", "prior-on", "rho", "compression-basis"})
+_QLSD_KEYS = frozenset({"batch-fraction", "l", "alpha", "prior-on", "rho"})
 _REF = "Plassier, Durmus & Moulines, AISTATS 2023; docs/RIVALS.md"
 
 

@@ -38,7 +38,6 @@ def one_client_a_round(sampler: Sampler, s: Settings) -> None:
 SAMPLERS = (
     Sampler("fsgld", "FSGLD", FSGLD, compressed=False, memory=False,
             reference="El Mekkaoui, Mesquita, Blomstedt & Kaski, UAI 2021; docs/RIVALS.md",
-            not_applicable=frozenset({"batch-fraction", "l", "alpha", "prior-on", "tau", "aggregation", "rho", "q",
-                                      "compression-basis"}),
+            not_applicable=frozenset({"batch-fraction", "l", "alpha", "prior-on", "tau", "aggregation", "rho", "q"}),
             checks=(one_client_a_round,)),
 )
