@@ -56,6 +56,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchmarks.smoke import SMOKE, small  # noqa: E402
 from benchmarks.smoke import out as smoke_out  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import laws_dglmc  # noqa: E402  (the rivals' exact laws: tests/laws_dglmc.py)
 
 B, D, PV, CHAINS, K = 20, 50, 5.0, 4, 5
 ONLY = ""  # --only: the samplers rerun (the others' rows are the recorded file's, RECORDED)
@@ -213,7 +215,7 @@ def gaussian(R: int, path: Path) -> None:
     for name, entry in bench.out["samplers"].items():
         if name.startswith("DG-LMC") and "QSGD" not in name:
             rho = g / 10 if "γ/10" in name else g
-            m, v = dglmc.gaussian_stationary(n, ybar, rho, dglmc.local_step(g, rho, 0.25), K, PV)
+            m, v = laws_dglmc.gaussian_stationary(n, ybar, rho, dglmc.local_step(g, rho, 0.25), K, PV)
             entry["exact_law"] = {"mean_err_sd": float(np.max(np.abs(m - task.posterior_mean)
                                                              / np.sqrt(task.posterior_var))),
                                   "var_ratio": float(np.mean(v / task.posterior_var))}

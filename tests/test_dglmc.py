@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+import laws_dglmc
 from qlsd_flwr.core import dglmc
 from qlsd_flwr.tasks.gaussian import build_gaussian_task
 
@@ -28,12 +29,12 @@ def test_the_discrete_law_tends_to_the_augmented_marginal_and_that_to_the_poster
     task = build_gaussian_task(b=B, d=D, data_seed=0)
     n, ybar = _stats(task)
     rho = np.full(B, 0.05)
-    m, v = dglmc.gaussian_marginal(n, ybar, rho)
+    m, v = laws_dglmc.gaussian_marginal(n, ybar, rho)
     for gamma_scale in (1e-3, 1e-4):
         gamma = gamma_scale / (n + 1 / rho)
-        md, vd = dglmc.gaussian_stationary(n, ybar, rho, gamma, steps=3)
+        md, vd = laws_dglmc.gaussian_stationary(n, ybar, rho, gamma, steps=3)
         assert np.allclose(md, m, rtol=0, atol=50 * gamma_scale * np.sqrt(v)) and abs(vd / v - 1) < 50 * gamma_scale
-    m0, v0 = dglmc.gaussian_marginal(n, ybar, np.full(B, 1e-9))
+    m0, v0 = laws_dglmc.gaussian_marginal(n, ybar, np.full(B, 1e-9))
     assert np.allclose(m0, task.posterior_mean, atol=1e-6) and np.isclose(v0, task.posterior_var[0], rtol=1e-6)
     assert v > v0  # the augmentation widens the marginal: ρ must be small against 1/N_i
 
@@ -45,8 +46,8 @@ def test_a_long_chain_matches_its_exact_stationary_law():
     gamma = 0.5 / (n + 1 / rho)  # a_i = 1 − γ_i (N_i + 1/ρ_i) = 0.5: a coarse step, so its bias shows
     steps, rounds, burn = 3, 20_000, 200
     trace = dglmc.run(task, rho, gamma, steps, rounds, seed=1, theta0=task.posterior_mean)[burn:]
-    m, v = dglmc.gaussian_stationary(n, ybar, rho, gamma, steps)
-    m_cont, v_cont = dglmc.gaussian_marginal(n, ybar, rho)
+    m, v = laws_dglmc.gaussian_stationary(n, ybar, rho, gamma, steps)
+    m_cont, v_cont = laws_dglmc.gaussian_marginal(n, ybar, rho)
     batches = np.array_split(trace, 40)
     se_mean = np.std([b.mean(axis=0) for b in batches], axis=0, ddof=1) / np.sqrt(len(batches))
     assert np.all(np.abs(trace.mean(axis=0) - m) <= 4 * se_mean), (trace.mean(axis=0), m, se_mean)

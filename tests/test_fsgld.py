@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import laws_fsgld
 from qlsd_flwr.core import fsgld
 from qlsd_flwr.tasks.gaussian import build_gaussian_task
 
@@ -34,12 +35,12 @@ def test_exact_surrogates_give_ula_and_poor_ones_an_unbiased_mean_with_a_wider_v
     h = 0.1 / P
     ula = 1 / (P * (1 - h * P / 2))
     for steps in (1, 5):
-        m, v = fsgld.gaussian_stationary(n, ybar, *fsgld.gaussian_surrogates(task), f, h, steps, PV)
+        m, v = laws_fsgld.gaussian_stationary(n, ybar, *fsgld.gaussian_surrogates(task), f, h, steps, PV)
         assert np.allclose(m, task.posterior_mean, rtol=1e-10) and np.allclose(v, ula, rtol=1e-10)
     poor = fsgld.gaussian_surrogates(task, scale=0.5, shift=0.3)
-    m1, v1 = fsgld.gaussian_stationary(n, ybar, *poor, f, h, 1, PV)
+    m1, v1 = laws_fsgld.gaussian_stationary(n, ybar, *poor, f, h, 1, PV)
     assert np.allclose(m1, task.posterior_mean, rtol=1e-10) and np.all(v1 > 1.5 * ula)
-    m5, _ = fsgld.gaussian_stationary(n, ybar, *poor, f, h, 5, PV)
+    m5, _ = laws_fsgld.gaussian_stationary(n, ybar, *poor, f, h, 5, PV)
     assert np.max(np.abs(m5 - task.posterior_mean) / np.sqrt(task.posterior_var)) > 0.5
 
 
@@ -52,7 +53,7 @@ def test_a_long_chain_with_poor_surrogates_matches_its_exact_stationary_law(step
     h = 0.1 / P
     mu, lam = fsgld.gaussian_surrogates(task, scale=0.5, shift=0.3)
     trace = fsgld.run(task, mu, lam, f, h, steps, 40_000, seed=3, theta0=task.posterior_mean)[200:]
-    m, v = fsgld.gaussian_stationary(n, ybar, mu, lam, f, h, steps, PV)
+    m, v = laws_fsgld.gaussian_stationary(n, ybar, mu, lam, f, h, steps, PV)
     batches = np.array_split(trace, 40)
     se_mean = np.std([b.mean(axis=0) for b in batches], axis=0, ddof=1) / np.sqrt(len(batches))
     assert np.all(np.abs(trace.mean(axis=0) - m) <= 4 * se_mean), (trace.mean(axis=0), m, se_mean)

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import laws_dglmc
 from qlsd_flwr.config import ConfigError
 from qlsd_flwr.outputs.recorder import load_samples
 from qlsd_flwr.protocol.divergence import DivergenceError
@@ -55,7 +56,7 @@ def test_three_steady_attacks_leave_the_chain_of_the_federation_without_the_atta
         from qlsd_flwr.core import dglmc
 
         g = 2.5e-3
-        silent = dglmc.gaussian_stationary(task.n_data[1:], np.stack([c.y.mean(axis=0) for c in task.clients[1:]]),
+        silent = laws_dglmc.gaussian_stationary(task.n_data[1:], np.stack([c.y.mean(axis=0) for c in task.clients[1:]]),
                                            g, dglmc.local_step(g, g, 0.25), 5)[0]
     honest = _kept_mean(run({**o, "run-name": "honest"}))
     assert np.max(np.abs(honest - silent) / sd) > 5  # client 0's data matter: the two targets differ

@@ -4,17 +4,17 @@ keys refuse.
 
 * On the toy Gaussian with partial participation (p_i from 0.5 to 0.9), three local steps and half
   the noise common, the chain of the protocol path (the very messages the Flower apps exchange)
-  matches the law :func:`qlsd_flwr.core.fald.gaussian_stationary` derives for it (the expectation
+  matches the law :func:`laws_fald.gaussian_stationary` derives for it (the expectation
   over every active set) within 4 batch-means standard errors, each coordinate's mean and variance.
   The participation's gradient noise widens FALD's variance 6 to 76 times the posterior's, by 12 to
   23 standard errors: the check tells the two apart. VR-FALD*'s control variate at θ* removes that
   noise at the mode (its law is within a standard error of the posterior's variance) and is as far
   from FALD's.
 * DG-LMC's chain (clients updating their z_i when active, the server drawing θ | z exactly) matches
-  :func:`qlsd_flwr.core.dglmc.gaussian_stationary` with partial participation, whose θ-variance is
+  :func:`laws_dglmc.gaussian_stationary` with partial participation, whose θ-variance is
   the augmented model's (ρ > 0) plus ULA's on z, more than 10 standard errors from the posterior's.
 * FSGLD's chain, its surrogates the clients' Taylor expansions at θ* with curvature reports off by
-  factors 0.3 to 2.5, matches :func:`qlsd_flwr.core.fsgld.gaussian_stationary` for those surrogates
+  factors 0.3 to 2.5, matches :func:`laws_fsgld.gaussian_stationary` for those surrogates
   (the law with the conducive gradient's spread), more than 4 standard errors from the law with
   exact surrogates in every coordinate's variance.
 * The in-process Flower path gives the local engine's chain bit for bit, with QSGD-coded messages
@@ -28,8 +28,10 @@ import struct
 import numpy as np
 import pytest
 
+import laws_dglmc
+import laws_fald
+import laws_fsgld
 from qlsd_flwr.config import ConfigError, resolve
-from qlsd_flwr.core import fald
 from qlsd_flwr.core.oracles import ClientState
 from qlsd_flwr.engines.local import run_local
 from qlsd_flwr.protocol import build
@@ -86,10 +88,10 @@ def test_the_protocol_chain_matches_the_exact_law_under_partial_participation(va
     r = run_local(resolve(o), write=False, keep_trace=True)
     trace = r.trace[200:]
     anchor = probe.posterior_mean if variant == "vr-fald-star" else None  # θ* in closed form
-    m, v = fald.gaussian_stationary(n, ybar, h, 3, 0.5, 5.0, anchor=anchor, p=P_I)
+    m, v = laws_fald.gaussian_stationary(n, ybar, h, 3, 0.5, 5.0, anchor=anchor, p=P_I)
     se, se_v = _assert_law(trace, m, v)
     # the other sampler's law is many standard errors away: the check can fail
-    _, other = fald.gaussian_stationary(n, ybar, h, 3, 0.5, 5.0, anchor=None if anchor is not None else
+    _, other = laws_fald.gaussian_stationary(n, ybar, h, 3, 0.5, 5.0, anchor=None if anchor is not None else
                                         probe.posterior_mean, p=P_I)
     assert np.min(np.abs(np.asarray(other) - v) / se_v) > 10, np.abs(np.asarray(other) - v) / se_v
     assert r.summary["rejected"] == {}
@@ -108,13 +110,13 @@ def test_a_diagonal_metric_preconditions_the_local_steps_coordinate_by_coordinat
     r = run_local(resolve(o), write=False, keep_trace=True)
     trace = r.trace[200:]
     anchor = probe.posterior_mean if variant == "vr-fald-star" else None
-    laws = [fald.gaussian_stationary(n, ybar[:, j:j + 1], h * m[j], 3, 0.5, 5.0, p=P_I,
+    laws = [laws_fald.gaussian_stationary(n, ybar[:, j:j + 1], h * m[j], 3, 0.5, 5.0, p=P_I,
                                      anchor=None if anchor is None else anchor[j:j + 1]) for j in range(3)]
     mean = np.array([float(np.ravel(a)[0]) for a, _ in laws])
     var = np.array([float(np.ravel(v)[0]) for _, v in laws])
     se, se_v = _assert_law(trace, mean, var)
     if variant == "fald":
-        _, identity = fald.gaussian_stationary(n, ybar, h, 3, 0.5, 5.0, p=P_I)
+        _, identity = laws_fald.gaussian_stationary(n, ybar, h, 3, 0.5, 5.0, p=P_I)
         assert np.all((np.abs(np.asarray(identity) - var) / se_v)[[0, 2]] > 10)
     assert r.summary["rejected"] == {}
 
@@ -141,11 +143,11 @@ def test_a_dense_metric_preconditions_the_local_steps_and_the_chain_has_the_matr
     assert r.summary["metric_kind"] == "dense"
     trace = r.trace[200:]
     anchor = probe.posterior_mean if variant == "vr-fald-star" else None
-    mean, cov = fald.gaussian_stationary_metric(n, ybar, h, 3, 0.5, 5.0, M, anchor=anchor, p=P_I)
+    mean, cov = laws_fald.gaussian_stationary_metric(n, ybar, h, 3, 0.5, 5.0, M, anchor=anchor, p=P_I)
     want, se_c = _assert_cov(trace, mean, cov)
     if variant == "fald":  # the covariances the metric and the shared active set make are seen
         assert np.max(np.abs(want[[1, 2, 4]]) / se_c[[1, 2, 4]]) > 4
-        _, identity = fald.gaussian_stationary_metric(n, ybar, h, 3, 0.5, 5.0, np.eye(3), p=P_I)
+        _, identity = laws_fald.gaussian_stationary_metric(n, ybar, h, 3, 0.5, 5.0, np.eye(3), p=P_I)
         other = np.array([identity[j, k] for j in range(3) for k in range(j, 3)])
         assert np.max(np.abs(other - want) / se_c) > 10, np.abs(other - want) / se_c
     assert r.summary["rejected"] == {}
@@ -167,11 +169,11 @@ def test_dg_lmc_with_a_diagonal_metric_couples_in_its_norm_coordinate_by_coordin
     r = run_local(resolve(o), write=False, keep_trace=True)
     trace = r.trace[200:]
     g_i = dglmc.local_step(gamma, rho, 0.25)
-    laws = [dglmc.gaussian_stationary(n, ybar[:, j:j + 1], rho * m[j], g_i * m[j], 3, 5.0, p=P_I) for j in range(3)]
+    laws = [laws_dglmc.gaussian_stationary(n, ybar[:, j:j + 1], rho * m[j], g_i * m[j], 3, 5.0, p=P_I) for j in range(3)]
     mean = np.array([float(np.ravel(a)[0]) for a, _ in laws])
     var = np.array([float(np.ravel(v)[0]) for _, v in laws])
     se, se_v = _assert_law(trace, mean, var)
-    _, identity = dglmc.gaussian_stationary(n, ybar, rho, g_i, 3, 5.0, p=P_I)
+    _, identity = laws_dglmc.gaussian_stationary(n, ybar, rho, g_i, 3, 5.0, p=P_I)
     assert np.all((np.abs(np.asarray(identity) - var) / se_v)[[0, 2]] > 5), np.abs(np.asarray(identity) - var) / se_v
     assert r.summary["rejected"] == {}
 
@@ -195,11 +197,11 @@ def test_dg_lmc_with_a_dense_metric_draws_theta_in_its_eigenbasis_and_has_the_ro
     r = run_local(resolve(o), write=False, keep_trace=True)
     trace = r.trace[200:]
     g_i, rotated = dglmc.local_step(gamma, rho, 0.25), ybar @ Q
-    laws = [dglmc.gaussian_stationary(n, rotated[:, k:k + 1], rho * s[k], g_i * s[k], 3, 5.0) for k in range(3)]
+    laws = [laws_dglmc.gaussian_stationary(n, rotated[:, k:k + 1], rho * s[k], g_i * s[k], 3, 5.0) for k in range(3)]
     mean = Q @ np.array([float(np.ravel(a)[0]) for a, _ in laws])
     cov = Q @ np.diag([float(np.ravel(v)[0]) for _, v in laws]) @ Q.T
     want, se_c = _assert_cov(trace, mean, cov)
-    _, identity = dglmc.gaussian_stationary(n, ybar, rho, g_i, 3, 5.0)
+    _, identity = laws_dglmc.gaussian_stationary(n, ybar, rho, g_i, 3, 5.0)
     other = np.array([identity if j == k else 0.0 for j in range(3) for k in range(j, 3)])
     assert np.max(np.abs(other - want) / se_c) > 8, np.abs(other - want) / se_c
     assert r.summary["rejected"] == {}
@@ -293,9 +295,9 @@ def test_vr_fald_star_refreshes_its_reference_on_the_protocol_and_matches_the_la
     h = 0.05 / P
     r = run_local(resolve({**o, "gamma": h}), task=task, write=False, keep_trace=True)
     trace = r.trace[200:]
-    m, v = fald.gaussian_stationary_refresh(n, ybar, h, 3, 0.5, 5.0, 0.3, p=P_I, kappa=kappa)
+    m, v = laws_fald.gaussian_stationary_refresh(n, ybar, h, 3, 0.5, 5.0, 0.3, p=P_I, kappa=kappa)
     se, se_v = _assert_law(trace, m, v)
-    fixed, _ = fald.gaussian_stationary(n, ybar, h, 3, 0.5, 5.0, anchor=off, p=P_I, kappa=kappa)
+    fixed, _ = laws_fald.gaussian_stationary(n, ybar, h, 3, 0.5, 5.0, anchor=off, p=P_I, kappa=kappa)
     assert np.min(np.abs(fixed - m) / se) > 8, np.abs(fixed - m) / se
     facts = r.summary["reference_refresh"]  # about q · 5000 refresh rounds (a binomial count), each installed
     assert abs(facts["rounds"] - 1500) <= 4 * np.sqrt(5000 * 0.3 * 0.7) and facts["installed"] == facts["rounds"]
@@ -381,7 +383,7 @@ def test_dg_lmc_on_the_protocol_matches_its_exact_law_under_partial_participatio
     o = {**TOY, "variant": "dg-lmc", "gamma": gamma, "rho": rho, "num-rounds": 5000, "burn-in": 100}
     r = run_local(resolve(o), write=False, keep_trace=True)
     trace = r.trace[200:]
-    m, v = dglmc.gaussian_stationary(n, ybar, rho, dglmc.local_step(gamma, rho, 0.25), 3, 5.0, p=P_I)
+    m, v = laws_dglmc.gaussian_stationary(n, ybar, rho, dglmc.local_step(gamma, rho, 0.25), 3, 5.0, p=P_I)
     se, se_v = _assert_law(trace, m, v)
     assert np.min(np.abs(probe.posterior_var - v) / se_v) > 10, np.abs(probe.posterior_var - v) / se_v  # not π
     assert r.summary["rejected"] == {}
@@ -404,9 +406,9 @@ def test_fsgld_on_the_protocol_matches_its_exact_law_with_the_surrogates_the_cli
     ts = task.posterior_mean  # θ* in closed form: the surrogates' centre
     lam = np.repeat((scale * n)[:, None], 3, axis=1)
     mu = ts - n[:, None] * (ts - ybar) / lam  # μ_i = θ* − ∇U_i(θ*)/λ_i
-    m, v = fsgld.gaussian_stationary(n, ybar, mu, lam, n / n.sum(), h, 2, 5.0)
+    m, v = laws_fsgld.gaussian_stationary(n, ybar, mu, lam, n / n.sum(), h, 2, 5.0)
     se, se_v = _assert_law(trace, m, v)
-    _, exact = fsgld.gaussian_stationary(n, ybar, *fsgld.gaussian_surrogates(task), n / n.sum(), h, 2, 5.0)
+    _, exact = laws_fsgld.gaussian_stationary(n, ybar, *fsgld.gaussian_surrogates(task), n / n.sum(), h, 2, 5.0)
     assert np.min(np.abs(exact - v) / se_v) > 4, np.abs(exact - v) / se_v  # the surrogates' error shows
     assert r.summary["rejected"] == {}
 
