@@ -45,6 +45,7 @@ class ThetaStarClaims:
     def __init__(self, claims: np.ndarray, total: np.ndarray):
         self.claims = np.asarray(claims, dtype=np.float64)  # (b, d): c_i
         self.total = np.asarray(total, dtype=np.float64)  # r = Σ_i c_i (+ ∇U_0(θ*) on the server)
+        self._whitened: np.ndarray | None = None  # Sᵀ c_i, once (base)
 
     @classmethod
     def restored(cls, a: dict, b: int, d: int) -> "ThetaStarClaims | None":
@@ -61,7 +62,7 @@ class ThetaStarClaims:
         metric's coordinates (``compression-basis = metric``; computed once)."""
         if not getattr(spec, "whitened", False):
             return self.claims
-        if getattr(self, "_whitened", None) is None:
+        if self._whitened is None:
             self._whitened = spec.metric.apply_root_t(self.claims)
         return self._whitened
 

@@ -187,13 +187,13 @@ def prepare(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | No
         metric = lowrank_correction(cfg, task, point, curv_fn, n_data, metric, info)
     spread = metric.spread()
     info["metric_spread"] = spread
-    if cfg.compressed and spread > cv.COMPRESSED_SPREAD_WARN and not build.whitens(cfg, task.dim) \
-            and not cfg.kind.local:
+    if cfg.compressed and spread > cv.COMPRESSED_SPREAD_WARN and not build.whitens(cfg, task.dim):
         log.warning("metric: its scales span %s%.3g (above %.0e) and the messages are QSGD-compressed in θ's "
                     "coordinates (compression-basis = theta, which auto picks for K-FAC and a low-rank correction): the "
                     "compression noise, set by each message's norm, is "
                     "multiplied by M in the flat directions and biases the chain there (measured: sd up to 59× on a "
-                    "regression with spread 2e6 at s = 16); use compression-basis = metric (docs/METRIC.md)",
+                    "regression with spread 2e6 at s = 16); use compression-basis = metric (the QLSD family) or an "
+                    "uncompressed variant (docs/METRIC.md)",
                     "up to " if metric.low is not None else "", spread, cv.COMPRESSED_SPREAD_WARN)
     # 3. the step
     gamma = _step(cfg, grad_fn, point, metric, info, quiet=adapts(cfg))  # announced once, after the warm-up
