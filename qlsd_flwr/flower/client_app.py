@@ -48,6 +48,7 @@ from qlsd_flwr.flower.records import (
 )
 from qlsd_flwr.protocol import build
 from qlsd_flwr.protocol.client import handle, handle_chains
+from qlsd_flwr.samplers.fields import HELD
 from qlsd_flwr.protocol.wire import arr_to_bytes, bytes_to_arr, metric_of, metric_to_bytes
 from qlsd_flwr.tasks import loading
 from qlsd_flwr.tasks.threads import apply_torch_threads
@@ -107,13 +108,9 @@ def load_state(context: Context, chain: int | None = None) -> ClientState:
     except KeyError:
         return st
     d = int(rec["dim"])
-    if "eta" in rec:
-        st.eta = bytes_to_arr(rec["eta"], d)
     st.eta_count = int(rec.get("eta_count", 0))
     st.anchor_version = int(rec.get("anchor_version", -1))
-    if "anchor" in rec:
-        st.anchor = bytes_to_arr(rec["anchor"], d)
-    for name in ("anchor_grad", "anchor_total", "surrogate", "surrogate_total"):
+    for name in HELD:  # the vectors a client keeps (qlsd_flwr.samplers.fields)
         if name in rec:
             setattr(st, name, bytes_to_arr(rec[name], d))
     if "metric" in rec:  # the rivals' local-step metric, as it travelled (protocol.wire.metric_to_bytes)
@@ -123,7 +120,7 @@ def load_state(context: Context, chain: int | None = None) -> ClientState:
 
 def save_state(context: Context, st: ClientState, d: int, chain: int | None = None) -> None:
     rec = ConfigRecord({"dim": d, "eta_count": st.eta_count, "anchor_version": st.anchor_version})
-    for name in ("eta", "anchor", "anchor_grad", "anchor_total", "surrogate", "surrogate_total"):
+    for name in HELD:
         val = getattr(st, name)
         if val is not None:
             rec[name] = arr_to_bytes(val)

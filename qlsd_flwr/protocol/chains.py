@@ -222,7 +222,7 @@ class ChainSet:
                 self.chains[c].accept(i, None, error=error)
             return
         try:
-            parts = unbundle_reply(fields, asked)
+            parts = unbundle_reply(fields, asked, self.cfg.kind.up)
         except Exception as exc:  # noqa: BLE001 — ReplyError, or a record no validator foresaw
             log.debug("client %d: rejected reply: %s", i, exc)
             parts = {c: None for c in asked}  # each chain counts it malformed

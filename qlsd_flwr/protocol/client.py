@@ -30,6 +30,7 @@ from qlsd_flwr.protocol.wire import (
     arr_to_bytes,
     bundle_reply,
     metric_of,
+    refuse_undeclared,
     unbundle_request,
     vector,
 )
@@ -50,6 +51,7 @@ def _prepare(spec: ClientSpec, pot: LocalPotential, st: ClientState, fields: dic
             else local_curvature(pot, theta, kind, seed, i)
         return theta, {"client": i, "status": "ok", "payload": arr_to_bytes(h.ravel())}
     # every field is read and checked before any of the client's state changes
+    refuse_undeclared(fields, spec.kind.down, "down")
     if spec.kind.local:
         local_of(fields, spec.kind.coupled)  # the round's numbers
         refresh_of(fields)
@@ -173,7 +175,7 @@ def handle_chains(spec: ClientSpec, pot: LocalPotential, load_state, seed: int, 
     are one :func:`qlsd_flwr.core.oracles.client_rounds` call (one batched gradient where the
     potential has ``grad_sum_batch``; bit for bit the per-chain result). Returns the reply fields
     and the chains' states (the caller keeps them)."""
-    per = unbundle_request(fields, d)  # one round for every chain: the message's
+    per = unbundle_request(fields, d, spec.kind.down)  # one round for every chain: the message's
     states = {c: load_state(c) for c in per}
     replies, ready = {}, []  # ready: (chain, θ) of the chains that sample
     for c, f in per.items():

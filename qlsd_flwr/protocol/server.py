@@ -212,7 +212,7 @@ class QLSDServer:
             log.debug("client %d: error reply: %s", i, error)
             return
         try:
-            rep = parse_fields(fields, i)
+            rep = parse_fields(fields, i, self.cfg.kind.up)
             if rep["status"] == "resync":
                 self.needs_resync[i] = True
                 self._count("resync")

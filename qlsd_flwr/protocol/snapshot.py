@@ -15,6 +15,7 @@ from qlsd_flwr.outputs.checkpoint import CheckpointError
 from qlsd_flwr.protocol import build, local_chains, metric_sent
 from qlsd_flwr.protocol.claims import ThetaStarClaims
 from qlsd_flwr.robust.norm_guard import GuardStateError
+from qlsd_flwr.samplers.fields import CHECKPOINT
 
 log = logging.getLogger("qlsd_flwr")
 
@@ -37,6 +38,10 @@ def snapshot(server) -> tuple[dict, dict]:
 def restore(server, meta: dict, a: dict) -> None:
     """The state of a :func:`snapshot` back into ``server``; every client is marked as needing a resync."""
     cfg = server.cfg
+    other = next((n for n in CHECKPOINT if n in a and n not in cfg.kind.kept), None)
+    if other is not None:  # another sampler's state: this checkpoint is not this run's
+        raise CheckpointError(f"checkpoint: {other!r} ({CHECKPOINT[other]}) is not part of {cfg.variant}'s state; "
+                              "resume with the variant that wrote it")
     server.ts_info = dict(meta["ts_info"])
     theta_star = a.get("theta_star")
     if "gamma" in meta:  # the step the run was started with (gamma = auto chose it then)

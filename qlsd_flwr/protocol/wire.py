@@ -32,14 +32,19 @@ import functools
 
 import numpy as np
 
+from qlsd_flwr.samplers.fields import FIELDS, FLAG, GRADIENT, METRIC, ROUND, VECTOR, undeclared
+
 
 def arr_to_bytes(x: np.ndarray) -> bytes:
     return np.ascontiguousarray(x, dtype="<f8").tobytes()
 
 
-#: the fields holding a vector of R^d; all but θ may come with some chains of a several-chain message
-SENT_WITH = ("anchor", "eta", "anchor_total", "surrogate", "surrogate_total")
+#: the fields holding a vector of R^d (:data:`qlsd_flwr.samplers.fields.FIELDS` of form ``vector``); all but θ
+#: may come with some chains of a several-chain message
+SENT_WITH = tuple(n for n, f in FIELDS.items() if f.form == VECTOR)
 VECTORS = ("theta",) + SENT_WITH
+#: the reply fields holding ``∇U_i`` at a point (form ``gradient``)
+UP_GRADIENTS = tuple(n for n, f in FIELDS.items() if f.form == GRADIENT)
 
 
 def payload_bits(fields: dict) -> int:
@@ -121,10 +126,12 @@ class ReplyError(ValueError):
     """A client reply that is malformed; the server rejects and counts it."""
 
 
-def parse_fields(rec: dict | None, expected_client: int) -> dict:
-    """Validate a reply's fields; raises :class:`ReplyError` on anything off."""
+def parse_fields(rec: dict | None, expected_client: int, up=None) -> dict:
+    """Validate a reply's fields; raises :class:`ReplyError` on anything off, and on a sampler's field that
+    ``up`` (the run's estimator's; ``None``: any) does not declare."""
     if not isinstance(rec, dict):
         raise ReplyError("reply has no 'qlsd' record")
+    refuse_undeclared(rec, up, "up", ReplyError)
     try:
         client = int(rec["client"])
         status = str(rec["status"])
@@ -144,7 +151,7 @@ def parse_fields(rec: dict | None, expected_client: int) -> dict:
     except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise ReplyError(f"missing or bad anchor_version: {exc!r}") from exc
     out = {"status": status, "payload": bytes(payload), "anchor_version": version}
-    for name in ("anchor_grad", "ref_grad"):  # ∇U_i(θ*) repeated; VR-FALD*'s ∇U_i(θ_k) (8d bytes, checked later)
+    for name in UP_GRADIENTS:  # ∇U_i(θ*) repeated; VR-FALD*'s ∇U_i(θ_k) (8d bytes, checked later)
         if name in rec:
             if not isinstance(rec[name], (bytes, bytearray)):
                 raise ReplyError(f"{name} is not bytes")
@@ -177,18 +184,20 @@ def bundle_request(per_chain: dict[int, dict], theta: np.ndarray | None = None) 
            "theta": theta,
            "anchor_version": [int(per_chain[c]["anchor_version"]) for c in chains],
            "eta_count": [int(per_chain[c]["eta_count"]) for c in chains]}
-    if "local" in first:  # FALD: each chain's (h, w_i, S_A, p_i), 32 bytes a chain
-        out["local"] = b"".join(bytes(per_chain[c]["local"]) for c in chains)
-    rows = [c for c in chains if "metric" in per_chain[c]]
-    if rows:  # the rivals' local-step metric: the run's, the same for every chain: once
-        out["metric_chains"], out["metric"] = rows, bytes(per_chain[rows[0]]["metric"])
-    rows = [c for c in chains if per_chain[c].get("refresh")]
-    if rows:  # VR-FALD*: the chains whose round refreshes the reference
-        out["refresh_chains"] = rows
-    for name in SENT_WITH:
-        rows = [c for c in chains if name in per_chain[c]]
-        if rows:
-            out[f"{name}_chains"] = rows
+    for name, f in FIELDS.items():  # the samplers' own fields, each by its form
+        if f.direction != "down":
+            continue
+        if f.form == ROUND:  # FALD: each chain's (h, w_i, S_A, p_i), 32 bytes a chain
+            if name in first:
+                out[name] = b"".join(bytes(per_chain[c][name]) for c in chains)
+            continue
+        rows = [c for c in chains if name in per_chain[c] and (f.form != FLAG or per_chain[c][name])]
+        if not rows:
+            continue
+        out[f"{name}_chains"] = rows
+        if f.form == METRIC:  # the run's, the same for every chain: once
+            out[name] = bytes(per_chain[rows[0]][name])
+        elif f.form == VECTOR:
             out[name] = np.stack([np.asarray(per_chain[c][name], dtype=np.float64) for c in rows])
     return out
 
@@ -223,9 +232,11 @@ def _int_list(x, m: int, name: str) -> list[int]:
     return [int(v) for v in x]
 
 
-def unbundle_request(fields: dict, d: int) -> dict[int, dict]:
+def unbundle_request(fields: dict, d: int, down=None) -> dict[int, dict]:
     """The per-chain fields of a several-chain message (:func:`bundle_request`); ``ValueError``
-    naming the field when it is malformed."""
+    naming the field when it is malformed, or when it is a sampler's field (:mod:`qlsd_flwr.samplers.fields`)
+    that ``down`` (the run's estimator's) does not declare."""
+    refuse_undeclared(fields, down, "down")
     chains = _chain_list(fields.get("chains"), "chains")
     n_chains = len(chains)
     theta = matrix(fields["theta"], n_chains, d)
@@ -234,29 +245,39 @@ def unbundle_request(fields: dict, d: int) -> dict[int, dict]:
     per = {c: {"phase": fields["phase"], "round": fields["round"], "client": fields["client"],
                "theta": theta[j], "anchor_version": versions[j], "eta_count": counts[j]}
            for j, c in enumerate(chains)}
-    if "local" in fields:
-        loc = fields["local"]
-        if not isinstance(loc, (bytes, bytearray)) or len(loc) != 32 * n_chains:
-            raise ValueError(f"local: expected {32 * n_chains} bytes (four float64 a chain)")
-        for j, c in enumerate(chains):
-            per[c]["local"] = bytes(loc[32 * j: 32 * j + 32])
-    for name, value in (("metric", lambda: fields.get("metric")), ("refresh", lambda: 1)):
-        if f"{name}_chains" in fields:  # the metric (checked by the client's handle), the refresh flag
-            rows = _chain_list(fields[f"{name}_chains"], f"{name}_chains")
-            if not set(rows) <= set(chains):
-                raise ValueError(f"{name}_chains: names a chain the message does not carry")
-            for c in rows:
-                per[c][name] = value()
-    for name in SENT_WITH:
+    for name, f in FIELDS.items():  # the samplers' own fields, each by its form
+        if f.direction != "down":
+            continue
+        if f.form == ROUND:
+            if name in fields:
+                loc = fields[name]
+                if not isinstance(loc, (bytes, bytearray)) or len(loc) != 32 * n_chains:
+                    raise ValueError(f"{name}: expected {32 * n_chains} bytes (four float64 a chain)")
+                for j, c in enumerate(chains):
+                    per[c][name] = bytes(loc[32 * j: 32 * j + 32])
+            continue
         if f"{name}_chains" not in fields:
             continue
         rows = _chain_list(fields[f"{name}_chains"], f"{name}_chains")
         if not set(rows) <= set(chains):
             raise ValueError(f"{name}_chains: names a chain the message does not carry")
-        vals = matrix(fields[name], len(rows), d)
+        # the metric is checked by the client's handle; a flag's rows are the chains it holds for
+        vals = matrix(fields[name], len(rows), d) if f.form == VECTOR else None
         for j, c in enumerate(rows):
-            per[c][name] = vals[j]
+            per[c][name] = vals[j] if vals is not None else fields.get(name) if f.form == METRIC else 1
     return per
+
+
+def refuse_undeclared(fields: dict, declared, direction: str, error=ValueError) -> None:
+    """``error`` naming a sampler's field in ``fields`` that ``declared`` (its estimator's ``down`` or ``up``;
+    ``None``: any) does not hold: a message or reply that carries another sampler's field."""
+    if declared is None:
+        return
+    name = undeclared(fields, declared, direction)
+    if name is not None:
+        where, side = ("sample", "messages") if direction == "down" else ("reply", "replies")
+        raise error(f"{where}: {name!r} is not a field of this sampler's {side}; its fields: "
+                    f"{', '.join(declared) or 'none beyond the protocol’s'}")
 
 
 def bundle_reply(client: int, per_chain: dict[int, dict]) -> dict:
@@ -276,13 +297,14 @@ def bundle_reply(client: int, per_chain: dict[int, dict]) -> dict:
     return out
 
 
-def unbundle_reply(rec: dict | None, asked: list[int]) -> dict[int, dict]:
+def unbundle_reply(rec: dict | None, asked: list[int], up=None) -> dict[int, dict]:
     """The per-chain reply fields (each then checked by :func:`parse_fields`) of a reply to a
     message that asked for the chains ``asked``. A reply without ``chains`` may only be a
     ``resync`` (a client that lost its settings), which then holds for every chain asked.
     :class:`ReplyError` when the reply does not answer exactly the chains asked."""
     if not isinstance(rec, dict):
         raise ReplyError("reply has no 'qlsd' record")
+    refuse_undeclared(rec, up, "up", ReplyError)
     if "chains" not in rec:
         if rec.get("status") == "resync":
             return {c: {"client": rec.get("client"), "status": "resync"} for c in asked}
@@ -301,7 +323,7 @@ def unbundle_reply(rec: dict | None, asked: list[int]) -> dict[int, dict]:
         cols[name] = v
     per = {c: {"client": rec.get("client"), "status": cols["status"][j], "payload": cols["payload"][j],
                "anchor_version": cols["anchor_version"][j]} for j, c in enumerate(chains)}
-    for name in ("anchor_grad", "ref_grad"):  # one for every chain (bytes), or one a chain (b"": none)
+    for name in UP_GRADIENTS:  # one for every chain (bytes), or one a chain (b"": none)
         x = rec.get(name)
         if x is None:
             continue

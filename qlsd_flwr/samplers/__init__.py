@@ -6,7 +6,8 @@ message, its :class:`Estimator`) in a module of this package and list the module
 call :func:`register` from anywhere (``tests/test_toy_sampler.py`` adds one from a test file alone); the
 configuration, the key table, the engines, the protocol, Flower's apps and the checkpoints read the
 declaration. A new estimator brings its client update (``message``) and its server update (``step``),
-written beside it.
+written beside it, and names the fields its messages carry beyond the protocol's and its checkpoint arrays
+(``down``, ``up``, ``kept``: rows of :data:`qlsd_flwr.samplers.fields.FIELDS`).
 """
 
 from __future__ import annotations

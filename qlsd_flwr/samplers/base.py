@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+from qlsd_flwr.samplers import fields
+
 
 @dataclass(frozen=True)
 class Estimator:
@@ -42,6 +44,15 @@ class Estimator:
     #: ``message`` is the QLSD family's ``H_i``, whose batched forms (``core.oracles.oracle_batch``, the numba
     #: kernel) the vectorised engine may use; otherwise it runs ``message`` chain by chain
     batched: bool = False
+    #: its own fields (:data:`qlsd_flwr.samplers.fields.FIELDS`) beside the protocol's: those its messages
+    #: carry server → client (``down``) and client → server (``up``), and its checkpoint arrays (``kept``);
+    #: the protocol refuses any other field of the table (:mod:`qlsd_flwr.samplers.fields`)
+    down: tuple = ()
+    up: tuple = ()
+    kept: tuple = ()
+
+    def __post_init__(self):
+        fields.check_names(self.name, self.down, self.up, self.kept)
 
     @property
     def control_variate(self) -> bool:

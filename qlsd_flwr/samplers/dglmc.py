@@ -50,7 +50,8 @@ def gibbs_step(spec, st, seed, g_hat: np.ndarray, replied: np.ndarray) -> np.nda
     return np.zeros(np.shape(replied)[:-1], dtype=bool)
 
 
-DGLMC = Estimator("dglmc", local=True, coupled=True, measure="coupling pull", message=message, step=gibbs_step)
+DGLMC = Estimator("dglmc", local=True, coupled=True, measure="coupling pull", message=message, step=gibbs_step,
+                  down=("local", "eta"))
 
 
 def no_low_rank(sampler: Sampler, s: Settings) -> None:

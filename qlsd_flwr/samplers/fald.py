@@ -53,9 +53,12 @@ def average_step(spec, st, seed, g_hat: np.ndarray, replied: np.ndarray) -> np.n
     return skipped
 
 
-FALD = Estimator("fald", local=True, measure="share*displacement", message=message, step=average_step)
+FALD = Estimator("fald", local=True, measure="share*displacement", message=message, step=average_step,
+                 down=("local",))
 FALD_STAR = Estimator("fald-star", local=True, at_theta_star=True, refreshable=True,
-                      measure="share*displacement", message=message, step=average_step)
+                      measure="share*displacement", message=message, step=average_step,
+                      down=("local", "refresh", "anchor", "anchor_total"), up=("anchor_grad", "ref_grad"),
+                      kept=("reference_refresh",))
 
 #: keys of the QLSD family's estimators and server, which no FALD run reads (FALD shares U_0 by w_i)
 _QLSD_KEYS = frozenset({"batch-fraction", "l", "alpha", "prior-on", "rho"})

@@ -26,7 +26,9 @@ def message(spec, pot, state, seed: int, round_: int, theta: np.ndarray, local) 
 
 
 FSGLD = Estimator("fsgld", local=True, at_theta_star=True, surrogate=True, measure="share*displacement",
-                  message=message, step=average_step)
+                  message=message, step=average_step,
+                  down=("local", "anchor", "anchor_total", "surrogate", "surrogate_total"), up=("anchor_grad",),
+                  kept=("surrogate",))
 
 
 def one_client_a_round(sampler: Sampler, s: Settings) -> None:

@@ -28,8 +28,9 @@ def message(spec, pot, state, seed: int, round_: int, theta, local=None):
 _UPDATES = {"message": message, "step": langevin_step, "batched": True}
 FULL = Estimator("full", **_UPDATES)
 MINIBATCH = Estimator("minibatch", minibatch=True, **_UPDATES)
-STAR = Estimator("star", minibatch=True, cv_theta_star=True, measure="claim+difference", **_UPDATES)
-SVRG = Estimator("svrg", minibatch=True, cv_zeta=True, **_UPDATES)
+STAR = Estimator("star", minibatch=True, cv_theta_star=True, measure="claim+difference", down=("anchor",),
+                 up=("anchor_grad",), **_UPDATES)
+SVRG = Estimator("svrg", minibatch=True, cv_zeta=True, down=("anchor", "eta"), **_UPDATES)
 
 #: keys of the rivals' local steps, which no QLSD-family run reads
 _LOCAL_KEYS = frozenset({"local-steps", "tau", "rho", "q"})
