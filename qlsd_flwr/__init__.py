@@ -32,6 +32,41 @@ def _numba_cache_dir() -> str:
 os.environ.setdefault("NUMBA_CACHE_DIR", _numba_cache_dir())
 
 
+def convergence_report(path, criterion=None):
+    """The convergence verdict of a finished run, recomputed from its files, with the run's own rules.
+
+    Parameters
+    ----------
+    path : str or path-like
+        A run folder, or a ``samples.nc`` alone (chains merged or moved by hand).
+    criterion : {"theta", "predictive", "auto"}, optional
+        Which quantity the verdict reads; default: the run's ``convergence-criterion`` (from the
+        ``config.json`` beside the file), else ``theta``.
+
+    Returns
+    -------
+    dict
+        ``summary.json``'s ``convergence`` report: ``verdict`` (``MIXED`` / ``NOT MIXED`` /
+        ``NOT CHECKED``), ``criterion``, ``message``, R-hat, bulk and tail ESS, the coordinates with an
+        undefined R-hat, the trends, the held-out predictive's R-hat where an evaluation wrote it.
+        MIXED needs R-hat ≤ 1.05, bulk and tail ESS ≥ 100, every R-hat defined and no trend.
+
+    Raises
+    ------
+    qlsd_flwr.evaluation.verdict.ReportError
+        No readable ``samples.nc`` at ``path`` (named), or a ``criterion`` not allowed.
+
+    Examples
+    --------
+    >>> import qlsd_flwr                                                    # doctest: +SKIP
+    >>> qlsd_flwr.convergence_report("outputs/my-run")["verdict"]          # doctest: +SKIP
+    'MIXED'
+    """
+    from qlsd_flwr.evaluation.verdict import convergence_report as report
+
+    return report(path, criterion)
+
+
 def loo(path):
     """The federated leave-one-out of a finished run, as ``arviz.ELPDData`` (``az.compare``'s input).
 

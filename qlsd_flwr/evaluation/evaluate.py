@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from qlsd_flwr.outputs import jsonio
 from qlsd_flwr.evaluation import metrics as M
 from qlsd_flwr.outputs.loo import HELDOUT
 from qlsd_flwr.outputs.convergence import RHAT_TARGET  # noqa: F401 (the main job's bar; one home)
@@ -122,7 +123,7 @@ def evaluate_run(run_dir: str | os.PathLike, max_samples: int | None = 200, writ
     if write:
         ll = write_predictive_groups(run_dir / "samples.nc", samples, predictor, X_te, y_te, cfg.seed)
         out["convergence"] = convergence(ll)
-        (run_dir / "evaluation.json").write_text(json.dumps(out, indent=2))
+        (run_dir / "evaluation.json").write_text(jsonio.dumps(out, indent=2))
         add_predictive_to_report(run_dir, out["convergence"], cfg.raw, ll.sum(axis=2))
     return out
 
@@ -140,16 +141,16 @@ def add_predictive_to_report(run_dir: Path, predictive: dict, raw: dict, loglik=
     except (OSError, ValueError):
         return
     theta = summary.get("convergence")
-    if not isinstance(theta, dict) or theta.get("verdict") == "NOT CHECKED":
-        return
-    base = {k: v for k, v in theta.items() if k not in ("verdict", "message", "predictive")}
+    if not isinstance(theta, dict) or (theta.get("verdict") == "NOT CHECKED" and not theta.get("pending")):
+        return  # too few draws for any verdict; a verdict pending the predictive is given it now
+    base = {k: v for k, v in theta.items() if k not in ("verdict", "message", "predictive", "pending", "why")}
     if loglik is not None:
         tr = cv.trend(np.asarray(loglik, dtype=np.float64))
         base["loglik_trend_z"] = tr["z_max"]
         base["stationary"] = bool(base.get("stationary", True)) and not tr["trending"]
     rep = cv.verdict(base, predictive, cv.criterion_for(raw), raw)
     summary["convergence"] = rep
-    path.write_text(json.dumps(summary, indent=2))
+    path.write_text(jsonio.dumps(summary, indent=2))
     try:  # samples.nc's attribute says the same verdict
         import h5netcdf
 

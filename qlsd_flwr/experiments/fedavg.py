@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from qlsd_flwr.config import resolve
+from qlsd_flwr.outputs import jsonio
 from qlsd_flwr.outputs.bits import rounds_only
 
 
@@ -258,8 +259,8 @@ def run_fedavg(overrides: dict, num_rounds: int | None = None, local_epochs: int
         wall_seconds_rounds=float(log["t_last"] - log["t_first"]), wall_seconds_total=wall_total,
         history=log["history"], run_dir=run_dir, state_dict=state)
     if run_dir is not None:
-        (run_dir / "evaluation.json").write_text(json.dumps(metrics, indent=2))
-        (run_dir / "fedavg.json").write_text(json.dumps(
+        (run_dir / "evaluation.json").write_text(jsonio.dumps(metrics, indent=2))
+        (run_dir / "fedavg.json").write_text(jsonio.dumps(
             {"settings": {**fed, "weight_decay": 1.0 / (spec.prior_var * sum(
                 len(p) for p in registry.partition_of(spec))), "config": overrides},
              **result.to_dict()}, indent=2, default=str))

@@ -41,12 +41,13 @@ samples (``qlsd-pp/samples.nc``), the FedAvg weights and ``comparison.json``.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
 import time
 from pathlib import Path
+
+from qlsd_flwr.outputs import jsonio
 
 QLSD_MAIN = {
     "task": "mnist", "dataset": "mnist_subset", "model": "logistic", "partition": "dominant_label",
@@ -215,7 +216,7 @@ def run_main_job(overrides: dict | None = None) -> int:
     print("\n" + title + "\n" + table + "\n"
           + "\n".join("  " + n for n in notes))
     (job_dir / "comparison.txt").write_text(table + "\n" + "\n".join(notes) + "\n")
-    (job_dir / "comparison.json").write_text(json.dumps({
+    (job_dir / "comparison.json").write_text(jsonio.dumps({
         "qlsd_pp": {"config": cfg, "evaluation": qm, "convergence": qm.get("convergence"),
                     "bits_total": qs["totals"]["bits_exact"],
                     "bits_per_round": qs["per_round"]["bits_exact"],

@@ -91,7 +91,7 @@ def save(path, arrays: dict, meta: dict) -> None:
     path = Path(path)
     buf = io.BytesIO()
     payload = {f"a_{k}": np.asarray(v) for k, v in arrays.items() if v is not None}
-    payload["meta"] = np.frombuffer(dumps({"format": FORMAT, **meta}).encode(), dtype=np.uint8)
+    payload["meta"] = np.frombuffer(dumps({"format": FORMAT, **meta}, strict=False).encode(), dtype=np.uint8)
     np.savez(buf, **payload)
     for stale in path.parent.glob(".checkpoint-*.tmp"):  # left by a write that was killed
         try:

@@ -20,6 +20,26 @@ def jsonable(x):
     return str(x)
 
 
-def dumps(obj, **kwargs) -> str:
-    """``json.dumps`` with :func:`jsonable` for numpy values."""
-    return json.dumps(obj, default=jsonable, **kwargs)
+def finite(obj):
+    """``obj`` with every non-finite number (``inf``, ``nan``; numpy's too, and inside arrays) as ``None``:
+    strict JSON has no ``Infinity`` or ``NaN`` (Python's ``json`` writes them, other readers refuse them)."""
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    if isinstance(obj, np.ndarray):
+        return finite(obj.tolist())
+    if isinstance(obj, (float, np.floating)):
+        return float(obj) if np.isfinite(obj) else None
+    return obj
+
+
+def dumps(obj, strict: bool = True, **kwargs) -> str:
+    """``json.dumps`` with :func:`jsonable` for numpy values; ``strict`` (what a user's tools read:
+    ``summary.json``, ``config.json``, ``evaluation.json``, ``comparison.json``): non-finite numbers as
+    ``null`` (:func:`finite`), so the file is strict JSON. A checkpoint's metadata, which only this
+    package reads back, keeps them (``strict = False``) so that a resume sees the very values."""
+    kwargs.setdefault("default", jsonable)
+    if strict:
+        return json.dumps(finite(obj), allow_nan=False, **kwargs)
+    return json.dumps(obj, **kwargs)

@@ -278,6 +278,8 @@ def attach(run_dir, mode: str, n_data, ask: Callable[[np.ndarray, float], dict],
     client or the potential did wrong: the reason is the entry's ``error``."""
     import json
 
+    from qlsd_flwr.outputs import jsonio
+
     nc = Path(run_dir) / "samples.nc"
     if mode == "off" or not nc.is_file():
         return {}
@@ -303,7 +305,7 @@ def attach(run_dir, mode: str, n_data, ask: Callable[[np.ndarray, float], dict],
         data = json.loads(path.read_text())
         data["loo"] = out
         data["bits"] = bits_object(data)  # the LOO's bits join the run's
-        path.write_text(json.dumps(data, indent=2))
+        path.write_text(jsonio.dumps(data, indent=2))
     if summary is not None:
         summary["loo"] = out
         summary["bits"] = bits_object(summary)

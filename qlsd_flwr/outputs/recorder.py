@@ -385,7 +385,7 @@ def provenance(config: dict) -> dict:
     except Exception:  # noqa: BLE001 — provenance must never stop a run
         flwr_version = "unknown"
     raw = config.get("config", config) if isinstance(config, dict) else {}
-    text = dumps(raw, sort_keys=True)
+    text = dumps(raw, strict=False, sort_keys=True)
     return {"inference_library": "qlsd_flwr", "inference_library_version": __version__,
             "flwr_version": flwr_version, "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "seed": str(raw.get("seed", "")), "variant": str(raw.get("variant", "")),

@@ -106,7 +106,7 @@ class RivalChains:
 
     def checkpoint_meta(self) -> dict:
         """The chains' servers' JSON state (their guards, counters, the θ* facts)."""
-        return json.loads(dumps(self.set.snapshot()[1]))
+        return json.loads(dumps(self.set.snapshot()[1], strict=False))
 
     def restore(self, a: dict, meta: dict | None = None) -> None:
         """The state of :meth:`checkpoint_arrays` and :meth:`checkpoint_meta`; every client starts
