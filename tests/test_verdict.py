@@ -126,6 +126,7 @@ def test_convergence_report_judges_chains_merged_by_hand(evaluated_run, tmp_path
 
     with h5netcdf.File(evaluated_run / "samples.nc", "r") as f:
         theta = np.asarray(f["posterior"]["theta"][...])
+    same = None  # the pair's own worst R-hat
     for name, chains in (("same", theta[:2]), ("apart", np.stack([theta[0], theta[1] + 10 * theta.std(axis=(0, 1))]))):
         path = tmp_path / f"{name}.nc"
         with h5netcdf.File(path, "w") as f:
@@ -137,7 +138,7 @@ def test_convergence_report_judges_chains_merged_by_hand(evaluated_run, tmp_path
         assert rep["rhat_max"] == cv.theta_report(np.transpose(chains, (1, 0, 2)))["rhat_max"]
         if name == "apart":  # 10 sd apart: R-hat far above the pair's own
             assert rep["verdict"] == "NOT MIXED" and rep["rhat_max"] > same + 0.5
-        same = rep["rhat_max"]
+        same = rep["rhat_max"] if same is None else same
 
 
 def test_convergence_report_names_a_path_that_is_not_a_run(tmp_path):
