@@ -346,14 +346,32 @@ def adapts(cfg: RunConfig) -> bool:
     return cfg.metric in ("diagonal", "dense") and str(cfg.get("metric-from")) == "adapt"
 
 
-def check_memory(cfg: RunConfig, d: int, keep_trace: bool = False) -> None:
-    """Refuse, before anything is allocated, a run whose :func:`memory_estimate` exceeds
-    :data:`MEMORY_SHARE` of this machine's physical memory, naming the keys whose product it is."""
+def _physical_memory() -> int | None:
     import os
 
     try:
-        phys = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):  # not a POSIX system: no limit known
+        return None
+
+
+def check_data_memory(n_points: int, d: int, copies: int = 2) -> None:
+    """Refuse, before the built-in Gaussian task makes its data, ``n_points × d`` float64 numbers held
+    ``copies`` times (each client's array and the pooled one the closed form is computed from) beyond
+    :data:`MEMORY_SHARE` of this machine's physical memory: ``ConfigError`` naming the keys."""
+    phys = _physical_memory()
+    need = 8 * int(n_points) * int(d) * int(copies)
+    if phys is not None and need > MEMORY_SHARE * phys:
+        raise ConfigError(f"num-clients × dim: the task's data alone need about {need / 2**30:.1f} GiB ({n_points} "
+                          f"points × d = {d} × 8 bytes × {copies} copies), over {MEMORY_SHARE:.0%} of this machine's "
+                          f"{phys / 2**30:.1f} GiB; lower num-clients or dim")
+
+
+def check_memory(cfg: RunConfig, d: int, keep_trace: bool = False) -> None:
+    """Refuse, before anything is allocated, a run whose :func:`memory_estimate` exceeds
+    :data:`MEMORY_SHARE` of this machine's physical memory, naming the keys whose product it is."""
+    phys = _physical_memory()
+    if phys is None:
         return
     need = memory_estimate(cfg, d, keep_trace)
     if need > MEMORY_SHARE * phys:

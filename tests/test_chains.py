@@ -287,7 +287,7 @@ def test_convergence_summarises_arviz_per_test_point_and_for_the_total_log_likel
     (computed for all points at once, :mod:`qlsd_flwr.outputs.diagnostics`)."""
     import arviz as az
 
-    from qlsd_flwr.evaluation.evaluate import convergence
+    from qlsd_flwr.outputs.convergence import predictive as convergence
 
     gen = np.random.default_rng(7)
     ll = -np.abs(gen.normal(0.5, 0.1, size=(4, 200, 5)))

@@ -188,7 +188,7 @@ def test_fedavg_comparison_end_to_end_on_ray(tmp_path, capsys):
     # exactly the summary of the held-out log-likelihood that samples.nc holds
     import h5netcdf
 
-    from qlsd_flwr.evaluation.evaluate import convergence
+    from qlsd_flwr.outputs.convergence import predictive as convergence
 
     with h5netcdf.File(job / "qlsd-pp" / "samples.nc", "r") as f:
         ll = np.asarray(f["heldout_log_likelihood"]["y"][...])

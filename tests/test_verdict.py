@@ -150,3 +150,23 @@ def test_convergence_report_names_a_path_that_is_not_a_run(tmp_path):
         qlsd_flwr.convergence_report(bad)
     with pytest.raises(ReportError, match="criterion: 'both'; allowed: theta, predictive, auto"):
         qlsd_flwr.convergence_report(bad, criterion="both")
+
+
+def test_a_test_point_stuck_apart_in_the_predictive_is_not_mixed():
+    """The predictive's rule is θ's: a test point whose probability is constant within each chain but differs
+    between chains (a network's chains stuck in different modes that agree on nothing there) is undefined,
+    not a constant; one value everywhere is a constant."""
+    rng = np.random.default_rng(3)
+    ll = np.log(rng.uniform(0.2, 0.9, size=(4, 400, 6)))
+    ll[:, :, 5] = np.log(np.array([0.1, 0.3, 0.6, 0.9]))[:, None]  # each chain its own probability
+    pred = cv.predictive(ll)
+    # ArviZ's R-hat of chains frozen apart is inf, or (the rank-normalised within-chain variance rounding
+    # to ~1e-32 instead of 0) a finite 1e16: either way not mixed, and named
+    assert pred["pred_undefined"] == 1 or pred["rhat_pred_max"] > 1e10, pred
+    rep = cv.verdict(cv.theta_report(rng.normal(size=(400, 4, 3))), pred, criterion="predictive")
+    assert rep["verdict"] == "NOT MIXED"
+    assert "1 test point(s)' predictive" in rep["message"] or rep["predictive"]["rhat_pred_max"] > 1e10, rep["message"]
+    ll[:, :, 5] = np.log(0.5)
+    pred = cv.predictive(ll)
+    assert pred["pred_undefined"] == 0
+    assert cv.verdict(cv.theta_report(rng.normal(size=(400, 4, 3))), pred, criterion="predictive")["verdict"] == "MIXED"

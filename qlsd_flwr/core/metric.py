@@ -369,19 +369,6 @@ def _read(x: bytes, at: int, d: int, nested: bool) -> tuple[Metric, int]:
         raise MetricError(str(exc)) from None
 
 
-def from_user_array(a: np.ndarray, d: int) -> Metric:
-    """A user's metric file's array (``metric = <path>.npy``): ``d`` positive numbers or an SPD ``d × d``
-    matrix; :class:`MetricError` otherwise (an empty array too: the identity is ``metric = identity``)."""
-    a = np.asarray(a)
-    if a.dtype.kind not in "fiu":
-        raise MetricError(f"metric: expected numbers, got an array of {a.dtype}")
-    if a.shape == (d,):
-        return Diagonal(a)
-    if a.shape == (d, d):
-        return Dense(a)
-    raise MetricError(f"metric: expected {d} numbers or a {d} × {d} matrix, got shape {a.shape}")
-
-
 def to_array(metric: Metric) -> np.ndarray:
     """The metric as a checkpoint holds it: its tagged encoding as a ``uint8`` array."""
     return np.frombuffer(metric.to_bytes(), dtype=np.uint8).copy()

@@ -34,6 +34,7 @@ from qlsd_flwr.outputs import jsonio
 from qlsd_flwr.evaluation import metrics as M
 from qlsd_flwr.outputs.loo import HELDOUT
 from qlsd_flwr.outputs.convergence import RHAT_TARGET  # noqa: F401 (the main job's bar; one home)
+from qlsd_flwr.outputs.convergence import predictive as cv_predictive
 
 N_BINS = 10
 OOD_SEED = 20220328
@@ -122,7 +123,7 @@ def evaluate_run(run_dir: str | os.PathLike, max_samples: int | None = 200, writ
                            title=title or f"{cfg.variant} on {cfg.get('task')}")
     if write:
         ll = write_predictive_groups(run_dir / "samples.nc", samples, predictor, X_te, y_te, cfg.seed)
-        out["convergence"] = convergence(ll)
+        out["convergence"] = cv_predictive(ll)
         (run_dir / "evaluation.json").write_text(jsonio.dumps(out, indent=2))
         add_predictive_to_report(run_dir, out["convergence"], cfg.raw, ll.sum(axis=2))
     return out
@@ -160,35 +161,6 @@ def add_predictive_to_report(run_dir: Path, predictive: dict, raw: dict, loglik=
     except (OSError, KeyError):
         pass
     cv.log_report(rep)
-
-
-def convergence(ll: np.ndarray) -> dict:
-    """R-hat and bulk ESS (ArviZ's rank-normalised split versions, Vehtari et al. 2021) of what a
-    user reads off the posterior, from the held-out log-likelihood ``ll`` ``(chain, draw, point)``:
-
-    * the predictive probability of each test point's label, ``p(y_j | x_j, θ)`` per draw:
-      the worst R-hat over the test points, the 99th percentile, and the smallest bulk ESS;
-    * the held-out log-likelihood ``Σ_j log p(y_j | x_j, θ)`` per draw: its R-hat and bulk ESS.
-
-    With fewer than 2 chains or 4 draws, R-hat cannot be computed: the values are ``None`` and
-    ``why`` says so."""
-    from qlsd_flwr.outputs.diagnostics import rhat_ess  # ArviZ's estimators, all points at once
-
-    c, n, _ = ll.shape
-    if c < 2 or n < 4:
-        return {"chains": int(c), "draws": int(n), "rhat_pred_max": None, "rhat_pred_p99": None,
-                "ess_bulk_pred_min": None, "rhat_loglik": None, "ess_bulk_loglik": None,
-                "why": "R-hat needs at least 2 chains and 4 draws"}
-    rp, ep, _ = rhat_ess(np.exp(ll))
-    r_ll, e_ll, _ = rhat_ess(ll.sum(axis=2)[:, :, None])
-    finite = np.isfinite(rp)  # a point whose probability is 1.0 in every draw has no R-hat
-    return {"chains": int(c), "draws": int(n),
-            "rhat_pred_max": float(np.max(rp[finite])) if finite.any() else None,
-            "rhat_pred_p99": float(np.quantile(rp[finite], 0.99)) if finite.any() else None,
-            "ess_bulk_pred_min": float(np.min(ep[np.isfinite(ep)])) if np.isfinite(ep).any() else None,
-            "rhat_loglik": float(r_ll[0]),
-            "ess_bulk_loglik": float(e_ll[0]),
-            "target": RHAT_TARGET}
 
 
 CLASSIFICATION_TASKS = ("logistic", "mnist")

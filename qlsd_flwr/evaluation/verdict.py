@@ -85,8 +85,6 @@ def convergence_report(path: str | os.PathLike, criterion: str | None = None) ->
     >>> qlsd_flwr.convergence_report("outputs/my-run")["verdict"]          # doctest: +SKIP
     'MIXED'
     """
-    from qlsd_flwr.evaluation.evaluate import convergence as predictive_convergence
-
     p = Path(path)
     nc = p / "samples.nc" if p.is_dir() else p
     if not nc.is_file():
@@ -112,5 +110,5 @@ def convergence_report(path: str | os.PathLike, criterion: str | None = None) ->
         tr = cv.trend(ll.sum(axis=2))
         rep["loglik_trend_z"] = tr["z_max"]
         rep["stationary"] = bool(rep.get("stationary", True)) and not tr["trending"]
-        predictive = predictive_convergence(ll)
+        predictive = cv.predictive(ll)
     return cv.verdict(rep, predictive, cv.criterion_for(raw), raw)

@@ -14,7 +14,7 @@ chains that all started at one point R-hat reads optimistic: the report says whi
 
 Models with symmetries (a neural network's hidden units can be permuted) keep a high R-hat over
 raw weights even when the predictive has converged: for classification tasks the held-out
-predictive's R-hat (:func:`qlsd_flwr.evaluation.evaluate.convergence`) is added next to it, and
+predictive's R-hat (:func:`predictive`) is added next to it, and
 ``criterion`` says which quantity the verdict reads (``predictive`` for torch models, ``theta``
 otherwise; a user picks with the key ``convergence-criterion``).
 """
@@ -113,6 +113,40 @@ def theta_report(draws, labels=None, dispersed: bool = False) -> dict:
     return out
 
 
+def predictive(ll: np.ndarray) -> dict:
+    """R-hat and bulk ESS (ArviZ's rank-normalised split versions, Vehtari et al. 2021) of what a
+    user reads off the posterior, from the held-out log-likelihood ``ll`` ``(chain, draw, point)``:
+
+    * the predictive probability of each test point's label, ``p(y_j | x_j, θ)`` per draw:
+      the worst R-hat over the test points, the 99th percentile, and the smallest bulk ESS;
+    * the held-out log-likelihood ``Σ_j log p(y_j | x_j, θ)`` per draw: its R-hat and bulk ESS.
+
+    A point whose probability is one value in every draw of every chain has no R-hat and does not count;
+    one whose probability is constant within each chain but differs between them (chains stuck apart)
+    is counted in ``pred_undefined``, which the verdict reads as not mixed. With fewer than 2 chains or
+    4 draws, R-hat cannot be computed: the values are ``None`` and ``why`` says so."""
+    from qlsd_flwr.outputs.diagnostics import rhat_ess  # ArviZ's estimators, all points at once
+
+    c, n, _ = ll.shape
+    if c < 2 or n < 4:
+        return {"chains": int(c), "draws": int(n), "rhat_pred_max": None, "rhat_pred_p99": None,
+                "ess_bulk_pred_min": None, "rhat_loglik": None, "ess_bulk_loglik": None, "pred_undefined": 0,
+                "why": "R-hat needs at least 2 chains and 4 draws"}
+    prob = np.exp(ll)
+    rp, ep, _ = rhat_ess(prob)
+    r_ll, e_ll, _ = rhat_ess(ll.sum(axis=2)[:, :, None])
+    finite = np.isfinite(rp)
+    constant = np.all(prob == prob[:1, :1, :], axis=(0, 1))
+    return {"chains": int(c), "draws": int(n),
+            "rhat_pred_max": float(np.max(rp[finite])) if finite.any() else None,
+            "rhat_pred_p99": float(np.quantile(rp[finite], 0.99)) if finite.any() else None,
+            "ess_bulk_pred_min": float(np.min(ep[np.isfinite(ep)])) if np.isfinite(ep).any() else None,
+            "rhat_loglik": float(r_ll[0]),
+            "ess_bulk_loglik": float(e_ll[0]),
+            "pred_undefined": int(np.sum(~finite & ~constant)),
+            "target": RHAT_TARGET}
+
+
 def _norms_chunked(draws) -> np.ndarray:
     n, c, _ = draws.shape
     out = np.empty((c, n))
@@ -126,7 +160,7 @@ def _norms_chunked(draws) -> np.ndarray:
 def verdict(report: dict, predictive: dict | None = None, criterion: str = "theta", raw: dict | None = None) -> dict:
     """``report`` with ``criterion``, ``verdict`` (``MIXED`` / ``NOT MIXED`` / ``NOT CHECKED``) and
     ``message`` (one paragraph for the log). ``predictive``: the held-out predictive's R-hat
-    (:func:`qlsd_flwr.evaluation.evaluate.convergence`), read when ``criterion = predictive``."""
+    (:func:`predictive`), read when ``criterion = predictive``."""
     rep = dict(report)
     if rep.get("verdict") == "NOT CHECKED":
         rep["message"] = f"convergence NOT CHECKED: {rep.get('why')}"
@@ -135,7 +169,7 @@ def verdict(report: dict, predictive: dict | None = None, criterion: str = "thet
     rep.pop("pending", None)
     if predictive is not None:
         rep["predictive"] = {k: predictive.get(k) for k in ("rhat_pred_max", "rhat_pred_p99", "ess_bulk_pred_min",
-                                                              "rhat_loglik", "ess_bulk_loglik")}
+                                                              "rhat_loglik", "ess_bulk_loglik", "pred_undefined")}
     if criterion == "predictive" and (predictive is None or predictive.get("rhat_pred_max") is None):
         # never θ in its place, silently: a network's weights keep a high R-hat after its predictive has mixed
         rep.update({"verdict": "NOT CHECKED", "pending": "predictive",
@@ -153,6 +187,8 @@ def verdict(report: dict, predictive: dict | None = None, criterion: str = "thet
                "bulk ESS (log-likelihood)": predictive.get("ess_bulk_loglik")}
         what = "the held-out predictive (worst test point and log-likelihood)"
         undefined = [] if np.isfinite(worst) else ["the predictive's R-hat"]
+        if predictive.get("pred_undefined"):
+            undefined.append(f"{predictive['pred_undefined']} test point(s)' predictive")
     else:
         worst = rep.get("rhat_max")
         ess = {"bulk ESS": rep.get("ess_bulk_min"), "tail ESS": rep.get("ess_tail_min")}
@@ -165,7 +201,7 @@ def verdict(report: dict, predictive: dict | None = None, criterion: str = "thet
     parts = [f"convergence: {rep['verdict']} over {what}: worst R-hat {worst:.3g}"
              if worst is not None else f"convergence: {rep['verdict']}: no R-hat"]
     if undefined:
-        n_undef = rep.get("rhat_undefined") if criterion != "predictive" else 1
+        n_undef = rep.get("rhat_undefined") if criterion != "predictive" else len(undefined)
         parts.append(f"R-hat undefined on {n_undef} quantit{'y' if n_undef == 1 else 'ies'} ({', '.join(undefined)}): "
                      "no spread within the chains but not one value across them (chains stuck apart)")
     if low:

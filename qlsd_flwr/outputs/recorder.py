@@ -34,6 +34,7 @@ from pathlib import Path
 import h5netcdf
 import numpy as np
 
+from qlsd_flwr.errors import CheckpointError
 from qlsd_flwr.outputs.bits import bits_object
 from qlsd_flwr.outputs.run_dir import lock_run_dir
 
@@ -161,14 +162,13 @@ class Recorder:
         for path, n in ((csv_path, n_csv), (raw_path, n_raw)):
             have = path.stat().st_size if path.exists() else -1
             if have < n:
-                raise RuntimeError(f"cannot resume: {path} holds {max(have, 0)} bytes, the checkpoint "
-                                   f"counts {n} (the file was changed or lost after the checkpoint)")
+                held = "is missing" if have < 0 else f"holds {have} bytes"
+                raise CheckpointError(f"resume: {path} {held}, the checkpoint counts {n} (the file was changed or "
+                                      "lost after the checkpoint; the run cannot go on from it)")
             os.truncate(path, n)
         for key, path, n in (("draws", raw_path, n_raw), ("csv", csv_path, n_csv)):
             want = pos.get(f"{key}_crc32")
             if want is not None and _crc_of(path, n) != want:
-                from qlsd_flwr.outputs.checkpoint import CheckpointError
-
                 raise CheckpointError(f"cannot resume: {path}: its first {n} bytes are not those the checkpoint "
                                       f"recorded (CRC-32 differs): the file was damaged or changed after it")
             self.crc[key] = _crc_of(path, n) if want is None else int(want)

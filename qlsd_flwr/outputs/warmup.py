@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 
 from qlsd_flwr.config import RunConfig
-from qlsd_flwr.outputs.checkpoint import RESUME_FREE_KEYS, VALUE_MAX, CheckpointError, load, save
+from qlsd_flwr.outputs.checkpoint import RESUME_FREE_KEYS, CheckpointError, load, save
+from qlsd_flwr.outputs.checkpoint_checks import VALUE_MAX
 
 
 class WarmupStore:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from qlsd_flwr.config import check_data_memory
 from qlsd_flwr.core import rng
 from qlsd_flwr.core.potential import GaussianPrior, Task
 
@@ -50,15 +51,22 @@ def client_data(i: int, d: int = 50, data_seed: int = 0, n_min: int = 10, n_max:
     ``N_i = n_min + ⌊(n_max − n_min)·u_i²⌋`` (skewed towards small clients) and the client centre
     ``μ_i ~ N(0, spread² I)`` (centres far apart: the local posteriors disagree).
     """
-    u = rng.uniform(data_seed, rng.Stream.DATA, 0, i, 1)[0]
-    size = int(n_min + np.floor((n_max - n_min) * u**2))
+    size = client_size(i, data_seed, n_min, n_max)
     centre = spread * rng.normal(data_seed, rng.Stream.DATA, 1, i, d)
     noise = rng.normal(data_seed, rng.Stream.DATA, 2, i, size * d)
     return centre + noise.reshape(size, d)
 
 
+def client_size(i: int, data_seed: int = 0, n_min: int = 10, n_max: int = 200) -> int:
+    """Client ``i``'s ``N_i`` (:func:`client_data`), drawn before its points."""
+    u = rng.uniform(data_seed, rng.Stream.DATA, 0, i, 1)[0]
+    return int(n_min + np.floor((n_max - n_min) * u**2))
+
+
 def make_data(b: int = 20, d: int = 50, data_seed: int = 0) -> list[np.ndarray]:
-    """All ``b`` clients' points (see :func:`client_data`)."""
+    """All ``b`` clients' points (see :func:`client_data`), refused by name before they are made when they
+    would not fit in memory (:func:`qlsd_flwr.config.check_data_memory`)."""
+    check_data_memory(sum(client_size(i, data_seed) for i in range(b)), d)
     return [client_data(i, d, data_seed) for i in range(b)]
 
 
