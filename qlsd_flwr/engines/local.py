@@ -79,8 +79,8 @@ def run_local(cfg: RunConfig, task: Task | None = None, write: bool = True,
         full_local_grad(s, task.clients[s.index], prep.theta_star) for s in specs]
     if claims is not None:  # as the Flower path asks them: θ* down, ∇U_i(θ*) up
         count_claims(prep.info, cfg.b, d)
-    # QLSD*'s replies carry c_i (judged as c_i + ĝ_i); VR-FALD*'s are judged as w_i Δ_i, not on c_i
-    if claims is not None and cfg.kind.cv_theta_star and (over := over_bound(claims, fixed_bound(bound))):
+    # QLSD*'s replies carry c_i (judged as c_i + ĝ_i); VR-FALD*'s and FSGLD's local steps carry Σ_j c_j
+    if claims is not None and cfg.kind.needs_theta_star and (over := over_bound(claims, fixed_bound(bound))):
         # this engine's clients are honest: a claim over a fixed B means B is too small for the data
         raise ConfigError("norm-bound: " + "; ".join(f"client {i}: {w}" for i, w in over.items())
                           + "; every reply of theirs would be refused, a bias: raise norm-bound or use auto")

@@ -33,7 +33,8 @@ from flwr.app import Message, MessageType
 from qlsd_flwr.flower.records import record_fields, to_content
 from qlsd_flwr.protocol import build, precondition
 from qlsd_flwr.protocol.traffic import count_claims
-from qlsd_flwr.robust.claims import over_bound, relative_gap
+from qlsd_flwr.robust.claims import out_of_scale, over_bound, relative_gap
+from qlsd_flwr.robust.reports import clamped_counts
 from qlsd_flwr.robust.norm_guard import fixed_bound
 from qlsd_flwr.protocol.wire import PhaseError, arr_to_bytes, gradient_of
 
@@ -157,8 +158,12 @@ class PhaseExchanges:
         for i, old in before.items():
             if i not in self.left_out and (gap := relative_gap(self._dirs @ grads[i], old)) is not None:
                 changed[i] = f"its ∇U_i(θ*) changed between the descent and the claims (relative {gap:.3g})"
-        if self.cfg.kind.cv_theta_star:  # QLSD*'s estimates carry c_i (VR-FALD*'s replies are judged as w_i Δ_i)
+        if self.cfg.kind.needs_theta_star:  # QLSD*'s estimates carry c_i; VR-FALD*'s, FSGLD's local steps Σ_j c_j
             changed.update(over_bound(grads, fixed_bound(self.cfg.raw.get("norm-bound", "auto"))))
+        if self.cfg.kind.at_theta_star:  # every client's local steps carry Σ_j c_j: one claim out of scale moves all
+            kept = self.clients()
+            n = clamped_counts([self.nodes.n_data.get(i, 1) for i in range(self.cfg.b)], kept)
+            changed.update({i: w for i, w in out_of_scale({i: grads[i] for i in kept}, n).items() if i not in changed})
         if changed:
             self._leave_out(changed)
         return grads

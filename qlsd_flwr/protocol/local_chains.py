@@ -25,6 +25,7 @@ a round's messages carry besides θ, and what the bounded-influence rule measure
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import numpy as np
 
@@ -34,6 +35,10 @@ from qlsd_flwr.protocol import metric_sent
 from qlsd_flwr.protocol import build
 from qlsd_flwr.protocol.claims import ThetaStarClaims
 from qlsd_flwr.protocol.wire import ReplyError, gradient_of
+from qlsd_flwr.robust.claims import out_of_scale, over_bound
+from qlsd_flwr.robust.norm_guard import fixed_bound
+
+log = logging.getLogger("qlsd_flwr")
 
 #: ``rho = auto``: ``ρ = RHO_AUTO · γ``
 RHO_AUTO = 0.1
@@ -166,8 +171,10 @@ def before_step(server) -> None:
         _couple(server)
     if not server._fresh:
         return
-    kept = _kept(server)
     got = {i: g for i, g in server._ref_grads.items() if i in server._g_hat}  # the accepted replies only
+    _refuse_out_of_scale(server, got)
+    kept = _kept(server)
+    got = {i: g for i, g in got.items() if i in kept}
     complete = bool(kept) and set(got) == set(kept)
     _count(server, rounds=1, uplink_bits=64 * server.d * len(server._ref_grads), incomplete=int(not complete),
            installed=int(complete))
@@ -180,6 +187,23 @@ def before_step(server) -> None:
     total = build.combine_grads(server.cfg, server.task.prior, [claims[i] for i in kept], theta)
     server.claims = ThetaStarClaims(claims, total)  # what each client's reply to θ_r must repeat
     server.spec = dataclasses.replace(server.spec, theta_star=theta)  # from the next round's begin_round on
+
+
+def _refuse_out_of_scale(server, got: dict) -> None:
+    """VR-FALD*'s ``ref_grad`` held as its θ* claims are (:mod:`qlsd_flwr.robust.claims`): over a fixed
+    ``norm-bound = B``, or out of scale per datum against the other clients', its client is excluded from the
+    next round on (counted ``ref_grad_refused``, named in the log), so the reference is installed without it
+    and no honest reply is refused for its lie."""
+    why = over_bound(list(got.values()), fixed_bound(server.cfg.raw.get("norm-bound", "auto")))
+    why = {list(got)[j]: w for j, w in why.items()}
+    why.update({i: w for i, w in out_of_scale(got, server.norm_guard.n).items() if i not in why})
+    for i, w in sorted(why.items()):
+        log.warning("client %d: its ref_grad at round %d: %s; excluded from round %d on, and the reference is "
+                    "installed without it (summary.json 'excluded')", i, server.state.k, w, server.state.k + 1)
+        server.norm_guard.excluded[i] = int(server.state.k) + 1
+        server._count("ref_grad_refused")
+    if why:
+        server._set_offset()
 
 
 #: VR-FALD*'s refresh counts: refresh rounds, new references installed, rounds that installed none (a
