@@ -68,8 +68,11 @@ class PhaseExchanges:
         ``warm``. Returns ``(prep, claims)``."""
         while True:
             try:
+                n_data = [self.nodes.n_data.get(i, 1) for i in range(self.cfg.b)]
                 prep = precondition.prepare(
-                    self.cfg, self.task, theta0, lambda th: self.full_grad(grid, th, timeout),
+                    self.cfg, self.task, theta0,
+                    build.GradExchange(self.cfg, self.task.prior, lambda th: self.gradients(grid, th, timeout),
+                                       self.clients, n_data),
                     lambda th, kind, vectors=None: self.curvature(grid, th, kind, timeout, vectors),
                     n_data=[self.nodes.n_data.get(i, 1) for i in range(self.cfg.b)], warm=warm)
                 if not wants_claims:
@@ -143,10 +146,6 @@ class PhaseExchanges:
                  {i: self._dirs @ g for i, g in grads.items()})
         self._n += 1
         (heapq.heappush if len(self._sketches) < KEPT else heapq.heappushpop)(self._sketches, entry)
-
-    def full_grad(self, grid, theta: np.ndarray, timeout: float) -> np.ndarray:
-        """``∇U(θ)`` of the clients kept (the θ* descent, the power iteration, the warm-up)."""
-        return build.combine_grads(self.cfg, self.task.prior, self.gradients(grid, theta, timeout), theta)
 
     def claims(self, grid, theta_star: np.ndarray, timeout: float) -> list[np.ndarray]:
         """Every kept client's ``∇U_i(θ*)``, each held to what it said at θ* during the descent

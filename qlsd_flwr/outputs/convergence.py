@@ -92,7 +92,7 @@ def theta_report(draws, labels=None, dispersed: bool = False) -> dict:
     # disagree; any other non-finite R-hat (frozen at different values in different chains, a NaN) is
     # undefined, and the verdict reads it as not mixed
     fin = np.isfinite(r)
-    undefined = ~fin & ~constant
+    undefined = np.isinf(r) & ~constant  # a NaN (too few draws to split) leaves the ESS undefined instead
     worst = np.argsort(np.where(fin, -r, np.inf))[: min(5, d)]
     name = (lambda j: str(labels[j])) if labels is not None and len(labels) == d else (lambda j: f"theta[{j}]")
     norms = np.sqrt(np.einsum("ncd,ncd->cn", np.asarray(draws, dtype=np.float64), np.asarray(draws, dtype=np.float64))) \
@@ -143,7 +143,7 @@ def predictive(ll: np.ndarray) -> dict:
             "ess_bulk_pred_min": float(np.min(ep[np.isfinite(ep)])) if np.isfinite(ep).any() else None,
             "rhat_loglik": float(r_ll[0]),
             "ess_bulk_loglik": float(e_ll[0]),
-            "pred_undefined": int(np.sum(~finite & ~constant)),
+            "pred_undefined": int(np.sum(np.isinf(rp) & ~constant)),
             "target": RHAT_TARGET}
 
 

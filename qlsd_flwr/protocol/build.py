@@ -306,6 +306,27 @@ def combine_grads(cfg: RunConfig, prior: GaussianPrior, grads, theta: np.ndarray
     return g
 
 
+class GradExchange:
+    """``∇U(θ)`` from the kept clients' full gradients (one exchange of the θ* phase: ``grad_fn(θ)``), and each
+    client's own (``clients(θ)``: ``{i: ∇U_i(θ)}``) for the rules that judge them one by one
+    (:mod:`qlsd_flwr.robust.products`); ``combine(grads, θ)`` is ``grad_fn``'s sum of them, bit for bit."""
+
+    def __init__(self, cfg: RunConfig, prior, gradients, kept, n_data):
+        self.cfg, self.prior = cfg, prior
+        self._gradients, self._kept = gradients, kept  # θ → the b clients' gradients (zeros for those left out)
+        self.n_data = n_data  # the clients' N_i (claims on the Flower path)
+
+    def clients(self, th) -> dict:
+        grads = self._gradients(th)
+        return {i: grads[i] for i in self._kept()}
+
+    def combine(self, grads: dict, th) -> np.ndarray:
+        return combine_grads(self.cfg, self.prior, [grads.get(i, np.zeros_like(th)) for i in range(self.cfg.b)], th)
+
+    def __call__(self, th) -> np.ndarray:
+        return combine_grads(self.cfg, self.prior, self._gradients(th), th)
+
+
 def direct_exchanges(cfg: RunConfig, task: Task, specs):
     """``(grad_fn, curv_fn)`` for the engines that call their clients directly (local, vectorised):
     the very functions a ClientApp runs for the ``grad`` and ``curvature`` phases."""
@@ -313,8 +334,8 @@ def direct_exchanges(cfg: RunConfig, task: Task, specs):
     from qlsd_flwr.core.curvature import local_curvature
     from qlsd_flwr.core.oracles import full_local_grad
 
-    def grad_fn(th):
-        return combine_grads(cfg, task.prior, [full_local_grad(s, task.clients[s.index], th) for s in specs], th)
+    grad_fn = GradExchange(cfg, task.prior, lambda th: [full_local_grad(s, task.clients[s.index], th) for s in specs],
+                           lambda: [s.index for s in specs], [int(task.clients[s.index].n_data) for s in specs])
 
     def curv_fn(th, kind, vectors=None):
         if kind == "hvp":  # metric-rank: the block of Hessian-vector products

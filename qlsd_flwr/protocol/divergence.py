@@ -30,6 +30,12 @@ def stop_server(server, round_: int, why: str = "θ is not finite", stable: floa
     """Stop ``server``'s observer (samples up to the last finite θ) and raise :class:`DivergenceError` naming
     the round (``err.why``: the cause, which a several-chain run words its own message with)."""
     obs = server.observer
+    suspects = server.ts_info.get("products_clipped_clients") or []
+    if suspects and server.cfg.gamma_auto:  # the step came from a power iteration in which they were out of scale
+        named = ", ".join(str(i) for i in suspects)
+        why = (f"{why}; gamma = auto's power iteration scaled down the products of client {named} as out of scale "
+               f"(products_clipped): a false product can set the step, so the likely cause is client {named}; "
+               "rerun with a numeric gamma, or without it")
     msg = divergence_message(round_, server.cfg.gamma, obs.run_dir if obs is not None else None,
                              obs.last_checkpoint if obs is not None else None, why=why, stable=stable)
     log.error(msg)

@@ -44,6 +44,8 @@ from qlsd_flwr.protocol.theta_star import closed_form_theta_star, needs_theta_st
 from qlsd_flwr.outputs.metric_file import metric_from_file  # the one file the preparation reads
 from qlsd_flwr.outputs.progress import announce
 from qlsd_flwr.protocol import build
+from qlsd_flwr.robust.products import clip_products
+from qlsd_flwr.robust.reports import clamped_counts
 from qlsd_flwr.protocol.traffic import Traffic, counted, phase
 
 log = logging.getLogger("qlsd_flwr")
@@ -123,7 +125,8 @@ def curvature_point(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: Gra
         lr = cfg.gamma
         if cfg.gamma_auto or metric is not None:
             with phase(grad_fn, "power_iteration"):
-                lam, _ = cv.lambda_max(grad_fn, theta, metric or Identity(), cfg.seed, iters=20, tol=5e-2)
+                lam, _ = cv.lambda_max(grad_fn, theta, metric or Identity(), cfg.seed, iters=20, tol=5e-2,
+                                       hvp=held_products(grad_fn, info))
             lr = 1.0 / lam if lam > 0 else 1.0
             info.setdefault("opt_lr", []).append(lr)
         budget = cfg.opt_rounds // stages + (cfg.opt_rounds % stages if stage == stages - 1 else 0)
@@ -267,7 +270,8 @@ def _step(cfg: RunConfig, grad_fn: GradFn | None, point: np.ndarray, metric: Met
     gamma = cfg.gamma
     if (cfg.gamma_auto or not metric.is_identity) and grad_fn is not None:
         with phase(grad_fn, "power_iteration"):
-            lam, iters = cv.lambda_max(grad_fn, point, metric, cfg.seed, iters=iters, tol=tol)
+            lam, iters = cv.lambda_max(grad_fn, point, metric, cfg.seed, iters=iters, tol=tol,
+                                       hvp=held_products(grad_fn, info))
         if quiet and not (cfg.gamma_auto and lam <= 0):  # the warm-up's own steps: no announcement
             return float(cfg.get("gamma-c")) / lam if cfg.gamma_auto else gamma
         info.update({"lambda_max": lam, "lambda_max_iterations": iters})
@@ -275,8 +279,9 @@ def _step(cfg: RunConfig, grad_fn: GradFn | None, point: np.ndarray, metric: Met
         stable = cv.GAMMA_AUTO_C / lam if lam > 0 else None
         if cfg.gamma_auto:
             if stable is None:
-                raise ConfigError("gamma = auto: the estimated curvature λ_max is zero (a flat potential); give a "
-                                  "numeric gamma")
+                raise ConfigError(f"gamma = auto: the largest eigenvalue of the curvature at θ* is {lam:.3g} ≤ 0: the "
+                                  "potential is flat or not convex there (θ* a saddle or a maximum, or false "
+                                  "products from a client); give a numeric gamma")
             gamma = c / lam
             info["gamma_c"] = c
             log.warning("gamma = auto: γ = %.4g = %g / λ_max, λ_max = %.4g (the largest eigenvalue of M^½ ∇²U(θ*) "
@@ -292,6 +297,31 @@ def _step(cfg: RunConfig, grad_fn: GradFn | None, point: np.ndarray, metric: Met
     if not math.isfinite(gamma) or gamma <= 0:
         raise ConfigError(f"gamma: the chosen step {gamma!r} is not a positive number")
     return gamma
+
+
+def held_products(grad_fn, info: dict):
+    """The power iteration's ``∇²U u`` with each client's part held to scale (:mod:`qlsd_flwr.robust.products`),
+    bit for bit the sum of the central differences while no client is over it; those scaled are counted in
+    ``info['products_clipped']`` and named in the log. ``None`` (the plain difference of ``grad_fn``) when
+    ``grad_fn`` cannot give its clients' gradients one by one."""
+    if not hasattr(grad_fn, "clients"):
+        return None
+
+    def hvp(th, u, eps):
+        plus, minus = th + eps * u, th - eps * u
+        gp, gm = grad_fn.clients(plus), grad_fn.clients(minus)
+        parts = {i: (gp[i] - gm[i]) / (2.0 * eps) for i in gp}
+        held, why = clip_products(parts, clamped_counts(grad_fn.n_data, list(parts)))
+        if not why:
+            return (grad_fn.combine(gp, plus) - grad_fn.combine(gm, minus)) / (2.0 * eps)
+        for i, w in sorted(why.items()):
+            log.warning("client %d: %s (products_clipped)", i, w)
+        info["products_clipped"] = int(info.get("products_clipped", 0)) + len(why)
+        info["products_clipped_clients"] = sorted(set(info.get("products_clipped_clients", [])) | set(why))
+        prior = (grad_fn.combine({}, plus) - grad_fn.combine({}, minus)) / (2.0 * eps)
+        return sum(held[i] for i in sorted(held)) + prior
+
+    return hvp
 
 
 def _adapt(cfg: RunConfig, grad_fn: GradFn, point: np.ndarray, metric: Metric, gamma: float,

@@ -111,6 +111,13 @@ def counted(grad_fn, curv_fn, traffic: Traffic):
 
     if grad_fn is not None:
         grad.traffic = traffic
+    if hasattr(grad_fn, "clients"):  # a build.GradExchange: its clients' gradients one by one, counted alike
+
+        def clients(th):
+            traffic.add(traffic.phase, 64 * d * b, 64 * d * b)
+            return grad_fn.clients(th)
+
+        grad.clients, grad.combine, grad.n_data = clients, grad_fn.combine, grad_fn.n_data
     return (None if grad_fn is None else grad), (None if curv_fn is None else curv)
 
 

@@ -14,8 +14,12 @@ sampling replies                   :mod:`.norm_guard`: FACTOR_PROBATION  honest 
                                    100 × the pooled median per datum;    31 × R; norm_guard's docstring); no
                                    WINDOW 32, OWN 16, OWN_MIN 8,         committed script regenerates them yet
                                    POOL_MIN 3
-θ* claims and their repeats        :mod:`.claims`: RTOL 1e-6 (the same   a GPU's reduction order; the fixed
-                                   answer twice), ``norm-bound = B``     ``B`` is the user's
+θ* claims and their repeats,       :mod:`.claims`: RTOL 1e-6 (the same   a GPU's reduction order; the fixed
+VR-FALD*'s ref_grad                answer twice), ``norm-bound = B``,    ``B`` is the user's; honest maximum
+                                   FACTOR_CLAIM 50 × the lower median    8.46 × (bench_honest_claims.py)
+                                   per datum, POOL_MIN 3
+Hessian-vector products of         :mod:`.products`: FACTOR_PRODUCT 50   honest maximum 12.2 ×
+``gamma = auto``'s power iteration × the lower median per datum         (bench_honest_claims.py)
 curvature reports, products,       :mod:`.reports`: REPORT_CAP 10 × the  one client of ten moves M by at most
 surrogate precisions               lower median per datum, REPORT_MAX    ~REPORT_CAP along the largest diagonal
                                    1e150; FSGLD's Λ held to 1/γ          entry (issue 38: the operator norm)

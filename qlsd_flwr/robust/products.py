@@ -1,0 +1,52 @@
+"""The power iteration's products held to scale: one client cannot steer ``gamma = auto`` (issue 38).
+
+``gamma = auto`` is ``c / λ_max(M^½ ∇²U(θ*) M^½)``, and the power iteration finds ``λ_max`` from
+Hessian-vector products ``∇²U u``, each the central difference of the clients' gradients at ``θ* ± εu``.
+Summed as they come, one client's difference scaled ×1e4 made γ 5,000× smaller (the chain frozen, 70 sd off
+after 600 rounds), ×−1e4 aborted the run, and nothing was counted. Here each client's own product
+``h_i = (∇U_i(θ*+εu) − ∇U_i(θ*−εu)) / 2ε`` is judged per datum, ``v_i = ‖h_i‖ / N_i`` (``N_i`` clamped), against
+the lower median of the clients' ``v`` (at least :data:`~qlsd_flwr.robust.claims.POOL_MIN` clients), and one
+over :data:`FACTOR_PRODUCT` times it is scaled down to that size before the sum (counted as
+``products_clipped``; the clients named in the log). With no client over it, the product is the sum as
+before, bit for bit.
+
+**What one client can still do.** Its clipped product is at most ``FACTOR_PRODUCT · N_i · m`` in norm, with ``m``
+the median per-datum product and ``N_i ≤ REPORT_CAP ·`` the median ``N``: against the honest sum, about
+``N_{−i} · m`` along the top direction, it moves the Rayleigh quotient up by at most a factor
+``1 + FACTOR_PRODUCT · N_i / N_{−i}``, so γ down by at most that factor: for one client of ten equal ones,
+``1 + 50/9 ≈ 6.6`` (against 5,000× before the rule). A negative lie can make the curvature read smaller (γ
+larger) or not convex: the run then stops naming the cause (``gamma = auto``: not convex there; or, once
+sampling runs away, the clients whose products were scaled down), never with a silent γ. The issue's target,
+2× for one client of ten, needs a bound tighter than honest clients' own spread (12×, measured): a robust
+aggregate of the per-datum Rayleigh quotients, not a clip; not built.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from qlsd_flwr.robust.claims import POOL_MIN
+from qlsd_flwr.robust.reports import lower_median
+
+#: a client's Hessian-vector product per datum over this many times the lower median of the clients' is
+#: scaled down to it: honest clients measured at most 12.2× over 36 cases (θ* of the toy Gaussian and of
+#: logistic regression on breast_cancer and digits with Dirichlet(0.5) and (0.1) label splits of 5 to 20
+#: clients, along the top eigenvector and 5 random directions: ``benchmarks/bench_honest_claims.py``; a label
+#: split gives clients per-datum curvatures ``p(1 − p) ‖x‖²`` that differ that much), so 50 leaves a factor of 4
+FACTOR_PRODUCT = 50.0
+
+
+def clip_products(parts: dict, n_data: dict) -> tuple[dict, dict[int, str]]:
+    """``parts`` (``{i: h_i}``) with each client's product over :data:`FACTOR_PRODUCT` times the lower median per
+    datum scaled down to it, and ``{i: why}`` for those scaled (nothing with fewer than ``POOL_MIN`` clients)."""
+    v = {i: float(np.linalg.norm(h)) / max(int(n_data.get(i, 1)), 1) for i, h in parts.items()}
+    if len(v) < POOL_MIN:
+        return parts, {}
+    ref = lower_median(v.values())
+    limit = FACTOR_PRODUCT * ref
+    over = {i: x for i, x in v.items() if not x <= limit}
+    if not over or not ref > 0:
+        return parts, {}
+    out = {i: (h * (limit / v[i]) if i in over else h) for i, h in parts.items()}
+    return out, {i: f"its Hessian-vector product per datum was {x / ref:.3g}× the clients' median (over "
+                    f"{FACTOR_PRODUCT:g}×): scaled down to it" for i, x in over.items()}

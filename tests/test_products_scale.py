@@ -1,0 +1,87 @@
+"""One client cannot steer ``gamma = auto`` (issue 38; :mod:`qlsd_flwr.robust.products`).
+
+``gamma = auto`` is ``c / λ_max`` with ``λ_max`` from the power iteration's Hessian-vector products, central
+differences of the clients' gradients. Before the rule, one client whose differences were ×1e4 made γ about
+5,000× smaller (and ×1e8 froze the chain); ×−1e4 stopped the run with "λ_max is zero (a flat potential)".
+
+Now each client's product is held per datum to ``FACTOR_PRODUCT`` times the clients' lower median before the
+sum. The bound: client ``i``'s clipped product is at most ``F · N_i`` times the median per-datum product, so on
+the toy Gaussian (``∇²U_j = N_j I``: every client's product per datum is ``u``) the Rayleigh quotient is at most
+``(N − N_i) + F N_i`` (+ the prior's), and γ shrinks by at most ``(N + 1/σ²) / (N − N_i + F N_i + 1/σ²)``; a
+sign flip gives ``N − N_i − F N_i``: where that is ≤ 0 the run stops naming the cause (the curvature reads as
+not convex), never with a silent γ. θ* is in closed form, so every gradient the client gives before sampling
+is a product.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from qlsd_flwr.config import ConfigError
+from qlsd_flwr.protocol.divergence import DivergenceError
+from qlsd_flwr.robust.products import FACTOR_PRODUCT
+from qlsd_flwr.run.simulate import run
+from qlsd_flwr.tasks.gaussian import build_gaussian_task
+
+O = {"task": "gaussian", "num-clients": 5, "dim": 5, "prior-var": 5.0, "variant": "lsd-pp", "gamma": "auto",
+     "theta-star": "closed-form", "num-rounds": 4, "burn-in": 0, "engine": "inprocess", "progress": False,
+     "loo": "off", "plot": False}
+
+
+def scaled_products(factor: float, client: int = 0):
+    """Client ``client`` multiplies every gradient it gives before sampling (here: only the products) by ``factor``."""
+    from flwr.app import ConfigRecord
+
+    from qlsd_flwr.flower.records import from_content
+
+    def mod(msg, ctx, call_next):
+        reply = call_next(msg, ctx)
+        if msg.metadata.message_type != "train" or int(ctx.node_config["partition-id"]) != client \
+                or reply.has_error() or from_content(msg.content)[0].get("phase") != "grad":
+            return reply
+        rec = dict(reply.content["qlsd"])
+        rec["payload"] = (np.frombuffer(bytes(rec["payload"]), dtype="<f8") * factor).astype("<f8").tobytes()
+        reply.content["qlsd"] = ConfigRecord(rec)
+        return reply
+
+    return mod
+
+
+def test_one_client_s_products_move_gamma_auto_at_most_by_the_stated_factor(tmp_path):
+    task = build_gaussian_task(5, 5, 0, prior_var=5.0)
+    sizes = [int(c.n_data) for c in task.clients]
+    client = int(np.argsort(sizes)[len(sizes) // 2])  # a client of median size: its N_i is not clamped
+    N, Ni, prec = sum(sizes), sizes[client], 1.0 / 5.0
+    honest = run({**O, "output-dir": str(tmp_path), "run-name": "honest"})
+    g0 = honest.summary["gamma"]
+    assert "products_clipped" not in honest.summary.get("ts_info", honest.summary)
+    floor = (N + prec) / (N - Ni + FACTOR_PRODUCT * Ni + prec)  # the largest shrink the rule allows
+    for factor in (1e4, 1e8):
+        r = run({**O, "output-dir": str(tmp_path), "run-name": f"x{factor:g}"}, mods=[scaled_products(factor, client)])
+        ratio = r.summary["gamma"] / g0
+        assert floor * (1 - 0.05) <= ratio <= 1.0, (factor, ratio, floor)  # 5 %: the iteration's own tolerance
+        assert r.summary["rejected"].get("phase_reply", 0) == 0
+    # a sign flip: the curvature reads smaller, γ larger (by at most (N + 1/σ²) / flipped), or not convex. Either
+    # the run stops naming the cause (not convex; or run away, naming the client whose products were scaled
+    # down), or it samples with γ within that factor: never a silent, unbounded γ
+    flipped = N - Ni - FACTOR_PRODUCT * Ni + prec
+    try:
+        r = run({**O, "output-dir": str(tmp_path), "run-name": "flip"}, mods=[scaled_products(-1e4, client)])
+    except ConfigError as exc:
+        assert flipped <= 0 and "not convex there" in str(exc), (flipped, exc)
+    except DivergenceError as exc:
+        assert f"the likely cause is client {client}" in str(exc), exc
+    else:
+        assert flipped > 0 and 1.0 <= r.summary["gamma"] / g0 <= (N + prec) / flipped * 1.05
+
+
+def test_the_power_iteration_finds_the_largest_signed_eigenvalue():
+    """An indefinite curvature (a saddle, or false products): the dominant eigenvalue by size is −10, the largest
+    is 3; before, the iteration returned max(−10, 0) = 0 and the run stopped reading "a flat potential"."""
+    from qlsd_flwr.core.curvature import lambda_max
+    from qlsd_flwr.core.metric import Identity
+
+    for diag, largest in (([3.0, -10.0, 1.0], 3.0), ([2.0, 0.5, 1.0], 2.0), ([-1.0, -4.0, -2.0], -1.0)):
+        A = np.diag(diag)
+        lam, _ = lambda_max(lambda th: A @ th, np.zeros(3), Identity(), seed=0, iters=200, tol=1e-6)
+        assert abs(lam - largest) <= 1e-3 * max(1.0, abs(largest)), (diag, lam)
