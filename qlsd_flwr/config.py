@@ -321,6 +321,9 @@ def _check_biased_aggregation(sampler: samplers.Sampler, aggregation: str, p: np
         "lsd-pp), or set accept-biased-aggregation = true")
 
 
+#: the built-in tasks whose likelihood is a probability over labels (held-out evaluation; the LOO's log p ≤ 0)
+CLASSIFICATION_TASKS = ("logistic", "mnist")
+
 #: a run may plan for at most this share of the machine's physical memory
 MEMORY_SHARE = 0.8
 

@@ -247,3 +247,28 @@ def test_draws_too_heavy_for_one_message_leave_the_loo_out_naming_the_remedy(tmp
     asked = []
     s = L.attach(out.run_dir, "psis", task_of(BASE).n_data, lambda draws, reff: asked.append(1) or {}, {})
     assert not asked and "MiB" in s["error"] and "loo = off" in s["error"]
+
+
+def test_a_log_probability_above_zero_is_refused_on_a_classification_task(tmp_path):
+    """Issue 38: +50 a point on a classification task gave elpd +4,947, accepted. A probability is at most 1, so
+    every log-likelihood and log predictive of a discrete likelihood is ≤ 0: the reply is refused, naming why,
+    and the LOO left out; the honest replies of the same run pass the same check (and a Gaussian's log
+    densities, which may be positive, are never held to it)."""
+    o = {"task": "logistic", "dataset": "breast_cancer", "num-clients": 3, "engine": "vectorised", "num-rounds": 40,
+         "burn-in": 20, "gamma": 1e-4, "progress": False, "loo": "off", "plot": False, "output-dir": str(tmp_path),
+         "run-name": "r"}
+    out = run(o)
+    task = task_of(o)
+    honest = L.local_ask(task.clients, "psis")
+
+    def lying(draws, reff):
+        got = honest(draws, reff)
+        a = np.frombuffer(bytes(got[1]), dtype="<f8").reshape(3, -1).copy()
+        a[:2] += 50.0  # loo_i and lppd_i, +50 a point
+        got[1] = a.astype("<f8").tobytes()
+        return got
+
+    s = L.attach(out.run_dir, "psis", task.n_data, lying, {}, discrete=True)
+    assert "a log-probability of" in s["refused"]["1"] and "at most 1" in s["refused"]["1"] and "error" in s
+    ok = L.attach(out.run_dir, "psis", task.n_data, honest, {}, discrete=True)
+    assert "error" not in ok and ok["elpd_loo"] < 0

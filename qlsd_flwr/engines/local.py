@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from qlsd_flwr.config import ConfigError, RunConfig
+from qlsd_flwr.config import CLASSIFICATION_TASKS, ConfigError, RunConfig
 from qlsd_flwr.core import participation
 from qlsd_flwr.core import server_step as sampler
 from qlsd_flwr.core.oracles import (
@@ -104,7 +104,8 @@ def run_local(cfg: RunConfig, task: Task | None = None, write: bool = True,
         bar.close()
     summary = server.finish()
     if server.run_dir is not None:  # the federated LOO, each client's part computed as its node would
-        loo.attach(server.run_dir, cfg.get("loo"), task.n_data, loo.local_ask(task.clients, cfg.get("loo")), summary)
+        loo.attach(server.run_dir, cfg.get("loo"), task.n_data, loo.local_ask(task.clients, cfg.get("loo")), summary,
+                   discrete=cfg.task in CLASSIFICATION_TASKS)
     trace = np.array(server.trace) if keep_trace else None
     return RunResult(summary=summary, run_dir=server.run_dir, trace=trace, server=server.state, clients=states)
 

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from qlsd_flwr.config import CLASSIFICATION_TASKS  # noqa: F401 (one home: the configuration's)
 from qlsd_flwr.outputs import jsonio
 from qlsd_flwr.evaluation import metrics as M
 from qlsd_flwr.outputs.loo import HELDOUT
@@ -161,9 +162,6 @@ def add_predictive_to_report(run_dir: Path, predictive: dict, raw: dict, loglik=
     except (OSError, KeyError):
         pass
     cv.log_report(rep)
-
-
-CLASSIFICATION_TASKS = ("logistic", "mnist")
 
 
 def evaluate_classification(task: str, run_dir) -> dict | None:

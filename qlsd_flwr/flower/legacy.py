@@ -31,7 +31,7 @@ from flwr.common import (
 )
 from flwr.server.strategy import Strategy as LegacyStrategy
 
-from qlsd_flwr.config import ConfigError, RunConfig
+from qlsd_flwr.config import CLASSIFICATION_TASKS, ConfigError, RunConfig
 from qlsd_flwr.core.potential import Task
 from qlsd_flwr.protocol import precondition
 from qlsd_flwr.flower.client_app import (
@@ -122,7 +122,7 @@ class LegacyQLSDStrategy(LegacyStrategy):
     def _attach(self, got: dict) -> None:
         """:func:`qlsd_flwr.outputs.loo.attach` with the replies ``got`` (asked in configure_evaluate)."""
         loo.attach(self.server.run_dir, self.cfg.get("loo"), self.task.n_data, lambda draws, reff: got,
-                   self.server.summary_data)
+                   self.server.summary_data, discrete=self.cfg.task in CLASSIFICATION_TASKS)
 
     def evaluate(self, server_round, parameters):
         return None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 
+from qlsd_flwr.config import CLASSIFICATION_TASKS
 from qlsd_flwr.outputs import loo
 from qlsd_flwr.flower.records import ARRAYS, RECORD, config_record
 
@@ -62,4 +63,5 @@ def after_sampling(strategy, grid) -> None:
         return
     n_data = [strategy.nodes.n_data.get(i, 1) for i in range(cfg.b)]
     ask = asker(grid, strategy.nodes.node_of, cfg.b, cfg.get("loo"), strategy._timeout)
-    loo.attach(strategy.run_dir, cfg.get("loo"), n_data, ask, strategy.server.summary_data)
+    loo.attach(strategy.run_dir, cfg.get("loo"), n_data, ask, strategy.server.summary_data,
+               discrete=cfg.task in CLASSIFICATION_TASKS)

@@ -169,7 +169,7 @@ def request(samples_nc) -> tuple[np.ndarray, float, tuple[int, int, int]]:
     return th.reshape(S, d), reff_of(idata.posterior), (c, n, d)
 
 
-def federated(samples_nc, mode: str, n_data, ask: Callable[[np.ndarray, float], dict]) -> dict:
+def federated(samples_nc, mode: str, n_data, ask: Callable[[np.ndarray, float], dict], discrete: bool = False) -> dict:
     """The federated LOO of a finished run: reads the kept draws from ``samples_nc``, calls
     ``ask(draws, reff)`` (every client's reply ``{i: payload}``; ``draws`` is ``(S, d)``, chain by
     chain), validates each reply against ``n_data[i]``, writes the result into ``samples_nc``
@@ -192,7 +192,7 @@ def federated(samples_nc, mode: str, n_data, ask: Callable[[np.ndarray, float], 
             refused[str(i)] = "no reply"
             continue
         try:
-            parts[i] = check_reply(replies[i], int(n_data[i]), S, mode)
+            parts[i] = check_reply(replies[i], int(n_data[i]), S, mode, discrete)
         except LooError as exc:
             refused[str(i)] = str(exc)
     bits_down = 64 * S * d * b
@@ -272,7 +272,8 @@ def _write(path, name: str, data: dict, dims: tuple, attrs: dict | None = None) 
             g.attrs[k] = v
 
 
-def attach(run_dir, mode: str, n_data, ask: Callable[[np.ndarray, float], dict], summary: dict | None = None) -> dict:
+def attach(run_dir, mode: str, n_data, ask: Callable[[np.ndarray, float], dict], summary: dict | None = None,
+           discrete: bool = False) -> dict:
     """:func:`federated` on a finished run folder, its result added to ``summary.json`` (and to
     ``summary``, the caller's copy) as ``loo``; logged in one line. Never raises for what a
     client or the potential did wrong: the reason is the entry's ``error``."""
@@ -284,7 +285,7 @@ def attach(run_dir, mode: str, n_data, ask: Callable[[np.ndarray, float], dict],
     if mode == "off" or not nc.is_file():
         return {}
     try:
-        out = federated(nc, mode, n_data, ask)
+        out = federated(nc, mode, n_data, ask, discrete)
     except LooError as exc:
         out = {"mode": mode, "error": str(exc)}
     if "error" in out:

@@ -24,8 +24,9 @@ curvature reports, products,       :mod:`.reports`: REPORT_CAP 10 × the  one cl
 surrogate precisions               lower median per datum, REPORT_MAX    ~REPORT_CAP along the largest diagonal
                                    1e150; FSGLD's Λ held to 1/γ          entry (issue 38: the operator norm)
                                    MAX_BLOCK 256 products a message      a client's cost per message
-LOO replies                        :mod:`.loo`: shape from ``N_i``,      sums of many points stay finite
-                                   finite, VALUE_MAX 1e150
+LOO replies                        :mod:`.loo`: shape from ``N_i``,      sums of many points stay finite;
+                                   finite, VALUE_MAX 1e150; LOG_P_MAX    a probability is at most 1
+                                   1e-9 for a discrete likelihood
 handshake facts                    :mod:`.handshake`: client in 0..b-1,  2^53: float64's exact integers
                                    ``d``, 1 ≤ N_i ≤ N_DATA_MAX 2^53
 =================================  ==================================  =====================================

@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from qlsd_flwr.config import ConfigError, RunConfig, check_memory
+from qlsd_flwr.config import CLASSIFICATION_TASKS, ConfigError, RunConfig, check_memory
 from qlsd_flwr.protocol.downlink import SamplingDownlink
 from qlsd_flwr.protocol import precondition
 from qlsd_flwr.core.metric import Identity, to_array
@@ -269,7 +269,8 @@ def run_side_by_side(cfgs, task: Task | None = None, write: bool = False, keep_t
             summary["per_chain_round"] = {kk: val / nchain for kk, val in summary["per_round"].items()}
             (run_dirs[v] / "summary.json").write_text(dumps(summary, indent=2))
             mode = cfgs[v].get("loo")  # the federated LOO, each client's part computed as its node would
-            loo.attach(run_dirs[v], mode, task.n_data, loo.local_ask(task.clients, mode), summary)
+            loo.attach(run_dirs[v], mode, task.n_data, loo.local_ask(task.clients, mode), summary,
+                       discrete=cfgs[v].task in CLASSIFICATION_TASKS)
         else:
             summary = extra
         results.append(VectorisedResult(summary=summary, run_dir=run_dirs[v], stats=st,
