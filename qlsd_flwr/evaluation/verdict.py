@@ -12,8 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from qlsd_flwr.outputs import convergence as cv
-
-HELDOUT = "heldout_log_likelihood"
+from qlsd_flwr.outputs.loo import HELDOUT
 
 
 class ReportError(ValueError):

@@ -42,9 +42,9 @@ def check_step_and_metric(cfg: RunConfig, meta: dict, arrays: dict, path) -> Non
     for name, a in arrays.items():
         if name.rsplit(".", 1)[-1] != "metric":
             continue
-        d = next((arrays[n].shape[0] for n in (name[:-len("metric")] + "theta",) if n in arrays), None)
+        theta = arrays.get(name[:-len("metric")] + "theta")  # the same chain's θ gives d
         try:
-            got = from_array(a, d).kind if d is not None else None
+            got = None if theta is None else from_array(a, theta.shape[0]).kind
         except MetricError:
             continue  # validate() named it
         if got is not None and ((plain and got != "identity") or (kind is not None and got != kind)):

@@ -194,8 +194,9 @@ def _refuse_out_of_scale(server, got: dict) -> None:
     ``norm-bound = B``, or out of scale per datum against the other clients', its client is excluded from the
     next round on (counted ``ref_grad_refused``, named in the log), so the reference is installed without it
     and no honest reply is refused for its lie."""
-    why = over_bound(list(got.values()), fixed_bound(server.cfg.raw.get("norm-bound", "auto")))
-    why = {list(got)[j]: w for j, w in why.items()}
+    clients = list(got)
+    why = {clients[j]: w for j, w in over_bound(list(got.values()),
+                                                fixed_bound(server.cfg.raw.get("norm-bound", "auto"))).items()}
     why.update({i: w for i, w in out_of_scale(got, server.norm_guard.n).items() if i not in why})
     for i, w in sorted(why.items()):
         log.warning("client %d: its ref_grad at round %d: %s; excluded from round %d on, and the reference is "
