@@ -19,6 +19,7 @@ import numpy as np
 from qlsd_flwr.keys import DEFAULTS, ConfigError, flag, parse  # noqa: F401 (DEFAULTS, ConfigError: re-exported)
 
 from qlsd_flwr import samplers
+from qlsd_flwr.core.downlink import FEEDBACKS, check_downlink
 from qlsd_flwr.samplers import ALIASES  # noqa: F401 (re-exported)
 ENGINES = ("ray", "inprocess", "local", "vectorised")
 TASKS = ("gaussian", "logistic", "mnist")
@@ -147,6 +148,8 @@ def not_applicable(raw: dict) -> set[str]:
         out.add("adapt-rounds")
     if str(raw.get("gamma", "")).lower() != "auto":
         out.add("gamma-c")
+    if str(raw.get("downlink", "off")).strip().lower() != "qsgd":
+        out |= {"downlink-s", "downlink-feedback"}
     return out & set(raw)
 
 
@@ -275,6 +278,9 @@ def resolve(overrides: Mapping[str, Any] | None = None) -> RunConfig:
         raise ConfigError(f"q: only vr-fald-star refreshes a reference point (QLSD++'s anchor period is l); "
                           f"{variant} takes q = 0")
     sampler.refuse(samplers.Settings(raw=raw, p=p, aggregation=aggregation, metric_rank=int(v["metric-rank"])))
+    raw["downlink"] = _choice("downlink", raw["downlink"], ("off", "qsgd"))
+    raw["downlink-feedback"] = _choice("downlink-feedback", raw["downlink-feedback"], FEEDBACKS)
+    check_downlink(raw["downlink"], sampler.name, sampler.estimator.local, engine)
     _check_data_keys(raw)
     return RunConfig(
         raw=raw, variant=variant, oracle=oracle, compressed=compressed, memory=memory, b=b_eff,

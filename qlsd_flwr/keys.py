@@ -178,6 +178,15 @@ KEYS: tuple[Key, ...] = (
         choices=("vector", "tensor"), group=SAMPLER),
     Key("encoding", "auto", "choice", "QSGD's sparse Elias code, the dense packed code, or the shorter per message",
         choices=("auto", "elias", "packed"), group=SAMPLER),
+    Key("downlink", "off", "choice", "the broadcast of θ_k: off (64 d bits of float64 to every active client), or "
+        "qsgd (a QSGD code of θ_k − w_{k−1} with downlink-s levels, the clients evaluating at the point w_k it gives; "
+        "a client that missed the last round is sent w_k in full). The QLSD family on every engine but the "
+        "vectorised one (docs/ARCHITECTURE.md, the compressed downlink)", "", choices=("off", "qsgd"), group=SAMPLER),
+    Key("downlink-s", 256, "int", "QSGD levels of the compressed downlink", "s_↓", lo=1, cap=2**31 - 1,
+        group=SAMPLER),
+    Key("downlink-feedback", "ef21-p", "choice", "ef21-p (both sides keep w_k = w_{k−1} + α C(θ_k − w_{k−1}), "
+        "α = 1/(ω_↓ + 1)) or none (w_k = C(θ_k), unbiased but with an error of θ's own size)", "",
+        choices=("ef21-p", "none"), group=SAMPLER),
     Key("p", "1.0", "floats", "participation probabilities, one value or one per client", "p_i", lo=0, hi=1,
         open_lo=True, group=SAMPLER),
     Key("aggregation", "unbiased", "choice", "weights 1/p_i (the supplement's theory) or b/|A_k| (Algorithm 1)",

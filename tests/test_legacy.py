@@ -69,6 +69,14 @@ def test_legacy_refuses_optimisation_phase():
         LegacyQLSDStrategy(cfg, load_task(cfg), write=False)
 
 
+def test_legacy_refuses_the_compressed_downlink():
+    from qlsd_flwr.tasks.loading import load_task
+
+    cfg = resolve({"variant": "qlsd-pp", "downlink": "qsgd"})
+    with pytest.raises(ConfigError, match="downlink: the legacy strategy sends θ in full"):
+        LegacyQLSDStrategy(cfg, load_task(cfg), write=False)
+
+
 def test_legacy_takes_a_metric_file_and_refuses_what_needs_the_clients_before_sampling(tmp_path):
     from qlsd_flwr.tasks.loading import load_task
 

@@ -137,6 +137,11 @@ CASES = {
                               {}, 19),
     "inprocess-2-chains-fsgld": ({"engine": "inprocess", "variant": "fsgld", "local-steps": 2, "compressor": "qsgd",
                                   "s": "4", "num-chains": 2}, {"shuffle_seed": 17}, 17),
+    # downlink = qsgd: each chain's w is in the checkpoint; after the resume every client is sent w in full once
+    "local-downlink": ({"engine": "local", "variant": "qlsd-pp", "p": "0.5", "s": "4", "downlink": "qsgd",
+                        "downlink-s": 8}, {}, 20),
+    "inprocess-3-chains-downlink": ({"engine": "inprocess", "variant": "qlsd-pp", "p": "0.5", "s": "4",
+                                     "num-chains": 3, "downlink": "qsgd", "downlink-s": 8}, {"shuffle_seed": 21}, 21),
     "inprocess-2-chains-adapt": ({"engine": "inprocess", "variant": "qlsd-pp", "p": "0.5", "s": "4", "num-chains": 2,
                                   "metric": "dense", "metric-from": "adapt", "adapt-rounds": 30, "gamma": "auto",
                                   "init": "dispersed"}, {"shuffle_seed": 14}, 14),

@@ -60,6 +60,7 @@ class ClientSpec:
     tau: float = 0.0  # FALD: the share of the noise common to all clients
     temperature: float = 1.0  # FALD: T, the noise's variance factor (the QLSD family's T is the server's)
     metric: str = "identity"  # the rivals: "sent" when the server sends a metric M for the local steps
+    downlink: Any = None  # downlink = qsgd: the broadcast's rule (core.downlink.Downlink); None: θ in full
 
     @property
     def oracle(self) -> str:
@@ -85,6 +86,8 @@ class ClientState:
     surrogate: np.ndarray | None = None  # FSGLD: λ_i, this client's surrogate precision, sent with θ*
     surrogate_total: np.ndarray | None = None  # FSGLD: Λ = Σ_j λ_j over the clients kept, sent with θ*
     metric: Any = None  # the local steps' metric M (core.metric.Metric; ClientSpec.metric = "sent")
+    w: np.ndarray | None = None  # downlink = qsgd, ef21-p: the point w_k the broadcast's codes build
+    w_round: int = -1  # the round of that w_k
 
 
 def set_anchor(spec: ClientSpec, pot: LocalPotential, state: ClientState,

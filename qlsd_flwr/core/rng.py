@@ -41,6 +41,7 @@ class Stream(IntEnum):
     LOCAL = 7  # local Langevin steps on a client (DG-LMC's z_i), client i, round k
     ADAPT = 8  # the warm-up chain of metric-from = adapt (its round r, client 0)
     REFRESH = 9  # VR-FALD*'s coin: does round k refresh the reference θ_r (client 0)
+    DOWNLINK = 10  # the QSGD dither of the compressed broadcast C(θ_k − w_{k−1}) (client 0; core.downlink)
 
 
 def _mix(z: np.ndarray) -> np.ndarray:

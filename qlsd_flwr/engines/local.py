@@ -25,7 +25,7 @@ from qlsd_flwr.core.oracles import (
 )
 from qlsd_flwr.core.potential import Task
 from qlsd_flwr.protocol.traffic import count_claims
-from qlsd_flwr.protocol import precondition
+from qlsd_flwr.protocol import broadcast, precondition
 from qlsd_flwr.outputs import loo
 from qlsd_flwr.outputs.checkpoint import resume_dir
 from qlsd_flwr.outputs.warmup import warmup_store
@@ -138,15 +138,20 @@ def _run_direct(cfg, task, specs, states, prep, keep_trace, bar) -> RunResult:
     spec = build.server_spec(cfg, task, theta_star, build.blocks_for(cfg, task), prep.metric)
     st = sampler.init_state(spec, build.theta0_of(task) if prep.theta0 is None else prep.theta0[0])
     trace = np.empty((cfg.num_rounds, task.dim)) if keep_trace else None
+    down, w = broadcast.downlink_of(cfg), None  # downlink = qsgd: the clients evaluate at w_k (core.downlink)
     for k in range(cfg.num_rounds):
-        sampler.refresh_anchor(spec, st)
+        if down is not None:
+            w = down.send(st.theta, w, cfg.seed, k)[0]
+        if sampler.refresh_anchor(spec, st) and down is not None:
+            st.zeta = w.copy()
+        point = st.theta if down is None else w
         anchor, version = (st.zeta, st.zeta_version) if cfg.kind.cv_zeta else (theta_star, 0)
         g_hat = {}
         for i in np.flatnonzero(participation.active_mask(cfg.seed, k, cfg.p)):
             if cfg.kind.control_variate and states[i].anchor_version != version:
                 set_anchor(specs[i], task.clients[i], states[i], anchor, version)
             try:
-                g_hat[int(i)] = client_round(specs[i], task.clients[i], states[i], cfg.seed, k, st.theta)[1]
+                g_hat[int(i)] = client_round(specs[i], task.clients[i], states[i], cfg.seed, k, point)[1]
             except ValueError as exc:  # the message cannot be formed: the chain has run away
                 raise DivergenceError(divergence_message(k + 1, cfg.gamma, stable=build.stable_gamma(task, prep.info))
                                       + f" [{exc}]") from exc

@@ -110,6 +110,7 @@ def load_state(context: Context, chain: int | None = None) -> ClientState:
     d = int(rec["dim"])
     st.eta_count = int(rec.get("eta_count", 0))
     st.anchor_version = int(rec.get("anchor_version", -1))
+    st.w_round = int(rec.get("w_round", -1))  # downlink = qsgd: the round of the w it holds
     for name in HELD:  # the vectors a client keeps (qlsd_flwr.samplers.fields)
         if name in rec:
             setattr(st, name, bytes_to_arr(rec[name], d))
@@ -119,7 +120,8 @@ def load_state(context: Context, chain: int | None = None) -> ClientState:
 
 
 def save_state(context: Context, st: ClientState, d: int, chain: int | None = None) -> None:
-    rec = ConfigRecord({"dim": d, "eta_count": st.eta_count, "anchor_version": st.anchor_version})
+    rec = ConfigRecord({"dim": d, "eta_count": st.eta_count, "anchor_version": st.anchor_version,
+                        "w_round": st.w_round})
     for name in HELD:
         val = getattr(st, name)
         if val is not None:

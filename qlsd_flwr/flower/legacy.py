@@ -55,6 +55,9 @@ class LegacyQLSDStrategy(LegacyStrategy):
         if cfg.num_chains > 1:
             raise ConfigError(f"num-chains = {cfg.num_chains}: the legacy strategy runs one chain; use the "
                               "Message-API strategy (engine = ray or inprocess) for several chains in one run")
+        if cfg.get("downlink") == "qsgd":  # Flower's legacy fit sends θ as its Parameters whatever the fields say
+            raise ConfigError("downlink: the legacy strategy sends θ in full as Flower's Parameters every round; use "
+                              "the Message-API strategy (engine = ray or inprocess) for downlink = qsgd")
         if cfg.kind.at_theta_star:
             raise ConfigError(f"variant: {cfg.variant} needs every client's ∇U_i(θ*) (and fsgld their curvature) "
                               "before sampling, which the legacy round loop cannot ask; use the Message-API strategy "

@@ -252,7 +252,7 @@ class QLSDStrategy(Strategy):
         self.nodes.rediscover(self._grid or grid, k + 1, self._timeout)
         self._sent = {}
         msgs = []
-        theta = Array(np.asarray(self.state.theta, dtype=np.float64))  # one per round, for every message
+        theta = None if self.cfg.get("downlink") == "qsgd" else Array(np.asarray(self.state.theta, dtype=np.float64))
         C = self.cfg.num_chains
         active = self.server.begin_round()
         resync = self.server.needs_resync  # once a round (a ChainSet combines its chains' flags)
@@ -262,7 +262,7 @@ class QLSDStrategy(Strategy):
             # (a node that lost its state answers resync): a record less per message otherwise
             first = i not in self._settings_sent or bool(resync[i])
             fields = self.server.fields_for(i)
-            # several chains: the round's shared (C, d) array when client i is active in every chain
+            # the round's θ array when client i is active in every chain (downlink = qsgd: none, protocol.broadcast)
             shared = theta if len(fields.get("chains", ())) in (0, C) else None
             content = to_content(fields, self.server.settings[i] if first else None, shared)
             self._settings_sent.add(i)

@@ -12,7 +12,7 @@ from qlsd_flwr.errors import CheckpointError
 #: the largest magnitude a checkpoint's float may hold (a damaged or crafted state is refused by name)
 VALUE_MAX = 1e150
 #: a chain's arrays of real numbers (a checkpoint of another dtype was not written by this package)
-FLOAT_ARRAYS = ("theta", "zeta", "eta_i", "eta", "theta_star", "claims", "claims_total", "surrogate")
+FLOAT_ARRAYS = ("theta", "zeta", "eta_i", "eta", "theta_star", "claims", "claims_total", "surrogate", "downlink_w")
 
 
 def check_step_and_metric(cfg: RunConfig, meta: dict, arrays: dict, path) -> None:

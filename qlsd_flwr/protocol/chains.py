@@ -197,7 +197,9 @@ class ChainSet:
     def fields_for(self, i: int) -> dict:
         """Client ``i``'s message: its active chains' fields in one (``wire.bundle_request``)."""
         asked = self._asked[i]
-        theta = self._theta if len(asked) == self.C else self._theta[asked]
+        # downlink = qsgd: each chain's fields carry its w_k or its code, not θ_k (protocol.broadcast)
+        theta = None if self.chains[0].downlink is not None else self._theta if len(asked) == self.C \
+            else self._theta[asked]
         return bundle_request({c: self.chains[c].fields_for(i) for c in asked}, theta)
 
     def note_sent(self, i: int, message_bytes: int) -> None:

@@ -40,7 +40,7 @@ def _prepare(spec: ClientSpec, pot: LocalPotential, st: ClientState, fields: dic
     """``(θ, None)`` for a sampling round this state can answer, ``(θ, reply)`` otherwise (the
     full gradient of ``phase = "grad"``, or ``status = "resync"``)."""
     i = spec.index
-    theta = vector(fields["theta"], d)
+    theta = vector(fields["theta"], d) if fields["phase"] in ("grad", "curvature") else _point(spec, st, fields, d)
     if fields["phase"] == "grad":
         return theta, {"client": i, "status": "ok", "payload": arr_to_bytes(full_local_grad(spec, pot, theta))}
     if fields["phase"] == "curvature":  # metric-from = curvature: this client's ∇²U_i(θ*), data part
@@ -61,6 +61,10 @@ def _prepare(spec: ClientSpec, pot: LocalPotential, st: ClientState, fields: dic
     total = vector(fields.get("anchor_total"), d) if anchor is not None and spec.kind.at_theta_star else None
     surrogate = _surrogate(fields, d) if anchor is not None and spec.kind.surrogate else None
     metric = _metric(fields, d, spec.kind.coupled) if "metric" in fields and spec.metric != "identity" else None
+    if flag_of(fields, "anchor_is_theta") and anchor is None and theta is not None:
+        anchor = theta  # downlink = qsgd: the anchor refreshed this round is the w_k just built
+    if theta is not None and spec.downlink is not None:
+        st.w, st.w_round = theta, int(fields["round"])
     if metric is not None:
         st.metric = metric
     if eta is not None:
@@ -74,9 +78,28 @@ def _prepare(spec: ClientSpec, pot: LocalPotential, st: ClientState, fields: dic
     stale_anchor = spec.kind.anchored and st.anchor_version != version
     stale_eta = spec.memory and st.eta_count != count
     lost_metric = spec.metric != "identity" and st.metric is None  # a restarted node: the server sends it again
-    if stale_anchor or stale_eta or lost_metric:
+    if stale_anchor or stale_eta or lost_metric or theta is None:  # θ None: a code it cannot apply
         return theta, {"client": i, "status": "resync"}
     return theta, None
+
+
+def _point(spec: ClientSpec, st: ClientState, fields: dict, d: int) -> np.ndarray | None:
+    """A sampling round's point: θ_k, or with ``downlink = qsgd`` the ``w_k`` that ``theta_code`` builds from the
+    client's ``w_{k−1}`` (``theta``: ``w_k`` in full); ``None`` when the client cannot apply the code (it missed
+    round ``k − 1``: it answers resync and is sent ``w_k`` in full next). ``ValueError`` naming the field when a
+    message carries neither, or a code the client was not told to expect, or one that does not decode."""
+    code = fields.get("theta_code")
+    if code is not None and spec.downlink is None:
+        raise ValueError("sample: 'theta_code' without downlink settings (downlink = off sends theta)")
+    if "theta" in fields or code is None:
+        if "theta" not in fields:
+            raise ValueError("sample: the message carries neither 'theta' nor 'theta_code'")
+        return vector(fields["theta"], d)
+    dl = spec.downlink
+    if dl.feedback == "ef21-p" and (st.w is None or st.w_round != int(fields["round"]) - 1):
+        dl.receive(np.zeros(d), code, d)  # refused if malformed, even when it cannot be applied
+        return None
+    return dl.receive(st.w if dl.feedback == "ef21-p" else None, code, d)
 
 
 def _surrogate(fields: dict, d: int) -> tuple[np.ndarray, np.ndarray]:
@@ -118,9 +141,14 @@ def local_of(fields: dict, coupled: bool = False) -> tuple[float, float, float, 
 def refresh_of(fields: dict) -> bool:
     """VR-FALD*'s ``refresh`` (absent, 0 or 1): whether the reply also carries ``∇U_i(θ_k)`` for the next
     reference; else ``ValueError`` naming it."""
-    x = fields.get("refresh", 0)
+    return flag_of(fields, "refresh")
+
+
+def flag_of(fields: dict, name: str) -> bool:
+    """A flag field (absent, 0 or 1); else ``ValueError`` naming it."""
+    x = fields.get(name, 0)
     if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or int(x) not in (0, 1):
-        raise ValueError("sample: 'refresh' must be 0 or 1")
+        raise ValueError(f"sample: {name!r} must be 0 or 1")
     return bool(x)
 
 

@@ -28,7 +28,7 @@ from qlsd_flwr.core import participation
 from qlsd_flwr.core import server_step as sampler
 from qlsd_flwr.core.metric import Identity
 from qlsd_flwr.core.potential import GaussianPrior, Task
-from qlsd_flwr.protocol import build, local_chains, memory_audit, metric_sent, precondition, snapshot
+from qlsd_flwr.protocol import broadcast, build, local_chains, memory_audit, metric_sent, precondition, snapshot
 from qlsd_flwr.protocol.divergence import RUNAWAY_FACTOR, RUNAWAY_WINDOW, is_overflow, runaway_scale, runaway_why, stop_server
 from qlsd_flwr.protocol.precondition import Prepared
 from qlsd_flwr.robust.norm_guard import NormGuard
@@ -114,6 +114,7 @@ class QLSDServer:
             local_chains.start(self, prep)
         elif metric_sent.wanted(self):  # compression-basis = metric: the clients quantise Sᵀ H_i
             metric_sent.setup(self)
+        broadcast.setup(self)  # downlink = qsgd (protocol.broadcast)
         self._set_scale()
 
     def wants_claims(self) -> bool:
@@ -160,7 +161,9 @@ class QLSDServer:
     def begin_round(self) -> list[int]:
         """Refresh the anchor and draw ``A_{k+1}``; returns the active client indices."""
         self._t0 = time.perf_counter()
-        sampler.refresh_anchor(self.spec, self.state)
+        broadcast.begin_round(self)  # downlink = qsgd: w_k and its code, from θ_k
+        if sampler.refresh_anchor(self.spec, self.state):
+            broadcast.refreshed(self)  # the anchor is w_k, where the clients evaluate
         # the participation draw is the same with or without exclusions (a function of seed and k)
         self._active = [int(i) for i in np.flatnonzero(participation.active_mask(self.cfg.seed, self.state.k, self.cfg.p))
                         if int(i) not in self.norm_guard.excluded]
@@ -190,6 +193,7 @@ class QLSDServer:
             local_chains.add_fields(self, i, fields)
         else:
             metric_sent.add(self, i, fields)
+        broadcast.add(self, i, fields)  # downlink = qsgd: the code in θ's place
         self._row["bits_down"] += payload_bits(fields)  # the downlink's code length (metrics.csv)
         return fields
 
@@ -206,6 +210,7 @@ class QLSDServer:
         i = int(i)
         self._answered.add(i)
         if error is not None:
+            broadcast.answered(self, i, False)
             if is_overflow(error):
                 self._overflow[i] = str(error)
             self._reject("client_error")
@@ -213,6 +218,7 @@ class QLSDServer:
             return
         try:
             rep = parse_fields(fields, i, self.cfg.kind.up)
+            broadcast.answered(self, i, rep["status"] == "ok")  # it built w_k, or is sent it in full next
             if rep["status"] == "resync":
                 self.needs_resync[i] = True
                 self._count("resync")

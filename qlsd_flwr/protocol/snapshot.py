@@ -12,7 +12,7 @@ from qlsd_flwr.config import ConfigError, RunConfig
 from qlsd_flwr.core import server_step as sampler
 from qlsd_flwr.core.metric import Identity, from_array, to_array
 from qlsd_flwr.outputs.checkpoint import CheckpointError
-from qlsd_flwr.protocol import build, local_chains, metric_sent
+from qlsd_flwr.protocol import broadcast, build, local_chains, metric_sent
 from qlsd_flwr.protocol.claims import ThetaStarClaims
 from qlsd_flwr.robust.norm_guard import GuardStateError
 from qlsd_flwr.samplers.fields import CHECKPOINT
@@ -27,7 +27,7 @@ def snapshot(server) -> tuple[dict, dict]:
               "theta_star": server.spec.theta_star, "anchor_acked": server.anchor_acked,
               "eta_count": server.eta_count, "needs_resync": server.needs_resync,
               "metric": to_array(server.spec.metric), **(server.claims.arrays() if server.claims else {}),
-              **local_chains.arrays(server)}
+              **local_chains.arrays(server), **broadcast.arrays(server)}
     meta = {"kind": "server", "k": int(st.k), "zeta_version": int(st.zeta_version), "gamma": float(server.spec.gamma),
             "config": server.cfg.raw, "rejected": server.rejected,
             "missed_rounds": {str(i): r for i, r in server.missed_rounds.items()},
@@ -76,6 +76,7 @@ def restore(server, meta: dict, a: dict) -> None:
         local_chains.restore(server, a)
     elif metric_sent.wanted(server):  # compression-basis = metric
         metric_sent.setup(server, CheckpointError)
+    broadcast.restore(server, a, CheckpointError)  # downlink = qsgd: w, every client sent it in full next
     server._set_offset()
     server.rejected = dict(meta["rejected"])
     server.missed_rounds = {int(i): list(r) for i, r in meta["missed_rounds"].items()}

@@ -32,7 +32,7 @@ import functools
 
 import numpy as np
 
-from qlsd_flwr.samplers.fields import FIELDS, FLAG, GRADIENT, METRIC, ROUND, VECTOR, undeclared
+from qlsd_flwr.samplers.fields import CODE, FIELDS, FLAG, GRADIENT, METRIC, ROUND, VECTOR, undeclared
 
 
 def arr_to_bytes(x: np.ndarray) -> bytes:
@@ -178,12 +178,17 @@ def bundle_request(per_chain: dict[int, dict], theta: np.ndarray | None = None) 
     chains' θ already stacked in chain order (the server stacks them once a round)."""
     chains = sorted(per_chain)
     first = per_chain[chains[0]]
-    if theta is None:
-        theta = np.stack([np.asarray(per_chain[c]["theta"], dtype=np.float64) for c in chains])
-    out = {"phase": first["phase"], "round": first["round"], "client": first["client"], "chains": chains,
-           "theta": theta,
-           "anchor_version": [int(per_chain[c]["anchor_version"]) for c in chains],
-           "eta_count": [int(per_chain[c]["eta_count"]) for c in chains]}
+    out = {"phase": first["phase"], "round": first["round"], "client": first["client"], "chains": chains}
+    # θ in full for every chain, or (downlink = qsgd) for the chains ``theta_chains`` names, the others' coded
+    with_theta = [c for c in chains if "theta" in per_chain[c]]
+    if theta is None and with_theta:
+        theta = np.stack([np.asarray(per_chain[c]["theta"], dtype=np.float64) for c in with_theta])
+    if with_theta:
+        out["theta"] = theta
+    if with_theta and with_theta != chains:  # none: every chain's θ is coded (no empty list: Flower refuses one)
+        out["theta_chains"] = with_theta
+    out.update({"anchor_version": [int(per_chain[c]["anchor_version"]) for c in chains],
+                "eta_count": [int(per_chain[c]["eta_count"]) for c in chains]})
     for name, f in FIELDS.items():  # the samplers' own fields, each by its form
         if f.direction != "down":
             continue
@@ -197,6 +202,8 @@ def bundle_request(per_chain: dict[int, dict], theta: np.ndarray | None = None) 
         out[f"{name}_chains"] = rows
         if f.form == METRIC:  # the run's, the same for every chain: once
             out[name] = bytes(per_chain[rows[0]][name])
+        elif f.form == CODE:  # one a chain (a list of bytes)
+            out[name] = [bytes(per_chain[c][name]) for c in rows]
         elif f.form == VECTOR:
             out[name] = np.stack([np.asarray(per_chain[c][name], dtype=np.float64) for c in rows])
     return out
@@ -239,12 +246,20 @@ def unbundle_request(fields: dict, d: int, down=None) -> dict[int, dict]:
     refuse_undeclared(fields, down, "down")
     chains = _chain_list(fields.get("chains"), "chains")
     n_chains = len(chains)
-    theta = matrix(fields["theta"], n_chains, d)
+    if "theta_chains" in fields:  # downlink = qsgd: θ in full for these chains only
+        with_theta = _chain_list(fields["theta_chains"], "theta_chains")
+        if not set(with_theta) <= set(chains):
+            raise ValueError("theta_chains: names a chain the message does not carry")
+    else:
+        with_theta = chains if "theta" in fields else []
+    theta = matrix(fields["theta"], len(with_theta), d) if with_theta else None
     versions = _int_list(fields.get("anchor_version"), n_chains, "anchor_version")
     counts = _int_list(fields.get("eta_count"), n_chains, "eta_count")
     per = {c: {"phase": fields["phase"], "round": fields["round"], "client": fields["client"],
-               "theta": theta[j], "anchor_version": versions[j], "eta_count": counts[j]}
+               "anchor_version": versions[j], "eta_count": counts[j]}
            for j, c in enumerate(chains)}
+    for j, c in enumerate(with_theta):
+        per[c]["theta"] = theta[j]
     for name, f in FIELDS.items():  # the samplers' own fields, each by its form
         if f.direction != "down":
             continue
@@ -261,8 +276,12 @@ def unbundle_request(fields: dict, d: int, down=None) -> dict[int, dict]:
         rows = _chain_list(fields[f"{name}_chains"], f"{name}_chains")
         if not set(rows) <= set(chains):
             raise ValueError(f"{name}_chains: names a chain the message does not carry")
-        # the metric is checked by the client's handle; a flag's rows are the chains it holds for
+        # the metric and a code are checked by the client's handle; a flag's rows are the chains it holds for
         vals = matrix(fields[name], len(rows), d) if f.form == VECTOR else None
+        if f.form == CODE:
+            vals = fields.get(name)
+            if not isinstance(vals, (list, tuple)) or len(vals) != len(rows):
+                raise ValueError(f"{name}: expected one entry for each of {len(rows)} chains")
         for j, c in enumerate(rows):
             per[c][name] = vals[j] if vals is not None else fields.get(name) if f.form == METRIC else 1
     return per

@@ -26,7 +26,9 @@ FLAG = "flag"
 METRIC = "metric"
 #: ``∇U_i`` at a point, ``8d`` bytes of float64; in a several-chain reply one for every chain, or one a chain
 GRADIENT = "gradient"
-FORMS = (VECTOR, ROUND, FLAG, METRIC, GRADIENT)
+#: a QSGD code (bytes); in a several-chain message a list of bytes, one for each chain ``<name>_chains`` names
+CODE = "code"
+FORMS = (VECTOR, ROUND, FLAG, METRIC, GRADIENT, CODE)
 
 
 @dataclass(frozen=True)
@@ -42,11 +44,16 @@ class Field:
 #: the fields every sampler's messages carry (the protocol's, :mod:`qlsd_flwr.protocol.wire`); ``metric``
 #: goes whenever the clients' settings say ``metric = sent`` (the rivals' local steps with a metric, or
 #: ``compression-basis = metric``), whatever the sampler, with the first message and after a resync
-PROTOCOL_DOWN = ("phase", "round", "client", "theta", "anchor_version", "eta_count", "metric")
+PROTOCOL_DOWN = ("phase", "round", "client", "theta", "anchor_version", "eta_count", "metric", "theta_code",
+                 "anchor_is_theta")
 PROTOCOL_UP = ("client", "status", "payload", "anchor_version")
 
 #: the samplers' own fields, in the order a message carries them
 FIELDS: dict[str, Field] = {f.name: f for f in (
+    Field("theta_code", CODE, "down", "downlink = qsgd: the code of θ_k − w_{k−1} (ef21-p) or of θ_k (none), in "
+          "θ's place, to a client that holds w_{k−1} (core.downlink)"),
+    Field("anchor_is_theta", FLAG, "down", "downlink = qsgd: the anchor refreshed this round is w_k, which the "
+          "client has just built; it is not sent"),
     Field("local", ROUND, "down", "every round: (h, w_i, S_A, p_i), or DG-LMC's (γ_i, ρ, 1, 1)"),
     Field("metric", METRIC, "down", "the first message and after a resync, when the settings say metric = sent"),
     Field("refresh", FLAG, "down", "VR-FALD*'s refresh rounds: the reply carries ref_grad too"),
@@ -61,7 +68,7 @@ FIELDS: dict[str, Field] = {f.name: f for f in (
 
 #: what a client keeps between rounds as vectors (``ClientState``; Flower: ``context.state``), beside
 #: its counters and the metric
-HELD = ("eta", "anchor", "anchor_grad", "anchor_total", "surrogate", "surrogate_total")
+HELD = ("eta", "anchor", "anchor_grad", "anchor_total", "surrogate", "surrogate_total", "w")
 
 #: a chain's checkpoint arrays that belong to one sampler's state (beside every chain's θ, ζ, η_i, the
 #: counters, the metric and θ*'s claims), and what each must be

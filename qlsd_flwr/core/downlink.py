@@ -1,0 +1,147 @@
+r"""The compressed downlink (``downlink = qsgd``): the server broadcasts a QSGD code of θ_k instead of θ_k's
+``64 d`` bits, and the clients evaluate their gradients at the point ``w_k`` that code gives.
+
+Two rules (``downlink-feedback``):
+
+* ``ef21-p`` (error feedback on the primal point; Gruntkowska, Tyurin & Richtárik 2023, EF21-P; ELF,
+  Karagulyan & Richtárik 2023 for Langevin): server and clients hold the same ``w``, and round ``k``'s
+  message is ``c_k = C(θ_k − w_{k−1})``, after which both sides set
+
+      w_k = w_{k−1} + α c_k,        α = 1/(ω + 1),
+
+  with ``ω`` QSGD's variance factor (:meth:`~qlsd_flwr.compression.qsgd.QSGD.omega`). ``α C`` is a contractive
+  compressor, ``E‖x − α C(x)‖² ≤ (1 − α) ‖x‖²``, which EF21-P needs: with ``α = 1`` and ``ω > 1`` (QSGD at
+  ``s = 16`` on ``d = 7,850`` has ``ω = 5.5``) the error ``θ_k − w_k`` would grow without bound. A client
+  that missed round ``k − 1`` cannot apply ``c_k``; it is sent ``w_k`` itself (``64 d`` bits) instead.
+* ``none``: ``w_k = C(θ_k)``, nothing held; unbiased, but its error scales with ``‖θ_k‖``.
+
+The chain itself stays exact on the server: ``θ_{k+1} = θ_k − γ M ĝ(w_k) + √(2γT) M^{1/2} Z`` (the prior's
+gradient, on the server, at θ_k). On a Gaussian target ``U(θ) = ½ (θ − μ)ᵀ P (θ − μ)`` with exact client
+gradients, ``(θ_k, w_k)`` is a linear recursion driven by the Langevin noise and by the quantisation noise
+``ε_k = C(x_k) − x_k`` (zero mean, conditional covariance ``diag(v(x_k))``, :func:`qsgd_variance`), white
+because it is drawn afresh each round. Its stationary mean is μ and its covariance solves a discrete Lyapunov
+equation (:func:`stationary_covariance`); ``tests/test_downlink.py`` checks chains against it. The lag that
+``α < 1`` puts between ``w`` and θ does not narrow the stable steps (:func:`stable`: ``γ λ < 4/α − 2``, at least
+ULA's 2), but it widens the stationary law along the stiff directions, by the amount that equation gives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from qlsd_flwr.compression.qsgd import QSGD, dequantise
+from qlsd_flwr.core import rng
+from qlsd_flwr.errors import ConfigError
+
+FEEDBACKS = ("ef21-p", "none")
+
+
+def check_downlink(downlink: str, sampler: str, local: bool, engine: str) -> None:
+    """``downlink = qsgd`` is for the QLSD family (the rivals' clients step from θ itself) on the engines that run
+    the protocol; else ``ConfigError`` naming the key and what is allowed."""
+    if downlink == "off":
+        return
+    if local:
+        raise ConfigError(f"downlink: qsgd compresses the broadcast of the QLSD family; {sampler}'s clients take "
+                          "local steps from θ itself; allowed with it: downlink = off")
+    if engine == "vectorised":
+        raise ConfigError("downlink: qsgd runs on engine = local, inprocess, ray and the deployment engine; the "
+                          "vectorised engine sends θ in full; allowed there: downlink = off")
+
+
+@dataclass(frozen=True)
+class Downlink:
+    """The broadcast's compressor and rule; the same object on the server and on every client."""
+
+    compressor: QSGD
+    feedback: str = "ef21-p"
+
+    def alpha(self, d: int) -> float:
+        """``α``: ``1/(ω + 1)`` under ``ef21-p`` (a contractive step), 1 under ``none``."""
+        return 1.0 / (1.0 + self.compressor.omega(d)) if self.feedback == "ef21-p" else 1.0
+
+    def send(self, theta: np.ndarray, w: np.ndarray | None, seed: int, k: int) -> tuple[np.ndarray, bytes | None]:
+        """Round ``k``'s ``(w_k, code)`` from θ_k and ``w_{k−1}`` (ignored under ``none``). Under ``ef21-p`` a chain's
+        first round (``w = None``) has ``w_k = θ_k`` and no code: it is sent in full. ``ValueError`` (from QSGD) when
+        the coded vector is not finite or too large to code."""
+        if self.feedback == "ef21-p" and w is None:
+            return theta.copy(), None
+        d = theta.shape[0]
+        x = theta - w if self.feedback == "ef21-p" else theta
+        q = self.compressor.quantise(x, rng.uniform(seed, rng.Stream.DOWNLINK, k, 0, d))
+        return self._next(w, dequantise(q), d), self.compressor.encode(q)
+
+    def receive(self, w: np.ndarray | None, code, d: int) -> np.ndarray:
+        """``w_k`` from ``w_{k−1}`` and the code, bit for bit the server's; ``ValueError`` naming
+        ``theta_code`` when the code does not decode to ``d`` finite numbers."""
+        if not isinstance(code, (bytes, bytearray)):
+            raise ValueError(f"sample: 'theta_code' must be bytes, not {type(code).__name__}")
+        try:
+            c = dequantise(self.compressor.decode(bytes(code), d))
+        except ValueError as exc:  # DecodeError is a ValueError
+            raise ValueError(f"sample: 'theta_code' does not decode: {exc}") from None
+        out = self._next(w, c, d)
+        if not np.all(np.isfinite(out)):
+            raise ValueError("sample: 'theta_code' gives a point that is not finite")
+        return out
+
+    def _next(self, w, c, d):
+        return w + self.alpha(d) * c if self.feedback == "ef21-p" else c
+
+
+def qsgd_variance(x: np.ndarray, s: int) -> np.ndarray:
+    """``Var[C(x)_j]`` of one-norm QSGD with ``s`` levels, coordinate by coordinate: with ``r = s|x_j|/‖x‖`` and
+    ``f = r − ⌊r⌋``, ``(‖x‖/s)² f (1 − f)`` (the level is ``⌊r⌋`` or ``⌊r⌋ + 1`` with probability ``f``)."""
+    n = float(np.linalg.norm(x))
+    if n == 0.0:
+        return np.zeros_like(x)
+    r = s * np.abs(x) / n
+    f = r - np.floor(r)
+    return (n / s) ** 2 * f * (1.0 - f)
+
+
+def transition(gamma: float, MP: np.ndarray, alpha: float) -> np.ndarray:
+    r"""The linear part of the ``ef21-p`` recursion on ``z_k = (θ_k − μ, w_k − μ)`` with exact client gradients,
+    ``MP = M P``: ``θ_{k+1} = θ_k − γ M P (w_k − μ) + ξ``, ``w_{k+1} = (1 − α) w_k + α θ_{k+1} + α ε_{k+1}``."""
+    d = MP.shape[0]
+    eye = np.eye(d)
+    top = np.hstack([eye, -gamma * MP])
+    bottom = np.hstack([alpha * eye, (1 - alpha) * eye - alpha * gamma * MP])
+    return np.vstack([top, bottom])
+
+
+def stable(gamma_lambda: float, alpha: float) -> bool:
+    """Whether the ``ef21-p`` recursion is stable along a direction where ``γ λ(M P) = gamma_lambda``: the
+    spectral radius of its ``2 × 2`` block ``[[1, −g], [α, 1 − α − α g]]`` is below 1. Its determinant is ``1 − α``
+    and its trace ``2 − α − α g``, so by Jury's test it is stable exactly for ``0 < g < 4/α − 2``, which is at
+    least ULA's own ``g < 2`` for every ``α ≤ 1``: the lag never narrows the steps a chain may take."""
+    A = np.array([[1.0, -gamma_lambda], [alpha, 1 - alpha - alpha * gamma_lambda]])
+    return bool(np.max(np.abs(np.linalg.eigvals(A))) < 1.0)
+
+
+def _lyapunov(A: np.ndarray, N: np.ndarray) -> np.ndarray:
+    """``Σ = A Σ Aᵀ + N`` for a stable ``A``: ``Σ_j A^j N A^jᵀ``, the sum doubled each pass."""
+    sigma, Ak = N.copy(), A.copy()
+    for _ in range(64):
+        sigma = sigma + Ak @ sigma @ Ak.T
+        Ak = Ak @ Ak
+        if np.abs(Ak).max() < 1e-300:
+            break
+    return sigma
+
+
+def stationary_covariance(gamma: float, P: np.ndarray, M: np.ndarray, alpha: float, Q: np.ndarray,
+                          temperature: float = 1.0, feedback: str = "ef21-p") -> np.ndarray:
+    r"""θ's stationary covariance (``d × d``) of the chain with exact client gradients on the Gaussian of precision
+    ``P``, metric ``M``, and broadcast noise of covariance ``Q`` (the mean of ``diag`` :func:`qsgd_variance` over
+    the chain's coded vectors). ``ef21-p``: the θ block of the ``2d`` recursion's :func:`transition`, noise
+    ``(ξ, α ξ + α ε)``; ``none``: the gradient is at ``θ + ε``, so ``A = I − γ M P`` and the noise ``ξ − γ M P ε``."""
+    d = P.shape[0]
+    S = 2 * gamma * temperature * M
+    if feedback == "none":
+        G = gamma * M @ P
+        return _lyapunov(np.eye(d) - G, S + G @ Q @ G.T)
+    N = np.block([[S, alpha * S], [alpha * S, alpha ** 2 * (S + Q)]])
+    return _lyapunov(transition(gamma, M @ P, alpha), N)[:d, :d]

@@ -1,0 +1,96 @@
+"""The server's side of ``downlink = qsgd`` (:mod:`qlsd_flwr.core.downlink`): one chain's ``w_k``, the round's
+code, and which client holds which ``w``.
+
+Each round, before the anchor's refresh, the server codes ``θ_k − w_{k−1}`` (``ef21-p``) or ``θ_k`` (``none``)
+once, and sends that code in θ's place to every active client that holds ``w_{k−1}``: a client holds the ``w``
+of the last round whose message it answered ``ok``. Any other client (its first message, one that missed a
+round, answered resync, failed, or a run just resumed) is sent ``w_k`` in full, so a client never computes at
+another point than the others. Round 0 sends ``w_0 = θ_0`` in full under ``ef21-p``. QLSD++'s anchor refreshed
+at round ``k`` is ``w_k`` (where the clients evaluate), so a client that builds ``w_k`` this round is told so
+(``anchor_is_theta``) instead of being sent ``ζ``. The server's ``w`` goes into the checkpoint (``downlink_w``),
+so a resumed chain codes the same ``w``s, bit for bit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from qlsd_flwr.compression.qsgd import QSGD
+from qlsd_flwr.config import ConfigError
+from qlsd_flwr.core.downlink import Downlink
+
+
+def setup(server) -> None:
+    """The chain's broadcast (``server.downlink``: ``None`` with ``downlink = off``)."""
+    cfg = server.cfg
+    server.downlink = downlink_of(cfg)
+    server.w, server.w_code = None, None
+    server.w_held = np.full(cfg.b, -1, dtype=np.int64)  # the round of the w each client holds (−1: none)
+
+
+def downlink_of(cfg) -> Downlink | None:
+    """The run's broadcast rule (``None``: ``downlink = off``)."""
+    if cfg.get("downlink") != "qsgd":
+        return None
+    return Downlink(QSGD(int(cfg.get("downlink-s"))), str(cfg.get("downlink-feedback")))
+
+
+def begin_round(server) -> None:
+    """Round ``k``'s ``w_k`` and its code, from ``θ_k``."""
+    dl, st = server.downlink, server.state
+    if dl is None:
+        return
+    server.w, server.w_code = dl.send(st.theta, server.w, server.cfg.seed, st.k)
+
+
+def refreshed(server) -> None:
+    """QLSD++'s anchor refreshed at this round is ``w_k``."""
+    if server.downlink is not None:
+        server.state.zeta = server.w.copy()
+
+
+def add(server, i: int, fields: dict) -> None:
+    """Client ``i``'s point: the code when it holds ``w_{k−1}``, else ``w_k`` in full; the anchor refreshed this
+    round not sent when it is that point."""
+    dl = server.downlink
+    if dl is None:
+        return
+    k = server.state.k
+    if server.w_code is not None and (dl.feedback == "none" or server.w_held[i] == k - 1):
+        del fields["theta"]
+        fields["theta_code"] = server.w_code
+    else:
+        fields["theta"] = server.w
+    kind = server.cfg.kind
+    if "anchor" in fields and kind.cv_zeta and k % max(int(server.cfg.l), 1) == 0:
+        del fields["anchor"]
+        fields["anchor_is_theta"] = 1
+
+
+def answered(server, i: int, ok: bool) -> None:
+    """Client ``i`` answered round ``k`` (``ok``: it built ``w_k``; otherwise it is sent ``w`` in full next)."""
+    if server.downlink is not None:
+        server.w_held[i] = server.state.k if ok else -1
+
+
+def arrays(server) -> dict:
+    """The checkpoint's ``downlink_w`` (the last round's ``w``), when there is one."""
+    return {} if server.downlink is None or server.w is None else {"downlink_w": server.w}
+
+
+def restore(server, a: dict, error=ConfigError) -> None:
+    """The chain's ``w`` from a checkpoint; every client is sent ``w`` in full next."""
+    setup(server)
+    if server.downlink is None:
+        if "downlink_w" in a:
+            raise error("checkpoint: 'downlink_w' is the state of a run with downlink = qsgd; resume with it")
+        return
+    w = a.get("downlink_w")
+    if w is not None:
+        w = np.asarray(w)
+        if w.shape != (server.d,) or w.dtype != np.float64 or not np.all(np.isfinite(w)):
+            raise error(f"checkpoint: 'downlink_w' must be {server.d} finite float64 numbers")
+        server.w = w.copy()
+    elif server.downlink.feedback == "ef21-p" and server.state.k > 0:
+        raise error("checkpoint: downlink = qsgd (ef21-p) needs 'downlink_w', which this checkpoint lacks; "
+                    "resume with downlink = off, as it was written")

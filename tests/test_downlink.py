@@ -1,0 +1,177 @@
+"""The compressed downlink (``downlink = qsgd``, issue 37; :mod:`qlsd_flwr.core.downlink`).
+
+* **Its law**: with exact client gradients on a Gaussian target, ``(θ_k, w_k)`` is a linear recursion driven by
+  the Langevin noise and the broadcast's quantisation noise, which is zero-mean and white; θ's stationary
+  covariance solves a discrete Lyapunov equation (:func:`~qlsd_flwr.core.downlink.stationary_covariance`) whose
+  noise covariance ``Q`` is the mean of QSGD's exact conditional variance over the coded vectors (replayed from the
+  chain). The chain has no other bias (the law is the discretised chain's own), so the only tolerance is Monte
+  Carlo error: each eigen-direction's variance within 4 batch-means standard errors, and the mean within 4 of its
+  own. The same chain is far from the law without the broadcast's noise (so the test can fail).
+* **Every path gives the same chain** (the protocol on the local engine, its direct twin, in-process Flower with
+  two chains, clients missing rounds), with fewer downlink bits than ``downlink = off``; ``off`` leaves today's
+  chains as they were (``tests/golden.py``). Kill-and-resume is in ``test_reliability.py``.
+* **Hostile downlink bytes** are refused by the client, naming the field, before its state changes.
+"""
+
+from __future__ import annotations
+
+import csv
+
+import numpy as np
+import pytest
+
+from qlsd_flwr.config import ConfigError, resolve
+from qlsd_flwr.core import downlink as D
+from qlsd_flwr.engines.local import run_local
+from qlsd_flwr.protocol.broadcast import downlink_of
+from test_metric import ill_conditioned_task
+
+
+@pytest.mark.parametrize("alpha", [1.0, 0.8, 0.571, 0.2, 0.05])
+def test_the_lag_never_narrows_the_stable_steps(alpha):
+    """Jury's test on the 2 × 2 block: stable exactly for γλ < 4/α − 2, which is ≥ ULA's 2."""
+    top = 4 / alpha - 2
+    for g in np.linspace(0.01, min(top, 50) * 1.5, 200):
+        if abs(g - top) > 1e-6 * top:
+            assert D.stable(g, alpha) == (g < top), (g, alpha)
+
+
+def _replayed_noise(cfg, task, trace, burn: int) -> np.ndarray:
+    """``Q``: the mean over rounds ``k ≥ burn`` of QSGD's conditional variance of the vector each round coded,
+    ``θ_k − w_{k−1}`` (``ef21-p``) or ``θ_k`` (``none``), the ``w``s rebuilt exactly as the server built them."""
+    dl, s = downlink_of(cfg), int(cfg.get("downlink-s"))
+    thetas = np.vstack([task.theta0[None], trace[:-1]])  # θ_0 .. θ_{K−1}
+    w, Q, n = None, np.zeros(task.dim), 0
+    for k, theta in enumerate(thetas):
+        coded = theta if dl.feedback == "none" else None if w is None else theta - w
+        if k >= burn and coded is not None:
+            Q, n = Q + D.qsgd_variance(coded, s), n + 1
+        w = dl.send(theta, w, cfg.seed, k)[0]
+    return np.diag(Q / n)
+
+
+@pytest.mark.parametrize("feedback, s, c", [("ef21-p", 2, 0.9), ("none", 2, 0.5)])
+def test_the_chain_has_its_derived_stationary_law(feedback, s, c):
+    task = ill_conditioned_task(d=3, cond=30)
+    P = sum(cl.A for cl in task.clients)
+    gamma = c / np.linalg.eigvalsh(P)[-1]
+    K, burn = 16000, 1000
+    cfg = resolve({"variant": "qlsd", "compressor": "identity", "num-clients": 2, "dim": 3, "num-rounds": K,
+                   "burn-in": 0, "progress": False, "plot": False, "loo": "off", "theta-star": "closed-form",
+                   "gamma": gamma, "p": "1", "downlink": "qsgd", "downlink-s": s, "downlink-feedback": feedback,
+                   "seed": 3})
+    trace = run_local(cfg, task=task, write=False, keep_trace=True, wire=False).trace
+    dl = downlink_of(cfg)
+    Q = _replayed_noise(cfg, task, trace, burn)
+    want = D.stationary_covariance(gamma, P, np.eye(3), dl.alpha(3), Q, feedback=feedback)
+    exact = D.stationary_covariance(gamma, P, np.eye(3), 1.0, np.zeros((3, 3)), feedback="none")  # no broadcast noise
+    _, V = np.linalg.eigh(P)
+    z = (trace[burn:] - task.theta_star) @ V  # the eigen-directions' coordinates
+    batches = np.array([[np.mean(b ** 2) for b in np.array_split(z[:, j], 40)] for j in range(3)])
+    se = batches.std(axis=1, ddof=1) / np.sqrt(40)
+    got = (z ** 2).mean(axis=0)
+    want_d, exact_d = np.diag(V.T @ want @ V), np.diag(V.T @ exact @ V)
+    assert np.all(np.abs(got - want_d) < 4 * se), (got / want_d, (got - want_d) / se)
+    assert (np.abs(got - exact_d) / se).max() > 8, got / exact_d  # without the broadcast's noise: far off
+    means = np.array([[b.mean() for b in np.array_split(z[:, j], 40)] for j in range(3)])
+    assert np.all(np.abs(means.mean(axis=1)) < 4 * means.std(axis=1, ddof=1) / np.sqrt(40))
+
+
+BASE = {"task": "gaussian", "num-clients": 4, "dim": 5, "num-rounds": 30, "burn-in": 5, "variant": "qlsd-pp", "l": 4,
+        "p": "0.6,1,0.8,0.7", "gamma": 1e-3, "s": "4", "progress": False, "plot": False, "loo": "off", "seed": 2,
+        "downlink": "qsgd", "downlink-s": 8}
+
+
+def _bits_down(run_dir) -> int:
+    with open(run_dir / "metrics.csv", newline="") as f:
+        return sum(int(r["bits_down"]) for r in csv.DictReader(f))
+
+
+@pytest.mark.parametrize("feedback", ["ef21-p", "none"])
+def test_every_path_runs_the_same_chain_with_fewer_downlink_bits(feedback, tmp_path):
+    from qlsd_flwr.run.simulate import run_inprocess
+
+    o = {**BASE, "downlink-feedback": feedback, "output-dir": str(tmp_path)}
+    wire = run_local(resolve({**o, "run-name": "wire"}), keep_trace=True)
+    direct = run_local(resolve(o), write=False, keep_trace=True, wire=False)
+    assert np.array_equal(wire.trace, direct.trace)
+    assert not any(wire.summary.get("rejected", {}).values())  # the clients that missed a round got w in full
+    o2 = {**o, "num-chains": 2, "engine": "inprocess", "run-name": "flower"}
+    strat = run_inprocess(resolve(o2), o2, shuffle_seed=5, strategy_kwargs={"keep_trace": True})
+    assert np.array_equal(np.asarray(strat.trace)[:, 0], wire.trace)
+    chain1 = run_local(resolve({**o, "seed": 3}), write=False, keep_trace=True, wire=False)
+    assert np.array_equal(np.asarray(strat.trace)[:, 1], chain1.trace)
+    off = run_local(resolve({**o, "downlink": "off", "run-name": "off"}), keep_trace=True)
+    assert not np.array_equal(off.trace, wire.trace)  # the clients evaluate at w_k, not θ_k
+    assert _bits_down(wire.run_dir) < _bits_down(off.run_dir)
+    assert wire.summary["bits"]["downlink"]["sampling"] == _bits_down(wire.run_dir)
+
+
+def test_the_keys_are_refused_where_they_do_not_apply():
+    with pytest.raises(ConfigError, match="downlink: qsgd compresses the broadcast of the QLSD family"):
+        resolve({**BASE, "variant": "fald"})
+    with pytest.raises(ConfigError, match="downlink: qsgd runs on engine = local"):
+        resolve({**BASE, "engine": "vectorised"})
+    with pytest.raises(ConfigError, match="downlink-feedback: unknown value 'ef21'; allowed: ef21-p, none"):
+        resolve({**BASE, "downlink-feedback": "ef21"})
+
+
+def _client(feedback="ef21-p"):
+    from qlsd_flwr.core.oracles import ClientState
+    from qlsd_flwr.protocol import build
+    from qlsd_flwr.tasks import loading
+
+    cfg = resolve({**BASE, "downlink-feedback": feedback})
+    task = loading.load_task(cfg)
+    spec = build.client_spec(cfg, 0, task.clients[0].n_data, 5, task.prior)
+    return cfg, task, spec, ClientState()
+
+
+def _code(spec, x, seed=0, k=1):
+    return spec.downlink.send(np.asarray(x, float), np.zeros(5), seed, k)[1]
+
+
+@pytest.mark.parametrize("bad, words", [
+    ("a string", "must be bytes"),
+    (b"\x00\x01", "does not decode"),
+    (np.ones(5).tobytes(), "does not decode"),
+])
+def test_hostile_downlink_bytes_at_a_client_change_nothing(bad, words):
+    from qlsd_flwr.protocol.client import handle
+
+    _, task, spec, st = _client()
+    first = {"phase": "sample", "round": 0, "client": 0, "theta": np.ones(5), "anchor_version": 1, "eta_count": 0,
+             "anchor_is_theta": 1}
+    assert handle(spec, task.clients[0], st, 0, first, 5)["status"] == "ok"
+    assert st.w_round == 0 and np.array_equal(st.w, np.ones(5)) and np.array_equal(st.anchor, np.ones(5))
+    before = (st.w.copy(), st.w_round, st.eta.copy(), st.eta_count)
+    nxt = {"phase": "sample", "round": 1, "client": 0, "anchor_version": 1, "eta_count": 1}
+    with pytest.raises(ValueError, match=words):
+        handle(spec, task.clients[0], st, 0, {**nxt, "theta_code": bad}, 5)
+    assert np.array_equal(st.w, before[0]) and st.w_round == before[1] and np.array_equal(st.eta, before[2])
+    with pytest.raises(ValueError, match="neither 'theta' nor 'theta_code'"):
+        handle(spec, task.clients[0], st, 0, nxt, 5)
+    good = _code(spec, np.arange(5.0))
+    assert handle(spec, task.clients[0], st, 0, {**nxt, "theta_code": good}, 5)["status"] == "ok"
+    assert st.w_round == 1 and not np.array_equal(st.w, before[0])
+    # a code for round 3 when it holds round 1's w: it cannot apply it, and asks for w in full
+    late = {**nxt, "round": 3, "eta_count": 2, "theta_code": good}
+    w1 = st.w.copy()
+    assert handle(spec, task.clients[0], st, 0, late, 5)["status"] == "resync"
+    assert np.array_equal(st.w, w1) and st.w_round == 1
+
+
+def test_a_code_without_downlink_settings_is_refused():
+    from qlsd_flwr.core.oracles import ClientState
+    from qlsd_flwr.protocol import build
+    from qlsd_flwr.protocol.client import handle
+    from qlsd_flwr.tasks import loading
+
+    cfg = resolve({**BASE, "downlink": "off"})
+    task = loading.load_task(cfg)
+    spec = build.client_spec(cfg, 0, task.clients[0].n_data, 5, task.prior)
+    _, _, dl_spec, _ = _client()
+    msg = {"phase": "sample", "round": 1, "client": 0, "anchor_version": 0, "eta_count": 0,
+           "theta_code": _code(dl_spec, np.ones(5))}
+    with pytest.raises(ValueError, match="'theta_code' without downlink settings"):
+        handle(spec, task.clients[0], ClientState(), 0, msg, 5)
