@@ -175,3 +175,27 @@ def test_a_code_without_downlink_settings_is_refused():
            "theta_code": _code(dl_spec, np.ones(5))}
     with pytest.raises(ValueError, match="'theta_code' without downlink settings"):
         handle(spec, task.clients[0], ClientState(), 0, msg, 5)
+
+
+def test_a_flag_or_bundle_that_does_not_fit_is_refused_by_name():
+    from qlsd_flwr.core.oracles import ClientState
+    from qlsd_flwr.protocol import build
+    from qlsd_flwr.protocol.client import handle
+    from qlsd_flwr.protocol.wire import unbundle_request
+    from qlsd_flwr.tasks import loading
+
+    cfg = resolve({**BASE, "downlink": "off"})
+    task = loading.load_task(cfg)
+    spec = build.client_spec(cfg, 0, task.clients[0].n_data, 5, task.prior)
+    msg = {"phase": "sample", "round": 0, "client": 0, "theta": np.ones(5), "anchor_version": 0, "eta_count": 0,
+           "anchor_is_theta": 1}
+    st = ClientState()
+    with pytest.raises(ValueError, match="'anchor_is_theta' is for QLSD"):
+        handle(spec, task.clients[0], st, 0, msg, 5)
+    assert st.anchor is None and st.w is None
+    bundle = {"phase": "sample", "round": 1, "client": 0, "chains": [0, 1], "theta_chains": [1],
+              "anchor_version": [0, 0], "eta_count": [0, 0], "theta_code_chains": [0], "theta_code": [b"x"]}
+    with pytest.raises(ValueError, match="theta_chains names chains but the message carries no theta"):
+        unbundle_request(bundle, 5)
+    per = unbundle_request({**bundle, "theta": np.ones((1, 5))}, 5)
+    assert "theta" not in per[0] and per[0]["theta_code"] == b"x" and np.array_equal(per[1]["theta"], np.ones(5))

@@ -134,8 +134,8 @@ def _lyapunov(A: np.ndarray, N: np.ndarray) -> np.ndarray:
 
 def stationary_covariance(gamma: float, P: np.ndarray, M: np.ndarray, alpha: float, Q: np.ndarray,
                           temperature: float = 1.0, feedback: str = "ef21-p") -> np.ndarray:
-    r"""θ's stationary covariance (``d × d``) of the chain with exact client gradients on the Gaussian of precision
-    ``P``, metric ``M``, and broadcast noise of covariance ``Q`` (the mean of ``diag`` :func:`qsgd_variance` over
+    r"""θ's stationary covariance (``d × d``) of the chain with exact client gradients on the Gaussian whose clients'
+    precisions sum to ``P`` (a flat prior: a prior's gradient is taken on the server at θ_k, not at ``w_k``), metric ``M``, and broadcast noise of covariance ``Q`` (the mean of ``diag`` :func:`qsgd_variance` over
     the chain's coded vectors). ``ef21-p``: the θ block of the ``2d`` recursion's :func:`transition`, noise
     ``(ξ, α ξ + α ε)``; ``none``: the gradient is at ``θ + ε``, so ``A = I − γ M P`` and the noise ``ξ − γ M P ε``."""
     d = P.shape[0]

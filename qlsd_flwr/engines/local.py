@@ -141,7 +141,11 @@ def _run_direct(cfg, task, specs, states, prep, keep_trace, bar) -> RunResult:
     down, w = broadcast.downlink_of(cfg), None  # downlink = qsgd: the clients evaluate at w_k (core.downlink)
     for k in range(cfg.num_rounds):
         if down is not None:
-            w = down.send(st.theta, w, cfg.seed, k)[0]
+            try:
+                w = down.send(st.theta, w, cfg.seed, k)[0]
+            except ValueError as exc:  # the chain ran away: θ_k − w_{k−1} cannot be coded
+                raise DivergenceError(divergence_message(k, cfg.gamma, stable=build.stable_gamma(task, prep.info))
+                                      + f" [{exc}]") from exc
         if sampler.refresh_anchor(spec, st) and down is not None:
             st.zeta = w.copy()
         point = st.theta if down is None else w

@@ -40,7 +40,10 @@ def begin_round(server) -> None:
     dl, st = server.downlink, server.state
     if dl is None:
         return
-    server.w, server.w_code = dl.send(st.theta, server.w, server.cfg.seed, st.k)
+    try:
+        server.w, server.w_code = dl.send(st.theta, server.w, server.cfg.seed, st.k)
+    except ValueError as exc:  # θ_k − w_{k−1} not finite or beyond float32's range: the chain ran away
+        server._diverged(st.k, f"the broadcast cannot code θ_k ({exc})")
 
 
 def refreshed(server) -> None:

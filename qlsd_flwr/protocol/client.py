@@ -61,6 +61,8 @@ def _prepare(spec: ClientSpec, pot: LocalPotential, st: ClientState, fields: dic
     total = vector(fields.get("anchor_total"), d) if anchor is not None and spec.kind.at_theta_star else None
     surrogate = _surrogate(fields, d) if anchor is not None and spec.kind.surrogate else None
     metric = _metric(fields, d, spec.kind.coupled) if "metric" in fields and spec.metric != "identity" else None
+    if flag_of(fields, "anchor_is_theta") and (spec.downlink is None or not spec.kind.cv_zeta):
+        raise ValueError("sample: 'anchor_is_theta' is for QLSD++'s anchor with downlink = qsgd")
     if flag_of(fields, "anchor_is_theta") and anchor is None and theta is not None:
         anchor = theta  # downlink = qsgd: the anchor refreshed this round is the w_k just built
     if theta is not None and spec.downlink is not None:

@@ -252,6 +252,8 @@ def unbundle_request(fields: dict, d: int, down=None) -> dict[int, dict]:
             raise ValueError("theta_chains: names a chain the message does not carry")
     else:
         with_theta = chains if "theta" in fields else []
+    if with_theta and "theta" not in fields:
+        raise ValueError("theta: theta_chains names chains but the message carries no theta")
     theta = matrix(fields["theta"], len(with_theta), d) if with_theta else None
     versions = _int_list(fields.get("anchor_version"), n_chains, "anchor_version")
     counts = _int_list(fields.get("eta_count"), n_chains, "eta_count")
