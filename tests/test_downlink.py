@@ -50,7 +50,7 @@ def _replayed_noise(cfg, task, trace, burn: int) -> np.ndarray:
     return np.diag(Q / n)
 
 
-@pytest.mark.parametrize("feedback, s, c", [("ef21-p", 2, 0.9), ("none", 2, 0.5)])
+@pytest.mark.parametrize("feedback, s, c", [("ef21-p", 2, 0.9), ("ef21-p", 8, 0.9), ("none", 2, 0.5)])
 def test_the_chain_has_its_derived_stationary_law(feedback, s, c):
     task = ill_conditioned_task(d=3, cond=30)
     P = sum(cl.A for cl in task.clients)
@@ -72,7 +72,8 @@ def test_the_chain_has_its_derived_stationary_law(feedback, s, c):
     got = (z ** 2).mean(axis=0)
     want_d, exact_d = np.diag(V.T @ want @ V), np.diag(V.T @ exact @ V)
     assert np.all(np.abs(got - want_d) < 4 * se), (got / want_d, (got - want_d) / se)
-    assert (np.abs(got - exact_d) / se).max() > 8, got / exact_d  # without the broadcast's noise: far off
+    if s == 2:  # coarse codes: the law without the broadcast's noise is far off (so this test can fail)
+        assert (np.abs(got - exact_d) / se).max() > 8, got / exact_d
     means = np.array([[b.mean() for b in np.array_split(z[:, j], 40)] for j in range(3)])
     assert np.all(np.abs(means.mean(axis=1)) < 4 * means.std(axis=1, ddof=1) / np.sqrt(40))
 
