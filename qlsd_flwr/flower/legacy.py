@@ -55,7 +55,7 @@ class LegacyQLSDStrategy(LegacyStrategy):
         if cfg.num_chains > 1:
             raise ConfigError(f"num-chains = {cfg.num_chains}: the legacy strategy runs one chain; use the "
                               "Message-API strategy (engine = ray or inprocess) for several chains in one run")
-        if cfg.get("downlink") == "qsgd":  # Flower's legacy fit sends θ as its Parameters whatever the fields say
+        if build.downlink_on(cfg):  # Flower's legacy fit sends θ as its Parameters whatever the fields say
             raise ConfigError("downlink: the legacy strategy sends θ in full as Flower's Parameters every round; use "
                               "the Message-API strategy (engine = ray or inprocess) for downlink = qsgd")
         if cfg.kind.at_theta_star:

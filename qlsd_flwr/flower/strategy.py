@@ -252,7 +252,7 @@ class QLSDStrategy(Strategy):
         self.nodes.rediscover(self._grid or grid, k + 1, self._timeout)
         self._sent = {}
         msgs = []
-        theta = None if self.cfg.get("downlink") == "qsgd" else Array(np.asarray(self.state.theta, dtype=np.float64))
+        theta = None if build.downlink_on(self.cfg) else Array(np.asarray(self.state.theta, dtype=np.float64))
         C = self.cfg.num_chains
         active = self.server.begin_round()
         resync = self.server.needs_resync  # once a round (a ChainSet combines its chains' flags)

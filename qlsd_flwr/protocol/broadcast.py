@@ -18,6 +18,7 @@ import numpy as np
 from qlsd_flwr.compression.qsgd import QSGD
 from qlsd_flwr.config import ConfigError
 from qlsd_flwr.core.downlink import Downlink
+from qlsd_flwr.protocol import build
 
 
 def setup(server) -> None:
@@ -30,7 +31,7 @@ def setup(server) -> None:
 
 def downlink_of(cfg) -> Downlink | None:
     """The run's broadcast rule (``None``: ``downlink = off``)."""
-    if cfg.get("downlink") != "qsgd":
+    if not build.downlink_on(cfg):
         return None
     return Downlink(QSGD(int(cfg.get("downlink-s"))), str(cfg.get("downlink-feedback")))
 

@@ -202,7 +202,7 @@ def client_settings(cfg: RunConfig, i: int, d: int, prior: GaussianPrior, blocks
         **({"metric": "sent"} if whitens(cfg, d) else {}),
         # downlink = qsgd: the broadcast's levels and rule (core.downlink), the same on both sides
         **({"downlink_s": int(cfg.get("downlink-s")), "downlink_feedback": str(cfg.get("downlink-feedback"))}
-           if cfg.get("downlink") == "qsgd" else {}),
+           if downlink_on(cfg) else {}),
         # FALD, VR-FALD*: K local steps, the common share τ of the noise and T (0, 0, 1 for the others)
         **({"local_steps": int(cfg.get("local-steps")), "tau": float(cfg.get("tau")),
             "temperature": float(cfg.temperature),
@@ -210,6 +210,11 @@ def client_settings(cfg: RunConfig, i: int, d: int, prior: GaussianPrior, blocks
             "metric": "identity" if cfg.metric == "identity" and not int(cfg.get("metric-rank") or 0) else "sent"}
            if cfg.kind.local else {}),
     }
+
+
+def downlink_on(cfg: RunConfig) -> bool:
+    """Whether θ's broadcast is compressed (``downlink = qsgd``; :mod:`qlsd_flwr.protocol.broadcast`)."""
+    return cfg.get("downlink") == "qsgd"
 
 
 _ENCODINGS = ("auto", "elias", "packed")
