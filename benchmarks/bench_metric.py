@@ -291,8 +291,8 @@ def wine_net(b: int = 4):
 
     from qlsd_flwr.tasks.torch_models import TorchPotential
 
-    clients = [TorchPotential(make_model(), *load_partition(i, b), dtype=torch.float64) for i in range(b)]
-    X = np.concatenate([load_partition(i, b)[0] for i in range(b)]).astype(np.float64)
+    clients = [TorchPotential(make_model(), *load_partition(i, b, held_out=0.0), dtype=torch.float64) for i in range(b)]
+    X = np.concatenate([load_partition(i, b, held_out=0.0)[0] for i in range(b)]).astype(np.float64)
     return clients, PRIOR_VAR, X
 
 

@@ -97,3 +97,20 @@ def loo(path):
     from qlsd_flwr.outputs.loo import load
 
     return load(path)
+
+
+# predicting with a finished run (qlsd_flwr/evaluation/predict.py): imported when first asked for,
+# so that ``import qlsd_flwr`` stays light (numpy only; torch only inside ``load_draw``)
+_PREDICT = ("load_samples", "posterior_predictive", "load_draw", "predictive_metrics")
+
+
+def __getattr__(name: str):
+    if name in _PREDICT:
+        from qlsd_flwr.evaluation import predict
+
+        return getattr(predict, name)
+    raise AttributeError(f"module 'qlsd_flwr' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted([*globals(), *_PREDICT])

@@ -1,11 +1,10 @@
-"""Command line: ``qlsd-flwr demo | run | plot`` (the text of ``--help`` is :data:`HELP`)."""
+"""Command line: ``qlsd-flwr demo | run | plot | config | check`` (the text of ``--help`` is :data:`HELP`)."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import sys
-import tomllib
 from pathlib import Path
 
 from qlsd_flwr import __version__
@@ -33,6 +32,12 @@ HELP = """QLSD, QLSD#, QLSD* and QLSD++ (Vono et al., AISTATS 2022): federated L
       Every run-config key with its default, paper symbol, allowed values and meaning (--toml: the
       [tool.flwr.app.config] block; --markdown: docs/CONFIGURATION.md's table). `qlsd-flwr run --help` lists
       them too.
+  qlsd-flwr check [APP_DIR] [--run-config STRING]
+      Before `flwr run APP_DIR --run-config STRING`: the keys APP_DIR/pyproject.toml (default .)
+      declares in [tool.flwr.app.config], and the run config's keys and values. Flower refuses a key
+      the app does not declare with only "[code: 15] Invalid run configuration."; this names it, with
+      a did-you-mean, one line a problem (exit 2; docs/CONFIGURATION.md gives the rule for an app's
+      own keys).
 """
 
 # the toy Gaussian demo (``qlsd-flwr demo --toy``; also conf/gaussian_qlsdpp_ray.toml)
@@ -68,17 +73,9 @@ class InputError(Exception):
 
 def load_config_file(path: str) -> dict:
     """A TOML file: either flat keys or a ``[tool.flwr.app.config]`` table."""
-    f = Path(path)
-    if not f.exists():
-        raise InputError(f"config file {path}: not found")
-    if f.is_dir():
-        raise InputError(f"config file {path}: is a folder, not a TOML file")
-    try:
-        data = tomllib.loads(f.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise InputError(f"config file {path}: TOML syntax error: {exc}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"config file {path}: cannot be read ({exc})") from None
+    from qlsd_flwr.deploy.appcheck import read_toml
+
+    data = read_toml(Path(path), f"config file {path}", InputError)
     return data.get("tool", {}).get("flwr", {}).get("app", {}).get("config", data)
 
 
@@ -143,6 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     fmt = c.add_mutually_exclusive_group()
     fmt.add_argument("--toml", action="store_true", help="as the [tool.flwr.app.config] block")
     fmt.add_argument("--markdown", action="store_true", help="as docs/CONFIGURATION.md's table")
+    k = sub.add_parser("check", help="a Flower app's run-config keys, and a --run-config, before `flwr run`")
+    k.add_argument("app_dir", nargs="?", default=".", help="the app's folder (its pyproject.toml), default .")
+    k.add_argument("--run-config", dest="run_config", action="append", default=[], metavar="STRING",
+                   help="what `flwr run` would get: 'k=v k2=\"text\"' or a .toml file (repeatable)")
     args = ap.parse_args(argv)
     previous = _sigterm_stops_cleanly()
     try:
@@ -169,6 +170,10 @@ def _dispatch(args) -> int:
         if args.cmd == "config":
             print(pyproject_block() if args.toml else markdown_table() if args.markdown else help_text(), end="")
             return 0
+        if args.cmd == "check":
+            from qlsd_flwr.deploy.appcheck import check_app
+
+            return check_app(args.app_dir, args.run_config).emit()
         if args.cmd == "plot":
             from qlsd_flwr.evaluation.report import plot_run
 

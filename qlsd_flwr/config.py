@@ -9,14 +9,13 @@ mistake costs a second, not an hour of sampling.
 
 from __future__ import annotations
 
-import difflib
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
 import numpy as np
 
-from qlsd_flwr.keys import DEFAULTS, ConfigError, flag, parse  # noqa: F401 (DEFAULTS, ConfigError: re-exported)
+from qlsd_flwr.keys import DEFAULTS, ConfigError, close_keys, flag, parse  # noqa: F401 (DEFAULTS, ConfigError: re-exported)
 
 from qlsd_flwr import samplers
 from qlsd_flwr.core.downlink import FEEDBACKS, check_downlink
@@ -216,8 +215,7 @@ def resolve(overrides: Mapping[str, Any] | None = None) -> RunConfig:
     for k, v in (overrides or {}).items():
         kk = str(k).replace("_", "-")
         if kk not in DEFAULTS:
-            close = difflib.get_close_matches(kk, list(DEFAULTS), n=3, cutoff=0.6)
-            close += [x for x in DEFAULTS if x.split("-")[0] == kk.split("-")[0] and x not in close]
+            close = close_keys(kk)
             hint = f" (did you mean {', '.join(close)}?)" if close else ""
             raise ConfigError(f"unknown config key {k!r}{hint}; allowed keys: {', '.join(DEFAULTS)}")
         raw[kk] = v

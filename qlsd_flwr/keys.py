@@ -19,6 +19,7 @@ booleans (TOML ``gamma = true`` is an error, not γ = 1), NaN and infinities unl
 
 from __future__ import annotations
 
+import difflib
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -210,7 +211,7 @@ KEYS: tuple[Key, ...] = (
         group=SAMPLER),
     Key("convergence-criterion", "auto", "choice", "what the convergence report's verdict reads: θ's coordinates, "
         "or the held-out predictive (for networks, whose weights have symmetries); auto: predictive for torch "
-        "networks, theta otherwise", choices=("auto", "theta", "predictive"), group=SAMPLER),
+        "networks and for a QLSDStrategy given heldout data, theta otherwise", choices=("auto", "theta", "predictive"), group=SAMPLER),
     Key("loo", "psis", "choice", "the federated leave-one-out over the training points after sampling (docs/"
         "ARVIZ.md): psis = each client Pareto-smooths its own points and sends 3 numbers a point (qlsd_flwr.loo "
         "gives az.compare's input); pointwise = each client sends its S × N_i log-likelihoods, held as "
@@ -253,6 +254,15 @@ DEFAULTS: dict[str, Any] = {k.name: k.default for k in KEYS}
 #: (a test checks ``pyproject.toml`` against them): a resume under ``flwr run`` treats a key at
 #: these values as not given (``flwr run`` always sends every declared key).
 FLWR_APP_DEFAULTS = {"num-rounds": 200, "burn-in": 50}
+
+
+def close_keys(name: str, keys=None) -> list[str]:
+    """The keys (of the table, or of ``keys``) a mistyped ``name`` may mean, for a did-you-mean: the
+    closest spellings, then the keys sharing its first word (``num-round`` → ``num-rounds``, …)."""
+    keys = list(DEFAULTS if keys is None else keys)
+    close = difflib.get_close_matches(name, keys, n=3, cutoff=0.6)
+    return close + [x for x in keys if x.split("-")[0] == name.split("-")[0] and x not in close]
+
 
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 

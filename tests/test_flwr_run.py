@@ -9,9 +9,9 @@ would fetch the dependencies from the index). The federation has 4 SuperNodes, s
 
 * ``flwr run . --run-config <file>``: the repository's own app from a config file; its samples
   equal the ``local`` engine's, bit for bit.
-* ``flwr run examples/quickstart-torch``: a user's project (own model and data, public API only);
-  its samples equal the same posterior as a task plug-in on the ``local`` and ``vectorised``
-  engines, bit for bit.
+* ``flwr run examples/quickstart-torch``: a user's project (own model and data, public API only),
+  stopped and resumed; its samples equal the same posterior as a task plug-in on the ``local`` and
+  ``vectorised`` engines, bit for bit.
 * Every ``conf/*.toml`` is a valid ``--run-config`` file for the app (keys declared, values valid).
 """
 
@@ -139,20 +139,45 @@ def test_flwr_run_dot_from_a_conf_file_stopped_by_flwr_stop_and_resumed_bitwise(
     assert (folder / "overview.png").stat().st_size > 10_000  # drawn by the app (plot = true, the default)
 
 
-def test_example_project_through_flwr_run(local_sim, monkeypatch):
+def test_example_project_through_flwr_run_stopped_and_resumed_bitwise(local_sim, monkeypatch):
+    """``flwr run examples/quickstart-torch`` with a ``--run-config`` override (gamma), stopped by
+    ``flwr stop`` and resumed as the docs say (``resume=...`` and the rounds to end at): the app
+    passes its initial arrays and its pyproject's own gamma and burn-in again, and the run's own
+    values are kept. The draws equal, bit for bit, the same posterior never stopped as a task
+    plug-in on the ``local`` and ``vectorised`` engines, and the held-out evaluation the app asks
+    for (``heldout``) is written, its verdict read from the predictive."""
+    import json
+    import time
+
     root, env = local_sim
     out = root / "out-example"
-    _flwr_run(EXAMPLE, {"num-rounds": 30, "burn-in": 10, "output-dir": str(out)}, env)
-    theirs = load_samples(out / "quickstart")
+    first = {"num-rounds": 10**6, "burn-in": 10, "gamma": 0.002, "checkpoint-every": 5, "output-dir": str(out)}
+    run_id = D.flwr_run(EXAMPLE, "local", env, first)
+    folder = out / "quickstart"
+    deadline = time.time() + 240
+    while not (folder / "checkpoint.npz").exists() and time.time() < deadline:
+        time.sleep(0.5)
+    cp = D.flwr_cli(["stop", str(run_id), "local"], env, cwd=root)
+    assert cp.returncode == 0, cp.stdout + cp.stderr
+    while not (folder / "summary.json").exists() and time.time() < deadline:
+        time.sleep(0.5)
+    stopped = json.loads((folder / "summary.json").read_text())
+    assert "stopped" in stopped and stopped["rounds"] < 10**6, stopped
+    end = stopped["rounds"] + 30
+    _flwr_run(EXAMPLE, {"resume": str(folder), "num-rounds": end, "output-dir": str(out)}, env)
+    theirs = load_samples(folder)
     monkeypatch.syspath_prepend(str(EXAMPLE))
     with open(EXAMPLE / "pyproject.toml", "rb") as f:
         c = tomllib.load(f)["tool"]["flwr"]["app"]["config"]
+    assert c["gamma"] != first["gamma"] and c["burn-in"] != first["burn-in"]  # the resume kept the run's own
     for engine in ("local", "vectorised"):
-        mine = run({"task": "qlsd_quickstart.task:make_task", "num-clients": B, "gamma": c["gamma"],
-                    "s": c["s"], "seed": c["seed"], "num-rounds": 30, "burn-in": 10, "engine": engine,
+        mine = run({"task": "qlsd_quickstart.task:make_task", "num-clients": B, "gamma": first["gamma"],
+                    "s": c["s"], "seed": c["seed"], "num-rounds": end, "burn-in": 10, "engine": engine,
                     "progress": False, "output-dir": str(root / "ref"), "run-name": engine})
         assert np.array_equal(theirs, load_samples(mine.run_dir)), engine
-    assert theirs.shape == (1, 20, 275)
+    assert theirs.shape == (1, end - 10, 275)
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["convergence"]["criterion"] == "predictive" and (folder / "evaluation.json").exists()
     sys.modules.pop("qlsd_quickstart", None)
 
 

@@ -107,7 +107,6 @@ def evaluate_run(run_dir: str | os.PathLike, max_samples: int | None = 200, writ
     """Evaluate a run folder of a real-data task; writes ``evaluation.json`` and
     ``reliability.png`` there when ``write``. Returns the metrics."""
     from qlsd_flwr.config import resolve
-    from qlsd_flwr.outputs.recorder import load_samples
     from qlsd_flwr.tasks import registry
 
     run_dir = Path(run_dir)
@@ -116,14 +115,25 @@ def evaluate_run(run_dir: str | os.PathLike, max_samples: int | None = 200, writ
         raise ValueError("evaluate_run needs a classification task (logistic or mnist); the "
                          "Gaussian task's errors are in summary.json")
     X_te, y_te, _, _ = registry.test_set(cfg)
-    predictor = registry.predictor_of(cfg)
+    return evaluate_held_out(run_dir, registry.predictor_of(cfg), X_te, y_te, cfg, max_samples, write, n_bins,
+                             title or f"{cfg.variant} on {cfg.get('task')}")
+
+
+def evaluate_held_out(run_dir: str | os.PathLike, predictor, X_test: np.ndarray, y_test: np.ndarray, cfg,
+                      max_samples: int | None = 200, write: bool = True, n_bins: int = N_BINS,
+                      title: str | None = None) -> dict:
+    """The held-out evaluation of a run folder's draws with any ``predictor.predict_proba(thetas, X)``
+    (the task's, or the one a user's ``QLSDStrategy(heldout=...)`` gives): the metrics; with
+    ``write``, ``evaluation.json``, ``reliability.png``, samples.nc's held-out groups and the
+    predictive's R-hat in the convergence report. ``cfg``: the run's configuration."""
+    from qlsd_flwr.outputs.recorder import load_samples
+
+    run_dir = Path(run_dir)
     samples = load_samples(run_dir)
-    out = evaluate_samples(samples, predictor, X_te, y_te,
-                           max_samples, n_bins,
-                           plot_path=run_dir / "reliability.png" if write else None,
-                           title=title or f"{cfg.variant} on {cfg.get('task')}")
+    out = evaluate_samples(samples, predictor, X_test, y_test, max_samples, n_bins,
+                           plot_path=run_dir / "reliability.png" if write else None, title=title)
     if write:
-        ll = write_predictive_groups(run_dir / "samples.nc", samples, predictor, X_te, y_te, cfg.seed)
+        ll = write_predictive_groups(run_dir / "samples.nc", samples, predictor, X_test, y_test, cfg.seed)
         out["convergence"] = cv_predictive(ll)
         (run_dir / "evaluation.json").write_text(jsonio.dumps(out, indent=2))
         add_predictive_to_report(run_dir, out["convergence"], cfg.raw, ll.sum(axis=2))

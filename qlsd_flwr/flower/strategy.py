@@ -52,12 +52,13 @@ from qlsd_flwr.config import ConfigError, RunConfig, resolve
 from qlsd_flwr.core.potential import Task
 from qlsd_flwr.flower import stopping
 from qlsd_flwr.flower.grid_stream import RepliesAsTheyArrive
-from qlsd_flwr.flower.loo_phase import after_sampling
+from qlsd_flwr.flower.finish import finish_run
 from qlsd_flwr.flower.nodes import NodeRegistry, load_bound_keys
 from qlsd_flwr.flower.phases import PhaseExchanges
 from qlsd_flwr.flower.records import labels_from_arrays, record_fields, theta_from_arrays, to_content
 from qlsd_flwr.flower.sizing import message_nbytes
 from qlsd_flwr.outputs.checkpoint import resume_dir
+from qlsd_flwr.outputs.resume import app_resume
 from qlsd_flwr.outputs.warmup import warmup_store
 from qlsd_flwr.outputs.observer import RunOutputs
 from qlsd_flwr.outputs.progress import announce, progress_bar
@@ -149,12 +150,15 @@ class QLSDStrategy(Strategy):
         The run's seed: participation, minibatches, quantisation and noise are functions of it.
     output_dir, run_name : str, default "outputs", "" (a timestamped name)
         The run folder is ``<output_dir>/<run_name>``.
-    write : bool, default True
-        Write the run folder.
-    keep_trace : bool, default False
-        Keep every ``θ_k`` in memory (``strategy.trace``).
+    write, keep_trace : bool, default True, False
+        Write the run folder; keep every ``θ_k`` in memory (``strategy.trace``).
     on_round : callable, optional
         ``on_round(strategy)``, called after each round (monitoring).
+    heldout : tuple (predictor, X, y), optional
+        Held-out data for the server: a ``predictor`` with ``predict_proba(thetas, X)`` (your model's
+        ``TorchPotential``), inputs and labels. The run ends with ``evaluation.json``, ``reliability.png``
+        and samples.nc's held-out groups, and the verdict reads the predictive's R-hat (``auto``); else
+        θ's, which a network's symmetric weights keep high after its predictive has mixed.
     **config
         Any other run-config key (``num_chains``: C chains in one run, chain ``c`` with seed
         ``seed + c``, one message per client and round for all its chains, see
@@ -175,7 +179,7 @@ class QLSDStrategy(Strategy):
                  encoding: str = "auto", theta_star=None, seed: int = 0, output_dir: str = "outputs",
                  run_name: str = "", write: bool = True, keep_trace: bool = False, on_round=None,
                  metric: str = "identity", metric_from: str = "curvature", metric_rank: int = 0,
-                 temperature: float = 1.0, init: str = "theta0", prior=None, **config):
+                 temperature: float = 1.0, init: str = "theta0", prior=None, heldout=None, **config):
         def joined(v):
             return ",".join(str(x) for x in v) if isinstance(v, (list, tuple, np.ndarray)) else v
 
@@ -188,8 +192,10 @@ class QLSDStrategy(Strategy):
                 "metric": metric, "metric-from": metric_from, "metric-rank": metric_rank, "temperature": temperature,
                 "init": init,
                 **{k.replace("_", "-"): v for k, v in config.items()}}
-        cfg = resolve(keys)
-        task = build.external_task(cfg, blocks, theta_star, prior, prior_var)
+        if heldout is not None and str(keys.get("convergence-criterion", "auto")).strip().lower() == "auto":
+            keys["convergence-criterion"] = "predictive"  # written to config.json: what the verdict read
+        cfg = resolve(app_resume(keys))  # a resume: the app's values of the chain's keys give way to the run's
+        task = build.external_task(cfg, blocks, theta_star, prior, prior_var, heldout)
         self._setup(cfg, task, write=write, keep_trace=keep_trace, on_round=on_round)
 
     @classmethod
@@ -342,9 +348,9 @@ class QLSDStrategy(Strategy):
             raise ValueError("evaluate_config: QLSDStrategy has no client-side evaluation round; "
                              "evaluate θ_k on the server with evaluate_fn(round, arrays)")
         resuming = resume_dir(cfg) is not None
-        if resuming and initial_arrays is not None:
-            raise ValueError("initial_arrays: a resumed run continues from its checkpoint's θ; "
-                             "pass no initial_arrays with resume")
+        if resuming and initial_arrays is not None:  # so that one ServerApp serves a run and its resume
+            log.info("initial_arrays ignored: a resumed run continues from its checkpoint's θ")
+            initial_arrays = None
         theta0 = None if initial_arrays is None else theta_from_arrays(initial_arrays, self.d)
         if initial_arrays is not None and "param_labels" not in self.task.meta:  # samples.nc's names
             self.task.meta["param_labels"] = labels_from_arrays(initial_arrays)
@@ -389,12 +395,6 @@ class QLSDStrategy(Strategy):
                 self._bar.close()
                 flwr_log.setLevel(level)
         self.nodes.finish_run(self.server, grid, self._timeout)  # the memory audit, then the summary
-        after_sampling(self, grid)  # the federated LOO (key loo), into samples.nc and summary.json
-        from qlsd_flwr.evaluation.report import draw_overview  # lazily: the strategy imports no evaluation
-
-        draw_overview(self.run_dir, cfg.get("plot"))  # every Flower path: flwr run, a user's ServerApp
-        if self.run_dir is not None:
-            announce(f"{cfg.variant}: {self.state.k} rounds done; samples in "
-                     f"{Path(self.run_dir).resolve() / 'samples.nc'} (arviz.from_netcdf)", cfg.progress)
+        finish_run(self, grid)  # the LOO, the overview plot, the held-out evaluation (heldout)
         result.arrays = ArrayRecord({"theta": Array(np.asarray(self.state.theta))})
         return result

@@ -174,7 +174,8 @@ def verdict(report: dict, predictive: dict | None = None, criterion: str = "thet
         # never θ in its place, silently: a network's weights keep a high R-hat after its predictive has mixed
         rep.update({"verdict": "NOT CHECKED", "pending": "predictive",
                     "why": "convergence-criterion = predictive reads the held-out predictive, which this run has "
-                           "not computed (a classification task's evaluation adds it; set convergence-criterion = "
+                           "not computed yet (the held-out evaluation of a classification task, or of "
+                           "QLSDStrategy's heldout data, adds it after the run; set convergence-criterion = "
                            "theta to judge θ's coordinates instead)"})
         theta_part = (f"; θ for information: R-hat max {rep['rhat_max']:.3g}" if rep.get("rhat_max") is not None
                       else "")
@@ -228,6 +229,10 @@ def verdict(report: dict, predictive: dict | None = None, criterion: str = "thet
     if criterion == "predictive":
         parts.append("criterion: the predictive, since a network's weights have symmetries (permuted units) that "
                      "keep their R-hat high after the predictive has converged")
+    elif _reads_theta_for_want_of_data(raw):
+        parts.append("criterion: θ, for want of held-out data (strict for a network, whose weights have symmetries "
+                     "that keep θ's R-hat high after its predictive has mixed): give QLSDStrategy "
+                     "heldout=(predictor, X, y) to judge the predictive")
     if not ok:
         raw = raw or {}
         hints = ["more rounds"]
@@ -240,6 +245,13 @@ def verdict(report: dict, predictive: dict | None = None, criterion: str = "thet
         parts.append(f"the target is R-hat ≤ {RHAT_TARGET} with bulk and tail ESS ≥ {ESS_MIN:g}: try {', '.join(hints)}")
     rep["message"] = "; ".join(parts)
     return rep
+
+
+def _reads_theta_for_want_of_data(raw: dict | None) -> bool:
+    """A user's own app (task ``external``) left the criterion to ``auto`` and gave no held-out data."""
+    raw = raw or {}
+    return (str(raw.get("task", "")) == "external"
+            and str(raw.get("convergence-criterion", "auto")).strip().lower() == "auto")
 
 
 def _num(x, default=float("nan")) -> float:

@@ -375,9 +375,11 @@ def provenance(config: dict) -> dict:
     """Attributes that say what made a file: the package and Flower versions, the run's seed
     and variant, and a hash of its whole configuration."""
     import hashlib
+    import sys
 
-    from qlsd_flwr import __version__
-
+    # the package root is always loaded before this module; importing it here would close an import
+    # cycle (the root's lazy qlsd_flwr.load_samples → evaluation.predict → this module → the root)
+    __version__ = sys.modules["qlsd_flwr"].__version__
     try:
         from importlib.metadata import version
 

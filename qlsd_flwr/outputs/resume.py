@@ -30,6 +30,28 @@ def flwr_run_config(run_config: dict, where: str = "server") -> dict:
     return resume_overrides(given)
 
 
+def app_resume(keys: dict) -> dict:
+    """A user's ServerApp resuming (``QLSDStrategy(..., resume=<run folder>)``): it passes every key
+    of its own, often straight from its ``pyproject.toml``, whose defaults are not the user's
+    choice for this run, and it cannot tell them from ``--run-config`` overrides. So the
+    resumed run's saved value of every key that fixes the chain is kept, one line names those
+    the app gave otherwise, and the keys a resume may change (:data:`RESUME_FREE_KEYS`) are the
+    app's. Without ``resume``: ``keys`` unchanged."""
+    import logging
+
+    if not str(keys.get("resume", "") or ""):
+        return keys
+    original = resume_overrides({"resume": keys["resume"]})
+    kept = [k for k, v in keys.items() if k not in RESUME_FREE_KEYS and k in original
+            and not same_value(k, original[k], v)]
+    if kept:
+        logging.getLogger("qlsd_flwr").info(
+            "resume: the run's own %s kept (this app gave %s; only %s may change at a resume)",
+            ", ".join(f"{k}={original[k]!r}" for k in kept), ", ".join(f"{k}={keys[k]!r}" for k in kept),
+            ", ".join(RESUME_FREE_KEYS))
+    return {**keys, **original, **{k: v for k, v in keys.items() if k in RESUME_FREE_KEYS}}
+
+
 def resume_overrides(overrides: dict | None) -> dict:
     """With ``resume`` set, the run folder's original configuration with ``overrides`` on top
     (keys outside :data:`RESUME_FREE_KEYS` must agree with the original); else ``overrides``."""

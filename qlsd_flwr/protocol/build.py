@@ -284,10 +284,14 @@ def server_spec(cfg: RunConfig, task: Task, theta_star: np.ndarray | None, block
     )
 
 
-def external_task(cfg: RunConfig, blocks=None, theta_star=None, prior=None, prior_var="flat") -> Task:
+def external_task(cfg: RunConfig, blocks=None, theta_star=None, prior=None, prior_var="flat",
+                  heldout=None) -> Task:
     """The :class:`Task` of a user's own strategy (:class:`~qlsd_flwr.flower.QLSDStrategy`'s keyword
-    parameters): ``d``, the prior, θ* when given, the tensors' sizes; ``ValueError`` naming the first
-    argument that does not fit ``cfg``. The clients' potentials live on the clients."""
+    parameters): ``d``, the prior, θ* when given, the tensors' sizes, the held-out data; ``ValueError``
+    naming the first argument that does not fit ``cfg``. The clients' potentials live on the clients."""
+    meta = {"blocks": tuple(int(x) for x in blocks)} if blocks else {}
+    if heldout is not None:
+        meta["heldout"] = _heldout(heldout)
     if cfg.block_norm == "tensor" and not blocks:
         raise ValueError("block_norm = 'tensor' needs blocks (the sizes of θ's tensors)")
     if blocks is not None and sum(int(x) for x in blocks) != cfg.dim:
@@ -300,7 +304,22 @@ def external_task(cfg: RunConfig, blocks=None, theta_star=None, prior=None, prio
         check_prior(prior, prior_var)
     return Task(name="external", dim=cfg.dim, clients=[],
                 prior=GaussianPrior(var=cfg.prior_var) if prior is None else prior,
-                theta_star=theta_star, meta={"blocks": tuple(int(x) for x in blocks)} if blocks else {})
+                theta_star=theta_star, meta=meta)
+
+
+def _heldout(heldout) -> tuple:
+    """``(predictor, X, y)`` checked before the run starts, so that a mistake is not found after it."""
+    if not isinstance(heldout, (tuple, list)) or len(heldout) != 3:
+        raise ValueError("heldout: expected a tuple (predictor, X, y), got "
+                         f"{type(heldout).__name__}{'' if not hasattr(heldout, '__len__') else f' of {len(heldout)}'}")
+    predictor, X, y = heldout
+    if not callable(getattr(predictor, "predict_proba", None)):
+        raise ValueError(f"heldout: the predictor ({type(predictor).__name__}) has no predict_proba(thetas, X)")
+    X, y = np.asarray(X), np.asarray(y)
+    if X.ndim < 2 or y.ndim != 1 or len(X) != len(y) or len(y) == 0 or not np.issubdtype(y.dtype, np.integer):
+        raise ValueError(f"heldout: X needs one row per label and y one integer label per row (got X {X.shape}, "
+                         f"y {y.shape} {y.dtype})")
+    return predictor, X, y
 
 
 def theta0_of(task: Task) -> np.ndarray:

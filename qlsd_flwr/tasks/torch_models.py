@@ -66,11 +66,22 @@ class TorchPotential:
     ``loss``: a per-example loss ``loss(outputs, y) -> (n,)`` (default: cross-entropy of logits,
     a classifier), or give ``log_likelihood(outputs, y) -> (n,)`` instead (``U_ij = −log p``).
 
-    ``θ`` goes in and gradients come out as ``float64`` numpy vectors (the order of
-    ``model.parameters()``, as ``parameters_to_vector``); inside, torch computes in the
-    model's dtype (``dtype=torch.float64`` converts the model, e.g. for gradient checks).
-    ``batch_size`` bounds memory: sums are accumulated over chunks of that many examples.
-    ``device``: ``"cpu"`` or ``"cuda[:k]"`` (error if CUDA is not available).
+    ``θ`` goes in and gradients come out as ``float64`` numpy vectors: θ is the parameters with
+    ``requires_grad`` in ``model.named_parameters()`` order, each flattened (as
+    ``parameters_to_vector``); frozen parameters and buffers are not part of it. Inside, torch
+    computes in the model's dtype (``dtype=torch.float64`` converts the model, e.g. for gradient
+    checks). ``batch_size`` (default 1024) bounds memory: sums are accumulated over chunks of that
+    many examples.
+
+    ``device`` (default ``"cpu"``): where the model and this client's ``X``, ``y`` live and torch
+    computes: ``"cpu"``, ``"cuda"`` or ``"cuda:k"`` (a string or a ``torch.device``). θ and the
+    gradients still cross as float64 numpy vectors on the CPU. Asking for CUDA where torch sees no
+    GPU (or fewer than ``k + 1``) is a ``RuntimeError``, never a silent fall-back to the CPU; any
+    other device type is a ``ValueError``. *The CUDA path has not been run: this project's CI
+    machine has no GPU.*
+
+    :meth:`predict_proba` gives the posterior predictive of new inputs, and
+    :func:`qlsd_flwr.posterior_predictive` / :func:`qlsd_flwr.load_draw` use it and θ's layout.
     """
 
     def __init__(self, model: nn.Module, X, y, device: str = "cpu", batch_size: int = 1024,
@@ -249,7 +260,24 @@ class TorchPotential:
         return -torch.cat(parts).cpu().numpy() if parts else np.zeros(0)
 
     def predict_proba(self, theta_samples: np.ndarray, X, batch_size: int | None = None) -> np.ndarray:
-        """Posterior predictive ``(1/S) Σ_s softmax(model_{θ_s}(X))`` as float64 ``(n, K)``."""
+        """Posterior predictive ``(1/S) Σ_s softmax(model_{θ_s}(X))`` as float64 ``(n, K)``.
+
+        Parameters
+        ----------
+        theta_samples : array_like
+            The draws, ``(S, d)`` or any shape ending in ``d`` (e.g. ``(chain, draw, d)``, flattened
+            to its rows in C order), or one θ ``(d,)``.
+        X : array_like or torch.Tensor
+            The inputs, examples along the first axis; cast to the model's dtype and ``device``.
+        batch_size : int, optional
+            Examples per forward pass; default: the potential's ``batch_size``.
+
+        Returns
+        -------
+        numpy.ndarray
+            float64 ``(n, K)``, the softmax of the model's outputs averaged over the draws (the
+            model is loaded with each draw in turn; its weights afterwards are the last draw's).
+        """
         th = np.asarray(theta_samples, dtype=np.float64)
         th = th.reshape(-1, th.shape[-1])
         X = torch.as_tensor(np.asarray(X) if not torch.is_tensor(X) else X)

@@ -15,12 +15,27 @@ def make_model() -> nn.Module:
     return nn.Sequential(nn.Linear(13, 16), nn.Tanh(), nn.Linear(16, 3))
 
 
-def load_partition(i: int, n: int):
-    """Client i of n: a fixed random share of the 178 standardised wine samples."""
+HELD_OUT = 0.3  # the share of the points no client sees: the server's held-out set
+
+
+def _wine():
     X, y = load_wine(return_X_y=True)
-    X = (X - X.mean(0)) / X.std(0)
-    part = np.array_split(np.random.default_rng(0).permutation(len(y)), n)[i]
-    return X[part].astype(np.float32), y[part]
+    perm = np.random.default_rng(0).permutation(len(y))  # fixed: the same split on every node
+    return ((X - X.mean(0)) / X.std(0)).astype(np.float32), y, perm
+
+
+def load_partition(i: int, n: int, held_out: float = HELD_OUT):
+    """Client i of n: a fixed random share of the standardised wine samples that are not held out."""
+    X, y, perm = _wine()
+    part = np.array_split(perm[int(held_out * len(y)):], n)[i]
+    return X[part], y[part]
+
+
+def held_out_data(held_out: float = HELD_OUT):
+    """The held-out points (no client has them): the server judges the posterior predictive on them."""
+    X, y, perm = _wine()
+    test = perm[: int(held_out * len(y))]
+    return X[test], y[test]
 
 
 def load_partition_dirichlet(i: int, n: int, alpha: float = 0.5, seed: int = 0):
