@@ -181,9 +181,12 @@ def test_example_project_through_flwr_run_stopped_and_resumed_bitwise(local_sim,
     sys.modules.pop("qlsd_quickstart", None)
 
 
-def test_a_package_error_reaches_flwr_log_as_one_line_and_fails_the_run(local_sim):
+@pytest.mark.parametrize("app", [REPO, EXAMPLE], ids=["repository-app", "user-app"])
+def test_a_package_error_reaches_flwr_log_as_one_line_and_fails_the_run(local_sim, app):
+    """The repository's ServerApp, and a user's own (the quickstart: QLSDStrategy built from its run
+    config), given a bad gamma: the run fails and flwr log shows one line naming the key."""
     root, env = local_sim
-    run_id = D.flwr_run(REPO, "local", env, {"num-clients": B, "gamma": -1.0, "output-dir": str(root / "out-err")})
+    run_id = D.flwr_run(app, "local", env, {"num-clients": B, "gamma": -1.0, "output-dir": str(root / "out-err")})
     row = D.wait_run(run_id, "local", env, timeout=300, poll=1.0, ls_every=3.0)
     assert row["status"] == "finished:failed", row
     log = D.run_log(run_id, "local", env)

@@ -13,7 +13,10 @@ The public API for your own model::
 from qlsd_flwr.flower.client_app import make_client_app
 from qlsd_flwr.flower.fedavg import fedavg_strategy, make_fedavg_client_app, plug_in_probs
 from qlsd_flwr.flower.inprocess import InProcessGrid
+from qlsd_flwr.flower.logs import one_line_errors
 from qlsd_flwr.flower.strategy import QLSDStrategy
 
 __all__ = ["QLSDStrategy", "make_client_app", "fedavg_strategy", "make_fedavg_client_app", "plug_in_probs",
            "InProcessGrid"]
+
+one_line_errors()  # a user's ServerApp imports this package: its errors reach flwr log as one line too

@@ -8,22 +8,10 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from qlsd_flwr.config import resolve
+from qlsd_flwr.flower.logs import one_line_errors
 from qlsd_flwr.flower.strategy import QLSDStrategy
 from qlsd_flwr.outputs.resume import flwr_run_config
 from qlsd_flwr.tasks import loading
-
-
-class OneLineErrors(logging.Filter):
-    """Flower logs an app's exception with its traceback (``flwr log``: 20 lines and more, the
-    message at the bottom). For this package's own errors, which name the key, node or file at
-    fault, the record becomes one line: Flower's message, the error's type and its text."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        exc = record.exc_info[1] if record.exc_info else None
-        if exc is not None and type(exc).__module__.startswith("qlsd_flwr."):
-            record.msg, record.args = f"{record.getMessage()}: {type(exc).__name__}: {exc}", ()
-            record.exc_info, record.exc_text = None, None
-        return True
 
 
 def quiet_flower(verbose: bool) -> None:
@@ -34,12 +22,6 @@ def quiet_flower(verbose: bool) -> None:
         logging.getLogger(name).setLevel(level)
     one_line_errors()
     logging.getLogger("qlsd_flwr").setLevel(logging.DEBUG if verbose else logging.INFO)
-
-
-def one_line_errors() -> None:
-    flwr_log = logging.getLogger("flwr")
-    if not any(isinstance(f, OneLineErrors) for f in flwr_log.filters):
-        flwr_log.addFilter(OneLineErrors())
 
 
 def evaluate_held_out(cfg, run_dir) -> None:

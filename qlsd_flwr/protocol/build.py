@@ -293,13 +293,13 @@ def external_task(cfg: RunConfig, blocks=None, theta_star=None, prior=None, prio
     if heldout is not None:
         meta["heldout"] = _heldout(heldout)
     if cfg.block_norm == "tensor" and not blocks:
-        raise ValueError("block_norm = 'tensor' needs blocks (the sizes of θ's tensors)")
+        raise ConfigError("block_norm = 'tensor' needs blocks (the sizes of θ's tensors)")
     if blocks is not None and sum(int(x) for x in blocks) != cfg.dim:
-        raise ValueError(f"blocks: the sizes add up to {sum(int(x) for x in blocks)}, dim is {cfg.dim}")
+        raise ConfigError(f"blocks: the sizes add up to {sum(int(x) for x in blocks)}, dim is {cfg.dim}")
     if theta_star is not None:
         theta_star = np.asarray(theta_star, dtype=np.float64).ravel()
         if theta_star.shape != (cfg.dim,) or not np.all(np.isfinite(theta_star)):
-            raise ValueError(f"theta_star: expected {cfg.dim} finite values, got shape {theta_star.shape}")
+            raise ConfigError(f"theta_star: expected {cfg.dim} finite values, got shape {theta_star.shape}")
     if prior is not None:
         check_prior(prior, prior_var)
     return Task(name="external", dim=cfg.dim, clients=[],
@@ -310,14 +310,14 @@ def external_task(cfg: RunConfig, blocks=None, theta_star=None, prior=None, prio
 def _heldout(heldout) -> tuple:
     """``(predictor, X, y)`` checked before the run starts, so that a mistake is not found after it."""
     if not isinstance(heldout, (tuple, list)) or len(heldout) != 3:
-        raise ValueError("heldout: expected a tuple (predictor, X, y), got "
+        raise ConfigError("heldout: expected a tuple (predictor, X, y), got "
                          f"{type(heldout).__name__}{'' if not hasattr(heldout, '__len__') else f' of {len(heldout)}'}")
     predictor, X, y = heldout
     if not callable(getattr(predictor, "predict_proba", None)):
-        raise ValueError(f"heldout: the predictor ({type(predictor).__name__}) has no predict_proba(thetas, X)")
+        raise ConfigError(f"heldout: the predictor ({type(predictor).__name__}) has no predict_proba(thetas, X)")
     X, y = np.asarray(X), np.asarray(y)
     if X.ndim < 2 or y.ndim != 1 or len(X) != len(y) or len(y) == 0 or not np.issubdtype(y.dtype, np.integer):
-        raise ValueError(f"heldout: X needs one row per label and y one integer label per row (got X {X.shape}, "
+        raise ConfigError(f"heldout: X needs one row per label and y one integer label per row (got X {X.shape}, "
                          f"y {y.shape} {y.dtype})")
     return predictor, X, y
 
