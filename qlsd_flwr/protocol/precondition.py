@@ -206,7 +206,8 @@ def prepare(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | No
         scale: Metric | np.ndarray = metric
         if metric.is_identity:
             pv = prior_curvature(task, point)
-            scale = np.where(pv > 0, 1.0 / np.sqrt(np.where(pv > 0, pv, 1.0)), 1.0)
+            scale = np.minimum(np.where(pv > 0, 1.0 / np.sqrt(np.where(pv > 0, pv, 1.0)), 1.0),
+                               initialisation_scale(task, theta0))
         starts = dispersed_starts(point, scale, C, cfg.seed, spread=2.0 * math.sqrt(cfg.temperature))
         info["init"] = "dispersed"
     # 5. metric-from = adapt: the warm-up refines M (and γ), and the chains continue from its end
@@ -246,6 +247,30 @@ def _with_surrogates(cfg: RunConfig, task: Task, prep: Prepared, curv_fn: CurvFn
     prep.info.update({"surrogate_reports": len(ok), "surrogate_rejected": refused, "surrogate_scaled": scaled,
                       "surrogate_total_capped": capped})
     return prep
+
+
+def initialisation_scale(task: Task, theta0: np.ndarray) -> np.ndarray:
+    """Per coordinate, the root mean square of its tensor in ``θ_0`` (tensors named by
+    ``task.meta["param_labels"]``, ``<tensor>[i,j,…]``), ``inf`` where that is zero or θ is one
+    tensor. A network's initialisation sets each layer's scale to what its activations tolerate
+    (PyTorch's ``U(±1/√fan_in)``: a LeNet-5 weight about 0.05), far under a prior's sd (√5 here), so
+    dispersing by the prior's sd alone throws the network out of its working range (measured: LeNet-5
+    diverged at round 2); dispersing by at most twice the layer's own scale starts each chain from a
+    network as plausible as a fresh initialisation. One tensor (a GLM) or a zero start keeps the prior's."""
+    labels = task.meta.get("param_labels")
+    out = np.full(task.dim, np.inf)
+    if not labels or len(labels) != task.dim:
+        return out
+    names = np.array([str(x).split("[", 1)[0] for x in labels])
+    starts = np.flatnonzero(np.r_[True, names[1:] != names[:-1]])
+    if len(starts) < 2:
+        return out
+    theta0 = np.asarray(theta0, dtype=np.float64)
+    for a, b in zip(starts, np.r_[starts[1:], task.dim]):
+        rms = float(np.sqrt(np.mean(theta0[a:b] ** 2)))
+        if rms > 0 and np.isfinite(rms):
+            out[a:b] = rms
+    return out
 
 
 def dispersed_starts(center: np.ndarray, scale: np.ndarray | Metric, chains: int, seed: int,
