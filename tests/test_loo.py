@@ -9,6 +9,7 @@ additions: 1e-9 relative is generous for sums of a few hundred terms of size ≤
 from __future__ import annotations
 
 import json
+import shutil
 import warnings
 
 import arviz as az
@@ -272,3 +273,40 @@ def test_a_log_probability_above_zero_is_refused_on_a_classification_task(tmp_pa
     assert "a log-probability of" in s["refused"]["1"] and "at most 1" in s["refused"]["1"] and "error" in s
     ok = L.attach(out.run_dir, "psis", task.n_data, honest, {}, discrete=True)
     assert "error" not in ok and ok["elpd_loo"] < 0
+
+
+def test_an_excluded_clients_points_are_left_out_of_the_loo_and_named(tmp_path):
+    """Issue 38: after the norm guard excluded a client, the LOO still took that client's points, computed
+    by it, unflagged. Now its reply is not used (here it lies, +50 a point), its points are left out and
+    named, and the other clients' points give exactly the LOO of the full run less that client's terms."""
+    o = {"task": "logistic", "dataset": "breast_cancer", "num-clients": 3, "engine": "vectorised", "num-rounds": 40,
+         "burn-in": 20, "gamma": 1e-4, "progress": False, "loo": "off", "plot": False, "output-dir": str(tmp_path),
+         "run-name": "r"}
+    out = run(o)
+    task = task_of(o)
+    honest = L.local_ask(task.clients, "psis")
+
+    def lying(draws, reff):
+        got = honest(draws, reff)
+        a = np.frombuffer(bytes(got[1]), dtype="<f8").reshape(3, -1).copy()
+        a[:2] += 50.0
+        got[1] = a.astype("<f8").tobytes()
+        return got
+
+    other = tmp_path / "copy"
+    shutil.copytree(out.run_dir, other)  # a LOO group is written once per file: one folder each
+    full = L.attach(out.run_dir, "psis", task.n_data, honest, {}, discrete=True)
+    loo_i = np.asarray(L.load(out.run_dir).loo_i, dtype=np.float64)
+    s = L.attach(other, "psis", task.n_data, lying, {"excluded": {"1": 12}}, discrete=True)
+    assert "error" not in s and "refused" not in s, s
+    assert s["left_out"] == {"1": "excluded by the norm guard from round 12"}
+    assert s["points_left_out"] == task.n_data[1] and s["n_data_points"] == sum(task.n_data) - task.n_data[1]
+    assert s["clients"] == [0, 2] and s["offsets"][-1] == s["n_data_points"]
+    lo, hi = full["offsets"][1], full["offsets"][2]
+    assert np.isclose(s["elpd_loo"], full["elpd_loo"] - loo_i[lo:hi].sum(), rtol=1e-12, atol=1e-9)
+    assert json.loads((other / "summary.json").read_text())["loo"]["left_out"] == s["left_out"]
+    # several chains: a client excluded in any chain is left out, each chain's round named
+    many = L.excluded_clients({"excluded": {"0": {"2": 5}, "3": {"2": 9, "0": 30}}})
+    assert many == {0: "excluded by the norm guard from round 30 (chain 3)",
+                    2: "excluded by the norm guard from round 5 (chain 0), round 9 (chain 3)"}
+    assert L.excluded_clients({}) == {}

@@ -169,12 +169,27 @@ def request(samples_nc) -> tuple[np.ndarray, float, tuple[int, int, int]]:
     return th.reshape(S, d), reff_of(idata.posterior), (c, n, d)
 
 
-def federated(samples_nc, mode: str, n_data, ask: Callable[[np.ndarray, float], dict], discrete: bool = False) -> dict:
+def excluded_clients(summary: dict | None) -> dict[int, str]:
+    """The clients the norm guard excluded in any chain (``summary.json``'s ``excluded``: client → round,
+    or chain → that), with the reason, for :func:`federated`: their data are not in every kept draw's
+    posterior, and their own replies are the ones the guard refused to trust."""
+    ex = (summary or {}).get("excluded") or {}
+    per_chain = ex if all(isinstance(v, dict) for v in ex.values()) else {"0": ex}
+    out: dict[int, list[str]] = {}
+    for c, clients in per_chain.items():
+        for i, k in clients.items():
+            out.setdefault(int(i), []).append(f"round {k}" + (f" (chain {c})" if len(per_chain) > 1 else ""))
+    return {i: "excluded by the norm guard from " + ", ".join(r) for i, r in sorted(out.items())}
+
+
+def federated(samples_nc, mode: str, n_data, ask: Callable[[np.ndarray, float], dict], discrete: bool = False,
+              left_out: dict[int, str] | None = None) -> dict:
     """The federated LOO of a finished run: reads the kept draws from ``samples_nc``, calls
     ``ask(draws, reff)`` (every client's reply ``{i: payload}``; ``draws`` is ``(S, d)``, chain by
     chain), validates each reply against ``n_data[i]``, writes the result into ``samples_nc``
     (the ``loo`` group, or ``log_likelihood`` under ``pointwise``) and returns ``summary.json``'s
-    ``loo`` entry (with ``error`` and ``refused`` when the LOO could not be completed)."""
+    ``loo`` entry (with ``error`` and ``refused`` when the LOO could not be completed). ``left_out``:
+    clients (→ why) whose points the LOO leaves out (:func:`excluded_clients`), named in the entry."""
     import arviz as az
 
     if mode == "off":
@@ -186,8 +201,10 @@ def federated(samples_nc, mode: str, n_data, ask: Callable[[np.ndarray, float], 
     S = c * n
     replies = ask(draws, reff)
     b = len(n_data)
+    left_out = {int(i): str(r) for i, r in (left_out or {}).items() if 0 <= int(i) < b}
+    kept = [i for i in range(b) if i not in left_out]
     parts, refused = {}, {}
-    for i in range(b):
+    for i in kept:
         if i not in replies:
             refused[str(i)] = "no reply"
             continue
@@ -202,20 +219,29 @@ def federated(samples_nc, mode: str, n_data, ask: Callable[[np.ndarray, float], 
         log.warning("loo: not computed, %d of %d clients gave no usable reply (%s)", len(refused), b, why)
         return {"mode": mode, "error": "clients without a usable reply: the LOO covers all training points or "
                 "none", "refused": refused, "bits_down": bits_down, "bits_up": bits_up}
+    if not kept:
+        return {"mode": mode, "error": "every client was excluded: no points to leave out one at a time",
+                "left_out": {str(i): r for i, r in left_out.items()}, "bits_down": bits_down, "bits_up": 0}
     if mode == "pointwise":
-        ll = np.concatenate([parts[i] for i in range(b)], axis=1).reshape(c, n, -1)
+        ll = np.concatenate([parts[i] for i in kept], axis=1).reshape(c, n, -1)
         _write(samples_nc, "log_likelihood", {"y": ll}, ("chain", "draw", "train_point"))
         with warnings.catch_warnings():  # ArviZ's k̂ warning: the summary counts k̂ above good_k itself
             warnings.simplefilter("ignore", UserWarning)
             elpd = az.loo(_read(samples_nc), pointwise=True)
     else:
-        pts = np.concatenate([parts[i] for i in range(b)], axis=1)
+        pts = np.concatenate([parts[i] for i in kept], axis=1)
         _write(samples_nc, GROUP, {"loo_i": pts[0], "lppd_i": pts[1], "pareto_k": pts[2]}, ("train_point",),
                {"n_samples": S, "reff": reff})
         elpd = elpd_from_points(pts, S)
     out = summary_of(elpd, mode, bits_down, bits_up)
-    out["client_of_point"] = "train_point j belongs to client i for offsets[i] <= j < offsets[i+1]"
-    out["offsets"] = [int(v) for v in np.cumsum([0] + [int(v) for v in n_data])]
+    out["client_of_point"] = "train_point j belongs to clients[m] for offsets[m] <= j < offsets[m+1]"
+    out["clients"] = kept
+    out["offsets"] = [int(v) for v in np.cumsum([0] + [int(n_data[i]) for i in kept])]
+    if left_out:
+        out["left_out"] = {str(i): r for i, r in left_out.items()}
+        out["points_left_out"] = int(sum(int(n_data[i]) for i in left_out))
+        log.warning("loo: the points of client(s) %s left out (%s): the LOO covers the other clients' %d points",
+                    ", ".join(map(str, left_out)), "; ".join(left_out.values()), out["offsets"][-1])
     return out
 
 
@@ -284,8 +310,11 @@ def attach(run_dir, mode: str, n_data, ask: Callable[[np.ndarray, float], dict],
     nc = Path(run_dir) / "samples.nc"
     if mode == "off" or not nc.is_file():
         return {}
+    saved = Path(run_dir) / "summary.json"
+    facts = summary if summary is not None and "excluded" in summary else (
+        json.loads(saved.read_text()) if saved.is_file() else {})
     try:
-        out = federated(nc, mode, n_data, ask, discrete)
+        out = federated(nc, mode, n_data, ask, discrete, left_out=excluded_clients(facts))
     except LooError as exc:
         out = {"mode": mode, "error": str(exc)}
     if "error" in out:
