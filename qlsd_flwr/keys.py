@@ -158,8 +158,8 @@ KEYS: tuple[Key, ...] = (
     Key("temperature", 1.0, "float", "the chain targets π^(1/T): T = 1 the posterior, T < 1 a cooled one (the "
         "noise is scaled by √T)", "T", lo=0, open_lo=True, cap=1e6, group=SAMPLER),
     Key("init", "theta0", "choice", "where chains start: the task's θ_0 (all chains alike), or dispersed: θ* + 2 "
-        "M^½ z_c per chain (without a metric: the prior's sd, at most each tensor's own scale in θ_0), so that "
-        "R-hat can show chains that have not met",
+        "M^½ z_c per chain (without a metric: the prior's sd, for a layered network at most each tensor's own "
+        "scale in θ_0), so that R-hat can show chains that have not met",
         choices=("theta0", "dispersed"), group=SAMPLER),
     Key("seed", 0, "int", "the run's seed (participation, minibatches, quantisation, noise)", "", lo=0, hi=SEED_MAX,
         group=SAMPLER),

@@ -134,16 +134,16 @@ def test_the_overview_plot_shows_the_coordinates_the_data_moved_and_every_chain(
 def test_the_flwr_run_server_app_evaluates_classification_runs(tmp_path):
     # `flwr run` goes through the ServerApp, not the CLI: it adds the held-out groups itself
     from qlsd_flwr.config import resolve
-    from qlsd_flwr.flower.server_app import evaluate_held_out
+    from qlsd_flwr.flower.server_app import evaluate_task_held_out
 
     sets = {"task": "logistic", "engine": "inprocess", "num-rounds": 30, "burn-in": 10, "gamma": 1e-3,
             "num-clients": 4, "output-dir": str(tmp_path), "run-name": "f", "progress": False}
     out = run(sets)
-    evaluate_held_out(resolve(sets), out.run_dir)
+    evaluate_task_held_out(resolve(sets), out.run_dir)
     idata = az.from_netcdf(out.run_dir / "samples.nc")
     assert {"heldout_log_likelihood", "predictions", "observed_data", "loo"} <= set(idata.groups())
     assert (out.run_dir / "evaluation.json").exists()
-    evaluate_held_out(resolve({**sets, "task": "gaussian"}), out.run_dir)  # other tasks: nothing
+    evaluate_task_held_out(resolve({**sets, "task": "gaussian"}), out.run_dir)  # other tasks: nothing
 
 
 def test_a_run_folder_evaluated_twice_keeps_one_copy_of_each_heldout_group(tmp_path):

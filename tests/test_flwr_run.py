@@ -71,12 +71,13 @@ def local_sim(tmp_path_factory):
     assert not link.alive()
 
 
-def _flwr_run(app: Path, run_config, env: dict) -> None:
+def _flwr_run(app: Path, run_config, env: dict) -> int:
     """``flwr run <app> local --run-config ...`` to the end; the run's own status (``flwr ls``)
     must be completed (``flwr run`` exits 0 once the run is submitted)."""
     run_id = D.flwr_run(app, "local", env, run_config)
     row = D.wait_run(run_id, "local", env, timeout=300, poll=1.0, ls_every=3.0)
     assert row["status"] == "finished:completed", (row, D.run_log(run_id, "local", env))
+    return run_id
 
 
 def test_flwr_run_dot_from_a_conf_file_stopped_by_flwr_stop_and_resumed_bitwise(local_sim):
@@ -154,17 +155,21 @@ def test_example_project_through_flwr_run_stopped_and_resumed_bitwise(local_sim,
     first = {"num-rounds": 10**6, "burn-in": 10, "gamma": 0.002, "checkpoint-every": 5, "output-dir": str(out)}
     run_id = D.flwr_run(EXAMPLE, "local", env, first)
     folder = out / "quickstart"
-    deadline = time.time() + 240
+    deadline = time.time() + 240  # a slow, busy machine: Flower and Ray start, then the first 5 rounds
     while not (folder / "checkpoint.npz").exists() and time.time() < deadline:
         time.sleep(0.5)
+    assert (folder / "checkpoint.npz").exists(), D.run_log(run_id, "local", env)
     cp = D.flwr_cli(["stop", str(run_id), "local"], env, cwd=root)
     assert cp.returncode == 0, cp.stdout + cp.stderr
+    deadline = time.time() + 120
     while not (folder / "summary.json").exists() and time.time() < deadline:
         time.sleep(0.5)
     stopped = json.loads((folder / "summary.json").read_text())
     assert "stopped" in stopped and stopped["rounds"] < 10**6, stopped
     end = stopped["rounds"] + 30
-    _flwr_run(EXAMPLE, {"resume": str(folder), "num-rounds": end, "output-dir": str(out)}, env)
+    resumed = _flwr_run(EXAMPLE, {"resume": str(folder), "num-rounds": end, "output-dir": str(out)}, env)
+    log = D.run_log(resumed, "local", env)
+    assert "the run's own gamma=0.002, burn-in=10 kept" in log and "initial_arrays ignored" in log, log
     theirs = load_samples(folder)
     monkeypatch.syspath_prepend(str(EXAMPLE))
     with open(EXAMPLE / "pyproject.toml", "rb") as f:

@@ -299,14 +299,16 @@ def test_an_excluded_clients_points_are_left_out_of_the_loo_and_named(tmp_path):
     loo_i = np.asarray(L.load(out.run_dir).loo_i, dtype=np.float64)
     s = L.attach(other, "psis", task.n_data, lying, {"excluded": {"1": 12}}, discrete=True)
     assert "error" not in s and "refused" not in s, s
-    assert s["left_out"] == {"1": "excluded by the norm guard from round 12"}
+    assert s["left_out"] == {"1": "excluded from round 12"}
     assert s["points_left_out"] == task.n_data[1] and s["n_data_points"] == sum(task.n_data) - task.n_data[1]
     assert s["clients"] == [0, 2] and s["offsets"][-1] == s["n_data_points"]
     lo, hi = full["offsets"][1], full["offsets"][2]
     assert np.isclose(s["elpd_loo"], full["elpd_loo"] - loo_i[lo:hi].sum(), rtol=1e-12, atol=1e-9)
     assert json.loads((other / "summary.json").read_text())["loo"]["left_out"] == s["left_out"]
+    group = az.from_netcdf(other / "samples.nc")["loo"]
+    assert list(group.attrs["clients"]) == [0, 2] and list(group.attrs["offsets"]) == s["offsets"]
     # several chains: a client excluded in any chain is left out, each chain's round named
-    many = L.excluded_clients({"excluded": {"0": {"2": 5}, "3": {"2": 9, "0": 30}}})
-    assert many == {0: "excluded by the norm guard from round 30 (chain 3)",
-                    2: "excluded by the norm guard from round 5 (chain 0), round 9 (chain 3)"}
+    many = L.excluded_clients({"excluded": {"0": {"2": 5}, "3": {"2": 9, "0": 0}}})
+    assert many == {0: "excluded before sampling (chain 3)",
+                    2: "excluded from round 5 (chain 0), from round 9 (chain 3)"}
     assert L.excluded_clients({}) == {}

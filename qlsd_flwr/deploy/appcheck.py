@@ -143,7 +143,10 @@ def check_app(app_dir: str | Path = ".", run_config: list[str] | None = None) ->
     own = _check_declared(file, declared, ours, report)
     given = parse_run_config(list(run_config or []), report)
     for k in (k for k in given if k not in declared):
-        if in_table(k):
+        if k.replace("_", "-") in declared:
+            report.problems.append(f"--run-config: {k}: Flower matches keys as written and {file} declares "
+                                   f"{k.replace('_', '-')}: write that")
+        elif in_table(k):
             report.problems.append(f"--run-config: {k}: not declared in {file} [tool.flwr.app.config], so "
                                    f"{REFUSED}; declare it there")
         else:

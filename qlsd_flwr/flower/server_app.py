@@ -24,17 +24,16 @@ def quiet_flower(verbose: bool) -> None:
     logging.getLogger("qlsd_flwr").setLevel(logging.DEBUG if verbose else logging.INFO)
 
 
-def evaluate_held_out(cfg, run_dir) -> None:
+def evaluate_task_held_out(cfg, run_dir) -> None:
     """For a classification task, the held-out evaluation (``evaluation.json``, the reliability
     diagram) and the ``heldout_log_likelihood``, ``predictions`` and ``observed_data`` groups in
-    ``samples.nc``, as ``qlsd-flwr run`` writes them; nothing for other tasks."""
+    ``samples.nc``, as ``qlsd-flwr run`` writes them; nothing for other tasks (a user's app gives
+    its own data: ``QLSDStrategy(heldout=...)``)."""
     from qlsd_flwr.evaluation.evaluate import evaluate_classification
-    from qlsd_flwr.outputs.progress import announce
+    from qlsd_flwr.flower.finish import announce_held_out
 
-    if (ev := evaluate_classification(cfg.task, run_dir)) is None:
-        return
-    announce(f"{cfg.variant}: held-out accuracy {100 * ev['accuracy']:.1f} %, nNLL {ev['nnll']:.4f}, "
-             f"ECE {ev['ece']:.4f} (evaluation.json; heldout_log_likelihood in samples.nc)", cfg.progress)
+    if (ev := evaluate_classification(cfg.task, run_dir)) is not None:
+        announce_held_out(cfg, ev, int(ev["n_test"]))
 
 
 def flower_line(line: str, level: int = logging.INFO) -> None:
@@ -68,7 +67,7 @@ def make_server_app(overrides: dict | None = None, sink: dict | None = None,
                     strategy_kwargs: dict | None = None, evaluate: bool = False) -> ServerApp:
     """A ServerApp; ``overrides`` are run-config values, ``sink`` receives the finished strategy
     (the ServerApp runs in the caller's process under ``run_simulation``); ``evaluate``: the
-    held-out evaluation at the end (:func:`evaluate_held_out`; the app of ``flwr run``, whereas
+    held-out evaluation at the end (:func:`evaluate_task_held_out`; the app of ``flwr run``, whereas
     ``qlsd-flwr run`` evaluates after any engine)."""
     app = ServerApp()
 
@@ -83,7 +82,7 @@ def make_server_app(overrides: dict | None = None, sink: dict | None = None,
         strategy = QLSDStrategy.from_config(cfg, task, **(strategy_kwargs or {}))
         strategy.start(grid=grid)
         if evaluate:
-            evaluate_held_out(cfg, strategy.run_dir)
+            evaluate_task_held_out(cfg, strategy.run_dir)
         if sink is not None:
             sink["strategy"] = strategy
 

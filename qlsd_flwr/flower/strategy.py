@@ -52,7 +52,7 @@ from qlsd_flwr.config import ConfigError, RunConfig, resolve
 from qlsd_flwr.core.potential import Task
 from qlsd_flwr.flower import stopping
 from qlsd_flwr.flower.grid_stream import RepliesAsTheyArrive
-from qlsd_flwr.flower.finish import finish_run
+from qlsd_flwr.flower.finish import check_heldout, finish_run
 from qlsd_flwr.flower.nodes import NodeRegistry, load_bound_keys
 from qlsd_flwr.flower.phases import PhaseExchanges
 from qlsd_flwr.flower.records import labels_from_arrays, record_fields, theta_from_arrays, to_content
@@ -190,8 +190,7 @@ class QLSDStrategy(Strategy):
                 "block-norm": block_norm, "encoding": encoding, "seed": seed, "output-dir": output_dir,
                 "run-name": run_name, "theta-star": "optimise" if theta_star is None else "closed-form",
                 "metric": metric, "metric-from": metric_from, "metric-rank": metric_rank, "temperature": temperature,
-                "init": init,
-                **{k.replace("_", "-"): v for k, v in config.items()}}
+                "init": init, **{k.replace("_", "-"): v for k, v in config.items()}}
         if heldout is not None and str(keys.get("convergence-criterion", "auto")).strip().lower() == "auto":
             keys["convergence-criterion"] = "predictive"  # written to config.json: what the verdict read
         cfg = resolve(app_resume(keys))  # a resume: the app's values of the chain's keys give way to the run's
@@ -349,11 +348,12 @@ class QLSDStrategy(Strategy):
                              "evaluate θ_k on the server with evaluate_fn(round, arrays)")
         resuming = resume_dir(cfg) is not None
         if resuming and initial_arrays is not None:  # so that one ServerApp serves a run and its resume
-            log.info("initial_arrays ignored: a resumed run continues from its checkpoint's θ")
+            log.warning("initial_arrays ignored: a resumed run continues from its checkpoint's θ")
             initial_arrays = None
         theta0 = None if initial_arrays is None else theta_from_arrays(initial_arrays, self.d)
         if initial_arrays is not None and "param_labels" not in self.task.meta:  # samples.nc's names
             self.task.meta["param_labels"] = labels_from_arrays(initial_arrays)
+        check_heldout(self, build.theta0_of(self.task) if theta0 is None else theta0)  # before any exchange
         self._timeout = cfg.reply_timeout if timeout is None else float(timeout)
         K = cfg.num_rounds if num_rounds is None else int(num_rounds)
         self._grid = grid

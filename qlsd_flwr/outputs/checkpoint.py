@@ -60,6 +60,7 @@ NAME = "checkpoint.npz"
 FORMAT = 3  # 2: the metric in its tagged encoding (qlsd_flwr.core.metric.to_array); 3: metrics.csv counts the downlink
 # keys that may differ between a run and its resumption (they do not change the chain)
 RESUME_FREE_KEYS = ("num-rounds", "progress", "plot", "verbose", "checkpoint-every", "resume", "engine",
+                    "convergence-criterion", "loo",  # what is judged and reported after the chain, not the chain
                     "client-cpus", "reply-timeout", "output-dir", "run-name", "device",
                     "vectorised-backend")  # the backend itself is checked against the checkpoint's
 _SAME_CHAIN_ENGINES = ("local", "inprocess", "ray")

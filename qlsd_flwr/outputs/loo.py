@@ -178,8 +178,9 @@ def excluded_clients(summary: dict | None) -> dict[int, str]:
     out: dict[int, list[str]] = {}
     for c, clients in per_chain.items():
         for i, k in clients.items():
-            out.setdefault(int(i), []).append(f"round {k}" + (f" (chain {c})" if len(per_chain) > 1 else ""))
-    return {i: "excluded by the norm guard from " + ", ".join(r) for i, r in sorted(out.items())}
+            when = "before sampling" if int(k) == 0 else f"from round {k}"  # 0: left out by the preparation
+            out.setdefault(int(i), []).append(when + (f" (chain {c})" if len(per_chain) > 1 else ""))
+    return {i: "excluded " + ", ".join(r) for i, r in sorted(out.items())}
 
 
 def federated(samples_nc, mode: str, n_data, ask: Callable[[np.ndarray, float], dict], discrete: bool = False,
@@ -222,16 +223,19 @@ def federated(samples_nc, mode: str, n_data, ask: Callable[[np.ndarray, float], 
     if not kept:
         return {"mode": mode, "error": "every client was excluded: no points to leave out one at a time",
                 "left_out": {str(i): r for i, r in left_out.items()}, "bits_down": bits_down, "bits_up": 0}
+    # which client each train_point is, in the file too (a client left out shifts the others' points)
+    where = {"clients": np.asarray(kept, dtype=np.int64),
+             "offsets": np.cumsum([0] + [int(n_data[i]) for i in kept]).astype(np.int64)}
     if mode == "pointwise":
         ll = np.concatenate([parts[i] for i in kept], axis=1).reshape(c, n, -1)
-        _write(samples_nc, "log_likelihood", {"y": ll}, ("chain", "draw", "train_point"))
+        _write(samples_nc, "log_likelihood", {"y": ll}, ("chain", "draw", "train_point"), where)
         with warnings.catch_warnings():  # ArviZ's k̂ warning: the summary counts k̂ above good_k itself
             warnings.simplefilter("ignore", UserWarning)
             elpd = az.loo(_read(samples_nc), pointwise=True)
     else:
         pts = np.concatenate([parts[i] for i in kept], axis=1)
         _write(samples_nc, GROUP, {"loo_i": pts[0], "lppd_i": pts[1], "pareto_k": pts[2]}, ("train_point",),
-               {"n_samples": S, "reff": reff})
+               {"n_samples": S, "reff": reff, **where})
         elpd = elpd_from_points(pts, S)
     out = summary_of(elpd, mode, bits_down, bits_up)
     out["client_of_point"] = "train_point j belongs to clients[m] for offsets[m] <= j < offsets[m+1]"

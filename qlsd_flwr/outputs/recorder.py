@@ -377,8 +377,8 @@ def provenance(config: dict) -> dict:
     import hashlib
     import sys
 
-    # the package root is always loaded before this module; importing it here would close an import
-    # cycle (the root's lazy qlsd_flwr.load_samples → evaluation.predict → this module → the root)
+    # not `from qlsd_flwr import __version__`: tests/test_architecture.py's static import graph would see a
+    # cycle (the root's lazy load_samples → evaluation.predict → here); at run time the root is loaded
     __version__ = sys.modules["qlsd_flwr"].__version__
     try:
         from importlib.metadata import version

@@ -45,7 +45,7 @@ def app_resume(keys: dict) -> dict:
     kept = [k for k, v in keys.items() if k not in RESUME_FREE_KEYS and k in original
             and not same_value(k, original[k], v)]
     if kept:
-        logging.getLogger("qlsd_flwr").info(
+        logging.getLogger("qlsd_flwr").warning(  # a warning: a user's app may set up no handler for info
             "resume: the run's own %s kept (this app gave %s; only %s may change at a resume)",
             ", ".join(f"{k}={original[k]!r}" for k in kept), ", ".join(f"{k}={keys[k]!r}" for k in kept),
             ", ".join(RESUME_FREE_KEYS))

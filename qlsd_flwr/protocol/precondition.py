@@ -256,14 +256,17 @@ def initialisation_scale(task: Task, theta0: np.ndarray) -> np.ndarray:
     (PyTorch's ``U(±1/√fan_in)``: a LeNet-5 weight about 0.05), far under a prior's sd (√5 here), so
     dispersing by the prior's sd alone throws the network out of its working range (measured: LeNet-5
     diverged at round 2); dispersing by at most twice the layer's own scale starts each chain from a
-    network as plausible as a fresh initialisation. One tensor (a GLM) or a zero start keeps the prior's."""
+    network as plausible as a fresh initialisation. Only a layered network is capped (two or more
+    tensors of two or more dimensions, as ``<tensor>[i,j]`` labels show): a GLM (one weight matrix and
+    its bias, the main job's softmax regression), labels without indices or a zero start keep the prior's."""
     labels = task.meta.get("param_labels")
     out = np.full(task.dim, np.inf)
     if not labels or len(labels) != task.dim:
         return out
     names = np.array([str(x).split("[", 1)[0] for x in labels])
     starts = np.flatnonzero(np.r_[True, names[1:] != names[:-1]])
-    if len(starts) < 2:
+    matrices = sum(str(labels[a]).count(",") >= 1 for a in starts)  # "w[i,j]": two indices or more
+    if matrices < 2:
         return out
     theta0 = np.asarray(theta0, dtype=np.float64)
     for a, b in zip(starts, np.r_[starts[1:], task.dim]):
