@@ -250,11 +250,9 @@ def test_draws_too_heavy_for_one_message_leave_the_loo_out_naming_the_remedy(tmp
     assert not asked and "MiB" in s["error"] and "loo = off" in s["error"]
 
 
-def test_a_log_probability_above_zero_is_refused_on_a_classification_task(tmp_path):
-    """Issue 38: +50 a point on a classification task gave elpd +4,947, accepted. A probability is at most 1, so
-    every log-likelihood and log predictive of a discrete likelihood is ≤ 0: the reply is refused, naming why,
-    and the LOO left out; the honest replies of the same run pass the same check (and a Gaussian's log
-    densities, which may be positive, are never held to it)."""
+def _client_one_lies(tmp_path):
+    """A short classification run (loo off) and two askers for its LOO: the honest clients', and the
+    same with client 1 adding 50 to each of its points' loo_i and lppd_i."""
     o = {"task": "logistic", "dataset": "breast_cancer", "num-clients": 3, "engine": "vectorised", "num-rounds": 40,
          "burn-in": 20, "gamma": 1e-4, "progress": False, "loo": "off", "plot": False, "output-dir": str(tmp_path),
          "run-name": "r"}
@@ -269,6 +267,16 @@ def test_a_log_probability_above_zero_is_refused_on_a_classification_task(tmp_pa
         got[1] = a.astype("<f8").tobytes()
         return got
 
+    return out, task, honest, lying
+
+
+def test_a_log_probability_above_zero_is_refused_on_a_classification_task(tmp_path):
+    """Issue 38: +50 a point on a classification task gave elpd +4,947, accepted. A probability is at most 1, so
+    every log-likelihood and log predictive of a discrete likelihood is ≤ 0: the reply is refused, naming why,
+    and the LOO left out; the honest replies of the same run pass the same check (and a Gaussian's log
+    densities, which may be positive, are never held to it)."""
+    out, task, honest, lying = _client_one_lies(tmp_path)
+
     s = L.attach(out.run_dir, "psis", task.n_data, lying, {}, discrete=True)
     assert "a log-probability of" in s["refused"]["1"] and "at most 1" in s["refused"]["1"] and "error" in s
     ok = L.attach(out.run_dir, "psis", task.n_data, honest, {}, discrete=True)
@@ -279,19 +287,7 @@ def test_an_excluded_clients_points_are_left_out_of_the_loo_and_named(tmp_path):
     """Issue 38: after the norm guard excluded a client, the LOO still took that client's points, computed
     by it, unflagged. Now its reply is not used (here it lies, +50 a point), its points are left out and
     named, and the other clients' points give exactly the LOO of the full run less that client's terms."""
-    o = {"task": "logistic", "dataset": "breast_cancer", "num-clients": 3, "engine": "vectorised", "num-rounds": 40,
-         "burn-in": 20, "gamma": 1e-4, "progress": False, "loo": "off", "plot": False, "output-dir": str(tmp_path),
-         "run-name": "r"}
-    out = run(o)
-    task = task_of(o)
-    honest = L.local_ask(task.clients, "psis")
-
-    def lying(draws, reff):
-        got = honest(draws, reff)
-        a = np.frombuffer(bytes(got[1]), dtype="<f8").reshape(3, -1).copy()
-        a[:2] += 50.0
-        got[1] = a.astype("<f8").tobytes()
-        return got
+    out, task, honest, lying = _client_one_lies(tmp_path)
 
     other = tmp_path / "copy"
     shutil.copytree(out.run_dir, other)  # a LOO group is written once per file: one folder each
