@@ -240,7 +240,7 @@ def federated(samples_nc, mode: str, n_data, ask: Callable[[np.ndarray, float], 
     out = summary_of(elpd, mode, bits_down, bits_up)
     out["client_of_point"] = "train_point j belongs to clients[m] for offsets[m] <= j < offsets[m+1]"
     out["clients"] = kept
-    out["offsets"] = [int(v) for v in np.cumsum([0] + [int(n_data[i]) for i in kept])]
+    out["offsets"] = where["offsets"].tolist()
     if left_out:
         out["left_out"] = {str(i): r for i, r in left_out.items()}
         out["points_left_out"] = int(sum(int(n_data[i]) for i in left_out))
