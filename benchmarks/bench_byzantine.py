@@ -13,7 +13,9 @@ ClientApp), 1,000 rounds, 500 kept. Measured:
    task. Target: within 1 sd of the nearer reference.
 2. **honest acceptance**: replies refused by the rule on iid and Dirichlet(0.5) splits of the
    logistic task and on the toy Gaussian's uneven clients, at p = 1 and 0.5, with 1 and 4 chains.
-   Target: 100 %.
+   Target: 100 %. Beside it, ``peaks``: the largest ratio to ``R`` an accepted honest reply reached
+   in each test (probation, a single reply, a client's median over 16): the margins under
+   ``FACTOR_PROBATION``, ``FACTOR_ROUND`` and ``FACTOR_STEADY``.
 3. **cost when all are honest**: the stationary variance and the mean error against the exact
    posterior on the toy Gaussian with the rule and without it.
 
@@ -93,6 +95,30 @@ def rewrite(payload: bytes, f, comp, d: int, rng) -> bytes:
     return comp.encode(comp.quantise(v, rng.random(v.size)))
 
 
+GUARDS: list = []  # every NormGuard the runs make, for the honest peaks
+
+
+def _register_guards() -> None:
+    """Keep each :class:`~qlsd_flwr.robust.norm_guard.NormGuard` a run makes, to read its ``peaks``:
+    how close honest replies came to each limit, in units of ``R``."""
+    from qlsd_flwr.robust import norm_guard
+
+    init = norm_guard.NormGuard.__init__
+
+    def registered(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        GUARDS.append(self)
+
+    norm_guard.NormGuard.__init__ = registered
+
+
+def peaks() -> dict:
+    """The largest ratio to ``R`` of an accepted reply, by test, over the guards made since the last call."""
+    out = {t: round(max((g.peaks[t] for g in GUARDS), default=0.0), 2) for t in ("probation", "round", "steady")}
+    GUARDS.clear()
+    return out
+
+
 def mlp_user_app(seed: int, rounds: int = 600):
     """``(client sizes, refused replies, replies)`` of the issue's user app (see :func:`main`)."""
     import torch
@@ -136,6 +162,7 @@ def main() -> None:
     ap.add_argument("--only", default="", help="only the rows whose label holds this text")
     a = ap.parse_args()
     parts = set(a.parts.split(","))
+    _register_guards()
     tmp = tempfile.mkdtemp()
     K = small(a.rounds, 6)
     out: dict = {"machine": platform.processor() or platform.machine(), "rounds": K,
@@ -197,19 +224,21 @@ def main() -> None:
             for chains in few((1, 4)):
                 o = {**extra, "num-clients": 10, "engine": "inprocess", "num-rounds": K, "burn-in": K // 2, "p": p,
                      "num-chains": chains, "init": "dispersed" if chains > 1 else "theta0"}
+                peaks()
                 _, s_, _ = chain(o, f"{label}-{p}-{chains}")
                 refused = sum(v for k, v in s_["rejected"].items() if k in ("norm_bound", "excluded"))
                 t = s_["totals"]
                 row = {"replies": t["n_replied"] + refused, "refused": refused,
-                       "acceptance": 1.0 - refused / max(t["n_replied"] + refused, 1)}
+                       "acceptance": 1.0 - refused / max(t["n_replied"] + refused, 1), "peaks": peaks()}
                 out["honest"][f"{label} p={p} chains={chains}"] = row
                 print(label, p, chains, json.dumps(row), flush=True)
     # the issue's user app: an MLP (30-16-2, tanh) on breast_cancer over 5 Dirichlet(0.5) clients,
     # LSD++, 4 chains from dispersed starts, through QLSDStrategy + make_client_app
     for seed in few((1, 3, 10, 11)) if "honest" in parts and a.only in "MLP" else ():
+        peaks()
         sizes, refused, replies = mlp_user_app(seed, rounds=small(max(600, K // 2), 4))
         row = {"client_sizes": sizes, "replies": replies, "refused": refused,
-               "acceptance": 1.0 - refused / max(replies, 1)}
+               "acceptance": 1.0 - refused / max(replies, 1), "peaks": peaks()}
         out["honest"][f"MLP breast_cancer LSD++ 4 chains, split seed {seed}"] = row
         print("mlp", seed, json.dumps(row), flush=True)
     # 3. the rule's cost when all are honest

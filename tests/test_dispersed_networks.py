@@ -22,13 +22,18 @@ from qlsd_flwr.tasks import loading
 PRIOR_VAR = 5.0
 
 
-def _starts(model: str):
+def _prepared(model: str, metric: str = "identity"):
     cfg = resolve({"task": "mnist", "model": model, "num-clients": 4, "prior-var": PRIOR_VAR, "init": "dispersed",
-                   "num-chains": 2, "engine": "inprocess", "gamma": 1e-5, "progress": False})
+                   "num-chains": 2, "engine": "inprocess", "gamma": 1e-5, "progress": False, "metric": metric})
     task = loading.load_task(cfg)
     task.theta_star = task.theta0.copy()  # the centre: no descent needed for this test
     specs = [build.client_spec(cfg, i, task.clients[i].n_data, task.dim, task.prior, None) for i in range(cfg.b)]
     prep = precondition.prepare(cfg, task, task.theta0, *build.direct_exchanges(cfg, task, specs))
+    return task, prep
+
+
+def _starts(model: str):
+    task, prep = _prepared(model)
     return task, prep.theta0
 
 
@@ -51,6 +56,25 @@ def test_dispersed_starts_keep_a_network_in_its_working_range(model):
     assert np.linalg.norm(starts[0] - starts[1]) > 0.5 * np.linalg.norm(theta0)
     prior_scaled = dispersed_starts(theta0, np.full(task.dim, np.sqrt(PRIOR_VAR)), 1, seed=0)[0]
     assert loss(prior_scaled) > 100 * fresh
+
+
+def test_with_a_diagonal_metric_each_layer_is_capped_too():
+    """The metric's root scales a network's poorly determined weights by about the prior's sd; each
+    tensor's step is then scaled down to its initialisation's RMS. The same draws uncapped are far
+    out of the working range, so the check can fail."""
+    task, prep = _prepared("mlp", "diagonal")
+    starts, theta0 = prep.theta0, task.theta0
+    n = sum(c.n_data for c in task.clients)
+
+    def loss(theta):
+        return sum(c.value(theta) for c in task.clients) / n
+
+    fresh = loss(theta0)
+    for s in starts:
+        assert np.isfinite(loss(s)) and loss(s) < 2 * fresh, (loss(s), fresh)
+    assert np.linalg.norm(starts[0] - starts[1]) > 0.5 * np.linalg.norm(theta0)
+    uncapped = dispersed_starts(task.theta_star, prep.metric, 1, seed=0)[0]
+    assert loss(uncapped) > 10 * fresh, (loss(uncapped), fresh)
 
 
 def test_a_glm_keeps_the_prior_scale():

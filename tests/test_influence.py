@@ -19,7 +19,7 @@ import laws_dglmc
 from qlsd_flwr.config import ConfigError
 from qlsd_flwr.outputs.recorder import load_samples
 from qlsd_flwr.protocol.divergence import DivergenceError
-from qlsd_flwr.robust.norm_guard import FACTOR_PROBATION, OWN_MIN, NormGuard
+from qlsd_flwr.robust.norm_guard import FACTOR_PROBATION, FACTOR_STEADY, OWN_MIN, NormGuard
 from qlsd_flwr.run.simulate import run
 from qlsd_flwr.tasks.gaussian import build_gaussian_task
 
@@ -162,6 +162,32 @@ def test_a_run_away_chain_stops_and_names_the_client_that_threw_it(tmp_path):
     with pytest.raises(DivergenceError, match="ran away"):
         run({**o, "engine": "vectorised", "vectorised-backend": "numpy"})
     run({**o, "engine": "local", "num-rounds": 50, "burn-in": 10})  # before the throw: a normal run
+
+
+def test_heavy_tailed_honest_replies_are_not_refused_and_a_steady_liar_still_is():
+    # a network's per-datum gradients: near 0 for the points a draw fits, of order 1 for those it
+    # misfits. Clients 0-2 mostly fit (1e-3, with a misfit spike one round in eight), client 3 holds
+    # more misfit points for a while (0.1 every round). Against the median of the pooled values
+    # (1e-3) client 3 sat at 100 R and was excluded; R is the median of the clients' maxima (0.1),
+    # so it is at 1 R. A client at 50× its honest value is still refused and excluded.
+    rng = np.random.default_rng(1)
+    honest, liar, bursts = NormGuard("auto", 4), NormGuard("auto", 4), NormGuard("auto", 4)
+    refused = 0
+    for k in range(1, 400):
+        norms = {i: (0.1 if (k + 3 * i) % 8 == 1 else 1e-3) * (1 + 0.1 * rng.random()) for i in range(3)}
+        norms[3] = 0.1 * (1 + 0.1 * rng.random())
+        assert honest.judge(norms, k) == ({}, []), k
+        liar.judge({**norms, 3: 50 * norms[3]}, k)
+        if 3 not in bursts.excluded:  # 800× on 7 rounds of every 16 once past probation (issue 38)
+            rej, _ = bursts.judge({**norms, 3: norms[3] * (800 if k > 20 and k % 16 < 7 else 1)}, k)
+            refused += 3 in rej
+    assert honest.excluded == {} and honest.peaks["steady"] < 2 and honest.peaks["round"] < 2
+    pooled_median = np.median([v for rnd in honest.pool for _, v in rnd])  # the former reference
+    assert 0.1 / pooled_median > FACTOR_STEADY  # against which client 3 would have been excluded
+    assert liar.excluded == {3: OWN_MIN}
+    # every burst refused (800× is over FACTOR_ROUND), and the client out within its first 16 replies
+    # of bursts: its mean over 16 replies counts the refused ones
+    assert 3 in bursts.excluded and bursts.excluded[3] < 20 + 32 and refused <= 7, (bursts.excluded, refused)
 
 
 def test_the_guards_decisions_are_a_function_of_the_replies_and_survive_its_state():

@@ -204,11 +204,12 @@ def prepare(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | No
     starts = None
     if cfg.init == "dispersed":
         scale: Metric | np.ndarray = metric
+        layers = initialisation_scale(task, theta0)
         if metric.is_identity:
             pv = prior_curvature(task, point)
-            scale = np.minimum(np.where(pv > 0, 1.0 / np.sqrt(np.where(pv > 0, pv, 1.0)), 1.0),
-                               initialisation_scale(task, theta0))
-        starts = dispersed_starts(point, scale, C, cfg.seed, spread=2.0 * math.sqrt(cfg.temperature))
+            scale = np.minimum(np.where(pv > 0, 1.0 / np.sqrt(np.where(pv > 0, pv, 1.0)), 1.0), layers)
+        starts = dispersed_starts(point, scale, C, cfg.seed, spread=2.0 * math.sqrt(cfg.temperature),
+                                  cap=None if metric.is_identity or not np.any(np.isfinite(layers)) else layers)
         info["init"] = "dispersed"
     # 5. metric-from = adapt: the warm-up refines M (and γ), and the chains continue from its end
     if adapts(cfg):
@@ -277,16 +278,23 @@ def initialisation_scale(task: Task, theta0: np.ndarray) -> np.ndarray:
 
 
 def dispersed_starts(center: np.ndarray, scale: np.ndarray | Metric, chains: int, seed: int,
-                     spread: float = 2.0) -> np.ndarray:
+                     spread: float = 2.0, cap: np.ndarray | None = None) -> np.ndarray:
     """``C`` starting points ``θ_0^{(c)} = center + spread · S z_c`` with ``z_c`` standard normal
     from chain ``c``'s stream ``(seed + c, INIT, 0, 0)`` and ``S`` the metric's root (about the
     posterior's scale when ``M`` comes from the curvature) or a vector of scales. Over-dispersed
-    starts (``spread = 2``: twice the scale) are what make R-hat able to show non-convergence."""
+    starts (``spread = 2``: twice the scale) are what make R-hat able to show non-convergence. ``cap`` (:func:`initialisation_scale`): each tensor's step
+    is scaled down to that root mean square where it is over it (with a metric: its scales in a
+    network's poorly determined directions are the prior's)."""
     d = center.shape[0]
     out = np.empty((chains, d))
+    edges = None if cap is None else np.flatnonzero(np.r_[True, cap[1:] != cap[:-1], True])
     for c in range(chains):
         z = rng.normal(int(seed) + c, rng.Stream.INIT, 0, 0, d)
         step = scale.apply_root(z) if isinstance(scale, Metric) else np.asarray(scale) * z
+        for a, b in zip(edges[:-1], edges[1:]) if edges is not None else ():
+            rms = float(np.sqrt(np.mean(step[a:b] ** 2)))
+            if np.isfinite(cap[a]) and rms > cap[a]:
+                step[a:b] *= cap[a] / rms
         out[c] = center + spread * step
     return out
 
