@@ -209,7 +209,7 @@ def prepare(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | No
             pv = prior_curvature(task, point)
             scale = np.minimum(np.where(pv > 0, 1.0 / np.sqrt(np.where(pv > 0, pv, 1.0)), 1.0), layers)
         starts = dispersed_starts(point, scale, C, cfg.seed, spread=2.0 * math.sqrt(cfg.temperature),
-                                  cap=None if metric.is_identity or not np.any(np.isfinite(layers)) else layers)
+                                  cap=None if metric.is_identity else layers)
         info["init"] = "dispersed"
     # 5. metric-from = adapt: the warm-up refines M (and γ), and the chains continue from its end
     if adapts(cfg):
@@ -282,8 +282,9 @@ def dispersed_starts(center: np.ndarray, scale: np.ndarray | Metric, chains: int
     """``C`` starting points ``θ_0^{(c)} = center + spread · S z_c`` with ``z_c`` standard normal
     from chain ``c``'s stream ``(seed + c, INIT, 0, 0)`` and ``S`` the metric's root (about the
     posterior's scale when ``M`` comes from the curvature) or a vector of scales. Over-dispersed
-    starts (``spread = 2``: twice the scale) are what make R-hat able to show non-convergence. ``cap`` (:func:`initialisation_scale`): each tensor's step
-    is scaled down to that root mean square where it is over it (with a metric: its scales in a
+    starts (``spread = 2``: twice the scale) are what make R-hat able to show non-convergence.
+    ``cap`` (:func:`initialisation_scale`, ``inf`` where nothing is capped): each tensor's step is
+    scaled down to that root mean square where it is over it (with a metric: its scales in a
     network's poorly determined directions are the prior's)."""
     d = center.shape[0]
     out = np.empty((chains, d))
