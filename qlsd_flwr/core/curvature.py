@@ -20,7 +20,8 @@ from qlsd_flwr.core import rng
 from qlsd_flwr.core.kron import Kron
 from qlsd_flwr.core.lowrank import fd_step
 from qlsd_flwr.core.metric import Dense, Diagonal, Kronecker, Metric, MetricError
-from qlsd_flwr.robust.reports import REPORT_CAP, REPORT_MAX, ReportError, cap_reports, clamped_counts, lower_median
+from qlsd_flwr.robust.reports import (FACTOR_SHARE, REPORT_CAP, REPORT_MAX, ReportError, cap_leave_one_out, cap_reports,
+                                     clamped_counts, lower_median, share_allowance)
 
 #: ``gamma = auto`` sets ``γ = c / λ_max(M^{1/2} ∇²U(θ*) M^{1/2})`` with this ``c``. With exact
 #: gradients on a Gaussian, a direction of curvature ``λ`` has stationary variance
@@ -150,7 +151,10 @@ def metric_from_kronecker(reports: dict[int, dict], n_data, prior_curv: np.ndarr
     """K-FAC's ``M = (G ⊗ Ā + λ_0 I)^{-1}`` (:class:`Kron`) from the valid reports. The layout
     ``perm`` is the one most reports give (the others are refused, ``curvature_rejected``); each
     report's per-datum scales ``tr G_i / N_i`` and ``tr A_i / N_i`` are capped at
-    :data:`REPORT_CAP` times the lower median, as for the diagonal. ``λ_0`` is the prior's mean
+    :data:`REPORT_CAP` times the lower median, as for the diagonal. (Not held to the others' as the
+    diagonal and dense reports are: the prior enters ``M⁻¹`` beside ``G ⊗ Ā``, not in either factor, so a
+    factor's leave-one-out bound has no floor, and honest reports of a pixel or class only one client sees
+    would be cut; issue 38 leaves this open.) ``λ_0`` is the prior's mean
     curvature (exact for the isotropic Gaussian prior)."""
     n_data = np.asarray(n_data)
     info: dict = {"curvature_reports": len(reports), "curvature_scaled": [], "curvature_rejected": {}}
@@ -198,14 +202,20 @@ def metric_from_curvature(kind: str, reports: dict[int, np.ndarray], n_data, pri
 
     Bounded influence: each report's per-datum scale ``max_j (H_i)_jj / N_i`` is compared with
     the lower median of all reports' scales; a report above :data:`REPORT_CAP` times it is scaled
-    down to that cap (``curvature_scaled``). So, with at least half the reports honest, one client
-    can shrink ``M`` only as much as ``REPORT_CAP × N_i`` honest data points would: it slows the
-    chain in those directions and never biases it (any SPD ``M`` keeps ``π`` stationary up to
-    ``O(γ)``). A direction no report and no prior constrains gets the smallest curvature of the
-    others (``M`` must stay finite).
+    down to that cap (``curvature_scaled``). Then each report is held to the others'
+    (:func:`~qlsd_flwr.robust.reports.cap_leave_one_out`): ``P_0 + Σ_k H_k`` is at most
+    ``1 + FACTOR_SHARE · N_i/N_{−i}`` times ``P_0 + Σ_{k≠i} H_k`` in every direction (every coordinate for
+    the diagonal), so one client shrinks ``M`` along any direction by at most that factor (2× for one
+    client of ten equal ones), whatever its report's form; a dense rank-1 report shrank ``M`` 36× under
+    the diagonal-entry cap alone. A report held down slows the chain in those directions and never
+    biases it (any SPD ``M`` keeps ``π`` stationary up to ``O(γ)``). A direction no report and no prior
+    constrains gets the smallest curvature of the others (``M`` must stay finite).
     """
-    scaled = cap_reports(reports, n_data)
-    info = {"curvature_reports": len(reports), "curvature_scaled": scaled}
+    why = {i: f"scaled down to {REPORT_CAP:g} × the clients' per-datum curvature" for i in cap_reports(reports, n_data)}
+    for i in cap_leave_one_out(reports, prior_curv, share_allowance(n_data, reports)):
+        why[i] = (why[i] + ", then " if i in why else "") + (f"held to 1 + {FACTOR_SHARE:g} N_i/N_−i times the prior's "
+                                                           "and the other clients' curvature in some direction")
+    info = {"curvature_reports": len(reports), "curvature_scaled": sorted(why), "curvature_scaled_why": why}
     if kind == "diagonal":
         h = np.array(prior_curv, dtype=np.float64)
         for i in sorted(reports):

@@ -56,9 +56,10 @@ def curvature_metric(cfg: RunConfig, task: Task, point: np.ndarray, curv_fn: Cur
         raise ConfigError(str(exc)) from None
     cinfo["curvature_rejected"] = {**{str(i): why for i, why in sorted(refused.items())},
                                    **cinfo.get("curvature_rejected", {})}
+    why = cinfo.pop("curvature_scaled_why", {})
     for i in cinfo["curvature_scaled"]:
-        log.warning("client %d: curvature report scaled down to %g × the clients' per-datum curvature "
-                    "(curvature_scaled)", i, REPORT_CAP)
+        log.warning("client %d: curvature report %s (curvature_scaled)", i,
+                    why.get(i, f"scaled down to {REPORT_CAP:g} × the clients' per-datum curvature"))
     return metric, cinfo
 
 

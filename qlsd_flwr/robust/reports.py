@@ -16,6 +16,17 @@ import numpy as np
 REPORT_CAP = 10.0
 #: a curvature report with a value above this is refused: sums of a few such reports stay finite
 REPORT_MAX = 1e150
+#: a client's report may raise the summed curvature (prior included) in any direction by at most this many
+#: times its share of the data, ``N_i / N_{−i}``, over what the prior and the other clients give without it; so
+#: one client shrinks ``M`` along any direction by at most ``1 + FACTOR_SHARE · N_i/N_{−i}`` (17.7× for one of
+#: ten equal clients), whatever its report's form. Honest clients come up to 60 ``N_i/N_{−i}``: on digits split by
+#: Dirichlet(0.1) over 20 clients, one client's images alone have ink in some pixel, and its curvature there is
+#: 60 times its share over the prior's (``python benchmarks/bench_honest_claims.py``, ``worst_metric`` × 9 in
+#: ``benchmarks/honest_claims.json``: 36 cases); 150 leaves them a factor 2.5. The issue's example target, 2× for
+#: one client of ten (``FACTOR_SHARE = 9``), would hold down honest reports in 17 of those 36 cases: an attacker
+#: with one pixel of its own and an honest client alone with that pixel send the same report. A report held down
+#: costs mixing in those directions, never bias: any SPD ``M`` keeps the posterior stationary.
+FACTOR_SHARE = 150.0
 #: the most Hessian-vector products a client computes for one message (a server message asking more
 #: is refused by the client): one block then costs it at most 256 gradient pairs
 MAX_BLOCK = 256
@@ -74,3 +85,73 @@ def cap_total(lam: np.ndarray, h: float) -> int:
     over = total * h > 1.0
     lam[:, over] *= (1.0 / h) / total[over]
     return int(np.count_nonzero(over))
+
+
+def loo_excess(h: np.ndarray, rest: np.ndarray) -> np.ndarray | float:
+    """How far ``h`` raises ``rest``: per coordinate ``h / rest`` (diagonal reports, ``(d,)``), or the largest
+    generalised eigenvalue ``max_u uᵀhu / uᵀ rest u`` (dense ``(d, d)``); ``inf`` where ``rest`` is zero and ``h``
+    not (a direction only this client constrains)."""
+    if h.ndim == 1:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.where(h > 0, h / rest, 0.0)
+    from scipy.linalg import LinAlgError, eigh
+
+    scale = float(np.trace(rest)) / max(rest.shape[0], 1)
+    if not scale > 0:
+        return float("inf") if np.any(h) else 0.0
+    try:  # a ridge far below any honest curvature makes a rank-deficient rest positive definite
+        top = eigh(h, rest + 1e-12 * scale * np.eye(rest.shape[0]), eigvals_only=True,
+                   subset_by_index=[rest.shape[0] - 1, rest.shape[0] - 1])
+    except (LinAlgError, ValueError):
+        return float("inf")
+    return float(top[0])
+
+
+def share_allowance(n_data, clients) -> dict[int, float]:
+    """Each client's allowed excess ``FACTOR_SHARE · N_i / N_{−i}`` (``N`` clamped as :func:`clamped_counts`)."""
+    n = clamped_counts(n_data, clients)
+    total = sum(n.values())
+    return {i: FACTOR_SHARE * v / max(total - v, 1) for i, v in n.items()}
+
+
+def cap_leave_one_out(reports: dict[int, np.ndarray], floor, allow: dict[int, float]) -> list[int]:
+    """Scale down, in place, each report ``H_i`` that raises ``floor + Σ_{k≠i} H_k`` by more than ``1 + allow[i]``
+    in some direction, so that ``floor + Σ_k H_k ⪯ (1 + allow[i]) (floor + Σ_{k≠i} H_k)``: diagonal reports
+    coordinate by coordinate, dense ones by one factor (the largest generalised eigenvalue). ``floor``: the
+    prior's curvature, ``(d,)`` or ``(d, d)``; ``allow``: :func:`share_allowance`. Every report is judged against
+    the others as they came (the result does not depend on the clients' order); nothing happens with fewer than
+    ``POOL_MIN`` reports (the others are then too few to stand for the honest clients). Returns the clients
+    scaled."""
+    from qlsd_flwr.robust.claims import POOL_MIN
+
+    if len(reports) < POOL_MIN:
+        return []
+    keys = sorted(reports)
+    first = reports[keys[0]]
+    base = np.asarray(floor, dtype=np.float64)
+    if first.ndim == 2 and base.ndim == 1:
+        base = np.diag(base)
+    out, scaled = {}, []
+    if first.ndim == 1:  # the sums without client i from running sums both ways: O(b d), and no cancellation
+        after = [np.zeros_like(base)]
+        for k in reversed(keys[1:]):
+            after.append(after[-1] + reports[k])
+        after.reverse()
+    before = np.zeros_like(base)
+    for j, i in enumerate(keys):
+        if first.ndim == 1:
+            rest = base + (before + after[j])
+            before = before + reports[i]
+        else:
+            rest = base + sum(reports[k] for k in keys if k != i)
+        x, a = loo_excess(reports[i], rest), float(allow[i])
+        if first.ndim == 1:
+            over = x > a
+            if np.any(over):
+                out[i] = np.where(over, a * rest, reports[i])
+                scaled.append(i)
+        elif x > a:
+            out[i] = reports[i] * (a / x)
+            scaled.append(i)
+    reports.update(out)
+    return scaled
