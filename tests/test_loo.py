@@ -277,9 +277,9 @@ def test_a_log_probability_above_zero_is_refused_on_a_classification_task(tmp_pa
     densities, which may be positive, are never held to it)."""
     out, task, honest, lying = _client_one_lies(tmp_path)
 
-    s = L.attach(out.run_dir, "psis", task.n_data, lying, {}, discrete=True)
+    s = L.attach(out.run_dir, "psis", task.n_data, lying, {}, ceiling=0.0)
     assert "a log-probability of" in s["refused"]["1"] and "at most 1" in s["refused"]["1"] and "error" in s
-    ok = L.attach(out.run_dir, "psis", task.n_data, honest, {}, discrete=True)
+    ok = L.attach(out.run_dir, "psis", task.n_data, honest, {}, ceiling=0.0)
     assert "error" not in ok and ok["elpd_loo"] < 0
 
 
@@ -291,9 +291,9 @@ def test_an_excluded_clients_points_are_left_out_of_the_loo_and_named(tmp_path):
 
     other = tmp_path / "copy"
     shutil.copytree(out.run_dir, other)  # a LOO group is written once per file: one folder each
-    full = L.attach(out.run_dir, "psis", task.n_data, honest, {}, discrete=True)
+    full = L.attach(out.run_dir, "psis", task.n_data, honest, {}, ceiling=0.0)
     loo_i = np.asarray(L.load(out.run_dir).loo_i, dtype=np.float64)
-    s = L.attach(other, "psis", task.n_data, lying, {"excluded": {"1": 12}}, discrete=True)
+    s = L.attach(other, "psis", task.n_data, lying, {"excluded": {"1": 12}}, ceiling=0.0)
     assert "error" not in s and "refused" not in s, s
     assert s["left_out"] == {"1": "excluded from round 12"}
     assert s["points_left_out"] == task.n_data[1] and s["n_data_points"] == sum(task.n_data) - task.n_data[1]
@@ -308,3 +308,40 @@ def test_an_excluded_clients_points_are_left_out_of_the_loo_and_named(tmp_path):
     assert many == {0: "excluded before sampling (chain 3)",
                     2: "excluded from round 5 (chain 0), from round 9 (chain 3)"}
     assert L.excluded_clients({}) == {}
+
+
+def test_a_gaussian_log_density_above_its_peak_is_refused_and_honest_ones_pass(tmp_path):
+    """Issue 38: the LOO's bound implied by the model beyond log p ≤ 0. The toy Gaussian's likelihood
+    ``N(y; θ, I)`` never exceeds its peak ``−(d/2) log 2π`` (a density may be positive elsewhere, so 0 is no
+    bound there): a reply above it is refused naming the peak, with every mode; the honest replies pass, and the
+    ceiling the engines pass is that peak."""
+    from qlsd_flwr.config import resolve
+    from qlsd_flwr.robust.loo import LooError, check_reply, log_lik_ceiling
+
+    o = {"task": "gaussian", "dim": 5, "num-clients": 4, "num-chains": 2, "num-rounds": 120, "burn-in": 40,
+         "gamma": 1e-3, "progress": False, "engine": "vectorised", "loo": "off", "output-dir": str(tmp_path),
+         "run-name": "g"}
+    cfg = resolve(o)
+    assert cfg.task == "gaussian"
+    peak = log_lik_ceiling(cfg)
+    assert peak == pytest.approx(-0.5 * int(cfg.get("dim")) * np.log(2 * np.pi))
+    out = run(o)
+    task = task_of(o)
+    honest = L.local_ask(task.clients, "psis")
+
+    def lying(draws, reff):
+        got = honest(draws, reff)
+        a = np.frombuffer(bytes(got[0]), dtype="<f8").reshape(3, -1).copy()
+        a[0, 0] = peak + 1.0  # one point's elpd_loo just above the density's peak
+        got[0] = a.astype("<f8").tobytes()
+        return got
+
+    other = tmp_path / "copy"
+    shutil.copytree(out.run_dir, other)
+    ok = L.attach(out.run_dir, "psis", task.n_data, honest, {}, ceiling=peak)
+    assert "error" not in ok and "refused" not in ok
+    s = L.attach(other, "psis", task.n_data, lying, {}, ceiling=peak)
+    assert "the density's peak" in s["refused"]["0"] and "error" in s
+    with pytest.raises(LooError, match="density's peak"):
+        check_reply(np.full(4, peak + 1e-3), 2, 2, "pointwise", peak)
+    assert check_reply(np.full(4, peak), 2, 2, "pointwise", peak).shape == (2, 2)

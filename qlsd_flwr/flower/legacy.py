@@ -31,7 +31,7 @@ from flwr.common import (
 )
 from flwr.server.strategy import Strategy as LegacyStrategy
 
-from qlsd_flwr.config import CLASSIFICATION_TASKS, ConfigError, RunConfig
+from qlsd_flwr.config import ConfigError, RunConfig
 from qlsd_flwr.core.potential import Task
 from qlsd_flwr.protocol import precondition
 from qlsd_flwr.flower.client_app import (
@@ -41,6 +41,7 @@ from qlsd_flwr.flower.client_app import (
     setup_for_config,
 )
 from qlsd_flwr.outputs import loo
+from qlsd_flwr.robust.loo import log_lik_ceiling
 from qlsd_flwr.outputs.observer import RunOutputs
 from qlsd_flwr.protocol import build
 from qlsd_flwr.protocol.client import handle
@@ -125,7 +126,7 @@ class LegacyQLSDStrategy(LegacyStrategy):
     def _attach(self, got: dict) -> None:
         """:func:`qlsd_flwr.outputs.loo.attach` with the replies ``got`` (asked in configure_evaluate)."""
         loo.attach(self.server.run_dir, self.cfg.get("loo"), self.task.n_data, lambda draws, reff: got,
-                   self.server.summary_data, discrete=self.cfg.task in CLASSIFICATION_TASKS)
+                   self.server.summary_data, ceiling=log_lik_ceiling(self.cfg))
 
     def evaluate(self, server_round, parameters):
         return None

@@ -183,7 +183,7 @@ def excluded_clients(summary: dict | None) -> dict[int, str]:
     return {i: "excluded " + ", ".join(r) for i, r in sorted(out.items())}
 
 
-def federated(samples_nc, mode: str, n_data, ask: Callable[[np.ndarray, float], dict], discrete: bool = False,
+def federated(samples_nc, mode: str, n_data, ask: Callable[[np.ndarray, float], dict], ceiling: float | None = None,
               left_out: dict[int, str] | None = None) -> dict:
     """The federated LOO of a finished run: reads the kept draws from ``samples_nc``, calls
     ``ask(draws, reff)`` (every client's reply ``{i: payload}``; ``draws`` is ``(S, d)``, chain by
@@ -210,7 +210,7 @@ def federated(samples_nc, mode: str, n_data, ask: Callable[[np.ndarray, float], 
             refused[str(i)] = "no reply"
             continue
         try:
-            parts[i] = check_reply(replies[i], int(n_data[i]), S, mode, discrete)
+            parts[i] = check_reply(replies[i], int(n_data[i]), S, mode, ceiling)
         except LooError as exc:
             refused[str(i)] = str(exc)
     bits_down = 64 * S * d * b
@@ -303,7 +303,7 @@ def _write(path, name: str, data: dict, dims: tuple, attrs: dict | None = None) 
 
 
 def attach(run_dir, mode: str, n_data, ask: Callable[[np.ndarray, float], dict], summary: dict | None = None,
-           discrete: bool = False) -> dict:
+           ceiling: float | None = None) -> dict:
     """:func:`federated` on a finished run folder, its result added to ``summary.json`` (and to
     ``summary``, the caller's copy) as ``loo``; logged in one line. Never raises for what a
     client or the potential did wrong: the reason is the entry's ``error``."""
@@ -318,7 +318,7 @@ def attach(run_dir, mode: str, n_data, ask: Callable[[np.ndarray, float], dict],
     facts = summary if summary is not None and "excluded" in summary else (
         json.loads(saved.read_text()) if saved.is_file() else {})
     try:
-        out = federated(nc, mode, n_data, ask, discrete, left_out=excluded_clients(facts))
+        out = federated(nc, mode, n_data, ask, ceiling, left_out=excluded_clients(facts))
     except LooError as exc:
         out = {"mode": mode, "error": str(exc)}
     if "error" in out:

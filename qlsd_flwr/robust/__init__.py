@@ -30,8 +30,9 @@ reports (the metric)               ``P_0 + Σ H ⪯ (1 + 150 N_i/N_{−i})``  by
                                    ``(P_0 + Σ_{k≠i} H_k)``               one of ten); honest maximum 60 N_i/N_{−i}
                                                                          (``bench_honest_claims.py``)
 LOO replies                        :mod:`.loo`: shape from ``N_i``,      sums of many points stay finite;
-                                   finite, VALUE_MAX 1e150; LOG_P_MAX    a probability is at most 1
-                                   1e-9 for a discrete likelihood
+                                   finite, VALUE_MAX 1e150; at most the  a probability is at most 1, a
+                                   model's ceiling (0; the Gaussian's    density at most its peak
+                                   peak −(d/2) log 2π), LOG_P_MAX 1e-9
 handshake facts                    :mod:`.handshake`: client in 0..b-1,  2^53: float64's exact integers
                                    ``d``, 1 ≤ N_i ≤ N_DATA_MAX 2^53
 =================================  ==================================  =====================================

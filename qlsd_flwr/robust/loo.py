@@ -1,7 +1,11 @@
 """The bound on a client's LOO reply (:mod:`qlsd_flwr.outputs.loo`): its shape from the client's
-handshake ``N_i`` and the number of draws, finite values within :data:`VALUE_MAX`, and, for a discrete
-likelihood (the classification tasks), log-probabilities at most 0: a probability is at most 1, so a reply
-of +50 a point (elpd +4,947 on a classification task before this rule) cannot be honest."""
+handshake ``N_i`` and the number of draws, finite values within :data:`VALUE_MAX`, and no log-likelihood
+above the largest the model allows (:func:`log_lik_ceiling`): 0 for a discrete likelihood (the
+classification tasks: a probability is at most 1, so a reply of +50 a point, elpd +4,947 on a classification
+task before this rule, cannot be honest), and the density's peak for the toy Gaussian's ``N(y; θ, I)``,
+``−(d/2) log 2π``. Every term a reply holds (``log p(y_j | θ_s)``, and the log predictives ``elpd_loo,j`` and
+``lppd_j``, which are averages of such probabilities) is at most that ceiling. What a client can still change
+is its own points' terms below it."""
 
 from __future__ import annotations
 
@@ -9,8 +13,9 @@ import numpy as np
 
 #: a log-likelihood beyond this is refused: sums over many points and draws stay finite
 VALUE_MAX = 1e150
-#: a discrete likelihood's log-probability (and the LOO's log predictive, an average of them) above this is
-#: refused: 0 exactly, plus float64's rounding of a log-sum-exp over thousands of draws
+#: a log-likelihood (or the LOO's log predictive, an average of probabilities) above the model's ceiling by more
+#: than this (relative to the ceiling's size, at least 1) is refused: float64's rounding of a log-sum-exp over
+#: thousands of draws
 LOG_P_MAX = 1e-9
 
 
@@ -19,9 +24,23 @@ class LooError(ValueError):
     without it)."""
 
 
-def check_reply(payload, n_i: int, S: int, mode: str, discrete: bool = False) -> np.ndarray:
-    """The reply as an array of its mode's shape; :class:`LooError` naming what is wrong. ``discrete``: the
-    likelihood is a probability (classification), so every log-likelihood and log predictive is ≤ 0."""
+def log_lik_ceiling(cfg) -> float | None:
+    """The largest log-likelihood one point can have under the run's model (``cfg``: its ``task`` and ``dim``):
+    0 for the classification tasks, ``−(d/2) log 2π`` for the toy Gaussian (unit covariance), ``None`` (no
+    ceiling known) for a user's potential."""
+    from qlsd_flwr.config import CLASSIFICATION_TASKS
+
+    if cfg.task in CLASSIFICATION_TASKS:
+        return 0.0
+    if cfg.task == "gaussian":
+        return -0.5 * int(cfg.get("dim")) * float(np.log(2.0 * np.pi))
+    return None
+
+
+def check_reply(payload, n_i: int, S: int, mode: str, ceiling: float | None = None) -> np.ndarray:
+    """The reply as an array of its mode's shape; :class:`LooError` naming what is wrong. ``ceiling``: the
+    largest log-likelihood the model allows a point (:func:`log_lik_ceiling`); every log-likelihood and log
+    predictive above it (by more than float64's rounding) is refused."""
     rows = S if mode == "pointwise" else 3
     if not isinstance(payload, (bytes, bytearray, np.ndarray)):
         raise LooError(f"payload of type {type(payload).__name__}, expected float64 bytes")
@@ -34,9 +53,11 @@ def check_reply(payload, n_i: int, S: int, mode: str, discrete: bool = False) ->
     vals = a if mode == "pointwise" else a[:2]
     if not np.all(np.isfinite(vals)) or np.any(np.abs(vals) > VALUE_MAX):
         raise LooError("values not finite or beyond 1e150")
-    if discrete and np.any(vals > LOG_P_MAX):
-        raise LooError(f"a log-probability of {float(np.max(vals)):.3g} > 0: a discrete likelihood's probability "
-                       "is at most 1")
+    if ceiling is not None and np.any(vals > ceiling + LOG_P_MAX * max(1.0, abs(ceiling))):
+        top = float(np.max(vals))
+        raise LooError(f"a log-probability of {top:.3g} > 0: a discrete likelihood's probability is at most 1"
+                       if ceiling == 0.0 else
+                       f"a log-likelihood of {top:.6g} above the model's largest, {ceiling:.6g} (the density's peak)")
     if mode == "psis" and (np.any(np.isnan(a[2])) or np.any(a[2] == -np.inf)):
         raise LooError("a Pareto shape that is NaN or −inf")
     return a
