@@ -36,7 +36,7 @@ from scipy.optimize import minimize
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from benchmarks.smoke import out, small  # noqa: E402
+from benchmarks.smoke import SMOKE, out, small  # noqa: E402
 from qlsd_flwr.config import resolve  # noqa: E402
 from qlsd_flwr.evaluation.reference import DualAveraging  # noqa: E402
 from qlsd_flwr.experiments.mainjob import QLSD_MAIN  # noqa: E402
@@ -180,6 +180,10 @@ def main(argv=None):
     ap.add_argument("--leapfrog", type=int, default=8)
     ap.add_argument("--runs", nargs="*", default=[], help="run folders (qlsd-pp/ of a main job) to compare")
     ap.add_argument("--rebuild", action="store_true", help="run HMC again even if the cache exists")
+    ap.add_argument("--sweep", nargs="*", default=[],
+                    help="main-job overrides as JSON objects (e.g. '{\"gamma-c\": 0.5}'), each run on the vectorised "
+                         "engine (the Ray engine's chains bit for bit) and compared: TV, R-hat, ESS, bits")
+    ap.add_argument("--out", default=None, help="with --sweep: a JSON file under benchmarks/ for the rows")
     a = ap.parse_args(argv)
     if CACHE.exists() and not a.rebuild:
         ref = dict(np.load(CACHE, allow_pickle=False))
@@ -196,6 +200,39 @@ def main(argv=None):
     for r in a.runs:
         p = run_predictive(Path(r))
         print(json.dumps({"run": str(r), "tv": tv(p, ref["p_all"]), "ratio": tv(p, ref["p_all"]) / base}))
+    rows = [sweep_row(json.loads(spec), ref, base) for spec in a.sweep]
+    if rows and a.out:
+        out(HERE / a.out).write_text(json.dumps({"command": "python benchmarks/bench_mainjob_reference.py --sweep ...",
+                                                 "tv_halves": base, "rows": rows}, indent=1))
+
+
+def sweep_row(over: dict, ref: dict, base: float) -> dict:
+    """The main job with ``over`` on the vectorised engine: its predictive's TV to the reference (÷ the reference's
+    halves'), the held-out verdict's R-hat and ESS, the calibration, the bits and the wall time."""
+    from benchmarks.smoke import folder
+    from qlsd_flwr.evaluation import evaluate as E
+    from qlsd_flwr.experiments.mainjob import QLSD_MAIN
+    from qlsd_flwr.run.simulate import run
+
+    smoke = {"num-rounds": 12, "burn-in": 4, "thin": 1, "metric-rank": 0, "opt-rounds": 30,
+             "opt-accept-unconverged": True} if SMOKE else {}
+    cfg = {**QLSD_MAIN, "engine": "vectorised", "vectorised-backend": "numpy", "progress": False, "loo": "off",
+           "output-dir": str(folder("/tmp/bench_mainjob_reference")), **over, **smoke}
+    t = time.perf_counter()
+    q = run(cfg)
+    wall = time.perf_counter() - t
+    m = E.evaluate_run(q.run_dir)
+    c = m["convergence"]
+    p = run_predictive(Path(q.run_dir))
+    b = q.summary.get("bits", {})
+    row = {"over": over, "gamma": q.summary["gamma"], "tv": tv(p, ref["p_all"]), "ratio": tv(p, ref["p_all"]) / base,
+           "accuracy": m["accuracy"], "nnll": m["nnll"], "ece": m["ece"], "rhat_pred_max": c["rhat_pred_max"],
+           "rhat_loglik": c["rhat_loglik"], "ess_bulk_pred_min": c["ess_bulk_pred_min"], "wall_seconds": round(wall, 1),
+           "bits_preparation_up": b.get("uplink", {}).get("preparation"),
+           "bits_sampling_up": b.get("uplink", {}).get("sampling"),
+           "bits_sampling_down": b.get("downlink", {}).get("sampling"), "bits_total": b.get("total")}
+    print(json.dumps(row), flush=True)
+    return row
 
 
 if __name__ == "__main__":

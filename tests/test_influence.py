@@ -548,3 +548,29 @@ def test_a_fixed_bound_below_an_honest_claim_is_refused_on_the_local_engine(tmp_
     with pytest.raises(ConfigError, match=r"norm-bound: client 0: its ∇U_i\(θ\*\) has norm .* over norm-bound = 50"):
         run(o)
     assert not any(tmp_path.iterdir())  # refused before any run folder
+
+
+def test_a_chain_whose_replies_are_mostly_refused_stops_naming_the_likely_cause(tmp_path):
+    """Issue 38: a chain frozen by refusals ended "normally" (VR-FALD*'s anchor ×1e6 under norm-bound = 2000:
+    2,995 of 3,000 honest replies refused, exit 0, 49 sd off). Whatever the cause, more than half of the
+    federation's replies refused over 32 rounds now stops the run, the folder closed cleanly: with a B below
+    what honest clients send, the message says so; with one client accepted among refused ones, it names it."""
+    from qlsd_flwr.robust.norm_guard import STORM_SHARE, WINDOW
+
+    with pytest.raises(DivergenceError, match=r"stopped at round 32: 160 of the last 160 replies .* stands "
+                                              r"still.*norm-bound = 1e-09 is below") as info:
+        run({**GAUSS, "variant": "qlsd-pp", "norm-bound": 1e-9, "output-dir": str(tmp_path), "run-name": "tiny"})
+    s = json.loads((tmp_path / "tiny" / "summary.json").read_text())
+    assert s["diverged_at_round"] == WINDOW and "stands still" in s["error"] and "diverged" not in str(info.value)
+    g = NormGuard(5.0, 5)  # client 3 alone under B: the odd one out is named
+    for k in range(WINDOW):
+        g.judge({0: 9.0, 1: 9.0, 2: 9.0, 3: 1.0, 4: 9.0}, k)
+        assert (g.storm() is None) == (k < WINDOW - 1)
+    assert "client 3 alone had every reply accepted" in g.storm()
+    h = NormGuard(5.0, 5)  # exactly half refused (and one client more): not a storm, a share above it is
+    for k in range(WINDOW):
+        h.judge({0: 9.0, 1: 9.0, 2: 1.0, 3: 1.0}, k)
+    assert STORM_SHARE == 0.5 and h.storm() is None
+    restored = NormGuard(5.0, 5)
+    restored.restore(json.loads(json.dumps(g.state())))
+    assert restored.storm() == g.storm()

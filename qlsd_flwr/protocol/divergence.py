@@ -26,18 +26,25 @@ def is_overflow(reason) -> bool:
     return any(m in str(reason) for m in _OVERFLOW)
 
 
-def stop_server(server, round_: int, why: str = "θ is not finite", stable: float | None = None) -> None:
+def stop_server(server, round_: int, why: str = "θ is not finite", stable: float | None = None,
+                stalled: bool = False) -> None:
     """Stop ``server``'s observer (samples up to the last finite θ) and raise :class:`DivergenceError` naming
-    the round (``err.why``: the cause, which a several-chain run words its own message with)."""
+    the round (``err.why``: the cause, which a several-chain run words its own message with). ``stalled``: the
+    chain did not run away but stands still (the norm guard refuses most replies), and ``why`` says why."""
     obs = server.observer
     suspects = server.ts_info.get("products_clipped_clients") or []
+    if stalled:
+        msg = f"the run stopped at round {round_}: {why}." + saved_where(
+            round_, obs.run_dir if obs is not None else None, obs.last_checkpoint if obs is not None else None)
+        suspects = []
     if suspects and server.cfg.gamma_auto:  # the step came from a power iteration in which they were out of scale
         named = ", ".join(str(i) for i in suspects)
         why = (f"{why}; gamma = auto's power iteration scaled down the products of client {named} as out of scale "
                f"(products_clipped): a false product can set the step, so the likely cause is client {named}; "
                "rerun with a numeric gamma, or without it")
-    msg = divergence_message(round_, server.cfg.gamma, obs.run_dir if obs is not None else None,
-                             obs.last_checkpoint if obs is not None else None, why=why, stable=stable)
+    if not stalled:
+        msg = divergence_message(round_, server.cfg.gamma, obs.run_dir if obs is not None else None,
+                                 obs.last_checkpoint if obs is not None else None, why=why, stable=stable)
     log.error(msg)
     if obs is not None:
         server.ts_info = {**server.ts_info, "diverged_at_round": round_, "error": msg}
@@ -65,12 +72,16 @@ def divergence_message(round_: int, gamma: float, run_dir=None, last_checkpoint:
         msg = (f"the chain diverged at round {round_}{where}: {why}. The step size gamma = {gamma:g} "
                f"is too large for this target; rerun with gamma = auto, which estimates the stable step from "
                f"the curvature, or a smaller gamma (e.g. gamma={gamma / 10:.3g}).")
-    if run_dir is not None:
-        msg += (f" The samples and metrics of rounds 1..{round_ - 1} are in {run_dir} (the run folder "
-                f"was closed cleanly)")
-        msg += (f"; the last good checkpoint is at round {last_checkpoint}." if last_checkpoint
-                else "; no checkpoint was written.")
-    return msg
+    return msg + saved_where(round_, run_dir, last_checkpoint)
+
+
+def saved_where(round_: int, run_dir=None, last_checkpoint: int | None = None) -> str:
+    """Where a stopped run's rounds so far are, for its message ('' without a run folder)."""
+    if run_dir is None:
+        return ""
+    return (f" The samples and metrics of rounds 1..{round_ - 1} are in {run_dir} (the run folder was closed "
+            "cleanly)" + (f"; the last good checkpoint is at round {last_checkpoint}." if last_checkpoint
+                          else "; no checkpoint was written."))
 
 
 #: a chain is run away when ‖θ‖ exceeds this multiple of :func:`runaway_scale`

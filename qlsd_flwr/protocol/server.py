@@ -319,6 +319,8 @@ class QLSDServer:
             self._reject("no_reply")
         for i in set(self._active) - set(self._g_hat):
             self.missed_rounds.setdefault(i, []).append(k + 1)
+        if (stalled := self.norm_guard.storm()) is not None:  # most replies refused: the chain stands still
+            stop_server(self, k + 1, stalled, stalled=True)
         if self._active and set(self._overflow) == set(self._active):
             # every active client's gradient overflowed its codec at θ_k: the chain has run away
             self._diverged(k + 1, "every active client's message overflows the codec "

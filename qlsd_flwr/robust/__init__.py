@@ -14,7 +14,10 @@ sampling replies                   :mod:`.norm_guard`: FACTOR_PROBATION  honest 
                                    30 (a client's mean over its last     (``bench_byzantine.py --parts honest``
                                    16) × R, the median over clients of   → ``byzantine_honest.json``)
                                    each one's largest reply per datum;
-                                   WINDOW 32, OWN 16, OWN_MIN 8, POOL_MIN 3
+                                   WINDOW 32, OWN 16, OWN_MIN 8, POOL_MIN 3;
+                                   STORM_SHARE 0.5: more refused over
+                                   32 rounds stops the run (a chain
+                                   standing still), naming the suspect
 θ* claims and their repeats,       :mod:`.claims`: RTOL 1e-6 (the same   a GPU's reduction order; the fixed
 VR-FALD*'s ref_grad                answer twice), ``norm-bound = B``,    ``B`` is the user's; honest maximum
                                    FACTOR_CLAIM 50 × the lower median    8.46 × (bench_honest_claims.py)

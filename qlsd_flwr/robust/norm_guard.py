@@ -65,6 +65,13 @@ WINDOW = 32  # rounds pooled into the reference
 OWN = 16  # a client's own replies its mean is taken over
 OWN_MIN = 8  # accepted replies that end probation; rejections in a row that exclude
 POOL_MIN = 3  # distinct clients needed in the pool
+#: over :data:`WINDOW` rounds, refusals of more than this share of the replies of clients still in the
+#: federation stop the run (:meth:`NormGuard.storm`): the chain would otherwise stand still and end with exit 0
+#: (a VR-FALD* anchor ×1e6 under ``norm-bound = 2000`` had 2,995 of 3,000 honest replies refused, 49 sd off).
+#: Honest runs under ``auto`` had 0 of 498,156 replies refused (``benchmarks/byzantine_honest.json``), so a
+#: share of one half is far from anything honest; under a fixed ``B`` it also says that ``B`` is below what the
+#: clients send.
+STORM_SHARE = 0.5
 
 
 def fixed_bound(mode) -> float | None:
@@ -95,6 +102,8 @@ class NormGuard:
         # the largest ratios to R of replies the rule accepted, by test (honest runs measure the
         # margins below their factors with them: benchmarks/bench_byzantine.py's honest part)
         self.peaks = {"probation": 0.0, "round": 0.0, "steady": 0.0}
+        # per round of the last WINDOW: (the clients refused, the clients judged), for storm()
+        self.recent: deque[tuple[list[int], list[int]]] = deque(maxlen=WINDOW)
 
     def set_counts(self, n_data) -> None:
         """The clients' ``N_i`` (claims; clamped as the curvature reports' scale is)."""
@@ -126,7 +135,9 @@ class NormGuard:
         if self.mode == "off":
             return {}, []
         if self.mode == "fixed":
-            return {i: "norm_bound" for i, x in norms.items() if not x <= self.fixed}, []
+            out = {i: "norm_bound" for i, x in norms.items() if not x <= self.fixed}
+            self._count(out, [i for i in norms if i not in self.excluded])
+            return out, []
         values = {i: float(norms[i]) / self.n.get(i, 1) for i in sorted(norms) if i not in self.excluded}
         R = self.reference(values, given)
         rejected: dict[int, str] = {i: "excluded" for i in norms if i in self.excluded}  # a stray reply
@@ -164,7 +175,34 @@ class NormGuard:
             self.streak[i] = 0
             self.accepted[i] = self.accepted.get(i, 0) + 1
         self.pool.append([(i, v) for i, v in values.items() if math.isfinite(v)])
+        self._count({i: r for i, r in rejected.items() if r == "norm_bound"}, list(values))
         return rejected, newly
+
+    def _count(self, refused: dict, judged: list) -> None:
+        self.recent.append((sorted(refused), sorted(judged)))
+
+    def storm(self) -> str | None:
+        """Why the run must stop, when over the last :data:`WINDOW` rounds more than :data:`STORM_SHARE` of the
+        replies of the clients still in the federation were refused (the chain then stands still); else
+        ``None``. Names the clients least refused when they are a minority (an accepted client among refused
+        ones is the likelier liar), and under a fixed ``B`` says it may be below what honest clients send."""
+        if len(self.recent) < WINDOW:
+            return None
+        refused = sum(len(r) for r, _ in self.recent)
+        judged = sum(len(j) for _, j in self.recent)
+        if judged == 0 or refused <= STORM_SHARE * judged:
+            return None
+        seen = sorted({i for _, j in self.recent for i in j} - set(self.excluded))
+        hit = {i for r, _ in self.recent for i in r}
+        calm = [i for i in seen if i not in hit]
+        why = (f"{refused} of the last {judged} replies ({WINDOW} rounds) were refused by the norm guard: the chain "
+               "stands still, and its draws would not be the posterior")
+        if calm and len(calm) < len(seen) / 2:
+            why += (f"; client {', '.join(map(str, calm))} alone had every reply accepted: the likely cause is a "
+                    "lie of theirs that moved the chain or its anchor")
+        if self.mode == "fixed":
+            why += f"; or norm-bound = {self.fixed:g} is below what honest clients send here: raise it or use auto"
+        return why
 
     def limit_of(self, i: int, norms: dict[int, float], given: float | None = None) -> float:
         """Client ``i``'s limit on the norm this round (for messages), its probation counted as it
@@ -183,11 +221,12 @@ class NormGuard:
                 "own": {str(i): list(o) for i, o in self.own.items()},
                 "accepted": {str(i): n for i, n in self.accepted.items()},
                 "streak": {str(i): n for i, n in self.streak.items()},
-                "excluded": {str(i): k for i, k in self.excluded.items()}}
+                "excluded": {str(i): k for i, k in self.excluded.items()},
+                "recent": [[r, j] for r, j in self.recent]}
 
     def restore(self, s) -> None:
         """The state of :meth:`state`; ``GuardStateError`` naming the part that is not."""
-        for part in (self.pool, self.own, self.accepted, self.streak, self.excluded):
+        for part in (self.pool, self.own, self.accepted, self.streak, self.excluded, self.recent):
             part.clear()
         if s is None:  # a checkpoint from before this rule: start afresh
             return
@@ -199,6 +238,8 @@ class NormGuard:
         try:
             for rnd in list(s.get("pool", []))[-WINDOW:] if same else ():
                 self.pool.append([(self._client(i), self._value(v)) for i, v in rnd])
+            for r, j in list(s.get("recent", []))[-WINDOW:] if same else ():  # absent before the storm rule
+                self.recent.append(([self._client(i) for i in r], [self._client(i) for i in j]))
             for i, o in dict(s.get("own", {}) if same else {}).items():
                 self.own[self._client(i)] = deque((self._value(v) for v in list(o)[-OWN:]), maxlen=OWN)
             parts = (("accepted", self.accepted), ("streak", self.streak)) if same else ()
