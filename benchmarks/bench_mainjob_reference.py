@@ -181,8 +181,8 @@ def main(argv=None):
     ap.add_argument("--runs", nargs="*", default=[], help="run folders (qlsd-pp/ of a main job) to compare")
     ap.add_argument("--rebuild", action="store_true", help="run HMC again even if the cache exists")
     ap.add_argument("--sweep", nargs="*", default=[],
-                    help="main-job overrides as JSON objects (e.g. '{\"gamma-c\": 0.5}'), each run on the vectorised "
-                         "engine (the Ray engine's chains bit for bit) and compared: TV, R-hat, ESS, bits")
+                    help="main-job overrides as JSON objects (e.g. '{\"gamma-c\": 0.5}'), each run without Ray (the "
+                         "Ray engine's chains bit for bit) and compared: TV, R-hat, ESS, bits")
     ap.add_argument("--out", default=None, help="with --sweep: a JSON file under benchmarks/ for the rows")
     a = ap.parse_args(argv)
     if CACHE.exists() and not a.rebuild:
@@ -207,8 +207,9 @@ def main(argv=None):
 
 
 def sweep_row(over: dict, ref: dict, base: float) -> dict:
-    """The main job with ``over`` on the vectorised engine: its predictive's TV to the reference (÷ the reference's
-    halves'), the held-out verdict's R-hat and ESS, the calibration, the bits and the wall time."""
+    """The main job with ``over`` (on the vectorised engine, or in-process with the coded broadcast, which the
+    vectorised engine does not send): its predictive's TV to the reference (÷ the reference's halves'), the
+    held-out verdict's R-hat and ESS, the calibration, the bits and the wall time."""
     from benchmarks.smoke import folder
     from qlsd_flwr.evaluation import evaluate as E
     from qlsd_flwr.experiments.mainjob import QLSD_MAIN
@@ -216,8 +217,10 @@ def sweep_row(over: dict, ref: dict, base: float) -> dict:
 
     smoke = {"num-rounds": 12, "burn-in": 4, "thin": 1, "metric-rank": 0, "opt-rounds": 30,
              "opt-accept-unconverged": True} if SMOKE else {}
-    cfg = {**QLSD_MAIN, "engine": "vectorised", "vectorised-backend": "numpy", "progress": False, "loo": "off",
+    cfg = {**QLSD_MAIN, "vectorised-backend": "numpy", "progress": False, "loo": "off",
            "output-dir": str(folder("/tmp/bench_mainjob_reference")), **over, **smoke}
+    if "engine" not in over:  # the Ray engine's chains, bit for bit, without Ray: the vectorised engine sends θ in full
+        cfg["engine"] = "vectorised" if cfg.get("downlink", "off") == "off" else "inprocess"
     t = time.perf_counter()
     q = run(cfg)
     wall = time.perf_counter() - t

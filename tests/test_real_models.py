@@ -156,7 +156,7 @@ def test_fedavg_comparison_end_to_end_on_ray(tmp_path, capsys):
     rc = run_main_job({"task": "logistic", "dataset": "breast_cancer", "model": "logistic",
                        "partition": "auto", "num-clients": b, "prior-var": 0.02, "s": "16",
                        "l": 20, "gamma": GAMMA, "batch-fraction": 0.2, "num-rounds": 300,
-                       "burn-in": 100, "thin": 2, "engine": "vectorised", "progress": False,
+                       "burn-in": 100, "thin": 2, "engine": "vectorised", "downlink": "off", "progress": False,
                        "output-dir": str(tmp_path), "run-name": "job", "fedavg-rounds": R,
                        "fedavg-epochs": 1})
     assert rc == 0
