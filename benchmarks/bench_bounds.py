@@ -131,7 +131,7 @@ def rows(tmp: Path) -> list[dict]:
 
     # LOO replies: +50 a point on a classification task, and above the Gaussian density's peak
     from qlsd_flwr.outputs import loo as L
-    from qlsd_flwr.robust.loo import log_lik_ceiling
+    from qlsd_flwr.outputs.loo import log_lik_ceiling
     from qlsd_flwr.tasks import loading
 
     for name, o in (("classification (breast_cancer)", {"task": "logistic", "dataset": "breast_cancer",

@@ -4,7 +4,7 @@
     python benchmarks/bench_metric.py --logistic      # ESS per round and per second, logistic breast_cancer/digits
     python benchmarks/bench_metric.py --mainjob       # the main job's chains (vectorised engine), metric vs identity
     python benchmarks/bench_metric.py --mainjob-steps # the main job's step c against QSGD's s (kronecker metric)
-    python benchmarks/bench_metric.py --mainjob-rank  # the main job now (metric-rank = 150) against its former settings
+    python benchmarks/bench_metric.py --mainjob-rank  # the main job of 2026-11-27 to 12-02 (metric-rank = 150) against its former settings
     python benchmarks/bench_metric.py --bnn           # the quickstart's wine network against full-batch HMC
     python benchmarks/bench_metric.py --bnn-digits    # an MLP on digits (d = 1,210) against full-batch HMC
 

@@ -562,6 +562,10 @@ def test_a_chain_whose_replies_are_mostly_refused_stops_naming_the_likely_cause(
         run({**GAUSS, "variant": "qlsd-pp", "norm-bound": 1e-9, "output-dir": str(tmp_path), "run-name": "tiny"})
     s = json.loads((tmp_path / "tiny" / "summary.json").read_text())
     assert s["diverged_at_round"] == WINDOW and "stands still" in s["error"] and "diverged" not in str(info.value)
+    with pytest.raises(DivergenceError, match=r"stopped at round 32 in chain 0 .*stands still") as two:
+        run({**GAUSS, "variant": "qlsd-pp", "norm-bound": 1e-9, "num-chains": 2, "output-dir": str(tmp_path),
+             "run-name": "two"})
+    assert "diverged" not in str(two.value) and "smaller gamma" not in str(two.value)
     g = NormGuard(5.0, 5)  # client 3 alone under B: the odd one out is named
     for k in range(WINDOW):
         g.judge({0: 9.0, 1: 9.0, 2: 9.0, 3: 1.0, 4: 9.0}, k)

@@ -316,7 +316,8 @@ def test_a_gaussian_log_density_above_its_peak_is_refused_and_honest_ones_pass(t
     bound there): a reply above it is refused naming the peak, with every mode; the honest replies pass, and the
     ceiling the engines pass is that peak."""
     from qlsd_flwr.config import resolve
-    from qlsd_flwr.robust.loo import LooError, check_reply, log_lik_ceiling
+    from qlsd_flwr.outputs.loo import log_lik_ceiling
+    from qlsd_flwr.robust.loo import LooError, check_reply
 
     o = {"task": "gaussian", "dim": 5, "num-clients": 4, "num-chains": 2, "num-rounds": 120, "burn-in": 40,
          "gamma": 1e-3, "progress": False, "engine": "vectorised", "loo": "off", "output-dir": str(tmp_path),

@@ -205,7 +205,7 @@ def metric_from_curvature(kind: str, reports: dict[int, np.ndarray], n_data, pri
     down to that cap (``curvature_scaled``). Then each report is held to the others'
     (:func:`~qlsd_flwr.robust.reports.cap_leave_one_out`): ``P_0 + Σ_k H_k`` is at most
     ``1 + FACTOR_SHARE · N_i/N_{−i}`` times ``P_0 + Σ_{k≠i} H_k`` in every direction (every coordinate for
-    the diagonal), so one client shrinks ``M`` along any direction by at most that factor (2× for one
+    the diagonal), so one client shrinks ``M`` along any direction by at most that factor (17.7× for one
     client of ten equal ones), whatever its report's form; a dense rank-1 report shrank ``M`` 36× under
     the diagonal-entry cap alone. A report held down slows the chain in those directions and never
     biases it (any SPD ``M`` keeps ``π`` stationary up to ``O(γ)``). A direction no report and no prior

@@ -27,7 +27,6 @@ from qlsd_flwr.core.potential import Task
 from qlsd_flwr.protocol.traffic import count_claims
 from qlsd_flwr.protocol import broadcast, precondition
 from qlsd_flwr.outputs import loo
-from qlsd_flwr.robust.loo import log_lik_ceiling
 from qlsd_flwr.outputs.checkpoint import resume_dir
 from qlsd_flwr.outputs.warmup import warmup_store
 from qlsd_flwr.outputs.observer import RunOutputs
@@ -106,7 +105,7 @@ def run_local(cfg: RunConfig, task: Task | None = None, write: bool = True,
     summary = server.finish()
     if server.run_dir is not None:  # the federated LOO, each client's part computed as its node would
         loo.attach(server.run_dir, cfg.get("loo"), task.n_data, loo.local_ask(task.clients, cfg.get("loo")), summary,
-                   ceiling=log_lik_ceiling(cfg))
+                   ceiling=loo.log_lik_ceiling(cfg))
     trace = np.array(server.trace) if keep_trace else None
     return RunResult(summary=summary, run_dir=server.run_dir, trace=trace, server=server.state, clients=states)
 

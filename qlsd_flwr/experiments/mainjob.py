@@ -23,7 +23,7 @@ paper's weight decay 5).
   ``benchmarks/bench_mainjob_reference.py``, ``benchmarks/RESULTS.md``): until 2026-12-02 the job ran
   600 rounds at ``gamma-c = 1``, which mixed within five minutes but whose predictive sat 3.47× the
   reference's own half-vs-half TV away (the MAP plug-in: 2.80×). At ``gamma-c = 0.5`` the step's bias
-  is within the target (1.6–1.8×, ≤ 2×); the smaller step needs 1,200 rounds to mix (worst test point
+  is within the target (1.6–1.7×, ≤ 2×); the smaller step needs 1,200 rounds to mix (worst test point
   R-hat ≤ 1.05, ESS ≥ 100), and the compressed broadcast keeps the doubled rounds' downlink 14×
   smaller, so the whole run moves about half the bits of before. K-FAC alone leaves the preconditioned
   curvature's condition number at 136; the correction brings it to about 10. ``s = 16`` rather

@@ -41,7 +41,6 @@ from qlsd_flwr.flower.client_app import (
     setup_for_config,
 )
 from qlsd_flwr.outputs import loo
-from qlsd_flwr.robust.loo import log_lik_ceiling
 from qlsd_flwr.outputs.observer import RunOutputs
 from qlsd_flwr.protocol import build
 from qlsd_flwr.protocol.client import handle
@@ -126,7 +125,7 @@ class LegacyQLSDStrategy(LegacyStrategy):
     def _attach(self, got: dict) -> None:
         """:func:`qlsd_flwr.outputs.loo.attach` with the replies ``got`` (asked in configure_evaluate)."""
         loo.attach(self.server.run_dir, self.cfg.get("loo"), self.task.n_data, lambda draws, reff: got,
-                   self.server.summary_data, ceiling=log_lik_ceiling(self.cfg))
+                   self.server.summary_data, ceiling=loo.log_lik_ceiling(self.cfg))
 
     def evaluate(self, server_round, parameters):
         return None

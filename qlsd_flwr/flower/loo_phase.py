@@ -13,7 +13,6 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 
 from qlsd_flwr.outputs import loo
-from qlsd_flwr.robust.loo import log_lik_ceiling
 from qlsd_flwr.flower.records import ARRAYS, RECORD, config_record
 
 
@@ -64,4 +63,4 @@ def after_sampling(strategy, grid) -> None:
     n_data = [strategy.nodes.n_data.get(i, 1) for i in range(cfg.b)]
     ask = asker(grid, strategy.nodes.node_of, cfg.b, cfg.get("loo"), strategy._timeout)
     loo.attach(strategy.run_dir, cfg.get("loo"), n_data, ask, strategy.server.summary_data,
-               ceiling=log_lik_ceiling(cfg))
+               ceiling=loo.log_lik_ceiling(cfg))

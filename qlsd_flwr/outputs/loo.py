@@ -183,6 +183,19 @@ def excluded_clients(summary: dict | None) -> dict[int, str]:
     return {i: "excluded " + ", ".join(r) for i, r in sorted(out.items())}
 
 
+def log_lik_ceiling(cfg) -> float | None:
+    """The largest log-likelihood one point can have under the run's model (``cfg``: its ``task`` and ``dim``):
+    0 for the classification tasks, ``−(d/2) log 2π`` for the toy Gaussian (unit covariance), ``None`` (no
+    ceiling known) for a user's potential."""
+    from qlsd_flwr.config import CLASSIFICATION_TASKS
+
+    if cfg.task in CLASSIFICATION_TASKS:
+        return 0.0
+    if cfg.task == "gaussian":
+        return -0.5 * int(cfg.get("dim")) * float(np.log(2.0 * np.pi))
+    return None
+
+
 def federated(samples_nc, mode: str, n_data, ask: Callable[[np.ndarray, float], dict], ceiling: float | None = None,
               left_out: dict[int, str] | None = None) -> dict:
     """The federated LOO of a finished run: reads the kept draws from ``samples_nc``, calls

@@ -35,7 +35,7 @@ import numpy as np
 from qlsd_flwr.config import RunConfig, check_memory
 from qlsd_flwr.core.potential import Task
 from qlsd_flwr.protocol import build
-from qlsd_flwr.protocol.divergence import DivergenceError, divergence_message
+from qlsd_flwr.protocol.divergence import DivergenceError, divergence_message, saved_where
 from qlsd_flwr.protocol.facts import summary_extra
 from qlsd_flwr.protocol.server import QLSDServer
 from qlsd_flwr.protocol.snapshot import resume_snapshot
@@ -255,10 +255,15 @@ class ChainSet:
 
     def _diverged(self, round_: int, c: int, exc: DivergenceError) -> None:
         obs = self.observer
-        msg = divergence_message(round_, self.cfg.gamma, obs.run_dir if obs is not None else None,
-                                 obs.last_checkpoint if obs is not None else None,
-                                 where=f" in chain {c} (seed {int(self.cfg.seed) + c})",
-                                 why=getattr(exc, "why", "θ is not finite"), stable=build.stable_gamma(self.task, self.ts_info))
+        run_dir, last = (obs.run_dir, obs.last_checkpoint) if obs is not None else (None, None)
+        why = getattr(exc, "why", "θ is not finite")
+        if getattr(exc, "stalled", False):  # not run away: most replies refused, the chain stands still
+            msg = (f"the run stopped at round {round_} in chain {c} (seed {int(self.cfg.seed) + c}): {why}."
+                   + saved_where(round_, run_dir, last))
+        else:
+            msg = divergence_message(round_, self.cfg.gamma, run_dir, last,
+                                     where=f" in chain {c} (seed {int(self.cfg.seed) + c})",
+                                     why=why, stable=build.stable_gamma(self.task, self.ts_info))
         log.error(msg)
         if obs is not None:
             self.ts_info = {**self.ts_info, "diverged_at_round": round_, "diverged_chain": c, "error": msg}

@@ -50,7 +50,7 @@ def stop_server(server, round_: int, why: str = "θ is not finite", stable: floa
         server.ts_info = {**server.ts_info, "diverged_at_round": round_, "error": msg}
         server.finish()  # the observer closes its folder (samples up to round_ - 1), keeps run_dir
     err = DivergenceError(msg)
-    err.why = why
+    err.why, err.stalled = why, stalled
     raise err
 
 

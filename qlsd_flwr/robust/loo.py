@@ -1,6 +1,6 @@
 """The bound on a client's LOO reply (:mod:`qlsd_flwr.outputs.loo`): its shape from the client's
 handshake ``N_i`` and the number of draws, finite values within :data:`VALUE_MAX`, and no log-likelihood
-above the largest the model allows (:func:`log_lik_ceiling`): 0 for a discrete likelihood (the
+above the largest the model allows (:func:`qlsd_flwr.outputs.loo.log_lik_ceiling`): 0 for a discrete likelihood (the
 classification tasks: a probability is at most 1, so a reply of +50 a point, elpd +4,947 on a classification
 task before this rule, cannot be honest), and the density's peak for the toy Gaussian's ``N(y; θ, I)``,
 ``−(d/2) log 2π``. Every term a reply holds (``log p(y_j | θ_s)``, and the log predictives ``elpd_loo,j`` and
@@ -24,22 +24,9 @@ class LooError(ValueError):
     without it)."""
 
 
-def log_lik_ceiling(cfg) -> float | None:
-    """The largest log-likelihood one point can have under the run's model (``cfg``: its ``task`` and ``dim``):
-    0 for the classification tasks, ``−(d/2) log 2π`` for the toy Gaussian (unit covariance), ``None`` (no
-    ceiling known) for a user's potential."""
-    from qlsd_flwr.config import CLASSIFICATION_TASKS
-
-    if cfg.task in CLASSIFICATION_TASKS:
-        return 0.0
-    if cfg.task == "gaussian":
-        return -0.5 * int(cfg.get("dim")) * float(np.log(2.0 * np.pi))
-    return None
-
-
 def check_reply(payload, n_i: int, S: int, mode: str, ceiling: float | None = None) -> np.ndarray:
     """The reply as an array of its mode's shape; :class:`LooError` naming what is wrong. ``ceiling``: the
-    largest log-likelihood the model allows a point (:func:`log_lik_ceiling`); every log-likelihood and log
+    largest log-likelihood the model allows a point (:func:`qlsd_flwr.outputs.loo.log_lik_ceiling`); every log-likelihood and log
     predictive above it (by more than float64's rounding) is refused."""
     rows = S if mode == "pointwise" else 3
     if not isinstance(payload, (bytes, bytearray, np.ndarray)):

@@ -14,7 +14,6 @@ from qlsd_flwr.protocol import precondition
 from qlsd_flwr.core.metric import Identity, to_array
 from qlsd_flwr.core.potential import GaussianPrior, Task
 from qlsd_flwr.outputs import loo
-from qlsd_flwr.robust.loo import log_lik_ceiling
 from qlsd_flwr.engines.vectorised.numba_backend import NumbaChains
 from qlsd_flwr.engines.vectorised.runaway import first_bad_round, runaway_limits
 from qlsd_flwr.engines.vectorised.numpy_backend import NumpyGeneric, Sequential
@@ -271,7 +270,7 @@ def run_side_by_side(cfgs, task: Task | None = None, write: bool = False, keep_t
             (run_dirs[v] / "summary.json").write_text(dumps(summary, indent=2))
             mode = cfgs[v].get("loo")  # the federated LOO, each client's part computed as its node would
             loo.attach(run_dirs[v], mode, task.n_data, loo.local_ask(task.clients, mode), summary,
-                       ceiling=log_lik_ceiling(cfgs[v]))
+                       ceiling=loo.log_lik_ceiling(cfgs[v]))
         else:
             summary = extra
         results.append(VectorisedResult(summary=summary, run_dir=run_dirs[v], stats=st,
