@@ -250,6 +250,19 @@ def test_draws_too_heavy_for_one_message_leave_the_loo_out_naming_the_remedy(tmp
     assert not asked and "MiB" in s["error"] and "loo = off" in s["error"]
 
 
+def _edited(honest, client: int, edit):
+    """The asker ``honest`` with ``client``'s psis reply (``(3, N_i)``: loo_i, lppd_i, k̂) changed in place by
+    ``edit``."""
+    def ask(draws, reff):
+        got = honest(draws, reff)
+        a = np.frombuffer(bytes(got[client]), dtype="<f8").reshape(3, -1).copy()
+        edit(a)
+        got[client] = a.astype("<f8").tobytes()
+        return got
+
+    return ask
+
+
 def _client_one_lies(tmp_path):
     """A short classification run (loo off) and two askers for its LOO: the honest clients', and the
     same with client 1 adding 50 to each of its points' loo_i and lppd_i."""
@@ -260,12 +273,10 @@ def _client_one_lies(tmp_path):
     task = task_of(o)
     honest = L.local_ask(task.clients, "psis")
 
-    def lying(draws, reff):
-        got = honest(draws, reff)
-        a = np.frombuffer(bytes(got[1]), dtype="<f8").reshape(3, -1).copy()
+    def plus_50(a):
         a[:2] += 50.0  # loo_i and lppd_i, +50 a point
-        got[1] = a.astype("<f8").tobytes()
-        return got
+
+    lying = _edited(honest, 1, plus_50)
 
     return out, task, honest, lying
 
@@ -330,12 +341,10 @@ def test_a_gaussian_log_density_above_its_peak_is_refused_and_honest_ones_pass(t
     task = task_of(o)
     honest = L.local_ask(task.clients, "psis")
 
-    def lying(draws, reff):
-        got = honest(draws, reff)
-        a = np.frombuffer(bytes(got[0]), dtype="<f8").reshape(3, -1).copy()
+    def above_peak(a):
         a[0, 0] = peak + 1.0  # one point's elpd_loo just above the density's peak
-        got[0] = a.astype("<f8").tobytes()
-        return got
+
+    lying = _edited(honest, 0, above_peak)
 
     other = tmp_path / "copy"
     shutil.copytree(out.run_dir, other)
