@@ -32,7 +32,7 @@ from bench_theta_star_lie import posterior_without  # noqa: E402
 from smoke import out, small  # noqa: E402
 from test_claims_scale import scaled_liar  # noqa: E402
 from test_metric import _curvature_mod  # noqa: E402
-from test_metric_bounds import _honest, _metric, _shrink  # noqa: E402
+from test_metric_bounds import _honest, _metric, _shrink, kron_attack  # noqa: E402
 from test_products_scale import scaled_products  # noqa: E402
 
 from qlsd_flwr.config import resolve  # noqa: E402
@@ -128,6 +128,17 @@ def rows(tmp: Path) -> list[dict]:
                                    "flattest direction",
                          "bound": f"M shrinks ≤ {1 + FACTOR_SHARE / 9:.1f}× in every direction",
                          "measured": f"{after:.1f}× (the diagonal-entry cap alone: {before:.3g}×)"})
+
+    # K-FAC's factors (framework-free, as the dense row): rank-1 factors within the trace cap
+    import pytest
+
+    for F, K in ((9, 3), (17, 5)):
+        r = kron_attack(F, K, pytest.MonkeyPatch())
+        out_rows.append({"kind": f"curvature reports (Kronecker, {F} inputs × {K} classes)",
+                         "attack": "one of ten: G and A rank-1 at 9× the honest per-datum trace, along the flattest "
+                                   "input and one class",
+                         "bound": f"M shrinks ≤ {r['bound']:.1f}× in every direction",
+                         "measured": f"{r['after'][0]:.1f}× (the trace cap alone: {r['before']:.3g}×)"})
 
     # LOO replies: +50 a point on a classification task, and above the Gaussian density's peak
     from qlsd_flwr.outputs import loo as L

@@ -36,4 +36,9 @@ def test_the_chain_is_the_recorded_one(name, engine, over, tmp_path):
     got = golden.run_cell(engine, over, tmp_path)
     want = WANT[name]
     assert got.shape == want.shape
-    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12 * float(np.max(np.abs(want))))
+    # K-FAC's metric on the logistic task comes from LAPACK's eigh of G = Σ x̃x̃ᵀ, whose eigenvalues repeat (digits'
+    # blank pixels: a zero eigenspace) and span 1e7: another machine's BLAS returns another basis of those spaces and
+    # the metric moves by ~κ·ε. Measured on a second machine: 2.1e-9 relative after 25 rounds (the recording
+    # machine: bit for bit). A changed chain moves by whole QSGD levels, ≥ 1e-3.
+    rtol = 1e-7 if "kron" in name else 1e-12
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * float(np.max(np.abs(want))))

@@ -98,3 +98,77 @@ def test_honest_clients_with_uneven_shares_are_never_held_and_too_few_clients_ar
     # the allowance follows the clamped N_i: a claim of 10^12 counts as REPORT_CAP × the median
     big = share_allowance(np.array([10, 10, 10, 10**12]), range(4))
     assert big[3] == pytest.approx(FACTOR_SHARE * REPORT_CAP * 10 / 30)
+
+
+def _kron_honest(b: int, F: int, K: int, n: int, seed: int = 0):
+    """``b`` clients' K-FAC reports (``n`` inputs each, features of scales 1 to 1e-3 and the bias's 1; softmax
+    probabilities from a Dirichlet) in one layout."""
+    gen = np.random.default_rng(seed)
+    scale = np.append(np.geomspace(1.0, 1e-3, F - 1), 1.0)
+    perm = np.arange(F * K)
+    reps = {}
+    for i in range(b):
+        X = np.hstack([gen.normal(size=(n, F - 1)), np.ones((n, 1))]) * scale
+        p = gen.dirichlet(np.ones(K), size=n)
+        reps[i] = {"G": X.T @ X, "A": np.diag(p.sum(0)) - p.T @ p, "perm": perm}
+    return reps
+
+
+def _kron_dense(reps, n, lam0, d):
+    m, info = cv.metric_from_kronecker({i: dict(r) for i, r in reps.items()}, n, np.full(d, lam0), d)
+    return np.stack([m.apply(e) for e in np.eye(d)], axis=1), info
+
+
+def _kron_lie(F: int, K: int):
+    """Ten honest clients' reports and the same with client 4 spending 9× the honest per-datum trace of G along the
+    layer's flattest input direction and of A along one class: under the trace cap, so only the rule sees it."""
+    b = 10
+    reps = _kron_honest(b, F, K, 50)
+    tr_g = np.median([np.trace(r["G"]) for r in reps.values()])
+    tr_a = np.median([np.trace(r["A"]) for r in reps.values()])
+    u = np.linalg.eigh(sum(r["G"] for r in reps.values()))[1][:, 0]
+    w = np.linalg.eigh(sum(r["A"] for r in reps.values()))[1][:, -1]
+    lie = {**reps, 4: {**reps[4], "G": 9.0 * tr_g * np.outer(u, u), "A": 9.0 * tr_a * np.outer(w, w)}}
+    return reps, lie, np.full(b, 50)
+
+
+def kron_attack(F: int, K: int, monkeypatch) -> dict:
+    """The shrink of ``M`` (largest, smallest, over all directions) that :func:`_kron_lie`'s client causes with and
+    without the rule, against the honest run; ``bound``: ``1 + κ_4``."""
+    lam0, d = 0.2, F * K
+    reps, lie, n = _kron_lie(F, K)
+    honest_m, honest_info = _kron_dense(reps, n, lam0, d)
+    with monkeypatch.context() as mp:  # the trace cap alone, as before the rule: the attack's reach without it
+        mp.setattr(cv, "cap_kron_leave_one_out", lambda *a: [])
+        old, old_info = _kron_dense(lie, n, lam0, d)
+    got, info = _kron_dense(lie, n, lam0, d)
+    return {"honest_held": honest_info["curvature_scaled"], "old_held": old_info["curvature_scaled"],
+            "before": _shrink(honest_m, old)[0], "after": _shrink(honest_m, got), "info": info,
+            "bound": 1.0 + FACTOR_SHARE / 9.0}  # 17.7: one client of ten equal ones
+
+
+@pytest.mark.parametrize("F,K", [(9, 3), (17, 5)])
+def test_a_kronecker_report_within_the_trace_cap_shrinks_the_metric_at_most_by_the_derived_factor(F, K, monkeypatch):
+    # K-FAC's factors kept only a trace cap: the lie shrank M 3.3e3× and 4.4e3×; the rule holds it to 1 + κ_i
+    r = kron_attack(F, K, monkeypatch)
+    assert r["honest_held"] == [] and r["old_held"] == []  # ten honest clients: none held; the lie: unseen
+    assert r["before"] > 5 * r["bound"]
+    most, least = r["after"]
+    assert r["info"]["curvature_scaled"] == [4] and "held to 1 + 150" in r["info"]["curvature_scaled_why"][4]
+    assert most <= r["bound"] * (1 + 1e-6) and least >= 1.0 / r["bound"] * (1 - 1e-6)
+
+
+def test_honest_kronecker_reports_of_uneven_clients_are_never_held_and_large_layers_take_the_lanczos_path():
+    from qlsd_flwr.robust.reports import _top, cap_kron_leave_one_out, clamped_counts
+
+    # F·K = 90 > 64: the largest eigenvalue by Lanczos, checked against the dense one
+    gen = np.random.default_rng(3)
+    B = gen.normal(size=(90, 90))
+    S = B @ B.T
+    assert _top(lambda y: S @ y, 90) == pytest.approx(float(np.linalg.eigvalsh(S)[-1]), rel=1e-8)
+    reps = _kron_honest(6, 18, 5, 40, seed=2)
+    n = np.array([400, 40, 40, 40, 40, 40])
+    reps[0] = {**reps[0], "G": reps[0]["G"] * 10.0, "A": reps[0]["A"] * 10.0}  # a tenfold client, honest per datum
+    before = {i: dict(r) for i, r in reps.items()}
+    got = cap_kron_leave_one_out(reps, 0.2, share_allowance(n, reps), clamped_counts(n, reps))
+    assert got == [] and all(reps[i]["G"] is before[i]["G"] for i in reps)

@@ -20,8 +20,8 @@ from qlsd_flwr.core import rng
 from qlsd_flwr.core.kron import Kron
 from qlsd_flwr.core.lowrank import fd_step
 from qlsd_flwr.core.metric import Dense, Diagonal, Kronecker, Metric, MetricError
-from qlsd_flwr.robust.reports import (FACTOR_SHARE, REPORT_CAP, REPORT_MAX, ReportError, cap_leave_one_out, cap_reports,
-                                     clamped_counts, lower_median, share_allowance)
+from qlsd_flwr.robust.reports import (FACTOR_SHARE, REPORT_CAP, REPORT_MAX, ReportError, cap_kron_leave_one_out,
+                                     cap_leave_one_out, cap_reports, clamped_counts, lower_median, share_allowance)
 
 #: ``gamma = auto`` sets ``γ = c / λ_max(M^{1/2} ∇²U(θ*) M^{1/2})`` with this ``c``. With exact
 #: gradients on a Gaussian, a direction of curvature ``λ`` has stationary variance
@@ -151,11 +151,11 @@ def metric_from_kronecker(reports: dict[int, dict], n_data, prior_curv: np.ndarr
     """K-FAC's ``M = (G ⊗ Ā + λ_0 I)^{-1}`` (:class:`Kron`) from the valid reports. The layout
     ``perm`` is the one most reports give (the others are refused, ``curvature_rejected``); each
     report's per-datum scales ``tr G_i / N_i`` and ``tr A_i / N_i`` are capped at
-    :data:`REPORT_CAP` times the lower median, as for the diagonal. (Not held to the others' as the
-    diagonal and dense reports are: the prior enters ``M⁻¹`` beside ``G ⊗ Ā``, not in either factor, so a
-    factor's leave-one-out bound has no floor, and honest reports of a pixel or class only one client sees
-    would be cut; issue 38 leaves this open.) ``λ_0`` is the prior's mean
-    curvature (exact for the isotropic Gaussian prior)."""
+    :data:`REPORT_CAP` times the lower median, as for the diagonal. Then each report is held to the others' by
+    the diagonal and dense reports' rule, on the whole ``M⁻¹ = G ⊗ Ā + λ_0 I`` rather than on either factor
+    (:func:`~qlsd_flwr.robust.reports.cap_kron_leave_one_out`): one client shrinks ``M`` along any direction by
+    at most ``1 + FACTOR_SHARE · N_i/N_{−i}``. ``λ_0`` is the prior's mean curvature (exact for the isotropic
+    Gaussian prior)."""
     n_data = np.asarray(n_data)
     info: dict = {"curvature_reports": len(reports), "curvature_scaled": [], "curvature_rejected": {}}
     if not reports:
@@ -170,26 +170,30 @@ def metric_from_kronecker(reports: dict[int, dict], n_data, prior_curv: np.ndarr
             info["curvature_rejected"][str(i)] = "a layer shape or layout (perm) other than the other clients'"
             del reports[i]
     n = clamped_counts(n_data, reports)
+    why: dict[int, str] = {}
     for part in ("G", "A"):
         sc = {i: float(np.trace(r[part])) / n[i] for i, r in reports.items()}
         ref = lower_median(sc.values())
         for i in sorted(reports):
             if ref > 0 and sc[i] > REPORT_CAP * ref:
                 reports[i] = {**reports[i], part: reports[i][part] * (REPORT_CAP * ref / sc[i])}
-                info["curvature_scaled"].append(i)
+                why[i] = f"scaled down to {REPORT_CAP:g} × the clients' per-datum curvature"
+    lam0 = float(np.mean(prior_curv))
+    for i in cap_kron_leave_one_out(reports, lam0, share_allowance(n_data, reports), n):
+        why[i] = (why[i] + ", then " if i in why else "") + (f"held to 1 + {FACTOR_SHARE:g} N_i/N_−i times the prior's "
+                                                           "and the other clients' curvature in some direction")
     G = sum(reports[i]["G"] for i in sorted(reports))
     A = sum(reports[i]["A"] for i in sorted(reports)) / float(sum(n.values()))
     if not (np.all(np.isfinite(G)) and np.all(np.isfinite(A))):
         raise MetricError("metric = kronecker: the summed factors are not finite")
     lg, qg = np.linalg.eigh(G)
     la, qa = np.linalg.eigh(A)
-    lam0 = float(np.mean(prior_curv))
     den = np.outer(np.maximum(lg, 0.0), np.maximum(la, 0.0)) + lam0
     pos = den[den > 0]
     if pos.size == 0:
         raise MetricError("metric = kronecker: the curvature is zero and the prior flat; give a prior (prior-var)")
     den = np.maximum(den, max(float(pos.max()) * 1e-12, float(pos.min())))
-    info["curvature_scaled"] = sorted(set(info["curvature_scaled"]))
+    info["curvature_scaled"], info["curvature_scaled_why"] = sorted(why), why
     perm = reports[min(reports)]["perm"]
     return Kronecker(Kron(perm, qg, qa, den)), info
 

@@ -28,10 +28,10 @@ curvature reports, products,       :mod:`.reports`: REPORT_CAP 10 × the  one cl
 surrogate precisions               lower median per datum, REPORT_MAX    ~REPORT_CAP along the largest diagonal
                                    1e150; FSGLD's Λ held to 1/γ          entry;
                                    MAX_BLOCK 256 products a message      a client's cost per message
-diagonal and dense curvature       :mod:`.reports`: FACTOR_SHARE 150:    one client shrinks M along any direction
-reports (the metric)               ``P_0 + Σ H ⪯ (1 + 150 N_i/N_{−i})``  by at most 1 + 150 N_i/N_{−i} (17.7× for
-                                   ``(P_0 + Σ_{k≠i} H_k)``               one of ten); honest maximum 60 N_i/N_{−i}
-                                                                         (``bench_honest_claims.py``)
+diagonal, dense and Kronecker      :mod:`.reports`: FACTOR_SHARE 150:    one client shrinks M along any direction
+curvature reports (the metric)     ``P_0 + Σ H ⪯ (1 + 150 N_i/N_{−i})``  by at most 1 + 150 N_i/N_{−i} (17.7× for
+                                   ``(P_0 + Σ_{k≠i} H_k)``; K-FAC: on    one of ten); honest maximum 60 N_i/N_{−i}
+                                   ``G ⊗ Ā + λ_0 I`` whole               (``bench_honest_claims.py``)
 LOO replies                        :mod:`.loo`: shape from ``N_i``,      sums of many points stay finite;
                                    finite, VALUE_MAX 1e150; at most the  a probability is at most 1, a
                                    model's ceiling (0; the Gaussian's    density at most its peak

@@ -42,7 +42,7 @@ def over_bound(claims, bound: float | None) -> dict[int, str]:
 
 
 #: a claim whose per-datum norm is over this many times the lower median of the clients' is refused: honest
-#: clients measured at most 8.5× over 36 cases (θ* and posterior draws; the toy Gaussian and logistic
+#: clients measured at most 8.5× over 37 cases (θ* and posterior draws; the toy Gaussian and logistic
 #: regression on breast_cancer and digits with Dirichlet(0.5) and (0.1) label splits of 5 to 20 clients of
 #: 1 to 672 points: ``benchmarks/bench_honest_claims.py`` → ``benchmarks/honest_claims.json``); 50 leaves a
 #: factor of 6 for data it did not see, and a ×1e6 lie is 2e4 times past it

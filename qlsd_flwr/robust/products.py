@@ -29,7 +29,7 @@ from qlsd_flwr.robust.claims import POOL_MIN
 from qlsd_flwr.robust.reports import lower_median
 
 #: a client's Hessian-vector product per datum over this many times the lower median of the clients' is
-#: scaled down to it: honest clients measured at most 12.2× over 36 cases (θ* of the toy Gaussian and of
+#: scaled down to it: honest clients measured at most 12.2× over 37 cases (θ* of the toy Gaussian and of
 #: logistic regression on breast_cancer and digits with Dirichlet(0.5) and (0.1) label splits of 5 to 20
 #: clients, along the top eigenvector and 5 random directions: ``benchmarks/bench_honest_claims.py``; a label
 #: split gives clients per-datum curvatures ``p(1 − p) ‖x‖²`` that differ that much), so 50 leaves a factor of 4
