@@ -215,6 +215,11 @@ def main() -> None:
               # QLSD*: judged as c_i + ĝ_i, its claim at θ* plus the difference (docs/DEPLOYMENT.md §9b)
               "logistic dirichlet(0.5) QLSD*": {"task": "logistic", "variant": "qlsd-star", "theta-star": "optimise",
                                                "partition": "dirichlet", "partition-alpha": 0.5},
+              # one client with 343 of 569 points, 49× the median (the claims' clamp counts it as 10×)
+              "logistic dirichlet(0.1) QLSD*": {"task": "logistic", "variant": "qlsd-star", "theta-star": "optimise",
+                                               "partition": "dirichlet", "partition-alpha": 0.1},
+              "logistic dirichlet(0.1)": {"task": "logistic", "variant": "qlsd-pp", "partition": "dirichlet",
+                                          "partition-alpha": 0.1},
               "gaussian (11 to 198 points)": {"task": "gaussian", "variant": "qlsd-pp"},
               "gaussian (11 to 198 points) QLSD*": {"task": "gaussian", "variant": "qlsd-star"}}
     for label, extra in few(splits).items() if "honest" in parts else ():

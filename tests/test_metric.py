@@ -26,7 +26,7 @@ from qlsd_flwr.core.metric import Diagonal, from_array, to_array
 from qlsd_flwr.core.potential import GaussianPrior, Task
 from qlsd_flwr.engines.vectorised import run_vectorised
 from qlsd_flwr.outputs.recorder import load_samples
-from qlsd_flwr.robust.reports import REPORT_CAP, ReportError
+from qlsd_flwr.robust.reports import N_CLAIM_CAP, REPORT_CAP, ReportError
 from qlsd_flwr.run.simulate import run
 
 
@@ -511,12 +511,12 @@ def test_curvature_reports_that_would_overflow_or_misclaim_their_size_cannot_bre
         cv.check_report(huge, "diagonal", d)
     with pytest.raises(ReportError, match="above"):
         cv.check_report(np.full((d, d), 1.5e308), "dense", d)
-    # a client claiming N_i = 10^12 is scaled as if it held at most REPORT_CAP × the median N
+    # a client claiming N_i = 10^12 is scaled as if it held at most N_CLAIM_CAP × the median N
     honest = {i: np.full(d, 10.0) for i in range(3)}
     ref, _ = cv.metric_from_curvature("diagonal", dict(honest), np.array([10, 10, 10]), np.ones(d), d)
     got, info = cv.metric_from_curvature("diagonal", {**honest, 3: np.full(d, 1e13)}, np.array([10, 10, 10, 10**12]),
                                          np.ones(d), d)
-    assert info["curvature_scaled"] == [3] and np.all(got.m > ref.m / (REPORT_CAP * REPORT_CAP + 1))
+    assert info["curvature_scaled"] == [3] and np.all(got.m > ref.m / (REPORT_CAP * N_CLAIM_CAP + 1))
     # a tiny report in a direction nothing else constrains keeps M finite
     tiny = {0: np.array([5e-324, 0, 0, 0]), 1: np.array([0, 1.0, 1.0, 1.0])}
     m, _ = cv.metric_from_curvature("diagonal", tiny, np.array([5, 5]), np.zeros(d), d)

@@ -16,7 +16,7 @@ import pytest
 from scipy.linalg import eigh
 
 from qlsd_flwr.core import curvature as cv
-from qlsd_flwr.robust.reports import FACTOR_SHARE, REPORT_CAP, cap_leave_one_out, cap_reports, share_allowance
+from qlsd_flwr.robust.reports import FACTOR_SHARE, N_CLAIM_CAP, cap_leave_one_out, cap_reports, share_allowance
 
 
 def _honest(b: int, d: int, n: int, seed: int = 0, dense: bool = True):
@@ -95,9 +95,9 @@ def test_honest_clients_with_uneven_shares_are_never_held_and_too_few_clients_ar
     assert all(np.array_equal(reps[i], before[i]) for i in reps)
     two = {0: np.full(d, 1e9), 1: np.ones(d)}
     assert cap_leave_one_out(two, np.zeros(d), share_allowance(np.array([5, 5]), two)) == []
-    # the allowance follows the clamped N_i: a claim of 10^12 counts as REPORT_CAP × the median
+    # the allowance follows the clamped N_i: a claim of 10^12 counts as N_CLAIM_CAP × the median
     big = share_allowance(np.array([10, 10, 10, 10**12]), range(4))
-    assert big[3] == pytest.approx(FACTOR_SHARE * REPORT_CAP * 10 / 30)
+    assert big[3] == pytest.approx(FACTOR_SHARE * N_CLAIM_CAP * 10 / 30)
 
 
 def _kron_honest(b: int, F: int, K: int, n: int, seed: int = 0):

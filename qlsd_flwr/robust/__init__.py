@@ -3,16 +3,16 @@
 Every bound below acts before any state changes: a reply or report over it is refused and counted,
 or scaled down where that keeps the chain unbiased. "Per datum" means divided by the client's data
 count ``N_i`` as :func:`~qlsd_flwr.robust.reports.clamped_counts` gives it (its handshake claim, at
-least 1 and at most ``REPORT_CAP`` times the lower median of the claims): one definition, used by
+least 1 and at most ``N_CLAIM_CAP`` times the lower median of the claims): one definition, used by
 the reply guard and the report caps alike.
 
 =================================  ==================================  =====================================
 what a client sends                the rule and its constants          what it rests on (today)
 =================================  ==================================  =====================================
-sampling replies                   :mod:`.norm_guard`: FACTOR_PROBATION  honest maxima 18.95, 39.8, 7.1 × R over
-                                   30, FACTOR_ROUND 100, FACTOR_STEADY   28 runs, 0 of 498,156 replies refused
+sampling replies                   :mod:`.norm_guard`: FACTOR_PROBATION  honest maxima 24.64, 39.8, 7.1 × R over
+                                   30, FACTOR_ROUND 100, FACTOR_STEADY   36 runs, 0 of 648,208 replies refused
                                    30 (a client's mean over its last     (``bench_byzantine.py --parts honest``
-                                   16) × R, the median over clients of   → ``byzantine_honest.json``)
+                                   16) × R, the median over clients of   → ``byzantine_honest*.json``)
                                    each one's largest reply per datum;
                                    WINDOW 32, OWN 16, OWN_MIN 8, POOL_MIN 3;
                                    STORM_SHARE 0.5: more refused over

@@ -11,7 +11,7 @@ point (θ*, or the refresh's θ_k, a posterior draw): per datum, ``v_i = ‖c_i�
 only. A claim over :data:`FACTOR_CLAIM` times the lower median of the clients' ``v`` is refused and its client
 excluded (it cannot be honest), so the reference is installed without it and the honest majority's replies are
 never refused. What one client can still do: a claim within the factor moves ``∇U(θ*)`` by at most
-``FACTOR_CLAIM · REPORT_CAP · N_i`` times the median per-datum gradient, as a client with unusual data would;
+``FACTOR_CLAIM · N_CLAIM_CAP · N_i`` times the median per-datum gradient, as a client with unusual data would;
 a fixed ``B`` bounds it absolutely.
 """
 

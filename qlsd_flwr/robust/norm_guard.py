@@ -5,7 +5,7 @@ judges each round's valid replies before any state changes. What it measures is 
 gradient estimate the reply makes, ``ĝ_i`` (or ``η_i + ĝ_i`` for the memory variants, whose replies
 are differences with norms spanning orders of magnitude), *per datum*: ``v_i = ‖·‖ / N_i`` with
 ``N_i`` the client's data count (its claim, clamped to
-:data:`~qlsd_flwr.robust.reports.REPORT_CAP` times the lower median of the claims). Every variant's
+:data:`~qlsd_flwr.robust.reports.N_CLAIM_CAP` times the lower median of the claims). Every variant's
 estimate is a sum over the client's data, so honest clients of different sizes have comparable
 ``v_i``. The reference ``R`` is taken over the last :data:`WINDOW` rounds: each client's *largest*
 ``v`` in the window, then the median over the clients. One client is one entry of at least

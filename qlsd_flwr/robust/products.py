@@ -11,7 +11,7 @@ over :data:`FACTOR_PRODUCT` times it is scaled down to that size before the sum 
 before, bit for bit.
 
 **What one client can still do.** Its clipped product is at most ``FACTOR_PRODUCT · N_i · m`` in norm, with ``m``
-the median per-datum product and ``N_i ≤ REPORT_CAP ·`` the median ``N``: against the honest sum, about
+the median per-datum product and ``N_i ≤ N_CLAIM_CAP ·`` the median ``N``: against the honest sum, about
 ``N_{−i} · m`` along the top direction, it moves the Rayleigh quotient up by at most a factor
 ``1 + FACTOR_PRODUCT · N_i / N_{−i}``, so γ down by at most that factor: for one client of ten equal ones,
 ``1 + 50/9 ≈ 6.6`` (against 5,000× before the rule). A negative lie can make the curvature read smaller (γ
