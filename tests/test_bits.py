@@ -100,3 +100,24 @@ def test_flowers_messages_wrap_the_code_lengths_both_ways(tmp_path):
         assert 0 < up <= FRAMING_BYTES * r["n_replied"], r
     s = json.loads((res.run_dir / "summary.json").read_text())
     assert s["bits"]["total"] == s["totals"]["bits_exact"] + s["totals"]["bits_down"]
+
+
+def test_metric_rank_s_products_travel_and_count_as_float32_on_every_engine(tmp_path):
+    # issue 37: float64 bought nothing in the correction's products; they and the block's vectors are float32, on the
+    # wire and in the count, and the direct engine uses the very numbers Flower carries (same chain, same bits)
+    o = {"task": "logistic", "dataset": "breast_cancer", "num-clients": 4, "prior-var": 0.05, "variant": "qlsd-pp",
+         "metric": "diagonal", "metric-rank": 3, "gamma": "auto", "num-rounds": 6, "burn-in": 2, "progress": False,
+         "plot": False, "loo": "off", "output-dir": str(tmp_path)}
+    local = run_local(resolve({**o, "run-name": "local"}))
+    s = json.loads((local.run_dir / "summary.json").read_text())
+    d, b, k, q = s["d"], 4, s["lowrank_block"], s["lowrank_exchanges"]
+    prods = s["bits"]["preparation"]["products"]
+    assert prods["exchanges"] == q > 0
+    assert prods["uplink"] == 32 * k * d * b * q  # each client's k products, 32 bits a number
+    assert prods["downlink"] == (64 * d + 32 * k * d) * b * q  # θ* (float64) and the block (float32)
+    flwr = run_inprocess(resolve({**o, "engine": "inprocess", "run-name": "flwr"}), {**o, "engine": "inprocess"})
+    sf = json.loads((flwr.run_dir / "summary.json").read_text())
+    assert sf["bits"]["preparation"]["products"] == prods
+    from qlsd_flwr.outputs.recorder import load_samples
+
+    assert np.array_equal(load_samples(flwr.run_dir), load_samples(local.run_dir))

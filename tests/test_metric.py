@@ -229,10 +229,11 @@ def _curvature_mod(kind: str, report: str | None = None):
                 or report not in (None, fields.get("kind")):
             return out
         rec = dict(out.content[RECORD])
-        h = np.frombuffer(rec["payload"], dtype="<f8").copy()
+        dt = "<f4" if fields.get("kind") == "hvp" else "<f8"  # products travel as float32
+        h = np.frombuffer(rec["payload"], dtype=dt).copy()
         bad = {"nan": np.full_like(h, np.nan), "negative": -h - 1.0, "huge": h * 1e12 + 1e12,
                "short": h[:-1]}[kind]
-        rec["payload"] = bad.astype("<f8").tobytes()
+        rec["payload"] = bad.astype(dt).tobytes()
         out.content[RECORD] = ConfigRecord(rec)
         return out
 

@@ -49,6 +49,12 @@ LOWRANK_BLOCK = 32
 LOWRANK_EXCHANGES = 20
 #: a Ritz pair is used when its residual ``‖B u − t u‖`` is at most this fraction of ``t``
 RITZ_TOL = 0.1
+#: the vectors of a block and the clients' products travel as float32, on every engine (the numbers are rounded
+#: to it where they are made, so the direct engines use the very values Flower carries): the correction needs
+#: the products to a few digits (its directions are kept when their residual is within :data:`RITZ_TOL`, 10 %), and
+#: float32's 6e-8 moves the Ritz values by about that; float64 doubled the main job's largest preparation exchange
+#: (issue 37, benchmarks/RESULTS.md)
+PRODUCT_DTYPE = np.float32
 #: Ritz values are clipped to at least this, so that one direction of ``M`` grows at most ``1/RITZ_FLOOR``
 #: times over the base metric's
 RITZ_FLOOR = 1e-3
@@ -81,7 +87,11 @@ def local_hvp(pot, theta: np.ndarray, V: np.ndarray) -> np.ndarray:
     """Client ``i``'s ``∇²U_i(θ) v`` for each row ``v`` of ``V`` (``(b, d)`` → ``(b, d)``): the
     potential's own ``hvp_batch(θ, V)`` when it has one (exact), otherwise central differences of
     ``grad_sum`` (``grad_sum_batch`` on the ``2b`` points at once where the potential has it), each
-    row with its own step ``ε = 6e-6 (1 + max|θ|) / max|v|``."""
+    row with its own step ``ε = 6e-6 (1 + max|θ|) / max|v|``. Returned as it travels (:data:`PRODUCT_DTYPE`)."""
+    return _local_hvp(pot, theta, V).astype(PRODUCT_DTYPE)
+
+
+def _local_hvp(pot, theta: np.ndarray, V: np.ndarray) -> np.ndarray:
     V = np.asarray(V, dtype=np.float64)
     if hasattr(pot, "hvp_batch"):
         return np.asarray(pot.hvp_batch(theta, V), dtype=np.float64)

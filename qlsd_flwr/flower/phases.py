@@ -36,7 +36,7 @@ from qlsd_flwr.protocol.traffic import count_claims
 from qlsd_flwr.robust.claims import out_of_scale, over_bound, relative_gap
 from qlsd_flwr.robust.reports import clamped_counts
 from qlsd_flwr.robust.norm_guard import fixed_bound
-from qlsd_flwr.protocol.wire import PhaseError, arr_to_bytes, gradient_of
+from qlsd_flwr.protocol.wire import PhaseError, gradient_of, products_to_bytes
 
 log = logging.getLogger("qlsd_flwr")
 
@@ -174,6 +174,7 @@ class PhaseExchanges:
         validates each."""
         fields = {"phase": "curvature", "round": -1, "theta": theta, "kind": kind}
         if vectors is not None:
-            fields["vectors"] = arr_to_bytes(vectors)
+            fields["vectors"] = products_to_bytes(vectors)
         got = self.ask(grid, fields, timeout, self.clients())
-        return {i: (np.frombuffer(b, dtype="<f8") if len(b) % 8 == 0 else b) for i, b in got.items()}
+        dt = "<f4" if kind == "hvp" else "<f8"  # metric-rank's products travel as float32 (core.lowrank.PRODUCT_DTYPE)
+        return {i: (np.frombuffer(b, dtype=dt) if len(b) % np.dtype(dt).itemsize == 0 else b) for i, b in got.items()}

@@ -33,6 +33,7 @@ from qlsd_flwr.protocol.wire import (
     refuse_undeclared,
     unbundle_request,
     vector,
+    products_to_bytes,
 )
 
 
@@ -47,8 +48,10 @@ def _prepare(spec: ClientSpec, pot: LocalPotential, st: ClientState, fields: dic
         kind = str(fields["kind"])
         if kind not in ("diagonal", "dense", "kronecker", "hvp"):
             raise ValueError(f"curvature: unknown kind {kind!r}; allowed: diagonal, dense, kronecker, hvp")
-        h = local_hvp(pot, theta, block_of(fields.get("vectors"), d)) if kind == "hvp" \
-            else local_curvature(pot, theta, kind, seed, i)
+        if kind == "hvp":
+            h = local_hvp(pot, theta, block_of(fields.get("vectors"), d))
+            return theta, {"client": i, "status": "ok", "payload": products_to_bytes(h.ravel())}
+        h = local_curvature(pot, theta, kind, seed, i)
         return theta, {"client": i, "status": "ok", "payload": arr_to_bytes(h.ravel())}
     # every field is read and checked before any of the client's state changes
     refuse_undeclared(fields, spec.kind.down, "down")
@@ -163,11 +166,11 @@ def _refreshed(spec: ClientSpec, pot: LocalPotential, fields: dict, theta: np.nd
 
 
 def block_of(x, d: int) -> np.ndarray:
-    """The server's block of vectors (``metric-rank``) as ``(b, d)``: float64 bytes of ``b ≤``
+    """The server's block of vectors (``metric-rank``) as ``(b, d)``: float32 bytes of ``b ≤``
     :data:`~qlsd_flwr.robust.reports.MAX_BLOCK` finite rows, else ``ValueError`` saying why."""
-    if not isinstance(x, (bytes, bytearray)) or len(x) == 0 or len(x) % (8 * d):
-        raise ValueError(f"curvature: 'vectors' must be float64 bytes of whole rows of {d}")
-    V = np.frombuffer(bytes(x), dtype="<f8").reshape(-1, d)
+    if not isinstance(x, (bytes, bytearray)) or len(x) == 0 or len(x) % (4 * d):
+        raise ValueError(f"curvature: 'vectors' must be float32 bytes of whole rows of {d}")
+    V = np.frombuffer(bytes(x), dtype="<f4").reshape(-1, d)
     if V.shape[0] > MAX_BLOCK or not np.all(np.isfinite(V)):
         raise ValueError(f"curvature: 'vectors' must be at most {MAX_BLOCK} finite rows")
     return V

@@ -75,8 +75,10 @@ def lowrank_correction(cfg: RunConfig, task: Task, point: np.ndarray, curv_fn: C
     prior_c = prior_curvature(task, point)
     d = task.dim
 
-    def products(W):
-        return lr.summed_products(curv_fn(point, "hvp", W), n_data, W.shape[0], d, info, log) + W * prior_c
+    def products(W):  # the block as it travels (float32), so the prior's part multiplies what the clients' did
+        W = np.asarray(W, dtype=lr.PRODUCT_DTYPE)
+        return lr.summed_products(curv_fn(point, "hvp", W), n_data, W.shape[0], d, info, log) + W.astype(np.float64) \
+            * prior_c
 
     low, linfo = lr.correction(products, metric.apply_root, metric.apply_root_t, d, lowrank_rank(cfg), cfg.seed)
     info.update(linfo)

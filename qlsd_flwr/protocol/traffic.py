@@ -4,7 +4,7 @@ Every engine hands :func:`qlsd_flwr.protocol.precondition.prepare` the same two 
 (``grad_fn``, ``curv_fn``); :func:`counted` wraps them so that each exchange adds its code lengths to a
 :class:`Traffic`: a gradient exchange sends θ to each of the ``b`` clients (``64 d`` bits each) and gets
 ``∇U_i(θ)`` back (``64 d``); a curvature exchange sends θ (and, for Hessian-vector products, the block's
-``k`` vectors, ``64 k d``) and gets each client's report as sent. The kinds (``PREP_KINDS`` of
+``k`` vectors, ``32 k d``: float32) and gets each client's report as sent (products: ``32 k d``). The kinds (``PREP_KINDS`` of
 :mod:`qlsd_flwr.outputs.bits`) follow what the exchange is for: a gradient in the θ* descent is
 ``descent``, in the power iteration for λ_max ``power_iteration``, in the warm-up of ``metric-from =
 adapt`` ``warmup``; a curvature report ``curvature``, a block of products ``products``; the claims at θ*
@@ -104,8 +104,10 @@ def counted(grad_fn, curv_fn, traffic: Traffic):
 
     def curv(th, kind, vectors=None):
         reports = curv_fn(th, kind, vectors) if vectors is not None else curv_fn(th, kind)
-        up = sum(8 * len(h) if isinstance(h, (bytes, bytearray)) else 64 * int(np.size(h)) for h in reports.values())
-        sent = 64 * d + (0 if vectors is None else 64 * int(np.size(vectors)))
+        # as each travels: float64 reports, float32 products and vectors (core.lowrank.PRODUCT_DTYPE)
+        up = sum(8 * len(h) if isinstance(h, (bytes, bytearray)) else 8 * int(np.asarray(h).nbytes)
+                 for h in reports.values())
+        sent = 64 * d + (0 if vectors is None else 8 * int(np.asarray(vectors).nbytes))
         traffic.add("products" if vectors is not None else "curvature", up, sent * b)
         return reports
 
