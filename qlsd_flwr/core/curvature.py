@@ -147,6 +147,18 @@ def _check_kron_report(a: np.ndarray, d: int) -> dict:
     return {"G": _psd(G, "G"), "A": _psd(A, "A"), "perm": perm.astype(np.int64)}
 
 
+#: why a report was scaled (``curvature_scaled_why``; the log names it): the per-datum cap, then the leave-one-out rule
+_CAPPED = f"scaled down to {REPORT_CAP:g} × the clients' per-datum curvature"
+_HELD = (f"held to 1 + {FACTOR_SHARE:g} N_i/N_−i times the prior's and the other clients' curvature in some "
+         "direction")
+
+
+def _held(why: dict[int, str], clients) -> None:
+    """Add the leave-one-out rule to ``why`` for each of ``clients`` (after the per-datum cap's reason, if any)."""
+    for i in clients:
+        why[i] = (why[i] + ", then " if i in why else "") + _HELD
+
+
 def metric_from_kronecker(reports: dict[int, dict], n_data, prior_curv: np.ndarray, d: int) -> tuple[Metric, dict]:
     """K-FAC's ``M = (G ⊗ Ā + λ_0 I)^{-1}`` (:class:`Kron`) from the valid reports. The layout
     ``perm`` is the one most reports give (the others are refused, ``curvature_rejected``); each
@@ -177,11 +189,9 @@ def metric_from_kronecker(reports: dict[int, dict], n_data, prior_curv: np.ndarr
         for i in sorted(reports):
             if ref > 0 and sc[i] > REPORT_CAP * ref:
                 reports[i] = {**reports[i], part: reports[i][part] * (REPORT_CAP * ref / sc[i])}
-                why[i] = f"scaled down to {REPORT_CAP:g} × the clients' per-datum curvature"
+                why[i] = _CAPPED
     lam0 = float(np.mean(prior_curv))
-    for i in cap_kron_leave_one_out(reports, lam0, share_allowance(n_data, reports), n):
-        why[i] = (why[i] + ", then " if i in why else "") + (f"held to 1 + {FACTOR_SHARE:g} N_i/N_−i times the prior's "
-                                                           "and the other clients' curvature in some direction")
+    _held(why, cap_kron_leave_one_out(reports, lam0, share_allowance(n_data, reports), n))
     G = sum(reports[i]["G"] for i in sorted(reports))
     A = sum(reports[i]["A"] for i in sorted(reports)) / float(sum(n.values()))
     if not (np.all(np.isfinite(G)) and np.all(np.isfinite(A))):
@@ -215,10 +225,8 @@ def metric_from_curvature(kind: str, reports: dict[int, np.ndarray], n_data, pri
     biases it (any SPD ``M`` keeps ``π`` stationary up to ``O(γ)``). A direction no report and no prior
     constrains gets the smallest curvature of the others (``M`` must stay finite).
     """
-    why = {i: f"scaled down to {REPORT_CAP:g} × the clients' per-datum curvature" for i in cap_reports(reports, n_data)}
-    for i in cap_leave_one_out(reports, prior_curv, share_allowance(n_data, reports)):
-        why[i] = (why[i] + ", then " if i in why else "") + (f"held to 1 + {FACTOR_SHARE:g} N_i/N_−i times the prior's "
-                                                           "and the other clients' curvature in some direction")
+    why = {i: _CAPPED for i in cap_reports(reports, n_data)}
+    _held(why, cap_leave_one_out(reports, prior_curv, share_allowance(n_data, reports)))
     info = {"curvature_reports": len(reports), "curvature_scaled": sorted(why), "curvature_scaled_why": why}
     if kind == "diagonal":
         h = np.array(prior_curv, dtype=np.float64)
