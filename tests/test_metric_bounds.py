@@ -165,7 +165,9 @@ def test_honest_kronecker_reports_of_uneven_clients_are_never_held_and_large_lay
     gen = np.random.default_rng(3)
     B = gen.normal(size=(90, 90))
     S = B @ B.T
-    assert _top(lambda y: S @ y, 90) == pytest.approx(float(np.linalg.eigvalsh(S)[-1]), rel=1e-8)
+    # ARPACK stops when the Ritz residual is within tol = 1e-6 of the eigenvalue, and for a symmetric operator the
+    # Ritz value is then within that residual of an eigenvalue: 1e-6 relative, whatever the machine's BLAS
+    assert _top(lambda y: S @ y, 90) == pytest.approx(float(np.linalg.eigvalsh(S)[-1]), rel=1e-6)
     reps = _kron_honest(6, 18, 5, 40, seed=2)
     n = np.array([400, 40, 40, 40, 40, 40])
     reps[0] = {**reps[0], "G": reps[0]["G"] * 10.0, "A": reps[0]["A"] * 10.0}  # a tenfold client, honest per datum
