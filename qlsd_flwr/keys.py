@@ -137,9 +137,11 @@ KEYS: tuple[Key, ...] = (
     Key("gamma", 4.9e-4, "float|word", "Langevin step size; auto: gamma-c / λ_max of M^½ ∇²U(θ*) M^½, estimated "
         "by power iteration on federated Hessian-vector products before sampling", "γ", lo=0, open_lo=True,
         words=("auto",), group=SAMPLER),
-    Key("gamma-c", 0.25, "float", "gamma = auto's c in γ = c / λ_max: the chain is stable below 2; a larger c mixes "
-        "faster and inflates the variance along the stiffest direction by 1/(1 − c/2) (1.14 at 0.25, 2 at 1)",
-        "c", lo=0, hi=2, open_lo=True, open_hi=True, group=SAMPLER),
+    Key("gamma-c", "auto", "float|word", "gamma = auto's c in γ = c / λ_max: the chain is stable below 2; a larger c "
+        "mixes faster and inflates the variance along the stiffest direction by 1/(1 − c/2) (1.14 at 0.25, 2 at 1); "
+        "auto: 0.25 where every client's potential and the prior are declared log-concave (the Gaussian and "
+        "logistic tasks, one nn.Linear), 0.125 otherwise (a network: its curvature at θ* understates the chain's)",
+        "c", lo=0, hi=2, open_lo=True, open_hi=True, words=("auto",), group=SAMPLER),
     Key("metric", "identity", "text", "the preconditioner M of the step θ − γ M g + √(2γT) M^½ Z: identity (the "
         "paper's chain), diagonal, dense (d ≤ 2000; noise by its Cholesky factor), kronecker (one dense softmax "
         "layer's K-FAC factors: the logistic tasks), or a path to a .npy of d positive numbers or an SPD d × d "

@@ -48,3 +48,18 @@ def pytest_runtest_setup(item):
             and not item.nodeid.endswith("@engines"):
         pytest.fail("xdist did not put this engine test in the 'engines' group, so it may run beside "
                     "another Ray run or deployment; check the pytest / pytest-xdist versions", pytrace=False)
+
+
+@pytest.fixture()
+def quickstart(monkeypatch):
+    """``examples/quickstart-torch``'s ``task`` module (its model, data and potentials), imported from
+    the example's folder and forgotten after the test."""
+    import sys
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "examples" / "quickstart-torch"))
+    from qlsd_quickstart import task
+
+    yield task
+    for name in ("qlsd_quickstart", "qlsd_quickstart.task"):
+        sys.modules.pop(name, None)

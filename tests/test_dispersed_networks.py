@@ -16,7 +16,7 @@ import pytest
 from qlsd_flwr.config import resolve
 from qlsd_flwr.core.potential import Task
 from qlsd_flwr.protocol import build, precondition
-from qlsd_flwr.protocol.precondition import dispersed_starts, initialisation_scale
+from qlsd_flwr.protocol.starts import dispersed_starts, initialisation_scale
 from qlsd_flwr.tasks import loading
 
 PRIOR_VAR = 5.0

@@ -37,6 +37,7 @@ class MatrixGaussian:
     def __init__(self, A, mu):
         self.A, self.mu = np.asarray(A, float), np.asarray(mu, float)
         self.n_data, self.dim = 1, len(mu)
+        self.log_concave = bool(np.all(np.linalg.eigvalsh((self.A + self.A.T) / 2) >= 0))  # gamma-c = auto's rule
 
     def grad_sum(self, theta, idx=None):
         return self.A @ (theta - self.mu)

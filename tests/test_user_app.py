@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,18 +22,7 @@ import qlsd_flwr
 from qlsd_flwr.flower import InProcessGrid, QLSDStrategy, make_client_app
 from qlsd_flwr.potentials import TorchPotential
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "quickstart-torch"
 B = 4
-
-
-@pytest.fixture()
-def quickstart(monkeypatch):
-    monkeypatch.syspath_prepend(str(EXAMPLE))
-    from qlsd_quickstart import task
-
-    yield task
-    for name in ("qlsd_quickstart", "qlsd_quickstart.task"):
-        sys.modules.pop(name, None)
 
 
 def _run(pots, out, name, **kw):

@@ -29,6 +29,21 @@ from qlsd_flwr.robust.reports import (FACTOR_SHARE, REPORT_CAP, REPORT_MAX, Repo
 #: inflated by at most ``1/(1 − c/2)``: 14 % (sd 7 %) at ``c = 0.25``; flatter directions less.
 #: Larger ``c`` mixes faster and costs more bias; the stability limit is ``c < 2``.
 GAMMA_AUTO_C = 0.25
+#: ``gamma-c = auto``'s ``c`` where the posterior is not declared log-concave (a network). There the
+#: curvature at θ* understates the curvature the chain meets, so ``c = 0.25`` at θ* is a larger ``c``
+#: where the chain travels and its bias shows. Measured against full-batch HMC (the predictive's TV as
+#: a multiple of HMC's own halves' TV, benchmarks/RESULTS.md): the quickstart's wine network 2.74× at
+#: 0.25 (4 chains × 20,000 rounds), 1.48× at 0.125 (40,000); the digits MLP 1.82× at 0.25 and 1.75×
+#: at 0.125 (16 chains). Half the step costs twice the rounds for the same ESS.
+GAMMA_AUTO_C_NETWORK = 0.125
+
+
+def gamma_c(value, log_concave: bool) -> float:
+    """``c`` of ``γ = c / λ_max`` for the ``gamma-c`` key's ``value``: a number as given; ``"auto"``:
+    :data:`GAMMA_AUTO_C` on a log-concave posterior, :data:`GAMMA_AUTO_C_NETWORK` otherwise."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return GAMMA_AUTO_C if log_concave else GAMMA_AUTO_C_NETWORK
+    return float(value)
 #: ``metric = dense`` keeps a ``d × d`` matrix and its factor on the server and asks each client
 #: for a ``d × d`` curvature: refused above this ``d`` (Stan's ``dense_e`` has the same trade-off).
 DENSE_MAX_DIM = 2000

@@ -59,12 +59,22 @@ class Prior(Protocol):
     def curvature_diag(self, theta: np.ndarray) -> np.ndarray: ...
 
 
+def declares_log_concave(obj) -> bool:
+    """Whether ``obj`` (a local potential or a prior) says that its density is log-concave in θ
+    (``log_concave = True``; the Gaussian and logistic tasks' potentials, a torch model that is one
+    ``nn.Linear`` under cross-entropy, the Gaussian prior). What does not say so is taken as not
+    log-concave (a network): ``gamma-c = auto`` then takes the smaller step, a cost in mixing, never a
+    bias. Anything but ``True`` (a client's handshake field included) reads as no."""
+    return getattr(obj, "log_concave", False) is True
+
+
 @dataclass(frozen=True)
 class GaussianPrior:
     """``U_0(θ) = ‖θ − mean‖² / (2 var)``; ``var = inf`` is the flat prior."""
 
     var: float = float("inf")
     mean: float = 0.0
+    log_concave = True  # U_0 is a quadratic (or 0)
 
     def grad(self, theta: np.ndarray) -> np.ndarray:
         if np.isinf(self.var):
@@ -111,6 +121,14 @@ class Task:
     @property
     def n_data(self) -> np.ndarray:
         return np.array([c.n_data for c in self.clients], dtype=np.int64)
+
+    @property
+    def log_concave(self) -> bool:
+        """The posterior is declared log-concave: the prior and every client's potential say so
+        (:func:`declares_log_concave`); a task without clients (a user's ServerApp: they live on the
+        nodes, whose handshakes say it) is not."""
+        return bool(self.clients) and declares_log_concave(self.prior) and \
+            all(declares_log_concave(c) for c in self.clients)
 
     def potential(self, theta: np.ndarray) -> float:
         """``U(θ)``, the full negative log posterior (up to a constant)."""

@@ -67,6 +67,7 @@ class LogHalfNormalPrior:
 
     scale: float = 1.0
     is_flat: bool = field(default=False, init=False)
+    log_concave = True  # U_0'' = 2 e^{2u}/scale² > 0
 
     def value(self, theta):
         u = np.asarray(theta)
@@ -83,11 +84,13 @@ class LogHalfNormalPrior:
 @dataclass(frozen=True)
 class FunctionPrior:
     """A user's prior: ``value(θ) -> float`` and ``grad(θ) -> (d,)``; ``curvature_diag(θ) -> (d,)``
-    optional (without it the metric takes the prior as flat in curvature)."""
+    optional (without it the metric takes the prior as flat in curvature). ``log_concave``: say
+    ``True`` if ``U_0`` is convex (``gamma-c = auto`` then keeps the log-concave step)."""
 
     value_fn: Callable
     grad_fn: Callable
     curvature_fn: Callable | None = None
+    log_concave: bool = False
     is_flat: bool = field(default=False, init=False)
 
     def value(self, theta):
@@ -130,6 +133,13 @@ class BlockPrior:
         for idx, g in self._each(theta, "grad"):
             out[..., idx] = g
         return out
+
+    @property
+    def log_concave(self) -> bool:
+        """Every block's prior is (a sum of convex functions of disjoint coordinates is convex)."""
+        from qlsd_flwr.core.potential import declares_log_concave
+
+        return all(declares_log_concave(pr) for _, pr in self.blocks)
 
     def curvature_diag(self, theta):
         out = np.zeros(np.shape(theta))

@@ -36,7 +36,7 @@ from flwr.clientapp import ClientApp
 
 from qlsd_flwr.config import resolve
 from qlsd_flwr.core.oracles import ClientState
-from qlsd_flwr.core.potential import LocalPotential
+from qlsd_flwr.core.potential import LocalPotential, declares_log_concave
 from qlsd_flwr.flower import loo_phase
 from qlsd_flwr.outputs.resume import flwr_run_config
 from qlsd_flwr.flower.records import (
@@ -205,7 +205,8 @@ def make_client_app(potential_fn: Callable[[Context], LocalPotential] | None = N
     def query(message: Message, context: Context) -> Message:
         i = client_index(context)
         pot, d, _ = potential_of(context)
-        fields = {"client": i, "n_data": int(pot.n_data), "dim": int(d)}
+        # log_concave: the server's gamma-c = auto takes the log-concave step only if every client says so
+        fields = {"client": i, "n_data": int(pot.n_data), "dim": int(d), "log_concave": declares_log_concave(pot)}
         rec = record_fields(message.content)
         if loo_phase.is_request(rec):  # after sampling: this client's part of the federated LOO
             return _reply(message, loo_phase.answer(pot, message.content, i))

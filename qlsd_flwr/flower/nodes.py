@@ -83,6 +83,8 @@ class NodeRegistry:
         self.refused_claims: dict[int, list[int]] = {}  # client -> nodes refused its partition-id
         self.n_data: dict[int, int] = {}  # client -> N_i its node claimed at the handshake
         self._claimed_n: dict[int, int] = {}  # node -> the N_i it claimed
+        self._concave: dict[int, bool] = {}  # node -> it declared its potential log-concave
+        self.log_concave: dict[int, bool] = {}  # client -> as its node declared (gamma-c = auto)
         self._failed: dict[int, str] = {}  # node -> the error it answered the handshake with
 
     def handshake(self, grid: Grid, timeout: float) -> None:
@@ -175,6 +177,7 @@ class NodeRegistry:
                 self._refuse(i, node, 0, why)
             else:
                 self._claimed_n[node] = n
+                self._concave[node] = rec.get("log_concave") is True  # anything else: not declared
 
     def _settle(self, claims: dict) -> tuple[dict[int, int], dict[int, list[int]]]:
         """``(client → its one consistent node, client → its several consistent nodes)``."""
@@ -184,6 +187,7 @@ class NodeRegistry:
             if len(ok) == 1:
                 seen[i] = ok[0]
                 self.n_data[i] = self._claimed_n[ok[0]]  # N_i as claimed (the curvature reports' scale)
+                self.log_concave[i] = self._concave.get(ok[0], False)
             elif len(ok) > 1:
                 conflicts[i] = ok
         return seen, conflicts

@@ -30,6 +30,7 @@ import logging
 import numpy as np
 from flwr.app import Message, MessageType
 
+from qlsd_flwr.core.potential import declares_log_concave
 from qlsd_flwr.flower.records import record_fields, to_content
 from qlsd_flwr.protocol import build, precondition
 from qlsd_flwr.protocol.traffic import count_claims
@@ -74,7 +75,9 @@ class PhaseExchanges:
                     build.GradExchange(self.cfg, self.task.prior, lambda th: self.gradients(grid, th, timeout),
                                        self.clients, n_data),
                     lambda th, kind, vectors=None: self.curvature(grid, th, kind, timeout, vectors),
-                    n_data=[self.nodes.n_data.get(i, 1) for i in range(self.cfg.b)], warm=warm)
+                    n_data=[self.nodes.n_data.get(i, 1) for i in range(self.cfg.b)], warm=warm,
+                    log_concave=declares_log_concave(self.task.prior) and all(
+                        self.nodes.log_concave.get(i, False) for i in self.clients()))
                 if not wants_claims:
                     return prep, None
                 claims = self.claims(grid, prep.theta_star, timeout)

@@ -111,7 +111,7 @@ def stable_gamma(task: Task, info: dict | None = None) -> float | None:
     if isinstance(lam, (int, float)) and lam > 0:
         from qlsd_flwr.core.curvature import GAMMA_AUTO_C
 
-        return GAMMA_AUTO_C / float(lam)
+        return float((info or {}).get("gamma_c", GAMMA_AUTO_C)) / float(lam)
     if task.posterior_var is None:
         return None
     return float(np.min(task.posterior_var))

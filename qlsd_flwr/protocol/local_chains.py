@@ -30,7 +30,7 @@ import logging
 import numpy as np
 
 from qlsd_flwr.config import ConfigError
-from qlsd_flwr.core import dglmc, fald, fsgld
+from qlsd_flwr.core import curvature as cv, dglmc, fald, fsgld
 from qlsd_flwr.protocol import metric_sent
 from qlsd_flwr.protocol import build
 from qlsd_flwr.protocol.claims import ThetaStarClaims
@@ -84,6 +84,13 @@ def start(server, prep=None) -> None:
     server.needs_resync[:] = True
 
 
+def _gamma_c(server) -> float:
+    """DG-LMC's ``c``: the preparation's (``gamma-c``, auto resolved by log-concavity), kept in the
+    checkpoint with it; a checkpoint from before ``auto`` existed holds a number in its config."""
+    c = server.ts_info.get("gamma_c")
+    return float(c) if c is not None else cv.gamma_c(server.cfg.get("gamma-c"), log_concave=True)
+
+
 def begin_round(server) -> None:
     """Set the round's numbers on ``server`` (its spec's weights or couplings, and ``server._local``,
     each active client's 32 bytes). VR-FALD*'s anchor version and ``∇U(θ*)`` are fixed here for the
@@ -95,7 +102,7 @@ def begin_round(server) -> None:
     if kind.coupled:
         _couple(server)
         rho = rho_of(server)
-        step = dglmc.local_step(float(server.spec.gamma), rho, float(server.cfg.get("gamma-c")))
+        step = dglmc.local_step(float(server.spec.gamma), rho, _gamma_c(server))
         row = np.array([step, rho, 1.0, 1.0], dtype="<f8").tobytes()
         server._local = {i: row for i in server._active}
         return

@@ -15,7 +15,7 @@ all of them. The order:
    or from a ``.npy`` file, or the identity.
 3. ``λ_max(M^{1/2} ∇²U(θ*) M^{1/2})`` by power iteration on gradient differences, when ``gamma =
    auto`` (``γ = c/λ_max``) or when a metric is used (the start-up check ``γ λ_max < 2``).
-4. ``init = dispersed``: chain ``c`` starts at ``θ* + 2 M^{1/2} z_c`` (:func:`dispersed_starts`).
+4. ``init = dispersed``: chain ``c`` starts at ``θ* + 2 M^{1/2} z_c`` (:mod:`qlsd_flwr.protocol.starts`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import numpy as np
 
 from qlsd_flwr.config import ConfigError, RunConfig, adapts
 from qlsd_flwr.core import curvature as cv
-from qlsd_flwr.core import rng
 from qlsd_flwr.core.metric import Identity, Metric
 from qlsd_flwr.core.potential import Task
 from qlsd_flwr.robust.reports import ReportError, cap_total
@@ -38,12 +37,12 @@ from qlsd_flwr.protocol.curvature_exchange import (
     lowrank_correction,
     lowrank_rank,
     merge_reports,
-    prior_curvature,
 )
 from qlsd_flwr.protocol.theta_star import closed_form_theta_star, needs_theta_star, optimise_theta_star, resolve_theta_star
 from qlsd_flwr.outputs.metric_file import metric_from_file  # the one file the preparation reads
 from qlsd_flwr.outputs.progress import announce
 from qlsd_flwr.protocol import build
+from qlsd_flwr.protocol.starts import chain_starts
 from qlsd_flwr.robust.products import clip_products
 from qlsd_flwr.robust.reports import clamped_counts
 from qlsd_flwr.protocol.traffic import Traffic, counted, phase
@@ -149,17 +148,23 @@ def curvature_point(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: Gra
 
 
 def prepare(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | None,
-            curv_fn: CurvFn | None, chains: int | None = None, n_data=None, warm=None) -> Prepared:
+            curv_fn: CurvFn | None, chains: int | None = None, n_data=None, warm=None,
+            log_concave: bool | None = None) -> Prepared:
     """θ*, ``M``, ``γ`` and the chains' starts for ``cfg`` (see the module docstring). ``theta0``
     is the task's (or the user's) starting point; ``chains`` the number of chains to start
     (default ``num-chains``); ``n_data`` the clients' ``N_i`` (default the task's: a user's
     ServerApp knows them from the handshake), the scale of their curvature reports; ``warm`` where
     ``metric-from = adapt`` keeps its warm-up's state (``load()``, ``save(state)``, ``clear()``:
-    :func:`qlsd_flwr.outputs.warmup.warmup_store`), or ``None``."""
+    :func:`qlsd_flwr.outputs.warmup.warmup_store`), or ``None``; ``log_concave`` whether the
+    posterior is declared log-concave (default the task's; a user's ServerApp: its clients'
+    handshakes and its prior), which sets ``gamma-c = auto``'s ``c``."""
     check(cfg, task.dim)
     n_data = task.n_data if n_data is None else np.asarray(n_data, dtype=np.int64)
     C = int(cfg.num_chains if chains is None else chains)
     counts: dict = {}
+    if cfg.gamma_auto or cfg.kind.coupled:  # the c of γ = c/λ_max, and of DG-LMC's client step
+        concave = task.log_concave if log_concave is None else bool(log_concave)
+        counts.update({"gamma_c": cv.gamma_c(cfg.get("gamma-c"), concave), "log_concave": concave})
     traffic = Traffic(cfg.b, task.dim, counts, say=lambda line: announce(line, cfg.progress))
     grad_fn, curv_fn = counted(grad_fn, curv_fn, traffic)
     if not needs_preparation(cfg):
@@ -201,15 +206,8 @@ def prepare(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | No
     # 3. the step
     gamma = _step(cfg, grad_fn, point, metric, info, quiet=adapts(cfg))  # announced once, after the warm-up
     # 4. the starts
-    starts = None
-    if cfg.init == "dispersed":
-        scale: Metric | np.ndarray = metric
-        layers = initialisation_scale(task, theta0)
-        if metric.is_identity:
-            pv = prior_curvature(task, point)
-            scale = np.minimum(np.where(pv > 0, 1.0 / np.sqrt(np.where(pv > 0, pv, 1.0)), 1.0), layers)
-        starts = dispersed_starts(point, scale, C, cfg.seed, spread=2.0 * math.sqrt(cfg.temperature),
-                                  cap=None if metric.is_identity else layers)
+    starts = chain_starts(cfg, task, theta0, point, metric, C) if cfg.init == "dispersed" else None
+    if starts is not None:
         info["init"] = "dispersed"
     # 5. metric-from = adapt: the warm-up refines M (and γ), and the chains continue from its end
     if adapts(cfg):
@@ -250,56 +248,6 @@ def _with_surrogates(cfg: RunConfig, task: Task, prep: Prepared, curv_fn: CurvFn
     return prep
 
 
-def initialisation_scale(task: Task, theta0: np.ndarray) -> np.ndarray:
-    """Per coordinate, the root mean square of its tensor in ``θ_0`` (tensors named by
-    ``task.meta["param_labels"]``, ``<tensor>[i,j,…]``), ``inf`` where that is zero or θ is one
-    tensor. A network's initialisation sets each layer's scale to what its activations tolerate
-    (PyTorch's ``U(±1/√fan_in)``: a LeNet-5 weight about 0.05), far under a prior's sd (√5 here), so
-    dispersing by the prior's sd alone throws the network out of its working range (measured: LeNet-5
-    diverged at round 2); dispersing by at most twice the layer's own scale starts each chain from a
-    network as plausible as a fresh initialisation. Only a layered network is capped (two or more
-    tensors of two or more dimensions, as ``<tensor>[i,j]`` labels show): a GLM (one weight matrix and
-    its bias, the main job's softmax regression), labels without indices or a zero start keep the prior's."""
-    labels = task.meta.get("param_labels")
-    out = np.full(task.dim, np.inf)
-    if not labels or len(labels) != task.dim:
-        return out
-    names = np.array([str(x).split("[", 1)[0] for x in labels])
-    starts = np.flatnonzero(np.r_[True, names[1:] != names[:-1]])
-    matrices = sum(str(labels[a]).count(",") >= 1 for a in starts)  # "w[i,j]": two indices or more
-    if matrices < 2:
-        return out
-    theta0 = np.asarray(theta0, dtype=np.float64)
-    for a, b in zip(starts, np.r_[starts[1:], task.dim]):
-        rms = float(np.sqrt(np.mean(theta0[a:b] ** 2)))
-        if rms > 0 and np.isfinite(rms):
-            out[a:b] = rms
-    return out
-
-
-def dispersed_starts(center: np.ndarray, scale: np.ndarray | Metric, chains: int, seed: int,
-                     spread: float = 2.0, cap: np.ndarray | None = None) -> np.ndarray:
-    """``C`` starting points ``θ_0^{(c)} = center + spread · S z_c`` with ``z_c`` standard normal
-    from chain ``c``'s stream ``(seed + c, INIT, 0, 0)`` and ``S`` the metric's root (about the
-    posterior's scale when ``M`` comes from the curvature) or a vector of scales. Over-dispersed
-    starts (``spread = 2``: twice the scale) are what make R-hat able to show non-convergence.
-    ``cap`` (:func:`initialisation_scale`, ``inf`` where nothing is capped): each tensor's step is
-    scaled down to that root mean square where it is over it (with a metric: its scales in a
-    network's poorly determined directions are the prior's)."""
-    d = center.shape[0]
-    out = np.empty((chains, d))
-    edges = None if cap is None else np.flatnonzero(np.r_[True, cap[1:] != cap[:-1], True])
-    for c in range(chains):
-        z = rng.normal(int(seed) + c, rng.Stream.INIT, 0, 0, d)
-        step = scale.apply_root(z) if isinstance(scale, Metric) else np.asarray(scale) * z
-        for a, b in zip(edges[:-1], edges[1:]) if edges is not None else ():
-            rms = float(np.sqrt(np.mean(step[a:b] ** 2)))
-            if np.isfinite(cap[a]) and rms > cap[a]:
-                step[a:b] *= cap[a] / rms
-        out[c] = center + spread * step
-    return out
-
-
 def _step(cfg: RunConfig, grad_fn: GradFn | None, point: np.ndarray, metric: Metric, info: dict,
           iters: int = 60, tol: float = 1e-2, quiet: bool = False) -> float:
     """γ for ``metric``: ``c / λ_max(M^{1/2} ∇²U(θ*) M^{1/2})`` with ``gamma = auto``; otherwise the
@@ -309,21 +257,24 @@ def _step(cfg: RunConfig, grad_fn: GradFn | None, point: np.ndarray, metric: Met
         with phase(grad_fn, "power_iteration"):
             lam, iters = cv.lambda_max(grad_fn, point, metric, cfg.seed, iters=iters, tol=tol,
                                        hvp=held_products(grad_fn, info))
+        c = info.get("gamma_c", cv.GAMMA_AUTO_C)  # prepare's, from gamma-c (auto: by log-concavity)
         if quiet and not (cfg.gamma_auto and lam <= 0):  # the warm-up's own steps: no announcement
-            return float(cfg.get("gamma-c")) / lam if cfg.gamma_auto else gamma
+            return c / lam if cfg.gamma_auto else gamma
         info.update({"lambda_max": lam, "lambda_max_iterations": iters})
-        c = float(cfg.get("gamma-c"))
-        stable = cv.GAMMA_AUTO_C / lam if lam > 0 else None
+        stable = c / lam if lam > 0 else None
         if cfg.gamma_auto:
             if stable is None:
                 raise ConfigError(f"gamma = auto: the largest eigenvalue of the curvature at θ* is {lam:.3g} ≤ 0: the "
                                   "potential is flat or not convex there (θ* a saddle or a maximum, or false "
                                   "products from a client); give a numeric gamma")
             gamma = c / lam
-            info["gamma_c"] = c
+            auto = str(cfg.get("gamma-c")).strip().lower() == "auto"
             log.warning("gamma = auto: γ = %.4g = %g / λ_max, λ_max = %.4g (the largest eigenvalue of M^½ ∇²U(θ*) "
                         "M^½, %d power iterations; metric %s; variance along the stiffest direction ×%.3g, ULA's "
-                        "bias at this c)", gamma, c, lam, iters, metric.kind, 1.0 / (1.0 - c / 2.0))
+                        "bias at this c%s)", gamma, c, lam, iters, metric.kind, 1.0 / (1.0 - c / 2.0),
+                        "" if not auto else "; gamma-c = auto: " + (
+                            "a log-concave posterior" if info.get("log_concave") else
+                            "a posterior not declared log-concave, such as a network's, takes half the step"))
         elif stable is not None and cfg.gamma * lam >= 2.0:
             log.warning("gamma = %g is beyond the stability limit 2/λ_max = %.3g of this metric (λ_max = %.4g, "
                         "estimated at θ*): the chain will diverge; choose gamma below it, e.g. %.3g (gamma = auto)",

@@ -25,6 +25,7 @@ class GaussianLocal:
     """One client's ``U_i(θ) = Σ_j ‖θ − y_ij‖²/2``; ``∇U_ij(θ) = θ − y_ij``."""
 
     y: np.ndarray  # (N_i, d)
+    log_concave = True  # a quadratic in θ
 
     def __post_init__(self):
         self.y = np.ascontiguousarray(self.y, dtype=np.float64)

@@ -32,6 +32,8 @@ def _logsumexp(z: np.ndarray) -> np.ndarray:
 class LogisticLocal:
     """One client's ``U_i^data(θ) = Σ_j −log p(y_ij | x_ij, θ)`` (a ``LocalPotential``)."""
 
+    log_concave = True  # log-sum-exp of an affine map of θ minus an affine one: convex
+
     def __init__(self, X: np.ndarray, y: np.ndarray, n_classes: int):
         X = np.asarray(X, dtype=np.float64)
         if X.ndim != 2:

@@ -60,6 +60,19 @@ def resolve_device(device: str | torch.device = "cpu") -> torch.device:
     return dev
 
 
+def _one_linear(model: nn.Module, params) -> bool:
+    """``model`` computes one affine map of its (flattened) input, whose weight and bias are all of
+    ``params``: an ``nn.Linear``, a ``LinearSoftmax``, or an ``nn.Sequential`` of ``nn.Flatten`` and
+    ``nn.Identity`` ending with one. A user's own module is not inspected (its ``forward`` is code)."""
+    lin = model.fc if isinstance(model, LinearSoftmax) else model
+    if isinstance(model, nn.Sequential) and len(model) and \
+            all(isinstance(m, (nn.Flatten, nn.Identity)) for m in list(model)[:-1]):
+        lin = model[-1]
+    if type(lin) is not nn.Linear:
+        return False
+    return [p.data_ptr() for p in params] == [p.data_ptr() for p in lin.parameters() if p.requires_grad]
+
+
 class TorchPotential:
     """``U_i(θ) = Σ_j loss(model_θ(x_ij), y_ij)`` on the flat parameter vector ``θ``.
 
@@ -80,12 +93,19 @@ class TorchPotential:
     other device type is a ``ValueError``. *The CUDA path has not been run: this project's CI
     machine has no GPU.*
 
+    ``log_concave`` (default ``None``: found from the model) says whether ``U_i`` is convex in θ.
+    Found true only for a softmax regression: the model is one ``nn.Linear`` (itself,
+    :class:`~qlsd_flwr.tasks.torch_nets.LinearSoftmax`, or an ``nn.Sequential`` of ``nn.Flatten`` /
+    ``nn.Identity`` ending with it) under the default cross-entropy. ``gamma-c = auto`` takes the
+    network's smaller step unless every client and the prior are log-concave; give ``True`` for
+    another convex model, ``False`` to force the smaller step.
+
     :meth:`predict_proba` gives the posterior predictive of new inputs, and
     :func:`qlsd_flwr.posterior_predictive` / :func:`qlsd_flwr.load_draw` use it and θ's layout.
     """
 
     def __init__(self, model: nn.Module, X, y, device: str = "cpu", batch_size: int = 1024,
-                 dtype: torch.dtype | None = None, loss=None, log_likelihood=None):
+                 dtype: torch.dtype | None = None, loss=None, log_likelihood=None, log_concave: bool | None = None):
         if loss is not None and log_likelihood is not None:
             raise ValueError("give loss or log_likelihood, not both")
         self._per_example = None  # the per-example loss of a user's own loss or log-likelihood
@@ -114,6 +134,8 @@ class TorchPotential:
         self.blocks = tuple(int(p.numel()) for p in self.params)
         self.dim = int(sum(self.blocks))
         self.batch_size = int(batch_size)
+        self.log_concave = (self._per_example is None and _one_linear(self.model, self.params)) \
+            if log_concave is None else bool(log_concave)
 
     def cache_fingerprint(self) -> bytes:
         """Bytes identifying the potential (architecture, buffers, data, dtype), not ``θ``."""
