@@ -30,7 +30,7 @@ from benchmarks.smoke import small  # noqa: E402
 B = 4
 
 
-def one(rounds: int, draws: int, folder: str) -> dict:
+def one(rounds: int, draws: int, folder: str, gamma_c="auto") -> dict:
     from flwr.app import ArrayRecord
     from qlsd_quickstart.task import PRIOR_VAR, held_out_data, make_model, potential
 
@@ -42,7 +42,8 @@ def one(rounds: int, draws: int, folder: str) -> dict:
     st = QLSDStrategy(num_clients=B, dim=pots[0].dim, variant="qlsd-pp", gamma="auto", metric="diagonal",
                       num_rounds=rounds, burn_in=burn, thin=max(1, (rounds - burn) // draws), num_chains=4,
                       init="dispersed", s=16, prior_var=PRIOR_VAR, seed=0, output_dir=folder,
-                      run_name=f"rounds-{rounds}", progress=False, loo="off", heldout=(potential(0, B), X, y))
+                      run_name=f"rounds-{rounds}", progress=False, loo="off", heldout=(potential(0, B), X, y),
+                      gamma_c=gamma_c)
     t = time.perf_counter()
     st.start(InProcessGrid(make_client_app(lambda ctx: pots[int(ctx.node_config["partition-id"])]), B),
              initial_arrays=ArrayRecord(make_model().state_dict()))
@@ -61,12 +62,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", default="1500,6000", help="comma-separated numbers of rounds")
     ap.add_argument("--draws", type=int, default=150, help="kept draws per chain")
+    ap.add_argument("--gamma-c", default="auto", help="gamma-c (auto: 0.125 for this network; the rows recorded "
+                    "before 2026-12-02 ran at 0.25, the default then)")
     a = ap.parse_args()
     rounds = small([int(r) for r in a.rounds.split(",")], [40])
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         for r in rounds:
-            rows.append(one(r, small(a.draws, 5), folder))
+            rows.append(one(r, small(a.draws, 5), folder, a.gamma_c))
             print(json.dumps(rows[-1]), flush=True)
     path = smoke_out(ROOT / "benchmarks" / "user_app.json")
     path.write_text(json.dumps({"command": "python benchmarks/bench_user_app.py " + " ".join(sys.argv[1:]),

@@ -128,6 +128,8 @@ CASES = {
                          "array 'theta' holds <U"),
     "gamma 1e-300": (_checkpoint(lambda m, a: m.__setitem__("gamma", 1e-300)),
                      "gamma: its step 1e-300 is not the configuration's gamma = 0.00049"),
+    "gamma-c 1e-300": (_checkpoint(lambda m, a: m["ts_info"].__setitem__("gamma_c", 1e-300)),
+                       "gamma-c: its c 1e-300 is not the configuration's"),
     "a metric put in": (_checkpoint(lambda m, a: a.__setitem__("metric", to_array(Diagonal(np.full(D, 1e-6))))),
                         "metric: its array 'metric' holds a diagonal metric, the run's is identity"),
 }

@@ -17,7 +17,7 @@ FLOAT_ARRAYS = ("theta", "zeta", "eta_i", "eta", "theta_star", "claims", "claims
 
 def check_step_and_metric(cfg: RunConfig, meta: dict, arrays: dict, path) -> None:
     """The checkpoint's γ and metric are those of this configuration, or of the preparation they came from
-    (``ts_info``: ``gamma_used``, ``metric_kind``), never numbers taken on trust: a γ of 1e-300 or a
+    (``ts_info``: ``gamma_used``, ``gamma_c``, ``metric_kind``), never numbers taken on trust: a γ of 1e-300 or a
     metric put into an identity-metric run's checkpoint is refused, naming the key."""
     from qlsd_flwr.core.metric import MetricError, from_array
 
@@ -36,6 +36,14 @@ def check_step_and_metric(cfg: RunConfig, meta: dict, arrays: dict, path) -> Non
         if cfg.gamma_auto and chosen is not None and g != chosen:
             raise CheckpointError(f"checkpoint {path}: gamma: its step {g!r} is not the one its preparation chose "
                                   f"(gamma = auto: {chosen!r})")
+    if isinstance(ts, dict) and "gamma_c" in ts:  # DG-LMC's client step reads it back: never on trust
+        from qlsd_flwr.core.curvature import gamma_c
+
+        c, concave = ts["gamma_c"], ts.get("log_concave", True)  # no log_concave: written when c was a number
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not isinstance(concave, bool) or \
+                c != gamma_c(cfg.get("gamma-c"), concave):
+            raise CheckpointError(f"checkpoint {path}: gamma-c: its c {c!r} is not the configuration's "
+                                  f"(gamma-c = {cfg.get('gamma-c')!r}, log-concave {concave!r})")
     kind = ts.get("metric_kind") if isinstance(ts, dict) else None
     plain = cfg.metric == "identity" and not int(cfg.get("metric-rank") or 0) and \
         str(cfg.get("metric-from") or "").strip().lower() != "adapt"
