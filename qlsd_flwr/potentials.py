@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from qlsd_flwr.core.potential import GaussianPrior, LocalPotential, Task
+from qlsd_flwr.core.potential import GaussianPrior, LocalPotential, Task, declares_log_concave
 from qlsd_flwr.core.priors import BlockPrior, FunctionPrior, LogHalfNormalPrior, StudentTPrior
 
 # TorchPotential comes from the module __getattr__ below (it imports torch only when used)
@@ -182,8 +182,6 @@ class Pooled:
 
     @property
     def log_concave(self) -> bool:
-        from qlsd_flwr.core.potential import declares_log_concave
-
         return all(declares_log_concave(c) for c in self.clients)
 
     def grad_sum(self, theta: np.ndarray, idx: np.ndarray | None = None) -> np.ndarray:

@@ -44,6 +44,8 @@ def gamma_c(value, log_concave: bool) -> float:
     if isinstance(value, str) and value.strip().lower() == "auto":
         return GAMMA_AUTO_C if log_concave else GAMMA_AUTO_C_NETWORK
     return float(value)
+
+
 #: ``metric = dense`` keeps a ``d × d`` matrix and its factor on the server and asks each client
 #: for a ``d × d`` curvature: refused above this ``d`` (Stan's ``dense_e`` has the same trade-off).
 DENSE_MAX_DIM = 2000

@@ -28,6 +28,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from qlsd_flwr.core.potential import declares_log_concave
+
 
 @dataclass(frozen=True)
 class StudentTPrior:
@@ -137,8 +139,6 @@ class BlockPrior:
     @property
     def log_concave(self) -> bool:
         """Every block's prior is (a sum of convex functions of disjoint coordinates is convex)."""
-        from qlsd_flwr.core.potential import declares_log_concave
-
         return all(declares_log_concave(pr) for _, pr in self.blocks)
 
     def curvature_diag(self, theta):
