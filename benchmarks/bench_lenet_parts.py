@@ -17,8 +17,13 @@
    the clients' 64-image minibatches) against 20 passes.
 
 4. ``--poll``: the strategy's reply poll before and after d8766a9, in turn (see :func:`poll`).
+5. ``--layout``: ``TorchPotential.grad_sum`` on a 64-image minibatch of 200 MNIST images, one torch
+   thread, with LeNet-5's weights in channels-last memory order (the default on the CPU since issue
+   39's table) against the plain NCHW order, interleaved; and the largest relative difference of the
+   two gradients (float rounding: the kernels sum in another order).
 
     python benchmarks/bench_lenet_parts.py --actor --transfer --vmap --poll [--out FILE]
+    python benchmarks/bench_lenet_parts.py --layout --out benchmarks/lenet_layout.json
 """
 
 from __future__ import annotations
@@ -225,12 +230,45 @@ def vmap(reps: int = 10) -> dict:
     return out
 
 
+def layout(reps: int = 200) -> dict:
+    import copy
+
+    import numpy as np
+    import torch
+
+    from qlsd_flwr.data.datasets import load_mnist_subset
+    from qlsd_flwr.tasks.torch_models import LeNet5, TorchPotential
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    ds = load_mnist_subset()
+    X, y = ds.X_train[:200], ds.y_train[:200]
+    model = LeNet5()
+    pots = {"nchw": TorchPotential(model, X, y, channels_last=False),
+            "channels_last": TorchPotential(copy.deepcopy(model), X, y)}
+    theta = pots["nchw"].theta0()
+    idx = np.random.default_rng(0).choice(200, 64, replace=False)
+    g = {k: p.grad_sum(theta, idx) for k, p in pots.items()}
+    ms = {}
+    for k, pot in list(pots.items()) * 2:  # interleaved; the second pass kept
+        pot.grad_sum(theta, idx)
+        t = time.perf_counter()
+        for _ in range(reps):
+            pot.grad_sum(theta, idx)
+        ms[k] = 1e3 * (time.perf_counter() - t) / reps
+    return {"torch": torch.__version__, "nchw_ms": ms["nchw"], "channels_last_ms": ms["channels_last"],
+            "nchw_over_channels_last": ms["nchw"] / ms["channels_last"],
+            "max_relative_difference": float(np.abs(g["nchw"] - g["channels_last"]).max()
+                                             / np.abs(g["nchw"]).max())}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--actor", action="store_true")
     ap.add_argument("--transfer", action="store_true")
     ap.add_argument("--vmap", action="store_true")
     ap.add_argument("--poll", action="store_true")
+    ap.add_argument("--layout", action="store_true")
     ap.add_argument("--pairs", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--out", default=None)
@@ -241,6 +279,9 @@ def main() -> None:
     if a.vmap:
         res["vmap"] = vmap(small(10, 2))
         print(json.dumps(res["vmap"], indent=1), flush=True)
+    if a.layout:
+        res["layout"] = layout(small(200, 3))
+        print(json.dumps(res["layout"], indent=1), flush=True)
     if a.transfer:
         res["transfer"] = transfer(small(10, 1))
         print(json.dumps(res["transfer"], indent=1), flush=True)

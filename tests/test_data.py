@@ -278,3 +278,40 @@ def test_torch_potential_gradient_finite_differences():
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="CUDA is not available"):
             TorchPotential(net, X, y, device="cuda")
+
+
+def test_a_convolutional_potential_keeps_channels_last_and_its_gradient_is_the_plain_layouts():
+    """A conv net's weights stay channels-last through every θ loaded (the speed-up would otherwise
+    end at the first one), θ's layout is the plain NCHW flattening, and the gradient, value and
+    predictive equal the NCHW model's up to float rounding (float64: the two layouts sum in
+    another order, so ~1e-15 relative, checked at 1e-10), with finite differences on top."""
+    import copy
+
+    import torch
+
+    from qlsd_flwr.tasks.torch_models import TorchPotential, build_model
+
+    torch.manual_seed(0)
+    rng = np.random.default_rng(1)
+    X, y = rng.random((12, 784)), rng.integers(0, 10, 12)
+    net = build_model("lenet5", 10, (1, 28, 28))
+    plain = TorchPotential(copy.deepcopy(net), X, y, dtype=torch.float64, channels_last=False)
+    fast = TorchPotential(copy.deepcopy(net), X, y, dtype=torch.float64)  # the default for a conv net on the CPU
+    # conv2's weight (16, 6, 5, 5): conv1's single input channel is contiguous in both orders
+    assert fast.model.conv2.weight.is_contiguous(memory_format=torch.channels_last)
+    assert not plain.model.conv2.weight.is_contiguous(memory_format=torch.channels_last)
+    theta = plain.theta0()
+    np.testing.assert_array_equal(fast.theta0(), theta)  # the same flat layout
+    theta = theta + 0.01 * rng.standard_normal(theta.size)
+    g = plain.grad_sum(theta, np.arange(5))
+    np.testing.assert_allclose(fast.grad_sum(theta, np.arange(5)), g, rtol=0, atol=1e-10 * np.abs(g).max())
+    assert fast.model.conv2.weight.is_contiguous(memory_format=torch.channels_last)  # kept through the load
+    np.testing.assert_array_equal(fast.theta0(), theta)  # and θ went in exactly
+    assert fast.value(theta) == pytest.approx(plain.value(theta), rel=1e-12)
+    np.testing.assert_allclose(fast.predict_proba(theta, X), plain.predict_proba(theta, X), atol=1e-12)
+    j = int(np.argmax(np.abs(g[:150])))  # a conv1 weight: the layout's own gradient, by finite differences
+    e = np.zeros_like(theta)
+    e[j] = 1e-6
+    fd = (fast.value(theta + e) - fast.value(theta - e)) / 2e-6
+    assert fast.grad_sum(theta)[j] == pytest.approx(fd, rel=1e-5)
+    assert fast.curvature_diag(theta).shape == (fast.dim,)
