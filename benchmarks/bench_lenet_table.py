@@ -23,7 +23,8 @@ test point's; and the single-draw accuracy averaged over the first and the last 
 window (a chain still learning or collapsing shows as a gap). FedAvg: Flower's ``FedAvg`` on the
 Ray engine on the same clients and prior (50 rounds; ``simulations/mnist_table.py``'s row).
 
-    python benchmarks/bench_lenet_table.py                       # the table: about 1.5 h on 2 idle cores
+    python benchmarks/bench_lenet_table.py                       # the issue's 10^4 rounds: about 2.9 h on 2 idle cores
+    python benchmarks/bench_lenet_table.py --rounds 5000 --gamma 2.5e-6   # the recorded table: 88 min
     python benchmarks/bench_lenet_table.py --rounds 400 --out /tmp/lenet_table.json   # a quick look
 """
 

@@ -108,7 +108,7 @@ class TorchPotential:
 
     ``channels_last`` (default ``None``: true for a model with 2-D convolutions on the CPU) keeps
     its 4-D weights in channels-last memory order, where oneDNN's CPU convolutions and pooling are
-    faster (LeNet-5's minibatch gradient: 1.3× faster here, ``benchmarks/RESULTS.md``). The numbers
+    faster (LeNet-5's minibatch gradient: 1.1× faster here, ``benchmarks/RESULTS.md``). The numbers
     are the same up to float rounding (the kernels sum in another order), not bit for bit.
 
     :meth:`predict_proba` gives the posterior predictive of new inputs, and
