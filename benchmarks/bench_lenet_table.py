@@ -98,19 +98,20 @@ def evaluate_row(p: float, chains: list[dict], cfg: dict) -> dict:
 
     diverged = [ch for ch in chains if ch.get("diverged_at_round") is not None]
     chains = [ch for ch in chains if ch.get("diverged_at_round") is None]
+    lost = [{"run_dir": ch["run_dir"], "round": ch["diverged_at_round"], "error": ch["error"]} for ch in diverged]
     if not chains:  # every chain diverged: the row says so
         return {"p": p, "chains": 0, "rounds": cfg["num-rounds"], "gamma": cfg["gamma"], "device": "cpu",
-                "diverged_chains": [{"run_dir": ch["run_dir"], "round": ch["diverged_at_round"]} for ch in diverged]}
+                "diverged_chains": lost}
     c = resolve(cfg)
     X, y, _, _ = registry.test_set(c)
     pred = registry.predictor_of(c)
-    n = min(len(np.asarray(load_samples(ch["run_dir"]))[0]) for ch in chains)
+    kept = [np.asarray(load_samples(ch["run_dir"]))[0] for ch in chains]  # one chain a run folder
+    n = min(len(t) for t in kept)
     ll = np.empty((len(chains), n, len(y)))
     acc = np.empty((len(chains), n))
     mean_probs = np.zeros((len(y), int(y.max()) + 1))
-    for k, ch in enumerate(chains):
-        draws = np.asarray(load_samples(ch["run_dir"]))[0][:n]
-        for j, th in enumerate(draws):
+    for k, draws in enumerate(kept):
+        for j, th in enumerate(draws[:n]):
             probs = pred.predict_proba(th, X)
             ll[k, j] = np.log(np.maximum(probs[np.arange(len(y)), y], 1e-300))
             acc[k, j] = float(np.mean(probs.argmax(1) == y))
@@ -129,8 +130,7 @@ def evaluate_row(p: float, chains: list[dict], cfg: dict) -> dict:
             "uplink_bits": float(sum(ch["bits"] for ch in chains)),
             "wall_seconds": float(sum(ch["wall_seconds"] or 0.0 for ch in chains + diverged)),
             "device": "cpu", "run_dirs": [ch["run_dir"] for ch in chains],
-            "diverged_chains": [{"run_dir": ch["run_dir"], "round": ch["diverged_at_round"], "error": ch["error"]}
-                                for ch in diverged]}
+            "diverged_chains": lost}
 
 
 def _num(x, fmt: str) -> str:
