@@ -121,3 +121,50 @@ def test_metric_rank_s_products_travel_and_count_as_float32_on_every_engine(tmp_
     from qlsd_flwr.outputs.recorder import load_samples
 
     assert np.array_equal(load_samples(flwr.run_dir), load_samples(local.run_dir))
+
+
+def test_kfacs_input_factor_travels_once_as_a_triangle_and_the_chain_is_unchanged(tmp_path):
+    # issue 37: G_i = Σ x̃x̃ᵀ is the client's data alone, so the descent's later curvature exchanges ask for the output
+    # factor Ā_i only, and the one full report sends G's upper triangle; the metric is the one full reports give
+    from qlsd_flwr.core import curvature as cv
+    from qlsd_flwr.robust.reports import ReportError
+
+    o = {"task": "logistic", "dataset": "breast_cancer", "num-clients": 4, "prior-var": 0.05, "variant": "qlsd-pp",
+         "metric": "kronecker", "gamma": "auto", "init": "dispersed", "num-rounds": 6, "burn-in": 2, "progress": False,
+         "plot": False, "loo": "off", "output-dir": str(tmp_path)}
+    local = run_local(resolve({**o, "run-name": "local"}))
+    s = json.loads((local.run_dir / "summary.json").read_text())
+    d, b, K = s["d"], 4, 2
+    F = d // K
+    curv = s["bits"]["preparation"]["curvature"]
+    n = curv["exchanges"]
+    assert n >= 2  # the descent's stages and θ*: one full report, then output factors alone
+    assert curv["uplink"] == 64 * b * ((2 + F * (F + 1) // 2 + K * K + d) + (n - 1) * (2 + K * K))
+    flwr = run_inprocess(resolve({**o, "engine": "inprocess", "run-name": "flwr"}), {**o, "engine": "inprocess"})
+    sf = json.loads((flwr.run_dir / "summary.json").read_text())
+    assert sf["bits"]["preparation"]["curvature"] == curv
+    from qlsd_flwr.outputs.recorder import load_samples
+
+    assert np.array_equal(load_samples(flwr.run_dir), load_samples(local.run_dir))
+
+    # the metric from a kept G and a later Ā is, bit for bit, the one a full report at that θ gives
+    task = __import__("qlsd_flwr.tasks.loading", fromlist=["load_task"]).load_task(resolve(o))
+    theta = np.linspace(-0.3, 0.3, d)
+    full = {i: cv.check_report(cv.local_curvature(c, theta, "kronecker", 0, i), "kronecker", d)
+            for i, c in enumerate(task.clients)}
+    kept = cv.KronInputs({i: (r["G"], r["perm"]) for i, r in full.items()})
+    part = {i: kept.complete(i, cv.check_report(cv.local_curvature(c, theta, cv.KRON_OUTPUTS, 0, i), cv.KRON_OUTPUTS, d))
+            for i, c in enumerate(task.clients)}
+    G0 = task.clients[0].kron_factors(theta)[0]
+    assert np.array_equal(full[0]["G"], 0.5 * G0 + 0.5 * G0.T)
+    m1, _ = cv.metric_from_kronecker(full, task.n_data, np.full(d, 20.0), d)
+    m2, _ = cv.metric_from_kronecker(part, task.n_data, np.full(d, 20.0), d)
+    x = np.arange(d, dtype=float)
+    assert np.array_equal(m1.apply(x), m2.apply(x))
+    # an output factor with nothing on record, or of another layer's shape, is refused
+    with pytest.raises(ReportError, match="no input factor on record"):
+        cv.KronInputs().complete(0, part[0])
+    with pytest.raises(ReportError, match="differ"):
+        kept.complete(0, {"F": K, "K": F, "A": np.eye(F)})
+    with pytest.raises(ReportError, match="expected"):
+        cv.check_report(np.concatenate([[F, K], np.eye(K).ravel(), [1.0]]), cv.KRON_OUTPUTS, d)

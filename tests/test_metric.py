@@ -403,11 +403,11 @@ def test_the_kronecker_metric_is_the_inverse_of_g_kron_a_plus_the_prior_and_its_
 def test_kronecker_reports_are_checked_and_a_foreign_layout_is_refused():
     d, F, K = 6, 3, 2
     G, A = np.eye(F), np.eye(K) * 0.2
-    good = np.concatenate([[F, K], G.ravel(), A.ravel(), np.arange(d)])
+    good = cv.kron_report(G, A, np.arange(d))
     assert cv.check_report(good, "kronecker", d)["G"].shape == (F, F)
-    for bad, why in ((np.concatenate([[F, K], G.ravel(), A.ravel(), np.zeros(d)]), "ordering"),
-                     (np.concatenate([[4, K], G.ravel(), A.ravel(), np.arange(d)]), "sizes"),
-                     (np.concatenate([[F, K], -G.ravel(), A.ravel(), np.arange(d)]), "semi-definite"),
+    for bad, why in ((cv.kron_report(G, A, np.zeros(d)), "ordering"),
+                     (np.concatenate([[4], good[1:]]), "sizes"),
+                     (cv.kron_report(-G, A, np.arange(d)), "semi-definite"),
                      (good[:-1], "sizes|numbers"), (np.full_like(good, np.nan), "non-finite")):
         with pytest.raises(ReportError, match=why):
             cv.check_report(bad, "kronecker", d)
@@ -525,8 +525,8 @@ def test_curvature_reports_that_would_overflow_or_misclaim_their_size_cannot_bre
     assert np.all(np.isfinite(m.m)) and np.all(m.m > 0)
     # Kronecker reports with the same layout but another layer shape are refused, not summed
     F, K = 3, 2
-    a = np.concatenate([[F, K], np.eye(F).ravel(), np.eye(K).ravel(), np.arange(F * K)])
-    b = np.concatenate([[K, F], np.eye(K).ravel(), np.eye(F).ravel(), np.arange(F * K)])
+    a = cv.kron_report(np.eye(F), np.eye(K), np.arange(F * K))
+    b = cv.kron_report(np.eye(K), np.eye(F), np.arange(F * K))
     reps = {0: cv.check_report(a, "kronecker", F * K), 1: cv.check_report(a, "kronecker", F * K),
             2: cv.check_report(b, "kronecker", F * K)}
     _, info = cv.metric_from_kronecker(reps, np.full(3, 5), np.ones(F * K), F * K)

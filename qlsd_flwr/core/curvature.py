@@ -76,8 +76,12 @@ def local_curvature(pot, theta: np.ndarray, kind: str, seed: int, client: int) -
             raise ValueError("metric = kronecker needs a potential with kron_factors(theta) (one dense softmax "
                              "layer: the logistic tasks, TorchPotential of a single nn.Linear); use diagonal")
         G, A, perm = pot.kron_factors(theta)
-        F, K = G.shape[0], A.shape[0]
-        return np.concatenate([[F, K], np.ravel(G), np.ravel(A), np.asarray(perm, dtype=np.float64)])
+        return kron_report(G, A, perm)
+    if kind == KRON_OUTPUTS:
+        if not hasattr(pot, "kron_factors"):
+            raise ValueError("metric = kronecker needs a potential with kron_factors(theta)")
+        G, A, _ = pot.kron_factors(theta)
+        return kron_outputs_report(G.shape[0], A)
     if kind == "diagonal" and hasattr(pot, "curvature_diag"):
         h = np.asarray(pot.curvature_diag(theta), dtype=np.float64)
     elif kind == "dense" and hasattr(pot, "hessian"):
@@ -105,6 +109,44 @@ def local_curvature(pot, theta: np.ndarray, kind: str, seed: int, client: int) -
     return (Q * np.maximum(w, 0.0)) @ Q.T
 
 
+#: the curvature kind of K-FAC's later exchanges: the output factor ``Ā_i`` alone. The input factor ``G_i =
+#: Σ_j x̃_j x̃_jᵀ`` is the client's data alone, the same at every θ, so the server keeps it from the client's
+#: first report (:class:`KronInputs`) instead of receiving its ``F̃²`` numbers at every stage of the descent
+#: (issue 37: on the main job they were 2.4e9 of the preparation's uplink, three times the same matrix).
+KRON_OUTPUTS = "kronecker-a"
+
+
+def kron_report(G: np.ndarray, A: np.ndarray, perm) -> np.ndarray:
+    """K-FAC's first report as it travels: ``[F̃, K, G's upper triangle row by row (F̃(F̃+1)/2), Ā (K²),
+    perm (d)]``. ``G`` is symmetrised first, ``½G + ½Gᵀ``, the very numbers the server's check makes of a
+    full matrix, so the mirrored triangle is that matrix bit for bit at half the bits."""
+    G = np.asarray(G, dtype=np.float64)
+    F, K = G.shape[0], np.shape(A)[0]
+    sym = 0.5 * G + 0.5 * G.T
+    return np.concatenate([[F, K], sym[np.triu_indices(F)], np.ravel(A), np.asarray(perm, dtype=np.float64)])
+
+
+def kron_outputs_report(F: int, A: np.ndarray) -> np.ndarray:
+    """K-FAC's later reports (:data:`KRON_OUTPUTS`): ``[F̃, K, Ā (K²)]``."""
+    A = np.asarray(A, dtype=np.float64)
+    return np.concatenate([[F, A.shape[0]], A.ravel()])
+
+
+class KronInputs(dict):
+    """``{client: (G_i, perm_i)}``: each client's input factor and layout from its first valid
+    :func:`kron_report`, for the exchanges that ask only for :data:`KRON_OUTPUTS`."""
+
+    def complete(self, i: int, part: dict) -> dict:
+        """Client ``i``'s :data:`KRON_OUTPUTS` report (``{"F", "K", "A"}``) with its kept ``G`` and ``perm``,
+        or :class:`ReportError` when it has none or another layer shape."""
+        if i not in self:
+            raise ReportError("an output factor alone, and no input factor on record from an earlier report")
+        G, perm = self[i]
+        if (G.shape[0], perm.shape[0] // G.shape[0]) != (part["F"], part["K"]):
+            raise ReportError(f"the layer's sizes {part['F']} × {part['K']} differ from its first report's")
+        return {"G": G, "A": part["A"], "perm": perm}
+
+
 def check_report(h, kind: str, d: int) -> np.ndarray:
     """A client's curvature report as a float64 array, or :class:`ReportError` saying why: the wrong
     length, a value that is not finite, a negative diagonal, an asymmetric or indefinite matrix."""
@@ -116,6 +158,8 @@ def check_report(h, kind: str, d: int) -> np.ndarray:
         raise ReportError(f"values above {REPORT_MAX:g}")
     if kind == "kronecker":
         return _check_kron_report(a, d)
+    if kind == KRON_OUTPUTS:
+        return _check_kron_outputs(a, d)
     shape = (d,) if kind == "diagonal" else (d, d)
     if kind == "dense" and a.shape == (d * d,):  # as it travels: the matrix row by row
         a = a.reshape(d, d)
@@ -144,8 +188,7 @@ def _psd(a: np.ndarray, what: str) -> np.ndarray:
     return sym
 
 
-def _check_kron_report(a: np.ndarray, d: int) -> dict:
-    """A Kronecker report ``[F̃, K, G (F̃²), A (K²), perm (d)]`` as a dict, or :class:`ReportError`."""
+def _kron_sizes(a: np.ndarray, d: int) -> tuple[int, int]:
     if a.ndim != 1 or a.size < 2:
         raise ReportError("expected a flat Kronecker report")
     if not np.all(np.isfinite(a)):
@@ -153,12 +196,29 @@ def _check_kron_report(a: np.ndarray, d: int) -> dict:
     F, K = a[0], a[1]
     if F != int(F) or K != int(K) or F < 1 or K < 1 or F * K != d:
         raise ReportError(f"the layer's sizes {F:g} × {K:g} do not make d = {d}")
-    F, K = int(F), int(K)
-    if a.size != 2 + F * F + K * K + d:
-        raise ReportError(f"expected {2 + F * F + K * K + d} numbers, got {a.size}")
-    G = a[2:2 + F * F].reshape(F, F)
-    A = a[2 + F * F:2 + F * F + K * K].reshape(K, K)
-    perm = a[2 + F * F + K * K:]
+    return int(F), int(K)
+
+
+def _check_kron_outputs(a: np.ndarray, d: int) -> dict:
+    """A :func:`kron_outputs_report` as ``{"F", "K", "A"}``, or :class:`ReportError`."""
+    F, K = _kron_sizes(a, d)
+    if a.size != 2 + K * K:
+        raise ReportError(f"expected {2 + K * K} numbers, got {a.size}")
+    return {"F": F, "K": K, "A": _psd(a[2:].reshape(K, K), "A")}
+
+
+def _check_kron_report(a: np.ndarray, d: int) -> dict:
+    """A :func:`kron_report` as a dict ``{"G", "A", "perm"}``, or :class:`ReportError`."""
+    F, K = _kron_sizes(a, d)
+    tri = F * (F + 1) // 2
+    if a.size != 2 + tri + K * K + d:
+        raise ReportError(f"expected {2 + tri + K * K + d} numbers, got {a.size}")
+    iu = np.triu_indices(F)
+    G = np.empty((F, F))
+    G[iu] = a[2:2 + tri]
+    G[iu[1], iu[0]] = a[2:2 + tri]
+    A = a[2 + tri:2 + tri + K * K].reshape(K, K)
+    perm = a[2 + tri + K * K:]
     if not np.array_equal(np.sort(perm), np.arange(d, dtype=np.float64)):
         raise ReportError("perm is not an ordering of θ's coordinates")
     return {"G": _psd(G, "G"), "A": _psd(A, "A"), "perm": perm.astype(np.int64)}

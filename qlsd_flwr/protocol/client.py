@@ -24,7 +24,7 @@ from qlsd_flwr.core.oracles import (
 )
 from qlsd_flwr.core.lowrank import local_hvp
 from qlsd_flwr.robust.reports import MAX_BLOCK
-from qlsd_flwr.core.curvature import local_curvature
+from qlsd_flwr.core.curvature import KRON_OUTPUTS, local_curvature
 from qlsd_flwr.core.potential import LocalPotential
 from qlsd_flwr.protocol.wire import (
     arr_to_bytes,
@@ -46,8 +46,8 @@ def _prepare(spec: ClientSpec, pot: LocalPotential, st: ClientState, fields: dic
         return theta, {"client": i, "status": "ok", "payload": arr_to_bytes(full_local_grad(spec, pot, theta))}
     if fields["phase"] == "curvature":  # metric-from = curvature: this client's ∇²U_i(θ*), data part
         kind = str(fields["kind"])
-        if kind not in ("diagonal", "dense", "kronecker", "hvp"):
-            raise ValueError(f"curvature: unknown kind {kind!r}; allowed: diagonal, dense, kronecker, hvp")
+        if kind not in ("diagonal", "dense", "kronecker", KRON_OUTPUTS, "hvp"):
+            raise ValueError(f"curvature: unknown kind {kind!r}; allowed: diagonal, dense, kronecker, {KRON_OUTPUTS}, hvp")
         if kind == "hvp":
             h = local_hvp(pot, theta, block_of(fields.get("vectors"), d))
             return theta, {"client": i, "status": "ok", "payload": products_to_bytes(h.ravel())}

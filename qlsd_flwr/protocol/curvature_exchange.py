@@ -36,14 +36,23 @@ def prior_curvature(task: Task, theta: np.ndarray | None = None) -> np.ndarray:
     return np.zeros(task.dim)
 
 
-def curvature_metric(cfg: RunConfig, task: Task, point: np.ndarray, curv_fn: CurvFn, n_data: np.ndarray):
+def curvature_metric(cfg: RunConfig, task: Task, point: np.ndarray, curv_fn: CurvFn, n_data: np.ndarray,
+                     inputs: cv.KronInputs | None = None):
     """``M`` from one curvature exchange at ``point``: each report checked (refused ones counted and named),
-    bounded per datum and summed with the prior's (:mod:`qlsd_flwr.core.curvature`); ``(metric, facts)``."""
-    reports, refused = curv_fn(point, cfg.metric), {}
+    bounded per datum and summed with the prior's (:mod:`qlsd_flwr.core.curvature`); ``(metric, facts)``.
+    ``inputs`` (K-FAC only) keeps the clients' input factors across the exchanges of one preparation: once it
+    holds any, the clients are asked for their output factor alone (:data:`~qlsd_flwr.core.curvature.KRON_OUTPUTS`),
+    and a client it holds nothing for is refused for that exchange."""
+    kind = cv.KRON_OUTPUTS if cfg.metric == "kronecker" and inputs else cfg.metric
+    reports, refused = curv_fn(point, kind), {}
     ok = {}
     for i, h in reports.items():
         try:
-            ok[int(i)] = cv.check_report(h, cfg.metric, task.dim)
+            ok[int(i)] = cv.check_report(h, kind, task.dim)
+            if kind == cv.KRON_OUTPUTS:
+                ok[int(i)] = inputs.complete(int(i), ok[int(i)])
+            elif inputs is not None and cfg.metric == "kronecker":
+                inputs[int(i)] = (ok[int(i)]["G"], ok[int(i)]["perm"])
         except ReportError as exc:
             refused[int(i)] = str(exc)
             log.warning("client %s: curvature report refused: %s (curvature_rejected)", i, exc)

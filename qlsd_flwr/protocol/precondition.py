@@ -101,7 +101,8 @@ DESCENT_STAGES = 4
 
 
 def curvature_point(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | None,
-                    curv_fn: CurvFn | None, n_data, file_metric: Metric | None, info: dict) -> np.ndarray:
+                    curv_fn: CurvFn | None, n_data, file_metric: Metric | None, info: dict,
+                    inputs: cv.KronInputs | None = None) -> np.ndarray:
     """θ* as the point where the curvature is taken: the closed form where the task has one,
     otherwise the federated descent (:func:`qlsd_flwr.protocol.theta_star.optimise_theta_star`),
     preconditioned by the metric and stepped by ``1/λ_max`` of that metric when there is one (or
@@ -119,7 +120,7 @@ def curvature_point(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: Gra
     for stage in range(stages):
         metric = file_metric
         if metric is None and curv:
-            metric, ci = curvature_metric(cfg, task, theta, curv_fn, n_data)
+            metric, ci = curvature_metric(cfg, task, theta, curv_fn, n_data, inputs)
             merge_reports(info, ci)
         lr = cfg.gamma
         if cfg.gamma_auto or metric is not None:
@@ -178,7 +179,9 @@ def prepare(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | No
     file_metric = metric_from_file(cfg.metric, d) if cfg.metric.endswith(".npy") else None
     needs_point = needs_theta_star(cfg) or needs_curvature(cfg) or cfg.gamma_auto or cfg.init == "dispersed" \
         or lowrank_rank(cfg) > 0
-    point = curvature_point(cfg, task, theta0, grad_fn, curv_fn, n_data, file_metric, info) if needs_point else theta0
+    inputs = cv.KronInputs()  # K-FAC's input factors, asked for once (core.curvature.KRON_OUTPUTS)
+    point = curvature_point(cfg, task, theta0, grad_fn, curv_fn, n_data, file_metric, info, inputs) \
+        if needs_point else theta0
     if not np.all(np.isfinite(point)):
         raise ConfigError("theta-star: the descent to θ* left the finite numbers; give θ* in closed form, a smaller "
                           "gamma (the descent's step without gamma = auto), or metric = identity")
@@ -187,7 +190,7 @@ def prepare(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | No
         if curv_fn is None:
             raise ConfigError(f"metric-from = {cfg.get('metric-from')}: this path cannot ask its clients for their "
                               "curvature (the legacy Flower API); use the Message-API strategy, or metric = <file.npy>")
-        metric, cinfo = curvature_metric(cfg, task, point, curv_fn, n_data)
+        metric, cinfo = curvature_metric(cfg, task, point, curv_fn, n_data, inputs)
         merge_reports(info, cinfo)
     else:
         metric = file_metric or Identity()
