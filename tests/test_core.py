@@ -248,3 +248,35 @@ def test_full_local_gradient_includes_the_clients_share_of_the_prior():
     sp = build.client_spec(cfg, 1, TASK.clients[1].n_data, TASK.dim, TASK.prior)
     got = full_local_grad(sp, TASK.clients[1], THETA)
     np.testing.assert_allclose(got, TASK.clients[1].grad_sum(THETA) + TASK.prior.grad(THETA) / TASK.b, rtol=1e-14)
+
+
+def test_a_descent_stage_that_stops_improving_ends_at_its_best_point():
+    # issue 37: a stage whose step no longer fits (here 2.05/λ on the stiff axis: a slow divergence, below the
+    # 10× blow-up rule) ends STALL rounds after its best gradient, at that point, instead of using up its budget
+    from qlsd_flwr.core.metric import Identity
+    from qlsd_flwr.protocol.theta_star import STALL, optimise_theta_star
+
+    lam = np.array([1.0, 100.0])
+    calls, norms = [], []
+
+    def grad(th):
+        calls.append(1)
+        g = lam * th
+        norms.append(float(np.linalg.norm(g)))
+        return g
+
+    cfg = resolve({"task": "gaussian", "dim": 2, "opt-tol": 1e-12})
+    th0 = np.array([1.0, 1e-3])
+    info = {}
+    th, rounds = optimise_theta_star(cfg, th0, grad, info, lr=2.05 / lam[1], precondition=Identity(), max_rounds=400,
+                                     stall=STALL)
+    best = int(np.argmin(norms))
+    assert rounds == best + STALL < 400  # norms[0] is θ_0's; round r's gradient is norms[r]
+    assert info["opt_grad_norm"] == min(norms) and not info["opt_converged"]
+    assert float(np.linalg.norm(lam * th)) == min(norms)  # the best point, not where it wandered
+    stalled = rounds
+    calls.clear()
+    norms.clear()
+    # without it (a last stage), the descent goes on: here the blow-up rule halves the step and it converges
+    _, rounds = optimise_theta_star(cfg, th0, grad, {}, lr=2.05 / lam[1], precondition=Identity(), max_rounds=400)
+    assert rounds > stalled

@@ -38,7 +38,7 @@ from qlsd_flwr.protocol.curvature_exchange import (
     lowrank_rank,
     merge_reports,
 )
-from qlsd_flwr.protocol.theta_star import closed_form_theta_star, needs_theta_star, optimise_theta_star, resolve_theta_star
+from qlsd_flwr.protocol.theta_star import STALL, closed_form_theta_star, needs_theta_star, optimise_theta_star, resolve_theta_star
 from qlsd_flwr.outputs.metric_file import metric_from_file  # the one file the preparation reads
 from qlsd_flwr.outputs.progress import announce
 from qlsd_flwr.protocol import build
@@ -131,7 +131,7 @@ def curvature_point(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: Gra
             info.setdefault("opt_lr", []).append(lr)
         budget = cfg.opt_rounds // stages + (cfg.opt_rounds % stages if stage == stages - 1 else 0)
         theta, r = optimise_theta_star(cfg, theta, grad_fn, info, lr=lr, precondition=metric, max_rounds=budget,
-                                       g0_norm=g0)
+                                       g0_norm=g0, stall=STALL if stage < stages - 1 else None)
         g0 = info["opt_grad0_norm"]  # the first stage's start: the stopping rule stays relative to it
         rounds += r
         if info["opt_converged"] or not np.all(np.isfinite(theta)):
