@@ -26,8 +26,11 @@ products, and maps them to 1 (Rayleigh–Ritz):
    only slow or speed a direction, never bias it; the step ``γ`` is then chosen for ``M'``). Along
    an exact eigenvector ``u_j`` the new ``B' = Sᵀ ∇²U S`` has eigenvalue 1, elsewhere ``B``'s.
 
-Offline on the main job (the exact ``B``): ``b = 32``, ``q = 20`` (640 products) and ``k = 150``
-bring ``κ`` from 136 to 9.5; the same 150 directions from a full eigendecomposition, 16.
+Offline on the main job (the exact ``B``; ``python benchmarks/bench_lowrank_exchanges.py``): ``b = 16``,
+``q = 32`` (512 products) and ``k = 150`` bring ``κ`` from 136 to 9.7, as ``b = 32``, ``q = 20`` did with 640
+(9.6); the same 150 directions from a full eigendecomposition, 16. Fewer products leave the bottom of the
+spectrum (``λ_min(B) = 0.035``, where K-FAC's curvature is 28× too large) unresolved: ``κ`` 61 with 448
+products in blocks of 32, 15 with 384 in blocks of 16.
 
 Every client report is untrusted (:func:`check_block`): the wrong size, a non-finite value or a
 value above :data:`qlsd_flwr.robust.reports.REPORT_MAX` is refused (``curvature_rejected``); a report
@@ -44,9 +47,12 @@ import numpy as np
 from qlsd_flwr.core import rng
 from qlsd_flwr.robust.reports import REPORT_CAP, REPORT_MAX, ReportError, clamped_counts, lower_median
 
-#: vectors per exchange (``b``) and exchanges (``q``) of the block Krylov method
-LOWRANK_BLOCK = 32
-LOWRANK_EXCHANGES = 20
+#: vectors per exchange (``b``) and exchanges (``q``) of the block Krylov method: a smaller block reaches a
+#: higher polynomial degree for the same products, so the same ``κ`` with 20 % fewer of them (the uplink) and
+#: 12 exchanges more (issue 37; ``b = 32``, ``q = 20`` until 2026-12-02). A space of at most ``2 b`` dimensions is
+#: taken whole in one exchange.
+LOWRANK_BLOCK = 16
+LOWRANK_EXCHANGES = 32
 #: a Ritz pair is used when its residual ``‖B u − t u‖`` is at most this fraction of ``t``
 RITZ_TOL = 0.1
 #: the vectors of a block and the clients' products travel as float32, on every engine (the numbers are rounded
@@ -155,7 +161,7 @@ def correction(products, root, root_t, d: int, rank: int, seed: int, block: int 
     ``W`` (``(b, d)``: one exchange); ``root``/``root_t`` apply ``R``/``Rᵀ`` to one vector. Returns
     the correction's ``(U, t)`` (``None`` when no Ritz pair converged; :meth:`Metric.corrected
     <qlsd_flwr.core.metric.Metric.corrected>` makes the metric) and the facts for the summary."""
-    b = int(min(block or LOWRANK_BLOCK, d))
+    b = int(min(block, d)) if block else (d if d <= 2 * LOWRANK_BLOCK else LOWRANK_BLOCK)
     q = int(max(1, min(exchanges or LOWRANK_EXCHANGES, d // b)))
     X = rng.normal(seed, rng.Stream.INIT, -3 & 0xFFFFFFFF, 0, d * b).reshape(b, d)  # rows: the block
     X = np.linalg.qr(X.T)[0].T

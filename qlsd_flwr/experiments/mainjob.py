@@ -13,7 +13,7 @@ paper's weight decay 5).
   kept (300 samples a chain). The step is preconditioned by the layer's Kronecker-factored
   curvature (``metric = kronecker``, K-FAC, from the clients' reports at θ*) **corrected along
   the 150 directions where it is most wrong** (``metric-rank = 150``: a block Krylov method on
-  the clients' Hessian-vector products, 20 exchanges of 32 vectors, ``core/lowrank.py``), ``γ =
+  the clients' Hessian-vector products, 32 exchanges of 16 vectors, ``core/lowrank.py``), ``γ =
   auto`` with ``gamma-c = 0.5`` (the variance along the stiffest direction inflated by
   1/(1 − 1/4) = 1.33, ULA's bias at this step), the server's broadcast QSGD-coded
   (``downlink = qsgd``, ``downlink-s = 256``, EF21-P), and the chains start dispersed around θ*

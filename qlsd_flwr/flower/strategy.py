@@ -103,8 +103,8 @@ class QLSDStrategy(Strategy):
         estimate from ``grad_sum``), exchanges before sampling, each report validated and bounded.
     metric_rank : int, default 0
         ``k``: M corrected along the ``k`` directions where ``M^{1/2}ᵀ ∇²U(θ*) M^{1/2}`` is farthest
-        from 1, found by a block Krylov method on the clients' Hessian-vector products (20 exchanges
-        of 32 vectors; :mod:`qlsd_flwr.core.lowrank`, docs/METRIC.md). 0: none.
+        from 1, found by a block Krylov method on the clients' Hessian-vector products (32 exchanges
+        of 16 vectors; :mod:`qlsd_flwr.core.lowrank`, docs/METRIC.md). 0: none.
     temperature : float, default 1.0
         ``T``: the chain targets ``π^{1/T}`` (the noise is scaled by ``√T``).
     init : str, default "theta0"

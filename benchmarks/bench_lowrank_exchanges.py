@@ -1,0 +1,79 @@
+"""How many product exchanges ``metric-rank``'s correction needs on the main job (issue 37: the products were
+the preparation's largest uplink, 3.2e9 bits for 20 exchanges of 32 vectors).
+
+Offline, with the exact Hessian: the main job's posterior (softmax regression on 4,000 MNIST digits, d = 7,850,
+prior N(0, I/5)), its MAP ``θ̂`` (L-BFGS), the K-FAC metric ``M = R Rᵀ`` from the 20 clients' reports at ``θ̂``
+(the very functions a run calls), and ``B = Rᵀ ∇²U(θ̂) R``. For each number of exchanges ``q`` the correction
+(:func:`qlsd_flwr.core.lowrank.correction`, block 32, rank 150) is made from exact products ``∇²U W``, and the
+corrected ``B' = Cᵀ B C`` is diagonalised: its condition number ``κ`` sets the slowest direction's relaxation
+(about ``κ/c`` rounds at ``γ = c/λ_max``), ``λ_max`` the step. Float64 products here; the run's float32 ones
+move the Ritz values by about 1e-7.
+
+    python benchmarks/bench_lowrank_exchanges.py [--q 4 6 8 10 14 20] [--block 32] [--out lowrank_exchanges.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from scipy.optimize import minimize
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from benchmarks.bench_mainjob_reference import Posterior  # noqa: E402
+from benchmarks.smoke import SMOKE, out  # noqa: E402
+from qlsd_flwr.config import resolve  # noqa: E402
+from qlsd_flwr.core import curvature as cv  # noqa: E402
+from qlsd_flwr.core import lowrank as lr  # noqa: E402
+from qlsd_flwr.experiments.mainjob import QLSD_MAIN  # noqa: E402
+from qlsd_flwr.tasks import loading  # noqa: E402
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--q", type=int, nargs="*", default=[4, 6, 8, 10, 14, 20])
+    ap.add_argument("--rank", type=int, default=150)
+    ap.add_argument("--block", type=int, nargs="*", default=[lr.LOWRANK_BLOCK],
+                    help="vectors per exchange b (each b is run with each q)")
+    ap.add_argument("--out", default="lowrank_exchanges.json", help="a JSON file under benchmarks/")
+    a = ap.parse_args(argv)
+    over = {"num-clients": 4, "dataset": "digits", "task": "logistic"} if SMOKE else {}
+    cfg = resolve({**QLSD_MAIN, "engine": "local", "num-chains": 1, **over})
+    task, post = loading.load_task(cfg), Posterior(cfg)
+    t0 = time.perf_counter()
+    mode = minimize(lambda t: tuple(x[0] for x in post.value_and_grad(t)), np.zeros(post.d), jac=True,
+                    method="L-BFGS-B", options={"maxiter": 20000, "gtol": 1e-9, "ftol": 1e-15}).x
+    H = post.hessian(mode)
+    reps = {i: cv.check_report(cv.local_curvature(c, mode, "kronecker", 0, i), "kronecker", post.d)
+            for i, c in enumerate(task.clients)}
+    m, _ = cv.metric_from_kronecker(reps, task.n_data, np.full(post.d, post.prec), post.d)
+    R = np.stack([m.apply_root(e) for e in np.eye(post.d)], axis=1)  # M's root, column by column
+    B = R.T @ H @ R
+    B = 0.5 * (B + B.T)
+    ev = np.linalg.eigvalsh(B)
+    rows = [{"q": 0, "products": 0, "kappa": float(ev[-1] / ev[0]), "lambda_max": float(ev[-1])}]
+    print(json.dumps(rows[0]), f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    for b, q in [(b, q) for b in a.block for q in a.q]:
+        (u, t), info = lr.correction(lambda W: (H @ W.T).T, lambda x: R @ x, lambda x: R.T @ x, post.d, a.rank,
+                                     cfg.seed, block=b, exchanges=q)
+        C = np.eye(post.d) + (u * (t ** -0.5 - 1.0)) @ u.T
+        e = np.linalg.eigvalsh(C.T @ B @ C)
+        row = {"block": b, "q": q, "products": q * b, "kept": int(info["lowrank_rank"]),
+               "converged": int(info["lowrank_converged"]), "kappa": float(e[-1] / e[0]),
+               "lambda_max": float(e[-1]), "lambda_min": float(e[0]),
+               "uplink_bits": 32 * q * b * post.d * len(task.clients)}
+        rows.append(row)
+        print(json.dumps(row), f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    out(HERE / a.out).write_text(json.dumps(
+        {"command": "python benchmarks/bench_lowrank_exchanges.py " + " ".join(sys.argv[1:]), "rank": a.rank,
+         "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
