@@ -4,12 +4,13 @@ the preparation's largest uplink, 3.2e9 bits for 20 exchanges of 32 vectors).
 Offline, with the exact Hessian: the main job's posterior (softmax regression on 4,000 MNIST digits, d = 7,850,
 prior N(0, I/5)), its MAP ``θ̂`` (L-BFGS), the K-FAC metric ``M = R Rᵀ`` from the 20 clients' reports at ``θ̂``
 (the very functions a run calls), and ``B = Rᵀ ∇²U(θ̂) R``. For each number of exchanges ``q`` the correction
-(:func:`qlsd_flwr.core.lowrank.correction`, block 32, rank 150) is made from exact products ``∇²U W``, and the
+(:func:`qlsd_flwr.core.lowrank.correction`, blocks of ``b``, rank 150) is made from exact products ``∇²U W``, and the
 corrected ``B' = Cᵀ B C`` is diagonalised: its condition number ``κ`` sets the slowest direction's relaxation
 (about ``κ/c`` rounds at ``γ = c/λ_max``), ``λ_max`` the step. Float64 products here; the run's float32 ones
 move the Ritz values by about 1e-7.
 
-    python benchmarks/bench_lowrank_exchanges.py [--q 4 6 8 10 14 20] [--block 32] [--out lowrank_exchanges.json]
+    python benchmarks/bench_lowrank_exchanges.py --block 32 --q 4 8 10 12 14 16 18 20 24
+    python benchmarks/bench_lowrank_exchanges.py --block 8 16 --q 24 32 48 64 --out lowrank_exchanges_blocks.json
 """
 
 from __future__ import annotations

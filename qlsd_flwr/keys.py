@@ -153,7 +153,8 @@ KEYS: tuple[Key, ...] = (
         "before the first round: docs/METRIC.md)", "", choices=("curvature", "adapt"), group=SAMPLER),
     Key("metric-rank", 0, "int", "directions in which the metric is corrected exactly: a block Krylov method on "
         "federated Hessian-vector products at θ* (32 exchanges of 16 vectors) finds where M^½ᵀ ∇²U M^½ is farthest "
-        "from 1 and maps those k directions to 1 (0: none; docs/METRIC.md)", "k", lo=0, cap=640, group=SAMPLER),
+        "from 1 and maps those k directions to 1 (0: none; docs/METRIC.md)", "k", lo=0,
+        cap=512, group=SAMPLER),  # the Krylov space's 32 × 16 vectors (core.lowrank): no more directions exist in it
     Key("adapt-rounds", 300, "int", "rounds of metric-from = adapt's warm-up (each: one exact-gradient exchange "
         "per chain with every client); the sampling chains continue from its end", "", lo=20, cap=10**7,
         group=SAMPLER),

@@ -153,18 +153,53 @@ def test_kfacs_input_factor_travels_once_as_a_triangle_and_the_chain_is_unchange
     full = {i: cv.check_report(cv.local_curvature(c, theta, "kronecker", 0, i), "kronecker", d)
             for i, c in enumerate(task.clients)}
     kept = cv.KronInputs({i: (r["G"], r["perm"]) for i, r in full.items()})
-    part = {i: kept.complete(i, cv.check_report(cv.local_curvature(c, theta, cv.KRON_OUTPUTS, 0, i), cv.KRON_OUTPUTS, d))
-            for i, c in enumerate(task.clients)}
+    part = {i: kept.complete(i, cv.local_curvature(c, theta, cv.KRON_OUTPUTS, 0, i), d) for i, c in enumerate(task.clients)}
     G0 = task.clients[0].kron_factors(theta)[0]
     assert np.array_equal(full[0]["G"], 0.5 * G0 + 0.5 * G0.T)
     m1, _ = cv.metric_from_kronecker(full, task.n_data, np.full(d, 20.0), d)
     m2, _ = cv.metric_from_kronecker(part, task.n_data, np.full(d, 20.0), d)
     x = np.arange(d, dtype=float)
     assert np.array_equal(m1.apply(x), m2.apply(x))
-    # an output factor with nothing on record, or of another layer's shape, is refused
+    # an output factor with nothing on record, of another length or layer shape, or not numbers, is refused before
+    # anything is computed from it
+    good = cv.kron_outputs_report(F, np.eye(K))
     with pytest.raises(ReportError, match="no input factor on record"):
-        cv.KronInputs().complete(0, part[0])
-    with pytest.raises(ReportError, match="differ"):
-        kept.complete(0, {"F": K, "K": F, "A": np.eye(F)})
-    with pytest.raises(ReportError, match="expected"):
-        cv.check_report(np.concatenate([[F, K], np.eye(K).ravel(), [1.0]]), cv.KRON_OUTPUTS, d)
+        cv.KronInputs().complete(0, good, d)
+    with pytest.raises(ReportError, match="expected"):  # another layer shape of the same d
+        kept.complete(0, np.concatenate([[K, F], np.eye(K).ravel()]), d)
+    with pytest.raises(ReportError, match="expected 6 numbers"):
+        kept.complete(0, np.concatenate([[1, d], np.eye(d).ravel()]), d)
+    with pytest.raises(ReportError, match="non-finite"):
+        kept.complete(0, np.full(2 + K * K, np.nan), d)
+    with pytest.raises(ReportError, match="not an array"):
+        kept.complete(0, ["x"] * (2 + K * K), d)
+
+
+def test_a_client_without_a_first_kfac_report_is_asked_for_a_full_one_not_left_out():
+    # a client that missed (or failed) the first curvature exchange answers a later one; the exchange is made again
+    # with full reports, so it keeps its curvature for the rest of the preparation
+    from qlsd_flwr.core import curvature as cv
+    from qlsd_flwr.protocol.curvature_exchange import curvature_metric
+    from qlsd_flwr.tasks.loading import load_task
+
+    cfg = resolve({"task": "logistic", "dataset": "breast_cancer", "num-clients": 4, "prior-var": 0.05,
+                   "metric": "kronecker", "gamma": "auto"})
+    task = load_task(cfg)
+    theta = np.linspace(-0.2, 0.2, task.dim)
+    asked = []
+
+    def curv_fn(th, kind, who=(0, 1, 2, 3)):
+        asked.append(kind)
+        return {i: cv.local_curvature(task.clients[i], th, kind, 0, i) for i in who}
+
+    inputs = cv.KronInputs()
+    curvature_metric(cfg, task, theta, lambda th, kind: curv_fn(th, kind, (0, 1, 2)), task.n_data, inputs)
+    assert asked == ["kronecker"] and sorted(inputs) == [0, 1, 2]
+    m, info = curvature_metric(cfg, task, theta, curv_fn, task.n_data, inputs)
+    assert asked == ["kronecker", cv.KRON_OUTPUTS, "kronecker"] and sorted(inputs) == [0, 1, 2, 3]
+    assert info["curvature_reports"] == 4 and not info["curvature_rejected"]
+    ref, _ = curvature_metric(cfg, task, theta, curv_fn, task.n_data)  # full reports from everyone
+    x = np.arange(task.dim, dtype=float)
+    assert np.array_equal(m.apply(x), ref.apply(x))
+    curvature_metric(cfg, task, theta, curv_fn, task.n_data, inputs)
+    assert asked[-1] == cv.KRON_OUTPUTS  # all on record: the output factors alone

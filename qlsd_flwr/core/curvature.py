@@ -134,17 +134,23 @@ def kron_outputs_report(F: int, A: np.ndarray) -> np.ndarray:
 
 class KronInputs(dict):
     """``{client: (G_i, perm_i)}``: each client's input factor and layout from its first valid
-    :func:`kron_report`, for the exchanges that ask only for :data:`KRON_OUTPUTS`."""
+    :func:`kron_report`, for the exchanges that ask only for :data:`KRON_OUTPUTS`. It rests on ``G_i`` not
+    depending on θ, which holds for one dense layer (``kron_factors``' contract: ``G = Σ_j x̃_j x̃_jᵀ``)."""
 
-    def complete(self, i: int, part: dict) -> dict:
-        """Client ``i``'s :data:`KRON_OUTPUTS` report (``{"F", "K", "A"}``) with its kept ``G`` and ``perm``,
-        or :class:`ReportError` when it has none or another layer shape."""
+    def complete(self, i: int, h, d: int) -> dict:
+        """Client ``i``'s :data:`KRON_OUTPUTS` reply ``h`` checked and completed with its kept ``G`` and ``perm``,
+        or :class:`ReportError`: no first report on record, a length other than that report's layer gives
+        (checked before anything is computed from the reply), or what :func:`check_report` refuses."""
         if i not in self:
             raise ReportError("an output factor alone, and no input factor on record from an earlier report")
         G, perm = self[i]
-        if (G.shape[0], perm.shape[0] // G.shape[0]) != (part["F"], part["K"]):
-            raise ReportError(f"the layer's sizes {part['F']} × {part['K']} differ from its first report's")
-        return {"G": G, "A": part["A"], "perm": perm}
+        F, K = G.shape[0], perm.shape[0] // G.shape[0]
+        a = np.asarray(h, dtype=np.float64) if isinstance(h, np.ndarray) else h
+        if np.size(a) != 2 + K * K:
+            raise ReportError(f"expected {2 + K * K} numbers (the output factor of a {F} × {K} layer), got "
+                              f"{np.size(a)}")
+        # the length fixes K, and check_report then holds F·K = d: the layer is the first report's
+        return {"G": G, "A": check_report(a, KRON_OUTPUTS, d)["A"], "perm": perm}
 
 
 def check_report(h, kind: str, d: int) -> np.ndarray:

@@ -26,7 +26,7 @@ products, and maps them to 1 (Rayleigh–Ritz):
    only slow or speed a direction, never bias it; the step ``γ`` is then chosen for ``M'``). Along
    an exact eigenvector ``u_j`` the new ``B' = Sᵀ ∇²U S`` has eigenvalue 1, elsewhere ``B``'s.
 
-Offline on the main job (the exact ``B``; ``python benchmarks/bench_lowrank_exchanges.py``): ``b = 16``,
+Offline on the main job (the exact ``B``; ``benchmarks/bench_lowrank_exchanges.py``, RESULTS): ``b = 16``,
 ``q = 32`` (512 products) and ``k = 150`` bring ``κ`` from 136 to 9.7, as ``b = 32``, ``q = 20`` did with 640
 (9.6); the same 150 directions from a full eigendecomposition, 16. Fewer products leave the bottom of the
 spectrum (``λ_min(B) = 0.035``, where K-FAC's curvature is 28× too large) unresolved: ``κ`` 61 with 448

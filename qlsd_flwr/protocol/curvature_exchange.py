@@ -41,17 +41,23 @@ def curvature_metric(cfg: RunConfig, task: Task, point: np.ndarray, curv_fn: Cur
     """``M`` from one curvature exchange at ``point``: each report checked (refused ones counted and named),
     bounded per datum and summed with the prior's (:mod:`qlsd_flwr.core.curvature`); ``(metric, facts)``.
     ``inputs`` (K-FAC only) keeps the clients' input factors across the exchanges of one preparation: once it
-    holds any, the clients are asked for their output factor alone (:data:`~qlsd_flwr.core.curvature.KRON_OUTPUTS`),
-    and a client it holds nothing for is refused for that exchange."""
+    holds any, the clients are asked for their output factor alone (:data:`~qlsd_flwr.core.curvature.KRON_OUTPUTS`);
+    when a client that replies has none on record, the exchange is made again with full reports."""
     kind = cv.KRON_OUTPUTS if cfg.metric == "kronecker" and inputs else cfg.metric
     reports, refused = curv_fn(point, kind), {}
+    if kind == cv.KRON_OUTPUTS and any(int(i) not in inputs for i in reports):
+        # a client answered that has no first report on record (it missed or failed that exchange): everyone's
+        # full report once more, so that it is not left without curvature for the rest of the preparation
+        kind = cfg.metric
+        reports = curv_fn(point, kind)
     ok = {}
     for i, h in reports.items():
         try:
-            ok[int(i)] = cv.check_report(h, kind, task.dim)
             if kind == cv.KRON_OUTPUTS:
-                ok[int(i)] = inputs.complete(int(i), ok[int(i)])
-            elif inputs is not None and cfg.metric == "kronecker":
+                ok[int(i)] = inputs.complete(int(i), h, task.dim)
+                continue
+            ok[int(i)] = cv.check_report(h, kind, task.dim)
+            if inputs is not None and cfg.metric == "kronecker":
                 inputs[int(i)] = (ok[int(i)]["G"], ok[int(i)]["perm"])
         except ReportError as exc:
             refused[int(i)] = str(exc)

@@ -116,7 +116,7 @@ def curvature_point(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: Gra
                           "and a numeric gamma")
     curv = needs_curvature(cfg) and curv_fn is not None
     stages = DESCENT_STAGES if curv else 1
-    theta, rounds, g0 = theta0, 0, None
+    theta, rounds, g0, carry = theta0, 0, None, 0
     for stage in range(stages):
         metric = file_metric
         if metric is None and curv:
@@ -129,9 +129,11 @@ def curvature_point(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: Gra
                                        hvp=held_products(grad_fn, info))
             lr = 1.0 / lam if lam > 0 else 1.0
             info.setdefault("opt_lr", []).append(lr)
-        budget = cfg.opt_rounds // stages + (cfg.opt_rounds % stages if stage == stages - 1 else 0)
+        # a stage's share of opt-rounds, plus what a stage before it left when it stalled
+        budget = cfg.opt_rounds // stages + (cfg.opt_rounds % stages if stage == stages - 1 else 0) + carry
         theta, r = optimise_theta_star(cfg, theta, grad_fn, info, lr=lr, precondition=metric, max_rounds=budget,
                                        g0_norm=g0, stall=STALL if stage < stages - 1 else None)
+        carry = budget - r
         g0 = info["opt_grad0_norm"]  # the first stage's start: the stopping rule stays relative to it
         rounds += r
         if info["opt_converged"] or not np.all(np.isfinite(theta)):

@@ -117,6 +117,7 @@ def _nesterov(cfg, theta, g, g0, grad_fn, step, metric, budget, stall=None):
             # not quadratic): back to the best point, half the step, no momentum
             theta, g, step, k = best[1].copy(), best[2].copy(), step / 2.0, 0
             y_prev = theta.copy()
+            since_best = 0  # the halved step gets its own STALL rounds
             continue
         if norm < best[0]:
             best, since_best = (norm, theta.copy(), g.copy()), 0
