@@ -54,8 +54,10 @@ def test_the_bits_object_adds_up_phase_by_phase(tmp_path, capsys):
     assert {"descent", "curvature", "power_iteration"} <= set(prep)
     assert bits["uplink"]["preparation"] == sum(k["uplink"] for k in prep.values()) == s["prep_uplink_bits"]
     assert bits["downlink"]["preparation"] == sum(k["downlink"] for k in prep.values()) == s["prep_downlink_bits"]
-    for kind in ("descent", "power_iteration"):  # θ down and ∇U_i(θ) up, 64 bits a number, each client
-        assert prep[kind]["uplink"] == prep[kind]["downlink"] == 64 * d * b * prep[kind]["exchanges"] > 0
+    # θ down and ∇U_i(θ) up, each client: the power iteration's differences in float64, the descent in float32 (θ* is
+    # only where the curvature is taken: wire.DESCENT_PRECISION)
+    for kind, bits_a_number in (("descent", 32), ("power_iteration", 64)):
+        assert prep[kind]["uplink"] == prep[kind]["downlink"] == bits_a_number * d * b * prep[kind]["exchanges"] > 0
     assert prep["curvature"]["uplink"] == 64 * d * b * prep["curvature"]["exchanges"]  # a diagonal a client
     assert (bits["uplink"]["loo"], bits["downlink"]["loo"]) == (s["loo"]["bits_up"], s["loo"]["bits_down"]) != (0, 0)
     assert bits["uplink"]["other"] == bits["downlink"]["other"] == 0
@@ -64,6 +66,23 @@ def test_the_bits_object_adds_up_phase_by_phase(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "preparation · θ* descent:" in err and "preparation · power iteration (λ_max):" in err
     assert f"preparation: {s['prep_exchanges']} exchanges" in err
+
+
+def test_the_descent_is_float32_only_where_theta_star_is_only_the_curvature_point(tmp_path):
+    # QLSD*'s control variates rest on Σ_i ∇U_i(θ*) ≈ 0 to opt-tol: its descent stays float64, and so does every
+    # exchange's count; in-process Flower sends what the local engine rounds (same θ*, same bits)
+    o = {"task": "logistic", "dataset": "breast_cancer", "num-clients": 4, "prior-var": 0.05, "metric": "diagonal",
+         "gamma": "auto", "num-rounds": 4, "burn-in": 0, "progress": False, "plot": False, "loo": "off",
+         "output-dir": str(tmp_path)}
+    for variant, bits_a_number in (("qlsd-pp", 32), ("qlsd-star", 64)):
+        c = {**o, "variant": variant, "theta-star": "optimise"}
+        local = run_local(resolve({**c, "run-name": f"l-{variant}"}))
+        s = json.loads((local.run_dir / "summary.json").read_text())
+        row = s["bits"]["preparation"]["descent"]
+        assert row["uplink"] == row["downlink"] == bits_a_number * s["d"] * 4 * row["exchanges"] > 0, variant
+        flwr = run_inprocess(resolve({**c, "engine": "inprocess", "run-name": f"f-{variant}"}), {**c, "engine": "inprocess"})
+        sf = json.loads((flwr.run_dir / "summary.json").read_text())
+        assert sf["bits"]["preparation"]["descent"] == row and sf["gamma"] == s["gamma"], variant
 
 
 @pytest.mark.parametrize("variant", ["qlsd-pp", "qlsd-star", "qlsd"])

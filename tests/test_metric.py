@@ -644,3 +644,40 @@ def test_qsgd_and_partial_participation_under_a_diagonal_metric_match_the_gaussi
     e = res.trace[:, 100:, :] - task.theta_star
     per_chain = (e**2).mean(axis=1).sum(axis=1)
     assert abs(per_chain.mean() - S0) > 5 * per_chain.std(ddof=1) / np.sqrt(len(per_chain))
+
+
+def test_a_float32_descent_refuses_a_reply_of_the_wrong_width_and_a_client_refuses_a_bad_precision(tmp_path):
+    # issue 37: the descent to the curvature point travels as float32; a float64 reply there is refused, counted and
+    # asked again (the run is the one without it), and a request with another precision is refused by the client
+    from flwr.app import ConfigRecord
+
+    from qlsd_flwr.flower.records import RECORD, from_content
+    from qlsd_flwr.protocol.wire import gradient_of, precision_of
+    from qlsd_flwr.run.simulate import run_inprocess
+
+    seen = [0]
+
+    def widen(msg, ctx, call_next):
+        out = call_next(msg, ctx)
+        fields = from_content(msg.content)[0]
+        if fields.get("phase") == "grad" and fields.get("precision") == 32 and int(ctx.node_config["partition-id"]) == 1:
+            seen[0] += 1
+            if seen[0] == 2:
+                rec = dict(out.content[RECORD])
+                rec["payload"] = np.frombuffer(rec["payload"], dtype="<f4").astype("<f8").tobytes()
+                out.content[RECORD] = ConfigRecord(rec)
+        return out
+
+    o = {"engine": "inprocess", "task": "logistic", "dataset": "breast_cancer", "num-clients": 3, "prior-var": 0.05,
+         "metric": "diagonal", "gamma": "auto", "num-rounds": 4, "burn-in": 0, "progress": False, "loo": "off",
+         "output-dir": str(tmp_path), "run-name": "a"}
+    bad = run_inprocess(resolve(o), o, mods=[widen])
+    ref = run_inprocess(resolve({**o, "run-name": "b"}), {**o, "run-name": "b"})
+    assert seen[0] >= 2 and bad.summary_data["rejected"] == {"phase_reply": 1}
+    assert np.array_equal(load_samples(bad.run_dir), load_samples(ref.run_dir))
+    with pytest.raises(ValueError, match="expected 248 bytes of float32"):
+        gradient_of(np.zeros(62).tobytes(), 62, 32)  # a float64 reply
+    for p in (16, "32", True, None):
+        with pytest.raises(ValueError, match="'precision' must be 32 or 64"):
+            precision_of({"precision": p})
+    assert precision_of({}) == 64 and precision_of({"precision": 32}) == 32

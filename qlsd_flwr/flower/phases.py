@@ -72,7 +72,8 @@ class PhaseExchanges:
                 n_data = [self.nodes.n_data.get(i, 1) for i in range(self.cfg.b)]
                 prep = precondition.prepare(
                     self.cfg, self.task, theta0,
-                    build.GradExchange(self.cfg, self.task.prior, lambda th: self.gradients(grid, th, timeout),
+                    build.GradExchange(self.cfg, self.task.prior,
+                                       lambda th, precision=64: self.gradients(grid, th, timeout, precision),
                                        self.clients, n_data),
                     lambda th, kind, vectors=None: self.curvature(grid, th, kind, timeout, vectors),
                     n_data=[self.nodes.n_data.get(i, 1) for i in range(self.cfg.b)], warm=warm,
@@ -117,22 +118,26 @@ class PhaseExchanges:
                              + ", ".join(f"{j}: {w}" for j, w in sorted(self.left_out.items())) + ")")
         raise LeftOut(sorted(why))
 
-    def gradients(self, grid, theta: np.ndarray, timeout: float) -> list[np.ndarray]:
+    def gradients(self, grid, theta: np.ndarray, timeout: float, precision: int = 64) -> list[np.ndarray]:
         """The kept clients' ``∇U_i(θ)`` in client order (zeros for those left out); an unusable reply
-        is asked once more, then its client is left out (:class:`LeftOut`)."""
+        is asked once more, then its client is left out (:class:`LeftOut`). ``precision = 32``: θ (already
+        float32-valued) travels as float32 and the gradients come back so."""
+        ask = {"phase": "grad", "round": -1, "theta": theta}
+        if precision == 32:
+            ask = {**ask, "theta": np.asarray(theta, dtype=np.float32), "precision": 32}
         grads: dict[int, np.ndarray] = {}
         refused: dict[int, str] = {}
         for attempt in range(2):
             want = self.clients() if attempt == 0 else sorted(refused)
             if not want:
                 break
-            got = self.ask(grid, {"phase": "grad", "round": -1, "theta": theta}, timeout, want)
+            got = self.ask(grid, ask, timeout, want)
             for i in want:
                 if i not in got:
                     refused[i] = "no reply"
                     continue
                 try:
-                    grads[i] = gradient_of(got[i], self.d)
+                    grads[i] = gradient_of(got[i], self.d, precision)
                     refused.pop(i, None)
                 except ValueError as exc:
                     refused[i] = str(exc)

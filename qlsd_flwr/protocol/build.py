@@ -337,6 +337,12 @@ def combine_grads(cfg: RunConfig, prior: GaussianPrior, grads, theta: np.ndarray
     return g
 
 
+def as_sent(x: np.ndarray, precision: int = 64) -> np.ndarray:
+    """``x`` as a ``precision``-bit exchange carries it, back in float64 (the identity at 64): every engine rounds
+    the descent's θ and gradients where Flower's messages do, so all give the same θ*."""
+    return np.asarray(x, dtype=np.float32).astype(np.float64) if precision == 32 else x
+
+
 class GradExchange:
     """``∇U(θ)`` from the kept clients' full gradients (one exchange of the θ* phase: ``grad_fn(θ)``), and each
     client's own (``clients(θ)``: ``{i: ∇U_i(θ)}``) for the rules that judge them one by one
@@ -354,8 +360,13 @@ class GradExchange:
     def combine(self, grads: dict, th) -> np.ndarray:
         return combine_grads(self.cfg, self.prior, [grads.get(i, np.zeros_like(th)) for i in range(self.cfg.b)], th)
 
-    def __call__(self, th) -> np.ndarray:
-        return combine_grads(self.cfg, self.prior, self._gradients(th), th)
+    def __call__(self, th, precision: int = 64) -> np.ndarray:
+        """``∇U(θ)``; at ``precision = 32`` θ goes out and the gradients come back as float32 (the θ* descent where
+        θ* is only the point where the curvature is taken), the prior's part taken at the θ the clients got."""
+        if precision == 64:
+            return combine_grads(self.cfg, self.prior, self._gradients(th), th)
+        th = as_sent(th, precision)
+        return combine_grads(self.cfg, self.prior, self._gradients(th, precision), th)
 
 
 def direct_exchanges(cfg: RunConfig, task: Task, specs):
@@ -365,7 +376,8 @@ def direct_exchanges(cfg: RunConfig, task: Task, specs):
     from qlsd_flwr.core.curvature import local_curvature
     from qlsd_flwr.core.oracles import full_local_grad
 
-    grad_fn = GradExchange(cfg, task.prior, lambda th: [full_local_grad(s, task.clients[s.index], th) for s in specs],
+    grad_fn = GradExchange(cfg, task.prior, lambda th, precision=64: [as_sent(full_local_grad(s, task.clients[s.index], th),
+                                                                              precision) for s in specs],
                            lambda: [s.index for s in specs], [int(task.clients[s.index].n_data) for s in specs])
 
     def curv_fn(th, kind, vectors=None):

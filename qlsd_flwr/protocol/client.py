@@ -29,6 +29,8 @@ from qlsd_flwr.core.potential import LocalPotential
 from qlsd_flwr.protocol.wire import (
     arr_to_bytes,
     bundle_reply,
+    gradient_to_bytes,
+    precision_of,
     metric_of,
     refuse_undeclared,
     unbundle_request,
@@ -43,7 +45,9 @@ def _prepare(spec: ClientSpec, pot: LocalPotential, st: ClientState, fields: dic
     i = spec.index
     theta = vector(fields["theta"], d) if fields["phase"] in ("grad", "curvature") else _point(spec, st, fields, d)
     if fields["phase"] == "grad":
-        return theta, {"client": i, "status": "ok", "payload": arr_to_bytes(full_local_grad(spec, pot, theta))}
+        precision = precision_of(fields)
+        return theta, {"client": i, "status": "ok",
+                       "payload": gradient_to_bytes(full_local_grad(spec, pot, theta), precision)}
     if fields["phase"] == "curvature":  # metric-from = curvature: this client's ∇²U_i(θ*), data part
         kind = str(fields["kind"])
         if kind not in ("diagonal", "dense", "kronecker", KRON_OUTPUTS, "hvp"):

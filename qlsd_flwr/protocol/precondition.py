@@ -45,7 +45,8 @@ from qlsd_flwr.protocol import build
 from qlsd_flwr.protocol.starts import chain_starts
 from qlsd_flwr.robust.products import clip_products
 from qlsd_flwr.robust.reports import clamped_counts
-from qlsd_flwr.protocol.traffic import Traffic, counted, phase
+from qlsd_flwr.protocol.traffic import Traffic, counted, phase, precision
+from qlsd_flwr.protocol.wire import DESCENT_PRECISION
 
 log = logging.getLogger("qlsd_flwr")
 
@@ -131,8 +132,11 @@ def curvature_point(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: Gra
             info.setdefault("opt_lr", []).append(lr)
         # a stage's share of opt-rounds, plus what a stage before it left when it stalled
         budget = cfg.opt_rounds // stages + (cfg.opt_rounds % stages if stage == stages - 1 else 0) + carry
-        theta, r = optimise_theta_star(cfg, theta, grad_fn, info, lr=lr, precondition=metric, max_rounds=budget,
-                                       g0_norm=g0, stall=STALL if stage < stages - 1 else None)
+        # float64 buys nothing where θ* is only the point where the curvature is taken (to opt-tol, 1e-3 on the
+        # main job; float32 rounds at 6e-8): the exchanges go as float32 both ways. QLSD*'s θ* stays float64
+        with precision(grad_fn, 64 if needs_theta_star(cfg) else DESCENT_PRECISION):
+            theta, r = optimise_theta_star(cfg, theta, grad_fn, info, lr=lr, precondition=metric, max_rounds=budget,
+                                           g0_norm=g0, stall=STALL if stage < stages - 1 else None)
         carry = budget - r
         g0 = info["opt_grad0_norm"]  # the first stage's start: the stopping rule stays relative to it
         rounds += r

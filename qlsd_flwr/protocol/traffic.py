@@ -35,6 +35,7 @@ class Traffic:
     def __init__(self, b: int, d: int, info: dict, say=None):
         self.b, self.d, self.info, self.say = int(b), int(d), info, say
         self.phase = "descent"
+        self.precision = 64  # bits a number of a gradient exchange, both ways (:func:`precision`)
         info.setdefault("prep_bits", {})
         self._run = None  # [kind, exchanges, uplink, downlink] of the exchanges since the kind last changed
         self._totals()
@@ -94,13 +95,30 @@ def phase(fn, name: str):
         traffic.phase = before
 
 
+@contextlib.contextmanager
+def precision(fn, bits: int):
+    """Within the block, gradient exchanges through ``fn`` (a :func:`counted` ``grad_fn`` over a
+    :class:`~qlsd_flwr.protocol.build.GradExchange`) send θ and the gradients with ``bits`` a number (32: the θ*
+    descent where θ* is only the point where the curvature is taken). Without a count, nothing changes."""
+    traffic = getattr(fn, "traffic", None)
+    if traffic is None or not getattr(fn, "precisions", False):
+        yield
+        return
+    before, traffic.precision = traffic.precision, int(bits)
+    try:
+        yield
+    finally:
+        traffic.precision = before
+
+
 def counted(grad_fn, curv_fn, traffic: Traffic):
     """``grad_fn`` and ``curv_fn`` adding each exchange to ``traffic`` (module docstring); ``None`` stays ``None``."""
     b, d = traffic.b, traffic.d
 
     def grad(th):  # counted when asked: a request that fails still went out
-        traffic.add(traffic.phase, 64 * d * b, 64 * d * b)
-        return grad_fn(th)
+        bits = traffic.precision
+        traffic.add(traffic.phase, bits * d * b, bits * d * b)
+        return grad_fn(th) if bits == 64 else grad_fn(th, bits)
 
     def curv(th, kind, vectors=None):
         reports = curv_fn(th, kind, vectors) if vectors is not None else curv_fn(th, kind)
@@ -120,6 +138,7 @@ def counted(grad_fn, curv_fn, traffic: Traffic):
             return grad_fn.clients(th)
 
         grad.clients, grad.combine, grad.n_data = clients, grad_fn.combine, grad_fn.n_data
+        grad.precisions = True  # it takes a precision (:func:`precision`)
     return (None if grad_fn is None else grad), (None if curv_fn is None else curv)
 
 
