@@ -55,7 +55,7 @@ def test_the_bits_object_adds_up_phase_by_phase(tmp_path, capsys):
     assert bits["uplink"]["preparation"] == sum(k["uplink"] for k in prep.values()) == s["prep_uplink_bits"]
     assert bits["downlink"]["preparation"] == sum(k["downlink"] for k in prep.values()) == s["prep_downlink_bits"]
     # θ down and ∇U_i(θ) up, each client: the power iteration's differences in float64, the descent in float32 (θ* is
-    # only where the curvature is taken: wire.DESCENT_PRECISION)
+    # only where the curvature is taken: precondition.DESCENT_PRECISION)
     for kind, bits_a_number in (("descent", 32), ("power_iteration", 64)):
         assert prep[kind]["uplink"] == prep[kind]["downlink"] == bits_a_number * d * b * prep[kind]["exchanges"] > 0
     assert prep["curvature"]["uplink"] == 64 * d * b * prep["curvature"]["exchanges"]  # a diagonal a client

@@ -46,7 +46,6 @@ from qlsd_flwr.protocol.starts import chain_starts
 from qlsd_flwr.robust.products import clip_products
 from qlsd_flwr.robust.reports import clamped_counts
 from qlsd_flwr.protocol.traffic import Traffic, counted, phase, precision
-from qlsd_flwr.protocol.wire import DESCENT_PRECISION
 
 log = logging.getLogger("qlsd_flwr")
 
@@ -99,6 +98,9 @@ def check(cfg: RunConfig, d: int) -> None:
 #: stages of the descent to θ*: the metric and the descent's step are taken again at the start of each
 #: (a Newton-like refresh: a curvature far from the mode, e.g. at a noise scale σ = 1, misleads the first)
 DESCENT_STAGES = 4
+#: bits a number of the descent's exchanges, both ways, where θ* is only the point where the curvature is taken
+#: (:func:`~qlsd_flwr.protocol.build.as_sent`; the ``grad`` request's ``precision``)
+DESCENT_PRECISION = 32
 
 
 def curvature_point(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | None,

@@ -119,11 +119,6 @@ class PhaseError(RuntimeError):
     """A phase before sampling cannot go on: every client's reply is needed and one is unusable."""
 
 
-#: the descent's exchanges where θ* is only the point where the curvature is taken travel as float32 both ways
-#: (``precision = 32``; :func:`qlsd_flwr.protocol.build.as_sent`)
-DESCENT_PRECISION = 32
-
-
 def precision_of(fields: dict) -> int:
     """A ``grad`` request's ``precision`` (64 when absent), or ``ValueError`` naming the field and its values."""
     p = fields.get("precision", 64)
@@ -141,9 +136,9 @@ def gradient_of(payload, d: int, precision: int = 64) -> np.ndarray:
     """A θ* phase reply's ``∇U_i(θ)``: ``8d`` bytes of finite float64 (``4d`` of float32 at ``precision = 32``),
     else ``ValueError`` saying why (the caller counts it and asks again: :mod:`qlsd_flwr.flower.phases`)."""
     if precision == 32:
-        if not isinstance(payload, (bytes, bytearray)) or len(payload) != 4 * d:
-            raise ValueError(f"expected {4 * d} bytes of float32, got {type(payload).__name__} of length "
-                             f"{len(payload) if isinstance(payload, (bytes, bytearray)) else '?'}")
+        n = len(payload) if isinstance(payload, (bytes, bytearray)) else "?"
+        if n != 4 * d:
+            raise ValueError(f"expected {4 * d} bytes of float32, got {type(payload).__name__} of length {n}")
         g = np.frombuffer(payload, dtype="<f4").astype(np.float64)
     else:
         g = bytes_to_arr(payload, d)
