@@ -71,17 +71,12 @@ def local_curvature(pot, theta: np.ndarray, kind: str, seed: int, client: int) -
     and the server adds the prior's curvature.
     """
     d = theta.shape[0]
-    if kind == "kronecker":
+    if kind in ("kronecker", KRON_OUTPUTS):
         if not hasattr(pot, "kron_factors"):
             raise ValueError("metric = kronecker needs a potential with kron_factors(theta) (one dense softmax "
                              "layer: the logistic tasks, TorchPotential of a single nn.Linear); use diagonal")
         G, A, perm = pot.kron_factors(theta)
-        return kron_report(G, A, perm)
-    if kind == KRON_OUTPUTS:
-        if not hasattr(pot, "kron_factors"):
-            raise ValueError("metric = kronecker needs a potential with kron_factors(theta)")
-        G, A, _ = pot.kron_factors(theta)
-        return kron_outputs_report(G.shape[0], A)
+        return kron_report(G, A, perm) if kind == "kronecker" else kron_outputs_report(G.shape[0], A)
     if kind == "diagonal" and hasattr(pot, "curvature_diag"):
         h = np.asarray(pot.curvature_diag(theta), dtype=np.float64)
     elif kind == "dense" and hasattr(pot, "hessian"):
@@ -145,12 +140,11 @@ class KronInputs(dict):
             raise ReportError("an output factor alone, and no input factor on record from an earlier report")
         G, perm = self[i]
         F, K = G.shape[0], perm.shape[0] // G.shape[0]
-        a = np.asarray(h, dtype=np.float64) if isinstance(h, np.ndarray) else h
-        if np.size(a) != 2 + K * K:
+        if np.size(h) != 2 + K * K:
             raise ReportError(f"expected {2 + K * K} numbers (the output factor of a {F} × {K} layer), got "
-                              f"{np.size(a)}")
+                              f"{np.size(h)}")
         # the length fixes K, and check_report then holds F·K = d: the layer is the first report's
-        return {"G": G, "A": check_report(a, KRON_OUTPUTS, d)["A"], "perm": perm}
+        return {"G": G, "A": check_report(h, KRON_OUTPUTS, d)["A"], "perm": perm}
 
 
 def check_report(h, kind: str, d: int) -> np.ndarray:

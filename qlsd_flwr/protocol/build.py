@@ -363,8 +363,6 @@ class GradExchange:
     def __call__(self, th, precision: int = 64) -> np.ndarray:
         """``∇U(θ)``; at ``precision = 32`` θ goes out and the gradients come back as float32 (the θ* descent where
         θ* is only the point where the curvature is taken), the prior's part taken at the θ the clients got."""
-        if precision == 64:
-            return combine_grads(self.cfg, self.prior, self._gradients(th), th)
         th = as_sent(th, precision)
         return combine_grads(self.cfg, self.prior, self._gradients(th, precision), th)
 

@@ -101,7 +101,7 @@ def precision(fn, bits: int):
     :class:`~qlsd_flwr.protocol.build.GradExchange`) send θ and the gradients with ``bits`` a number (32: the θ*
     descent where θ* is only the point where the curvature is taken). Without a count, nothing changes."""
     traffic = getattr(fn, "traffic", None)
-    if traffic is None or not getattr(fn, "precisions", False):
+    if traffic is None or not hasattr(fn, "clients"):  # only a GradExchange (it has clients) takes a precision
         yield
         return
     before, traffic.precision = traffic.precision, int(bits)
@@ -138,7 +138,6 @@ def counted(grad_fn, curv_fn, traffic: Traffic):
             return grad_fn.clients(th)
 
         grad.clients, grad.combine, grad.n_data = clients, grad_fn.combine, grad_fn.n_data
-        grad.precisions = True  # it takes a precision (:func:`precision`)
     return (None if grad_fn is None else grad), (None if curv_fn is None else curv)
 
 
