@@ -20,6 +20,7 @@ import json
 import numpy as np
 import pytest
 
+from qlsd_flwr.compression import fixed
 from qlsd_flwr.config import resolve
 from qlsd_flwr.engines.local import run_local
 from qlsd_flwr.engines.vectorised import run_vectorised
@@ -54,10 +55,13 @@ def test_the_bits_object_adds_up_phase_by_phase(tmp_path, capsys):
     assert {"descent", "curvature", "power_iteration"} <= set(prep)
     assert bits["uplink"]["preparation"] == sum(k["uplink"] for k in prep.values()) == s["prep_uplink_bits"]
     assert bits["downlink"]["preparation"] == sum(k["downlink"] for k in prep.values()) == s["prep_downlink_bits"]
-    # θ down and ∇U_i(θ) up, each client: the power iteration's differences in float64, the descent in float32 (θ* is
-    # only where the curvature is taken: precondition.DESCENT_PRECISION)
-    for kind, bits_a_number in (("descent", 32), ("power_iteration", 64)):
-        assert prep[kind]["uplink"] == prep[kind]["downlink"] == bits_a_number * d * b * prep[kind]["exchanges"] > 0
+    # the descent: θ down and ∇U_i(θ) up, each client, in float32 (θ* is only where the curvature is taken:
+    # precondition.DESCENT_PRECISION); the power iteration: θ (float64) and u down, ∇²U_i u up, as fixed-point rows
+    n = prep["descent"]["exchanges"]
+    assert prep["descent"]["uplink"] == prep["descent"]["downlink"] == 32 * d * b * n > 0
+    n = prep["power_iteration"]["exchanges"]
+    assert prep["power_iteration"]["uplink"] == fixed.row_bits(d) * b * n > 0
+    assert prep["power_iteration"]["downlink"] == (64 * d + fixed.row_bits(d)) * b * n
     assert prep["curvature"]["uplink"] == 64 * d * b * prep["curvature"]["exchanges"]  # a diagonal a client
     assert (bits["uplink"]["loo"], bits["downlink"]["loo"]) == (s["loo"]["bits_up"], s["loo"]["bits_down"]) != (0, 0)
     assert bits["uplink"]["other"] == bits["downlink"]["other"] == 0
@@ -121,9 +125,10 @@ def test_flowers_messages_wrap_the_code_lengths_both_ways(tmp_path):
     assert s["bits"]["total"] == s["totals"]["bits_exact"] + s["totals"]["bits_down"]
 
 
-def test_metric_rank_s_products_travel_and_count_as_float32_on_every_engine(tmp_path):
-    # issue 37: float64 bought nothing in the correction's products; they and the block's vectors are float32, on the
-    # wire and in the count, and the direct engine uses the very numbers Flower carries (same chain, same bits)
+def test_metric_rank_s_products_travel_and_count_as_fixed_point_rows_on_every_engine(tmp_path):
+    # issue 37: float64 bought nothing in the correction's products; they and the block's vectors are 16-bit fixed-point
+    # rows (compression.fixed), on the wire and in the count, and the direct engine uses the very numbers Flower
+    # carries (same chain, same bits)
     o = {"task": "logistic", "dataset": "breast_cancer", "num-clients": 4, "prior-var": 0.05, "variant": "qlsd-pp",
          "metric": "diagonal", "metric-rank": 3, "gamma": "auto", "num-rounds": 6, "burn-in": 2, "progress": False,
          "plot": False, "loo": "off", "output-dir": str(tmp_path)}
@@ -132,8 +137,8 @@ def test_metric_rank_s_products_travel_and_count_as_float32_on_every_engine(tmp_
     d, b, k, q = s["d"], 4, s["lowrank_block"], s["lowrank_exchanges"]
     prods = s["bits"]["preparation"]["products"]
     assert prods["exchanges"] == q > 0
-    assert prods["uplink"] == 32 * k * d * b * q  # each client's k products, 32 bits a number
-    assert prods["downlink"] == (64 * d + 32 * k * d) * b * q  # θ* (float64) and the block (float32)
+    assert prods["uplink"] == k * (16 * d + 32) * b * q  # each client's k products: 16 bits a number, a scale a row
+    assert prods["downlink"] == (64 * d + k * (16 * d + 32)) * b * q  # θ* (float64) and the block
     flwr = run_inprocess(resolve({**o, "engine": "inprocess", "run-name": "flwr"}), {**o, "engine": "inprocess"})
     sf = json.loads((flwr.run_dir / "summary.json").read_text())
     assert sf["bits"]["preparation"]["products"] == prods

@@ -19,6 +19,7 @@ import pytest
 from scipy.linalg import solve_discrete_lyapunov
 
 from qlsd_flwr.config import ConfigError, resolve
+from qlsd_flwr.compression import fixed
 from qlsd_flwr.core import lowrank as lr
 from qlsd_flwr.core import curvature as cv
 from qlsd_flwr.protocol import precondition
@@ -131,7 +132,10 @@ def test_client_products_are_the_hessian_s_exact_or_by_differences():
     class OnlyGradients:  # a user's potential without hvp_batch: central differences of grad_sum
         grad_sum = pot.grad_sum
 
-    assert np.allclose(lr.local_hvp(OnlyGradients(), theta, V), exact, rtol=1e-5, atol=1e-7)
+    # as it travels: 16-bit fixed point, within half a level of each row's largest entry (plus the differences' error)
+    step = np.max(np.abs(exact), axis=1, keepdims=True) / fixed.LEVELS
+    assert np.all(np.abs(lr.local_hvp(OnlyGradients(), theta, V) - exact) <= 0.5 * step + 1e-5 * np.abs(exact) + 1e-7)
+    assert np.all(np.abs(lr.local_hvp(pot, theta, V) - exact) <= 0.5 * step * (1 + 1e-6))
 
 
 def test_stationary_covariance_with_a_corrected_metric_is_the_discrete_lyapunov_solution():
@@ -150,9 +154,10 @@ def test_stationary_covariance_with_a_corrected_metric_is_the_discrete_lyapunov_
     # others (here base P base has 0.27 twice and 2.45: the spread stays 9, so the check is the spectrum's)
     before = np.linalg.eigvalsh(base @ P @ base)
     want = np.sort(np.r_[np.delete(before, np.argmax(np.abs(np.log(before)))), 1.0])
-    # the products and the vectors travel as float32 (lr.PRODUCT_DTYPE, ε = 6e-8): the corrected eigenvalue is 1
-    # to that, times the spread of P (9)
-    np.testing.assert_allclose(np.sort(lam), want, rtol=1e-6)
+    # the products and the vectors travel as 16-bit fixed point (compression.fixed): each within half a level of its
+    # row's largest entry, and a direction's product up to P's spread (9) times smaller than that entry, so the
+    # corrected eigenvalue is 1 to 9/LEVELS from the products and as much from the vectors
+    np.testing.assert_allclose(np.sort(lam), want, rtol=2 * 9 / fixed.LEVELS)
     assert prep.info["lowrank_rank"] == 1
     rho = 1.0 - cv.GAMMA_AUTO_C * lam.min() / lam.max()
     C, K = 2000, int(np.ceil(np.log(1e-5) / (2 * np.log(rho))))
@@ -183,7 +188,7 @@ def test_engines_agree_bit_for_bit_with_a_corrected_kronecker_metric_and_resume_
     assert s["lowrank_kappa_left"] < s["lowrank_kappa_before"]
     # the preparation's traffic is recorded: the products' float32 blocks from every client, and more
     q, blk = s["lowrank_exchanges"], s["lowrank_block"]
-    assert s["prep_exchanges"] > q and s["bits"]["preparation"]["products"]["uplink"] == q * blk * 62 * 32 * 4
+    assert s["prep_exchanges"] > q and s["bits"]["preparation"]["products"]["uplink"] == q * blk * fixed.row_bits(62) * 4
     assert s["prep_uplink_bits"] > q * blk * 62 * 32 * 4
     plain = run({**base, "engine": "vectorised", "metric-rank": 0, "run-name": "plain"})
     assert plain.summary["gamma"] < s["gamma"]  # the corrected metric allows a larger step
@@ -246,10 +251,14 @@ def test_a_server_block_a_client_cannot_use_is_refused_by_name():
     from qlsd_flwr.protocol.client import block_of
 
     d = 4
-    for bad in (b"", b"\x00" * 12, np.full(d, np.nan).tobytes(), np.zeros((MAX_BLOCK + 1) * d).tobytes(), "text"):
+    nan_scale = np.full(1, np.nan, "<f4").tobytes() + np.zeros(d, "<i2").tobytes()
+    negative_scale = np.full(1, -1.0, "<f4").tobytes() + np.zeros(d, "<i2").tobytes()
+    for bad in (b"", b"\x00" * 11, nan_scale, negative_scale, fixed.encode(np.zeros((MAX_BLOCK + 1, d))), "text"):
         with pytest.raises(ValueError, match="vectors"):
             block_of(bad, d)
-    assert block_of(np.arange(8, dtype="<f4").tobytes(), d).shape == (2, 4)  # float32 rows, as they travel
+    X = np.arange(8.0).reshape(2, 4)
+    assert np.array_equal(block_of(fixed.encode(X), d), fixed.rounded(X))  # fixed-point rows, as they travel
+    assert np.all(np.abs(fixed.rounded(X) - X) <= 0.5 * X.max(axis=1, keepdims=True) / fixed.LEVELS)
 
 
 def test_the_gaussian_task_with_the_identity_corrected_runs_the_correction_on_every_engine(tmp_path):

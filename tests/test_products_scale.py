@@ -1,7 +1,8 @@
 """One client cannot steer ``gamma = auto`` (issue 38; :mod:`qlsd_flwr.robust.products`).
 
-``gamma = auto`` is ``c / λ_max`` with ``λ_max`` from the power iteration's Hessian-vector products, central
-differences of the clients' gradients. Before the rule, one client whose differences were ×1e4 made γ about
+``gamma = auto`` is ``c / λ_max`` with ``λ_max`` from the power iteration's Hessian-vector products (each
+client's own, as fixed-point rows, since issue 37; central differences of the clients' gradients before, and
+still where an engine cannot ask for products). Before the rule, one client whose differences were ×1e4 made γ about
 5,000× smaller (and ×1e8 froze the chain); ×−1e4 stopped the run with "λ_max is zero (a flat potential)".
 
 Now each client's product is held per datum to ``FACTOR_PRODUCT`` times the clients' lower median before the
@@ -9,8 +10,8 @@ sum. The bound: client ``i``'s clipped product is at most ``F · N_i`` times the
 the toy Gaussian (``∇²U_j = N_j I``: every client's product per datum is ``u``) the Rayleigh quotient is at most
 ``(N − N_i) + F N_i`` (+ the prior's), and γ shrinks by at most ``(N + 1/σ²) / (N − N_i + F N_i + 1/σ²)``; a
 sign flip gives ``N − N_i − F N_i``: where that is ≤ 0 the run stops naming the cause (the curvature reads as
-not convex), never with a silent γ. θ* is in closed form, so every gradient the client gives before sampling
-is a product.
+not convex), never with a silent γ. θ* is in closed form, so the only curvature the client gives before
+sampling is these products.
 """
 
 from __future__ import annotations
@@ -29,18 +30,20 @@ O = {"task": "gaussian", "num-clients": 5, "dim": 5, "prior-var": 5.0, "variant"
 
 
 def scaled_products(factor: float, client: int = 0):
-    """Client ``client`` multiplies every gradient it gives before sampling (here: only the products) by ``factor``."""
+    """Client ``client`` multiplies every Hessian-vector product it gives before sampling by ``factor``."""
     from flwr.app import ConfigRecord
 
+    from qlsd_flwr.compression import fixed
     from qlsd_flwr.flower.records import from_content
 
     def mod(msg, ctx, call_next):
         reply = call_next(msg, ctx)
+        fields = from_content(msg.content)[0]
         if msg.metadata.message_type != "train" or int(ctx.node_config["partition-id"]) != client \
-                or reply.has_error() or from_content(msg.content)[0].get("phase") != "grad":
+                or reply.has_error() or fields.get("kind") != "hvp":
             return reply
         rec = dict(reply.content["qlsd"])
-        rec["payload"] = (np.frombuffer(bytes(rec["payload"]), dtype="<f8") * factor).astype("<f8").tobytes()
+        rec["payload"] = fixed.encode(fixed.decode(bytes(rec["payload"]), np.size(fields["theta"])) * factor)
         reply.content["qlsd"] = ConfigRecord(rec)
         return reply
 

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from qlsd_flwr.compression import fixed
 from qlsd_flwr.core import rng
 from qlsd_flwr.robust.reports import REPORT_CAP, REPORT_MAX, ReportError, clamped_counts, lower_median
 
@@ -55,12 +56,10 @@ LOWRANK_BLOCK = 16
 LOWRANK_EXCHANGES = 32
 #: a Ritz pair is used when its residual ``‖B u − t u‖`` is at most this fraction of ``t``
 RITZ_TOL = 0.1
-#: the vectors of a block and the clients' products travel as float32, on every engine (the numbers are rounded
-#: to it where they are made, so the direct engines use the very values Flower carries): the correction needs
-#: the products to a few digits (its directions are kept when their residual is within :data:`RITZ_TOL`, 10 %), and
-#: float32's 6e-8 moves the Ritz values by about that; float64 doubled the main job's largest preparation exchange
-#: (issue 37, benchmarks/RESULTS.md)
-PRODUCT_DTYPE = np.float32
+#: the vectors of a block and the clients' products travel as 16-bit fixed point with a float32 scale a row
+#: (:mod:`qlsd_flwr.compression.fixed`), on every engine (the numbers are rounded where they are made, so the
+#: direct engines use the very values Flower carries): the correction needs the products to a few digits at the
+#: bottom of the spectrum, which 16 (and 12) bits keep and 8 do not (κ 9.65 against 63 on the main job; issue 37)
 #: Ritz values are clipped to at least this, so that one direction of ``M`` grows at most ``1/RITZ_FLOOR``
 #: times over the base metric's
 RITZ_FLOOR = 1e-3
@@ -93,8 +92,12 @@ def local_hvp(pot, theta: np.ndarray, V: np.ndarray) -> np.ndarray:
     """Client ``i``'s ``∇²U_i(θ) v`` for each row ``v`` of ``V`` (``(b, d)`` → ``(b, d)``): the
     potential's own ``hvp_batch(θ, V)`` when it has one (exact), otherwise central differences of
     ``grad_sum`` (``grad_sum_batch`` on the ``2b`` points at once where the potential has it), each
-    row with its own step ``ε = 6e-6 (1 + max|θ|) / max|v|``. Returned as it travels (:data:`PRODUCT_DTYPE`)."""
-    return _local_hvp(pot, theta, V).astype(PRODUCT_DTYPE)
+    row with its own step ``ε = 6e-6 (1 + max|θ|) / max|v|``. Returned as it travels (:func:`~qlsd_flwr.compression.fixed.rounded`)."""
+    h = _local_hvp(pot, theta, V)
+    try:
+        return fixed.rounded(h)
+    except ValueError:  # not finite: it cannot travel (a Flower client answers with an error); refused alike
+        return h
 
 
 def _local_hvp(pot, theta: np.ndarray, V: np.ndarray) -> np.ndarray:

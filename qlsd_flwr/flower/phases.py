@@ -37,7 +37,8 @@ from qlsd_flwr.protocol.traffic import count_claims
 from qlsd_flwr.robust.claims import out_of_scale, over_bound, relative_gap
 from qlsd_flwr.robust.reports import clamped_counts
 from qlsd_flwr.robust.norm_guard import fixed_bound
-from qlsd_flwr.protocol.wire import PhaseError, gradient_of, products_to_bytes
+from qlsd_flwr.compression import fixed
+from qlsd_flwr.protocol.wire import PhaseError, gradient_of
 
 log = logging.getLogger("qlsd_flwr")
 
@@ -182,7 +183,16 @@ class PhaseExchanges:
         validates each."""
         fields = {"phase": "curvature", "round": -1, "theta": theta, "kind": kind}
         if vectors is not None:
-            fields["vectors"] = products_to_bytes(vectors)
+            fields["vectors"] = fixed.encode(vectors)
         got = self.ask(grid, fields, timeout, self.clients())
-        dt = "<f4" if kind == "hvp" else "<f8"  # metric-rank's products travel as float32 (core.lowrank.PRODUCT_DTYPE)
-        return {i: (np.frombuffer(b, dtype=dt) if len(b) % np.dtype(dt).itemsize == 0 else b) for i, b in got.items()}
+        return {i: (_products(b, theta.size) if kind == "hvp" else
+                    np.frombuffer(b, dtype="<f8") if len(b) % 8 == 0 else b) for i, b in got.items()}
+
+
+def _products(buf: bytes, d: int):
+    """A client's block of Hessian-vector products (fixed-point rows) as ``(b, d)`` float64, or the bytes as
+    received when they do not decode: the preparation's check refuses those, and counts them."""
+    try:
+        return fixed.decode(buf, d)
+    except ValueError:
+        return buf

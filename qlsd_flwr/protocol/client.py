@@ -22,6 +22,7 @@ from qlsd_flwr.core.oracles import (
     full_local_grad,
     set_anchor,
 )
+from qlsd_flwr.compression import fixed
 from qlsd_flwr.core.lowrank import local_hvp
 from qlsd_flwr.robust.reports import MAX_BLOCK
 from qlsd_flwr.core.curvature import KRON_OUTPUTS, local_curvature
@@ -35,7 +36,6 @@ from qlsd_flwr.protocol.wire import (
     refuse_undeclared,
     unbundle_request,
     vector,
-    products_to_bytes,
 )
 
 
@@ -54,7 +54,7 @@ def _prepare(spec: ClientSpec, pot: LocalPotential, st: ClientState, fields: dic
             raise ValueError(f"curvature: unknown kind {kind!r}; allowed: diagonal, dense, kronecker, {KRON_OUTPUTS}, hvp")
         if kind == "hvp":
             h = local_hvp(pot, theta, block_of(fields.get("vectors"), d))
-            return theta, {"client": i, "status": "ok", "payload": products_to_bytes(h.ravel())}
+            return theta, {"client": i, "status": "ok", "payload": fixed.encode(h)}
         h = local_curvature(pot, theta, kind, seed, i)
         return theta, {"client": i, "status": "ok", "payload": arr_to_bytes(h.ravel())}
     # every field is read and checked before any of the client's state changes
@@ -170,14 +170,13 @@ def _refreshed(spec: ClientSpec, pot: LocalPotential, fields: dict, theta: np.nd
 
 
 def block_of(x, d: int) -> np.ndarray:
-    """The server's block of vectors (``metric-rank``) as ``(b, d)``: float32 bytes of ``b ≤``
-    :data:`~qlsd_flwr.robust.reports.MAX_BLOCK` finite rows, else ``ValueError`` saying why."""
-    if not isinstance(x, (bytes, bytearray)) or len(x) == 0 or len(x) % (4 * d):
-        raise ValueError(f"curvature: 'vectors' must be float32 bytes of whole rows of {d}")
-    V = np.frombuffer(bytes(x), dtype="<f4").reshape(-1, d)
-    if V.shape[0] > MAX_BLOCK or not np.all(np.isfinite(V)):
-        raise ValueError(f"curvature: 'vectors' must be at most {MAX_BLOCK} finite rows")
-    return V
+    """The server's block of vectors (``metric-rank``, the power iteration) as ``(b, d)``: fixed-point rows
+    (:mod:`qlsd_flwr.compression.fixed`), at most :data:`~qlsd_flwr.robust.reports.MAX_BLOCK` of them, else
+    ``ValueError`` naming the field and saying why."""
+    try:
+        return fixed.decode(x, d, MAX_BLOCK)
+    except ValueError as exc:
+        raise ValueError(f"curvature: 'vectors' is not a block the client can use: {exc}") from None
 
 
 def _sampled(spec: ClientSpec, pot: LocalPotential, st: ClientState, q, fields: dict, done: dict | None = None) -> dict:

@@ -9,6 +9,7 @@ from typing import Callable
 
 import numpy as np
 
+from qlsd_flwr.compression import fixed
 from qlsd_flwr.config import ConfigError, RunConfig
 from qlsd_flwr.core import curvature as cv
 from qlsd_flwr.core.metric import Metric, MetricError
@@ -90,10 +91,9 @@ def lowrank_correction(cfg: RunConfig, task: Task, point: np.ndarray, curv_fn: C
     prior_c = prior_curvature(task, point)
     d = task.dim
 
-    def products(W):  # the block as it travels (float32), so the prior's part multiplies what the clients' did
-        W = np.asarray(W, dtype=lr.PRODUCT_DTYPE)
-        return lr.summed_products(curv_fn(point, "hvp", W), n_data, W.shape[0], d, info, log) + W.astype(np.float64) \
-            * prior_c
+    def products(W):  # the block as it travels, so the prior's part multiplies what the clients' did
+        W = fixed.rounded(W)
+        return lr.summed_products(curv_fn(point, "hvp", W), n_data, W.shape[0], d, info, log) + W * prior_c
 
     low, linfo = lr.correction(products, metric.apply_root, metric.apply_root_t, d, lowrank_rank(cfg), cfg.seed)
     info.update(linfo)
@@ -125,3 +125,40 @@ def merge_reports(info: dict, cinfo: dict) -> None:
     for i, why in cinfo.get("curvature_rejected", {}).items():
         rej.setdefault(i, why)
     info["curvature_scaled"] = sorted(set(info.get("curvature_scaled", [])) | set(cinfo.get("curvature_scaled", [])))
+
+
+def power_products(task: Task, curv_fn: CurvFn | None, n_data, info: dict):
+    """The power iteration's ``∇²U u`` (:func:`qlsd_flwr.core.curvature.lambda_max`'s ``hvp``) as one exchange of
+    Hessian-vector products, ``u`` and the clients' products as fixed-point rows (:mod:`qlsd_flwr.compression.fixed`),
+    where ``curv_fn`` can ask for them; ``None`` otherwise (the caller then takes central differences of the
+    clients' gradients). Against two float64 gradient exchanges at ``θ ± εu`` this sends a quarter of the uplink
+    and less than half of the downlink (issue 37), and the product is the client's own (exact where its potential
+    has ``hvp_batch``). Each client's product is checked (:func:`qlsd_flwr.core.lowrank.check_block`: refused and
+    counted as ``products_rejected``) and held per datum to scale (:mod:`qlsd_flwr.robust.products`: counted as
+    ``products_clipped``, the clients named in the log) before the sum; the prior's part is the server's."""
+    if curv_fn is None:
+        return None
+    from qlsd_flwr.core import lowrank as lr
+    from qlsd_flwr.robust.products import clip_products
+    from qlsd_flwr.robust.reports import clamped_counts
+
+    d = task.dim
+
+    def hvp(th, u, eps):  # eps: the central differences' step, which the clients' own products do not need
+        U = fixed.rounded(u)
+        parts = {}
+        for i, h in sorted(curv_fn(th, "hvp", U).items()):
+            try:
+                parts[int(i)] = lr.check_block(h, 1, d)[0]
+            except ReportError as exc:
+                log.warning("client %s: power iteration's Hessian-vector product refused: %s (products_rejected)", i, exc)
+                info["products_rejected"] = int(info.get("products_rejected", 0)) + 1
+        held, why = clip_products(parts, clamped_counts(n_data, list(parts)))
+        for i, w in sorted(why.items()):
+            log.warning("client %d: %s (products_clipped)", i, w)
+        if why:
+            info["products_clipped"] = int(info.get("products_clipped", 0)) + len(why)
+            info["products_clipped_clients"] = sorted(set(info.get("products_clipped_clients", [])) | set(why))
+        return sum((held[i] for i in sorted(held)), np.zeros(d)) + U[0] * prior_curvature(task, th)
+
+    return hvp

@@ -13,7 +13,7 @@ all of them. The order:
    :data:`DESCENT_STAGES` stages that each take the curvature again (:func:`curvature_point`).
 2. ``M`` from the clients' curvature at θ* (:func:`qlsd_flwr.core.curvature.metric_from_curvature`),
    or from a ``.npy`` file, or the identity.
-3. ``λ_max(M^{1/2} ∇²U(θ*) M^{1/2})`` by power iteration on gradient differences, when ``gamma =
+3. ``λ_max(M^{1/2} ∇²U(θ*) M^{1/2})`` by power iteration on the clients' Hessian-vector products, when ``gamma =
    auto`` (``γ = c/λ_max``) or when a metric is used (the start-up check ``γ λ_max < 2``).
 4. ``init = dispersed``: chain ``c`` starts at ``θ* + 2 M^{1/2} z_c`` (:mod:`qlsd_flwr.protocol.starts`).
 """
@@ -37,6 +37,7 @@ from qlsd_flwr.protocol.curvature_exchange import (
     lowrank_correction,
     lowrank_rank,
     merge_reports,
+    power_products,
 )
 from qlsd_flwr.protocol.theta_star import STALL, closed_form_theta_star, needs_theta_star, optimise_theta_star, resolve_theta_star
 from qlsd_flwr.outputs.metric_file import metric_from_file  # the one file the preparation reads
@@ -105,11 +106,12 @@ DESCENT_PRECISION = 32
 
 def curvature_point(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | None,
                     curv_fn: CurvFn | None, n_data, file_metric: Metric | None, info: dict,
-                    inputs: cv.KronInputs | None = None) -> np.ndarray:
+                    inputs: cv.KronInputs | None = None, hvp=None) -> np.ndarray:
     """θ* as the point where the curvature is taken: the closed form where the task has one,
     otherwise the federated descent (:func:`qlsd_flwr.protocol.theta_star.optimise_theta_star`),
     preconditioned by the metric and stepped by ``1/λ_max`` of that metric when there is one (or
-    ``gamma = auto``), in :data:`DESCENT_STAGES` stages that each take the curvature again."""
+    ``gamma = auto``), in :data:`DESCENT_STAGES` stages that each take the curvature again. ``hvp``: the power
+    iteration's products (:func:`products_for`)."""
     if task.theta_star is not None and (cfg.theta_star == "closed-form" or not needs_theta_star(cfg)):
         info["theta_star"] = "closed-form"
         return closed_form_theta_star(cfg, task)
@@ -128,8 +130,7 @@ def curvature_point(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: Gra
         lr = cfg.gamma
         if cfg.gamma_auto or metric is not None:
             with phase(grad_fn, "power_iteration"):
-                lam, _ = cv.lambda_max(grad_fn, theta, metric or Identity(), cfg.seed, iters=20, tol=5e-2,
-                                       hvp=held_products(grad_fn, info))
+                lam, _ = cv.lambda_max(grad_fn, theta, metric or Identity(), cfg.seed, iters=20, tol=5e-2, hvp=hvp)
             lr = 1.0 / lam if lam > 0 else 1.0
             info.setdefault("opt_lr", []).append(lr)
         # a stage's share of opt-rounds, plus what a stage before it left when it stalled
@@ -188,7 +189,8 @@ def prepare(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | No
     needs_point = needs_theta_star(cfg) or needs_curvature(cfg) or cfg.gamma_auto or cfg.init == "dispersed" \
         or lowrank_rank(cfg) > 0
     inputs = cv.KronInputs()  # K-FAC's input factors, asked for once (core.curvature.KRON_OUTPUTS)
-    point = curvature_point(cfg, task, theta0, grad_fn, curv_fn, n_data, file_metric, info, inputs) \
+    hvp = products_for(task, grad_fn, curv_fn, n_data, info)
+    point = curvature_point(cfg, task, theta0, grad_fn, curv_fn, n_data, file_metric, info, inputs, hvp) \
         if needs_point else theta0
     if not np.all(np.isfinite(point)):
         raise ConfigError("theta-star: the descent to θ* left the finite numbers; give θ* in closed form, a smaller "
@@ -215,14 +217,14 @@ def prepare(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | No
                     "uncompressed variant (docs/METRIC.md)",
                     "up to " if metric.low is not None else "", spread, cv.COMPRESSED_SPREAD_WARN)
     # 3. the step
-    gamma = _step(cfg, grad_fn, point, metric, info, quiet=adapts(cfg))  # announced once, after the warm-up
+    gamma = _step(cfg, grad_fn, point, metric, info, quiet=adapts(cfg), hvp=hvp)  # announced once, after the warm-up
     # 4. the starts
     starts = chain_starts(cfg, task, theta0, point, metric, C) if cfg.init == "dispersed" else None
     if starts is not None:
         info["init"] = "dispersed"
     # 5. metric-from = adapt: the warm-up refines M (and γ), and the chains continue from its end
     if adapts(cfg):
-        metric, gamma, starts = _adapt(cfg, grad_fn, point, metric, gamma, starts, theta0, C, info, warm)
+        metric, gamma, starts = _adapt(cfg, grad_fn, point, metric, gamma, starts, theta0, C, info, warm, hvp)
     info.update({"metric": metric.to_json(), "metric_kind": metric.kind, "gamma_used": gamma, "gamma_auto": bool(cfg.gamma_auto),
                  "temperature": cfg.temperature})
     ts = point if needs_theta_star(cfg) else None
@@ -260,14 +262,13 @@ def _with_surrogates(cfg: RunConfig, task: Task, prep: Prepared, curv_fn: CurvFn
 
 
 def _step(cfg: RunConfig, grad_fn: GradFn | None, point: np.ndarray, metric: Metric, info: dict,
-          iters: int = 60, tol: float = 1e-2, quiet: bool = False) -> float:
+          iters: int = 60, tol: float = 1e-2, quiet: bool = False, hvp=None) -> float:
     """γ for ``metric``: ``c / λ_max(M^{1/2} ∇²U(θ*) M^{1/2})`` with ``gamma = auto``; otherwise the
     given γ, with a warning when it is beyond the estimated stability limit."""
     gamma = cfg.gamma
     if (cfg.gamma_auto or not metric.is_identity) and grad_fn is not None:
         with phase(grad_fn, "power_iteration"):
-            lam, iters = cv.lambda_max(grad_fn, point, metric, cfg.seed, iters=iters, tol=tol,
-                                       hvp=held_products(grad_fn, info))
+            lam, iters = cv.lambda_max(grad_fn, point, metric, cfg.seed, iters=iters, tol=tol, hvp=hvp)
         c = info.get("gamma_c", cv.GAMMA_AUTO_C)  # prepare's, from gamma-c (auto: by log-concavity)
         if quiet and not (cfg.gamma_auto and lam <= 0):  # the warm-up's own steps: no announcement
             return c / lam if cfg.gamma_auto else gamma
@@ -298,6 +299,14 @@ def _step(cfg: RunConfig, grad_fn: GradFn | None, point: np.ndarray, metric: Met
     return gamma
 
 
+def products_for(task: Task, grad_fn, curv_fn, n_data, info: dict):
+    """The power iteration's ``∇²U u``: one exchange of the clients' own Hessian-vector products where the engine
+    can ask for them (:func:`~qlsd_flwr.protocol.curvature_exchange.power_products`, a quarter of the uplink of two
+    gradient exchanges; issue 37), otherwise central differences of their gradients (:func:`held_products`); each
+    client's part held to scale either way."""
+    return power_products(task, curv_fn, n_data, info) or held_products(grad_fn, info)
+
+
 def held_products(grad_fn, info: dict):
     """The power iteration's ``∇²U u`` with each client's part held to scale (:mod:`qlsd_flwr.robust.products`),
     bit for bit the sum of the central differences while no client is over it; those scaled are counted in
@@ -324,14 +333,14 @@ def held_products(grad_fn, info: dict):
 
 
 def _adapt(cfg: RunConfig, grad_fn: GradFn, point: np.ndarray, metric: Metric, gamma: float,
-           starts: np.ndarray | None, theta0: np.ndarray, C: int, info: dict, warm=None):
+           starts: np.ndarray | None, theta0: np.ndarray, C: int, info: dict, warm=None, hvp=None):
     """The warm-up (:func:`qlsd_flwr.core.adapt.warmup`) from the chains' starts (or from the state
     ``warm`` kept of a warm-up that was stopped), then the step for the frozen metric; returns
     ``(M, γ, starts)``."""
     from qlsd_flwr.core.adapt import AdaptError, warmup
 
     begin = np.repeat(np.asarray(theta0, dtype=np.float64)[None, :], C, axis=0) if starts is None else starts
-    restep = (lambda m: _step(cfg, grad_fn, point, m, info, iters=20, tol=5e-2, quiet=True)) if cfg.gamma_auto \
+    restep = (lambda m: _step(cfg, grad_fn, point, m, info, iters=20, tol=5e-2, quiet=True, hvp=hvp)) if cfg.gamma_auto \
         else None
     rounds = int(cfg.get("adapt-rounds"))
     state = None if warm is None else warm.load(C, point.size, metric.kind, rounds)
@@ -347,7 +356,7 @@ def _adapt(cfg: RunConfig, grad_fn: GradFn, point: np.ndarray, metric: Metric, g
     if warm is not None:
         warm.clear()
     info.update(ainfo)
-    gamma = _step(cfg, grad_fn, point, metric, info)
+    gamma = _step(cfg, grad_fn, point, metric, info, hvp=hvp)
     log.info("metric-from = adapt: %d warm-up rounds × %d chains on exact gradients, %d windows; the metric's "
              "scales now span %.3g", rounds, C, len(ainfo["adapt_windows"]), metric.spread())
     return metric, gamma, ends

@@ -2,12 +2,14 @@
 
 Every engine hands :func:`qlsd_flwr.protocol.precondition.prepare` the same two ways to reach the clients
 (``grad_fn``, ``curv_fn``); :func:`counted` wraps them so that each exchange adds its code lengths to a
-:class:`Traffic`: a gradient exchange sends θ to each of the ``b`` clients (``64 d`` bits each) and gets
-``∇U_i(θ)`` back (``64 d``); a curvature exchange sends θ (and, for Hessian-vector products, the block's
-``k`` vectors, ``32 k d``: float32) and gets each client's report as sent (products: ``32 k d``). The kinds (``PREP_KINDS`` of
+:class:`Traffic`: a gradient exchange sends θ to each of the ``b`` clients (``64 d`` bits each, 32 in a
+float32 descent) and gets ``∇U_i(θ)`` back (the same); a curvature exchange sends θ (and, for Hessian-vector
+products, the block's ``k`` vectors as fixed-point rows, ``k (16 d + 32)``: :mod:`qlsd_flwr.compression.fixed`)
+and gets each client's report as sent (products: ``k (16 d + 32)``). The kinds (``PREP_KINDS`` of
 :mod:`qlsd_flwr.outputs.bits`) follow what the exchange is for: a gradient in the θ* descent is
-``descent``, in the power iteration for λ_max ``power_iteration``, in the warm-up of ``metric-from =
-adapt`` ``warmup``; a curvature report ``curvature``, a block of products ``products``; the claims at θ*
+``descent``, in the warm-up of ``metric-from = adapt`` ``warmup``; a product or a gradient difference in the
+power iteration for λ_max ``power_iteration``; a curvature report ``curvature``, a block of the correction's
+products ``products``; the claims at θ*
 ``claims`` (:func:`count_claims`). The counts go into the preparation's facts (``prep_bits``, and the
 totals ``prep_exchanges``, ``prep_uplink_bits``, ``prep_downlink_bits``).
 """
@@ -18,6 +20,7 @@ import contextlib
 
 import numpy as np
 
+from qlsd_flwr.compression import fixed
 
 
 #: how the progress lines name each kind of exchange
@@ -122,11 +125,16 @@ def counted(grad_fn, curv_fn, traffic: Traffic):
 
     def curv(th, kind, vectors=None):
         reports = curv_fn(th, kind, vectors) if vectors is not None else curv_fn(th, kind)
-        # as each travels: float64 reports, float32 products and vectors (core.lowrank.PRODUCT_DTYPE)
-        up = sum(8 * len(h) if isinstance(h, (bytes, bytearray)) else 8 * int(np.asarray(h).nbytes)
+        if vectors is None:  # float64 reports, as each travels
+            up = sum(8 * len(h) if isinstance(h, (bytes, bytearray)) else 8 * int(np.asarray(h).nbytes)
+                     for h in reports.values())
+            traffic.add("curvature", up, 64 * d * b)
+            return reports
+        # products and vectors as fixed-point rows (compression.fixed); a reply that did not decode, as received
+        up = sum(8 * len(h) if isinstance(h, (bytes, bytearray)) else (np.size(h) // d) * fixed.row_bits(d)
                  for h in reports.values())
-        sent = 64 * d + (0 if vectors is None else 8 * int(np.asarray(vectors).nbytes))
-        traffic.add("products" if vectors is not None else "curvature", up, sent * b)
+        sent = 64 * d + np.atleast_2d(vectors).shape[0] * fixed.row_bits(d)
+        traffic.add("power_iteration" if traffic.phase == "power_iteration" else "products", up, sent * b)
         return reports
 
     if grad_fn is not None:

@@ -39,12 +39,6 @@ def arr_to_bytes(x: np.ndarray) -> bytes:
     return np.ascontiguousarray(x, dtype="<f8").tobytes()
 
 
-def products_to_bytes(x: np.ndarray) -> bytes:
-    """``metric-rank``'s vectors and Hessian-vector products as they travel: float32
-    (:data:`qlsd_flwr.core.lowrank.PRODUCT_DTYPE`)."""
-    return np.ascontiguousarray(x, dtype="<f4").tobytes()
-
-
 #: the fields holding a vector of R^d (:data:`qlsd_flwr.samplers.fields.FIELDS` of form ``vector``); all but θ
 #: may come with some chains of a several-chain message
 SENT_WITH = tuple(n for n, f in FIELDS.items() if f.form == VECTOR)
