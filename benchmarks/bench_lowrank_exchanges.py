@@ -6,11 +6,16 @@ prior N(0, I/5)), its MAP ``θ̂`` (L-BFGS), the K-FAC metric ``M = R Rᵀ`` fro
 (the very functions a run calls), and ``B = Rᵀ ∇²U(θ̂) R``. For each number of exchanges ``q`` the correction
 (:func:`qlsd_flwr.core.lowrank.correction`, blocks of ``b``, rank 150) is made from exact products ``∇²U W``, and the
 corrected ``B' = Cᵀ B C`` is diagonalised: its condition number ``κ`` sets the slowest direction's relaxation
-(about ``κ/c`` rounds at ``γ = c/λ_max``), ``λ_max`` the step. Float64 products here; the run's float32 ones
-move the Ritz values by about 1e-7.
+(about ``κ/c`` rounds at ``γ = c/λ_max``), ``λ_max`` the step. Float64 products here.
+
+``--bits DOWN:UP ...`` instead measures the width of the fixed-point rows the products travel in
+(:mod:`qlsd_flwr.compression.fixed`), at the default block and exchanges: the block rounded to ``DOWN`` bits
+as the clients receive it, each of the 20 clients' own products (exact, ``hvp_batch``) rounded to ``UP`` bits
+as it sends them, then summed with the prior's part (``32``: float32, the width before 16-bit rows).
 
     python benchmarks/bench_lowrank_exchanges.py --block 32 --q 4 8 10 12 14 16 18 20 24
     python benchmarks/bench_lowrank_exchanges.py --block 8 16 --q 24 32 48 64 --out lowrank_exchanges_blocks.json
+    python benchmarks/bench_lowrank_exchanges.py --bits 32:32 16:16 12:12 16:12 12:16 16:8 8:16 8:8 --out lowrank_bits.json
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ sys.path.insert(0, str(HERE.parent))
 
 from benchmarks.bench_mainjob_reference import Posterior  # noqa: E402
 from benchmarks.smoke import SMOKE, out  # noqa: E402
+from qlsd_flwr.compression import fixed  # noqa: E402
 from qlsd_flwr.config import resolve  # noqa: E402
 from qlsd_flwr.core import curvature as cv  # noqa: E402
 from qlsd_flwr.core import lowrank as lr  # noqa: E402
@@ -42,6 +48,8 @@ def main(argv=None):
     ap.add_argument("--rank", type=int, default=150)
     ap.add_argument("--block", type=int, nargs="*", default=[lr.LOWRANK_BLOCK],
                     help="vectors per exchange b (each b is run with each q)")
+    ap.add_argument("--bits", nargs="*", default=[], metavar="DOWN:UP",
+                    help="widths of the block (down) and the clients' products (up): 32 is float32, 2-16 fixed point")
     ap.add_argument("--out", default="lowrank_exchanges.json", help="a JSON file under benchmarks/")
     a = ap.parse_args(argv)
     over = {"num-clients": 4, "dataset": "digits", "task": "logistic"} if SMOKE else {}
@@ -60,7 +68,20 @@ def main(argv=None):
     ev = np.linalg.eigvalsh(B)
     rows = [{"q": 0, "products": 0, "kappa": float(ev[-1] / ev[0]), "lambda_max": float(ev[-1])}]
     print(json.dumps(rows[0]), f"({time.perf_counter() - t0:.0f} s)", flush=True)
-    for b, q in [(b, q) for b in a.block for q in a.q]:
+    for down, up in (tuple(int(x) for x in w.split(":")) for w in a.bits):
+        def products(W, down=down, up=up):  # as the clients receive the block, and as each sends its products
+            W = _width(W, down)
+            return sum(_width(c.hvp_batch(mode, W), up) for c in task.clients) + W * post.prec
+
+        (u, t), info = lr.correction(products, lambda x: R @ x, lambda x: R.T @ x, post.d, a.rank, cfg.seed)
+        C = np.eye(post.d) + (u * (t ** -0.5 - 1.0)) @ u.T
+        e = np.linalg.eigvalsh(C.T @ B @ C)
+        row = {"bits_down": down, "bits_up": up, "block": lr.LOWRANK_BLOCK, "q": lr.LOWRANK_EXCHANGES,
+               "kept": int(info["lowrank_rank"]), "converged": int(info["lowrank_converged"]),
+               "kappa": float(e[-1] / e[0]), "lambda_max": float(e[-1]), "lambda_min": float(e[0])}
+        rows.append(row)
+        print(json.dumps(row), f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    for b, q in [(b, q) for b in a.block for q in a.q] if not a.bits else []:
         (u, t), info = lr.correction(lambda W: (H @ W.T).T, lambda x: R @ x, lambda x: R.T @ x, post.d, a.rank,
                                      cfg.seed, block=b, exchanges=q)
         C = np.eye(post.d) + (u * (t ** -0.5 - 1.0)) @ u.T
@@ -74,6 +95,11 @@ def main(argv=None):
     out(HERE / a.out).write_text(json.dumps(
         {"command": "python benchmarks/bench_lowrank_exchanges.py " + " ".join(sys.argv[1:]), "rank": a.rank,
          "rows": rows}, indent=1))
+
+
+def _width(X, bits: int) -> np.ndarray:
+    """``X``'s rows as a ``bits``-wide exchange carries them: float32 at 32, else fixed point."""
+    return np.asarray(X, np.float32).astype(np.float64) if bits == 32 else fixed.rounded(X, bits)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from qlsd_flwr.compression.format import DecodeFault
 
 # the decoding kernels return a DecodeFault value (0 = valid); plain ints, frozen into the code
 (_OK, _TRUNC_OMEGA, _ABOVE, _TRUNC_NORM, _TRUNC_SIGN, _TRAILING, _PADDING, _NEG_ZERO,
- _NONFINITE, _NEG_NORM, _ABOVE_S, _ZERO_NORM) = (int(f) for f in DecodeFault)
+ _NONFINITE, _NEG_NORM, _ABOVE_S, _ZERO_NORM) = (int(f) for f in DecodeFault if f <= DecodeFault.ZERO_NORM)
 
 
 @njit(cache=True)

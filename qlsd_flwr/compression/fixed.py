@@ -8,8 +8,8 @@ against float32's ``6e-8`` and float64's ``1e-16``, at ``16 d + 32`` bits a row 
 
 Why this is enough, measured (offline, the main job's exact Hessian at the MAP, every client's product rounded as
 it would travel, the K-FAC metric corrected by ``metric-rank = 150``; RESULTS, "A cheaper preparation"): the
-corrected metric's condition number is 9.653 with float32 rows both ways, 9.654 with 16 bits and 9.655 with 12,
-but **63** with 8-bit products: the correction must resolve the bottom of the spectrum (``λ_min(B) = 0.035``, where
+corrected metric's condition number is 9.653 with float32 rows both ways, 9.654 with 16 bits and 9.66–9.70 with
+12, but **63** with 8-bit products or blocks (``benchmarks/bench_lowrank_exchanges.py --bits``): the correction must resolve the bottom of the spectrum (``λ_min(B) = 0.035``, where
 the product of a direction is 100× smaller than the row's largest part), and 8 bits bury it. 16 leaves a margin of
 16× over 12 for rows with heavier tails than the main job's (a network's products).
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-#: bits a level: 16 (12 measured the same on the main job, 8 not; module docstring)
+#: bits a level: 16 (12 measured nearly the same on the main job, 8 not; module docstring)
 BITS = 16
 LEVELS = 2 ** (BITS - 1) - 1
 _LEVEL = np.dtype("<i2")
@@ -44,14 +44,14 @@ def _scales(X: np.ndarray) -> np.ndarray:
     return s32
 
 
-def _levels(X: np.ndarray, s32: np.ndarray) -> np.ndarray:
+def _levels(X: np.ndarray, s32: np.ndarray, top: int = LEVELS) -> np.ndarray:
     s = s32.astype(np.float64)[:, None]
     safe = np.where(s > 0, s, 1.0)
-    return np.clip(np.rint(X / safe * LEVELS), -LEVELS, LEVELS).astype(_LEVEL)
+    return np.clip(np.rint(X / safe * top), -top, top).astype(_LEVEL)
 
 
-def _values(levels: np.ndarray, s32: np.ndarray) -> np.ndarray:
-    return levels.astype(np.float64) * (s32.astype(np.float64) / LEVELS)[:, None]
+def _values(levels: np.ndarray, s32: np.ndarray, top: int = LEVELS) -> np.ndarray:
+    return levels.astype(np.float64) * (s32.astype(np.float64) / top)[:, None]
 
 
 def encode(X) -> bytes:
@@ -77,8 +77,12 @@ def decode(buf, d: int, max_rows: int | None = None) -> np.ndarray:
     return _values(levels, s32)
 
 
-def rounded(X) -> np.ndarray:
-    """``decode(encode(X))`` without the bytes: the rows as the other end reads them, ``(b, d)`` float64."""
+def rounded(X, bits: int = BITS) -> np.ndarray:
+    """``decode(encode(X))`` without the bytes: the rows as the other end reads them, ``(b, d)`` float64.
+    ``bits`` (2 to 16) other than :data:`BITS` gives what a narrower code would carry, for the benchmark that
+    chose the width (``benchmarks/bench_lowrank_exchanges.py --bits``); nothing travels at it."""
     X = np.atleast_2d(np.asarray(X, dtype=np.float64))
-    s32 = _scales(X)
-    return _values(_levels(X, s32), s32)
+    if not 2 <= int(bits) <= BITS:
+        raise ValueError(f"fixed-point rows: bits must be in [2, {BITS}], got {bits}")
+    s32, top = _scales(X), 2 ** (int(bits) - 1) - 1
+    return _values(_levels(X, s32, top), s32, top)

@@ -12,17 +12,20 @@ from enum import IntEnum
 HEADER_BYTES = 5  # 1 tag byte + uint32 d: 40 bits per message, not part of code_length_bits
 TAG_PACKED = 0x01
 TAG_ELIAS = 0x02
+TAG_RICE = 0x03  # the compressed broadcast's dense code (compression.rice)
 MAX_S = 2**32  # levels fit the vectorised bit writer (int64 fields, float64-exact bit lengths)
 MAX_D = 2**32 - 1  # d is a uint32 in the header
 OMEGA_GROUPS = 5  # Elias omega groups for any value < 2^63: n → ⌊log2 n⌋ → ... reaches 1 in ≤ 5 steps
 
 
 class Encoding(IntEnum):
-    """How a message is coded: dense ``packed``, QSGD's sparse ``elias``, or the shorter (``auto``)."""
+    """How a message is coded: dense ``packed``, QSGD's sparse ``elias``, the shorter of those two (``auto``), or
+    a ``rice`` code (the compressed broadcast's: :mod:`qlsd_flwr.compression.rice`; not a client's choice)."""
 
     PACKED = 0
     ELIAS = 1
     AUTO = 2
+    RICE = 3
 
     @classmethod
     def of(cls, name: str) -> "Encoding":
@@ -32,7 +35,7 @@ class Encoding(IntEnum):
             raise ValueError(f"unknown encoding {name!r}; allowed: {', '.join(ENCODINGS)}") from None
 
 
-ENCODINGS = ("elias", "packed", "auto")
+ENCODINGS = ("elias", "packed", "auto", "rice")
 KINDS = ("qsgd", "identity")
 
 
@@ -82,6 +85,8 @@ class DecodeFault(IntEnum):
     NEG_NORM = 9
     ABOVE_S = 10
     ZERO_NORM = 11
+    TRUNC_RICE = 12
+    ABOVE_K = 13
 
     @property
     def message(self) -> str:
@@ -94,4 +99,5 @@ _DECODE_MESSAGES = {
     DecodeFault.PADDING: "nonzero padding", DecodeFault.NEG_ZERO: "negative zero level",
     DecodeFault.NONFINITE: "non-finite norm", DecodeFault.NEG_NORM: "negative norm",
     DecodeFault.ZERO_NORM: "nonzero level in a block with zero norm",
+    DecodeFault.TRUNC_RICE: "truncated Rice code", DecodeFault.ABOVE_K: "Rice parameter k above bitlen(s)",
 }

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from qlsd_flwr.compression import codec, wire
+from qlsd_flwr.compression import codec, rice, wire
 from qlsd_flwr.compression.bounds import (
     _bound_bits,
     _max_elias_bits,
@@ -57,6 +57,7 @@ from qlsd_flwr.compression.format import (
     MAX_S,
     TAG_ELIAS,
     TAG_PACKED,
+    TAG_RICE,
     DecodeError,
     Encoding,
     QuantiseError,
@@ -127,7 +128,8 @@ class QSGD:
         s: number of quantisation levels ``s ≥ 1`` (the paper's "p bits" is ``s = 2^p``).
         blocks: ``None`` for one norm for the whole vector (the paper), or per-tensor block
             sizes (the authors' code), each block quantised and coded with its own norm.
-        encoding: ``"elias"``, ``"packed"`` or ``"auto"`` (the shorter actual code).
+        encoding: ``"elias"``, ``"packed"``, ``"auto"`` (the shorter actual code), or ``"rice"`` (the compressed
+            broadcast's dense code, :mod:`~qlsd_flwr.compression.rice`).
     """
 
     s: int
@@ -262,6 +264,8 @@ class QSGD:
     def code_length_bits_batch(self, levels: np.ndarray) -> np.ndarray:
         """Exact code length (norms + body, no header) of each row of ``levels`` (..., d)."""
         levels = np.asarray(levels, dtype=np.int64)
+        if self.encoding == "rice":
+            return rice.code_bits(levels, self._blocks(levels.shape[-1]), self.s)
         packed = self._packed_bits(levels.shape[-1])
         if self.encoding == "packed":
             return np.full(levels.shape[:-1], packed, dtype=np.int64)
@@ -307,6 +311,8 @@ class QSGD:
         With ``encoding = "auto"`` the Elias fields are built first and their length decides
         (packed on a tie), so the Elias code is laid out once, not measured and then built."""
         self._check_encodable(q)
+        if self.encoding == "rice":
+            return rice.encode(q)
         body, elias, _ = codec.encode_body(q.levels, q.norms.view(np.uint32).astype(np.int64),
                                            np.asarray(q.blocks, dtype=np.int64), self.level_bits,
                                            int(Encoding.of(self.encoding)))
@@ -359,6 +365,9 @@ class QSGD:
         if d_wire != d:
             raise DecodeError(f"payload is for d = {d_wire}, expected d = {d}")
         body = payload[HEADER_BYTES:]
+        if tag == TAG_RICE:
+            norms, levels, bits = rice.decode(body, d, blocks, self.s)
+            return Quantised(norms=norms, levels=levels, s=self.s, blocks=blocks, code_bits=bits)
         if tag not in (TAG_PACKED, TAG_ELIAS):
             raise DecodeError(f"unknown encoding tag {tag:#04x}")
         elias = tag == TAG_ELIAS

@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from qlsd_flwr.compression.qsgd import QSGD
 from qlsd_flwr.config import ConfigError
-from qlsd_flwr.core.downlink import Downlink
+from qlsd_flwr.core.downlink import Downlink, broadcast_code
 from qlsd_flwr.protocol import build
 
 
@@ -33,7 +32,7 @@ def downlink_of(cfg) -> Downlink | None:
     """The run's broadcast rule (``None``: ``downlink = off``)."""
     if not build.downlink_on(cfg):
         return None
-    return Downlink(QSGD(int(cfg.get("downlink-s"))), str(cfg.get("downlink-feedback")))
+    return Downlink(broadcast_code(int(cfg.get("downlink-s"))), str(cfg.get("downlink-feedback")))
 
 
 def begin_round(server) -> None:

@@ -15,7 +15,7 @@ from qlsd_flwr.compression.identity import Identity
 from qlsd_flwr.compression.qsgd import QSGD
 from qlsd_flwr.config import ConfigError, RunConfig
 from qlsd_flwr.core.dglmc import Spectrum
-from qlsd_flwr.core.downlink import FEEDBACKS, Downlink
+from qlsd_flwr.core.downlink import FEEDBACKS, Downlink, broadcast_code
 from qlsd_flwr.core.metric import Identity as IdentityMetric
 from qlsd_flwr.core.metric import Metric
 from qlsd_flwr import samplers
@@ -255,7 +255,7 @@ def client_spec_from_settings(settings: dict, i: int, n_data: int, d: int) -> tu
     return ClientSpec(index=i, kind=kind, batch_size=minibatch_size(bf, n_data), compressor=compressor,
                       memory=memory, alpha=alpha, prior=GaussianPrior(var=prior_var, mean=prior_mean),
                       prior_weight=w, local_steps=steps, tau=tau, temperature=temperature, metric=metric,
-                      downlink=Downlink(QSGD(s=down_s), feedback) if down_s else None), seed
+                      downlink=Downlink(broadcast_code(down_s), feedback) if down_s else None), seed
 
 
 def client_spec(cfg: RunConfig, i: int, n_data: int, d: int, prior: GaussianPrior,

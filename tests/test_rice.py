@@ -1,0 +1,143 @@
+"""The compressed broadcast's Rice code (:mod:`qlsd_flwr.compression.rice`; issue 37): the layout its docstring
+states, written bit for bit by a reference here, read back exactly, shorter than Elias on dense messages,
+hostile bytes refused by name, and the same chain as with QSGD's Elias code in fewer bits."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+
+from qlsd_flwr.compression import rice
+from qlsd_flwr.compression.format import DecodeError
+from qlsd_flwr.compression.qsgd import QSGD
+
+LAYOUTS = [(256, 7850, None), (16, 50, None), (3, 10, (4, 6)), (1, 5, None), (2 ** 20, 30, None),
+           (8, 12, (5, 5, 2))]
+
+
+def reference(q) -> bytes:
+    """The docstring's layout, written field by field as a bit string, each block's k tried in full."""
+    bits, start = "", 0
+    for b, n in enumerate(q.blocks):
+        lv = q.levels[start:start + n]
+        best = None
+        for k in range(rice.kmax(q.s) + 1):
+            body = "".join("1" * (abs(int(x)) >> k) + "0" + (format(abs(int(x)) & ((1 << k) - 1), f"0{k}b") if k else "")
+                           + (("1" if x < 0 else "0") if x else "") for x in lv)
+            if best is None or len(body) < len(best[1]):
+                best = (k, body)
+        norm = format(int(q.norms[b:b + 1].view(np.uint32)[0]), "032b")
+        bits += norm + format(best[0], f"0{rice.K_BITS}b") + best[1]
+        start += n
+    bits += "0" * (-len(bits) % 8)
+    return struct.pack("<BI", 0x03, q.d) + int(bits, 2).to_bytes(len(bits) // 8, "big") if bits else b""
+
+
+def _messages(seed=0):
+    rng = np.random.default_rng(seed)
+    for s, d, blocks in LAYOUTS:
+        c = QSGD(s, blocks=blocks, encoding="rice")
+        for t in range(6):
+            v = rng.normal(size=d) * rng.exponential(size=d)
+            if t == 1:
+                v[:] = 0.0  # a zero message: every level 0, a zero norm
+            if t == 2:
+                v[rng.random(d) < 0.9] = 0.0  # sparse
+            yield c, c.quantise(v, rng.uniform(size=d))
+
+
+def test_the_code_is_the_stated_layout_and_reads_back_exactly():
+    for c, q in _messages():
+        code = c.encode(q)
+        assert code == reference(q), (c.s, q.d)
+        got = c.decode(code, q.d)
+        assert np.array_equal(got.levels, q.levels)
+        assert np.array_equal(got.norms.view(np.uint32), q.norms.view(np.uint32))
+        # the count is the code's exact length, by message and in a batch; any QSGD of these s and blocks reads it
+        assert got.code_bits == c.code_length_bits(q) == int(c.code_length_bits_batch(q.levels[None])[0])
+        assert len(code) == 5 + (got.code_bits + 7) // 8
+        assert np.array_equal(QSGD(c.s, blocks=c.blocks, encoding="elias").decode(code, q.d).levels, q.levels)
+        assert c.code_length_bits(q) <= rice.max_bits(c.s, q.blocks) <= c.bound_bits(q.d)
+
+
+def test_on_dense_messages_it_is_shorter_than_elias():
+    # a Gaussian vector at s = 256, d = 7,850: levels of mean size about 2, 80 % nonzero, as the main job's broadcast
+    rng = np.random.default_rng(3)
+    v = rng.normal(size=7850)
+    q = QSGD(256).quantise(v, rng.uniform(size=v.size))
+    r, e = QSGD(256, encoding="rice").code_length_bits(q), QSGD(256).code_length_bits(q)
+    assert r < 0.85 * e, (r / v.size, e / v.size)
+
+
+def _body(bits: str) -> bytes:
+    bits += "0" * (-len(bits) % 8)
+    return int(bits, 2).to_bytes(len(bits) // 8, "big") if bits else b""
+
+
+@pytest.mark.parametrize("why,bits,match", [
+    ("k above bitlen(s)", format(0x3F800000, "032b") + format(5, "05b") + "0" * 3, "Rice parameter k"),
+    ("a quotient past s", format(0x3F800000, "032b") + "00000" + "1" * 9, "level above s = 4"),
+    ("a remainder past s", format(0x3F800000, "032b") + "00010" + "1" + "0" + "01" + "0" + "0" * 4, "level above s = 4"),
+    ("a truncated quotient", format(0x3F800000, "032b") + "00000" + "111", "truncated Rice code"),
+    ("a truncated norm", "1" * 20, "truncated norm"),
+    ("a nonzero level in a zero-norm block", "0" * 32 + "00000" + "10" + "0" + "0" * 6, "zero norm"),
+    ("a negative norm", format(0xBF800000, "032b") + "00000" + "0" * 4, "negative norm"),
+    ("a non-finite norm", format(0x7F800000, "032b") + "00000" + "0" * 4, "non-finite norm"),
+])
+def test_hostile_bytes_are_refused_by_name(why, bits, match):
+    c = QSGD(4, encoding="rice")  # d = 4 below, one block; bitlen(4) = 3
+    with pytest.raises(DecodeError, match=match):
+        c.decode(struct.pack("<BI", 0x03, 4) + _body(bits), 4)
+
+
+def test_trailing_bytes_padding_and_overlong_payloads_are_refused():
+    c = QSGD(4, encoding="rice")
+    q = c.quantise(np.array([1.0, -2.0, 0.5, 0.0]), np.full(4, 0.5))
+    code = c.encode(q)
+    with pytest.raises(DecodeError, match="trailing bytes"):
+        c.decode(code + b"\x00", 4)
+    last_bits = c.code_length_bits(q)
+    if last_bits % 8:  # a 1 in the padding
+        bad = bytearray(code)
+        bad[-1] |= 1
+        with pytest.raises(DecodeError, match="nonzero padding"):
+            c.decode(bytes(bad), 4)
+    with pytest.raises(DecodeError, match="longer than any Rice code"):
+        c.decode(code[:5] + b"\xff" * 64, 4)
+    for cut in range(5, len(code)):  # every truncation is refused, never read past the end
+        with pytest.raises(DecodeError):
+            c.decode(code[:cut], 4)
+
+
+def test_the_broadcast_sends_the_same_chain_as_with_elias_in_fewer_bits(tmp_path, monkeypatch):
+    """The clients read whichever code comes, so the code changes the bits, never the chain: local engine and
+    in-process Flower, two chains, every round's broadcast bits smaller."""
+    import csv
+
+    from qlsd_flwr.config import resolve
+    from qlsd_flwr.core import downlink
+    from qlsd_flwr.engines.local import run_local
+    from qlsd_flwr.outputs.recorder import load_samples
+    from qlsd_flwr.run.simulate import run_inprocess
+
+    o = {"task": "logistic", "dataset": "digits", "num-clients": 4, "prior-var": 0.2, "variant": "qlsd-pp",
+         "s": "16", "l": 5, "downlink": "qsgd", "downlink-s": 256, "num-rounds": 30, "burn-in": 10, "gamma": 1e-3,
+         "progress": False, "plot": False, "loo": "off", "output-dir": str(tmp_path)}
+
+    def down(run_dir):
+        with open(run_dir / "metrics.csv", newline="") as f:
+            return [int(float(r["bits_down"])) for r in csv.DictReader(f)]
+
+    runs = {}
+    for enc in ("rice", "auto"):
+        monkeypatch.setattr(downlink, "ENCODING", enc)
+        loc = run_local(resolve({**o, "engine": "local", "run-name": f"local-{enc}"}))
+        fl_o = {**o, "engine": "inprocess", "num-chains": 2, "run-name": f"flwr-{enc}"}
+        fl = run_inprocess(resolve(fl_o), fl_o)
+        runs[enc] = (loc.run_dir, fl.run_dir)
+    for i in range(2):
+        assert np.array_equal(load_samples(runs["rice"][i]), load_samples(runs["auto"][i]))
+        r, e = down(runs["rice"][i]), down(runs["auto"][i])
+        assert all(a <= b for a, b in zip(r, e)) and sum(r) < 0.9 * sum(e), (sum(r), sum(e))
