@@ -7,7 +7,7 @@ back as ``level · (σ / L)``. Each coordinate is then within ``σ / 2L`` of ``v
 against float32's ``6e-8`` and float64's ``1e-16``, at ``16 d + 32`` bits a row instead of ``32 d``.
 
 Why this is enough, measured (offline, the main job's exact Hessian at the MAP, every client's product rounded as
-it would travel, the K-FAC metric corrected by ``metric-rank = 150``; RESULTS, "A cheaper preparation"): the
+it would travel, the K-FAC metric corrected by ``metric-rank = 150``; RESULTS, "Products as 16-bit rows"): the
 corrected metric's condition number is 9.653 with float32 rows both ways, 9.654 with 16 bits and 9.66–9.70 with
 12, but **63** with 8-bit products or blocks (``benchmarks/bench_lowrank_exchanges.py --bits``): the correction must resolve the bottom of the spectrum (``λ_min(B) = 0.035``, where
 the product of a direction is 100× smaller than the row's largest part), and 8 bits bury it. 16 leaves a margin of
