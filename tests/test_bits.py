@@ -20,7 +20,6 @@ import json
 import numpy as np
 import pytest
 
-from qlsd_flwr.compression import fixed
 from qlsd_flwr.config import resolve
 from qlsd_flwr.engines.local import run_local
 from qlsd_flwr.engines.vectorised import run_vectorised
@@ -56,12 +55,12 @@ def test_the_bits_object_adds_up_phase_by_phase(tmp_path, capsys):
     assert bits["uplink"]["preparation"] == sum(k["uplink"] for k in prep.values()) == s["prep_uplink_bits"]
     assert bits["downlink"]["preparation"] == sum(k["downlink"] for k in prep.values()) == s["prep_downlink_bits"]
     # the descent: θ down and ∇U_i(θ) up, each client, in float32 (θ* is only where the curvature is taken:
-    # precondition.DESCENT_PRECISION); the power iteration: θ (float64) and u down, ∇²U_i u up, as fixed-point rows
+    # precondition.DESCENT_PRECISION); the power iteration: θ (float64) and u down, ∇²U_i u up, as float32 rows
     n = prep["descent"]["exchanges"]
     assert prep["descent"]["uplink"] == prep["descent"]["downlink"] == 32 * d * b * n > 0
     n = prep["power_iteration"]["exchanges"]
-    assert prep["power_iteration"]["uplink"] == fixed.row_bits(d) * b * n > 0
-    assert prep["power_iteration"]["downlink"] == (64 * d + fixed.row_bits(d)) * b * n
+    assert prep["power_iteration"]["uplink"] == (8 + 32 * d) * b * n > 0
+    assert prep["power_iteration"]["downlink"] == (64 * d + 8 + 32 * d) * b * n
     assert prep["curvature"]["uplink"] == 64 * d * b * prep["curvature"]["exchanges"]  # a diagonal a client
     assert (bits["uplink"]["loo"], bits["downlink"]["loo"]) == (s["loo"]["bits_up"], s["loo"]["bits_down"]) != (0, 0)
     assert bits["uplink"]["other"] == bits["downlink"]["other"] == 0
@@ -137,8 +136,9 @@ def test_metric_rank_s_products_travel_and_count_as_fixed_point_rows_on_every_en
     d, b, k, q = s["d"], 4, s["lowrank_block"], s["lowrank_exchanges"]
     prods = s["bits"]["preparation"]["products"]
     assert prods["exchanges"] == q > 0
-    assert prods["uplink"] == k * (16 * d + 32) * b * q  # each client's k products: 16 bits a number, a scale a row
-    assert prods["downlink"] == (64 * d + k * (16 * d + 32)) * b * q  # θ* (float64) and the block
+    # each client's k products: a tag byte, then 16 bits a number and a scale a row
+    assert prods["uplink"] == (8 + k * (16 * d + 32)) * b * q and s["lowrank_bits"] == 16
+    assert prods["downlink"] == (64 * d + 8 + k * (16 * d + 32)) * b * q  # θ* (float64) and the block
     flwr = run_inprocess(resolve({**o, "engine": "inprocess", "run-name": "flwr"}), {**o, "engine": "inprocess"})
     sf = json.loads((flwr.run_dir / "summary.json").read_text())
     assert sf["bits"]["preparation"]["products"] == prods

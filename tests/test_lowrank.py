@@ -186,10 +186,10 @@ def test_engines_agree_bit_for_bit_with_a_corrected_kronecker_metric_and_resume_
     s = a.summary
     assert s["gamma"] == b.summary["gamma"] and s["lowrank_rank"] == 6 and s["metric"]["lowrank"]["rank"] == 6
     assert s["lowrank_kappa_left"] < s["lowrank_kappa_before"]
-    # the preparation's traffic is recorded: the products' float32 blocks from every client, and more
+    # the preparation's traffic is recorded: the products' 16-bit blocks from every client, and more
     q, blk = s["lowrank_exchanges"], s["lowrank_block"]
-    assert s["prep_exchanges"] > q and s["bits"]["preparation"]["products"]["uplink"] == q * blk * fixed.row_bits(62) * 4
-    assert s["prep_uplink_bits"] > q * blk * 62 * 32 * 4
+    assert s["prep_exchanges"] > q and s["bits"]["preparation"]["products"]["uplink"] == q * fixed.message_bits(blk, 62) * 4
+    assert s["prep_uplink_bits"] > q * fixed.message_bits(blk, 62) * 4
     plain = run({**base, "engine": "vectorised", "metric-rank": 0, "run-name": "plain"})
     assert plain.summary["gamma"] < s["gamma"]  # the corrected metric allows a larger step
     one = run({**base, "engine": "local", "num-chains": 1, "run-name": "c"})
@@ -251,13 +251,18 @@ def test_a_server_block_a_client_cannot_use_is_refused_by_name():
     from qlsd_flwr.protocol.client import block_of
 
     d = 4
-    nan_scale = np.full(1, np.nan, "<f4").tobytes() + np.zeros(d, "<i2").tobytes()
-    negative_scale = np.full(1, -1.0, "<f4").tobytes() + np.zeros(d, "<i2").tobytes()
-    for bad in (b"", b"\x00" * 11, nan_scale, negative_scale, fixed.encode(np.zeros((MAX_BLOCK + 1, d))), "text"):
+    nan_scale = bytes([16]) + np.full(1, np.nan, "<f4").tobytes() + np.zeros(d, "<i2").tobytes()
+    negative_scale = bytes([16]) + np.full(1, -1.0, "<f4").tobytes() + np.zeros(d, "<i2").tobytes()
+    nan_float = bytes([32]) + np.full(d, np.nan, "<f4").tobytes()
+    for bad in (b"", b"\x00" * 11, bytes([16]) + b"\x00" * 11, nan_scale, negative_scale, nan_float,
+                bytes([8]) + b"\x00" * 12, fixed.encode(np.zeros((MAX_BLOCK + 1, d))), "text"):
         with pytest.raises(ValueError, match="vectors"):
             block_of(bad, d)
     X = np.arange(8.0).reshape(2, 4)
-    assert np.array_equal(block_of(fixed.encode(X), d), fixed.rounded(X))  # fixed-point rows, as they travel
+    for bits in (16, 32):  # rows of either width, as they travel, and the width the reply must use
+        V, w = block_of(fixed.encode(X, bits), d)
+        assert np.array_equal(V, fixed.rounded(X, bits)) and w == bits
+    assert np.array_equal(fixed.rounded(fixed.rounded(X)), fixed.rounded(X))  # a row sent again is the same row
     assert np.all(np.abs(fixed.rounded(X) - X) <= 0.5 * X.max(axis=1, keepdims=True) / fixed.LEVELS)
 
 
@@ -287,6 +292,43 @@ def test_a_curvature_that_is_not_positive_definite_leaves_the_metric_uncorrected
     cfg = resolve({"num-clients": 1, "dim": d, "metric-rank": 3, "gamma": 1e-3, "progress": False})
     info: dict = {}
     caplog.set_level(logging.WARNING, logger="qlsd_flwr")
-    out = lowrank_correction(cfg, task, np.zeros(d), lambda th, kind, V: {0: V @ A}, np.array([1]), Identity(), info)
+    out = lowrank_correction(cfg, task, np.zeros(d), lambda th, kind, V, bits=16: {0: V @ A}, np.array([1]), Identity(), info)
     assert out.is_identity and info["lowrank_rank"] == 0 and info["lowrank_ritz_min"] < 0
     assert "not positive-definite" in info["lowrank_skipped"] and "left uncorrected" in caplog.text
+
+
+@pytest.mark.parametrize("cond", [1e3, 1e10])
+def test_gamma_auto_sees_every_coordinate_whatever_the_metric_s_spread(cond, monkeypatch):
+    """The power iteration's row and products travel as float32 (compression.fixed): with a diagonal metric whose
+    scales span 1e10, 16-bit rows (each entry rounded against its row's largest) lost the stiff coordinates and
+    read λ_max 3× too small, so γ 3× too large. γ must be c/λ_max of the metric it is for, within the
+    iteration's stop rule (5 %), and never above it by more than float32's rounding."""
+    task = ill_conditioned_task(d=6, cond=cond)
+    P = sum(c.A for c in task.clients)
+    cfg = resolve({"variant": "qlsd", "compressor": "identity", "num-clients": task.b, "dim": task.dim,
+                   "progress": False, "theta-star": "closed-form", "gamma": "auto", "metric": "diagonal"})
+    specs = [build.client_spec(cfg, i, 1, task.dim, task.prior, build.blocks_for(cfg, task)) for i in range(task.b)]
+    prep = precondition.prepare(cfg, task, task.theta0, *build.direct_exchanges(cfg, task, specs))
+    L = np.stack([prep.metric.apply_root(e) for e in np.eye(task.dim)], axis=1)
+    lam = np.linalg.eigvalsh(L.T @ P @ L).max()
+    assert prep.metric.spread() >= 0.1 * cond
+    assert cv.GAMMA_AUTO_C / lam <= prep.gamma * (1 + 1e-6) and prep.gamma == pytest.approx(cv.GAMMA_AUTO_C / lam,
+                                                                                             rel=5e-2)
+
+
+def test_a_kept_client_without_a_usable_product_sends_its_gradients_instead(tmp_path, caplog):
+    """A sum of the power iteration's products without one client would read the curvature too small and γ too
+    large: a product that is refused (NaN) is taken from the clients' gradients instead, counted, and γ is the one
+    of an honest run to the iteration's tolerance."""
+    from qlsd_flwr.run.simulate import run_inprocess
+
+    o = {"engine": "inprocess", "num-rounds": 4, "burn-in": 0, "progress": False, "output-dir": str(tmp_path),
+         "metric": "diagonal", "gamma": "auto", "dim": 5, "num-clients": 4, "loo": "off"}
+    caplog.set_level(logging.WARNING, logger="qlsd_flwr")
+    honest = run_inprocess(resolve({**o, "run-name": "honest"}), {**o, "run-name": "honest"})
+    bad = run_inprocess(resolve({**o, "run-name": "nan"}), {**o, "run-name": "nan"},
+                        mods=[_curvature_mod("nan", report="hvp")])
+    s = bad.server.summary_data
+    assert s["products_rejected"] >= 1 and s["products_fallback"] == s["products_rejected"]
+    assert "products_fallback" in caplog.text and "products_fallback" not in honest.server.summary_data
+    assert s["gamma"] == pytest.approx(honest.server.summary_data["gamma"], rel=5e-2)

@@ -233,12 +233,12 @@ def _curvature_mod(kind: str, report: str | None = None):
                 or report not in (None, fields.get("kind")):
             return out
         rec = dict(out.content[RECORD])
-        if fields.get("kind") == "hvp":  # products travel as fixed-point rows (compression.fixed)
-            h = fixed.decode(rec["payload"], np.size(fields["theta"]))
+        if fields.get("kind") == "hvp":  # products travel as rows of compression.fixed, in the block's width
+            h, bits = fixed.decode(rec["payload"], np.size(fields["theta"])), fixed.width_of(rec["payload"])
             rec["payload"] = {
-                "nan": lambda: np.full(h.shape[0], np.nan, "<f4").tobytes() + np.zeros(h.size, "<i2").tobytes(),
-                "negative": lambda: fixed.encode(-h - 1.0), "huge": lambda: fixed.encode(h * 1e12 + 1e12),
-                "short": lambda: fixed.encode(h)[:-2]}[kind]()
+                "nan": lambda: fixed.encode(np.full_like(h, np.nan), bits),
+                "negative": lambda: fixed.encode(-h - 1.0, bits), "huge": lambda: fixed.encode(h * 1e12 + 1e12, bits),
+                "short": lambda: fixed.encode(h, bits)[:-2]}[kind]()
             out.content[RECORD] = ConfigRecord(rec)
             return out
         h = np.frombuffer(rec["payload"], dtype="<f8").copy()

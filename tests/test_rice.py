@@ -1,6 +1,7 @@
 """The compressed broadcast's Rice code (:mod:`qlsd_flwr.compression.rice`; issue 37): the layout its docstring
-states, written bit for bit by a reference here, read back exactly, shorter than Elias on dense messages,
-hostile bytes refused by name, and the same chain as with QSGD's Elias code in fewer bits."""
+states, written bit for bit by a reference here, read back exactly (and refused by an uplink compressor),
+shorter than Elias on dense messages, hostile bytes refused by name, and the same chain as with QSGD's Elias
+code in fewer bits."""
 
 from __future__ import annotations
 
@@ -58,7 +59,8 @@ def test_the_code_is_the_stated_layout_and_reads_back_exactly():
         # the count is the code's exact length, by message and in a batch; any QSGD of these s and blocks reads it
         assert got.code_bits == c.code_length_bits(q) == int(c.code_length_bits_batch(q.levels[None])[0])
         assert len(code) == 5 + (got.code_bits + 7) // 8
-        assert np.array_equal(QSGD(c.s, blocks=c.blocks, encoding="elias").decode(code, q.d).levels, q.levels)
+        with pytest.raises(DecodeError, match="unknown encoding tag"):  # read only where it is expected
+            QSGD(c.s, blocks=c.blocks, encoding="auto").decode(code, q.d)
         assert c.code_length_bits(q) <= rice.max_bits(c.s, q.blocks) <= c.bound_bits(q.d)
 
 
@@ -106,6 +108,11 @@ def test_trailing_bytes_padding_and_overlong_payloads_are_refused():
             c.decode(bytes(bad), 4)
     with pytest.raises(DecodeError, match="longer than any Rice code"):
         c.decode(code[:5] + b"\xff" * 64, 4)
+    # a valid layout the writer never makes (k = 0 and long unary runs at s = 16): longer than its guard, refused unread
+    legal = format(0x3F800000, "032b") + "00000" + ("1" * 16 + "0" + "0") * 4
+    assert len(legal) > rice.max_bits(16, (4,))
+    with pytest.raises(DecodeError, match="longer than any Rice code"):
+        QSGD(16, encoding="rice").decode(struct.pack("<BI", 0x03, 4) + _body(legal), 4)
     for cut in range(5, len(code)):  # every truncation is refused, never read past the end
         with pytest.raises(DecodeError):
             c.decode(code[:cut], 4)

@@ -1,17 +1,30 @@
-"""Fixed-point rows: how the preparation's blocks of vectors and Hessian-vector products travel (issue 37).
+"""How the preparation's blocks of vectors and Hessian-vector products travel (issue 37): fixed-point rows, or
+float32 where a row's entries span too many scales.
 
-A row ``v`` of ``d`` numbers is sent as its scale ``σ = max_j |v_j|`` (float32, rounded up so that no level
-overflows) and ``d`` signed levels ``round(v_j L / σ)`` of :data:`BITS` bits, ``L = 2^(BITS−1) − 1``; it is read
-back as ``level · (σ / L)``. Each coordinate is then within ``σ / 2L`` of ``v_j``: for a dense row of ``d =
-7,850`` numbers whose largest is four times their root mean square, a relative error of about ``3e-5`` in norm,
-against float32's ``6e-8`` and float64's ``1e-16``, at ``16 d + 32`` bits a row instead of ``32 d``.
+A message is one tag byte, :data:`BITS` (16) or 32, then its rows:
 
-Why this is enough, measured (offline, the main job's exact Hessian at the MAP, every client's product rounded as
-it would travel, the K-FAC metric corrected by ``metric-rank = 150``; RESULTS, "Products as 16-bit rows"): the
-corrected metric's condition number is 9.653 with float32 rows both ways, 9.654 with 16 bits and 9.66–9.70 with
-12, but **63** with 8-bit products or blocks (``benchmarks/bench_lowrank_exchanges.py --bits``): the correction must resolve the bottom of the spectrum (``λ_min(B) = 0.035``, where
-the product of a direction is 100× smaller than the row's largest part), and 8 bits bury it. 16 leaves a margin of
-16× over 12 for rows with heavier tails than the main job's (a network's products).
+* **16** — each row ``v`` of ``d`` numbers as its scale ``σ = max_j |v_j|`` (float32, rounded up so that no
+  level overflows) and ``d`` signed levels ``round(v_j L / σ)``, ``L = 2^15 − 1``, read back as
+  ``level · σ / L`` (multiplied, then divided: the largest entry reads back as ``σ`` exactly, so a row sent
+  again is the same row). Each coordinate is within ``σ / 2L`` of ``v_j``: for a dense row of ``d = 7,850``
+  numbers whose largest is four times their root mean square, a relative error of about ``3e-5`` in norm, at
+  ``16 d + 32`` bits a row instead of float32's ``32 d``.
+* **32** — each row as float32: a relative error of ``6e-8`` on every entry, however small. The power
+  iteration's row uses it (its product sets the step, and a metric whose scales span ``1e10`` made 16-bit rows
+  lose the stiff coordinates: λ_max 3× too small), and the correction's blocks when the metric's scales span
+  more than :data:`SPREAD_16` (the entries of ``M^½ x`` then span more than ``√SPREAD_16 = 1,000``, and a
+  coordinate 1,000 times below its row's largest is within 1.5 % in 16 bits).
+
+A row that is not finite (or beyond float32's range) travels with a NaN scale (16) or NaN values (32), which
+every reader refuses: a client's failed product is refused and counted by the server on every engine alike.
+
+Why 16 bits is enough for the correction, measured (offline, the main job's exact Hessian at the MAP, every
+client's product rounded as it would travel, the K-FAC metric corrected by ``metric-rank = 150``;
+``benchmarks/bench_lowrank_exchanges.py --bits``, RESULTS "Products as 16-bit rows"): the corrected metric's
+condition number is 9.653 with float32 rows both ways, 9.654 with 16 bits and 9.66–9.70 with 12, but **63** with
+8-bit products or blocks: the correction must resolve the bottom of the spectrum (``λ_min(B) = 0.035``, where the
+product of a direction is 100× smaller than the row's largest part), and 8 bits bury it. 16 leaves a margin of
+16× over 12 for rows with heavier tails than the main job's.
 
 Both ends round the same way (:func:`rounded` is ``decode(encode(x))`` without the bytes), so every engine, the
 direct ones included, uses the very numbers Flower carries, and the server multiplies its own part (the
@@ -22,67 +35,109 @@ from __future__ import annotations
 
 import numpy as np
 
-#: bits a level: 16 (12 measured nearly the same on the main job, 8 not; module docstring)
+#: bits a level of a fixed-point row: 16 (12 measured nearly the same on the main job, 8 not; module docstring)
 BITS = 16
 LEVELS = 2 ** (BITS - 1) - 1
+#: a metric whose scales span more than this sends the correction's blocks as float32 rows (module docstring)
+SPREAD_16 = 1e6
+WIDTHS = (BITS, 32)
 _LEVEL = np.dtype("<i2")
-_SCALE = np.dtype("<f4")
+_FLOAT = np.dtype("<f4")
 
 
-def row_bits(d: int) -> int:
-    """The code length of one row of ``d`` numbers: its float32 scale and ``d`` levels."""
-    return 32 + BITS * int(d)
+def row_bits(d: int, bits: int = BITS) -> int:
+    """The code length of one row of ``d`` numbers: a float32 scale and ``d`` levels, or ``d`` float32 numbers."""
+    return 32 * int(d) if bits == 32 else 32 + BITS * int(d)
+
+
+def message_bits(rows: int, d: int, bits: int = BITS) -> int:
+    """A message of ``rows`` rows: its tag byte and the rows."""
+    return 8 + int(rows) * row_bits(d, bits)
+
+
+def width_for(spread: float) -> int:
+    """The width of the correction's blocks for a metric whose scales span ``spread``."""
+    return BITS if float(spread) <= SPREAD_16 else 32
 
 
 def _scales(X: np.ndarray) -> np.ndarray:
     s = np.max(np.abs(X), axis=1) if X.shape[1] else np.zeros(X.shape[0])
-    if not np.all(np.isfinite(s)) or np.any(s > np.finfo(np.float32).max):
-        raise ValueError("fixed-point rows: a value is not finite or exceeds the float32 range")
-    s32 = s.astype(_SCALE)
-    low = s32.astype(np.float64) < s  # float32 rounded down: one step up, so that |v_j| / σ ≤ 1
+    bad = ~(np.isfinite(s) & (s <= np.finfo(np.float32).max))
+    s32 = np.where(bad, 0.0, s).astype(_FLOAT)
+    low = s32.astype(np.float64) < np.where(bad, 0.0, s)  # float32 rounded down: one step up, so |v_j| / σ ≤ 1
     s32[low] = np.nextafter(s32[low], np.float32(np.inf))
+    s32[bad] = np.nan  # a row that cannot travel: every reader refuses it
     return s32
 
 
 def _levels(X: np.ndarray, s32: np.ndarray, top: int = LEVELS) -> np.ndarray:
     s = s32.astype(np.float64)[:, None]
-    safe = np.where(s > 0, s, 1.0)
-    return np.clip(np.rint(X / safe * top), -top, top).astype(_LEVEL)
+    safe = np.where(np.isfinite(s) & (s > 0), s, 1.0)
+    with np.errstate(invalid="ignore"):
+        q = np.where(np.isfinite(s), np.rint(np.nan_to_num(X) / safe * top), 0.0)
+    return np.clip(q, -top, top).astype(_LEVEL)
 
 
 def _values(levels: np.ndarray, s32: np.ndarray, top: int = LEVELS) -> np.ndarray:
-    return levels.astype(np.float64) * (s32.astype(np.float64) / top)[:, None]
+    return levels.astype(np.float64) * s32.astype(np.float64)[:, None] / top
 
 
-def encode(X) -> bytes:
-    """The rows of ``X`` (``(b, d)``, or one row) as they travel: ``b`` float32 scales, then the ``b × d`` levels
-    row by row (little-endian). ``ValueError`` when a value is not finite or exceeds float32's range."""
+def _float32(X: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        out = X.astype(_FLOAT)
+    out[~np.all(np.isfinite(out), axis=1)] = np.nan
+    return out
+
+
+def encode(X, bits: int = BITS) -> bytes:
+    """The rows of ``X`` (``(b, d)``, or one row) as they travel at width ``bits`` (16 or 32)."""
     X = np.atleast_2d(np.asarray(X, dtype=np.float64))
+    if bits == 32:
+        return bytes([32]) + _float32(X).tobytes()
+    if bits != BITS:
+        raise ValueError(f"fixed-point rows: bits must be one of {WIDTHS}, got {bits}")
     s32 = _scales(X)
-    return s32.tobytes() + _levels(X, s32).tobytes()
+    return bytes([BITS]) + s32.tobytes() + _levels(X, s32).tobytes()
+
+
+def width_of(buf) -> int:
+    """A message's width (its tag byte), or ``ValueError``."""
+    if not isinstance(buf, (bytes, bytearray)) or len(buf) == 0 or buf[0] not in WIDTHS:
+        raise ValueError(f"not a block of rows: the first byte must be one of {WIDTHS}")
+    return int(buf[0])
 
 
 def decode(buf, d: int, max_rows: int | None = None) -> np.ndarray:
-    """The ``(b, d)`` float64 rows of :func:`encode`'s bytes, or ``ValueError`` saying why: not bytes, not whole
-    rows of ``d``, more than ``max_rows`` rows, or a scale that is negative or not finite."""
-    if not isinstance(buf, (bytes, bytearray)) or len(buf) == 0 or len(buf) % (4 + 2 * int(d)):
-        raise ValueError(f"not fixed-point bytes of whole rows of {d} ({4 + 2 * int(d)} bytes a row)")
-    b = len(buf) // (4 + 2 * int(d))
+    """The ``(b, d)`` float64 rows of :func:`encode`'s bytes, or ``ValueError`` saying why: not bytes, an unknown
+    width, not whole rows of ``d``, more than ``max_rows`` rows, or a scale or value that is not finite (or a
+    negative scale)."""
+    bits, d = width_of(buf), int(d)
+    size = 4 * d if bits == 32 else 4 + 2 * d
+    body = bytes(buf[1:])
+    if len(body) == 0 or len(body) % size:
+        raise ValueError(f"not whole rows of {d} ({size} bytes a row at {bits} bits)")
+    b = len(body) // size
     if max_rows is not None and b > max_rows:
         raise ValueError(f"{b} rows, above the {max_rows} allowed")
-    s32 = np.frombuffer(bytes(buf), dtype=_SCALE, count=b)
+    if bits == 32:
+        X = np.frombuffer(body, dtype=_FLOAT).reshape(b, d).astype(np.float64)
+        if not np.all(np.isfinite(X)):
+            raise ValueError("a value is not finite")
+        return X
+    s32 = np.frombuffer(body, dtype=_FLOAT, count=b)
     if not (np.all(np.isfinite(s32)) and np.all(s32 >= 0)):
         raise ValueError("a row's scale is negative or not finite")
-    levels = np.frombuffer(bytes(buf), dtype=_LEVEL, offset=4 * b).reshape(b, int(d))
-    return _values(levels, s32)
+    return _values(np.frombuffer(body, dtype=_LEVEL, offset=4 * b).reshape(b, d), s32)
 
 
 def rounded(X, bits: int = BITS) -> np.ndarray:
-    """``decode(encode(X))`` without the bytes: the rows as the other end reads them, ``(b, d)`` float64.
-    ``bits`` (2 to 16) other than :data:`BITS` gives what a narrower code would carry, for the benchmark that
-    chose the width (``benchmarks/bench_lowrank_exchanges.py --bits``); nothing travels at it."""
+    """``decode(encode(X, bits))`` without the bytes: the rows as the other end reads them, ``(b, d)`` float64 (a
+    row that cannot travel: NaN). ``bits`` from 2 to 16 gives what a fixed-point code of that width would carry,
+    for the benchmark that chose the width (``benchmarks/bench_lowrank_exchanges.py --bits``); 32: float32."""
     X = np.atleast_2d(np.asarray(X, dtype=np.float64))
+    if bits == 32:
+        return _float32(X).astype(np.float64)
     if not 2 <= int(bits) <= BITS:
-        raise ValueError(f"fixed-point rows: bits must be in [2, {BITS}], got {bits}")
+        raise ValueError(f"fixed-point rows: bits must be in [2, {BITS}] or 32, got {bits}")
     s32, top = _scales(X), 2 ** (int(bits) - 1) - 1
     return _values(_levels(X, s32, top), s32, top)

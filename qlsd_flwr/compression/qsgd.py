@@ -298,6 +298,8 @@ class QSGD:
         blocks = self._blocks(d)
         elias = float(sum(elias_bound_bits(n, self.s) for n in blocks))
         packed = float(self._packed_bits(d))
+        if self.encoding == "rice":
+            return float(rice.max_bits(self.s, blocks))
         return {"elias": elias, "packed": packed, "auto": min(elias, packed)}[self.encoding]
 
     def theorem_bits(self, d: int) -> float:
@@ -365,7 +367,7 @@ class QSGD:
         if d_wire != d:
             raise DecodeError(f"payload is for d = {d_wire}, expected d = {d}")
         body = payload[HEADER_BYTES:]
-        if tag == TAG_RICE:
+        if tag == TAG_RICE and self.encoding == "rice":  # the broadcast's code, read only where it is expected
             norms, levels, bits = rice.decode(body, d, blocks, self.s)
             return Quantised(norms=norms, levels=levels, s=self.s, blocks=blocks, code_bits=bits)
         if tag not in (TAG_PACKED, TAG_ELIAS):

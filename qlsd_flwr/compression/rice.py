@@ -156,9 +156,10 @@ def code_bits(levels: np.ndarray, blocks, s: int) -> np.ndarray:
 
 
 def max_bits(s: int, blocks) -> int:
-    """The longest Rice code any message of these blocks can have (a decoder guard, and a trivial bound): at
-    ``k = 0`` a level costs at most ``s + 2`` bits, and the writer never picks a longer ``k``."""
-    return int(sum(32 + K_BITS + int(n) * (int(s) + 2) for n in blocks))
+    """The longest code the writer makes for these blocks (a decoder guard, and a bound): at ``k = bitlen(s)``
+    every quotient is 0, so a level costs at most ``bitlen(s) + 2`` bits, and the writer picks the shortest
+    ``k``. A longer payload (another ``k``'s long unary runs) is refused before it is read."""
+    return int(sum(32 + K_BITS + int(n) * (kmax(s) + 2) for n in blocks))
 
 
 def encode(q) -> bytes:
@@ -172,7 +173,7 @@ def decode(body: bytes, d: int, blocks, s: int):
     """``(norms float32, levels int64, bits)`` of a Rice code body, validated as QSGD's other codes are
     (:func:`~.codec._check`); ``DecodeError`` naming the fault otherwise."""
     if len(body) > (max_bits(s, blocks) + 7) // 8:
-        raise DecodeError("payload longer than any Rice code for this d and s")
+        raise DecodeError("payload longer than any Rice code the server writes for this d and s")
     blk = np.asarray(blocks, dtype=np.int64)
     norm_bits = np.zeros(blk.shape[0], dtype=np.int64)
     levels = np.zeros(d, dtype=np.int64)

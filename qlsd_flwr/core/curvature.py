@@ -6,7 +6,7 @@
 * :func:`metric_from_curvature`, :func:`metric_from_kronecker` — ``M = (prior curvature + Σ_i H_i)^{-1}``
   from the valid reports at θ*, each bounded per datum (:mod:`qlsd_flwr.robust.reports`).
 * :func:`lambda_max` — the largest eigenvalue of ``M^{1/2} ∇²U M^{1/2}`` by power iteration on
-  Hessian-vector products (gradient differences through the engine's own clients);
+  Hessian-vector products (the clients' own, or differences of their gradients; the engine's ``hvp``);
   :data:`GAMMA_AUTO_C` ``/ λ_max`` is ``gamma = auto``.
 
 It is framework-free numpy; engines call it through :mod:`qlsd_flwr.protocol.precondition`.
@@ -333,8 +333,9 @@ def metric_from_curvature(kind: str, reports: dict[int, np.ndarray], n_data, pri
 # ---- the step from the curvature -----------------------------------------------------------------
 def lambda_max(grad_fn, theta: np.ndarray, metric: Metric, seed: int, iters: int = 60,
                tol: float = 1e-2, hvp=None) -> tuple[float, int]:
-    """``λ_max(M^{1/2} ∇²U(θ) M^{1/2})`` by power iteration; ``∇²U u`` by the central difference
-    ``(∇U(θ + εu) − ∇U(θ − εu)) / 2ε``, each ``∇U`` one exchange with every client (``grad_fn``).
+    """``λ_max(M^{1/2} ∇²U(θ) M^{1/2})`` by power iteration; ``∇²U u`` from ``hvp`` (the engine's: the clients'
+    own products), or by default the central difference ``(∇U(θ + εu) − ∇U(θ − εu)) / 2ε``, each ``∇U`` one
+    exchange with every client (``grad_fn``).
     Stops when the Rayleigh quotient changes by less than ``tol`` (relative; 1 % moves γ by 1 %,
     far below what matters) or after ``iters`` iterations; returns ``(λ, iterations)``. The start is random (stream ``(seed, INIT, −2, 0)``),
     so it is not orthogonal to the top eigenvector. ``hvp(theta, u, eps)``: the product ``∇²U u`` in place of

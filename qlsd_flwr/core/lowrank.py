@@ -88,16 +88,13 @@ def fd_step(theta: np.ndarray) -> float:
     return 6e-6 * (1.0 + float(np.max(np.abs(theta))))
 
 
-def local_hvp(pot, theta: np.ndarray, V: np.ndarray) -> np.ndarray:
+def local_hvp(pot, theta: np.ndarray, V: np.ndarray, bits: int = fixed.BITS) -> np.ndarray:
     """Client ``i``'s ``∇²U_i(θ) v`` for each row ``v`` of ``V`` (``(b, d)`` → ``(b, d)``): the
     potential's own ``hvp_batch(θ, V)`` when it has one (exact), otherwise central differences of
     ``grad_sum`` (``grad_sum_batch`` on the ``2b`` points at once where the potential has it), each
-    row with its own step ``ε = 6e-6 (1 + max|θ|) / max|v|``. Returned as it travels (:func:`~qlsd_flwr.compression.fixed.rounded`)."""
-    h = _local_hvp(pot, theta, V)
-    try:
-        return fixed.rounded(h)
-    except ValueError:  # not finite: it cannot travel (a Flower client answers with an error); refused alike
-        return h
+    row with its own step ``ε = 6e-6 (1 + max|θ|) / max|v|``. Returned as it travels at width ``bits``
+    (:func:`~qlsd_flwr.compression.fixed.rounded`; a row that cannot travel is NaN, which the server refuses)."""
+    return fixed.rounded(_local_hvp(pot, theta, V), bits)
 
 
 def _local_hvp(pot, theta: np.ndarray, V: np.ndarray) -> np.ndarray:

@@ -35,7 +35,7 @@ from qlsd_flwr.flower.records import record_fields, to_content
 from qlsd_flwr.protocol import build, precondition
 from qlsd_flwr.protocol.traffic import count_claims
 from qlsd_flwr.robust.claims import out_of_scale, over_bound, relative_gap
-from qlsd_flwr.robust.reports import clamped_counts
+from qlsd_flwr.robust.reports import MAX_BLOCK, clamped_counts
 from qlsd_flwr.robust.norm_guard import fixed_bound
 from qlsd_flwr.compression import fixed
 from qlsd_flwr.protocol.wire import PhaseError, gradient_of
@@ -76,7 +76,8 @@ class PhaseExchanges:
                     build.GradExchange(self.cfg, self.task.prior,
                                        lambda th, precision=64: self.gradients(grid, th, timeout, precision),
                                        self.clients, n_data),
-                    lambda th, kind, vectors=None: self.curvature(grid, th, kind, timeout, vectors),
+                    lambda th, kind, vectors=None, bits=fixed.BITS: self.curvature(grid, th, kind, timeout, vectors,
+                                                                                   bits),
                     n_data=[self.nodes.n_data.get(i, 1) for i in range(self.cfg.b)], warm=warm,
                     log_concave=declares_log_concave(self.task.prior) and all(
                         self.nodes.log_concave.get(i, False) for i in self.clients()))
@@ -177,13 +178,13 @@ class PhaseExchanges:
         return grads
 
     def curvature(self, grid, theta: np.ndarray, kind: str, timeout: float,
-                  vectors: np.ndarray | None = None) -> dict[int, np.ndarray]:
+                  vectors: np.ndarray | None = None, bits: int = fixed.BITS) -> dict[int, np.ndarray]:
         """The kept clients' curvature reports at ``θ`` (``kind = "hvp"``: their Hessian-vector products
-        with the rows of ``vectors``), as received: :func:`qlsd_flwr.protocol.precondition.prepare`
-        validates each."""
+        with the rows of ``vectors``, sent at width ``bits``: :mod:`qlsd_flwr.compression.fixed`), as received:
+        :func:`qlsd_flwr.protocol.precondition.prepare` validates each."""
         fields = {"phase": "curvature", "round": -1, "theta": theta, "kind": kind}
         if vectors is not None:
-            fields["vectors"] = fixed.encode(vectors)
+            fields["vectors"] = fixed.encode(vectors, bits)
         got = self.ask(grid, fields, timeout, self.clients())
         return {i: (_products(b, theta.size) if kind == "hvp" else
                     np.frombuffer(b, dtype="<f8") if len(b) % 8 == 0 else b) for i, b in got.items()}
@@ -193,6 +194,6 @@ def _products(buf: bytes, d: int):
     """A client's block of Hessian-vector products (fixed-point rows) as ``(b, d)`` float64, or the bytes as
     received when they do not decode: the preparation's check refuses those, and counts them."""
     try:
-        return fixed.decode(buf, d)
+        return fixed.decode(buf, d, MAX_BLOCK)
     except ValueError:
         return buf

@@ -91,8 +91,8 @@ class QLSDStrategy(Strategy):
         ``lsd-star``, ``lsd-pp`` (uncompressed), ``sgld`` (one pooled client).
     gamma : float or "auto", default 4.9e-4
         γ, the Langevin step size: ``θ_{k+1} = θ_k − γ M G_k + sqrt(2γT) M^{1/2} Z_{k+1}``.
-        ``"auto"``: ``c / λ_max(M^{1/2} ∇²U(θ*) M^{1/2})``, ``λ_max`` by power iteration on federated
-        gradient differences before sampling (``c``: ``gamma_c``, default ``"auto"``: 0.25 if the clients'
+        ``"auto"``: ``c / λ_max(M^{1/2} ∇²U(θ*) M^{1/2})``, ``λ_max`` by power iteration on the clients'
+        Hessian-vector products before sampling (``c``: ``gamma_c``, default ``"auto"``: 0.25 if the clients'
         handshakes and the prior declare the posterior log-concave, else 0.125; ``summary.json``).
     metric : str, default "identity"
         ``M``, a constant preconditioner: ``identity`` (the paper's chain), ``diagonal``, ``dense``

@@ -11,6 +11,7 @@ import math
 
 import numpy as np
 
+from qlsd_flwr.compression import fixed
 from qlsd_flwr.compression.identity import Identity
 from qlsd_flwr.compression.qsgd import QSGD
 from qlsd_flwr.config import ConfigError, RunConfig
@@ -357,6 +358,10 @@ class GradExchange:
         grads = self._gradients(th)
         return {i: grads[i] for i in self._kept()}
 
+    def kept(self) -> list[int]:
+        """The clients the exchange still asks (those left out excluded)."""
+        return list(self._kept())
+
     def combine(self, grads: dict, th) -> np.ndarray:
         return combine_grads(self.cfg, self.prior, [grads.get(i, np.zeros_like(th)) for i in range(self.cfg.b)], th)
 
@@ -378,9 +383,9 @@ def direct_exchanges(cfg: RunConfig, task: Task, specs):
                                                                               precision) for s in specs],
                            lambda: [s.index for s in specs], [int(task.clients[s.index].n_data) for s in specs])
 
-    def curv_fn(th, kind, vectors=None):
-        if kind == "hvp":  # metric-rank: the block of Hessian-vector products
-            return {s.index: local_hvp(task.clients[s.index], th, vectors) for s in specs}
+    def curv_fn(th, kind, vectors=None, bits=fixed.BITS):
+        if kind == "hvp":  # metric-rank, the power iteration: the block of Hessian-vector products at width bits
+            return {s.index: local_hvp(task.clients[s.index], th, vectors, bits) for s in specs}
         return {s.index: local_curvature(task.clients[s.index], th, kind, cfg.seed, s.index) for s in specs}
 
     return grad_fn, curv_fn

@@ -52,9 +52,9 @@ def _prepare(spec: ClientSpec, pot: LocalPotential, st: ClientState, fields: dic
         kind = str(fields["kind"])
         if kind not in ("diagonal", "dense", "kronecker", KRON_OUTPUTS, "hvp"):
             raise ValueError(f"curvature: unknown kind {kind!r}; allowed: diagonal, dense, kronecker, {KRON_OUTPUTS}, hvp")
-        if kind == "hvp":
-            h = local_hvp(pot, theta, block_of(fields.get("vectors"), d))
-            return theta, {"client": i, "status": "ok", "payload": fixed.encode(h)}
+        if kind == "hvp":  # the products at the width the block came in (compression.fixed)
+            V, bits = block_of(fields.get("vectors"), d)
+            return theta, {"client": i, "status": "ok", "payload": fixed.encode(local_hvp(pot, theta, V, bits), bits)}
         h = local_curvature(pot, theta, kind, seed, i)
         return theta, {"client": i, "status": "ok", "payload": arr_to_bytes(h.ravel())}
     # every field is read and checked before any of the client's state changes
@@ -169,12 +169,12 @@ def _refreshed(spec: ClientSpec, pot: LocalPotential, fields: dict, theta: np.nd
     return out
 
 
-def block_of(x, d: int) -> np.ndarray:
-    """The server's block of vectors (``metric-rank``, the power iteration) as ``(b, d)``: fixed-point rows
-    (:mod:`qlsd_flwr.compression.fixed`), at most :data:`~qlsd_flwr.robust.reports.MAX_BLOCK` of them, else
+def block_of(x, d: int) -> tuple[np.ndarray, int]:
+    """The server's block of vectors (``metric-rank``, the power iteration) as ``(b, d)`` and its width: rows of
+    :mod:`qlsd_flwr.compression.fixed`, at most :data:`~qlsd_flwr.robust.reports.MAX_BLOCK` of them, else
     ``ValueError`` naming the field and saying why."""
     try:
-        return fixed.decode(x, d, MAX_BLOCK)
+        return fixed.decode(x, d, MAX_BLOCK), fixed.width_of(x)
     except ValueError as exc:
         raise ValueError(f"curvature: 'vectors' is not a block the client can use: {exc}") from None
 

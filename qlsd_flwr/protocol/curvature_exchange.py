@@ -91,9 +91,12 @@ def lowrank_correction(cfg: RunConfig, task: Task, point: np.ndarray, curv_fn: C
     prior_c = prior_curvature(task, point)
     d = task.dim
 
+    bits = fixed.width_for(metric.spread())  # 16-bit rows unless the block's entries span too many scales
+    info["lowrank_bits"] = bits
+
     def products(W):  # the block as it travels, so the prior's part multiplies what the clients' did
-        W = fixed.rounded(W)
-        return lr.summed_products(curv_fn(point, "hvp", W), n_data, W.shape[0], d, info, log) + W * prior_c
+        W = fixed.rounded(W, bits)
+        return lr.summed_products(curv_fn(point, "hvp", W, bits), n_data, W.shape[0], d, info, log) + W * prior_c
 
     low, linfo = lr.correction(products, metric.apply_root, metric.apply_root_t, d, lowrank_rank(cfg), cfg.seed)
     info.update(linfo)
@@ -127,15 +130,18 @@ def merge_reports(info: dict, cinfo: dict) -> None:
     info["curvature_scaled"] = sorted(set(info.get("curvature_scaled", [])) | set(cinfo.get("curvature_scaled", [])))
 
 
-def power_products(task: Task, curv_fn: CurvFn | None, n_data, info: dict):
+def power_products(task: Task, curv_fn: CurvFn | None, n_data, info: dict, kept=None, fallback=None):
     """The power iteration's ``∇²U u`` (:func:`qlsd_flwr.core.curvature.lambda_max`'s ``hvp``) as one exchange of
-    Hessian-vector products, ``u`` and the clients' products as fixed-point rows (:mod:`qlsd_flwr.compression.fixed`),
-    where ``curv_fn`` can ask for them; ``None`` otherwise (the caller then takes central differences of the
-    clients' gradients). Against two float64 gradient exchanges at ``θ ± εu`` this sends a quarter of the uplink
-    and less than half of the downlink (issue 37), and the product is the client's own (exact where its potential
-    has ``hvp_batch``). Each client's product is checked (:func:`qlsd_flwr.core.lowrank.check_block`: refused and
-    counted as ``products_rejected``) and held per datum to scale (:mod:`qlsd_flwr.robust.products`: counted as
-    ``products_clipped``, the clients named in the log) before the sum; the prior's part is the server's."""
+    Hessian-vector products, ``u`` and the clients' products as float32 rows (:mod:`qlsd_flwr.compression.fixed`:
+    the step rests on every coordinate, however small), where ``curv_fn`` can ask for them; ``None`` otherwise.
+    Against two float64 gradient exchanges at ``θ ± εu`` this sends half the uplink and 0.75× the downlink (issue
+    37), and the product is the client's own (exact where its potential has ``hvp_batch``). Each client's product
+    is checked (:func:`qlsd_flwr.core.lowrank.check_block`: refused and counted as ``products_rejected``) and held
+    per datum to scale (:mod:`qlsd_flwr.robust.products`: ``products_clipped``, the clients named in the log).
+    A sum without one of the ``kept()`` clients would read the curvature too small and the step too large: when a
+    kept client's product is missing or refused, that product is taken by ``fallback(θ, u, ε)`` instead (the
+    clients' gradients, whose exchange asks again and leaves out a client that still fails; counted as
+    ``products_fallback``). The prior's part is the server's, the central difference of its gradient."""
     if curv_fn is None:
         return None
     from qlsd_flwr.core import lowrank as lr
@@ -144,21 +150,29 @@ def power_products(task: Task, curv_fn: CurvFn | None, n_data, info: dict):
 
     d = task.dim
 
-    def hvp(th, u, eps):  # eps: the central differences' step, which the clients' own products do not need
-        U = fixed.rounded(u)
+    def hvp(th, u, eps):
+        U = fixed.rounded(u, 32)
         parts = {}
-        for i, h in sorted(curv_fn(th, "hvp", U).items()):
+        for i, h in sorted(curv_fn(th, "hvp", U, 32).items()):
             try:
                 parts[int(i)] = lr.check_block(h, 1, d)[0]
             except ReportError as exc:
                 log.warning("client %s: power iteration's Hessian-vector product refused: %s (products_rejected)", i, exc)
                 info["products_rejected"] = int(info.get("products_rejected", 0)) + 1
+        missing = sorted(set(kept()) - set(parts)) if kept is not None else []
+        if missing and fallback is not None:
+            log.warning("power iteration: no usable product from client(s) %s; this product from the clients' "
+                        "gradients instead (products_fallback)", missing)
+            info["products_fallback"] = int(info.get("products_fallback", 0)) + 1
+            return fallback(th, u, eps)
         held, why = clip_products(parts, clamped_counts(n_data, list(parts)))
         for i, w in sorted(why.items()):
             log.warning("client %d: %s (products_clipped)", i, w)
         if why:
             info["products_clipped"] = int(info.get("products_clipped", 0)) + len(why)
             info["products_clipped_clients"] = sorted(set(info.get("products_clipped_clients", [])) | set(why))
-        return sum((held[i] for i in sorted(held)), np.zeros(d)) + U[0] * prior_curvature(task, th)
+        step = eps * U[0]
+        prior = (task.prior.grad(th + step) - task.prior.grad(th - step)) / (2.0 * eps)
+        return sum((held[i] for i in sorted(held)), np.zeros(d)) + prior
 
     return hvp

@@ -106,7 +106,7 @@ DESCENT_PRECISION = 32
 
 def curvature_point(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | None,
                     curv_fn: CurvFn | None, n_data, file_metric: Metric | None, info: dict,
-                    inputs: cv.KronInputs | None = None, hvp=None) -> np.ndarray:
+                    inputs: cv.KronInputs | None, hvp) -> np.ndarray:
     """θ* as the point where the curvature is taken: the closed form where the task has one,
     otherwise the federated descent (:func:`qlsd_flwr.protocol.theta_star.optimise_theta_star`),
     preconditioned by the metric and stepped by ``1/λ_max`` of that metric when there is one (or
@@ -262,7 +262,7 @@ def _with_surrogates(cfg: RunConfig, task: Task, prep: Prepared, curv_fn: CurvFn
 
 
 def _step(cfg: RunConfig, grad_fn: GradFn | None, point: np.ndarray, metric: Metric, info: dict,
-          iters: int = 60, tol: float = 1e-2, quiet: bool = False, hvp=None) -> float:
+          iters: int = 60, tol: float = 1e-2, quiet: bool = False, *, hvp) -> float:
     """γ for ``metric``: ``c / λ_max(M^{1/2} ∇²U(θ*) M^{1/2})`` with ``gamma = auto``; otherwise the
     given γ, with a warning when it is beyond the estimated stability limit."""
     gamma = cfg.gamma
@@ -301,10 +301,11 @@ def _step(cfg: RunConfig, grad_fn: GradFn | None, point: np.ndarray, metric: Met
 
 def products_for(task: Task, grad_fn, curv_fn, n_data, info: dict):
     """The power iteration's ``∇²U u``: one exchange of the clients' own Hessian-vector products where the engine
-    can ask for them (:func:`~qlsd_flwr.protocol.curvature_exchange.power_products`, a quarter of the uplink of two
-    gradient exchanges; issue 37), otherwise central differences of their gradients (:func:`held_products`); each
-    client's part held to scale either way."""
-    return power_products(task, curv_fn, n_data, info) or held_products(grad_fn, info)
+    can ask for them (:func:`~qlsd_flwr.protocol.curvature_exchange.power_products`, half the uplink of two
+    gradient exchanges; issue 37), otherwise central differences of their gradients (:func:`held_products`, also
+    the fallback when a kept client gives no usable product); each client's part held to scale either way."""
+    held = held_products(grad_fn, info)
+    return power_products(task, curv_fn, n_data, info, getattr(grad_fn, "kept", None), held) or held
 
 
 def held_products(grad_fn, info: dict):

@@ -4,8 +4,8 @@ Every engine hands :func:`qlsd_flwr.protocol.precondition.prepare` the same two 
 (``grad_fn``, ``curv_fn``); :func:`counted` wraps them so that each exchange adds its code lengths to a
 :class:`Traffic`: a gradient exchange sends θ to each of the ``b`` clients (``64 d`` bits each, 32 in a
 float32 descent) and gets ``∇U_i(θ)`` back (the same); a curvature exchange sends θ (and, for Hessian-vector
-products, the block's ``k`` vectors as fixed-point rows, ``k (16 d + 32)``: :mod:`qlsd_flwr.compression.fixed`)
-and gets each client's report as sent (products: ``k (16 d + 32)``). The kinds (``PREP_KINDS`` of
+products, the block's ``k`` vectors as rows of :mod:`qlsd_flwr.compression.fixed`, ``8 + k (16 d + 32)`` bits at
+16 bits, ``8 + 32 k d`` at 32) and gets each client's report as sent (products: the same as the block). The kinds (``PREP_KINDS`` of
 :mod:`qlsd_flwr.outputs.bits`) follow what the exchange is for: a gradient in the θ* descent is
 ``descent``, in the warm-up of ``metric-from = adapt`` ``warmup``; a product or a gradient difference in the
 power iteration for λ_max ``power_iteration``; a curvature report ``curvature``, a block of the correction's
@@ -123,17 +123,17 @@ def counted(grad_fn, curv_fn, traffic: Traffic):
         traffic.add(traffic.phase, bits * d * b, bits * d * b)
         return grad_fn(th) if bits == 64 else grad_fn(th, bits)
 
-    def curv(th, kind, vectors=None):
-        reports = curv_fn(th, kind, vectors) if vectors is not None else curv_fn(th, kind)
+    def curv(th, kind, vectors=None, bits=fixed.BITS):
+        reports = curv_fn(th, kind, vectors, bits) if vectors is not None else curv_fn(th, kind)
         if vectors is None:  # float64 reports, as each travels
             up = sum(8 * len(h) if isinstance(h, (bytes, bytearray)) else 8 * int(np.asarray(h).nbytes)
                      for h in reports.values())
             traffic.add("curvature", up, 64 * d * b)
             return reports
-        # products and vectors as fixed-point rows (compression.fixed); a reply that did not decode, as received
-        up = sum(8 * len(h) if isinstance(h, (bytes, bytearray)) else (np.size(h) // d) * fixed.row_bits(d)
+        # products and vectors as rows of width bits (compression.fixed); a reply that did not decode, as received
+        up = sum(8 * len(h) if isinstance(h, (bytes, bytearray)) else fixed.message_bits(np.size(h) // d, d, bits)
                  for h in reports.values())
-        sent = 64 * d + np.atleast_2d(vectors).shape[0] * fixed.row_bits(d)
+        sent = 64 * d + fixed.message_bits(np.atleast_2d(vectors).shape[0], d, bits)
         traffic.add("power_iteration" if traffic.phase == "power_iteration" else "products", up, sent * b)
         return reports
 
@@ -145,7 +145,7 @@ def counted(grad_fn, curv_fn, traffic: Traffic):
             traffic.add(traffic.phase, 64 * d * b, 64 * d * b)
             return grad_fn.clients(th)
 
-        grad.clients, grad.combine, grad.n_data = clients, grad_fn.combine, grad_fn.n_data
+        grad.clients, grad.combine, grad.n_data, grad.kept = clients, grad_fn.combine, grad_fn.n_data, grad_fn.kept
     return (None if grad_fn is None else grad), (None if curv_fn is None else curv)
 
 

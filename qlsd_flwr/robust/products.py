@@ -1,8 +1,9 @@
 """The power iteration's products held to scale: one client cannot steer ``gamma = auto`` (issue 38).
 
 ``gamma = auto`` is ``c / λ_max(M^½ ∇²U(θ*) M^½)``, and the power iteration finds ``λ_max`` from
-Hessian-vector products ``∇²U u``, each the central difference of the clients' gradients at ``θ* ± εu``.
-Summed as they come, one client's difference scaled ×1e4 made γ 5,000× smaller (the chain frozen, 70 sd off
+Hessian-vector products ``∇²U u``: each client's own ``∇²U_i u`` in one exchange where the engine can ask for it
+(:func:`qlsd_flwr.protocol.curvature_exchange.power_products`, since issue 37), else the central difference of its
+gradients at ``θ* ± εu``. Summed as they came, one client's difference scaled ×1e4 made γ 5,000× smaller (the chain frozen, 70 sd off
 after 600 rounds), ×−1e4 aborted the run, and nothing was counted. Here each client's own product
 ``h_i = (∇U_i(θ*+εu) − ∇U_i(θ*−εu)) / 2ε`` is judged per datum, ``v_i = ‖h_i‖ / N_i`` (``N_i`` clamped), against
 the lower median of the clients' ``v`` (at least :data:`~qlsd_flwr.robust.claims.POOL_MIN` clients), and one
