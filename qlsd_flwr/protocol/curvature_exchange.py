@@ -134,8 +134,8 @@ def power_products(task: Task, curv_fn: CurvFn | None, n_data, info: dict, kept=
     """The power iteration's ``∇²U u`` (:func:`qlsd_flwr.core.curvature.lambda_max`'s ``hvp``) as one exchange of
     Hessian-vector products, ``u`` and the clients' products as float32 rows (:mod:`qlsd_flwr.compression.fixed`:
     the step rests on every coordinate, however small), where ``curv_fn`` can ask for them; ``None`` otherwise.
-    Against two float64 gradient exchanges at ``θ ± εu`` this sends half the uplink and 0.75× the downlink (issue
-    37), and the product is the client's own (exact where its potential has ``hvp_batch``). Each client's product
+    Against two float64 gradient exchanges at ``θ ± εu`` this sends a quarter of the uplink and 0.75× the downlink
+    (issue 37), and the product is the client's own (exact where its potential has ``hvp_batch``). Each client's product
     is checked (:func:`qlsd_flwr.core.lowrank.check_block`: refused and counted as ``products_rejected``) and held
     per datum to scale (:mod:`qlsd_flwr.robust.products`: ``products_clipped``, the clients named in the log).
     A sum without one of the ``kept()`` clients would read the curvature too small and the step too large: when a

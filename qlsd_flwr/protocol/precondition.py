@@ -301,7 +301,7 @@ def _step(cfg: RunConfig, grad_fn: GradFn | None, point: np.ndarray, metric: Met
 
 def products_for(task: Task, grad_fn, curv_fn, n_data, info: dict):
     """The power iteration's ``∇²U u``: one exchange of the clients' own Hessian-vector products where the engine
-    can ask for them (:func:`~qlsd_flwr.protocol.curvature_exchange.power_products`, half the uplink of two
+    can ask for them (:func:`~qlsd_flwr.protocol.curvature_exchange.power_products`, a quarter of the uplink of two
     gradient exchanges; issue 37), otherwise central differences of their gradients (:func:`held_products`, also
     the fallback when a kept client gives no usable product); each client's part held to scale either way."""
     held = held_products(grad_fn, info)
