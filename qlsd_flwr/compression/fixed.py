@@ -21,7 +21,7 @@ every reader refuses: a client's failed product is refused and counted by the se
 Why 16 bits is enough for the correction, measured (offline, the main job's exact Hessian at the MAP, every
 client's product rounded as it would travel, the K-FAC metric corrected by ``metric-rank = 150``;
 ``benchmarks/bench_lowrank_exchanges.py --bits``, RESULTS "Products as 16-bit rows"): the corrected metric's
-condition number is 9.653 with float32 rows both ways, 9.654 with 16 bits and 9.66–9.70 with 12, but **63** with
+condition number is 9.653 with float32 rows both ways, 9.654 with 16 bits and 9.65–9.70 with 12, but **63** with
 8-bit products or blocks: the correction must resolve the bottom of the spectrum (``λ_min(B) = 0.035``, where the
 product of a direction is 100× smaller than the row's largest part), and 8 bits bury it. 16 leaves a margin of
 16× over 12 for rows with heavier tails than the main job's.
