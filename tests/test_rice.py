@@ -65,7 +65,9 @@ def test_the_code_is_the_stated_layout_and_reads_back_exactly():
 
 
 def test_on_dense_messages_it_is_shorter_than_elias():
-    # a Gaussian vector at s = 256, d = 7,850: levels of mean size about 2, 80 % nonzero, as the main job's broadcast
+    # a Gaussian vector at s = 256, d = 7,850: levels of mean size about 2, 80 % nonzero, as the main job's broadcast.
+    # Rice (k = 1) costs about 1 + 1 + |ℓ|/2 + a sign, 3.78 bits a coordinate here; Elias a gap, a sign and ω(|ℓ|),
+    # 4.77: the ratio is 0.79, and 0.85 fails a code that saves less than the main job's measured 20 %
     rng = np.random.default_rng(3)
     v = rng.normal(size=7850)
     q = QSGD(256).quantise(v, rng.uniform(size=v.size))

@@ -14,6 +14,7 @@ from qlsd_flwr.config import ConfigError, RunConfig
 from qlsd_flwr.core import curvature as cv
 from qlsd_flwr.core.metric import Metric, MetricError
 from qlsd_flwr.core.potential import Task
+from qlsd_flwr.robust.products import held_parts
 from qlsd_flwr.robust.reports import REPORT_CAP, ReportError
 
 log = logging.getLogger("qlsd_flwr")
@@ -145,8 +146,6 @@ def power_products(task: Task, curv_fn: CurvFn | None, n_data, info: dict, kept=
     if curv_fn is None:
         return None
     from qlsd_flwr.core import lowrank as lr
-    from qlsd_flwr.robust.products import clip_products
-    from qlsd_flwr.robust.reports import clamped_counts
 
     d = task.dim
 
@@ -165,12 +164,7 @@ def power_products(task: Task, curv_fn: CurvFn | None, n_data, info: dict, kept=
                         "gradients instead (products_fallback)", missing)
             info["products_fallback"] = int(info.get("products_fallback", 0)) + 1
             return fallback(th, u, eps)
-        held, why = clip_products(parts, clamped_counts(n_data, list(parts)))
-        for i, w in sorted(why.items()):
-            log.warning("client %d: %s (products_clipped)", i, w)
-        if why:
-            info["products_clipped"] = int(info.get("products_clipped", 0)) + len(why)
-            info["products_clipped_clients"] = sorted(set(info.get("products_clipped_clients", [])) | set(why))
+        held, _ = held_parts(parts, n_data, info)
         step = eps * U[0]
         prior = (task.prior.grad(th + step) - task.prior.grad(th - step)) / (2.0 * eps)
         return sum((held[i] for i in sorted(held)), np.zeros(d)) + prior

@@ -44,8 +44,7 @@ from qlsd_flwr.outputs.metric_file import metric_from_file  # the one file the p
 from qlsd_flwr.outputs.progress import announce
 from qlsd_flwr.protocol import build
 from qlsd_flwr.protocol.starts import chain_starts
-from qlsd_flwr.robust.products import clip_products
-from qlsd_flwr.robust.reports import clamped_counts
+from qlsd_flwr.robust.products import held_parts
 from qlsd_flwr.protocol.traffic import Traffic, counted, phase, precision
 
 log = logging.getLogger("qlsd_flwr")
@@ -320,13 +319,9 @@ def held_products(grad_fn, info: dict):
         plus, minus = th + eps * u, th - eps * u
         gp, gm = grad_fn.clients(plus), grad_fn.clients(minus)
         parts = {i: (gp[i] - gm[i]) / (2.0 * eps) for i in gp}
-        held, why = clip_products(parts, clamped_counts(grad_fn.n_data, list(parts)))
-        if not why:
+        held, scaled = held_parts(parts, grad_fn.n_data, info)
+        if not scaled:
             return (grad_fn.combine(gp, plus) - grad_fn.combine(gm, minus)) / (2.0 * eps)
-        for i, w in sorted(why.items()):
-            log.warning("client %d: %s (products_clipped)", i, w)
-        info["products_clipped"] = int(info.get("products_clipped", 0)) + len(why)
-        info["products_clipped_clients"] = sorted(set(info.get("products_clipped_clients", [])) | set(why))
         prior = (grad_fn.combine({}, plus) - grad_fn.combine({}, minus)) / (2.0 * eps)
         return sum(held[i] for i in sorted(held)) + prior
 
@@ -334,7 +329,7 @@ def held_products(grad_fn, info: dict):
 
 
 def _adapt(cfg: RunConfig, grad_fn: GradFn, point: np.ndarray, metric: Metric, gamma: float,
-           starts: np.ndarray | None, theta0: np.ndarray, C: int, info: dict, warm=None, hvp=None):
+           starts: np.ndarray | None, theta0: np.ndarray, C: int, info: dict, warm, hvp):
     """The warm-up (:func:`qlsd_flwr.core.adapt.warmup`) from the chains' starts (or from the state
     ``warm`` kept of a warm-up that was stopped), then the step for the frozen metric; returns
     ``(M, γ, starts)``."""

@@ -24,10 +24,14 @@ aggregate of the per-datum Rayleigh quotients, not a clip; not built.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 from qlsd_flwr.robust.claims import POOL_MIN
-from qlsd_flwr.robust.reports import lower_median
+from qlsd_flwr.robust.reports import clamped_counts, lower_median
+
+log = logging.getLogger("qlsd_flwr")
 
 #: a client's Hessian-vector product per datum over this many times the lower median of the clients' is
 #: scaled down to it: honest clients measured at most 12.2× over 37 cases (θ* of the toy Gaussian and of
@@ -51,3 +55,16 @@ def clip_products(parts: dict, n_data: dict) -> tuple[dict, dict[int, str]]:
     out = {i: (h * (limit / v[i]) if i in over else h) for i, h in parts.items()}
     return out, {i: f"its Hessian-vector product per datum was {x / ref:.3g}× the clients' median (over "
                     f"{FACTOR_PRODUCT:g}×): scaled down to it" for i, x in over.items()}
+
+
+def held_parts(parts: dict, n_data, info: dict) -> tuple[dict, bool]:
+    """:func:`clip_products` on the power iteration's parts (``n_data``: the clients' claimed ``N_i``, clamped
+    here), those scaled named in the log and counted in ``info`` (``products_clipped``,
+    ``products_clipped_clients``); ``(held parts, whether any was scaled)``."""
+    held, why = clip_products(parts, clamped_counts(n_data, list(parts)))
+    for i, w in sorted(why.items()):
+        log.warning("client %d: %s (products_clipped)", i, w)
+    if why:
+        info["products_clipped"] = int(info.get("products_clipped", 0)) + len(why)
+        info["products_clipped_clients"] = sorted(set(info.get("products_clipped_clients", [])) | set(why))
+    return held, bool(why)
