@@ -278,7 +278,7 @@ def resolve(overrides: Mapping[str, Any] | None = None) -> RunConfig:
     sampler.refuse(samplers.Settings(raw=raw, p=p, aggregation=aggregation, metric_rank=int(v["metric-rank"])))
     raw["downlink"] = _choice("downlink", raw["downlink"], ("off", "qsgd"))
     raw["downlink-feedback"] = _choice("downlink-feedback", raw["downlink-feedback"], FEEDBACKS)
-    check_downlink(raw["downlink"], sampler.name, sampler.estimator.local, engine)
+    check_downlink(raw["downlink"], sampler.name, sampler.estimator.local)
     _check_data_keys(raw)
     return RunConfig(
         raw=raw, variant=variant, oracle=oracle, compressed=compressed, memory=memory, b=b_eff,

@@ -185,8 +185,9 @@ KEYS: tuple[Key, ...] = (
         choices=("auto", "elias", "packed"), group=SAMPLER),
     Key("downlink", "off", "choice", "the broadcast of θ_k: off (64 d bits of float64 to every active client), or "
         "qsgd (a QSGD code of θ_k − w_{k−1} with downlink-s levels, the clients evaluating at the point w_k it gives; "
-        "a client that missed the last round is sent w_k in full). The QLSD family on every engine but the "
-        "vectorised one (docs/ARCHITECTURE.md, the compressed downlink)", "", choices=("off", "qsgd"), group=SAMPLER),
+        "a client that missed the last round is sent w_k in full). The QLSD family on every engine (the "
+        "vectorised one on its numpy backend; docs/ARCHITECTURE.md, the compressed downlink)", "", choices=("off", "qsgd"),
+        group=SAMPLER),
     Key("downlink-s", 256, "int", "QSGD levels of the compressed downlink", "s_↓", lo=1, cap=2**31 - 1,
         group=SAMPLER),
     Key("downlink-feedback", "ef21-p", "choice", "ef21-p (both sides keep w_k = w_{k−1} + α C(θ_k − w_{k−1}), "

@@ -209,7 +209,7 @@ def test_torch_threads_are_set_by_the_rule_of_each_engine():
     """``torch-threads = auto``: ⌊client-cpus⌋ (at least 1) in a Ray actor, one less than the
     process's cores (at least 1) in one-process engines and in the ServerApp's process; a number
     everywhere; a bad value by name."""
-    from qlsd_flwr.tasks.threads import apply_torch_threads, cores, torch_threads
+    from qlsd_flwr.tasks.threads import apply_threads, cores, torch_threads
 
     assert torch_threads({"engine": "ray", "client-cpus": 0.5}) == 1
     assert torch_threads({"engine": "ray", "client-cpus": 2.5}) == 2
@@ -222,9 +222,42 @@ def test_torch_threads_are_set_by_the_rule_of_each_engine():
 
     before = torch.get_num_threads()
     try:
-        assert apply_torch_threads({"torch-threads": 1}) == 1 and torch.get_num_threads() == 1
+        assert apply_threads({"torch-threads": 1}) == 1 and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+_BLAS_PROBE = """
+import hashlib, numpy as np
+from threadpoolctl import threadpool_info
+from qlsd_flwr.config import resolve
+from qlsd_flwr.tasks import loading
+task = loading.load_task(resolve({"task": "mnist", "dataset": "mnist_subset", "model": "logistic", "num-clients": 4}))
+pot, rng = task.clients[0], np.random.default_rng(0)
+theta, V = 0.1 * rng.normal(size=task.dim), rng.normal(size=(16, task.dim))
+out = np.concatenate([pot.hvp_batch(theta, V).ravel(), pot.grad_sum(theta)])
+print(sorted({i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"}),
+      hashlib.sha256(out.tobytes()).hexdigest())
+"""
+
+
+def test_blas_runs_one_thread_so_the_engines_compute_the_same_numbers():
+    """A process that loads a task (every engine, the ServerApp and each ClientApp do) runs numpy's BLAS on one
+    thread (``tasks/threads.pin_blas``): the logistic client's products and gradient are then bit for bit the same
+    whether the process started with 1 or 2 BLAS threads. Unpinned, OpenBLAS's split of the product changed them by
+    3e-13 (measured on the main job's data), which made the Ray engine's chains (one thread an actor) differ from the
+    in-process engine's."""
+    import os
+    import subprocess
+    import sys
+
+    outs = []
+    for n in ("1", "2"):
+        env = {**os.environ, "OPENBLAS_NUM_THREADS": n, "OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n}
+        p = subprocess.run([sys.executable, "-c", _BLAS_PROBE], env=env, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-2000:]
+        outs.append(p.stdout.strip().splitlines()[-1])
+    assert outs[0] == outs[1] and outs[0].startswith("[1] "), outs
 
 
 def test_a_diverging_chain_stops_the_run_naming_it_and_every_chain_keeps_its_draws(tmp_path):

@@ -8,8 +8,10 @@
   Carlo error: each eigen-direction's variance within 4 batch-means standard errors, and the mean within 4 of its
   own. The same chain is far from the law without the broadcast's noise (so the test can fail).
 * **Every path gives the same chain** (the protocol on the local engine, its direct twin, in-process Flower with
-  two chains, clients missing rounds), with fewer downlink bits than ``downlink = off``; ``off`` leaves today's
-  chains as they were (``tests/golden.py``). Kill-and-resume is in ``test_reliability.py``.
+  two chains, clients missing rounds, the vectorised engine's numpy backend on both its paths), with fewer
+  downlink bits than ``downlink = off`` and the vectorised engine counting what Flower's server sends, round by
+  round; ``off`` leaves today's chains as they were (``tests/golden.py``). Kill-and-resume is in
+  ``test_reliability.py``.
 * **Hostile downlink bytes** are refused by the client, naming the field, before its state changes.
 """
 
@@ -108,11 +110,45 @@ def test_every_path_runs_the_same_chain_with_fewer_downlink_bits(feedback, tmp_p
     assert wire.summary["bits"]["downlink"]["sampling"] == _bits_down(wire.run_dir)
 
 
+@pytest.mark.parametrize("variant,feedback,extra", [
+    ("qlsd-pp", "ef21-p", {}), ("qlsd-star", "none", {}), ("lsd-pp", "ef21-p", {}),
+    # the logistic task's batched oracles (grad_sum_clients) and a metric's basis (each client's Sᵀ H_i at w_k)
+    ("qlsd-pp", "ef21-p", {"task": "logistic", "dataset": "breast_cancer", "dim": None, "metric": "diagonal",
+                           "gamma": "auto", "compression-basis": "metric", "prior-var": 0.05})])
+def test_the_vectorised_engine_runs_the_protocols_chains_and_counts_its_bits(variant, feedback, extra, tmp_path,
+                                                                             monkeypatch):
+    from qlsd_flwr.engines.vectorised import numpy_backend, run_vectorised
+    from qlsd_flwr.run.simulate import run_inprocess
+
+    o = {k: v for k, v in {**BASE, "variant": variant, "downlink-feedback": feedback, "norm-bound": "off",
+                           "output-dir": str(tmp_path), **extra}.items() if v is not None}
+    local = run_local(resolve(o), write=False, keep_trace=True, wire=False).trace
+    o3 = {**o, "num-chains": 3, "engine": "inprocess", "run-name": "flower"}
+    flower = run_inprocess(resolve(o3), o3, shuffle_seed=4, strategy_kwargs={"keep_trace": True})
+    chains = np.asarray(flower.trace).transpose(1, 0, 2)  # (chain, round, d)
+    assert np.array_equal(chains[0], local) and not np.array_equal(chains[1], chains[0])
+    for batched in (True, False):
+        monkeypatch.setattr(numpy_backend.NumpyGeneric, "BATCHED", batched)
+        v = run_vectorised(resolve({**o3, "engine": "vectorised", "run-name": f"vectorised-{batched}"}),
+                           keep_trace=True)
+        assert v.backend == "numpy" and np.array_equal(v.trace, chains), batched
+        assert _column(v.run_dir, "bits_down") == _column(flower.run_dir, "bits_down"), batched
+        assert v.summary["bits"]["downlink"]["sampling"] == _bits_down(v.run_dir)
+
+
+def _column(run_dir, name) -> list[int]:
+    with open(run_dir / "metrics.csv", newline="") as f:
+        return [int(float(r[name])) for r in csv.DictReader(f)]
+
+
 def test_the_keys_are_refused_where_they_do_not_apply():
     with pytest.raises(ConfigError, match="downlink: qsgd compresses the broadcast of the QLSD family"):
         resolve({**BASE, "variant": "fald"})
-    with pytest.raises(ConfigError, match="downlink: qsgd runs on engine = local"):
-        resolve({**BASE, "engine": "vectorised"})
+    from qlsd_flwr.engines.vectorised import run_vectorised
+
+    with pytest.raises(ValueError, match="vectorised-backend = numba sends θ in full; downlink = qsgd runs on: auto, "
+                                         "numpy"):
+        run_vectorised(resolve({**BASE, "engine": "vectorised"}), write=False, backend="numba")
     with pytest.raises(ConfigError, match="downlink-feedback: unknown value 'ef21'; allowed: ef21-p, none"):
         resolve({**BASE, "downlink-feedback": "ef21"})
 

@@ -24,6 +24,7 @@ import pytest
 from qlsd_flwr.config import ConfigError, resolve
 from qlsd_flwr.outputs import checkpoint as ckpt
 from qlsd_flwr.outputs.recorder import load_samples
+from qlsd_flwr.protocol import build
 from qlsd_flwr.protocol.divergence import DivergenceError
 from qlsd_flwr.run import simulate
 
@@ -142,6 +143,8 @@ CASES = {
                         "downlink-s": 8}, {}, 20),
     "inprocess-3-chains-downlink": ({"engine": "inprocess", "variant": "qlsd-pp", "p": "0.5", "s": "4",
                                      "num-chains": 3, "downlink": "qsgd", "downlink-s": 8}, {"shuffle_seed": 21}, 21),
+    "vectorised-numpy-downlink": ({"engine": "vectorised", "variant": "qlsd-pp", "p": "0.5", "s": "4", "num-chains": 2,
+                                   "downlink": "qsgd", "downlink-s": 8}, {"block_rounds": 4, "backend": "numpy"}, 22),
     "inprocess-2-chains-adapt": ({"engine": "inprocess", "variant": "qlsd-pp", "p": "0.5", "s": "4", "num-chains": 2,
                                   "metric": "dense", "metric-from": "adapt", "adapt-rounds": 30, "gamma": "auto",
                                   "init": "dispersed"}, {"shuffle_seed": 14}, 14),
@@ -182,7 +185,10 @@ def test_kill_and_resume_is_bitwise_an_uninterrupted_run(case, tmp_path):
         for r in rows_ref + rows:
             r.pop("bytes_message")
     # a protocol server (every engine but the vectorised one's QLSD family) resyncs every client after a resume
-    resent = over["engine"] != "vectorised" or resolve({**o, "resume": ""}).kind.local
+    # (the vectorised engine's count too, where a resume sends w in full under downlink = qsgd, and M again under
+    # compression-basis = metric, as the protocol server does)
+    cfg = resolve({**o, "resume": ""})
+    resent = over["engine"] != "vectorised" or cfg.kind.local or "downlink" in over or build.whitens(cfg, 20)
     if resent:
         # the first message to each client after the restart carries its anchor and η_i mirror again (and,
         # on Flower, its settings): more downlink, never less, and exactly as before until the checkpoint
@@ -301,7 +307,6 @@ from hypothesis import strategies as st  # noqa: E402
 
 from qlsd_flwr.protocol import precondition  # noqa: E402
 from qlsd_flwr.core.oracles import ClientState, full_local_grad  # noqa: E402
-from qlsd_flwr.protocol import build  # noqa: E402
 from qlsd_flwr.protocol.client import handle  # noqa: E402
 from qlsd_flwr.protocol.server import QLSDServer  # noqa: E402
 from qlsd_flwr.tasks import loading  # noqa: E402

@@ -47,17 +47,14 @@ def broadcast_code(s: int) -> QSGD:
     return QSGD(int(s), encoding=ENCODING)
 
 
-def check_downlink(downlink: str, sampler: str, local: bool, engine: str) -> None:
-    """``downlink = qsgd`` is for the QLSD family (the rivals' clients step from θ itself) on the engines that run
-    the protocol; else ``ConfigError`` naming the key and what is allowed."""
+def check_downlink(downlink: str, sampler: str, local: bool) -> None:
+    """``downlink = qsgd`` is for the QLSD family (the rivals' clients step from θ itself), on every engine (the
+    vectorised one on its numpy backend); else ``ConfigError`` naming the key and what is allowed."""
     if downlink == "off":
         return
     if local:
         raise ConfigError(f"downlink: qsgd compresses the broadcast of the QLSD family; {sampler}'s clients take "
                           "local steps from θ itself; allowed with it: downlink = off")
-    if engine == "vectorised":
-        raise ConfigError("downlink: qsgd runs on engine = local, inprocess, ray and the deployment engine; the "
-                          "vectorised engine sends θ in full; allowed there: downlink = off")
 
 
 @dataclass(frozen=True)

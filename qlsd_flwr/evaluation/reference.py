@@ -174,12 +174,12 @@ def _run_chains(method: str, stream: int, task, kernel, settings: dict, n_draws:
     """``n_chains`` independent Metropolis chains of ``kernel(vg, d) -> (step, prop_log_r)``:
     chain ``c`` draws from ``SeedSequence([seed, c, stream])``, starts its step from
     ``step_size`` or a doubling/halving search, and tunes it by dual averaging when ``adapt``."""
-    from qlsd_flwr.tasks.threads import apply_torch_threads
+    from qlsd_flwr.tasks.threads import apply_threads
 
     # torch's threads set as a local engine's are (one less than the cores): left at one per core,
     # they spin-wait on each other under any other load (the quickstart network's full gradient
     # took 131 ms with 2 threads beside two busy processes, 15 ms with 1)
-    apply_torch_threads({"engine": "local"}, client=False)
+    apply_threads({"engine": "local"}, client=False)
     vg = _value_and_grad(task)
     x0s = _inits(task, n_chains, init, init_scale, seed)
     d = task.dim

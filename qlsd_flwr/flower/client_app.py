@@ -51,7 +51,7 @@ from qlsd_flwr.protocol.client import handle, handle_chains
 from qlsd_flwr.samplers.fields import HELD
 from qlsd_flwr.protocol.wire import arr_to_bytes, bytes_to_arr, metric_of, metric_to_bytes
 from qlsd_flwr.tasks import loading
-from qlsd_flwr.tasks.threads import apply_torch_threads
+from qlsd_flwr.tasks.threads import apply_threads
 
 STATE = "qlsd-state"
 
@@ -62,7 +62,7 @@ def setup_for_config(cfg_json: str, i: int, data_path: str | None = None):
     built once per config and client in each process."""
     cfg = resolve(json.loads(cfg_json))
     pot, prior, d, blocks = loading.load_client(cfg, i, data_path=data_path)
-    apply_torch_threads(cfg.raw)  # after the potential: a torch task has imported torch by now
+    apply_threads(cfg.raw)  # after the potential: a torch task has imported torch by now
     spec = build.client_spec(cfg, i, pot.n_data, d, prior, blocks)
     return cfg, pot, spec, d
 
@@ -197,7 +197,7 @@ def make_client_app(potential_fn: Callable[[Context], LocalPotential] | None = N
         key = (context.run_id, client_index(context))
         if key not in potentials:
             potentials[key] = check_potential(potential_fn(context), "potential_fn")
-            apply_torch_threads({**dict(context.run_config), **(overrides or {})})
+            apply_threads({**dict(context.run_config), **(overrides or {})})
         pot = potentials[key]
         return pot, int(pot.dim), None
 

@@ -7,7 +7,14 @@ the anchor is not the round's, the anchor (``64 d``): QLSD++ and LSD++ refresh �
 (mod l)``, so a client gets it at its first active round since the last refresh; QLSD* and LSD* send θ*
 at a client's first active round. On these engines every reply is accepted and no client restarts, so
 the server's record of each client's anchor is the anchor of its last active round; the other fields
-of :meth:`fields_for` (a resync's ``η_i``, the rivals' local numbers) never travel here.
+of :meth:`fields_for` (a resync's ``η_i``, the rivals' local numbers) never travel here, but for the metric
+under ``compression-basis = metric`` (:mod:`qlsd_flwr.protocol.metric_sent`): its bytes with each pair's first
+message, and again after a resume.
+
+Under ``downlink = qsgd`` (:mod:`qlsd_flwr.protocol.broadcast`) the round's code goes in θ's place to a
+client that holds ``w_{k−1}`` (it was active at round ``k − 1``; any client under ``downlink-feedback =
+none``), ``w_k`` in full (``64 d``) to the others, and at a refresh round the anchor is that ``w_k`` and not
+sent. A resumed run sends ``w`` in full at its first round, as the protocol server does.
 ``tests/test_bits.py`` checks this count against the local engine's, which calls ``fields_for``.
 """
 
@@ -16,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from qlsd_flwr.core import participation
+from qlsd_flwr.protocol import build
 
 
 class SamplingDownlink:
@@ -23,26 +31,44 @@ class SamplingDownlink:
     chains' ``seeds``; ``k0 > 0`` (a resumed run) replays the participation draws that decide which
     clients hold the current anchor (the draws are a function of the seed and the round)."""
 
-    def __init__(self, cfg, d: int, seeds, k0: int = 0):
+    def __init__(self, cfg, d: int, seeds, k0: int = 0, metric_bits: int = 0):
         self.kind, self.l, self.d, self.p = cfg.kind, max(int(cfg.l), 1), int(d), cfg.p
+        # the metric's bits, sent with each pair's first message (compression-basis = metric; 0: not sent)
+        self.metric_bits = int(metric_bits)
+        self.metric_held = np.zeros((np.asarray(seeds).size, cfg.b), dtype=bool)
         self.seeds = np.asarray(seeds)
         self.last = np.full((self.seeds.size, cfg.b), -1, dtype=np.int64)  # each pair's last active round
+        # downlink = qsgd: the round of the w each pair holds (−1: none; a resumed run's clients hold none)
+        self.coded = build.downlink_on(cfg)
+        self.any_held = self.coded and str(cfg.get("downlink-feedback")) == "none"
+        self.held = np.full((self.seeds.size, cfg.b), -1, dtype=np.int64)
         start = 0 if self.kind.cv_theta_star else self.l * (k0 // self.l)  # what decides who holds the anchor
         if self.kind.control_variate:
             for k in range(start, k0):
                 self.last[participation.active_mask(self.seeds, k, self.p)] = k
 
-    def rounds(self, k0: int, R: int) -> np.ndarray:
-        """``(C, R)``: the bits sent in rounds ``k0 + 1 .. k0 + R`` (θ_{k0}, ...), chain by chain."""
+    def rounds(self, k0: int, R: int, code_bits: np.ndarray | None = None) -> np.ndarray:
+        """``(C, R)``: the bits sent in rounds ``k0 + 1 .. k0 + R`` (θ_{k0}, ...), chain by chain; ``code_bits``
+        (``downlink = qsgd``): each round's code length per chain, −1 where ``w_k`` went in full to all."""
         out = np.zeros((self.seeds.size, R), dtype=np.int64)
+        full = 64 * self.d
         for r in range(R):
             k = k0 + r
             active = participation.active_mask(self.seeds, k, self.p)  # (C, b)
-            sent = active.sum(axis=1)
-            if self.kind.cv_zeta:  # ζ refreshed at round l⌊k/l⌋: a client not active since gets it
-                sent = sent + (active & (self.last < self.l * (k // self.l))).sum(axis=1)
+            if self.coded:  # the code to a pair that holds w_{k−1}, w_k in full to the others
+                code = code_bits[:, r][:, None]
+                coded = active & (code >= 0) & (self.any_held | (self.held == k - 1))
+                out[:, r] = np.where(coded, code, np.where(active, full, 0)).sum(axis=1)
+                self.held[active] = k
+            else:
+                out[:, r] = full * active.sum(axis=1)
+            if self.kind.cv_zeta and not (self.coded and k % self.l == 0):
+                # ζ refreshed at round l⌊k/l⌋: a client not active since gets it (at the refresh round itself
+                # under downlink = qsgd the anchor is the w_k the client builds, and is not sent)
+                out[:, r] += full * (active & (self.last < self.l * (k // self.l))).sum(axis=1)
             elif self.kind.cv_theta_star:  # θ*: once, at the first active round
-                sent = sent + (active & (self.last < 0)).sum(axis=1)
+                out[:, r] += full * (active & (self.last < 0)).sum(axis=1)
+            out[:, r] += self.metric_bits * (active & ~self.metric_held).sum(axis=1)
+            self.metric_held |= active
             self.last[active] = k
-            out[:, r] = 64 * self.d * sent
         return out

@@ -9,14 +9,14 @@ from qlsd_flwr.config import ConfigError, RunConfig
 from qlsd_flwr.core.potential import GaussianPrior, Task
 from qlsd_flwr.plugins import is_plugin
 from qlsd_flwr.protocol.build import blocks_for
-from qlsd_flwr.tasks.threads import apply_torch_threads
+from qlsd_flwr.tasks.threads import apply_threads
 
 
 def load_task(cfg: RunConfig) -> Task:
     """The run's task with all clients' data (server side, tests, local engines); torch's threads
     are then set for this process (:mod:`qlsd_flwr.tasks.threads`)."""
     task = _load_task(cfg)
-    apply_torch_threads(cfg.raw, client=False)
+    apply_threads(cfg.raw, client=False)
     return task
 
 

@@ -1,4 +1,16 @@
-"""torch's thread count, set on purpose in every process that computes gradients.
+"""Thread counts set on purpose in every process that computes gradients: numpy's BLAS, and torch's.
+
+**numpy's BLAS: one thread, everywhere** (:func:`pin_blas`). OpenBLAS splits a matrix product among its
+threads, and the split changes the last bits of the result: the logistic task's gradient and Hessian-vector
+products differ by 1e-14 between 1 and 2 threads (measured). Ray's actors run BLAS on one thread (Ray sets
+``OMP_NUM_THREADS`` to an actor's CPUs), the in-process, local and vectorised engines and the ServerApp on as
+many as there are cores: the main job's ``λ_max`` then differed by 1.8e-7 between the Ray and the in-process
+engine, and the chains, which round to QSGD's levels, diverged. With one thread in every process the engines
+compute the same numbers on a machine, and a run is a function of its seed whatever the machine's core count
+(another CPU's kernels may still round differently). The cost on 2 cores is measured in
+``benchmarks/RESULTS.md`` ("One BLAS thread").
+
+**torch:**
 
 torch starts as many intra-op threads as the machine has cores, in every process. On Flower's
 Ray engine each virtual client is an actor process, and several run at once (``cores /
@@ -49,9 +61,19 @@ def torch_threads(config: Mapping, client: bool = True) -> int:
     return max(1, cores() - 1)
 
 
-def apply_torch_threads(config: Mapping, client: bool = True) -> int | None:
-    """Set torch's intra-op threads by :func:`torch_threads` if torch is loaded; returns the count
-    (``None`` without torch). Setting it again to the same value costs nothing."""
+def pin_blas() -> None:
+    """numpy's BLAS to one thread in this process (module docstring); nothing without threadpoolctl."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:  # pragma: no cover - a dependency of scikit-learn, which the package requires
+        return
+    threadpool_limits(1, user_api="blas")
+
+
+def apply_threads(config: Mapping, client: bool = True) -> int | None:
+    """:func:`pin_blas`, then torch's intra-op threads by :func:`torch_threads` if torch is loaded; returns
+    torch's count (``None`` without torch). Setting them again to the same values costs nothing."""
+    pin_blas()
     if "torch" not in sys.modules:
         return None
     import torch

@@ -10,6 +10,7 @@ import numpy as np
 
 from qlsd_flwr.config import ConfigError, RunConfig, check_memory
 from qlsd_flwr.protocol.downlink import SamplingDownlink
+from qlsd_flwr.protocol.wire import metric_to_bytes
 from qlsd_flwr.protocol import precondition
 from qlsd_flwr.core.metric import Identity, to_array
 from qlsd_flwr.core.potential import GaussianPrior, Task
@@ -64,6 +65,10 @@ def backend_for(cfgs, task: Task, backend: str = "auto") -> str:
     reference. On the logistic task ``numba`` runs only when asked for: its gradient is equal to
     the reference's within float rounding, not bit for bit (see :mod:`.kernel`)."""
     cfgs = [cfgs] if isinstance(cfgs, RunConfig) else list(cfgs)
+    if any(build.downlink_on(c) for c in cfgs):  # the compiled kernel steps from θ itself
+        if backend == "numba":
+            raise ValueError("vectorised-backend = numba sends θ in full; downlink = qsgd runs on: auto, numpy")
+        return "numpy"
     if not all(c.kind.batched for c in cfgs):  # the rivals' local chains (engines.vectorised.rivals), or a message
         if backend == "numba":                  # the kernel does not compile: numpy runs the sampler's own
             raise ValueError(f"vectorised-backend = numba runs the QLSD family only; "
@@ -210,8 +215,9 @@ def run_side_by_side(cfgs, task: Task | None = None, write: bool = False, keep_t
         limits = [runaway_limits(cfg, task, pt, runner.theta_of(v)) for v, (cfg, pt) in enumerate(zip(cfgs, parts))]
         # the downlink of the QLSD family's rounds, counted as the protocol server sends it (the rivals'
         # rounds run through that server and count their own)
-        downs = [SamplingDownlink(cfg, d, chain_seeds(cfg), k) if rec is not None and not cfg.kind.local else None
-                 for cfg, rec in zip(cfgs, recs)]
+        downs = [SamplingDownlink(cfg, d, chain_seeds(cfg), k, 8 * len(metric_to_bytes(pt[1].metric)) if pt[0][0].whitened
+                                  else 0) if rec is not None and not cfg.kind.local else None
+                 for cfg, rec, pt in zip(cfgs, recs, parts)]
         need_states = write or keep_trace
     except BaseException as exc:
         _close_stopped(recs, exc, k)
@@ -226,7 +232,7 @@ def run_side_by_side(cfgs, task: Task | None = None, write: bool = False, keep_t
             dt = time.perf_counter() - tb
             for v, out in enumerate(outs):
                 if downs[v] is not None:
-                    out["bits_down"] = downs[v].rounds(k, R)
+                    out["bits_down"] = downs[v].rounds(k, R, out.get("down_code_bits"))
                 bad = first_bad_round(out, runner.theta_of(v), R, limits[v])
                 if bad is not None:
                     _diverge(cfgs[v], recs, v, k, bad, out, traces, dt / len(cfgs), run_dirs[v], last_ckpt,
