@@ -236,3 +236,25 @@ def test_a_flag_or_bundle_that_does_not_fit_is_refused_by_name():
         unbundle_request(bundle, 5)
     per = unbundle_request({**bundle, "theta": np.ones((1, 5))}, 5)
     assert "theta" not in per[0] and per[0]["theta_code"] == b"x" and np.array_equal(per[1]["theta"], np.ones(5))
+
+
+def test_a_vectorised_checkpoints_w_is_checked_before_it_is_used():
+    """The vectorised engine's chains' ``w`` from a checkpoint (``protocol.downlink.ChainsBroadcast``): the right
+    shape of finite float64 numbers, present under ``ef21-p``, absent with ``downlink = off``; else one line
+    naming ``downlink_w``."""
+    from qlsd_flwr.protocol.downlink import ChainsBroadcast
+
+    cfg = resolve({**BASE, "engine": "vectorised", "num-chains": 2})
+    good = np.zeros((2, 5))
+    on = ChainsBroadcast(cfg, [2, 3])
+    for bad in (np.zeros((2, 4)), np.full((2, 5), np.nan), good.astype(np.float32), None):
+        with pytest.raises(ConfigError, match="checkpoint: .*'downlink_w'") as err:
+            on.restore(bad, good.shape)
+        assert "\n" not in str(err.value) and on.w is None
+    on.restore(good, good.shape)
+    assert np.array_equal(on.w, good) and on.w is not good
+    off = ChainsBroadcast(resolve({**BASE, "engine": "vectorised", "downlink": "off"}), [2])
+    with pytest.raises(ConfigError, match="'downlink_w' is the state of a run with downlink = qsgd"):
+        off.restore(good[:1], (1, 5))
+    off.restore(None, (1, 5))
+    assert not off.on and off.w is None

@@ -1,6 +1,8 @@
 """The sampling rounds' downlink for the engines that run the QLSD family without a protocol server
 (the vectorised engine's numpy and numba backends): what :meth:`QLSDServer.fields_for
-<qlsd_flwr.protocol.server.QLSDServer.fields_for>` would send, counted as its code length.
+<qlsd_flwr.protocol.server.QLSDServer.fields_for>` would send, counted as its code length
+(:class:`SamplingDownlink`), and, under ``downlink = qsgd``, the chains' ``w_k`` it codes
+(:class:`ChainsBroadcast`).
 
 Each round every active (chain, client) pair is sent θ_k (``64 d`` bits) and, when the client's copy of
 the anchor is not the round's, the anchor (``64 d``): QLSD++ and LSD++ refresh ζ at the rounds ``k ≡ 0
@@ -22,8 +24,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from qlsd_flwr.config import ConfigError
 from qlsd_flwr.core import participation
-from qlsd_flwr.protocol import build
+from qlsd_flwr.protocol import broadcast, build
 
 
 class SamplingDownlink:
@@ -72,3 +75,42 @@ class SamplingDownlink:
             self.metric_held |= active
             self.last[active] = k
         return out
+
+
+class ChainsBroadcast:
+    """``downlink = qsgd`` for chains stepped together without a protocol server: each chain's ``w_k``, coded
+    from its θ_k with the chain's seed as its protocol server codes it (:func:`qlsd_flwr.protocol.broadcast.begin_round`),
+    where its clients evaluate. ``on`` is ``False`` (and nothing happens) with ``downlink = off``."""
+
+    def __init__(self, cfg, seeds):
+        self.rule, self.seeds = broadcast.downlink_of(cfg), np.asarray(seeds)
+        self.on = self.rule is not None
+        self.w: np.ndarray | None = None  # (C, d); None until round 0
+
+    def send(self, theta: np.ndarray, k: int, code_bits: np.ndarray) -> None:
+        """Round ``k``'s ``w_k`` from each chain's θ_k (``(C, d)``) and ``w_{k−1}``; each chain's code length into
+        ``code_bits`` (left at −1 where ``w_k`` goes in full). A θ_k that cannot be coded (the chain ran away)
+        raises the ``ValueError`` the round reports."""
+        w = np.empty_like(theta)
+        for c in range(w.shape[0]):
+            w[c], code = self.rule.send(theta[c], None if self.w is None else self.w[c], int(self.seeds[c]), k)
+            if code is not None:
+                code_bits[c] = 8 * len(code)
+        self.w = w
+
+    def restore(self, w, shape: tuple) -> None:
+        """The chains' ``w`` from a checkpoint's ``downlink_w`` (every client is sent ``w`` in full next, as after
+        the protocol server's resume), held to what the configuration implies."""
+        if not self.on:
+            if w is not None:
+                raise ConfigError("checkpoint: 'downlink_w' is the state of a run with downlink = qsgd; resume with it")
+            return
+        if w is None:
+            if self.rule.feedback == "ef21-p":  # checkpoints are written after round 0, which sets w
+                raise ConfigError("checkpoint: downlink = qsgd (ef21-p) needs 'downlink_w', which this checkpoint "
+                                  "lacks; resume with downlink = off, as it was written")
+            return
+        w = np.asarray(w)
+        if w.shape != tuple(shape) or w.dtype != np.float64 or not np.all(np.isfinite(w)):
+            raise ConfigError(f"checkpoint: 'downlink_w' must be {shape[0]} × {shape[1]} finite float64 numbers")
+        self.w = w.copy()

@@ -44,8 +44,8 @@ from qlsd_flwr.core.oracles import (
 )
 from qlsd_flwr.engines.vectorised import numpy_draws
 from qlsd_flwr.engines.vectorised.results import chain_seeds, keeps
-from qlsd_flwr.config import ConfigError
-from qlsd_flwr.protocol import broadcast, build
+from qlsd_flwr.protocol import build
+from qlsd_flwr.protocol.downlink import ChainsBroadcast
 
 class NumpyGeneric:
     """Any task: vectorised over chains and clients (see the module docstring for the two paths)."""
@@ -60,9 +60,8 @@ class NumpyGeneric:
         self.seeds = chain_seeds(cfg)
         nc, d, b = cfg.num_chains, task.dim, cfg.b
         self.d, self.b = d, b
-        # downlink = qsgd: each chain's w_k, coded from θ_k as its protocol server codes it (protocol.broadcast),
-        # where the clients evaluate; None until round 0 under ef21-p
-        self.down, self.w = broadcast.downlink_of(cfg), None
+        # downlink = qsgd: each chain's w_k, where the clients evaluate (protocol.downlink.ChainsBroadcast)
+        self.down = ChainsBroadcast(cfg, self.seeds)
         # θ_0 of every chain: the task's, or each chain's own (init = dispersed, protocol.precondition)
         self.st = sampler.init_state(spec, np.tile(build.theta0_of(task), (nc, 1)) if theta0 is None else theta0)
         self.bound = np.array([s.compressor.bound_bits(d) for s in specs])
@@ -142,7 +141,7 @@ class NumpyGeneric:
                "bytes": np.zeros((nc, R), np.int64)}
         states = np.full((nc, R, self.d), np.nan) if need_states else None
         out["error"] = None
-        if self.down is not None:  # each round's code length per chain (−1: w_k sent in full, as round 0 is)
+        if self.down.on:  # each round's code length per chain (−1: w_k sent in full, as round 0 is)
             out["down_code_bits"] = np.full((nc, R), -1, np.int64)
         for r in range(R):
             try:
@@ -168,8 +167,8 @@ class NumpyGeneric:
                                     np.array([[cs.anchor_grad for cs in row] for row in self.states]))
         if st.eta_i is not None:
             a["eta_i"], a["eta"] = st.eta_i, st.eta
-        if self.w is not None:  # a resumed chain codes the same w's (protocol.broadcast: downlink_w)
-            a["downlink_w"] = self.w
+        if self.down.w is not None:  # a resumed chain codes the same w's (protocol.broadcast: downlink_w)
+            a["downlink_w"] = self.down.w
         return a
 
     def restore(self, a: dict) -> None:
@@ -187,33 +186,15 @@ class NumpyGeneric:
                             cs.anchor_grad = a["anchor_grad"][c, i].copy()
         if "eta_i" in a:
             st.eta_i, st.eta = a["eta_i"].copy(), a["eta"].copy()
-        self._restore_w(a.get("downlink_w"))
-
-    def _restore_w(self, w) -> None:
-        """The chains' ``w`` from a checkpoint (every client is sent ``w`` in full next, as after the protocol
-        server's resume), held to what the configuration implies."""
-        if self.down is None:
-            if w is not None:
-                raise ConfigError("checkpoint: 'downlink_w' is the state of a run with downlink = qsgd; resume with it")
-            return
-        if w is None:
-            if self.down.feedback == "ef21-p":  # checkpoints are written after round 0, which sets w
-                raise ConfigError("checkpoint: downlink = qsgd (ef21-p) needs 'downlink_w', which this checkpoint "
-                                  "lacks; resume with downlink = off, as it was written")
-            return
-        w = np.asarray(w)
-        if w.shape != self.st.theta.shape or w.dtype != np.float64 or not np.all(np.isfinite(w)):
-            raise ConfigError(f"checkpoint: 'downlink_w' must be {self.st.theta.shape[0]} × {self.d} finite float64 "
-                              "numbers")
-        self.w = w.copy()
+        self.down.restore(a.get("downlink_w"), self.st.theta.shape)
 
     def _round(self, k: int, r: int, out: dict) -> None:
         self.st.k = k
-        if self.down is not None:
-            self._broadcast(k, r, out)
+        if self.down.on:
+            self.down.send(self.st.theta, k, out["down_code_bits"][:, r])
         refreshed = sampler.refresh_anchor(self.spec, self.st)  # ζ_k = θ_k every l rounds (QLSD++)
-        if refreshed and self.down is not None:
-            self.st.zeta = self.w.copy()  # the anchor refreshed at round k is w_k, where the clients evaluate
+        if refreshed and self.down.on:
+            self.st.zeta = self.down.w.copy()  # the anchor refreshed at round k is w_k, where the clients evaluate
         if self.batched:
             self._round_batched(k, r, out, refreshed)
         else:
@@ -222,18 +203,7 @@ class NumpyGeneric:
     @property
     def point(self) -> np.ndarray:
         """Where the clients evaluate this round: θ_k, or w_k under ``downlink = qsgd``."""
-        return self.st.theta if self.down is None else self.w
-
-    def _broadcast(self, k: int, r: int, out: dict) -> None:
-        """Round ``k``'s ``w_k`` of every chain, from its θ_k and ``w_{k−1}`` with the chain's seed, as each chain's
-        protocol server codes it (:func:`qlsd_flwr.protocol.broadcast.begin_round`), and the code's length. A θ_k
-        that cannot be coded (the chain ran away) is the ``ValueError`` the round reports."""
-        w = np.empty_like(self.st.theta)
-        for c in range(w.shape[0]):
-            w[c], code = self.down.send(self.st.theta[c], None if self.w is None else self.w[c], int(self.seeds[c]), k)
-            if code is not None:
-                out["down_code_bits"][c, r] = 8 * len(code)
-        self.w = w
+        return self.st.theta if self.down.w is None else self.down.w
 
     def _draw(self, k: int):
         """Round ``k``'s participation ``(C, b)``, every client's minibatches (``(C, n_i)`` int64
