@@ -55,12 +55,16 @@ def test_the_bits_object_adds_up_phase_by_phase(tmp_path, capsys):
     assert bits["uplink"]["preparation"] == sum(k["uplink"] for k in prep.values()) == s["prep_uplink_bits"]
     assert bits["downlink"]["preparation"] == sum(k["downlink"] for k in prep.values()) == s["prep_downlink_bits"]
     # the descent: θ down and ∇U_i(θ) up, each client, in float32 (θ* is only where the curvature is taken:
-    # precondition.DESCENT_PRECISION); the power iteration: θ (float64) and u down, ∇²U_i u up, as float32 rows
+    # precondition.DESCENT_PRECISION); the power iteration: θ and u down, ∇²U_i u up, as float32 rows, θ in float64 at
+    # the descent's stages (float32 where the point is exactly a float32 vector, as θ_0 = 0 is) and in float32 at θ*,
+    # the descent's result rounded to what it carried (traffic.point_bits): θ's part is n + (its float64 ones) times
+    # 32 d b, the last power iteration's `last` exchanges in float32
     n = prep["descent"]["exchanges"]
     assert prep["descent"]["uplink"] == prep["descent"]["downlink"] == 32 * d * b * n > 0
-    n = prep["power_iteration"]["exchanges"]
-    assert prep["power_iteration"]["uplink"] == (8 + 32 * d) * b * n > 0
-    assert prep["power_iteration"]["downlink"] == (64 * d + 8 + 32 * d) * b * n
+    n, last = prep["power_iteration"]["exchanges"], s["lambda_max_iterations"]
+    assert prep["power_iteration"]["uplink"] == (8 + 32 * d) * b * n > 0 and 0 < last < n
+    points, rest = divmod(prep["power_iteration"]["downlink"] - (8 + 32 * d) * b * n, 32 * d * b)
+    assert rest == 0 and n <= points <= 2 * n - last
     assert prep["curvature"]["uplink"] == 64 * d * b * prep["curvature"]["exchanges"]  # a diagonal a client
     assert (bits["uplink"]["loo"], bits["downlink"]["loo"]) == (s["loo"]["bits_up"], s["loo"]["bits_down"]) != (0, 0)
     assert bits["uplink"]["other"] == bits["downlink"]["other"] == 0
@@ -138,7 +142,7 @@ def test_metric_rank_s_products_travel_and_count_as_fixed_point_rows_on_every_en
     assert prods["exchanges"] == q > 0
     # each client's k products: a tag byte, then 16 bits a number and a scale a row
     assert prods["uplink"] == (8 + k * (16 * d + 32)) * b * q and s["lowrank_bits"] == 16
-    assert prods["downlink"] == (64 * d + 8 + k * (16 * d + 32)) * b * q  # θ* (float64) and the block
+    assert prods["downlink"] == (32 * d + 8 + k * (16 * d + 32)) * b * q  # θ* (the float32 descent's) and the block
     flwr = run_inprocess(resolve({**o, "engine": "inprocess", "run-name": "flwr"}), {**o, "engine": "inprocess"})
     sf = json.loads((flwr.run_dir / "summary.json").read_text())
     assert sf["bits"]["preparation"]["products"] == prods

@@ -33,7 +33,7 @@ from flwr.app import Message, MessageType
 from qlsd_flwr.core.potential import declares_log_concave
 from qlsd_flwr.flower.records import record_fields, to_content
 from qlsd_flwr.protocol import build, precondition
-from qlsd_flwr.protocol.traffic import count_claims
+from qlsd_flwr.protocol.traffic import as_point, count_claims
 from qlsd_flwr.robust.claims import out_of_scale, over_bound, relative_gap
 from qlsd_flwr.robust.reports import MAX_BLOCK, clamped_counts
 from qlsd_flwr.robust.norm_guard import fixed_bound
@@ -182,7 +182,7 @@ class PhaseExchanges:
         """The kept clients' curvature reports at ``θ`` (``kind = "hvp"``: their Hessian-vector products
         with the rows of ``vectors``, sent at width ``bits``: :mod:`qlsd_flwr.compression.fixed`), as received:
         :func:`qlsd_flwr.protocol.precondition.prepare` validates each."""
-        fields = {"phase": "curvature", "round": -1, "theta": theta, "kind": kind}
+        fields = {"phase": "curvature", "round": -1, "theta": as_point(theta), "kind": kind}
         if vectors is not None:
             fields["vectors"] = fixed.encode(vectors, bits)
         got = self.ask(grid, fields, timeout, self.clients())

@@ -153,7 +153,10 @@ def curvature_point(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: Gra
         if needs_theta_star(cfg) and not flag("opt-accept-unconverged", cfg.raw.get("opt-accept-unconverged")):
             raise ConfigError(why)
         log.warning(why + " (the metric and γ are taken there)")
-    return theta
+    # where θ* is only the point where the curvature is taken, it is rounded to float32, as its descent's exchanges
+    # carried it: the curvature reports, the products and the power iteration then send it in 32 bits a number,
+    # losing nothing (traffic.point_bits; issue 37)
+    return theta if needs_theta_star(cfg) else build.as_sent(theta, DESCENT_PRECISION)
 
 
 def prepare(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | None,

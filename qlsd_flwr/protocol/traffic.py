@@ -3,7 +3,8 @@
 Every engine hands :func:`qlsd_flwr.protocol.precondition.prepare` the same two ways to reach the clients
 (``grad_fn``, ``curv_fn``); :func:`counted` wraps them so that each exchange adds its code lengths to a
 :class:`Traffic`: a gradient exchange sends θ to each of the ``b`` clients (``64 d`` bits each, 32 in a
-float32 descent) and gets ``∇U_i(θ)`` back (the same); a curvature exchange sends θ (and, for Hessian-vector
+float32 descent) and gets ``∇U_i(θ)`` back (the same); a curvature exchange sends θ (``32 d`` where it is the
+float32 descent's result, :func:`point_bits`, else ``64 d``; and, for Hessian-vector
 products, the block's ``k`` vectors as rows of :mod:`qlsd_flwr.compression.fixed`, ``8 + k (16 d + 32)`` bits at
 16 bits, ``8 + 32 k d`` at 32) and gets each client's report as sent (products: the same as the block). The kinds (``PREP_KINDS`` of
 :mod:`qlsd_flwr.outputs.bits`) follow what the exchange is for: a gradient in the θ* descent is
@@ -83,6 +84,19 @@ class Traffic:
         self.info["prep_downlink_bits"] = sum(r["downlink"] for r in rows)
 
 
+def point_bits(theta) -> int:
+    """Bits a number of a point a curvature exchange sends: 32 where ``θ`` is exactly a float32 vector (the θ*
+    descent's result where θ* is only the point where the curvature is taken: :mod:`qlsd_flwr.protocol.precondition`
+    rounds it to what its exchanges carried), else 64. Exact either way: nothing is lost in the narrower form."""
+    t = np.asarray(theta, dtype=np.float64)
+    return 32 if np.array_equal(t.astype(np.float32).astype(np.float64), t) else 64
+
+
+def as_point(theta) -> np.ndarray:
+    """``θ`` as a curvature exchange sends it: float32 where :func:`point_bits` says so, else as it is."""
+    return np.asarray(theta, dtype=np.float32) if point_bits(theta) == 32 else theta
+
+
 @contextlib.contextmanager
 def phase(fn, name: str):
     """Within the block, gradient exchanges through ``fn`` (a :func:`counted` ``grad_fn``) count as ``name``
@@ -128,12 +142,12 @@ def counted(grad_fn, curv_fn, traffic: Traffic):
         if vectors is None:  # float64 reports, as each travels
             up = sum(8 * len(h) if isinstance(h, (bytes, bytearray)) else 8 * int(np.asarray(h).nbytes)
                      for h in reports.values())
-            traffic.add("curvature", up, 64 * d * b)
+            traffic.add("curvature", up, point_bits(th) * d * b)
             return reports
         # products and vectors as rows of width bits (compression.fixed); a reply that did not decode, as received
         up = sum(8 * len(h) if isinstance(h, (bytes, bytearray)) else fixed.message_bits(np.size(h) // d, d, bits)
                  for h in reports.values())
-        sent = 64 * d + fixed.message_bits(np.atleast_2d(vectors).shape[0], d, bits)
+        sent = point_bits(th) * d + fixed.message_bits(np.atleast_2d(vectors).shape[0], d, bits)
         traffic.add("power_iteration" if traffic.phase == "power_iteration" else "products", up, sent * b)
         return reports
 
