@@ -194,7 +194,11 @@ def run(root: Path, out: Path) -> dict:
         ts = mode_of(task)
         task = dataclasses.replace(task, theta_star=ts, theta0=ts)
         row = cases[name] = {"d": task.dim, "n_data": int(sum(c.n_data for c in task.clients)), "coordinates": names,
-                             "hessian_condition": float(np.linalg.cond(full_hessian(task, ts))), "rows": {}}
+                             "hessian_condition": float(np.linalg.cond(full_hessian(task, ts))),
+                             # the start's ‖∇U‖, and in the Hessian's own norm (√(gᵀH⁻¹g): 0 at the mode)
+                             "mode_grad_norm": float(np.linalg.norm(task.grad_potential(ts))),
+                             "mode_newton_decrement": float(np.sqrt(task.grad_potential(ts) @ np.linalg.solve(
+                                 full_hessian(task, ts), task.grad_potential(ts)))), "rows": {}}
         metric_draws = None
         for variant, s, basis in few(ROWS, 4):
             cfg = resolve({"task": "gaussian", "num-clients": CLIENTS, "dim": task.dim, "variant": variant, "s": str(s),

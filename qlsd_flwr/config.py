@@ -279,6 +279,8 @@ def resolve(overrides: Mapping[str, Any] | None = None) -> RunConfig:
     raw["downlink"] = _choice("downlink", raw["downlink"], ("off", "qsgd"))
     raw["downlink-feedback"] = _choice("downlink-feedback", raw["downlink-feedback"], FEEDBACKS)
     check_downlink(raw["downlink"], sampler.name, sampler.estimator.local)
+    if raw["downlink"] == "qsgd" and raw["vectorised-backend"] == "numba":
+        raise ConfigError("vectorised-backend: numba sends θ in full; with downlink = qsgd allowed: auto, numpy")
     _check_data_keys(raw)
     return RunConfig(
         raw=raw, variant=variant, oracle=oracle, compressed=compressed, memory=memory, b=b_eff,

@@ -149,6 +149,9 @@ def test_the_keys_are_refused_where_they_do_not_apply():
     with pytest.raises(ValueError, match="vectorised-backend = numba sends θ in full; downlink = qsgd runs on: auto, "
                                          "numpy"):
         run_vectorised(resolve({**BASE, "engine": "vectorised"}), write=False, backend="numba")
+    with pytest.raises(ConfigError, match="vectorised-backend: numba sends θ in full; with downlink = qsgd allowed: "
+                                          "auto, numpy"):
+        resolve({**BASE, "engine": "vectorised", "vectorised-backend": "numba"})
     with pytest.raises(ConfigError, match="downlink-feedback: unknown value 'ef21'; allowed: ef21-p, none"):
         resolve({**BASE, "downlink-feedback": "ef21"})
 

@@ -39,6 +39,7 @@ from qlsd_flwr.robust.norm_guard import fixed_bound
 from qlsd_flwr.protocol.server import QLSDServer
 from qlsd_flwr.protocol.wire import vectors_to_bytes
 from qlsd_flwr.tasks import loading
+from qlsd_flwr.tasks.threads import pin_blas
 
 
 @dataclass
@@ -61,6 +62,7 @@ def run_local(cfg: RunConfig, task: Task | None = None, write: bool = True,
     the same chain, faster, for statistical tests.
     """
     task = task if task is not None else loading.load_task(cfg)
+    pin_blas()  # a task passed in was not loaded here (tasks/threads)
     build.check_clients(task)
     d = task.dim
     blocks = build.blocks_for(cfg, task)

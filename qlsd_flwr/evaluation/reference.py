@@ -178,7 +178,8 @@ def _run_chains(method: str, stream: int, task, kernel, settings: dict, n_draws:
 
     # torch's threads set as a local engine's are (one less than the cores): left at one per core,
     # they spin-wait on each other under any other load (the quickstart network's full gradient
-    # took 131 ms with 2 threads beside two busy processes, 15 ms with 1)
+    # took 131 ms with 2 threads beside two busy processes, 15 ms with 1); numpy's BLAS on one thread, as
+    # every engine's (tasks/threads: the reference is then a function of its seed on any core count)
     apply_threads({"engine": "local"}, client=False)
     vg = _value_and_grad(task)
     x0s = _inits(task, n_chains, init, init_scale, seed)

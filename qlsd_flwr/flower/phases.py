@@ -39,6 +39,7 @@ from qlsd_flwr.robust.reports import MAX_BLOCK, clamped_counts
 from qlsd_flwr.robust.norm_guard import fixed_bound
 from qlsd_flwr.compression import fixed
 from qlsd_flwr.protocol.wire import PhaseError, gradient_of
+from qlsd_flwr.tasks.threads import pin_blas
 
 log = logging.getLogger("qlsd_flwr")
 
@@ -68,6 +69,7 @@ class PhaseExchanges:
         ``grid``, then the claims at θ* when the sampler takes them. A client left out
         (:class:`LeftOut`) starts it again without that client, and clears the warm-up store
         ``warm``. Returns ``(prep, claims)``."""
+        pin_blas()  # the server's linear algebra on one BLAS thread, as every engine's (a user's ServerApp too)
         while True:
             try:
                 n_data = [self.nodes.n_data.get(i, 1) for i in range(self.cfg.b)]

@@ -11,13 +11,17 @@ at a client's first active round. On these engines every reply is accepted and n
 the server's record of each client's anchor is the anchor of its last active round; the other fields
 of :meth:`fields_for` (a resync's ``η_i``, the rivals' local numbers) never travel here, but for the metric
 under ``compression-basis = metric`` (:mod:`qlsd_flwr.protocol.metric_sent`): its bytes with each pair's first
-message, and again after a resume.
+message.
 
 Under ``downlink = qsgd`` (:mod:`qlsd_flwr.protocol.broadcast`) the round's code goes in θ's place to a
 client that holds ``w_{k−1}`` (it was active at round ``k − 1``; any client under ``downlink-feedback =
 none``), ``w_k`` in full (``64 d``) to the others, and at a refresh round the anchor is that ``w_k`` and not
-sent. A resumed run sends ``w`` in full at its first round, as the protocol server does.
-``tests/test_bits.py`` checks this count against the local engine's, which calls ``fields_for``.
+sent.
+
+A resumed run's count is the uninterrupted run's: this engine's clients keep their state over a stop (the
+checkpoint holds it), so who holds the anchor, ``w_{k−1}`` and the metric is replayed from the participation
+draws. (A protocol server instead resends them to each client after a resume, its clients having restarted.)
+``tests/test_bits.py`` and ``tests/test_downlink.py`` check this count against the protocol server's.
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ from qlsd_flwr.protocol import broadcast, build
 class SamplingDownlink:
     """Round by round, each chain's downlink code length (bits) for ``cfg`` on ``d`` parameters, with the
     chains' ``seeds``; ``k0 > 0`` (a resumed run) replays the participation draws that decide which
-    clients hold the current anchor (the draws are a function of the seed and the round)."""
+    clients hold the current anchor, ``w_{k0−1}`` and the metric (the draws are a function of the seed and the
+    round)."""
 
     def __init__(self, cfg, d: int, seeds, k0: int = 0, metric_bits: int = 0):
         self.kind, self.l, self.d, self.p = cfg.kind, max(int(cfg.l), 1), int(d), cfg.p
@@ -41,14 +46,18 @@ class SamplingDownlink:
         self.metric_held = np.zeros((np.asarray(seeds).size, cfg.b), dtype=bool)
         self.seeds = np.asarray(seeds)
         self.last = np.full((self.seeds.size, cfg.b), -1, dtype=np.int64)  # each pair's last active round
-        # downlink = qsgd: the round of the w each pair holds (−1: none; a resumed run's clients hold none)
+        # downlink = qsgd: the round of the w each pair holds (−1: none)
         self.coded = build.downlink_on(cfg)
         self.any_held = self.coded and str(cfg.get("downlink-feedback")) == "none"
         self.held = np.full((self.seeds.size, cfg.b), -1, dtype=np.int64)
+        if self.coded and k0 > 0:  # those active at round k0 − 1 hold its w
+            self.held[participation.active_mask(self.seeds, k0 - 1, self.p)] = k0 - 1
         start = 0 if self.kind.cv_theta_star else self.l * (k0 // self.l)  # what decides who holds the anchor
         if self.kind.control_variate:
             for k in range(start, k0):
                 self.last[participation.active_mask(self.seeds, k, self.p)] = k
+        for k in range(k0 if self.metric_bits else 0):  # those active at any round before hold the metric
+            self.metric_held |= participation.active_mask(self.seeds, k, self.p)
 
     def rounds(self, k0: int, R: int, code_bits: np.ndarray | None = None) -> np.ndarray:
         """``(C, R)``: the bits sent in rounds ``k0 + 1 .. k0 + R`` (θ_{k0}, ...), chain by chain; ``code_bits``
@@ -93,14 +102,16 @@ class ChainsBroadcast:
         raises the ``ValueError`` the round reports."""
         w = np.empty_like(theta)
         for c in range(w.shape[0]):
-            w[c], code = self.rule.send(theta[c], None if self.w is None else self.w[c], int(self.seeds[c]), k)
+            try:
+                w[c], code = self.rule.send(theta[c], None if self.w is None else self.w[c], int(self.seeds[c]), k)
+            except ValueError as exc:  # θ_k − w_{k−1} not finite or beyond float32's range: the chain ran away
+                raise ValueError(f"chain {c}: the broadcast cannot code θ_k ({exc})") from None
             if code is not None:
                 code_bits[c] = 8 * len(code)
         self.w = w
 
     def restore(self, w, shape: tuple) -> None:
-        """The chains' ``w`` from a checkpoint's ``downlink_w`` (every client is sent ``w`` in full next, as after
-        the protocol server's resume), held to what the configuration implies."""
+        """The chains' ``w`` from a checkpoint's ``downlink_w``, held to what the configuration implies."""
         if not self.on:
             if w is not None:
                 raise ConfigError("checkpoint: 'downlink_w' is the state of a run with downlink = qsgd; resume with it")

@@ -89,7 +89,8 @@ def point_bits(theta) -> int:
     descent's result where θ* is only the point where the curvature is taken: :mod:`qlsd_flwr.protocol.precondition`
     rounds it to what its exchanges carried), else 64. Exact either way: nothing is lost in the narrower form."""
     t = np.asarray(theta, dtype=np.float64)
-    return 32 if np.array_equal(t.astype(np.float32).astype(np.float64), t) else 64
+    with np.errstate(over="ignore"):  # beyond float32's range: not exact, 64
+        return 32 if np.array_equal(t.astype(np.float32).astype(np.float64), t) else 64
 
 
 def as_point(theta) -> np.ndarray:

@@ -2,7 +2,7 @@
 
 **numpy's BLAS: one thread, everywhere** (:func:`pin_blas`). OpenBLAS splits a matrix product among its
 threads, and the split changes the last bits of the result: the logistic task's gradient and Hessian-vector
-products differ by 1e-14 between 1 and 2 threads (measured). Ray's actors run BLAS on one thread (Ray sets
+products differ by 3e-13 between 1 and 2 threads on the main job's data (measured). Ray's actors run BLAS on one thread (Ray sets
 ``OMP_NUM_THREADS`` to an actor's CPUs), the in-process, local and vectorised engines and the ServerApp on as
 many as there are cores: the main job's ``λ_max`` then differed by 1.8e-7 between the Ray and the in-process
 engine, and the chains, which round to QSGD's levels, diverged. With one thread in every process the engines
@@ -62,11 +62,12 @@ def torch_threads(config: Mapping, client: bool = True) -> int:
 
 
 def pin_blas() -> None:
-    """numpy's BLAS to one thread in this process (module docstring); nothing without threadpoolctl."""
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:  # pragma: no cover - a dependency of scikit-learn, which the package requires
-        return
+    """numpy's and scipy's BLAS to one thread in this process (module docstring). threadpoolctl reaches only the
+    libraries loaded so far, and scipy's wheel brings its own OpenBLAS, so scipy's linear algebra is loaded first.
+    Called where the threads are set (:func:`apply_threads`) and at each engine's and the preparation's start."""
+    import scipy.linalg  # noqa: F401 (its BLAS loaded, so that the limit reaches it)
+    from threadpoolctl import threadpool_limits
+
     threadpool_limits(1, user_api="blas")
 
 

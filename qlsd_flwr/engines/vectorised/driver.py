@@ -11,6 +11,7 @@ import numpy as np
 from qlsd_flwr.config import ConfigError, RunConfig, check_memory
 from qlsd_flwr.protocol.downlink import SamplingDownlink
 from qlsd_flwr.protocol.wire import metric_to_bytes
+from qlsd_flwr.tasks.threads import pin_blas
 from qlsd_flwr.protocol import precondition
 from qlsd_flwr.core.metric import Identity, to_array
 from qlsd_flwr.core.potential import GaussianPrior, Task
@@ -146,6 +147,7 @@ def run_side_by_side(cfgs, task: Task | None = None, write: bool = False, keep_t
     _check_side_by_side(cfgs)
     ref = cfgs[0]
     task = task if task is not None else loading.load_task(ref)
+    pin_blas()  # a task passed in was not loaded here (tasks/threads)
     which = backend_for(cfgs, task, str(ref.get("vectorised-backend")) if backend is None else backend)
     d, nchain, K = task.dim, ref.num_chains, ref.num_rounds
     parts = [_parts(cfg, task, write) for cfg in cfgs]
