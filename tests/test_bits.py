@@ -231,3 +231,21 @@ def test_a_client_without_a_first_kfac_report_is_asked_for_a_full_one_not_left_o
     assert np.array_equal(m.apply(x), ref.apply(x))
     curvature_metric(cfg, task, theta, curv_fn, task.n_data, inputs)
     assert asked[-1] == cv.KRON_OUTPUTS  # all on record: the output factors alone
+
+
+def test_the_metric_goes_once_a_message_and_is_counted_once(tmp_path):
+    """``compression-basis = metric``: a client's first message carries the run's metric once, however many of its
+    chains need it (``wire.bundle_request``), so the first round's extra downlink is the same with 1 and 3 chains,
+    in-process Flower and the vectorised engine alike (QLSD: no anchor; p = 1: every client in every round)."""
+    o = {"task": "gaussian", "num-clients": 3, "dim": 8, "num-rounds": 3, "burn-in": 0, "variant": "qlsd", "p": "1",
+         "metric": "diagonal", "gamma": "auto", "compression-basis": "metric", "s": "8", "progress": False,
+         "plot": False, "loo": "off", "norm-bound": "off", "output-dir": str(tmp_path)}
+    extra = {}
+    for chains in (1, 3):
+        oc = {**o, "num-chains": chains, "engine": "inprocess", "run-name": f"flower-{chains}"}
+        down = _column(run_inprocess(resolve(oc), oc, shuffle_seed=1).run_dir, "bits_down")
+        assert down[1] == down[2] == 64 * 8 * 3 * chains  # θ to every (chain, client) pair
+        extra[chains] = down[0] - down[1]
+        v = run_vectorised(resolve({**oc, "engine": "vectorised", "run-name": f"vectorised-{chains}"}))
+        assert _column(v.run_dir, "bits_down") == down, chains
+    assert extra[1] == extra[3] > 0

@@ -191,6 +191,7 @@ class ChainSet:
                 self._asked.setdefault(i, []).append(c)
         self._answered: set[int] = set()
         self._n_unattributed = 0
+        self._shared_down = 0  # bits the chains counted twice in one message (the run's metric: fields_for)
         self._theta = self.state.theta  # (C, d), once a round: every message's θ rows come from it
         return sorted(self._asked)
 
@@ -200,7 +201,12 @@ class ChainSet:
         # downlink = qsgd: each chain's fields carry its w_k or its code, not θ_k (protocol.broadcast)
         theta = None if self.chains[0].downlink is not None else self._theta if len(asked) == self.C \
             else self._theta[asked]
-        return bundle_request({c: self.chains[c].fields_for(i) for c in asked}, theta)
+        per = {c: self.chains[c].fields_for(i) for c in asked}
+        # the run's metric goes once a message whatever the chains that carry it (wire.bundle_request): each chain
+        # counted it, so the round's downlink takes the others' copies off (end_round)
+        carried = [c for c in asked if "metric" in per[c]]
+        self._shared_down += sum(8 * len(per[c]["metric"]) for c in carried[1:])
+        return bundle_request(per, theta)
 
     def note_sent(self, i: int, message_bytes: int) -> None:
         """The Flower message to client ``i``, its bytes shared out over the chains it carried (as a reply's)."""
@@ -247,6 +253,7 @@ class ChainSet:
                "bits_bound": float(np.sum([r["bits_bound"] for r in rows])),
                "seconds": time.perf_counter() - self._t0}
         row["n_rejected"] += self._n_unattributed
+        row["bits_down"] -= self._shared_down
         if self.keep_trace:
             self.trace.append(self.state.theta)
         if self.observer is not None:

@@ -11,7 +11,7 @@ at a client's first active round. On these engines every reply is accepted and n
 the server's record of each client's anchor is the anchor of its last active round; the other fields
 of :meth:`fields_for` (a resync's ``η_i``, the rivals' local numbers) never travel here, but for the metric
 under ``compression-basis = metric`` (:mod:`qlsd_flwr.protocol.metric_sent`): its bytes with each pair's first
-message.
+message, once a client's message however many of its chains need it.
 
 Under ``downlink = qsgd`` (:mod:`qlsd_flwr.protocol.broadcast`) the round's code goes in θ's place to a
 client that holds ``w_{k−1}`` (it was active at round ``k − 1``; any client under ``downlink-feedback =
@@ -80,7 +80,10 @@ class SamplingDownlink:
                 out[:, r] += full * (active & (self.last < self.l * (k // self.l))).sum(axis=1)
             elif self.kind.cv_theta_star:  # θ*: once, at the first active round
                 out[:, r] += full * (active & (self.last < 0)).sum(axis=1)
-            out[:, r] += self.metric_bits * (active & ~self.metric_held).sum(axis=1)
+            # the metric once a client's message, however many of its chains need it (wire.bundle_request): counted
+            # in the first of them, as the protocol's chains count it (protocol.chains.ChainSet.fields_for)
+            need = active & ~self.metric_held
+            out[:, r] += self.metric_bits * (need & (np.cumsum(need, axis=0) == 1)).sum(axis=1)
             self.metric_held |= active
             self.last[active] = k
         return out
