@@ -84,16 +84,25 @@ def arrays(server) -> dict:
 def restore(server, a: dict, error=ConfigError) -> None:
     """The chain's ``w`` from a checkpoint; every client is sent ``w`` in full next."""
     setup(server)
-    if server.downlink is None:
-        if "downlink_w" in a:
-            raise error("checkpoint: 'downlink_w' is the state of a run with downlink = qsgd; resume with it")
-        return
-    w = a.get("downlink_w")
+    w = checked_w(server.downlink, a.get("downlink_w"), (server.d,), server.state.k > 0, error)
     if w is not None:
-        w = np.asarray(w)
-        if w.shape != (server.d,) or w.dtype != np.float64 or not np.all(np.isfinite(w)):
-            raise error(f"checkpoint: 'downlink_w' must be {server.d} finite float64 numbers")
-        server.w = w.copy()
-    elif server.downlink.feedback == "ef21-p" and server.state.k > 0:
-        raise error("checkpoint: downlink = qsgd (ef21-p) needs 'downlink_w', which this checkpoint lacks; "
-                    "resume with downlink = off, as it was written")
+        server.w = w
+
+
+def checked_w(rule: Downlink | None, w, shape: tuple, after_round0: bool, error=ConfigError) -> np.ndarray | None:
+    """A checkpoint's ``downlink_w`` (``None``: absent) held to the run's broadcast ``rule`` (``None``: off): the
+    ``shape`` of finite float64 numbers, and present under ``ef21-p`` once round 0 was run (``after_round0``);
+    a copy, or ``None`` when there is none, else ``error`` naming the field."""
+    if rule is None:
+        if w is not None:
+            raise error("checkpoint: 'downlink_w' is the state of a run with downlink = qsgd; resume with it")
+        return None
+    if w is None:
+        if rule.feedback == "ef21-p" and after_round0:
+            raise error("checkpoint: downlink = qsgd (ef21-p) needs 'downlink_w', which this checkpoint lacks; "
+                        "resume with downlink = off, as it was written")
+        return None
+    w = np.asarray(w)
+    if w.shape != tuple(shape) or w.dtype != np.float64 or not np.all(np.isfinite(w)):
+        raise error(f"checkpoint: 'downlink_w' must be {' × '.join(map(str, shape))} finite float64 numbers")
+    return w.copy()

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from qlsd_flwr.config import ConfigError
 from qlsd_flwr.core import participation
 from qlsd_flwr.protocol import broadcast, build
 
@@ -114,17 +113,8 @@ class ChainsBroadcast:
         self.w = w
 
     def restore(self, w, shape: tuple) -> None:
-        """The chains' ``w`` from a checkpoint's ``downlink_w``, held to what the configuration implies."""
-        if not self.on:
-            if w is not None:
-                raise ConfigError("checkpoint: 'downlink_w' is the state of a run with downlink = qsgd; resume with it")
-            return
-        if w is None:
-            if self.rule.feedback == "ef21-p":  # checkpoints are written after round 0, which sets w
-                raise ConfigError("checkpoint: downlink = qsgd (ef21-p) needs 'downlink_w', which this checkpoint "
-                                  "lacks; resume with downlink = off, as it was written")
-            return
-        w = np.asarray(w)
-        if w.shape != tuple(shape) or w.dtype != np.float64 or not np.all(np.isfinite(w)):
-            raise ConfigError(f"checkpoint: 'downlink_w' must be {shape[0]} × {shape[1]} finite float64 numbers")
-        self.w = w.copy()
+        """The chains' ``w`` from a checkpoint's ``downlink_w``, held to what the configuration implies (checkpoints
+        are written after round 0, which sets ``w``): :func:`qlsd_flwr.protocol.broadcast.checked_w`."""
+        held = broadcast.checked_w(self.rule, w, shape, True)
+        if held is not None:
+            self.w = held
