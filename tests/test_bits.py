@@ -54,13 +54,13 @@ def test_the_bits_object_adds_up_phase_by_phase(tmp_path, capsys):
     assert {"descent", "curvature", "power_iteration"} <= set(prep)
     assert bits["uplink"]["preparation"] == sum(k["uplink"] for k in prep.values()) == s["prep_uplink_bits"]
     assert bits["downlink"]["preparation"] == sum(k["downlink"] for k in prep.values()) == s["prep_downlink_bits"]
-    # the descent: θ down and ∇U_i(θ) up, each client, in float32 (θ* is only where the curvature is taken:
+    # the descent: θ down as float32 and ∇U_i(θ) up as a 16-bit row, each client (θ* is only where the curvature is taken:
     # precondition.DESCENT_PRECISION); the power iteration: θ and u down, ∇²U_i u up, as float32 rows, θ in float64 at
     # the descent's stages (float32 where the point is exactly a float32 vector, as θ_0 = 0 is) and in float32 at θ*,
     # the descent's result rounded to what it carried (traffic.point_bits): θ's part is n + (its float64 ones) times
     # 32 d b, the last power iteration's `last` exchanges in float32
     n = prep["descent"]["exchanges"]
-    assert prep["descent"]["uplink"] == prep["descent"]["downlink"] == 32 * d * b * n > 0
+    assert prep["descent"]["downlink"] == 32 * d * b * n > 0 and prep["descent"]["uplink"] == (16 * d + 40) * b * n
     n, last = prep["power_iteration"]["exchanges"], s["lambda_max_iterations"]
     assert prep["power_iteration"]["uplink"] == (8 + 32 * d) * b * n > 0 and 0 < last < n
     points, rest = divmod(prep["power_iteration"]["downlink"] - (8 + 32 * d) * b * n, 32 * d * b)
@@ -75,18 +75,20 @@ def test_the_bits_object_adds_up_phase_by_phase(tmp_path, capsys):
     assert f"preparation: {s['prep_exchanges']} exchanges" in err
 
 
-def test_the_descent_is_float32_only_where_theta_star_is_only_the_curvature_point(tmp_path):
+def test_the_descent_is_narrower_only_where_theta_star_is_only_the_curvature_point(tmp_path):
     # QLSD*'s control variates rest on Σ_i ∇U_i(θ*) ≈ 0 to opt-tol: its descent stays float64, and so does every
     # exchange's count; in-process Flower sends what the local engine rounds (same θ*, same bits)
     o = {"task": "logistic", "dataset": "breast_cancer", "num-clients": 4, "prior-var": 0.05, "metric": "diagonal",
          "gamma": "auto", "num-rounds": 4, "burn-in": 0, "progress": False, "plot": False, "loo": "off",
          "output-dir": str(tmp_path)}
-    for variant, bits_a_number in (("qlsd-pp", 32), ("qlsd-star", 64)):
+    for variant, up, down in (("qlsd-pp", 16 * 62 + 40, 32 * 62), ("qlsd-star", 64 * 62, 64 * 62)):
         c = {**o, "variant": variant, "theta-star": "optimise"}
         local = run_local(resolve({**c, "run-name": f"l-{variant}"}))
         s = json.loads((local.run_dir / "summary.json").read_text())
         row = s["bits"]["preparation"]["descent"]
-        assert row["uplink"] == row["downlink"] == bits_a_number * s["d"] * 4 * row["exchanges"] > 0, variant
+        # QLSD++: θ as float32, each gradient back as one 16-bit row (a tag byte, a float32 scale, d levels)
+        assert s["d"] == 62 and row["exchanges"] > 0, variant
+        assert (row["uplink"], row["downlink"]) == (up * 4 * row["exchanges"], down * 4 * row["exchanges"]), variant
         flwr = run_inprocess(resolve({**c, "engine": "inprocess", "run-name": f"f-{variant}"}), {**c, "engine": "inprocess"})
         sf = json.loads((flwr.run_dir / "summary.json").read_text())
         assert sf["bits"]["preparation"]["descent"] == row and sf["gamma"] == s["gamma"], variant
@@ -167,7 +169,8 @@ def test_kfacs_input_factor_travels_once_as_a_triangle_and_the_chain_is_unchange
     curv = s["bits"]["preparation"]["curvature"]
     n = curv["exchanges"]
     assert n >= 2  # the descent's stages and θ*: one full report, then output factors alone
-    assert curv["uplink"] == 64 * b * ((2 + F * (F + 1) // 2 + K * K + d) + (n - 1) * (2 + K * K))
+    # the full report in float32 (curvature.KRON_REPORT_DTYPE), the output factors alone in float64
+    assert curv["uplink"] == 32 * b * (2 + F * (F + 1) // 2 + K * K + d) + 64 * b * (n - 1) * (2 + K * K)
     flwr = run_inprocess(resolve({**o, "engine": "inprocess", "run-name": "flwr"}), {**o, "engine": "inprocess"})
     sf = json.loads((flwr.run_dir / "summary.json").read_text())
     assert sf["bits"]["preparation"]["curvature"] == curv
@@ -175,7 +178,7 @@ def test_kfacs_input_factor_travels_once_as_a_triangle_and_the_chain_is_unchange
 
     assert np.array_equal(load_samples(flwr.run_dir), load_samples(local.run_dir))
 
-    # the metric from a kept G and a later Ā is, bit for bit, the one a full report at that θ gives
+    # the metric from a kept G and a later Ā is, bit for bit, the one the first report's G and that Ā give
     task = __import__("qlsd_flwr.tasks.loading", fromlist=["load_task"]).load_task(resolve(o))
     theta = np.linspace(-0.3, 0.3, d)
     full = {i: cv.check_report(cv.local_curvature(c, theta, "kronecker", 0, i), "kronecker", d)
@@ -183,8 +186,21 @@ def test_kfacs_input_factor_travels_once_as_a_triangle_and_the_chain_is_unchange
     kept = cv.KronInputs({i: (r["G"], r["perm"]) for i, r in full.items()})
     part = {i: kept.complete(i, cv.local_curvature(c, theta, cv.KRON_OUTPUTS, 0, i), d) for i, c in enumerate(task.clients)}
     G0 = task.clients[0].kron_factors(theta)[0]
-    assert np.array_equal(full[0]["G"], 0.5 * G0 + 0.5 * G0.T)
-    m1, _ = cv.metric_from_kronecker(full, task.n_data, np.full(d, 20.0), d)
+    G0 = 0.5 * G0 + 0.5 * G0.T
+    # G as float32 carried it, shifted back to semi-definite by at most float32's rounding: F 2⁻²⁴ of its largest entry
+    assert np.max(np.abs(full[0]["G"] - G0)) <= F * 2.0**-24 * np.max(np.abs(G0))
+    assert np.linalg.eigvalsh(full[0]["G"])[0] >= -1e-12 * np.max(np.abs(G0))
+    # beyond that rounding, an indefinite G is refused
+    bad = np.asarray(cv.local_curvature(task.clients[0], theta, "kronecker", 0, 0), dtype=np.float64)
+    u = np.zeros(F)
+    u[0] = 1.0
+    tri = (G0 - 1e-3 * np.max(np.abs(G0)) * np.outer(u, u))[np.triu_indices(F)]
+    bad[2:2 + tri.size] = tri
+    with pytest.raises(ReportError, match="G is not positive semi-definite"):
+        cv.check_report(bad, "kronecker", d)
+    # (the later exchanges' Ā travels as float64, the first report's as float32: the same Ā on both sides here)
+    m1, _ = cv.metric_from_kronecker({i: {**r, "A": part[i]["A"]} for i, r in full.items()}, task.n_data,
+                                     np.full(d, 20.0), d)
     m2, _ = cv.metric_from_kronecker(part, task.n_data, np.full(d, 20.0), d)
     x = np.arange(d, dtype=float)
     assert np.array_equal(m1.apply(x), m2.apply(x))

@@ -387,7 +387,7 @@ _FLOATS = hst.floats(allow_nan=True, allow_infinity=True, width=64)
 @given(replies=hst.dictionaries(hst.integers(-2, 4), hst.one_of(
     hst.binary(max_size=80), hst.lists(_FLOATS, min_size=0, max_size=6).map(lambda v: np.asarray(v).tobytes()))))
 def test_fuzz_the_optimisation_phases_replies(replies):
-    from qlsd_flwr.protocol.wire import gradient_of
+    from qlsd_flwr.protocol.gradients import gradient_of
 
     for payload in replies.values():
         try:

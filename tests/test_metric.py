@@ -656,13 +656,15 @@ def test_qsgd_and_partial_participation_under_a_diagonal_metric_match_the_gaussi
     assert abs(per_chain.mean() - S0) > 5 * per_chain.std(ddof=1) / np.sqrt(len(per_chain))
 
 
-def test_a_float32_descent_refuses_a_reply_of_the_wrong_width_and_a_client_refuses_a_bad_precision(tmp_path):
-    # issue 37: the descent to the curvature point travels as float32; a float64 reply there is refused, counted and
-    # asked again (the run is the one without it), and a request with another precision is refused by the client
+def test_the_descent_refuses_a_reply_of_the_wrong_width_and_a_client_refuses_a_bad_precision(tmp_path):
+    # issue 37: the descent to the curvature point sends θ as float32 and takes the gradients back as 16-bit
+    # fixed-point rows; a float32 reply there is refused, counted and asked again (the run is the one without it),
+    # and a request with another precision is refused by the client
     from flwr.app import ConfigRecord
 
+    from qlsd_flwr.compression import fixed
     from qlsd_flwr.flower.records import RECORD, from_content
-    from qlsd_flwr.protocol.wire import gradient_of, precision_of
+    from qlsd_flwr.protocol.gradients import gradient_of, precision_of
     from qlsd_flwr.run.simulate import run_inprocess
 
     seen = [0]
@@ -670,11 +672,11 @@ def test_a_float32_descent_refuses_a_reply_of_the_wrong_width_and_a_client_refus
     def widen(msg, ctx, call_next):
         out = call_next(msg, ctx)
         fields = from_content(msg.content)[0]
-        if fields.get("phase") == "grad" and fields.get("precision") == 32 and int(ctx.node_config["partition-id"]) == 1:
+        if fields.get("phase") == "grad" and fields.get("precision") == 16 and int(ctx.node_config["partition-id"]) == 1:
             seen[0] += 1
             if seen[0] == 2:
                 rec = dict(out.content[RECORD])
-                rec["payload"] = np.frombuffer(rec["payload"], dtype="<f4").astype("<f8").tobytes()
+                rec["payload"] = fixed.encode(fixed.decode(rec["payload"], 62), 32)  # the same row, as float32
                 out.content[RECORD] = ConfigRecord(rec)
         return out
 
@@ -685,9 +687,19 @@ def test_a_float32_descent_refuses_a_reply_of_the_wrong_width_and_a_client_refus
     ref = run_inprocess(resolve({**o, "run-name": "b"}), {**o, "run-name": "b"})
     assert seen[0] >= 2 and bad.summary_data["rejected"] == {"phase_reply": 1}
     assert np.array_equal(load_samples(bad.run_dir), load_samples(ref.run_dir))
+    g = np.linspace(-3.0, 1.0, 62)
+    assert np.array_equal(gradient_of(fixed.encode(g, 16), 62, 16), fixed.rounded(g, 16)[0])
+    assert np.max(np.abs(gradient_of(fixed.encode(g, 16), 62, 16) - g)) <= 3.0 / 65534 * (1 + 1e-6)
+    nan_scale = bytes([16]) + np.full(1, np.nan, "<f4").tobytes() + np.zeros(62, "<i2").tobytes()
+    for payload, why in ((fixed.encode(g, 32), "expected a 16-bit fixed-point row"),  # float32 where 16 was asked
+                         (fixed.encode(np.stack([g, g]), 16), "2 rows, above the 1 allowed"),
+                         (fixed.encode(g[:61], 16), "not whole rows of 62"), (nan_scale, "scale is negative or not finite"),
+                         (b"", "not a block of rows"), (np.zeros(62).tobytes(), "not a block of rows")):
+        with pytest.raises(ValueError, match=why):
+            gradient_of(payload, 62, 16)
     with pytest.raises(ValueError, match="expected 248 bytes of float32"):
         gradient_of(np.zeros(62).tobytes(), 62, 32)  # a float64 reply
-    for p in (16, "32", True, None):
-        with pytest.raises(ValueError, match="'precision' must be 32 or 64"):
+    for p in (8, "32", True, None):
+        with pytest.raises(ValueError, match="'precision' must be one of 16, 32, 64"):
             precision_of({"precision": p})
-    assert precision_of({}) == 64 and precision_of({"precision": 32}) == 32
+    assert precision_of({}) == 64 and precision_of({"precision": 32}) == 32 and precision_of({"precision": 16}) == 16

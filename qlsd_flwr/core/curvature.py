@@ -104,6 +104,13 @@ def local_curvature(pot, theta: np.ndarray, kind: str, seed: int, client: int) -
     return (Q * np.maximum(w, 0.0)) @ Q.T
 
 
+#: K-FAC's first report travels as float32 (issue 37: the input factor's triangle was the main job's largest report,
+#: ``F̃(F̃+1)/2 = 308,505`` numbers a client, 4.0e8 bits of float64 for 20 clients). float32 keeps every entry to
+#: ``2⁻²⁴`` of itself, so the metric to ``F̃ 2⁻²⁴ ≈ 5e-5`` of ``G``'s largest entry in any direction, far below the
+#: prior's share on the main job; the rounding can leave ``G`` (of rank at most the client's data count) and ``Ā``
+#: (the softmax's Hessian has the all-ones null vector) a little indefinite, so the check allows that much and
+#: shifts the matrix back to semi-definite (:func:`_psd`'s ``rounding``)
+KRON_REPORT_DTYPE = np.float32
 #: the curvature kind of K-FAC's later exchanges: the output factor ``Ā_i`` alone. The input factor ``G_i =
 #: Σ_j x̃_j x̃_jᵀ`` is the client's data alone, the same at every θ, so the server keeps it from the client's
 #: first report (:class:`KronInputs`) instead of receiving its ``F̃²`` numbers at every stage of the descent
@@ -113,12 +120,14 @@ KRON_OUTPUTS = "kronecker-a"
 
 def kron_report(G: np.ndarray, A: np.ndarray, perm) -> np.ndarray:
     """K-FAC's first report as it travels: ``[F̃, K, G's upper triangle row by row (F̃(F̃+1)/2), Ā (K²),
-    perm (d)]``. ``G`` is symmetrised first, ``½G + ½Gᵀ``, the very numbers the server's check makes of a
-    full matrix, so the mirrored triangle is that matrix bit for bit at half the bits."""
+    perm (d)]``, float32 numbers (:data:`KRON_REPORT_DTYPE`). ``G`` is symmetrised first, ``½G + ½Gᵀ``, so the
+    mirrored triangle is a symmetric matrix at half the bits."""
     G = np.asarray(G, dtype=np.float64)
     F, K = G.shape[0], np.shape(A)[0]
     sym = 0.5 * G + 0.5 * G.T
-    return np.concatenate([[F, K], sym[np.triu_indices(F)], np.ravel(A), np.asarray(perm, dtype=np.float64)])
+    with np.errstate(over="ignore"):  # beyond float32's range: inf, which the server refuses as not finite
+        return np.concatenate([[F, K], sym[np.triu_indices(F)], np.ravel(A),
+                               np.asarray(perm, dtype=np.float64)]).astype(np.float32)
 
 
 def kron_outputs_report(F: int, A: np.ndarray) -> np.ndarray:
@@ -174,7 +183,11 @@ def check_report(h, kind: str, d: int) -> np.ndarray:
     return _psd(a, "the matrix")
 
 
-def _psd(a: np.ndarray, what: str) -> np.ndarray:
+def _psd(a: np.ndarray, what: str, rounding: float = 0.0) -> np.ndarray:
+    """``a`` symmetrised, or :class:`ReportError`: not symmetric, or an eigenvalue below ``−1e-9`` of its largest
+    entry. ``rounding``: the relative error of a float32 report (``n 2⁻²⁴`` for ``n × n``, a bound on its spectral
+    norm over the largest entry), allowed below zero as well; the matrix is then shifted by its smallest eigenvalue
+    where that is negative, so that it is semi-definite again (a change within that bound)."""
     scale = float(np.max(np.abs(a))) or 1.0
     if not np.allclose(a, a.T, rtol=0.0, atol=1e-9 * scale):
         raise ReportError(f"{what} is not symmetric")
@@ -183,8 +196,10 @@ def _psd(a: np.ndarray, what: str) -> np.ndarray:
         low = float(np.linalg.eigvalsh(sym)[0])
     except np.linalg.LinAlgError:
         raise ReportError(f"{what}: its eigenvalues cannot be computed") from None
-    if low < -1e-9 * scale:
+    if low < -(1e-9 + rounding) * scale:
         raise ReportError(f"{what} is not positive semi-definite")
+    if rounding and low < 0:
+        sym[np.diag_indices_from(sym)] -= low
     return sym
 
 
@@ -221,7 +236,8 @@ def _check_kron_report(a: np.ndarray, d: int) -> dict:
     perm = a[2 + tri + K * K:]
     if not np.array_equal(np.sort(perm), np.arange(d, dtype=np.float64)):
         raise ReportError("perm is not an ordering of θ's coordinates")
-    return {"G": _psd(G, "G"), "A": _psd(A, "A"), "perm": perm.astype(np.int64)}
+    eps = float(np.finfo(KRON_REPORT_DTYPE).eps) / 2  # float32's rounding, 2⁻²⁴
+    return {"G": _psd(G, "G", F * eps), "A": _psd(A, "A", K * eps), "perm": perm.astype(np.int64)}
 
 
 #: why a report was scaled (``curvature_scaled_why``; the log names it): the per-datum cap, then the leave-one-out rule

@@ -38,7 +38,8 @@ from qlsd_flwr.robust.claims import out_of_scale, over_bound, relative_gap
 from qlsd_flwr.robust.reports import MAX_BLOCK, clamped_counts
 from qlsd_flwr.robust.norm_guard import fixed_bound
 from qlsd_flwr.compression import fixed
-from qlsd_flwr.protocol.wire import PhaseError, gradient_of
+from qlsd_flwr.protocol.gradients import gradient_of
+from qlsd_flwr.protocol.wire import PhaseError, report_of
 from qlsd_flwr.tasks.threads import pin_blas
 
 log = logging.getLogger("qlsd_flwr")
@@ -125,10 +126,10 @@ class PhaseExchanges:
     def gradients(self, grid, theta: np.ndarray, timeout: float, precision: int = 64) -> list[np.ndarray]:
         """The kept clients' ``∇U_i(θ)`` in client order (zeros for those left out); an unusable reply
         is asked once more, then its client is left out (:class:`LeftOut`). ``precision = 32``: θ (already
-        float32-valued) travels as float32 and the gradients come back so."""
+        float32-valued) travels as float32 and the gradients come back so; 16: the gradients as 16-bit rows."""
         ask = {"phase": "grad", "round": -1, "theta": theta}
-        if precision == 32:
-            ask = {**ask, "theta": np.asarray(theta, dtype=np.float32), "precision": 32}
+        if precision != 64:  # θ (already float32-valued) as float32; the gradients at the width asked
+            ask = {**ask, "theta": np.asarray(theta, dtype=np.float32), "precision": precision}
         grads: dict[int, np.ndarray] = {}
         refused: dict[int, str] = {}
         for attempt in range(2):
@@ -188,8 +189,7 @@ class PhaseExchanges:
         if vectors is not None:
             fields["vectors"] = fixed.encode(vectors, bits)
         got = self.ask(grid, fields, timeout, self.clients())
-        return {i: (_products(b, theta.size) if kind == "hvp" else
-                    np.frombuffer(b, dtype="<f8") if len(b) % 8 == 0 else b) for i, b in got.items()}
+        return {i: (_products(b, theta.size) if kind == "hvp" else report_of(b, kind)) for i, b in got.items()}
 
 
 def _products(buf: bytes, d: int):

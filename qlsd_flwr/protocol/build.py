@@ -24,6 +24,7 @@ from qlsd_flwr.core.oracles import ClientSpec
 from qlsd_flwr.core.potential import GaussianPrior, Task
 from qlsd_flwr.core.priors import check_prior
 from qlsd_flwr.core.server_step import ServerSpec
+from qlsd_flwr.protocol.gradients import theta_width
 
 
 def check_clients(task: Task) -> None:
@@ -339,8 +340,11 @@ def combine_grads(cfg: RunConfig, prior: GaussianPrior, grads, theta: np.ndarray
 
 
 def as_sent(x: np.ndarray, precision: int = 64) -> np.ndarray:
-    """``x`` as a ``precision``-bit exchange carries it, back in float64 (the identity at 64): every engine rounds
-    the descent's θ and gradients where Flower's messages do, so all give the same θ*."""
+    """``x`` as a ``precision``-bit exchange carries it, back in float64 (the identity at 64; 16: a fixed-point row,
+    :mod:`~qlsd_flwr.protocol.gradients`): every engine rounds the descent's θ and gradients where Flower's messages
+    do, so all give the same θ*."""
+    if precision == 16:
+        return fixed.rounded(x, 16)[0]
     return np.asarray(x, dtype=np.float32).astype(np.float64) if precision == 32 else x
 
 
@@ -366,9 +370,10 @@ class GradExchange:
         return combine_grads(self.cfg, self.prior, [grads.get(i, np.zeros_like(th)) for i in range(self.cfg.b)], th)
 
     def __call__(self, th, precision: int = 64) -> np.ndarray:
-        """``∇U(θ)``; at ``precision = 32`` θ goes out and the gradients come back as float32 (the θ* descent where
-        θ* is only the point where the curvature is taken), the prior's part taken at the θ the clients got."""
-        th = as_sent(th, precision)
+        """``∇U(θ)``; at ``precision = 32`` θ goes out and the gradients come back as float32, at 16 θ as float32
+        and the gradients as 16-bit rows (the θ* descent where θ* is only the point where the curvature is taken),
+        the prior's part taken at the θ the clients got."""
+        th = as_sent(th, theta_width(precision))
         return combine_grads(self.cfg, self.prior, self._gradients(th, precision), th)
 
 

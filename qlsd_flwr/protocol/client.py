@@ -27,13 +27,13 @@ from qlsd_flwr.core.lowrank import local_hvp
 from qlsd_flwr.robust.reports import MAX_BLOCK
 from qlsd_flwr.core.curvature import KRON_OUTPUTS, local_curvature
 from qlsd_flwr.core.potential import LocalPotential
+from qlsd_flwr.protocol.gradients import gradient_to_bytes, precision_of
 from qlsd_flwr.protocol.wire import (
     arr_to_bytes,
     bundle_reply,
-    gradient_to_bytes,
-    precision_of,
     metric_of,
     refuse_undeclared,
+    report_bytes,
     unbundle_request,
     vector,
 )
@@ -56,7 +56,7 @@ def _prepare(spec: ClientSpec, pot: LocalPotential, st: ClientState, fields: dic
             V, bits = block_of(fields.get("vectors"), d)
             return theta, {"client": i, "status": "ok", "payload": fixed.encode(local_hvp(pot, theta, V, bits), bits)}
         h = local_curvature(pot, theta, kind, seed, i)
-        return theta, {"client": i, "status": "ok", "payload": arr_to_bytes(h.ravel())}
+        return theta, {"client": i, "status": "ok", "payload": report_bytes(h)}
     # every field is read and checked before any of the client's state changes
     refuse_undeclared(fields, spec.kind.down, "down")
     if spec.kind.local:

@@ -34,7 +34,8 @@ from qlsd_flwr.core import curvature as cv, dglmc, fald, fsgld
 from qlsd_flwr.protocol import metric_sent
 from qlsd_flwr.protocol import build
 from qlsd_flwr.protocol.claims import ThetaStarClaims
-from qlsd_flwr.protocol.wire import ReplyError, gradient_of
+from qlsd_flwr.protocol.gradients import gradient_of
+from qlsd_flwr.protocol.wire import ReplyError
 from qlsd_flwr.robust.claims import out_of_scale, over_bound
 from qlsd_flwr.robust.norm_guard import fixed_bound
 

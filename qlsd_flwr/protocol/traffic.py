@@ -3,7 +3,8 @@
 Every engine hands :func:`qlsd_flwr.protocol.precondition.prepare` the same two ways to reach the clients
 (``grad_fn``, ``curv_fn``); :func:`counted` wraps them so that each exchange adds its code lengths to a
 :class:`Traffic`: a gradient exchange sends θ to each of the ``b`` clients (``64 d`` bits each, 32 in a
-float32 descent) and gets ``∇U_i(θ)`` back (the same); a curvature exchange sends θ (``32 d`` where it is the
+float32 descent) and gets ``∇U_i(θ)`` back (the same; at 16, :mod:`qlsd_flwr.protocol.gradients`, θ goes as
+float32 and the gradient comes back as one fixed-point row, ``16 d + 40`` bits); a curvature exchange sends θ (``32 d`` where it is the
 float32 descent's result, :func:`point_bits`, else ``64 d``; and, for Hessian-vector
 products, the block's ``k`` vectors as rows of :mod:`qlsd_flwr.compression.fixed`, ``8 + k (16 d + 32)`` bits at
 16 bits, ``8 + 32 k d`` at 32) and gets each client's report as sent (products: the same as the block). The kinds (``PREP_KINDS`` of
@@ -22,6 +23,7 @@ import contextlib
 import numpy as np
 
 from qlsd_flwr.compression import fixed
+from qlsd_flwr.protocol.gradients import theta_width
 
 
 #: how the progress lines name each kind of exchange
@@ -135,7 +137,8 @@ def counted(grad_fn, curv_fn, traffic: Traffic):
 
     def grad(th):  # counted when asked: a request that fails still went out
         bits = traffic.precision
-        traffic.add(traffic.phase, bits * d * b, bits * d * b)
+        up = fixed.message_bits(1, d, 16) if bits == 16 else bits * d  # 16: one fixed-point row (protocol.gradients)
+        traffic.add(traffic.phase, up * b, theta_width(bits) * d * b)
         return grad_fn(th) if bits == 64 else grad_fn(th, bits)
 
     def curv(th, kind, vectors=None, bits=fixed.BITS):

@@ -109,36 +109,24 @@ def bytes_to_arr(b: bytes, d: int) -> np.ndarray:
     return np.frombuffer(b, dtype="<f8").astype(np.float64)
 
 
+def report_bytes(h: np.ndarray) -> bytes:
+    """A curvature report's payload: its numbers row by row, float32 where the report is float32 (K-FAC's first,
+    :data:`qlsd_flwr.core.curvature.KRON_REPORT_DTYPE`), float64 otherwise."""
+    h = np.asarray(h)
+    return np.ascontiguousarray(h.ravel(), dtype="<f4").tobytes() if h.dtype == np.float32 else arr_to_bytes(h.ravel())
+
+
+def report_of(buf, kind: str):
+    """A curvature report as received: float32 numbers for K-FAC's first (``kind = "kronecker"``), float64 for the
+    others, or the bytes as they came when they are not whole numbers (the preparation's check refuses those)."""
+    width = 4 if kind == "kronecker" else 8
+    if not isinstance(buf, (bytes, bytearray)) or len(buf) % width:
+        return buf
+    return np.frombuffer(buf, dtype="<f4" if width == 4 else "<f8")
+
+
 class PhaseError(RuntimeError):
     """A phase before sampling cannot go on: every client's reply is needed and one is unusable."""
-
-
-def precision_of(fields: dict) -> int:
-    """A ``grad`` request's ``precision`` (64 when absent), or ``ValueError`` naming the field and its values."""
-    p = fields.get("precision", 64)
-    if isinstance(p, bool) or p not in (32, 64):
-        raise ValueError(f"grad: 'precision' must be 32 or 64, not {p!r}")
-    return int(p)
-
-
-def gradient_to_bytes(g: np.ndarray, precision: int = 64) -> bytes:
-    """A ``grad`` reply's payload: float64 bytes (:func:`arr_to_bytes`), or float32 ones at ``precision = 32``."""
-    return np.ascontiguousarray(g, dtype="<f4").tobytes() if precision == 32 else arr_to_bytes(g)
-
-
-def gradient_of(payload, d: int, precision: int = 64) -> np.ndarray:
-    """A θ* phase reply's ``∇U_i(θ)``: ``8d`` bytes of finite float64 (``4d`` of float32 at ``precision = 32``),
-    else ``ValueError`` saying why (the caller counts it and asks again: :mod:`qlsd_flwr.flower.phases`)."""
-    if precision == 32:
-        n = len(payload) if isinstance(payload, (bytes, bytearray)) else "?"
-        if n != 4 * d:
-            raise ValueError(f"expected {4 * d} bytes of float32, got {type(payload).__name__} of length {n}")
-        g = np.frombuffer(payload, dtype="<f4").astype(np.float64)
-    else:
-        g = bytes_to_arr(payload, d)
-    if not np.all(np.isfinite(g)):
-        raise ValueError("non-finite values")
-    return g
 
 
 class ReplyError(ValueError):

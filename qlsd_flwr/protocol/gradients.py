@@ -1,0 +1,56 @@
+"""What a ``grad`` exchange of the preparation carries (the θ* descent, the power iteration's fallback, the
+warm-up of ``metric-from = adapt``, the claims): θ down and the client's ``∇U_i(θ)`` back, at a width the request
+names (``precision``). 64: float64 both ways. 32: float32 both ways. 16: θ as float32 down and the gradient back
+as one 16-bit fixed-point row (:mod:`qlsd_flwr.compression.fixed`: a float32 scale and a signed 16-bit level a
+number), a quarter of float64's uplink; the θ* descent uses it where θ* is only the point where the curvature is
+taken (:data:`qlsd_flwr.protocol.precondition.DESCENT_PRECISION`)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from qlsd_flwr.compression import fixed
+from qlsd_flwr.protocol.wire import arr_to_bytes, bytes_to_arr
+
+#: a ``grad`` request's widths: float64, float32, or θ as float32 and the gradient as a 16-bit row (the θ* descent)
+PRECISIONS = (16, 32, 64)
+
+
+def precision_of(fields: dict) -> int:
+    """A ``grad`` request's ``precision`` (64 when absent), or ``ValueError`` naming the field and its values."""
+    p = fields.get("precision", 64)
+    if isinstance(p, bool) or p not in PRECISIONS:
+        raise ValueError(f"grad: 'precision' must be one of {', '.join(map(str, PRECISIONS))}, not {p!r}")
+    return int(p)
+
+
+def gradient_to_bytes(g: np.ndarray, precision: int = 64) -> bytes:
+    """A ``grad`` reply's payload: float64 bytes (:func:`arr_to_bytes`), float32 ones at ``precision = 32``, one
+    16-bit fixed-point row (:mod:`qlsd_flwr.compression.fixed`) at 16."""
+    if precision == 16:
+        return fixed.encode(g, 16)
+    return np.ascontiguousarray(g, dtype="<f4").tobytes() if precision == 32 else arr_to_bytes(g)
+
+
+def gradient_of(payload, d: int, precision: int = 64) -> np.ndarray:
+    """A θ* phase reply's ``∇U_i(θ)``: ``8d`` bytes of finite float64 (``4d`` of float32 at ``precision = 32``; one
+    16-bit row of ``d`` at 16, with a finite scale), else ``ValueError`` saying why (the caller counts it and asks again: :mod:`qlsd_flwr.flower.phases`)."""
+    if precision == 16:  # its tag, whole rows of d, one of them, a finite scale (fixed.decode)
+        if fixed.width_of(payload) != 16:
+            raise ValueError("expected a 16-bit fixed-point row, got float32 ones")
+        g = fixed.decode(payload, d, max_rows=1)[0]
+    elif precision == 32:
+        n = len(payload) if isinstance(payload, (bytes, bytearray)) else "?"
+        if n != 4 * d:
+            raise ValueError(f"expected {4 * d} bytes of float32, got {type(payload).__name__} of length {n}")
+        g = np.frombuffer(payload, dtype="<f4").astype(np.float64)
+    else:
+        g = bytes_to_arr(payload, d)
+    if not np.all(np.isfinite(g)):
+        raise ValueError("non-finite values")
+    return g
+
+
+def theta_width(precision: int) -> int:
+    """The width θ goes down at in a ``grad`` request of ``precision``: float64 at 64, float32 otherwise."""
+    return 64 if int(precision) == 64 else 32
