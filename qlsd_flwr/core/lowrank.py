@@ -35,7 +35,9 @@ products in blocks of 32, 15 with 384 in blocks of 16.
 Every client report is untrusted (:func:`check_block`): the wrong size, a non-finite value or a
 value above :data:`qlsd_flwr.robust.reports.REPORT_MAX` is refused (``curvature_rejected``); a report
 whose per-datum size ``‖H_i V‖_F / N_i`` exceeds :data:`qlsd_flwr.robust.reports.REPORT_CAP` times the
-clients' lower median is scaled down to it (``curvature_scaled``), as the curvature reports are.
+clients' lower median is scaled down to it (``curvature_scaled``), as the curvature reports are; and each
+client's share of ``T`` is held to the leave-one-out rule both ways (:mod:`qlsd_flwr.robust.krylov`, through
+:func:`correction`'s ``gram``).
 """
 
 from __future__ import annotations
@@ -129,9 +131,22 @@ def check_block(h, b: int, d: int) -> np.ndarray:
 
 
 def summed_products(reports: dict, n_data, b: int, d: int, info: dict, log=None) -> np.ndarray:
-    """``Σ_i H_i V`` (``(b, d)``) from the clients' reports, each checked (:func:`check_block`) and
-    scaled down to :data:`~qlsd_flwr.robust.reports.REPORT_CAP` times the lower median of the per-datum
-    sizes; refused and scaled clients are recorded in ``info``."""
+    """``Σ_i H_i V`` (``(b, d)``) of :func:`held_products`, in client order."""
+    return summed(held_products(reports, n_data, b, d, info, log), b, d)
+
+
+def summed(parts: dict, b: int, d: int) -> np.ndarray:
+    """``Σ_i parts[i]`` in client order, from zeros (the order every engine sums in)."""
+    total = np.zeros((b, d))
+    for i in sorted(parts):
+        total = total + parts[i]
+    return total
+
+
+def held_products(reports: dict, n_data, b: int, d: int, info: dict, log=None) -> dict:
+    """The clients' reports ``{i: H_i V}`` (``(b, d)``), each checked (:func:`check_block`) and scaled down to
+    :data:`~qlsd_flwr.robust.reports.REPORT_CAP` times the lower median of the per-datum sizes; refused and scaled
+    clients are recorded in ``info``."""
 
     ok = {}
     for i, h in sorted(reports.items()):
@@ -144,21 +159,23 @@ def summed_products(reports: dict, n_data, b: int, d: int, info: dict, log=None)
     n = clamped_counts(n_data, ok)
     size = {i: float(np.linalg.norm(h)) / n[i] for i, h in ok.items()}
     ref = lower_median(size.values()) if size else 0.0
-    total = np.zeros((b, d))
+    held = {}
     for i in sorted(ok):
         h = ok[i]
         if ref > 0 and size[i] > REPORT_CAP * ref:
             h = h * (REPORT_CAP * ref / size[i])
             if i not in info.setdefault("curvature_scaled", []):
                 info["curvature_scaled"].append(i)
-        total = total + h
-    return total
+        held[i] = h
+    return held
 
 
 def correction(products, root, root_t, d: int, rank: int, seed: int, block: int | None = None,
-               exchanges: int | None = None) -> tuple[tuple[np.ndarray, np.ndarray] | None, dict]:
+               exchanges: int | None = None, gram=None) -> tuple[tuple[np.ndarray, np.ndarray] | None, dict]:
     """The correction of the module docstring. ``products(W)`` is ``∇²U(θ*) W`` for the rows of
-    ``W`` (``(b, d)``: one exchange); ``root``/``root_t`` apply ``R``/``Rᵀ`` to one vector. Returns
+    ``W`` (``(b, d)``: one exchange); ``root``/``root_t`` apply ``R``/``Rᵀ`` to one vector. ``gram()``, when given,
+    is the projected curvature ``T`` (``(n, n)``, after the last exchange) in place of ``Kᵀ B K`` from the summed
+    products: the clients' shares held to the leave-one-out rule (:class:`qlsd_flwr.robust.krylov.KrylovShares`). Returns
     the correction's ``(U, t)`` (``None`` when no Ritz pair converged; :meth:`Metric.corrected
     <qlsd_flwr.core.metric.Metric.corrected>` makes the metric) and the facts for the summary."""
     b = int(min(block, d)) if block else (d if d <= 2 * LOWRANK_BLOCK else LOWRANK_BLOCK)
@@ -178,7 +195,7 @@ def correction(products, root, root_t, d: int, rank: int, seed: int, block: int 
         W = W - (W @ K.T) @ K
         X = np.linalg.qr(W.T)[0].T
     K, BK = np.concatenate(Ks), np.concatenate(BKs)
-    T = K @ BK.T
+    T = K @ BK.T if gram is None else gram()
     t, S = np.linalg.eigh(0.5 * T + 0.5 * T.T)
     U = S.T @ K  # Ritz vectors as rows
     res = np.linalg.norm(S.T @ BK - t[:, None] * U, axis=1)

@@ -15,7 +15,8 @@ from qlsd_flwr.core import curvature as cv
 from qlsd_flwr.core.metric import Metric, MetricError
 from qlsd_flwr.core.potential import Task
 from qlsd_flwr.robust.products import held_parts
-from qlsd_flwr.robust.reports import REPORT_CAP, ReportError
+from qlsd_flwr.robust.krylov import PASSES, KrylovShares
+from qlsd_flwr.robust.reports import FACTOR_SHARE, REPORT_CAP, ReportError
 
 log = logging.getLogger("qlsd_flwr")
 
@@ -83,7 +84,9 @@ def curvature_metric(cfg: RunConfig, task: Task, point: np.ndarray, curv_fn: Cur
 def lowrank_correction(cfg: RunConfig, task: Task, point: np.ndarray, curv_fn: CurvFn | None, n_data, metric: Metric,
              info: dict) -> Metric:
     """``metric-rank = k``: the metric corrected along the ``k`` directions where ``M^½ᵀ ∇²U(θ*) M^½`` is
-    farthest from 1 (:mod:`qlsd_flwr.core.lowrank`), from the clients' Hessian-vector products."""
+    farthest from 1 (:mod:`qlsd_flwr.core.lowrank`), from the clients' Hessian-vector products, each client's
+    share held to the leave-one-out rule (:mod:`qlsd_flwr.robust.krylov`: a client scaled has the correction made
+    once more with its products scaled from the start)."""
     from qlsd_flwr.core import lowrank as lr
 
     if curv_fn is None:
@@ -94,12 +97,32 @@ def lowrank_correction(cfg: RunConfig, task: Task, point: np.ndarray, curv_fn: C
 
     bits = fixed.width_for(metric.spread())  # 16-bit rows unless the block's entries span too many scales
     info["lowrank_bits"] = bits
+    scales: dict[int, float] = {}  # clients held by the leave-one-out rule in an earlier pass (robust.krylov)
+    for attempt in range(PASSES):
+        shares = KrylovShares()
 
-    def products(W):  # the block as it travels, so the prior's part multiplies what the clients' did
-        W = fixed.rounded(W, bits)
-        return lr.summed_products(curv_fn(point, "hvp", W, bits), n_data, W.shape[0], d, info, log) + W * prior_c
+        def products(W, shares=shares):  # the block as it travels, so the prior's part multiplies what the clients' did
+            W = fixed.rounded(W, bits)
+            held = lr.held_products(curv_fn(point, "hvp", W, bits), n_data, W.shape[0], d, info, log)
+            held = {i: (h * scales[i] if i in scales else h) for i, h in held.items()}
+            shares.add(W, held, W * prior_c)
+            return lr.summed(held, W.shape[0], d) + W * prior_c
 
-    low, linfo = lr.correction(products, metric.apply_root, metric.apply_root_t, d, lowrank_rank(cfg), cfg.seed)
+        low, linfo = lr.correction(products, metric.apply_root, metric.apply_root_t, d, lowrank_rank(cfg), cfg.seed,
+                                   gram=lambda shares=shares: shares.gram(n_data))
+        info["lowrank_loo_share"] = max(float(info.get("lowrank_loo_share", 0.0)), shares.share_max)
+        if shares.unjudged:
+            info["lowrank_unjudged"] = shares.unjudged
+        for i, s_i in sorted(shares.scales.items()):
+            log.warning("client %d: its Hessian-vector products would move the metric's correction by more than "
+                        "1 + %g N_i/N_−i in some direction of its space; scaled by %.3g%s (lowrank_held)", i,
+                        FACTOR_SHARE, s_i, "" if attempt == PASSES - 1 else ", and the correction is made again")
+            scales[i] = scales.get(i, 1.0) * s_i
+        info["lowrank_passes"] = attempt + 1
+        if not shares.scales:
+            break
+    if scales:
+        info["lowrank_held"] = {str(i): v for i, v in sorted(scales.items())}
     info.update(linfo)
     if low is None:
         log.warning("metric-rank: no direction of the curvature converged in %d exchanges; the metric is left as it "
