@@ -1,8 +1,8 @@
 """The federated leave-one-out (key ``loo``, :mod:`qlsd_flwr.outputs.loo`): PSIS-LOO over the
 training points with the data on the clients.
 
-The reference is ``az.loo`` on the pooled ``S × N`` pointwise log-likelihood of the same draws,
-computed here from the whole data set in one process. PSIS smooths each point on its own, so the
+The reference is ``az.loo`` on the pooled ``S × N`` pointwise log-likelihood of the same draws as they travel
+(float32, ``loo.DRAWS_DTYPE``), computed here from the whole data set in one process. PSIS smooths each point on its own, so the
 clients' per-point values must equal it to float rounding (the sums differ only in the order of
 additions: 1e-9 relative is generous for sums of a few hundred terms of size ≤ 10^3)."""
 
@@ -39,7 +39,9 @@ def task_of(cfg: dict):
 
 
 def pooled_loo(task_clients, theta: np.ndarray):
-    """``az.loo`` on the whole data set's pointwise log-likelihood at the draws ``theta`` (c, n, d)."""
+    """``az.loo`` on the whole data set's pointwise log-likelihood at the draws ``theta`` (c, n, d), as they travel
+    to the clients (float32)."""
+    theta = theta.astype(L.DRAWS_DTYPE).astype(np.float64)
     c, n, d = theta.shape
     ll = np.concatenate([np.stack([cl.pointwise_log_lik(t) for t in theta.reshape(-1, d)]) for cl in task_clients],
                         axis=1).reshape(c, n, -1)
@@ -78,7 +80,7 @@ def test_federated_psis_equals_az_loo_on_the_pooled_log_likelihood(tmp_path, eng
     s = json.loads((outs["psis"].run_dir / "summary.json").read_text())["loo"]
     S, N, d = theta.shape[0] * theta.shape[1], ll.shape[-1], theta.shape[-1]
     assert s["elpd_loo"] == pytest.approx(ref["elpd_loo"], rel=1e-9) and s["n_data_points"] == N
-    assert s["bits_up"] == 64 * 3 * N and s["bits_down"] == 64 * S * d * 4  # what the docs state
+    assert s["bits_up"] == 64 * 3 * N and s["bits_down"] == 32 * S * d * 4  # what the docs state: float32 draws
     assert json.loads((outs["pointwise"].run_dir / "summary.json").read_text())["loo"]["bits_up"] == 64 * S * N
     assert s["offsets"] == [0, *np.cumsum(task.n_data).tolist()]
 
@@ -108,7 +110,7 @@ def test_a_users_torch_app_gets_the_same_loo_as_the_pooled_computation(tmp_path)
     theta = az.from_netcdf(tmp_path / "psis" / "samples.nc").posterior["theta"].values
     ref, ll = pooled_loo(pots, theta)
     # the per-example log-likelihood a TorchPotential reports is −cross-entropy, exactly log softmax
-    pots[0]._load(theta[0, 0])
+    pots[0]._load(theta[0, 0].astype(np.float32).astype(np.float64))
     logp = torch.log_softmax(pots[0].model(torch.as_tensor(X[parts[0]])), -1).detach().numpy()
     assert np.allclose(ll[0, 0, :len(parts[0])], logp[np.arange(len(parts[0])), y[parts[0]]], atol=1e-12)
     assert_same_loo(qlsd_flwr.loo(tmp_path / "psis"), ref)
@@ -226,7 +228,8 @@ def test_the_gaussian_loo_matches_its_closed_form():
     ymj = (y.sum(0) - y) / (N - 1)
     var = 1 + 1 / (N - 1)
     exact = -0.5 * np.sum((y - ymj) ** 2, axis=1) / var - 0.5 * d * np.log(2 * np.pi * var)
-    parts = [L.client_reply(c, theta.reshape(-1, d), L.reff_of(az.from_dict(posterior={"theta": theta}).posterior),
+    sent = theta.reshape(-1, d).astype(L.DRAWS_DTYPE)  # as the request carries them
+    parts = [L.client_reply(c, sent, L.reff_of(az.from_dict(posterior={"theta": theta}).posterior),
                             "psis").reshape(3, -1) for c in task.clients]
     got = L.elpd_from_points(np.concatenate(parts, axis=1), 4000)
     assert_same_loo(got, ref)

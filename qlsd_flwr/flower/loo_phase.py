@@ -1,8 +1,8 @@
 """The federated LOO's messages over Flower (the numerics and the rules: :mod:`qlsd_flwr.outputs.loo`).
 
 After the last round the server sends each client one ``query`` message: the ``qlsd`` record
-``{"report": "loo", "mode", "reff", "client"}`` and the array ``draws`` (``S × d`` float64, the kept
-draws chain by chain). The client answers ``{"client", "status": "ok", "payload": <float64 bytes>}``
+``{"report": "loo", "mode", "reff", "client"}`` and the array ``draws`` (``S × d`` float32, the kept
+draws chain by chain: :data:`qlsd_flwr.outputs.loo.DRAWS_DTYPE`). The client answers ``{"client", "status": "ok", "payload": <float64 bytes>}``
 (its :func:`qlsd_flwr.outputs.loo.client_reply`) or ``status = "error"`` with the reason.
 A reply is attributed to the node it came from, never to the index it claims.
 """
@@ -19,7 +19,7 @@ from qlsd_flwr.flower.records import ARRAYS, RECORD, config_record
 def asker(grid, node_of: dict[int, int], b: int, mode: str, timeout: float):
     """``ask(draws, reff) -> {i: payload}`` for :func:`qlsd_flwr.outputs.loo.attach`."""
     def ask(draws: np.ndarray, reff: float) -> dict:
-        arr = Array(np.ascontiguousarray(draws, dtype=np.float64))
+        arr = Array(np.ascontiguousarray(draws, dtype=loo.DRAWS_DTYPE))
         msgs = [Message(RecordDict({RECORD: ConfigRecord({"report": "loo", "mode": mode, "reff": float(reff),
                                                           "client": i}),
                                     ARRAYS: ArrayRecord({"draws": arr})}), node_of[i], MessageType.QUERY)

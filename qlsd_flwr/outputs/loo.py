@@ -21,8 +21,8 @@ posterior group). Each client evaluates ``ℓ_sj = log p(y_j | θ_s)`` for its o
 
 PSIS smooths every point's weights on their own, so the client's computation is the pooled
 one point by point: ``elpd_loo = Σ_j elpd_loo,j``, ``se = √(N var_j elpd_loo,j)``,
-``p_loo = Σ_j lppd_j − elpd_loo`` (``az.loo``'s formulas). The downlink is ``64 S d`` bits per
-client. Each reply is validated (length from the client's handshake ``N_i``, finite values)
+``p_loo = Σ_j lppd_j − elpd_loo`` (``az.loo``'s formulas), at the draws as they travel (float32,
+:data:`DRAWS_DTYPE`). The downlink is ``32 S d`` bits per client. Each reply is validated (length from the client's handshake ``N_i``, finite values)
 before anything is written; a refused or missing client leaves the LOO out, with the reason,
 rather than a LOO over part of the data. A client can still lie about its own points' values:
 the LOO is a model-comparison figure, never an input to the chain.
@@ -51,6 +51,11 @@ HELDOUT = "heldout_log_likelihood"  # the held-out test points' log p(y_j | θ_s
 UNRELIABLE_SHARE = 0.1
 #: the most the draws may weigh in one message to a client (Flower's gRPC limit is 512 MiB)
 DOWNLINK_MAX_BYTES = 256 * 2**20
+#: the draws travel as float32 (issue 37: float64 doubled the LOO's downlink, every kept draw to every client, and
+#: buys nothing here: θ rounded at 6e-8 of itself moves a point's log-likelihood by 6e-8 × |θ · ∇ log p|, far below
+#: PSIS's own Monte Carlo error); every path (Flower's messages, the legacy API, the direct engines) computes the
+#: LOO at the draws as sent, so the result is the same on each
+DRAWS_DTYPE = np.float32
 log = logging.getLogger(__name__)
 
 
@@ -153,8 +158,8 @@ def summary_of(elpd, mode: str, bits_down: int, bits_up: int) -> dict:
 
 
 def request(samples_nc) -> tuple[np.ndarray, float, tuple[int, int, int]]:
-    """What the server sends every client: the kept draws ``(S, d)`` chain by chain, ArviZ's
-    ``r_eff`` and the draws' ``(chains, draws, d)``; :class:`LooError` when there are too few draws
+    """What the server sends every client: the kept draws ``(S, d)`` chain by chain as :data:`DRAWS_DTYPE`,
+    ArviZ's ``r_eff`` and the draws' ``(chains, draws, d)``; :class:`LooError` when there are too few draws
     or too many for one message."""
     idata = _read(samples_nc)
     th = np.asarray(idata.posterior["theta"].values, dtype=np.float64)
@@ -162,11 +167,13 @@ def request(samples_nc) -> tuple[np.ndarray, float, tuple[int, int, int]]:
     S = c * n
     if S < 2:
         raise LooError(f"{S} kept draw(s): the LOO needs at least 2")
-    if 8 * S * d > DOWNLINK_MAX_BYTES:
-        raise LooError(f"the kept draws are {8 * S * d / 2**20:.0f} MiB ({S} draws × d = {d}), more than one "
+    size = np.dtype(DRAWS_DTYPE).itemsize * S * d
+    if size > DOWNLINK_MAX_BYTES:
+        raise LooError(f"the kept draws are {size / 2**20:.0f} MiB ({S} draws × d = {d}), more than one "
                        f"message may carry ({DOWNLINK_MAX_BYTES / 2**20:.0f} MiB); keep fewer draws (thin) or set "
                        "loo = off")
-    return th.reshape(S, d), reff_of(idata.posterior), (c, n, d)
+    with np.errstate(over="ignore"):  # a draw beyond float32's range travels as inf: its log-likelihoods are not finite, refused
+        return th.reshape(S, d).astype(DRAWS_DTYPE), reff_of(idata.posterior), (c, n, d)
 
 
 def excluded_clients(summary: dict | None) -> dict[int, str]:
@@ -226,7 +233,7 @@ def federated(samples_nc, mode: str, n_data, ask: Callable[[np.ndarray, float], 
             parts[i] = check_reply(replies[i], int(n_data[i]), S, mode, ceiling)
         except LooError as exc:
             refused[str(i)] = str(exc)
-    bits_down = 64 * S * d * b
+    bits_down = 8 * np.dtype(DRAWS_DTYPE).itemsize * S * d * b
     bits_up = sum(64 * a.size for a in parts.values())
     if refused:
         why = "; ".join(f"client {i}: {r}" for i, r in sorted(refused.items(), key=lambda t: int(t[0])))
