@@ -185,8 +185,8 @@ def prepare(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | No
     if not needs_preparation(cfg):
         ts, info = resolve_theta_star(cfg, task, theta0, grad_fn)
         prep = _with_surrogates(cfg, task, Prepared(ts, info, Identity(), cfg.gamma), curv_fn, n_data)
-        info.update(counts)  # the counts with FSGLD's curvature exchange in them
         traffic.summary()
+        info.update(counts)  # the counts with FSGLD's curvature exchange in them, and the preparation's seconds
         return prep
     info: dict = counts  # the counts go on as the exchanges are made
     d = task.dim

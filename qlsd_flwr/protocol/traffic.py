@@ -19,6 +19,7 @@ totals ``prep_exchanges``, ``prep_uplink_bits``, ``prep_downlink_bits``).
 from __future__ import annotations
 
 import contextlib
+import time
 
 import numpy as np
 
@@ -35,15 +36,17 @@ class Traffic:
     """The preparation's exchanges so far, by kind; ``phase`` names what a gradient exchange is for.
 
     ``say(line)``, when given, is told one line each time the kind of exchange changes (the run of
-    exchanges of one kind just ended, with its bits) and, from :meth:`summary`, what the whole
-    preparation cost: the progress of a preparation that may take minutes."""
+    exchanges of one kind just ended, with its bits and its wall-clock seconds) and, from :meth:`summary`, what
+    the whole preparation cost (``prep_seconds`` in the facts: the time from the first exchange to the summary,
+    the server's own work included): the progress of a preparation that may take minutes."""
 
     def __init__(self, b: int, d: int, info: dict, say=None):
         self.b, self.d, self.info, self.say = int(b), int(d), info, say
         self.phase = "descent"
         self.precision = 64  # bits a number of a gradient exchange, both ways (:func:`precision`)
         info.setdefault("prep_bits", {})
-        self._run = None  # [kind, exchanges, uplink, downlink] of the exchanges since the kind last changed
+        self._run = None  # [kind, exchanges, uplink, downlink, start] of the exchanges since the kind last changed
+        self._start = None  # when the first exchange was asked
         self._totals()
 
     def add(self, kind: str, uplink: int, downlink: int) -> None:
@@ -56,28 +59,32 @@ class Traffic:
         if self._run is not None and self._run[0] != kind:
             self._flush()
         if self._run is None:
-            self._run = [kind, 0, 0, 0]
+            now = time.monotonic()
+            self._start = now if self._start is None else self._start
+            self._run = [kind, 0, 0, 0, now]
         self._run[1] += 1
         self._run[2] += int(uplink)
         self._run[3] += int(downlink)
 
     def _flush(self) -> None:
         if self._run is not None and self.say is not None:
-            kind, n, up, down = self._run
+            kind, n, up, down, start = self._run
             self.say(f"  preparation · {LABELS.get(kind, kind)}: {n} exchange{'s' if n != 1 else ''}, "
-                     f"{up:.3g} bits up, {down:.3g} down")
+                     f"{up:.3g} bits up, {down:.3g} down, {time.monotonic() - start:.1f} s")
         self._run = None
 
     def summary(self) -> None:
         """The last run's line, then one line with what the preparation cost (nothing when it made no exchange)."""
         self._flush()
         rows = self.info["prep_bits"]
+        if self._start is not None:
+            self.info["prep_seconds"] = round(time.monotonic() - self._start, 1)
         if self.say is None or not rows:
             return
         up, down = self.info["prep_uplink_bits"], self.info["prep_downlink_bits"]
         parts = ", ".join(f"{LABELS[k]} {rows[k]['uplink'] + rows[k]['downlink']:.3g}" for k in LABELS if k in rows)
         self.say(f"preparation: {self.info['prep_exchanges']} exchanges, {up:.3g} bits up + {down:.3g} down "
-                 f"= {up + down:.3g} ({parts}); summary.json 'bits'")
+                 f"= {up + down:.3g} ({parts}), {self.info.get('prep_seconds', 0.0):.0f} s; summary.json 'bits'")
 
     def _totals(self) -> None:
         rows = self.info["prep_bits"].values()
