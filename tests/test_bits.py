@@ -265,3 +265,33 @@ def test_the_metric_goes_once_a_message_and_is_counted_once(tmp_path):
         v = run_vectorised(resolve({**oc, "engine": "vectorised", "run-name": f"vectorised-{chains}"}))
         assert _column(v.run_dir, "bits_down") == down, chains
     assert extra[1] == extra[3] > 0
+
+
+def test_the_16_bit_descent_reaches_theta_star_within_its_tolerance():
+    # the descent's gradients come back as 16-bit rows (precondition.DESCENT_PRECISION): the θ* it ends at must
+    # meet the stopping rule with the exact float64 gradient, ‖∇U(θ*)‖ ≤ opt-tol (1 + ‖∇U(θ_0)‖), as the float64
+    # descent's does (QLSD*'s, on the same task), and it must end near that one
+    from qlsd_flwr.core.curvature import KronInputs
+    from qlsd_flwr.protocol import build, precondition
+    from qlsd_flwr.protocol.traffic import Traffic, counted
+    from qlsd_flwr.tasks import loading
+
+    out = {}
+    for variant in ("qlsd-pp", "qlsd-star"):
+        cfg = resolve({"task": "logistic", "dataset": "breast_cancer", "num-clients": 4, "prior-var": 0.05,
+                       "metric": "diagonal", "gamma": "auto", "theta-star": "optimise", "variant": variant,
+                       "opt-tol": 1e-4, "progress": False})
+        task = loading.load_task(cfg)
+        specs = [build.client_spec(cfg, i, task.clients[i].n_data, task.dim, task.prior, build.blocks_for(cfg, task))
+                 for i in range(cfg.b)]
+        traffic, info, n = Traffic(cfg.b, task.dim, {}), {}, np.array([c.n_data for c in task.clients])
+        grad_fn, curv_fn = counted(*build.direct_exchanges(cfg, task, specs), traffic)
+        theta = precondition.curvature_point(cfg, task, build.theta0_of(task), grad_fn, curv_fn, n, None, info,
+                                             KronInputs(), precondition.products_for(task, grad_fn, curv_fn, n, info))
+        exact = sum(c.grad_sum(theta) for c in task.clients) + task.prior.grad(theta)
+        assert info["opt_converged"], variant
+        assert np.linalg.norm(exact) <= 1e-4 * (1.0 + info["opt_grad0_norm"]), variant
+        up = traffic.info["prep_bits"]["descent"]["uplink"] // (cfg.b * traffic.info["prep_bits"]["descent"]["exchanges"])
+        assert up == (16 * task.dim + 40 if variant == "qlsd-pp" else 64 * task.dim), variant  # the widths compared
+        out[variant] = theta
+    assert np.max(np.abs(out["qlsd-pp"] - out["qlsd-star"])) <= 1e-3 * np.max(np.abs(out["qlsd-star"]))
