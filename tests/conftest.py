@@ -12,6 +12,18 @@ from __future__ import annotations
 import pytest
 
 
+def pytest_configure(config):
+    """SIGTERM (``pkill``, a CI job's timeout) ends the run as Ctrl-C does, so fixtures' teardown still stops by
+    PID the SuperLinks, SuperNodes and Ray heads the tests started: killed by the default handler, a test worker
+    left a ``flwr run`` of 10⁶ rounds (the stop/resume tests) running behind it, a core's share for an hour."""
+    import signal
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns the marker into the group
 def pytest_collection_modifyitems(config, items):
     engines = set()
