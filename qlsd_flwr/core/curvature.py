@@ -125,6 +125,7 @@ def kron_report(G: np.ndarray, A: np.ndarray, perm) -> np.ndarray:
     G = np.asarray(G, dtype=np.float64)
     F, K = G.shape[0], np.shape(A)[0]
     sym = 0.5 * G + 0.5 * G.T
+    A = 0.5 * np.asarray(A, dtype=np.float64) + 0.5 * np.asarray(A, dtype=np.float64).T  # both round alike in float32
     with np.errstate(over="ignore"):  # beyond float32's range: inf, which the server refuses as not finite
         return np.concatenate([[F, K], sym[np.triu_indices(F)], np.ravel(A),
                                np.asarray(perm, dtype=np.float64)]).astype(np.float32)

@@ -15,7 +15,7 @@ from qlsd_flwr.core import curvature as cv
 from qlsd_flwr.core.metric import Metric, MetricError
 from qlsd_flwr.core.potential import Task
 from qlsd_flwr.robust.products import held_parts
-from qlsd_flwr.robust.krylov import PASSES, KrylovShares
+from qlsd_flwr.robust.krylov import CARRY, PASSES, KrylovShares
 from qlsd_flwr.robust.reports import FACTOR_SHARE, REPORT_CAP, ReportError
 
 log = logging.getLogger("qlsd_flwr")
@@ -111,15 +111,22 @@ def lowrank_correction(cfg: RunConfig, task: Task, point: np.ndarray, curv_fn: C
         low, linfo = lr.correction(products, metric.apply_root, metric.apply_root_t, d, lowrank_rank(cfg), cfg.seed,
                                    gram=lambda shares=shares: shares.gram(n_data))
         info["lowrank_loo_share"] = max(float(info.get("lowrank_loo_share", 0.0)), shares.share_max)
+        info.pop("lowrank_unjudged", None)  # this pass's, not an earlier one's
         if shares.unjudged:
             info["lowrank_unjudged"] = shares.unjudged
-        for i, s_i in sorted(shares.scales.items()):
-            log.warning("client %d: its Hessian-vector products would move the metric's correction by more than "
-                        "1 + %g N_i/N_−i in some direction of its space; scaled by %.3g%s (lowrank_held)", i,
-                        FACTOR_SHARE, s_i, "" if attempt == PASSES - 1 else ", and the correction is made again")
-            scales[i] = scales.get(i, 1.0) * s_i
         info["lowrank_passes"] = attempt + 1
         if not shares.scales:
+            break
+        last, out = attempt == PASSES - 1, attempt == PASSES - 2
+        for i, s_i in sorted(shares.scales.items()):
+            # the next pass takes a held client's products at CARRY times the scale found here, so that its new
+            # Krylov space rarely finds it over again; a client over the rule in two passes is left out of the last
+            scales[i] = 0.0 if out else scales.get(i, 1.0) * s_i * (1.0 if last else CARRY)
+            log.warning("client %d: its Hessian-vector products would move the metric's correction by more than "
+                        "1 + %g N_i/N_−i in some direction of its space; %s (lowrank_held)", i, FACTOR_SHARE,
+                        f"scaled by {s_i:.3g}" if last else "left out of the correction, made again" if out else
+                        f"scaled by {scales[i]:.3g}, and the correction is made again")
+        if last:
             break
     if scales:
         info["lowrank_held"] = {str(i): v for i, v in sorted(scales.items())}

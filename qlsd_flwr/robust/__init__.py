@@ -34,10 +34,10 @@ curvature reports (the metric)     ``P_0 + Σ H ⪯ (1 + 150 N_i/N_{−i})``  by
                                    ``G ⊗ Ā + λ_0 I`` whole               (``bench_honest_claims.py``)
 the low-rank correction's          :mod:`.krylov`: FACTOR_SHARE 150,     one client moves ``M'`` by at most
 Hessian-vector products            both ways, on each client's share of  1 + 150 N_i/N_{−i} either way in the
-                                   the projected curvature ``T``; a      correction's space; honest maximum
-                                   client scaled: the correction again   0.728 of it over 37 cases
-                                   (PASSES 2)                            (``bench_honest_claims.py``, worst
-                                                                         digits 20 clients); main job 0.163
+                                   the projected curvature ``T`` (the    correction's space; honest maximum
+                                   others' PSD parts); a client scaled:  0.728 of it over 37 cases
+                                   the correction again (CARRY 0.5,      (``bench_honest_claims.py``, worst
+                                   PASSES 3: then without it)            digits 20 clients); main job 0.163
 LOO replies                        :mod:`.loo`: shape from ``N_i``,      sums of many points stay finite;
                                    finite, VALUE_MAX 1e150; at most the  a probability is at most 1, a
                                    model's ceiling (0; the Gaussian's    density at most its peak

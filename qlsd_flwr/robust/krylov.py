@@ -17,12 +17,14 @@ at most the same factor, ``a_i = FACTOR_SHARE · N_i/N_{−i}``:
 
     −a_i/(1 + a_i) R_i ⪯ s_i T_i ⪯ a_i R_i,
 
-``s_i`` the largest scale in ``[0, 1]`` that keeps both (the extreme generalised eigenvalues of ``(T_i, R_i)``).
+``s_i`` the largest scale in ``[0, 1]`` that keeps both (the extreme generalised eigenvalues of ``(T_i, R_i)``),
+where in ``R_i`` each other client counts by its share's positive semi-definite part (an honest convex client's
+share is that already), so that a negative lie cannot shrink the others' references and get them held.
 So along any direction of the space, one client moves the corrected metric by at most ``1 + a_i`` either way
 (17.7× for one client of ten equal ones), and it cannot make the curvature indefinite, which would leave the
 metric uncorrected. The Krylov space and the residuals that pick the converged Ritz pairs rest on the products as
 they were summed, so when a client is scaled the correction is made once more with its products scaled from
-the start (:data:`PASSES`; the preparation counts the second pass's exchanges like the first's). Honest clients
+the start, and left out of a third pass if it is over again (:data:`PASSES`; every pass's exchanges are counted). Honest clients
 used at most 0.728 of the allowance over the 37 cases of ``python benchmarks/bench_honest_claims.py``
 (``worst_lowrank``; digits over 20 clients, a client alone with ink in some pixels) and 0.163 on the main job's
 split (``lowrank_loo_share`` in every run's summary): a margin of 1.37×. An honest client held by mistake costs one
@@ -36,9 +38,13 @@ import numpy as np
 
 from qlsd_flwr.robust.reports import POOL_MIN, share_allowance
 
-#: passes of the correction: the first as the products came, a second with the scaled clients' products scaled from
-#: the start (a client still over the rule then is scaled in ``T`` alone)
-PASSES = 2
+#: passes of the correction: the first as the products came; a second with a held client's products scaled from the
+#: start by :data:`CARRY` times the scale the first found (its new Krylov space differs, and at the exact boundary it
+#: would be over again: measured with the review's calibrated lie, whose second pass then left no Ritz pair converged,
+#: the scale applied to ``T`` alone no longer matching the products); a third, only when a client is over the rule
+#: in both, without that client's products (scale 0). Each pass's exchanges are counted
+PASSES = 3
+CARRY = 0.5
 #: the prior's key among the shares
 PRIOR = "prior"
 
@@ -48,7 +54,7 @@ class KrylovShares:
 
     def __init__(self):
         self._W: list[np.ndarray] = []  # the blocks sent, (b, d) each
-        self._cols: dict = {}  # key -> [(block index, (n_so_far, b) = W_{≤m} P_mᵀ)]
+        self._cols: dict = {}  # key -> [(block index, (n_so_far, b) = W_{≤m} P_mᵀ)], the blocks it answered
         self.scales: dict[int, float] = {}  # clients held in the last gram(), and their scale
         self.share_max = 0.0  # the largest share of its allowance any client used (honest maxima)
         self.unjudged: list[int] = []  # clients whose reference was not positive-definite (not judged)
@@ -70,12 +76,16 @@ class KrylovShares:
         b = self._W[0].shape[0] if self._W else 0
         n = b * len(self._W)
         T = np.zeros((n, n))
+        seen = np.zeros(n)
         for m, c in self._cols.get(key, []):
             T[:c.shape[0], m * b:(m + 1) * b] = c
+            seen[m * b:(m + 1) * b] = 1.0
         T = T + T.T  # the entries below the diagonal blocks as the transposes of those above
         for m in range(len(self._W)):
             T[m * b:(m + 1) * b, m * b:(m + 1) * b] *= 0.5  # each diagonal block: its symmetric part
-        return T
+        # a block the client did not answer (refused, or no reply) is not in its share, its rows as well as its
+        # columns: with only the columns gone, an honest share would be indefinite (review, 2026-12-03)
+        return T * np.outer(seen, seen)
 
     def gram(self, n_data) -> np.ndarray:
         """``T = T_0 + Σ_i s_i T_i`` with every client held to the rule (``n_data``: the clients' ``N_i``, whose
@@ -90,9 +100,13 @@ class KrylovShares:
         s = {i: 1.0 for i in shares}
         self.scales, self.share_max, self.unjudged = {}, 0.0, []
         if len(shares) >= POOL_MIN and n:
-            total = T0 + sum(shares.values())
+            # each client is judged against the prior and the others' semi-definite parts: a share that is negative
+            # somewhere (a lie; an honest convex client's is not) cannot make another client's reference smaller and
+            # so get honest clients held (review, 2026-12-03: a calibrated negative lie did that, and escaped the bound)
+            psd = {i: _psd_part(T) for i, T in shares.items()}
+            total = T0 + sum(psd.values())
             for i in sorted(shares):
-                ext = _extremes(shares[i], total - shares[i])
+                ext = _extremes(shares[i], total - psd[i])
                 if ext is None:
                     self.unjudged.append(i)
                     continue
@@ -105,6 +119,12 @@ class KrylovShares:
                     s[i] = min(1.0, a / high if high > a else 1.0, down / -low if -low > down else 1.0)
                     self.scales[i] = s[i]
         return T0 + sum((s[i] * shares[i] for i in sorted(shares)), np.zeros((n, n)))
+
+
+def _psd_part(T: np.ndarray) -> np.ndarray:
+    """``T``'s positive semi-definite part (its negative eigenvalues set to zero)."""
+    w, Q = np.linalg.eigh(0.5 * (T + T.T))
+    return (Q * np.maximum(w, 0.0)) @ Q.T
 
 
 def _extremes(share: np.ndarray, rest: np.ndarray) -> tuple[float, float] | None:
