@@ -130,11 +130,6 @@ def check_block(h, b: int, d: int) -> np.ndarray:
     return a.reshape(b, d)
 
 
-def summed_products(reports: dict, n_data, b: int, d: int, info: dict, log=None) -> np.ndarray:
-    """``Σ_i H_i V`` (``(b, d)``) of :func:`held_products`, in client order."""
-    return summed(held_products(reports, n_data, b, d, info, log), b, d)
-
-
 def summed(parts: dict, b: int, d: int) -> np.ndarray:
     """``Σ_i parts[i]`` in client order, from zeros (the order every engine sums in)."""
     total = np.zeros((b, d))

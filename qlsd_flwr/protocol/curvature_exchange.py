@@ -86,7 +86,7 @@ def lowrank_correction(cfg: RunConfig, task: Task, point: np.ndarray, curv_fn: C
     """``metric-rank = k``: the metric corrected along the ``k`` directions where ``M^½ᵀ ∇²U(θ*) M^½`` is
     farthest from 1 (:mod:`qlsd_flwr.core.lowrank`), from the clients' Hessian-vector products, each client's
     share held to the leave-one-out rule (:mod:`qlsd_flwr.robust.krylov`: a client scaled has the correction made
-    once more with its products scaled from the start)."""
+    again with its products scaled from the start, and a third time without them if it is over the rule again)."""
     from qlsd_flwr.core import lowrank as lr
 
     if curv_fn is None:

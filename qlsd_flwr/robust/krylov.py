@@ -12,13 +12,13 @@ steers which directions are explored and which Ritz pairs converge, never the va
 
 **The rule** is the curvature reports' (:func:`qlsd_flwr.robust.reports.cap_leave_one_out`, with its
 :data:`~qlsd_flwr.robust.reports.FACTOR_SHARE`): client ``i``'s share may raise what the prior and the other
-clients give in the space, ``R_i = T_0 + Σ_{k≠i} s_k T_k``, by at most ``1 + a_i`` in any direction, and lower it by
+clients give in the space, ``R_i = T_0 + Σ_{k≠i} T_k⁺``, by at most ``1 + a_i`` in any direction, and lower it by
 at most the same factor, ``a_i = FACTOR_SHARE · N_i/N_{−i}``:
 
     −a_i/(1 + a_i) R_i ⪯ s_i T_i ⪯ a_i R_i,
 
 ``s_i`` the largest scale in ``[0, 1]`` that keeps both (the extreme generalised eigenvalues of ``(T_i, R_i)``),
-where in ``R_i`` each other client counts by its share's positive semi-definite part (an honest convex client's
+with ``T_k⁺`` each other client's share's positive semi-definite part (an honest convex client's
 share is that already), so that a negative lie cannot shrink the others' references and get them held.
 So along any direction of the space, one client moves the corrected metric by at most ``1 + a_i`` either way
 (17.7× for one client of ten equal ones), and it cannot make the curvature indefinite, which would leave the
