@@ -23,6 +23,11 @@ row: the largest ``|mean − ref mean|`` in reference sd, ``sd / ref sd`` (min�
 coordinates, R-hat and bulk ESS (worst coordinate). The issue's target: QLSD++ at ``s = 16`` within
 0.3 reference sd, sd ratios in [0.85, 1.2], R-hat ≤ 1.05. Results: ``benchmarks/posteriordb.json``.
 
+``--descent`` runs instead the federated descent to θ* from ``β = 0, σ = 1`` (``theta-star = optimise``, what
+a user without the mode gets; the QLSD++ preparation: dense metric from the curvature, ``gamma = auto``) and
+reports per posterior its exchanges, whether it converged, its Newton decrement at the end, ``U(θ*) − U(mode)``
+and the distance to the mode in reference sd (``benchmarks/posteriordb_descent.json``).
+
 Under ``QLSD_SMOKE`` (the docs' test) a folder without posteriordb's files is replaced by a small
 synthetic one in the same layout, so that the same loading and running code is exercised.
 """
@@ -238,10 +243,48 @@ def run(root: Path, out: Path) -> dict:
     return result
 
 
+def descent(root: Path, out: Path) -> dict:
+    """The QLSD++ preparation's descent from ``θ_0 = 0`` on each posterior (``--descent``)."""
+    from qlsd_flwr.config import resolve
+    from qlsd_flwr.core.curvature import KronInputs
+    from qlsd_flwr.protocol import build, precondition
+    from qlsd_flwr.protocol.curvature_exchange import curvature_metric
+    from qlsd_flwr.protocol.theta_star import newton_decrement
+
+    cases = {}
+    for name in few(POSTERIORS):
+        task, names = task_of(root, name)
+        sd = reference_of(root, name, names).reshape(-1, task.dim).std(axis=0)
+        mode = mode_of(task)
+        cfg = resolve({"task": "gaussian", "num-clients": CLIENTS, "dim": task.dim, "variant": "qlsd-pp", "s": "16",
+                       "metric": "dense", "metric-from": "curvature", "gamma": "auto", "theta-star": "optimise",
+                       "opt-rounds": small(5000, 50), "opt-accept-unconverged": True, "seed": 3, "progress": False})
+        specs = [build.client_spec(cfg, i, c.n_data, task.dim, task.prior, build.blocks_for(cfg, task))
+                 for i, c in enumerate(task.clients)]
+        t, info, last, n = time.perf_counter(), {}, [], np.array([c.n_data for c in task.clients])
+        grad_fn, curv_fn = build.direct_exchanges(cfg, task, specs)
+        # prepare()'s first steps: θ* by the descent, M taken there, the descent's end held to it
+        point = precondition.curvature_point(cfg, task, np.zeros(task.dim), grad_fn, curv_fn, n, None, info,
+                                             KronInputs(), precondition.products_for(task, grad_fn, curv_fn, n, info), last)
+        if np.all(np.isfinite(point)):
+            metric, _ = curvature_metric(cfg, task, point, curv_fn, n)
+            newton_decrement(cfg, last[0], metric, info)
+        cases[name] = row = {k: info.get(k) for k in ("opt_rounds", "opt_converged", "opt_newton_decrement",
+                                                       "opt_grad_norm", "opt_grad0_norm")}
+        row.update({"excess_potential": float(task.potential(point) - task.potential(mode)),
+                    "max_error_ref_sd": float(np.max(np.abs(point - mode) / sd)), "seconds": time.perf_counter() - t})
+        print(name, json.dumps(row), flush=True)
+    result = {"machine": machine(), "command": "python benchmarks/bench_posteriordb.py --posteriordb PATH --descent",
+              "start": "beta = 0, log sigma = 0", "clients": CLIENTS, "cases": cases}
+    (out / "posteriordb_descent.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--posteriordb", type=Path, required=True, help="a checkout of stan-dev/posteriordb")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks")
+    ap.add_argument("--descent", action="store_true", help="only the descent to θ* from β = 0 (posteriordb_descent.json)")
     a = ap.parse_args(argv)
     root = a.posteriordb
     if not (root / "posterior_database" / "data" / "data" / "kidiq.json.zip").is_file():
@@ -250,7 +293,7 @@ def main(argv=None) -> int:
                   "https://github.com/stan-dev/posteriordb (nothing is downloaded here)", file=sys.stderr)
             return 2
         root = synthetic(folder(a.out) / "posteriordb")
-    run(root, folder(a.out))
+    (descent if a.descent else run)(root, folder(a.out))
     return 0
 
 

@@ -62,13 +62,16 @@ def local_curvature(pot, theta: np.ndarray, kind: str, seed: int, client: int) -
     """Client ``i``'s curvature of its data potential at ``θ``: ``(d,)`` (``kind = diagonal``) or
     ``(d, d)`` (``dense``), positive semi-definite.
 
-    Uses the potential's own ``curvature_diag(θ)`` / ``hessian(θ)`` when it has them (the built-in
-    tasks do: exact, or the Gauss–Newton matrix). Otherwise it is estimated from ``grad_sum``
-    alone: the diagonal by Hutchinson's estimator ``E[v ⊙ H v]`` over :data:`HUTCHINSON_PROBES`
-    Rademacher probes ``v`` (from the stream ``(seed, INIT, −1, client)``), ``H v`` by central
-    differences; the dense matrix by central differences along each axis, symmetrised. Negative
-    values (noise, or a non-convex point) are set to zero: a metric needs only positive numbers,
-    and the server adds the prior's curvature.
+    Uses the potential's own ``curvature_diag(θ)`` / ``hessian(θ)`` when it has them (the built-in tasks
+    do: exact, or the Gauss–Newton matrix). Otherwise it is estimated from ``grad_sum`` alone: the diagonal
+    by Hutchinson's estimator ``E[v ⊙ H v]`` over :data:`HUTCHINSON_PROBES` Rademacher probes ``v`` (stream
+    ``(seed, INIT, −1, client)``), ``H v`` by central differences; the dense matrix by central differences
+    along each axis, symmetrised. A negative diagonal value (noise, or a non-convex point) is set to zero,
+    and a dense matrix's negative eigenvalues are sent by their magnitude, ``Q |Λ| Qᵀ`` (saddle-free
+    Newton, Dauphin et al. 2014); the server adds the prior's curvature. Why: θ*'s descent takes it far from
+    the mode, where a regression with an unknown σ is not convex. A zero there left ``M`` huge along the negative
+    direction, and kidiq's descent from ``β = 0`` (posteriordb) did not converge in 5,000 exchanges; now it does
+    in 253 (``benchmarks/bench_posteriordb.py --descent``).
     """
     d = theta.shape[0]
     if kind in ("kronecker", KRON_OUTPUTS):
@@ -101,7 +104,7 @@ def local_curvature(pot, theta: np.ndarray, kind: str, seed: int, client: int) -
     if kind == "diagonal":
         return np.maximum(h, 0.0)
     w, Q = np.linalg.eigh(0.5 * (h + h.T))
-    return (Q * np.maximum(w, 0.0)) @ Q.T
+    return (Q * np.abs(w)) @ Q.T
 
 
 #: K-FAC's first report travels as float32 (issue 37: the input factor's triangle was the main job's largest report,

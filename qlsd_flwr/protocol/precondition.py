@@ -39,7 +39,8 @@ from qlsd_flwr.protocol.curvature_exchange import (
     merge_reports,
     power_products,
 )
-from qlsd_flwr.protocol.theta_star import STALL, closed_form_theta_star, needs_theta_star, optimise_theta_star, resolve_theta_star
+from qlsd_flwr.protocol.theta_star import (STALL, closed_form_theta_star, needs_theta_star, newton_decrement,
+                                          optimise_theta_star, resolve_theta_star)
 from qlsd_flwr.outputs.metric_file import metric_from_file  # the one file the preparation reads
 from qlsd_flwr.outputs.progress import announce
 from qlsd_flwr.protocol import build
@@ -108,12 +109,12 @@ DESCENT_PRECISION = 16
 
 def curvature_point(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | None,
                     curv_fn: CurvFn | None, n_data, file_metric: Metric | None, info: dict,
-                    inputs: cv.KronInputs | None, hvp) -> np.ndarray:
+                    inputs: cv.KronInputs | None, hvp, last: list | None = None) -> np.ndarray:
     """θ* as the point where the curvature is taken: the closed form where the task has one,
     otherwise the federated descent (:func:`qlsd_flwr.protocol.theta_star.optimise_theta_star`),
     preconditioned by the metric and stepped by ``1/λ_max`` of that metric when there is one (or
     ``gamma = auto``), in :data:`DESCENT_STAGES` stages that each take the curvature again. ``hvp``: the power
-    iteration's products (:func:`products_for`)."""
+    iteration's products (:func:`products_for`); ``last`` (a list) receives the descent's ``∇U(θ*)``."""
     if task.theta_star is not None and (cfg.theta_star == "closed-form" or not needs_theta_star(cfg)):
         info["theta_star"] = "closed-form"
         return closed_form_theta_star(cfg, task)
@@ -141,7 +142,7 @@ def curvature_point(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: Gra
         # main job): θ goes as float32, the gradients as 16-bit rows (DESCENT_PRECISION). QLSD*'s θ* stays float64
         with precision(grad_fn, 64 if needs_theta_star(cfg) else DESCENT_PRECISION):
             theta, r = optimise_theta_star(cfg, theta, grad_fn, info, lr=lr, precondition=metric, max_rounds=budget,
-                                           g0_norm=g0, stall=STALL if stage < stages - 1 else None)
+                                           g0_norm=g0, stall=STALL if stage < stages - 1 else None, last=last)
         carry = budget - r
         g0 = info["opt_grad0_norm"]  # the first stage's start: the stopping rule stays relative to it
         rounds += r
@@ -195,7 +196,8 @@ def prepare(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | No
         or lowrank_rank(cfg) > 0
     inputs = cv.KronInputs()  # K-FAC's input factors, asked for once (core.curvature.KRON_OUTPUTS)
     hvp = products_for(task, grad_fn, curv_fn, n_data, info)
-    point = curvature_point(cfg, task, theta0, grad_fn, curv_fn, n_data, file_metric, info, inputs, hvp) \
+    last: list = []  # the descent's ∇U(θ*), for the Newton decrement once M is taken there
+    point = curvature_point(cfg, task, theta0, grad_fn, curv_fn, n_data, file_metric, info, inputs, hvp, last) \
         if needs_point else theta0
     if not np.all(np.isfinite(point)):
         raise ConfigError("theta-star: the descent to θ* left the finite numbers; give θ* in closed form, a smaller "
@@ -211,6 +213,8 @@ def prepare(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | No
         metric = file_metric or Identity()
     if lowrank_rank(cfg) > 0 and not adapts(cfg):
         metric = lowrank_correction(cfg, task, point, curv_fn, n_data, metric, info)
+    if last and needs_curvature(cfg):
+        newton_decrement(cfg, last[0], metric, info)
     spread = metric.spread()
     info["metric_spread"] = spread
     if cfg.compressed and spread > cv.COMPRESSED_SPREAD_WARN and not build.whitens(cfg, task.dim):
