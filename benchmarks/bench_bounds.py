@@ -34,6 +34,7 @@ from test_claims_scale import scaled_liar  # noqa: E402
 from test_metric import _curvature_mod  # noqa: E402
 from test_metric_bounds import _honest, _metric, _shrink, kron_attack  # noqa: E402
 from test_products_scale import scaled_products  # noqa: E402
+import test_fsgld_bounds as fsgld_bounds  # noqa: E402
 
 from qlsd_flwr.config import resolve  # noqa: E402
 from qlsd_flwr.outputs.recorder import load_samples  # noqa: E402
@@ -128,6 +129,26 @@ def rows(tmp: Path) -> list[dict]:
                                    "flattest direction",
                          "bound": f"M shrinks ≤ {1 + FACTOR_SHARE / 9:.1f}× in every direction",
                          "measured": f"{after:.1f}× (the diagonal-entry cap alone: {before:.3g}×)"})
+
+    # FSGLD's surrogate precisions (framework-free, as the dense row): the preparation's surrogates and their exact law
+    from qlsd_flwr.robust import reports
+    from qlsd_flwr.tasks import loading
+
+    widened = {}
+    for widen in (reports.SURROGATE_WIDEN, np.inf):  # the rule, then switched off
+        task = loading.load_task(resolve(fsgld_bounds.TOY))
+        h = 0.25 / fsgld_bounds._stats(task)[2]
+        saved, reports.SURROGATE_WIDEN = reports.SURROGATE_WIDEN, widen
+        try:
+            prep = fsgld_bounds._prepared(task, np.array([1.0, 9.0, 1.0, 1.0]), 1, h)
+        finally:
+            reports.SURROGATE_WIDEN = saved
+        widened[widen] = fsgld_bounds._widening_installed(task, prep, h, 1)
+    out_rows.append({"kind": "FSGLD surrogate precisions (toy Gaussian, 4 clients, c = 0.25)",
+                     "attack": "client 1's curvature report ×9 (under the per-datum cap of 10)",
+                     "bound": f"any coordinate's variance ×≤ {reports.SURROGATE_WIDEN:g}, whatever the client's data",
+                     "measured": f"×{widened[reports.SURROGATE_WIDEN]:.3g} (the per-datum cap alone: "
+                                 f"{'no stationary variance' if widened[np.inf] == np.inf else f'×{widened[np.inf]:.3g}'})"})
 
     # K-FAC's factors (framework-free, as the dense row): rank-1 factors within the trace cap
     import pytest

@@ -10,7 +10,10 @@ one label on some clients; a split flwr-datasets cannot make is skipped and said
 data seeds; at θ* (found by the package's descent) and at
 draws of an LSD++ chain (``gamma = auto``, diagonal metric, 400 rounds, every 10th of the last 200). The
 products: each client's central difference at θ* along the top eigenvector of ``∇²U`` and 5 random directions,
-as the power iteration of ``gamma = auto`` forms them. The curvature reports' and the low-rank correction's
+as the power iteration of ``gamma = auto`` forms them. FSGLD's preparation (``gamma = auto``, one local step):
+which honest clients ``robust.reports.cap_surrogates`` holds, and the widening that costs them
+(``fsgld_held``, ``fsgld_widening``), beside the widening a client's whole curvature would give if its report were
+refused (``fsgld_refused_widening``: ``λ = 0``, what no rule can change). The curvature reports' and the low-rank correction's
 products' use of ``robust.reports.FACTOR_SHARE``'s allowance (``loo_metric_*``, ``loo_lowrank``).
 
     python benchmarks/bench_honest_claims.py            # writes benchmarks/honest_claims.json
@@ -121,6 +124,29 @@ def loo_lowrank(cfg, task, theta: np.ndarray, specs) -> float:
     return float(info.get("lowrank_loo_share", 0.0))
 
 
+def fsgld_honest(over: dict) -> dict:
+    """FSGLD's preparation on the case: the clients held by ``cap_surrogates`` and the variance widening that
+    costs them (``core.fsgld_widening.widening`` at ``t = h (λ − H)``), the worst over clients and coordinates."""
+    from qlsd_flwr.core import fsgld_widening
+    from qlsd_flwr.core.curvature import local_curvature
+    from qlsd_flwr.protocol.curvature_exchange import prior_curvature
+
+    cfg = resolve({**over, "variant": "fsgld", "theta-star": "optimise", "gamma": "auto", "progress": False,
+                   "loo": "off", "plot": False})
+    task = loading.load_task(cfg)
+    specs = [build.client_spec(cfg, i, task.clients[i].n_data, task.dim, task.prior, build.blocks_for(cfg, task))
+             for i in range(cfg.b)]
+    prep = precondition.prepare(cfg, task, build.theta0_of(task), *build.direct_exchanges(cfg, task, specs))
+    H = np.stack([local_curvature(c, prep.theta_star, "diagonal", cfg.seed, i) for i, c in enumerate(task.clients)])
+    n = np.array([c.n_data for c in task.clients], dtype=np.float64)
+    f, h = (n / n.sum())[:, None], prep.gamma
+    c = h * (prior_curvature(task, prep.theta_star) + H.sum(axis=0))
+    held = fsgld_widening.widening(h * (prep.surrogate - H), c, f, 1)
+    refused = fsgld_widening.widening(-h * H, c, f, 1)
+    return {"fsgld_held": prep.info["surrogate_held"], "fsgld_widening": float(held.max()),
+            "fsgld_refused_widening": float(refused.max()), "fsgld_c_max": float(c.max())}
+
+
 def measure(over: dict) -> dict:
     cfg = resolve({**over, "variant": "lsd-star", "theta-star": "optimise", "gamma": "auto", "metric": "diagonal",
                    "num-rounds": 400, "burn-in": 200, "progress": False, "loo": "off", "plot": False})
@@ -140,7 +166,8 @@ def measure(over: dict) -> dict:
             "loo_metric_diagonal": loo_metric(task, prep.theta_star, "diagonal"),
             "loo_metric_dense": loo_metric(task, prep.theta_star, "dense") if task.dim <= 100 else None,
             "loo_metric_kronecker": loo_metric(task, prep.theta_star, "kronecker") if over["task"] != "gaussian" else None,
-            "loo_lowrank": loo_lowrank(cfg, task, prep.theta_star, specs)}
+            "loo_lowrank": loo_lowrank(cfg, task, prep.theta_star, specs),
+            **(fsgld_honest(over) if task.dim <= 1000 else {})}
 
 
 def main() -> None:
@@ -162,22 +189,30 @@ def main() -> None:
               f"draws {r['at_draws_max']:.3g} (median {r['at_draws_median']:.3g}); products at θ* "
               f"{r['products_at_theta_star']:.3g}; curvature over its share's allowance: diagonal "
               f"{r['loo_metric_diagonal']:.3g}, dense {r['loo_metric_dense'] or float('nan'):.3g}, kronecker "
-              f"{r['loo_metric_kronecker'] or float('nan'):.3g}, low-rank products {r['loo_lowrank']:.3g}", flush=True)
+              f"{r['loo_metric_kronecker'] or float('nan'):.3g}, low-rank products {r['loo_lowrank']:.3g}; fsgld held "
+              f"{r.get('fsgld_held')}, widening {r.get('fsgld_widening', float('nan')):.4g} (a refused report's "
+              f"{r.get('fsgld_refused_widening', float('nan')):.4g})", flush=True)
     worst = max(max(r["at_theta_star"], r["at_draws_max"]) for r in rows)
     worst_products = max(r["products_at_theta_star"] for r in rows)
     worst_n = max(r["n_over_median"] for r in rows)  # the claims' clamp, REPORT_CAP × the lower median
     used = [max(r["loo_metric_diagonal"], r["loo_metric_dense"] or 0.0, r["loo_metric_kronecker"] or 0.0) for r in rows]
     worst_metric, held = max(used), sum(u > 1.0 for u in used)
     worst_lowrank = max(r["loo_lowrank"] for r in rows)
+    fs = [r for r in rows if "fsgld_widening" in r]
+    fsgld = {"fsgld_cases": len(fs), "fsgld_cases_held": sum(bool(r["fsgld_held"]) for r in fs),
+             "fsgld_worst_widening": max(r["fsgld_widening"] for r in fs),
+             "fsgld_worst_refused_widening": max(r["fsgld_refused_widening"] for r in fs)}
     print(f"honest maximum over {len(rows)} cases of max_i v_i / median: claims {worst:.3g} (FACTOR_CLAIM), "
           f"Hessian-vector products {worst_products:.3g} (FACTOR_PRODUCT); curvature over its allowance "
           f"{worst_metric:.3g} (FACTOR_SHARE; {held} case(s) above 1), the low-rank correction's products "
           f"{worst_lowrank:.3g} (robust.krylov); largest N_i over the lower median {worst_n:.3g} "
-          f"(the claims' clamp, REPORT_CAP)")
+          f"(the claims' clamp, REPORT_CAP); FSGLD: honest clients held in {fsgld['fsgld_cases_held']} of "
+          f"{fsgld['fsgld_cases']} cases, widening at most {fsgld['fsgld_worst_widening']:.4g} (a refused report: "
+          f"{fsgld['fsgld_worst_refused_widening']:.4g}; robust.reports.SURROGATE_WIDEN)")
     if not smoke:
         (HERE / "honest_claims.json").write_text(json.dumps({"worst": worst, "worst_products": worst_products,
                                                             "worst_metric": worst_metric, "metric_held": held,
-                                                            "worst_lowrank": worst_lowrank, "worst_n_over_median": worst_n,
+                                                            "worst_lowrank": worst_lowrank, "worst_n_over_median": worst_n, **fsgld,
                                                             "rows": rows}, indent=1))
 
 

@@ -31,13 +31,14 @@ from qlsd_flwr.config import ConfigError, RunConfig, adapts
 from qlsd_flwr.core import curvature as cv
 from qlsd_flwr.core.metric import Identity, Metric
 from qlsd_flwr.core.potential import Task
-from qlsd_flwr.robust.reports import ReportError, cap_total
+from qlsd_flwr.robust.reports import SURROGATE_WIDEN, ReportError, cap_surrogates, cap_total
 from qlsd_flwr.protocol.curvature_exchange import (
     curvature_metric,
     lowrank_correction,
     lowrank_rank,
     merge_reports,
     power_products,
+    prior_curvature,
 )
 from qlsd_flwr.protocol.theta_star import (STALL, closed_form_theta_star, needs_theta_star, newton_decrement,
                                           optimise_theta_star, resolve_theta_star)
@@ -260,13 +261,23 @@ def _with_surrogates(cfg: RunConfig, task: Task, prep: Prepared, curv_fn: CurvFn
             refused[str(i)] = str(exc)
             log.warning("client %s: curvature report refused: %s (fsgld: its surrogate is linear)", i, exc)
     prep.surrogate, scaled = fsgld.surrogates_from_reports(ok, n_data, cfg.b, task.dim)
+    # the local step in each coordinate: γ times the metric's diagonal (exact for the identity or a diagonal metric)
+    step = prep.gamma * np.array([prep.metric.apply(e)[j] for j, e in enumerate(np.eye(task.dim))]) \
+        if not prep.metric.is_identity else np.full(task.dim, prep.gamma)
+    held = cap_surrogates(prep.surrogate, n_data, step, int(cfg.get("local-steps")),
+                          prior_curvature(task, prep.theta_star))
+    if held:
+        log.warning("fsgld: the surrogate precision of client(s) %s held to what widens the chain's variance by at most "
+                    "%g× in any coordinate whatever its data (surrogate_held; docs/DEPLOYMENT.md §9b); an honest client "
+                    "with most of a coordinate's curvature is held too, at the cost of some variance reduction there",
+                    held, SURROGATE_WIDEN)
     capped = cap_total(prep.surrogate, prep.gamma)
     if capped:
         log.warning("fsgld: the clients' summed surrogate precision Λ exceeds 1/γ in %d coordinate(s) (a report far "
                     "over the others', or gamma near the stability limit): scaled down there to 1/γ, which keeps "
                     "every client's local steps stable and the gradient unbiased (surrogate_total_capped)", capped)
     prep.info.update({"surrogate_reports": len(ok), "surrogate_rejected": refused, "surrogate_scaled": scaled,
-                      "surrogate_total_capped": capped})
+                      "surrogate_held": held, "surrogate_total_capped": capped})
     return prep
 
 

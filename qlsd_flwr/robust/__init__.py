@@ -28,6 +28,12 @@ curvature reports, products,       :mod:`.reports`: REPORT_CAP 10 × the  one cl
 surrogate precisions               lower median per datum, REPORT_MAX    ~REPORT_CAP along the largest diagonal
                                    1e150; FSGLD's Λ held to 1/γ          entry;
                                    MAX_BLOCK 256 products a message      a client's cost per message
+FSGLD's surrogate precisions       :mod:`.reports`: cap_surrogates,      one client widens any coordinate's
+                                   SURROGATE_WIDEN 2: λ_i ≤ t_max/h,     variance by at most 2× (exact on the
+                                   the largest excess whose widening     toy Gaussian: core.fsgld_widening;
+                                   (core.fsgld_widening, its K local     ×9 gave no stationary variance, now
+                                   steps) is 2 against c from the        1.20); honest: bench_honest_claims.py
+                                   prior and the others' reports         (fsgld_* in honest_claims.json)
 diagonal, dense and Kronecker      :mod:`.reports`: FACTOR_SHARE 150:    one client shrinks M along any direction
 curvature reports (the metric)     ``P_0 + Σ H ⪯ (1 + 150 N_i/N_{−i})``  by at most 1 + 150 N_i/N_{−i} (17.7× for
                                    ``(P_0 + Σ_{k≠i} H_k)``; K-FAC: on    one of ten); honest maximum 60 N_i/N_{−i}

@@ -100,6 +100,38 @@ def cap_total(lam: np.ndarray, h: float) -> int:
     return int(np.count_nonzero(over))
 
 
+#: FSGLD: one client's surrogate precision may widen the stationary variance of any coordinate by at most this
+#: factor (sd ×1.41), whatever its own data's curvature there (:func:`cap_surrogates`)
+SURROGATE_WIDEN = 2.0
+
+
+def cap_surrogates(lam: np.ndarray, n_data, h: np.ndarray, steps: int, prior_curv: np.ndarray) -> list[int]:
+    """FSGLD's surrogate precisions ``λ`` ``(b, d)``, each held, in place, to what keeps the chain's variance within
+    :data:`SURROGATE_WIDEN` of exact surrogates'; returns the clients held.
+
+    The argument (:func:`qlsd_flwr.core.fsgld_widening.widening`, exact on the toy Gaussian): in coordinate ``j``, a client
+    ``s`` drawn with probability ``f_s = N_s/N`` that reports ``λ = H + t/h`` (``H`` its data's curvature, ``h`` the
+    local step there: ``γ`` times the metric's diagonal) turns every other round's factor into ``1 − c − t`` and
+    its own into ``1 − c − t + t/f_s``; the variance grows with ``t`` and shrinks with ``c = h (P_0 + Σ H)``. Its
+    worst case is ``H = 0``, so ``λ_s ≤ t_max(c_{−s}, f_s)/h``, with ``c_{−s}`` from the prior and the others'
+    reports, bounds it for any ``H ≥ 0``: ``t ≤ h λ_s`` and ``c ≥ c_{−s}``. An over-report ×9 (the issue's; under
+    the per-datum cap :data:`REPORT_CAP`) widened a coordinate without limit at ``c = 0.25``. Honest clients whose
+    report is held lose variance reduction there, never unbiasedness: the surrogate is a control variate.
+    Under-reports (down to ``λ = 0``, as a refused report gives) widen by the client's own share of the curvature,
+    which no report changes (measured: ``benchmarks/bench_honest_claims.py``)."""
+    from qlsd_flwr.core.fsgld_widening import largest_excess
+
+    b = lam.shape[0]
+    counts = clamped_counts(n_data, range(b))
+    n = np.array([counts[i] for i in range(b)], dtype=np.float64)
+    f = n / n.sum()
+    others = lam.sum(axis=0)[None, :] - lam
+    cap = largest_excess(h * (prior_curv + others), f[:, None], steps, SURROGATE_WIDEN) / h
+    over = lam > cap
+    lam[over] = cap[over]
+    return sorted(int(i) for i in np.flatnonzero(over.any(axis=1)))
+
+
 def loo_excess(h: np.ndarray, rest: np.ndarray) -> np.ndarray | float:
     """How far ``h`` raises ``rest``: per coordinate ``h / rest`` (diagonal reports, ``(d,)``), or the largest
     generalised eigenvalue ``max_u uᵀhu / uᵀ rest u`` (dense ``(d, d)``); ``inf`` where ``rest`` is zero and ``h``

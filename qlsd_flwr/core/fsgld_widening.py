@@ -1,0 +1,43 @@
+"""How one client's FSGLD surrogate precision widens the chain (issue 38): the variance law of FSGLD's
+random-coefficient recursion in one coordinate, the model behind :func:`qlsd_flwr.robust.reports.cap_surrogates`
+(FSGLD itself: :mod:`qlsd_flwr.core.fsgld`). Kept apart from it because the rule that uses it sits in
+:mod:`qlsd_flwr.robust`, which :mod:`qlsd_flwr.core.fsgld` calls."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def widening(t, c, f, steps: int):
+    r"""How much one client's surrogate widens a coordinate's stationary variance: ``Var / Var(exact surrogates)``
+    on the local quadratic model (the toy Gaussian exactly; ``tests/test_fsgld_bounds.py`` checks it against
+    ``laws_fsgld``). ``c = h A`` is the step times the coordinate's curvature ``A = P_0 + Σ_j H_j``; the client,
+    drawn with probability ``f``, reports ``λ = H + t/h``. Its excess raises ``Λ`` by ``t/h``, so a round on
+    another client multiplies the coordinate by ``r_o = 1 − c − t`` at each of its ``K = steps`` local steps, and
+    a round on it by ``r = r_o + t/f`` (its ``(H − λ)/f`` term). With the rounds' clients independent of θ
+    (and no offset: the surrogates are Taylor expansions at the mode) the variance is
+    ``2h E[Σ_{m<K} r^{2m}] / (1 − E[r^{2K}])``; infinite where ``E[r^{2K}] ≥ 1``. With ``K = 1`` the ratio is
+    ``(2c − c²) / (2c − c² − t² (1−f)/f)``. Arrays broadcast."""
+    t, c, f = (np.asarray(x, dtype=np.float64) for x in (t, c, f))
+    K = int(steps)
+
+    def law(*rounds):  # E[Σ_{m<K} r^{2m}] / (1 − E[r^{2K}]) over the round's client: (probability, r) pairs
+        num = sum(p * sum(x ** (2 * j) for j in range(K)) for p, x in rounds)
+        den = 1.0 - sum(p * x ** (2 * K) for p, x in rounds)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.where(den > 0, num / den, np.inf)
+
+    ro = 1.0 - c - t
+    return law((1.0 - f, ro), (f, ro + t / f)) / law((1.0, 1.0 - c))
+
+
+def largest_excess(c, f, steps: int, widen: float, iters: int = 60):
+    """The largest ``t ≥ 0`` with :func:`widening` at most ``widen``, by bisection on ``[0, 2]`` (``t = 2`` is past
+    stability for any ``c, f``): elementwise over arrays ``c``, ``f``."""
+    c, f = np.broadcast_arrays(np.asarray(c, dtype=np.float64), np.asarray(f, dtype=np.float64))
+    lo, hi = np.zeros(c.shape), np.full(c.shape, 2.0)
+    for _ in range(iters):
+        mid = 0.5 * (lo + hi)
+        ok = widening(mid, c, f, steps) <= widen
+        lo, hi = np.where(ok, mid, lo), np.where(ok, hi, mid)
+    return lo

@@ -1,0 +1,121 @@
+"""FSGLD's surrogate precisions held to a derived widening (issue 38: "FSGLD curvature ×9, under its 10× cap,
+widens the posterior"; ``robust.reports.cap_surrogates``, docs/DEPLOYMENT.md §9b).
+
+* The model the rule rests on, :func:`qlsd_flwr.core.fsgld_widening.widening`, is the exact stationary variance of FSGLD on
+  the toy Gaussian (``tests/laws_fsgld.py``) for 1, 2 and 5 local steps, and its two monotonicities (up with the
+  excess ``t``, down with ``c``) hold on a grid: they are why the worst case is a client whose data has no
+  curvature, and why the rule may take ``c`` from the others' reports alone.
+* The attack through the preparation: one client's curvature report ×9 (under the per-datum cap) at ``c = 0.25``
+  leaves FSGLD without a stationary variance (one or two local steps: the chain diverges); held by the rule, the
+  exact law of the installed surrogates is within :data:`SURROGATE_WIDEN` of exact surrogates' (measured 1.20 and
+  1.08). With the rule switched off the same test fails.
+* Honest clients of the toy Gaussian (equal curvature per datum) are never held.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import laws_fsgld
+from qlsd_flwr.config import resolve
+from qlsd_flwr.core import fsgld, fsgld_widening
+from qlsd_flwr.protocol import build, precondition
+from qlsd_flwr.robust import reports
+from qlsd_flwr.tasks import loading
+
+TOY = {"task": "gaussian", "num-clients": 4, "dim": 3, "prior-var": 5.0, "variant": "fsgld", "p": "1",
+       "engine": "local", "progress": False}
+
+
+def _stats(task):
+    n = task.n_data.astype(float)
+    return n, np.stack([c.y.mean(axis=0) for c in task.clients]), n.sum() + 1 / 5.0
+
+
+@pytest.mark.parametrize("steps", [1, 2, 5])
+def test_the_model_is_fsgld_s_exact_law_on_the_gaussian(steps):
+    task = loading.load_task(resolve(TOY))
+    n, ybar, A = _stats(task)
+    mu, lam = fsgld.gaussian_surrogates(task)
+    f = n / n.sum()
+    for c in (0.25, 0.1):
+        h = c / A
+        _, exact = laws_fsgld.gaussian_stationary(n, ybar, mu, lam, f, h, steps, 5.0)
+        for m in (1.5, 2.0, 3.0):
+            lied = lam.copy()
+            lied[1] *= m
+            mu_l = mu.copy()
+            mu_l[1] = task.posterior_mean - n[1] * (task.posterior_mean - ybar[1]) / lied[1]  # Taylor at θ*
+            model = fsgld_widening.widening(h * (m - 1) * n[1], c, f[1], steps)
+            try:
+                _, v = laws_fsgld.gaussian_stationary(n, ybar, mu_l, lied, f, h, steps, 5.0)
+            except ValueError:  # no stationary variance
+                assert model == np.inf
+                continue
+            assert v / exact == pytest.approx(np.full(3, float(model)), rel=1e-9)
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_the_worst_case_is_a_client_without_curvature(steps):
+    # W grows with t and shrinks with c; so a client with curvature H ≥ 0 of its own, reporting λ, widens at most
+    # as one with H = 0 reporting λ against the others' c: W(hλ − hH; c₋ + hH) ≤ W(hλ; c₋)
+    f = np.array([0.02, 0.1, 0.3, 0.6])[:, None, None]
+    c = np.linspace(0.005, 0.3, 25)[None, :, None]
+    t = np.linspace(0.0, 0.3, 31)[None, None, :]
+    w = fsgld_widening.widening(t, c, f, steps)
+    fin = np.isfinite(w)
+    assert np.all(np.where(fin[..., 1:] & fin[..., :-1], np.diff(w, axis=2) >= -1e-12, True))
+    assert np.all(np.where(fin[:, 1:] & fin[:, :-1], np.diff(w, axis=1) <= 1e-12, True))
+    for share in (0.25, 0.5, 1.0):
+        hh = share * t  # the client's own curvature, as a share of its report
+        w_own = fsgld_widening.widening(t - hh, c + hh, f, steps)
+        assert np.all(np.where(np.isfinite(w), w_own <= w * (1 + 1e-12), True))
+
+
+def _prepared(task, scale, steps, gamma, **over):
+    for i, c in enumerate(task.clients):  # each client's curvature report, off by this factor
+        c.curvature_diag = (lambda th, v=float(scale[i] * c.n_data): np.full(th.shape, v))
+    cfg = resolve({**TOY, **over, "local-steps": steps, "gamma": gamma})
+    specs = [build.client_spec(cfg, i, c.n_data, task.dim, task.prior, build.blocks_for(cfg, task))
+             for i, c in enumerate(task.clients)]
+    return precondition.prepare(cfg, task, np.zeros(task.dim), *build.direct_exchanges(cfg, task, specs))
+
+
+def _widening_installed(task, prep, h, steps):
+    n, ybar, _ = _stats(task)
+    ts = task.posterior_mean
+    lam = prep.surrogate
+    mu = ts - n[:, None] * (ts - ybar) / lam  # the surrogates' means, from the claims at θ*
+    _, exact = laws_fsgld.gaussian_stationary(n, ybar, *fsgld.gaussian_surrogates(task), n / n.sum(), h, steps, 5.0)
+    try:
+        _, v = laws_fsgld.gaussian_stationary(n, ybar, mu, lam, n / n.sum(), h, steps, 5.0)
+    except ValueError:
+        return np.inf
+    return float(np.max(v / exact))
+
+
+@pytest.mark.parametrize("steps", [1, 2])
+def test_an_over_reported_surrogate_is_held_to_the_derived_widening(steps, monkeypatch):
+    task = loading.load_task(resolve(TOY))
+    _, _, A = _stats(task)
+    h = 0.25 / A
+    liar = np.array([1.0, 9.0, 1.0, 1.0])  # ×9 (client 1 holds 112 of the 331 points): under REPORT_CAP = 10 per datum
+    prep = _prepared(task, liar, steps, h)
+    assert prep.info["surrogate_held"] == [1] and prep.info["surrogate_scaled"] == []
+    assert _widening_installed(task, prep, h, steps) <= reports.SURROGATE_WIDEN * (1 + 1e-9)
+    monkeypatch.setattr(reports, "SURROGATE_WIDEN", np.inf)  # the rule off: the issue's attack is back
+    task = loading.load_task(resolve(TOY))
+    prep = _prepared(task, liar, steps, h)
+    assert prep.info["surrogate_held"] == []
+    assert _widening_installed(task, prep, h, steps) > 3.0
+
+
+def test_honest_surrogates_are_never_held():
+    for clients, dim in ((4, 3), (10, 5)):
+        task = loading.load_task(resolve({**TOY, "num-clients": clients, "dim": dim}))
+        _, _, A = _stats(task)
+        for c, steps in ((0.25, 1), (0.5, 1), (0.25, 5)):
+            prep = _prepared(task, np.ones(clients), steps, c / A, **{"num-clients": clients, "dim": dim})
+            assert prep.info["surrogate_held"] == [], (clients, c, steps)
+            assert _widening_installed(task, prep, c / A, steps) == pytest.approx(1.0, abs=1e-9)
