@@ -66,7 +66,10 @@ def train(msg: Message, context: Context) -> Message:
 def main(grid: Grid, context: Context) -> None:
     cfg = context.run_config
     b, K, timeout = int(cfg["num-clients"]), int(cfg["num-rounds"]), float(cfg["reply-timeout"])
+    deadline = time.monotonic() + timeout  # a SuperNode that never connects (its port taken) ends the run, not waits
     while len(nodes := sorted(grid.get_node_ids())) < b:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{len(nodes)} of {b} SuperNodes connected within reply-timeout = {timeout:g} s")
         time.sleep(0.2)
     hello = [Message(RecordDict({"r": ConfigRecord({"hello": 1})}), n, MessageType.QUERY) for n in nodes]
     assert len(list(grid.send_and_receive(hello, timeout=timeout))) == b
@@ -108,6 +111,11 @@ def summarise(seconds: list[float]) -> dict:
             "min": min(seconds), "max": max(seconds), "n": len(seconds)}
 
 
+#: the longest a run may take before the script stops the deployment and fails with its log: shorter than the docs'
+#: smoke test's own timeout (600 s), which kills the script with no chance to stop the processes it started
+WAIT = small(600, 300)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=10)
@@ -132,7 +140,7 @@ def main() -> None:
             noop_out = root / f"noop-{pair}.json"
             noop_app = stage_noop(dep, args.rounds, noop_out, b)
             rid = dep.run(noop_app)
-            row = dep.wait(rid, timeout=600)
+            row = dep.wait(rid, timeout=WAIT)
             assert row["status"] == "finished:completed", dep.log(rid)[-3000:]
             rounds = json.loads(noop_out.read_text())
             per_msg = [x for r in rounds for x in r["bytes_message"]]
@@ -144,7 +152,7 @@ def main() -> None:
             rc = {"num-rounds": args.rounds, "reply-timeout": 120.0, "output-dir": str(root / "out"),
                   "run-name": f"qlsd-{pair}"}
             rid = dep.run(qlsd_app, rc)
-            row = dep.wait(rid, timeout=600)
+            row = dep.wait(rid, timeout=WAIT)
             assert row["status"] == "finished:completed", dep.log(rid)[-3000:]
             run_dir = root / "out" / f"qlsd-{pair}"
             with open(run_dir / "metrics.csv") as f:
