@@ -119,3 +119,16 @@ def test_honest_surrogates_are_never_held():
             prep = _prepared(task, np.ones(clients), steps, c / A, **{"num-clients": clients, "dim": dim})
             assert prep.info["surrogate_held"] == [], (clients, c, steps)
             assert _widening_installed(task, prep, c / A, steps) == pytest.approx(1.0, abs=1e-9)
+
+
+def test_the_local_step_per_coordinate_is_gamma_times_the_metric_s_diagonal():
+    # the rule's h in each coordinate (precondition._with_surrogates): M's diagonal, without a d × d identity
+    from qlsd_flwr.core.metric import Dense, Diagonal, Identity
+
+    rng = np.random.default_rng(0)
+    A = rng.normal(size=(300, 300))
+    u, t = rng.normal(size=(300, 3)), np.array([0.5, 0.2, 0.1])
+    for m in (Identity(), Diagonal(np.arange(1.0, 301)), Dense(A @ A.T + np.eye(300)),
+              Dense(A @ A.T + np.eye(300)).corrected(u, t), Diagonal(np.arange(1.0, 301)).corrected(u, t)):
+        np.testing.assert_allclose(m.diagonal(300), np.array([m.apply(e)[j] for j, e in enumerate(np.eye(300))]),
+                                   rtol=1e-12, atol=1e-12)

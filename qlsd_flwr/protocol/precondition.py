@@ -262,8 +262,7 @@ def _with_surrogates(cfg: RunConfig, task: Task, prep: Prepared, curv_fn: CurvFn
             log.warning("client %s: curvature report refused: %s (fsgld: its surrogate is linear)", i, exc)
     prep.surrogate, scaled = fsgld.surrogates_from_reports(ok, n_data, cfg.b, task.dim)
     # the local step in each coordinate: γ times the metric's diagonal (exact for the identity or a diagonal metric)
-    step = prep.gamma * np.array([prep.metric.apply(e)[j] for j, e in enumerate(np.eye(task.dim))]) \
-        if not prep.metric.is_identity else np.full(task.dim, prep.gamma)
+    step = prep.gamma * prep.metric.diagonal(task.dim)
     held = cap_surrogates(prep.surrogate, n_data, step, int(cfg.get("local-steps")),
                           prior_curvature(task, prep.theta_star))
     if held:
