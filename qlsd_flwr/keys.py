@@ -213,7 +213,7 @@ KEYS: tuple[Key, ...] = (
         "descent first", "θ*", choices=("closed-form", "optimise"), group=SAMPLER),
     Key("opt-rounds", 500, "int", "most rounds of the θ* descent", "", lo=1, cap=10**9, group=SAMPLER),
     Key("opt-tol", 1e-6, "float", "the θ* descent stops when ‖∇U‖ falls below this times 1 + ‖∇U(θ_0)‖ (with a "
-        "metric, also ∇UᵀM∇U ≤ d)", "", lo=0, open_lo=True, group=SAMPLER),
+        "metric from the curvature, also ∇UᵀM∇U ≤ d)", "", lo=0, open_lo=True, group=SAMPLER),
     Key("convergence-criterion", "auto", "choice", "what the convergence report's verdict reads: θ's coordinates, "
         "or the held-out predictive (for networks, whose weights have symmetries); auto: predictive for torch "
         "networks and for a QLSDStrategy given heldout data, theta otherwise", choices=("auto", "theta", "predictive"), group=SAMPLER),

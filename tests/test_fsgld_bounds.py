@@ -61,7 +61,7 @@ def test_the_worst_case_is_a_client_without_curvature(steps):
     # W grows with t and shrinks with c; so a client with curvature H ≥ 0 of its own, reporting λ, widens at most
     # as one with H = 0 reporting λ against the others' c: W(hλ − hH; c₋ + hH) ≤ W(hλ; c₋)
     f = np.array([0.02, 0.1, 0.3, 0.6])[:, None, None]
-    c = np.linspace(0.005, 0.3, 25)[None, :, None]
+    c = np.linspace(0.005, reports.C_MAX, 40)[None, :, None]
     t = np.linspace(0.0, 0.3, 31)[None, None, :]
     w = fsgld_widening.widening(t, c, f, steps)
     fin = np.isfinite(w)
@@ -132,3 +132,47 @@ def test_the_local_step_per_coordinate_is_gamma_times_the_metric_s_diagonal():
               Dense(A @ A.T + np.eye(300)).corrected(u, t), Diagonal(np.arange(1.0, 301)).corrected(u, t)):
         np.testing.assert_allclose(m.diagonal(300), np.array([m.apply(e)[j] for j, e in enumerate(np.eye(300))]),
                                    rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("steps", [1, 2])
+def test_a_client_with_most_of_a_coordinate_s_curvature_is_never_held_past_the_bound(steps):
+    # 20 clients of equal data, one with 95 % (or 80 %) of a coordinate's curvature, c = 0.125 (γ = auto with a
+    # diagonal metric makes c about that in every coordinate): a hold from above alone would set its λ to 0.17 H
+    # and widen that coordinate ×4.5 (or leave no stationary variance); the floor keeps it within the bound
+    b, A = 20, 1000.0
+    for share in (0.95, 0.8):
+        H = np.full(b, (1 - share) * A / (b - 1))
+        H[0] = share * A
+        lam = H[:, None].copy()
+        h = np.array([0.125 / A])
+        held, bound = reports.cap_surrogates(lam, np.full(b, 50), h, steps, np.zeros(1))
+        honest = fsgld_widening.widening(h * (lam[:, 0] - H), 0.125, 1.0 / b, steps)
+        assert np.all(honest <= reports.SURROGATE_WIDEN * (1 + 1e-9)), (share, honest.max())
+        assert held == [0] and bound >= reports.SURROGATE_WIDEN * (1 - 1e-9)  # the lie's bound there, said
+        worst = fsgld_widening.widening(h * lam[0, 0], np.clip(h * (A - H[0]), 0, 1), 1.0 / b, steps)
+        assert float(np.max(worst)) == pytest.approx(bound, rel=1e-9)
+
+
+def test_a_coordinate_near_stability_holds_only_the_liar():
+    # c = 0.8 with one report ×9, which makes the others' c past the model's range: clipped to C_MAX, no NaN, and no
+    # honest precision touched (before the clip a NaN widening zeroed every client's)
+    b, A = 4, 400.0
+    H = np.full(b, A / b)
+    lam = H[:, None].copy()
+    lam[2] *= 9
+    h = np.array([0.8 / A])
+    held, bound = reports.cap_surrogates(lam, np.full(b, 100), h, 1, np.zeros(1))
+    assert held == [2] and np.all(np.isfinite(lam)) and np.all(lam[[0, 1, 3], 0] == H[[0, 1, 3]])
+    assert lam[2, 0] < 9 * H[2] and not np.isnan(bound)
+
+
+@pytest.mark.parametrize("steps", [1, 2, 5])
+def test_the_widening_grows_with_the_excess_on_either_side(steps):
+    f = np.array([0.01, 0.05, 0.2, 0.5, 0.9])[:, None, None]
+    c = np.linspace(0.001, 1.0, 40)[None, :, None]
+    u = np.linspace(0.0, 1.0, 81)[None, None, :]
+    for sign in (1.0, -1.0):
+        w = fsgld_widening.widening(sign * u, c, f, steps)
+        fin = np.isfinite(w[..., 1:]) & np.isfinite(w[..., :-1])
+        assert np.all(np.where(fin, np.diff(w, axis=2) >= -1e-12, True))
+        assert not np.isnan(w).any()

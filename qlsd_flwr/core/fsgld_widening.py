@@ -31,13 +31,14 @@ def widening(t, c, f, steps: int):
     return law((1.0 - f, ro), (f, ro + t / f)) / law((1.0, 1.0 - c))
 
 
-def largest_excess(c, f, steps: int, widen: float, iters: int = 60):
-    """The largest ``t ≥ 0`` with :func:`widening` at most ``widen``, by bisection on ``[0, 2]`` (``t = 2`` is past
-    stability for any ``c, f``): elementwise over arrays ``c``, ``f``."""
+def largest_excess(c, f, steps: int, widen: float, sign: float = 1.0, iters: int = 60):
+    """The largest ``u ≥ 0`` with :func:`widening` at ``t = sign · u`` at most ``widen``, by bisection on ``[0, 2]``,
+    elementwise over arrays ``c``, ``f`` (``0 < c ≤ 1``, where the widening grows with ``u`` on either side:
+    ``tests/test_fsgld_bounds.py``). ``sign = −1``: how far below its curvature a client's precision may be."""
     c, f = np.broadcast_arrays(np.asarray(c, dtype=np.float64), np.asarray(f, dtype=np.float64))
     lo, hi = np.zeros(c.shape), np.full(c.shape, 2.0)
     for _ in range(iters):
         mid = 0.5 * (lo + hi)
-        ok = widening(mid, c, f, steps) <= widen
+        ok = widening(sign * mid, c, f, steps) <= widen  # NaN or inf: not ok
         lo, hi = np.where(ok, mid, lo), np.where(ok, hi, mid)
     return lo

@@ -143,7 +143,8 @@ def curvature_point(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: Gra
         # main job): θ goes as float32, the gradients as 16-bit rows (DESCENT_PRECISION). QLSD*'s θ* stays float64
         with precision(grad_fn, 64 if needs_theta_star(cfg) else DESCENT_PRECISION):
             theta, r = optimise_theta_star(cfg, theta, grad_fn, info, lr=lr, precondition=metric, max_rounds=budget,
-                                           g0_norm=g0, stall=STALL if stage < stages - 1 else None, last=last)
+                                           g0_norm=g0, stall=STALL if stage < stages - 1 else None, last=last,
+                                           newton=metric is not None and metric is not file_metric)
         carry = budget - r
         g0 = info["opt_grad0_norm"]  # the first stage's start: the stopping rule stays relative to it
         rounds += r
@@ -263,20 +264,21 @@ def _with_surrogates(cfg: RunConfig, task: Task, prep: Prepared, curv_fn: CurvFn
     prep.surrogate, scaled = fsgld.surrogates_from_reports(ok, n_data, cfg.b, task.dim)
     # the local step in each coordinate: γ times the metric's diagonal (exact for the identity or a diagonal metric)
     step = prep.gamma * prep.metric.diagonal(task.dim)
-    held = cap_surrogates(prep.surrogate, n_data, step, int(cfg.get("local-steps")),
-                          prior_curvature(task, prep.theta_star))
+    held, bound = cap_surrogates(prep.surrogate, n_data, step, int(cfg.get("local-steps")),
+                                 prior_curvature(task, prep.theta_star))
     if held:
-        log.warning("fsgld: the surrogate precision of client(s) %s held to what widens the chain's variance by at most "
-                    "%g× in any coordinate whatever its data (surrogate_held; docs/DEPLOYMENT.md §9b); an honest client "
-                    "with most of a coordinate's curvature is held too, at the cost of some variance reduction there",
-                    held, SURROGATE_WIDEN)
-    capped = cap_total(prep.surrogate, prep.gamma)
+        log.warning("fsgld: the surrogate precision of client(s) %s held: a lie widens the chain's variance by at most "
+                    "%.3g× in any coordinate (%g× where the client does not hold most of that coordinate's curvature), "
+                    "an honest report by at most %g× (surrogate_held; docs/DEPLOYMENT.md §9b)",
+                    held, bound, SURROGATE_WIDEN, SURROGATE_WIDEN)
+    capped = cap_total(prep.surrogate, step)
     if capped:
-        log.warning("fsgld: the clients' summed surrogate precision Λ exceeds 1/γ in %d coordinate(s) (a report far "
-                    "over the others', or gamma near the stability limit): scaled down there to 1/γ, which keeps "
+        log.warning("fsgld: the clients' summed surrogate precision Λ exceeds 1/h (h = γ × the metric's diagonal) in %d "
+                    "coordinate(s) (a report far over the others', or gamma near the stability limit): scaled down there "
+                    "to 1/h, which keeps "
                     "every client's local steps stable and the gradient unbiased (surrogate_total_capped)", capped)
     prep.info.update({"surrogate_reports": len(ok), "surrogate_rejected": refused, "surrogate_scaled": scaled,
-                      "surrogate_held": held, "surrogate_total_capped": capped})
+                      "surrogate_held": held, "surrogate_bound": bound, "surrogate_total_capped": capped})
     return prep
 
 

@@ -52,7 +52,7 @@ def optimise_theta_star(cfg: RunConfig, theta0: np.ndarray,
                         grad_fn: Callable[[np.ndarray], np.ndarray], info: dict | None = None,
                         lr: float | None = None, precondition=None, max_rounds: int | None = None,
                         g0_norm: float | None = None, stall: int | None = None,
-                        last: list | None = None) -> tuple[np.ndarray, int]:
+                        last: list | None = None, newton: bool = False) -> tuple[np.ndarray, int]:
     """Federated gradient descent for ``θ* = argmin U``: ``θ ← θ − γ ∇U(θ)``.
 
     ``lr`` replaces ``γ`` as the step and ``precondition`` (a :class:`~qlsd_flwr.core.metric.Metric`)
@@ -66,7 +66,8 @@ def optimise_theta_star(cfg: RunConfig, theta0: np.ndarray,
     prior); it is how each engine reaches its clients. Stops when
     ``‖∇U‖ ≤ opt-tol·(1 + ‖∇U(θ_0)‖)`` or after ``opt-rounds`` rounds; returns ``(θ*, rounds)``.
     ``info`` (a dict) receives ``opt_converged`` and ``opt_grad_norm`` (``‖∇U(θ*)‖``); ``last`` (a list), when
-    given, ``∇U(θ*)`` itself.
+    given, ``∇U(θ*)`` itself. ``newton``: ``precondition`` is the curvature's inverse (not a user's file), and the
+    descent ends only within :func:`newton_decrement`'s bound in it too.
     """
     theta = theta0.copy()
     g = grad_fn(theta)
@@ -81,10 +82,10 @@ def optimise_theta_star(cfg: RunConfig, theta0: np.ndarray,
             if opt_converged(g, g0, cfg.opt_tol):
                 break
     else:
-        theta, g, rounds = _nesterov(cfg, theta, g, g0, grad_fn, step, precondition, budget, stall)
+        theta, g, rounds = _nesterov(cfg, theta, g, g0, grad_fn, step, precondition, budget, stall, newton)
     if info is not None:
         info["opt_grad0_norm"] = g0  # a descent resumed in stages keeps it (g0_norm)
-        info["opt_converged"] = bool(opt_converged(g, g0, cfg.opt_tol, precondition))
+        info["opt_converged"] = bool(opt_converged(g, g0, cfg.opt_tol, precondition if newton else None))
         info["opt_grad_norm"] = float(np.linalg.norm(g))
     if last is not None:
         last[:] = [g]
@@ -103,7 +104,7 @@ BLOWUP = 10.0
 STALL = 20
 
 
-def _nesterov(cfg, theta, g, g0, grad_fn, step, metric, budget, stall=None):
+def _nesterov(cfg, theta, g, g0, grad_fn, step, metric, budget, stall=None, newton=False):
     """Preconditioned accelerated descent with adaptive restart (Nesterov; O'Donoghue & Candès
     2015): ``y ← θ − lr M ∇U(θ)``, ``θ ← y + k/(k+3) (y − y_prev)``, the momentum reset whenever
     it points uphill (``∇U(θ)ᵀ(y − y_prev) > 0``). About ``√κ`` times fewer rounds than plain
@@ -131,7 +132,7 @@ def _nesterov(cfg, theta, g, g0, grad_fn, step, metric, budget, stall=None):
             best, since_best = (norm, theta.copy(), g.copy()), 0
         else:
             since_best += 1
-        if opt_converged(g, g0, cfg.opt_tol, metric) or (stall is not None and since_best >= stall):
+        if opt_converged(g, g0, cfg.opt_tol, metric if newton else None) or (stall is not None and since_best >= stall):
             break
     if best[0] < float(np.linalg.norm(g)):
         # a target that is not convex (a network): the descent may leave the basin it found; the

@@ -88,48 +88,66 @@ def cap_reports(reports: dict[int, np.ndarray], n_data) -> list[int]:
     return scaled
 
 
-def cap_total(lam: np.ndarray, h: float) -> int:
+def cap_total(lam: np.ndarray, h) -> int:
     """FSGLD's surrogate precisions: scale the precisions ``λ`` ``(b, d)`` down, in place, in each coordinate where ``Λ = Σ_i λ_i``
-    exceeds ``1/h``; returns how many coordinates. Every client's local step holds ``h Λ``, which must
+    exceeds ``1/h``; returns how many coordinates. ``h``: the local step, in each coordinate (``γ`` times the
+    metric's diagonal: with a diagonal metric ``γ`` alone is ``1/m`` times too small, and held honest surrogates to
+    nothing) or one number. Every client's local step holds ``h Λ``, which must
     stay below 2 for its steps to be stable whatever its own data (honest surrogates give
     ``Λ ≤ λ_max(∇²U)``, and ``h λ_max`` is ``c = 0.25`` under ``gamma = auto``); any ``λ`` keeps
     the conducive gradient unbiased, so a smaller one costs variance, never bias."""
     total = lam.sum(axis=0)
+    h = np.broadcast_to(np.asarray(h, dtype=np.float64), total.shape)
     over = total * h > 1.0
-    lam[:, over] *= (1.0 / h) / total[over]
+    lam[:, over] *= (1.0 / h[over]) / total[over]
     return int(np.count_nonzero(over))
 
 
 #: FSGLD: one client's surrogate precision may widen the stationary variance of any coordinate by at most this
 #: factor (sd ×1.41), whatever its own data's curvature there (:func:`cap_surrogates`)
 SURROGATE_WIDEN = 2.0
+#: the largest ``c = h (P_0 + Σ H)`` (a local step times a coordinate's curvature) at which the widening still falls
+#: as ``c`` grows, for any number of local steps (measured: it rises from 0.82 on with two or more, never with one),
+#: which makes ``c`` from the others' reports a safe stand-in for the whole
+C_MAX = 0.8
 
 
-def cap_surrogates(lam: np.ndarray, n_data, h: np.ndarray, steps: int, prior_curv: np.ndarray) -> list[int]:
+def cap_surrogates(lam: np.ndarray, n_data, h: np.ndarray, steps: int, prior_curv: np.ndarray) -> tuple[list[int], float]:
     """FSGLD's surrogate precisions ``λ`` ``(b, d)``, each held, in place, to what keeps the chain's variance within
-    :data:`SURROGATE_WIDEN` of exact surrogates'; returns the clients held.
+    :data:`SURROGATE_WIDEN` of exact surrogates'; returns ``(the clients held, the widening a lie can still reach)``.
 
     The argument (:func:`qlsd_flwr.core.fsgld_widening.widening`, exact on the toy Gaussian): in coordinate ``j``, a client
     ``s`` drawn with probability ``f_s = N_s/N`` that reports ``λ = H + t/h`` (``H`` its data's curvature, ``h`` the
     local step there: ``γ`` times the metric's diagonal) turns every other round's factor into ``1 − c − t`` and
-    its own into ``1 − c − t + t/f_s``; the variance grows with ``t`` and shrinks with ``c = h (P_0 + Σ H)``. Its
-    worst case is ``H = 0``, so ``λ_s ≤ t_max(c_{−s}, f_s)/h``, with ``c_{−s}`` from the prior and the others'
-    reports, bounds it for any ``H ≥ 0``: ``t ≤ h λ_s`` and ``c ≥ c_{−s}``. An over-report ×9 (the issue's; under
-    the per-datum cap :data:`REPORT_CAP`) widened a coordinate without limit at ``c = 0.25``. Honest clients whose
-    report is held lose variance reduction there, never unbiasedness: the surrogate is a control variate.
-    Under-reports (down to ``λ = 0``, as a refused report gives) widen by the client's own share of the curvature,
-    which no report changes (measured: ``benchmarks/bench_honest_claims.py``)."""
-    from qlsd_flwr.core.fsgld_widening import largest_excess
+    its own into ``1 − c − t + t/f_s``; for ``0 < c ≤ 1`` the variance grows with ``|t|`` on either side and shrinks
+    with ``c = h (P_0 + Σ H)`` up to :data:`C_MAX` (``tests/test_fsgld_bounds.py``; ``gamma = auto`` gives
+    ``c ≤ 0.25``). Two holds, per client and coordinate, with ``c_{−s}`` from the prior and the others' reports
+    (clipped to ``(0, C_MAX]``):
+
+    * from above, ``λ ≤ t_max(c_{−s})/h``: the worst case of a lie is ``H = 0`` (``t ≤ h λ``, ``c ≥ c_{−s}``), so
+      this bounds it by :data:`SURROGATE_WIDEN` whatever the client's data;
+    * from below, never under ``λ − u_max(c_{−s} + h λ)/h``: were the client honest (``H = λ``), holding it lower
+      would widen the chain past :data:`SURROGATE_WIDEN` itself (a client with most of a coordinate's curvature
+      and a small data share: an attacker with that coordinate of its own sends the same report). Where this floor
+      is above the first hold, the lie's bound there is the widening at the floor, returned.
+
+    An over-report ×9 (the issue's; under the per-datum cap :data:`REPORT_CAP`) widened a coordinate without limit
+    at ``c = 0.25``. Honest clients are never widened by the rule past :data:`SURROGATE_WIDEN`; measured:
+    ``benchmarks/bench_honest_claims.py``."""
+    from qlsd_flwr.core.fsgld_widening import largest_excess, widening
 
     b = lam.shape[0]
     counts = clamped_counts(n_data, range(b))
     n = np.array([counts[i] for i in range(b)], dtype=np.float64)
-    f = n / n.sum()
-    others = lam.sum(axis=0)[None, :] - lam
-    cap = largest_excess(h * (prior_curv + others), f[:, None], steps, SURROGATE_WIDEN) / h
-    over = lam > cap
-    lam[over] = cap[over]
-    return sorted(int(i) for i in np.flatnonzero(over.any(axis=1)))
+    f = (n / n.sum())[:, None]
+    c = np.clip(h * (prior_curv + lam.sum(axis=0)[None, :] - lam), 1e-12, C_MAX)
+    top = largest_excess(c, f, steps, SURROGATE_WIDEN) / h
+    floor = lam - largest_excess(np.minimum(c + h * lam, C_MAX), f, steps, SURROGATE_WIDEN, sign=-1.0) / h
+    held = np.maximum(np.minimum(lam, top), floor)
+    bound = float(np.max(widening(h * held, c, f, steps), initial=1.0))
+    over = held < lam
+    lam[over] = held[over]
+    return sorted(int(i) for i in np.flatnonzero(over.any(axis=1))), max(bound, 1.0)
 
 
 def loo_excess(h: np.ndarray, rest: np.ndarray) -> np.ndarray | float:
