@@ -267,10 +267,10 @@ def _with_surrogates(cfg: RunConfig, task: Task, prep: Prepared, curv_fn: CurvFn
     held, bound = cap_surrogates(prep.surrogate, n_data, step, int(cfg.get("local-steps")),
                                  prior_curvature(task, prep.theta_star))
     if held:
-        log.warning("fsgld: the surrogate precision of client(s) %s held: a lie widens the chain's variance by at most "
-                    "%.3g× in any coordinate (%g× where the client does not hold most of that coordinate's curvature), "
-                    "an honest report by at most %g× (surrogate_held; docs/DEPLOYMENT.md §9b)",
-                    held, bound, SURROGATE_WIDEN, SURROGATE_WIDEN)
+        log.warning("fsgld: the surrogate precision of client(s) %s held: a lie, or the hold of an honest report, widens "
+                    "the chain's variance by at most %.3g× in any coordinate (%g× but where a client reports most of a "
+                    "coordinate's curvature; surrogate_held, surrogate_bound; docs/DEPLOYMENT.md §9b)",
+                    held, bound, SURROGATE_WIDEN)
     capped = cap_total(prep.surrogate, step)
     if capped:
         log.warning("fsgld: the clients' summed surrogate precision Λ exceeds 1/h (h = γ × the metric's diagonal) in %d "

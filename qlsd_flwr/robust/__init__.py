@@ -32,8 +32,11 @@ FSGLD's surrogate precisions       :mod:`.reports`: cap_surrogates,      one cli
                                    SURROGATE_WIDEN 2: λ_i ≤ t_max/h,     variance by at most 2× (exact on the
                                    the largest excess whose widening     toy Gaussian: core.fsgld_widening;
                                    (core.fsgld_widening, its K local     ×9 gave no stationary variance, now
-                                   steps) is 2 against c from the        1.20); honest: bench_honest_claims.py
-                                   prior and the others' reports         (fsgld_* in honest_claims.json)
+                                   steps) is 2 against c from the        1.20), save where it reports most of
+                                   prior and the others' reports (C_MAX  a coordinate: there where a lie and
+                                   0.8), never below 2× for an honest    the truth widen alike
+                                   report; a clash: where both meet      (surrogate_bound); honest maxima:
+                                                                         bench_honest_claims.py, fsgld_*
 diagonal, dense and Kronecker      :mod:`.reports`: FACTOR_SHARE 150:    one client shrinks M along any direction
 curvature reports (the metric)     ``P_0 + Σ H ⪯ (1 + 150 N_i/N_{−i})``  by at most 1 + 150 N_i/N_{−i} (17.7× for
                                    ``(P_0 + Σ_{k≠i} H_k)``; K-FAC: on    one of ten); honest maximum 60 N_i/N_{−i}

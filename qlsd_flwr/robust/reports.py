@@ -127,13 +127,13 @@ def cap_surrogates(lam: np.ndarray, n_data, h: np.ndarray, steps: int, prior_cur
     * from above, ``λ ≤ t_max(c_{−s})/h``: the worst case of a lie is ``H = 0`` (``t ≤ h λ``, ``c ≥ c_{−s}``), so
       this bounds it by :data:`SURROGATE_WIDEN` whatever the client's data;
     * from below, never under ``λ − u_max(c_{−s} + h λ)/h``: were the client honest (``H = λ``), holding it lower
-      would widen the chain past :data:`SURROGATE_WIDEN` itself (a client with most of a coordinate's curvature
-      and a small data share: an attacker with that coordinate of its own sends the same report). Where this floor
-      is above the first hold, the lie's bound there is the widening at the floor, returned.
+      would widen the chain past :data:`SURROGATE_WIDEN` itself. Where this floor is above the first hold (a client
+      that reports most of a coordinate's curvature with a small data share: an honest one, or an attacker claiming
+      it, send the same report), ``λ`` is held where a lie and an honest hold would widen alike (bisection), and that
+      widening is the bound there for both, returned.
 
     An over-report ×9 (the issue's; under the per-datum cap :data:`REPORT_CAP`) widened a coordinate without limit
-    at ``c = 0.25``. Honest clients are never widened by the rule past :data:`SURROGATE_WIDEN`; measured:
-    ``benchmarks/bench_honest_claims.py``."""
+    at ``c = 0.25``. Measured on honest splits: ``benchmarks/bench_honest_claims.py``."""
     from qlsd_flwr.core.fsgld_widening import largest_excess, widening
 
     b = lam.shape[0]
@@ -141,10 +141,19 @@ def cap_surrogates(lam: np.ndarray, n_data, h: np.ndarray, steps: int, prior_cur
     n = np.array([counts[i] for i in range(b)], dtype=np.float64)
     f = (n / n.sum())[:, None]
     c = np.clip(h * (prior_curv + lam.sum(axis=0)[None, :] - lam), 1e-12, C_MAX)
-    top = largest_excess(c, f, steps, SURROGATE_WIDEN) / h
-    floor = lam - largest_excess(np.minimum(c + h * lam, C_MAX), f, steps, SURROGATE_WIDEN, sign=-1.0) / h
-    held = np.maximum(np.minimum(lam, top), floor)
-    bound = float(np.max(widening(h * held, c, f, steps), initial=1.0))
+    c_honest = np.minimum(c + h * lam, C_MAX)  # the coordinate's c were the client honest (H = λ)
+    top = np.minimum(lam, largest_excess(c, f, steps, SURROGATE_WIDEN) / h)
+    floor = lam - largest_excess(c_honest, f, steps, SURROGATE_WIDEN, sign=-1.0) / h
+    held = np.maximum(top, floor)
+    clash = floor > top  # where the two cannot both hold: the λ at which a lie and an honest hold widen alike
+    lo, hi = top.copy(), floor.copy()
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        lie_wider = widening(h * mid, c, f, steps) > widening(h * (mid - lam), c_honest, f, steps)
+        lo, hi = np.where(lie_wider, lo, mid), np.where(lie_wider, mid, hi)
+    held = np.where(clash, lo, held)
+    bound = float(np.max(np.maximum(widening(h * held, c, f, steps), widening(h * (held - lam), c_honest, f, steps)),
+                         initial=1.0))
     over = held < lam
     lam[over] = held[over]
     return sorted(int(i) for i in np.flatnonzero(over.any(axis=1))), max(bound, 1.0)
