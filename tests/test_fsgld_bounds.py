@@ -43,7 +43,7 @@ def test_the_model_is_fsgld_s_exact_law_on_the_gaussian(steps):
     for c in (0.25, 0.1):
         h = c / A
         _, exact = laws_fsgld.gaussian_stationary(n, ybar, mu, lam, f, h, steps, 5.0)
-        for m in (1.5, 2.0, 3.0):
+        for m in (0.01, 0.5, 1.5, 2.0, 3.0):  # under-reports too: every hold is one
             lied = lam.copy()
             lied[1] *= m
             mu_l = mu.copy()
@@ -168,6 +168,24 @@ def test_a_coordinate_near_stability_holds_only_the_liar():
     held, bound = reports.cap_surrogates(lam, np.full(b, 100), h, 1, np.zeros(1))
     assert held == [2] and np.all(np.isfinite(lam)) and np.all(lam[[0, 1, 3], 0] == H[[0, 1, 3]])
     assert lam[2, 0] < 9 * H[2] and not np.isnan(bound)
+
+
+def test_a_coordinate_only_one_client_informs_keeps_that_client_within_the_bound():
+    # 20 clients, only client 0 has curvature in the coordinate (a feature of its own), c = 0.25: no λ keeps both a
+    # lie and the truth finite, so it is held at the floor (its truth widens 2×) and the lie's bound is infinite, said.
+    # Before (a review's probe): the bisection stopped at 39.3 of 100, where the truth had no stationary variance
+    b = 20
+    lam = np.zeros((b, 1))
+    lam[0] = 100.0
+    h = np.array([0.25 / 100.0])
+    held, bound = reports.cap_surrogates(lam, np.full(b, 50), h, 1, np.zeros(1))
+    assert held == [0] and bound == np.inf
+    truth = float(np.max(fsgld_widening.widening(h * (lam[0] - 100.0), 0.25, 1.0 / b, 1)))
+    assert truth == pytest.approx(reports.SURROGATE_WIDEN, rel=1e-6)
+    # one client alone: every round is its own, any λ is exact in law, nothing is held
+    alone = np.array([[3.0]])
+    assert reports.cap_surrogates(alone, np.array([10]), np.array([1.0]), 1, np.zeros(1)) == ([], 1.0)
+    assert alone[0, 0] == 3.0
 
 
 @pytest.mark.parametrize("steps", [1, 2, 5])

@@ -22,13 +22,14 @@ def widening(t, c, f, steps: int):
     K = int(steps)
 
     def law(*rounds):  # E[Σ_{m<K} r^{2m}] / (1 − E[r^{2K}]) over the round's client: (probability, r) pairs
-        num = sum(p * sum(x ** (2 * j) for j in range(K)) for p, x in rounds)
-        den = 1.0 - sum(p * x ** (2 * K) for p, x in rounds)
-        with np.errstate(divide="ignore", invalid="ignore"):
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):  # absurd reports: inf, not a warning
+            num = sum(p * sum(x ** (2 * j) for j in range(K)) for p, x in rounds)
+            den = 1.0 - sum(p * x ** (2 * K) for p, x in rounds)
             return np.where(den > 0, num / den, np.inf)
 
     ro = 1.0 - c - t
-    return law((1.0 - f, ro), (f, ro + t / f)) / law((1.0, 1.0 - c))
+    with np.errstate(invalid="ignore", over="ignore"):
+        return law((1.0 - f, ro), (f, ro + t / f)) / law((1.0, 1.0 - c))
 
 
 def largest_excess(c, f, steps: int, widen: float, sign: float = 1.0, iters: int = 60):
@@ -41,4 +42,5 @@ def largest_excess(c, f, steps: int, widen: float, sign: float = 1.0, iters: int
         mid = 0.5 * (lo + hi)
         ok = widening(sign * mid, c, f, steps) <= widen  # NaN or inf: not ok
         lo, hi = np.where(ok, mid, lo), np.where(ok, hi, mid)
-    return lo
+    # no limit where even u = 2 stays within (a lone client, f = 1: its own rounds are all the rounds)
+    return np.where(widening(sign * 2.0, c, f, steps) <= widen, np.inf, lo)

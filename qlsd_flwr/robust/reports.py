@@ -143,7 +143,7 @@ def cap_surrogates(lam: np.ndarray, n_data, h: np.ndarray, steps: int, prior_cur
     c = np.clip(h * (prior_curv + lam.sum(axis=0)[None, :] - lam), 1e-12, C_MAX)
     c_honest = np.minimum(c + h * lam, C_MAX)  # the coordinate's c were the client honest (H = λ)
     top = np.minimum(lam, largest_excess(c, f, steps, SURROGATE_WIDEN) / h)
-    floor = lam - largest_excess(c_honest, f, steps, SURROGATE_WIDEN, sign=-1.0) / h
+    floor = np.maximum(lam - largest_excess(c_honest, f, steps, SURROGATE_WIDEN, sign=-1.0) / h, 0.0)
     held = np.maximum(top, floor)
     clash = floor > top  # where the two cannot both hold: the λ at which a lie and an honest hold widen alike
     lo, hi = top.copy(), floor.copy()
@@ -151,7 +151,10 @@ def cap_surrogates(lam: np.ndarray, n_data, h: np.ndarray, steps: int, prior_cur
         mid = 0.5 * (lo + hi)
         lie_wider = widening(h * mid, c, f, steps) > widening(h * (mid - lam), c_honest, f, steps)
         lo, hi = np.where(lie_wider, lo, mid), np.where(lie_wider, mid, hi)
-    held = np.where(clash, lo, held)
+    # the crossing, on the lie's side; where no finite one exists (the lie's widening is infinite before the honest
+    # hold's is finite) the floor, which keeps a truthful client within SURROGATE_WIDEN, and the lie's bound is infinite
+    honest_finite = np.isfinite(widening(h * (lo - lam), c_honest, f, steps))
+    held = np.where(clash, np.where(honest_finite, lo, floor), held)
     bound = float(np.max(np.maximum(widening(h * held, c, f, steps), widening(h * (held - lam), c_honest, f, steps)),
                          initial=1.0))
     over = held < lam
