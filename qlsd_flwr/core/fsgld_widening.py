@@ -32,15 +32,23 @@ def widening(t, c, f, steps: int):
         return law((1.0 - f, ro), (f, ro + t / f)) / law((1.0, 1.0 - c))
 
 
+def bisect_largest(ok, lo, hi, iters: int = 60):
+    """The largest ``x`` in ``[lo, hi]`` with ``ok(x)``, elementwise by bisection (``ok`` true below some point and
+    false above it): ``(lo, hi)`` around it after ``iters`` halvings. ``ok`` may be false on NaN and inf."""
+    lo, hi = np.array(lo, dtype=np.float64), np.array(hi, dtype=np.float64)
+    for _ in range(iters):
+        mid = 0.5 * (lo + hi)
+        good = ok(mid)
+        lo, hi = np.where(good, mid, lo), np.where(good, hi, mid)
+    return lo, hi
+
+
 def largest_excess(c, f, steps: int, widen: float, sign: float = 1.0, iters: int = 60):
     """The largest ``u ≥ 0`` with :func:`widening` at ``t = sign · u`` at most ``widen``, by bisection on ``[0, 2]``,
     elementwise over arrays ``c``, ``f`` (``0 < c ≤ 1``, where the widening grows with ``u`` on either side:
     ``tests/test_fsgld_bounds.py``). ``sign = −1``: how far below its curvature a client's precision may be."""
     c, f = np.broadcast_arrays(np.asarray(c, dtype=np.float64), np.asarray(f, dtype=np.float64))
-    lo, hi = np.zeros(c.shape), np.full(c.shape, 2.0)
-    for _ in range(iters):
-        mid = 0.5 * (lo + hi)
-        ok = widening(sign * mid, c, f, steps) <= widen  # NaN or inf: not ok
-        lo, hi = np.where(ok, mid, lo), np.where(ok, hi, mid)
+    lo, _ = bisect_largest(lambda u: widening(sign * u, c, f, steps) <= widen, np.zeros(c.shape), np.full(c.shape, 2.0),
+                           iters)
     # no limit where even u = 2 stays within (a lone client, f = 1: its own rounds are all the rounds)
     return np.where(widening(sign * 2.0, c, f, steps) <= widen, np.inf, lo)

@@ -45,7 +45,12 @@ def opt_converged(grad: np.ndarray, grad0_norm: float, tol: float, metric=None) 
     in a flat direction makes the first rule loose."""
     if float(np.linalg.norm(grad)) > tol * (1.0 + grad0_norm):
         return False
-    return metric is None or float(grad @ metric.apply(grad)) <= grad.size
+    return metric is None or decrement_squared(grad, metric) <= grad.size
+
+
+def decrement_squared(grad: np.ndarray, metric) -> float:
+    """The squared Newton decrement ``∇Uᵀ M ∇U``, held to ``d`` by :func:`opt_converged` and :func:`newton_decrement`."""
+    return float(grad @ metric.apply(grad))
 
 
 def optimise_theta_star(cfg: RunConfig, theta0: np.ndarray,
@@ -149,7 +154,7 @@ def newton_decrement(cfg: RunConfig, grad: np.ndarray, metric, info: dict) -> No
     ``σ = 1`` at the start, ``‖∇U(θ_0)‖ = 1.1e12``) the descent stopped after 24 exchanges, 5.0e5 nats above the
     mode. Not met: ``opt_converged`` is false and the run warns (θ* only the curvature point), or stops as an
     unconverged descent does (QLSD*'s θ*, unless ``opt-accept-unconverged``)."""
-    lam2 = float(grad @ metric.apply(grad))
+    lam2 = decrement_squared(grad, metric)
     info["opt_newton_decrement"] = float(np.sqrt(max(lam2, 0.0)))
     if lam2 <= grad.size or not info.get("opt_converged", False):
         return

@@ -134,7 +134,7 @@ def cap_surrogates(lam: np.ndarray, n_data, h: np.ndarray, steps: int, prior_cur
 
     An over-report ×9 (the issue's; under the per-datum cap :data:`REPORT_CAP`) widened a coordinate without limit
     at ``c = 0.25``. Measured on honest splits: ``benchmarks/bench_honest_claims.py``."""
-    from qlsd_flwr.core.fsgld_widening import largest_excess, widening
+    from qlsd_flwr.core.fsgld_widening import bisect_largest, largest_excess, widening
 
     b = lam.shape[0]
     counts = clamped_counts(n_data, range(b))
@@ -146,11 +146,8 @@ def cap_surrogates(lam: np.ndarray, n_data, h: np.ndarray, steps: int, prior_cur
     floor = np.maximum(lam - largest_excess(c_honest, f, steps, SURROGATE_WIDEN, sign=-1.0) / h, 0.0)
     held = np.maximum(top, floor)
     clash = floor > top  # where the two cannot both hold: the λ at which a lie and an honest hold widen alike
-    lo, hi = top.copy(), floor.copy()
-    for _ in range(60):
-        mid = 0.5 * (lo + hi)
-        lie_wider = widening(h * mid, c, f, steps) > widening(h * (mid - lam), c_honest, f, steps)
-        lo, hi = np.where(lie_wider, lo, mid), np.where(lie_wider, mid, hi)
+    lo, _ = bisect_largest(lambda x: ~(widening(h * x, c, f, steps) > widening(h * (x - lam), c_honest, f, steps)),
+                           top, floor)
     # the crossing, on the lie's side; where no finite one exists (the lie's widening is infinite before the honest
     # hold's is finite) the floor, which keeps a truthful client within SURROGATE_WIDEN, and the lie's bound is infinite
     honest_finite = np.isfinite(widening(h * (lo - lam), c_honest, f, steps))
