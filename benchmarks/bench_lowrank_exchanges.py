@@ -16,6 +16,13 @@ as it sends them, then summed with the prior's part (``32``: float32, the width 
     python benchmarks/bench_lowrank_exchanges.py --block 32 --q 4 8 10 12 14 16 18 20 24
     python benchmarks/bench_lowrank_exchanges.py --block 8 16 --q 24 32 48 64 --out lowrank_exchanges_blocks.json
     python benchmarks/bench_lowrank_exchanges.py --bits 32:32 16:16 12:12 16:12 12:16 16:8 8:16 8:8 --out lowrank_bits.json
+
+``--gamma SEED ...`` measures ``γ``'s ``λ_max(B')`` at the defaults (16-bit rows both ways), for each seed of the
+Krylov space's random start: the exact value (``eigvalsh``), the power iteration a run makes from the top
+uncorrected Ritz pair (:func:`qlsd_flwr.core.curvature.lambda_max` with ``start``; the run's since 2026-12-03) and
+from a random start (before), each with its number of product exchanges (exact products here).
+
+    python benchmarks/bench_lowrank_exchanges.py --gamma 0 1 2 --out lowrank_gamma.json
 """
 
 from __future__ import annotations
@@ -50,6 +57,8 @@ def main(argv=None):
                     help="vectors per exchange b (each b is run with each q)")
     ap.add_argument("--bits", nargs="*", default=[], metavar="DOWN:UP",
                     help="widths of the block (down) and the clients' products (up): 32 is float32, 2-16 fixed point")
+    ap.add_argument("--gamma", type=int, nargs="*", default=[], metavar="SEED",
+                    help="γ's λ_max(B') from the top Ritz pair and from a random start, for these Krylov seeds")
     ap.add_argument("--out", default="lowrank_exchanges.json", help="a JSON file under benchmarks/")
     a = ap.parse_args(argv)
     over = {"num-clients": 4, "dataset": "digits", "task": "logistic"} if SMOKE else {}
@@ -81,7 +90,10 @@ def main(argv=None):
                "kappa": float(e[-1] / e[0]), "lambda_max": float(e[-1]), "lambda_min": float(e[0])}
         rows.append(row)
         print(json.dumps(row), f"({time.perf_counter() - t0:.0f} s)", flush=True)
-    for b, q in [(b, q) for b in a.block for q in a.q] if not a.bits else []:
+    for seed in a.gamma:
+        rows.append(_gamma_row(task, post, mode, H, R, B, m, a.rank, seed))
+        print(json.dumps(rows[-1]), f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    for b, q in [(b, q) for b in a.block for q in a.q] if not (a.bits or a.gamma) else []:
         (u, t), info = lr.correction(lambda W: (H @ W.T).T, lambda x: R @ x, lambda x: R.T @ x, post.d, a.rank,
                                      cfg.seed, block=b, exchanges=q)
         C = np.eye(post.d) + (u * (t ** -0.5 - 1.0)) @ u.T
@@ -95,6 +107,25 @@ def main(argv=None):
     out(HERE / a.out).write_text(json.dumps(
         {"command": "python benchmarks/bench_lowrank_exchanges.py " + " ".join(sys.argv[1:]), "rank": a.rank,
          "rows": rows}, indent=1))
+
+
+def _gamma_row(task, post, mode, H, R, B, m, rank: int, seed: int) -> dict:
+    """λ_max(B') exactly, and as the power iteration finds it from the top Ritz pair and from a random start."""
+    def products(W):  # the block and each client's products as they travel (16-bit rows)
+        W = fixed.rounded(W, fixed.BITS)
+        return sum(fixed.rounded(c.hvp_batch(mode, W), fixed.BITS) for c in task.clients) + W * post.prec
+
+    top: list = []
+    (u, t), info = lr.correction(products, lambda x: R @ x, lambda x: R.T @ x, post.d, rank, seed, start=top)
+    C = np.eye(post.d) + (u * (t ** -0.5 - 1.0)) @ u.T
+    exact = float(np.linalg.eigvalsh(C.T @ B @ C)[-1])
+    corrected = m.corrected(u, t)
+    ritz, n_ritz = cv.lambda_max(None, mode, corrected, seed, hvp=lambda th, v, eps: H @ v, start=top[0])
+    rand, n_rand = cv.lambda_max(None, mode, corrected, seed, hvp=lambda th, v, eps: H @ v)
+    return {"seed": seed, "lambda_max_exact": exact, "ritz_top": top[0][1], "from_ritz": ritz,
+            "from_ritz_exchanges": n_ritz, "from_random": rand, "from_random_exchanges": n_rand,
+            "from_random_error": rand / exact - 1.0, "from_ritz_error": ritz / exact - 1.0,
+            "converged": int(info["lowrank_converged"])}
 
 
 def _width(X, bits: int) -> np.ndarray:

@@ -332,3 +332,31 @@ def test_a_kept_client_without_a_usable_product_sends_its_gradients_instead(tmp_
     assert s["products_rejected"] >= 1 and s["products_fallback"] == s["products_rejected"]
     assert "products_fallback" in caplog.text and "products_fallback" not in honest.server.summary_data
     assert s["gamma"] == pytest.approx(honest.server.summary_data["gamma"], rel=5e-2)
+
+
+def test_gamma_s_power_iteration_starts_at_the_top_uncorrected_ritz_pair_and_ends_in_one_exchange():
+    """With ``metric-rank``, the Krylov space holds the corrected curvature's top (the corrected pairs go to 1, the
+    others keep their Ritz values), so γ's power iteration starts at the largest uncorrected Ritz pair and ends when
+    one exchange of products agrees with its value (issue 37). Here the space is a part of the whole (512 of 600
+    dimensions, as on the main job): λ_max must be the exact one to the stop rule (1 %) and never above it, in at
+    most two exchanges, where a random start needs at least four."""
+    from qlsd_flwr.core.potential import GaussianPrior, Task
+    from test_metric import MatrixGaussian
+
+    d = 600
+    P = _spd(d, 1e3, seed=2)
+    mu = np.random.default_rng(3).normal(size=d)
+    task = Task(name="matrix-gaussian", dim=d, clients=[MatrixGaussian(0.3 * P, mu), MatrixGaussian(0.7 * P, mu)],
+                prior=GaussianPrior(), theta_star=mu.copy(), theta0=mu.copy())
+    cfg = resolve({"variant": "qlsd", "compressor": "identity", "num-clients": task.b, "dim": task.dim,
+                   "progress": False, "theta-star": "closed-form", "gamma": "auto", "metric": "diagonal",
+                   "metric-rank": 20})
+    specs = [build.client_spec(cfg, i, 1, task.dim, task.prior, build.blocks_for(cfg, task)) for i in range(task.b)]
+    prep = precondition.prepare(cfg, task, task.theta0, *build.direct_exchanges(cfg, task, specs))
+    info = prep.info
+    assert info["lowrank_exchanges"] * info["lowrank_block"] == 512 and info["lowrank_rank"] == 20
+    S = _columns(prep.metric.apply_root, task.dim)
+    lam = np.linalg.eigvalsh(S.T @ P @ S).max()
+    assert info["lambda_max_start"] == "ritz" and info["lambda_max_iterations"] <= 2
+    assert info["lambda_max"] <= lam * (1 + 1e-6) and info["lambda_max"] == pytest.approx(lam, rel=1e-2)
+    assert prep.gamma == pytest.approx(info["gamma_c"] / info["lambda_max"], rel=1e-12)

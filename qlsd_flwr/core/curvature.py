@@ -352,13 +352,15 @@ def metric_from_curvature(kind: str, reports: dict[int, np.ndarray], n_data, pri
 
 # ---- the step from the curvature -----------------------------------------------------------------
 def lambda_max(grad_fn, theta: np.ndarray, metric: Metric, seed: int, iters: int = 60,
-               tol: float = 1e-2, hvp=None) -> tuple[float, int]:
+               tol: float = 1e-2, hvp=None, start=None) -> tuple[float, int]:
     """``λ_max(M^{1/2} ∇²U(θ) M^{1/2})`` by power iteration; ``∇²U u`` from ``hvp`` (the engine's: the clients'
     own products), or by default the central difference ``(∇U(θ + εu) − ∇U(θ − εu)) / 2ε``, each ``∇U`` one
     exchange with every client (``grad_fn``).
     Stops when the Rayleigh quotient changes by less than ``tol`` (relative; 1 % moves γ by 1 %,
     far below what matters) or after ``iters`` iterations; returns ``(λ, iterations)``. The start is random (stream ``(seed, INIT, −2, 0)``),
-    so it is not orthogonal to the top eigenvector. ``hvp(theta, u, eps)``: the product ``∇²U u`` in place of
+    so it is not orthogonal to the top eigenvector, or ``start = (v, t)``: ``v`` in ``M``'s whitened coordinates with its
+    Rayleigh quotient ``t`` known (``metric-rank``'s top uncorrected Ritz pair), ended by one product agreeing with ``t``
+    to ``tol``. ``hvp(theta, u, eps)``: the product ``∇²U u`` in place of
     the central difference of ``grad_fn`` (:mod:`qlsd_flwr.robust.products` gives one that holds each client's
     part to scale).
 
@@ -368,32 +370,29 @@ def lambda_max(grad_fn, theta: np.ndarray, metric: Metric, seed: int, iters: int
     if hvp is None:
         def hvp(th, u, eps):
             return (grad_fn(th + eps * u) - grad_fn(th - eps * u)) / (2.0 * eps)
-    lam, it = _power(hvp, theta, metric, seed, iters, tol, 0.0)
+    lam, it = _power(hvp, theta, metric, seed, iters, tol, 0.0, start)
     if lam < 0:  # the dominant eigenvalue is negative: the largest is μ + λ_max(H − μ I) (H − μ I is PSD)
         shifted, more = _power(hvp, theta, metric, seed, iters, tol, lam)
         return lam + shifted, it + more
     return lam, it
 
 
-def _power(hvp, theta: np.ndarray, metric: Metric, seed: int, iters: int, tol: float, shift: float):
+def _power(hvp, theta: np.ndarray, metric: Metric, seed: int, iters: int, tol: float, shift: float, start=None):
     """The power iteration of :func:`lambda_max` on ``M^½ (∇²U − shift·M⁻¹) M^½``, i.e. ``M^½ ∇²U M^½ − shift I``."""
-    d = theta.shape[0]
-    v = rng.normal(seed, rng.Stream.INIT, -2 & 0xFFFFFFFF, 0, d)
-    v /= np.linalg.norm(v)
-    lam, it = 0.0, 0
+    v = rng.normal(seed, rng.Stream.INIT, -2 & 0xFFFFFFFF, 0, theta.shape[0]) if start is None else start[0]
+    v = v / np.linalg.norm(v)
+    lam, it, first = (0.0, 0, 3) if start is None else (float(start[1]), 0, 0)  # a random start: 3 products first
     for it in range(1, iters + 1):
         u = metric.apply_root(v)
         eps = fd_step(theta) / max(float(np.max(np.abs(u))), 1e-300)
         hu = hvp(theta, u, eps)
-        w = metric.apply_root_t(hu)  # (M^{1/2})ᵀ H u
-        if shift:
-            w = w - shift * v
+        w = metric.apply_root_t(hu) - shift * v  # (M^{1/2})ᵀ H u, shifted (exactly itself at shift 0: v is finite)
         new = float(v @ w)
         nw = float(np.linalg.norm(w))
         if not np.isfinite(nw) or nw == 0.0:
             break
         v = w / nw
-        done = it > 3 and abs(new - lam) <= tol * abs(new)
+        done = it > first and abs(new - lam) <= tol * abs(new)
         lam = new if new < 0 and not shift else max(new, 0.0)
         if done:
             break

@@ -82,11 +82,13 @@ def curvature_metric(cfg: RunConfig, task: Task, point: np.ndarray, curv_fn: Cur
 
 
 def lowrank_correction(cfg: RunConfig, task: Task, point: np.ndarray, curv_fn: CurvFn | None, n_data, metric: Metric,
-             info: dict) -> Metric:
+             info: dict, start: list | None = None) -> Metric:
     """``metric-rank = k``: the metric corrected along the ``k`` directions where ``M^½ᵀ ∇²U(θ*) M^½`` is
     farthest from 1 (:mod:`qlsd_flwr.core.lowrank`), from the clients' Hessian-vector products, each client's
     share held to the leave-one-out rule (:mod:`qlsd_flwr.robust.krylov`: a client scaled has the correction made
-    again with its products scaled from the start, and a third time without them if it is over the rule again)."""
+    again with its products scaled from the start, and a third time without them if it is over the rule again).
+    ``start``, a list, receives the corrected metric's top uncorrected Ritz pair, where the power iteration for ``γ``
+    starts (:func:`qlsd_flwr.core.lowrank.correction`)."""
     from qlsd_flwr.core import lowrank as lr
 
     if curv_fn is None:
@@ -108,8 +110,9 @@ def lowrank_correction(cfg: RunConfig, task: Task, point: np.ndarray, curv_fn: C
             shares.add(W, held, W * prior_c)
             return lr.summed(held, W.shape[0], d) + W * prior_c
 
+        found: list = []  # this pass's top uncorrected Ritz pair
         low, linfo = lr.correction(products, metric.apply_root, metric.apply_root_t, d, lowrank_rank(cfg), cfg.seed,
-                                   gram=lambda shares=shares: shares.gram(n_data))
+                                   gram=lambda shares=shares: shares.gram(n_data), start=found)
         info["lowrank_loo_share"] = max(float(info.get("lowrank_loo_share", 0.0)), shares.share_max)
         info.pop("lowrank_unjudged", None)  # this pass's, not an earlier one's
         if shares.unjudged:
@@ -147,6 +150,8 @@ def lowrank_correction(cfg: RunConfig, task: Task, point: np.ndarray, curv_fn: C
              "curvature's condition number over the directions found: %.3g before, %.3g over those left",
              linfo["lowrank_rank"], linfo["lowrank_exchanges"], linfo["lowrank_block"], linfo["lowrank_kappa_before"],
              linfo["lowrank_kappa_left"])
+    if start is not None:
+        start.extend(found)
     return metric.corrected(*low)
 
 

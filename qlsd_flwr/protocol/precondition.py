@@ -213,8 +213,9 @@ def prepare(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | No
         merge_reports(info, cinfo)
     else:
         metric = file_metric or Identity()
+    top: list = []  # the corrected metric's top uncorrected Ritz pair: γ's power iteration starts there
     if lowrank_rank(cfg) > 0 and not adapts(cfg):
-        metric = lowrank_correction(cfg, task, point, curv_fn, n_data, metric, info)
+        metric = lowrank_correction(cfg, task, point, curv_fn, n_data, metric, info, top)
     if last and needs_curvature(cfg):
         newton_decrement(cfg, last[0], metric, info)
     spread = metric.spread()
@@ -228,7 +229,8 @@ def prepare(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | No
                     "uncompressed variant (docs/METRIC.md)",
                     "up to " if metric.low is not None else "", spread, cv.COMPRESSED_SPREAD_WARN)
     # 3. the step
-    gamma = _step(cfg, grad_fn, point, metric, info, quiet=adapts(cfg), hvp=hvp)  # announced once, after the warm-up
+    gamma = _step(cfg, grad_fn, point, metric, info, quiet=adapts(cfg), hvp=hvp,  # announced once, after the warm-up
+                  start=top[0] if top else None)
     # 4. the starts
     starts = chain_starts(cfg, task, theta0, point, metric, C) if cfg.init == "dispersed" else None
     if starts is not None:
@@ -283,17 +285,18 @@ def _with_surrogates(cfg: RunConfig, task: Task, prep: Prepared, curv_fn: CurvFn
 
 
 def _step(cfg: RunConfig, grad_fn: GradFn | None, point: np.ndarray, metric: Metric, info: dict,
-          iters: int = 60, tol: float = 1e-2, quiet: bool = False, *, hvp) -> float:
+          iters: int = 60, tol: float = 1e-2, quiet: bool = False, *, hvp, start=None) -> float:
     """γ for ``metric``: ``c / λ_max(M^{1/2} ∇²U(θ*) M^{1/2})`` with ``gamma = auto``; otherwise the
     given γ, with a warning when it is beyond the estimated stability limit."""
     gamma = cfg.gamma
     if (cfg.gamma_auto or not metric.is_identity) and grad_fn is not None:
         with phase(grad_fn, "power_iteration"):
-            lam, iters = cv.lambda_max(grad_fn, point, metric, cfg.seed, iters=iters, tol=tol, hvp=hvp)
+            lam, iters = cv.lambda_max(grad_fn, point, metric, cfg.seed, iters=iters, tol=tol, hvp=hvp, start=start)
         c = info.get("gamma_c", cv.GAMMA_AUTO_C)  # prepare's, from gamma-c (auto: by log-concavity)
         if quiet and not (cfg.gamma_auto and lam <= 0):  # the warm-up's own steps: no announcement
             return c / lam if cfg.gamma_auto else gamma
-        info.update({"lambda_max": lam, "lambda_max_iterations": iters})
+        info.update({"lambda_max": lam, "lambda_max_iterations": iters,
+                     "lambda_max_start": "random" if start is None else "ritz"})
         stable = c / lam if lam > 0 else None
         if cfg.gamma_auto:
             if stable is None:
@@ -303,8 +306,10 @@ def _step(cfg: RunConfig, grad_fn: GradFn | None, point: np.ndarray, metric: Met
             gamma = c / lam
             auto = str(cfg.get("gamma-c")).strip().lower() == "auto"
             log.warning("gamma = auto: γ = %.4g = %g / λ_max, λ_max = %.4g (the largest eigenvalue of M^½ ∇²U(θ*) "
-                        "M^½, %d power iterations; metric %s; variance along the stiffest direction ×%.3g, ULA's "
-                        "bias at this c%s)", gamma, c, lam, iters, metric.kind, 1.0 / (1.0 - c / 2.0),
+                        "M^½, %d power iterations%s; metric %s; variance along the stiffest direction ×%.3g, ULA's "
+                        "bias at this c%s)", gamma, c, lam, iters,
+                        "" if start is None else " from metric-rank's top uncorrected Ritz pair", metric.kind,
+                        1.0 / (1.0 - c / 2.0),
                         "" if not auto else "; gamma-c = auto: " + (
                             "a log-concave posterior" if info.get("log_concave") else
                             "a posterior not declared log-concave, such as a network's, takes half the step"))
