@@ -264,10 +264,12 @@ def descent(root: Path, out: Path) -> dict:
         t, info, last, n = time.perf_counter(), {}, [], np.array([c.n_data for c in task.clients])
         grad_fn, curv_fn = build.direct_exchanges(cfg, task, specs)
         # prepare()'s first steps: θ* by the descent, M taken there, the descent's end held to it
+        final: list = []  # the metric the descent's last check took at θ*, as prepare() keeps it
         point = precondition.curvature_point(cfg, task, np.zeros(task.dim), grad_fn, curv_fn, n, None, info,
-                                             KronInputs(), precondition.products_for(task, grad_fn, curv_fn, n, info), last)
+                                             KronInputs(), precondition.products_for(task, grad_fn, curv_fn, n, info), last,
+                                             final)
         if np.all(np.isfinite(point)):
-            metric, _ = curvature_metric(cfg, task, point, curv_fn, n)
+            metric = final[1] if final and final[0] is point else curvature_metric(cfg, task, point, curv_fn, n)[0]
             newton_decrement(cfg, last[0], metric, info)
         cases[name] = row = {k: info.get(k) for k in ("opt_rounds", "opt_converged", "opt_newton_decrement",
                                                        "opt_grad_norm", "opt_grad0_norm")}

@@ -11,7 +11,8 @@ Two things went wrong there (``benchmarks/bench_posteriordb.py --descent`` measu
   magnitude of their curvature's eigenvalues (saddle-free Newton, :func:`qlsd_flwr.core.curvature.local_curvature`);
 * the stopping rule ``‖∇U‖ ≤ opt-tol (1 + ‖∇U(θ_0)‖)`` is relative to a start whose gradient can be 1e12 (``y``
   in dollars): it passed far from the mode. The descent's end is now held to the Newton decrement in the metric
-  taken there (:func:`qlsd_flwr.protocol.theta_star.newton_decrement`: ``∇Uᵀ M ∇U ≤ d``).
+  taken there (:func:`qlsd_flwr.protocol.theta_star.newton_decrement`: ``∇Uᵀ M ∇U ≤ d``), and where it is not
+  met and budget is left, the descent takes one more stage in that metric (:mod:`qlsd_flwr.protocol.descent`).
 
 The data are drawn here (nothing downloads): the first task has kidiq's shape (an unscaled IQ covariate, a binary
 one and their product), the second earnings' (dollars against height).
@@ -86,21 +87,35 @@ def test_the_descent_reaches_the_mode_of_a_regression_with_unknown_sigma(seed):
     assert task.potential(prep.theta_star) - task.potential(mode) < 0.05
 
 
-def test_a_start_that_makes_opt_tol_loose_is_not_called_converged(caplog):
-    # ‖∇U(θ_0)‖ ≈ 1e12 makes opt-tol = 1e-6 a gradient of 1e6: before, the descent stopped there, far from the
-    # mode, and the run took the metric and γ at that point as if it were θ*
+def test_a_start_that_makes_opt_tol_loose_is_caught_by_the_metric_at_theta_star_and_descended_further(
+        caplog, monkeypatch):
+    # ‖∇U(θ_0)‖ ≈ 1e12 makes opt-tol = 1e-6 a gradient of 1e6. Before 2026-12-03 the descent stopped there, far
+    # from the mode, and the run took the metric and γ at that point as if it were θ*; then (until that afternoon)
+    # the Newton decrement in the metric taken at θ* caught it and QLSD* refused it. Now one more stage in that
+    # metric (protocol.descent.CHECK_STAGES) reaches the mode
+    from qlsd_flwr.protocol import descent
+
     task = earnings_like()
     mode = mode_of(task)
-    with caplog.at_level(logging.WARNING, logger="qlsd_flwr"):
-        prep = _prepare(task, "qlsd-pp")  # θ* only the curvature point: warned, named in the summary
+    sd = np.sqrt(np.diag(np.linalg.inv(full_hessian(task, mode))))
+    prep = _prepare(task, "qlsd-star")
     info = prep.info
-    assert info["opt_grad0_norm"] > 1e11
-    assert not info["opt_converged"]
-    assert info["opt_newton_decrement"] > np.sqrt(task.dim)
-    assert any("Newton decrement" in r.getMessage() for r in caplog.records) or any(
-        "opt-rounds" in r.getMessage() for r in caplog.records)
-    with pytest.raises(ConfigError, match="theta-star"):  # QLSD*'s θ* must be the mode
+    assert info["opt_grad0_norm"] > 1e11 and info["opt_converged"]
+    assert info["opt_newton_decrement"] <= np.sqrt(task.dim)
+    assert task.potential(prep.theta_star) - task.potential(mode) < 0.2
+    assert np.max(np.abs(prep.theta_star - mode) / sd) < 0.5
+    # without those stages, the check names the decrement and QLSD*'s θ* is refused, as before
+    monkeypatch.setattr(descent, "CHECK_STAGES", 0)
+    with pytest.raises(ConfigError, match="Newton decrement"):
         _prepare(task, "qlsd-star")
+    monkeypatch.undo()
+    # where the budget runs out (θ* only the curvature point: 16-bit gradients), it is not called converged
+    with caplog.at_level(logging.WARNING, logger="qlsd_flwr"):
+        info = _prepare(task, "qlsd-pp").info
+    assert not info["opt_converged"] and info["opt_newton_decrement"] > np.sqrt(task.dim)
+    assert any("opt-rounds" in r.getMessage() or "Newton decrement" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ConfigError, match="theta-star"):  # QLSD*'s θ* must be the mode
+        _prepare(task, "qlsd-star", **{"opt-rounds": 40})
     # what the rule rests on: a posterior sd from the mode (in the Hessian's norm), λ² = ∇Uᵀ H⁻¹ ∇U is about
     # 2 (U − U_min) = 1
     z = np.random.default_rng(1).normal(size=task.dim)

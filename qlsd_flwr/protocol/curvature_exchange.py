@@ -81,6 +81,11 @@ def curvature_metric(cfg: RunConfig, task: Task, point: np.ndarray, curv_fn: Cur
     return metric, cinfo
 
 
+def needs_curvature(cfg: RunConfig) -> bool:
+    """Whether the metric comes from the clients' curvature reports."""
+    return cfg.metric in ("diagonal", "dense", "kronecker")
+
+
 def lowrank_correction(cfg: RunConfig, task: Task, point: np.ndarray, curv_fn: CurvFn | None, n_data, metric: Metric,
              info: dict, start: list | None = None) -> Metric:
     """``metric-rank = k``: the metric corrected along the ``k`` directions where ``M^½ᵀ ∇²U(θ*) M^½`` is

@@ -10,7 +10,7 @@ all of them. The order:
 1. θ*: the task's closed form, or the federated descent of :mod:`qlsd_flwr.protocol.theta_star`
    (needed by QLSD*/LSD*, and as the point where the curvature is taken). With a metric or
    ``gamma = auto`` the descent is preconditioned, accelerated and stepped by ``1/λ_max``, in
-   :data:`DESCENT_STAGES` stages that each take the curvature again (:func:`curvature_point`).
+   stages that each take the curvature again, and checked in the metric taken at θ* (:mod:`qlsd_flwr.protocol.descent`).
 2. ``M`` from the clients' curvature at θ* (:func:`qlsd_flwr.core.curvature.metric_from_curvature`),
    or from a ``.npy`` file, or the identity.
 3. ``λ_max(M^{1/2} ∇²U(θ*) M^{1/2})`` by power iteration on the clients' Hessian-vector products, when ``gamma =
@@ -37,17 +37,18 @@ from qlsd_flwr.protocol.curvature_exchange import (
     lowrank_correction,
     lowrank_rank,
     merge_reports,
+    needs_curvature,
     power_products,
     prior_curvature,
 )
-from qlsd_flwr.protocol.theta_star import (STALL, closed_form_theta_star, needs_theta_star, newton_decrement,
-                                          optimise_theta_star, resolve_theta_star)
+from qlsd_flwr.protocol.descent import DESCENT_PRECISION, DESCENT_STAGES, curvature_point  # noqa: F401 (re-exported)
+from qlsd_flwr.protocol.theta_star import needs_theta_star, newton_decrement, resolve_theta_star
 from qlsd_flwr.outputs.metric_file import metric_from_file  # the one file the preparation reads
 from qlsd_flwr.outputs.progress import announce
 from qlsd_flwr.protocol import build
 from qlsd_flwr.protocol.starts import chain_starts
 from qlsd_flwr.robust.products import held_parts
-from qlsd_flwr.protocol.traffic import Traffic, counted, phase, precision
+from qlsd_flwr.protocol.traffic import Traffic, counted, phase
 
 log = logging.getLogger("qlsd_flwr")
 
@@ -79,10 +80,6 @@ def uses_metric(cfg: RunConfig) -> bool:
     return cfg.metric != "identity"
 
 
-def needs_curvature(cfg: RunConfig) -> bool:
-    return cfg.metric in ("diagonal", "dense", "kronecker")
-
-
 def needs_preparation(cfg: RunConfig) -> bool:
     """Whether anything beyond θ* is settled before sampling."""
     return uses_metric(cfg) or cfg.gamma_auto or cfg.init == "dispersed" or lowrank_rank(cfg) > 0
@@ -95,74 +92,6 @@ def check(cfg: RunConfig, d: int) -> None:
     check_memory(cfg, d)
     if cfg.metric == "dense" and d > cv.DENSE_MAX_DIM:
         raise ConfigError(f"metric: dense needs d ≤ {cv.DENSE_MAX_DIM} (this task has d = {d}); use diagonal")
-
-
-#: stages of the descent to θ*: the metric and the descent's step are taken again at the start of each
-#: (a Newton-like refresh: a curvature far from the mode, e.g. at a noise scale σ = 1, misleads the first)
-DESCENT_STAGES = 4
-#: the width of the descent's exchanges where θ* is only the point where the curvature is taken (the ``grad``
-#: request's ``precision``, :mod:`qlsd_flwr.protocol.gradients`): θ down as float32, each client's gradient back as one
-#: 16-bit fixed-point row. The rounding is within ``σ_i/2L`` (``σ_i`` the row's largest entry, ``L = 32,767``) a
-#: coordinate, which the stopping rule ``‖∇U‖ ≤ opt-tol (1 + ‖∇U(θ_0)‖)`` does not see: on the main job ``√(b d) σ_i/2L``
-#: is below 0.01 against a threshold of 4.4 (measured: the same number of descent exchanges as float32's, 75)
-DESCENT_PRECISION = 16
-
-
-def curvature_point(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | None,
-                    curv_fn: CurvFn | None, n_data, file_metric: Metric | None, info: dict,
-                    inputs: cv.KronInputs | None, hvp, last: list | None = None) -> np.ndarray:
-    """θ* as the point where the curvature is taken: the closed form where the task has one,
-    otherwise the federated descent (:func:`qlsd_flwr.protocol.theta_star.optimise_theta_star`),
-    preconditioned by the metric and stepped by ``1/λ_max`` of that metric when there is one (or
-    ``gamma = auto``), in :data:`DESCENT_STAGES` stages that each take the curvature again. ``hvp``: the power
-    iteration's products (:func:`products_for`); ``last`` (a list) receives the descent's ``∇U(θ*)``."""
-    if task.theta_star is not None and (cfg.theta_star == "closed-form" or not needs_theta_star(cfg)):
-        info["theta_star"] = "closed-form"
-        return closed_form_theta_star(cfg, task)
-    if grad_fn is None:
-        raise ConfigError("metric/gamma = auto/init = dispersed: this path cannot reach its clients before "
-                          "sampling (the legacy Flower API); use the Message-API strategy, or metric = <file.npy> "
-                          "and a numeric gamma")
-    curv = needs_curvature(cfg) and curv_fn is not None
-    stages = DESCENT_STAGES if curv else 1
-    theta, rounds, g0, carry = theta0, 0, None, 0
-    for stage in range(stages):
-        metric = file_metric
-        if metric is None and curv:
-            metric, ci = curvature_metric(cfg, task, theta, curv_fn, n_data, inputs)
-            merge_reports(info, ci)
-        lr = cfg.gamma
-        if cfg.gamma_auto or metric is not None:
-            with phase(grad_fn, "power_iteration"):
-                lam, _ = cv.lambda_max(grad_fn, theta, metric or Identity(), cfg.seed, iters=20, tol=5e-2, hvp=hvp)
-            lr = 1.0 / lam if lam > 0 else 1.0
-            info.setdefault("opt_lr", []).append(lr)
-        # a stage's share of opt-rounds, plus what a stage before it left when it stalled
-        budget = cfg.opt_rounds // stages + (cfg.opt_rounds % stages if stage == stages - 1 else 0) + carry
-        # float64 buys nothing where θ* is only the point where the curvature is taken (to opt-tol, 1e-3 on the
-        # main job): θ goes as float32, the gradients as 16-bit rows (DESCENT_PRECISION). QLSD*'s θ* stays float64
-        with precision(grad_fn, 64 if needs_theta_star(cfg) else DESCENT_PRECISION):
-            theta, r = optimise_theta_star(cfg, theta, grad_fn, info, lr=lr, precondition=metric, max_rounds=budget,
-                                           g0_norm=g0, stall=STALL if stage < stages - 1 else None, last=last,
-                                           newton=metric is not None and metric is not file_metric)
-        carry = budget - r
-        g0 = info["opt_grad0_norm"]  # the first stage's start: the stopping rule stays relative to it
-        rounds += r
-        if info["opt_converged"] or not np.all(np.isfinite(theta)):
-            break
-    info.update({"theta_star": "optimise", "opt_rounds": rounds})
-    if not info["opt_converged"]:
-        from qlsd_flwr.keys import flag
-
-        why = (f"theta-star: the descent to the point where the metric is taken stopped at opt-rounds = {rounds} "
-               f"with ‖∇U‖ = {info['opt_grad_norm']:.3g}; raise opt-rounds, or set opt-accept-unconverged = true")
-        if needs_theta_star(cfg) and not flag("opt-accept-unconverged", cfg.raw.get("opt-accept-unconverged")):
-            raise ConfigError(why)
-        log.warning(why + " (the metric and γ are taken there)")
-    # where θ* is only the point where the curvature is taken, it is rounded to float32, as its descent's exchanges
-    # carried it: the curvature reports, the products and the power iteration then send it in 32 bits a number,
-    # losing nothing (traffic.point_bits; issue 37)
-    return theta if needs_theta_star(cfg) else build.as_sent(theta, 32)
 
 
 def prepare(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | None,
@@ -199,7 +128,8 @@ def prepare(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | No
     inputs = cv.KronInputs()  # K-FAC's input factors, asked for once (core.curvature.KRON_OUTPUTS)
     hvp = products_for(task, grad_fn, curv_fn, n_data, info)
     last: list = []  # the descent's ∇U(θ*), for the Newton decrement once M is taken there
-    point = curvature_point(cfg, task, theta0, grad_fn, curv_fn, n_data, file_metric, info, inputs, hvp, last) \
+    final: list = []  # the metric the descent's last check took at θ*: the run's, when it is at the point returned
+    point = curvature_point(cfg, task, theta0, grad_fn, curv_fn, n_data, file_metric, info, inputs, hvp, last, final) \
         if needs_point else theta0
     if not np.all(np.isfinite(point)):
         raise ConfigError("theta-star: the descent to θ* left the finite numbers; give θ* in closed form, a smaller "
@@ -209,7 +139,8 @@ def prepare(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | No
         if curv_fn is None:
             raise ConfigError(f"metric-from = {cfg.get('metric-from')}: this path cannot ask its clients for their "
                               "curvature (the legacy Flower API); use the Message-API strategy, or metric = <file.npy>")
-        metric, cinfo = curvature_metric(cfg, task, point, curv_fn, n_data, inputs)
+        metric, cinfo = final[1:] if final and final[0] is point else \
+            curvature_metric(cfg, task, point, curv_fn, n_data, inputs)
         merge_reports(info, cinfo)
     else:
         metric = file_metric or Identity()
