@@ -118,11 +118,12 @@ def _gamma_row(task, post, mode, H, R, B, m, rank: int, seed: int) -> dict:
     top: list = []
     (u, t), info = lr.correction(products, lambda x: R @ x, lambda x: R.T @ x, post.d, rank, seed, start=top)
     C = np.eye(post.d) + (u * (t ** -0.5 - 1.0)) @ u.T
-    exact = float(np.linalg.eigvalsh(C.T @ B @ C)[-1])
+    Bp = C.T @ B @ C
+    exact = float(np.linalg.eigvalsh(Bp)[-1])
     corrected = m.corrected(u, t)
     ritz, n_ritz = cv.lambda_max(None, mode, corrected, seed, hvp=lambda th, v, eps: H @ v, start=top[0])
     rand, n_rand = cv.lambda_max(None, mode, corrected, seed, hvp=lambda th, v, eps: H @ v)
-    return {"seed": seed, "lambda_max_exact": exact, "ritz_top": top[0][1], "from_ritz": ritz,
+    return {"seed": seed, "lambda_max_exact": exact, "ritz_top": float(top[0] @ Bp @ top[0]), "from_ritz": ritz,
             "from_ritz_exchanges": n_ritz, "from_random": rand, "from_random_exchanges": n_rand,
             "from_random_error": rand / exact - 1.0, "from_ritz_error": ritz / exact - 1.0,
             "converged": int(info["lowrank_converged"])}

@@ -355,12 +355,11 @@ def lambda_max(grad_fn, theta: np.ndarray, metric: Metric, seed: int, iters: int
                tol: float = 1e-2, hvp=None, start=None) -> tuple[float, int]:
     """``λ_max(M^{1/2} ∇²U(θ) M^{1/2})`` by power iteration; ``∇²U u`` from ``hvp`` (the engine's: the clients'
     own products), or by default the central difference ``(∇U(θ + εu) − ∇U(θ − εu)) / 2ε``, each ``∇U`` one
-    exchange with every client (``grad_fn``).
-    Stops when the Rayleigh quotient changes by less than ``tol`` (relative; 1 % moves γ by 1 %,
-    far below what matters) or after ``iters`` iterations; returns ``(λ, iterations)``. The start is random (stream ``(seed, INIT, −2, 0)``),
-    so it is not orthogonal to the top eigenvector, or ``start = (v, t)``: ``v`` in ``M``'s whitened coordinates with its
-    Rayleigh quotient ``t`` known (``metric-rank``'s top uncorrected Ritz pair), ended by one product agreeing with ``t``
-    to ``tol``. ``hvp(theta, u, eps)``: the product ``∇²U u`` in place of
+    exchange with every client (``grad_fn``). Stops when the Rayleigh quotient changes by less than ``tol`` (relative;
+    1 % moves γ by 1 %) or after ``iters`` iterations; returns ``(λ, iterations)``. The start is random (stream ``(seed, INIT, −2, 0)``),
+    so it is not orthogonal to the top eigenvector, or ``start``, a unit vector in ``M``'s whitened coordinates
+    (``metric-rank``'s top uncorrected Ritz vector), ended by one product if ``‖Bv − (vᵀBv) v‖ ≤ tol vᵀBv`` (an
+    eigenpair, not only a Ritz pair). ``hvp(theta, u, eps)``: the product ``∇²U u`` in place of
     the central difference of ``grad_fn`` (:mod:`qlsd_flwr.robust.products` gives one that holds each client's
     part to scale).
 
@@ -379,9 +378,9 @@ def lambda_max(grad_fn, theta: np.ndarray, metric: Metric, seed: int, iters: int
 
 def _power(hvp, theta: np.ndarray, metric: Metric, seed: int, iters: int, tol: float, shift: float, start=None):
     """The power iteration of :func:`lambda_max` on ``M^½ (∇²U − shift·M⁻¹) M^½``, i.e. ``M^½ ∇²U M^½ − shift I``."""
-    v = rng.normal(seed, rng.Stream.INIT, -2 & 0xFFFFFFFF, 0, theta.shape[0]) if start is None else start[0]
+    v = rng.normal(seed, rng.Stream.INIT, -2 & 0xFFFFFFFF, 0, theta.shape[0]) if start is None else start
     v = v / np.linalg.norm(v)
-    lam, it, first = (0.0, 0, 3) if start is None else (float(start[1]), 0, 0)  # a random start: 3 products first
+    lam, it = 0.0, 0
     for it in range(1, iters + 1):
         u = metric.apply_root(v)
         eps = fd_step(theta) / max(float(np.max(np.abs(u))), 1e-300)
@@ -392,7 +391,9 @@ def _power(hvp, theta: np.ndarray, metric: Metric, seed: int, iters: int, tol: f
         if not np.isfinite(nw) or nw == 0.0:
             break
         v = w / nw
-        done = it > first and abs(new - lam) <= tol * abs(new)
+        # a Ritz start ends at once only as an eigenpair (small residual ‖w − new v‖²); else 4 products at least
+        done = (it == 1 and start is not None and nw * nw - new * new <= (tol * new) ** 2) or (
+            it > 3 and abs(new - lam) <= tol * abs(new))
         lam = new if new < 0 and not shift else max(new, 0.0)
         if done:
             break

@@ -93,7 +93,7 @@ def curvature_point(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: Cal
         # the metric at θ* reads the end farther from the mode than the stage's did: one more stage in it
         merge_reports(info, ci)
         final.clear()  # that metric was taken at a point the descent leaves
-        theta, r = _stage(cfg, theta, grad_fn, metric, info, hvp, left, g0, None, last, True)
+        theta, r = _stage(cfg, theta, grad_fn, metric, info, hvp, left, g0, STALL, last, True)
         rounds += r
         point = theta if needs_theta_star(cfg) else build.as_sent(theta, 32)
     info.update({"theta_star": "optimise", "opt_rounds": rounds})

@@ -144,7 +144,7 @@ def prepare(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | No
         merge_reports(info, cinfo)
     else:
         metric = file_metric or Identity()
-    top: list = []  # the corrected metric's top uncorrected Ritz pair: γ's power iteration starts there
+    top: list = []  # the corrected metric's top uncorrected Ritz vector: γ's power iteration starts there
     if lowrank_rank(cfg) > 0 and not adapts(cfg):
         metric = lowrank_correction(cfg, task, point, curv_fn, n_data, metric, info, top)
     if last and needs_curvature(cfg):
@@ -239,7 +239,7 @@ def _step(cfg: RunConfig, grad_fn: GradFn | None, point: np.ndarray, metric: Met
             log.warning("gamma = auto: γ = %.4g = %g / λ_max, λ_max = %.4g (the largest eigenvalue of M^½ ∇²U(θ*) "
                         "M^½, %d power iterations%s; metric %s; variance along the stiffest direction ×%.3g, ULA's "
                         "bias at this c%s)", gamma, c, lam, iters,
-                        "" if start is None else " from metric-rank's top uncorrected Ritz pair", metric.kind,
+                        "" if start is None else " from metric-rank's top uncorrected Ritz vector", metric.kind,
                         1.0 / (1.0 - c / 2.0),
                         "" if not auto else "; gamma-c = auto: " + (
                             "a log-concave posterior" if info.get("log_concave") else
