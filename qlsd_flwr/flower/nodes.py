@@ -26,6 +26,10 @@ log = logging.getLogger("qlsd_flwr")
 SIMULATION_GRACE = 10.0  # seconds a short node count may stay unchanged on the simulation engine
 PROBE_TIMEOUT = 10.0  # seconds to wait for a client's node before another may take its place
 REASK_ROUNDS = 20  # rounds before a refused node is asked again
+#: the least the end-of-run memory audit waits for its replies (seconds): it is one exchange, in which every node
+#: starts a ClientApp process at once. On a busy 2-core machine (CI, 2026-12-03) a test with reply-timeout = 20 read
+#: no client, though the three nodes' logs show their replies sent and the SuperLink received them
+AUDIT_WAIT = 60.0
 
 
 class HandshakeError(RuntimeError):
@@ -310,7 +314,7 @@ class NodeRegistry:
                        "refused_claims": {str(i): r for i, r in sorted(self.refused_claims.items())}}
         try:
             if server.cfg.memory:
-                reports = self.memory_reports(grid, timeout)
+                reports = self.memory_reports(grid, max(timeout, AUDIT_WAIT))
                 # what the audit moved: each client's η_i of each chain up (the request carries no array)
                 extra["memory_check_bits"] = {"uplink": 64 * self.d * sum(len(r) for r in reports.values()),
                                               "downlink": 0}

@@ -43,3 +43,16 @@ def dumps(obj, strict: bool = True, **kwargs) -> str:
     if strict:
         return json.dumps(finite(obj), allow_nan=False, **kwargs)
     return json.dumps(obj, **kwargs)
+
+
+def write(path, obj, **kwargs) -> None:
+    """``path`` as :func:`dumps`'s text (``indent = 2``), written whole or not at all: to a temporary name in the same
+    folder, then renamed over it, so that a reader polling the file (``flwr``'s tests, a user's monitor, a resume)
+    never reads it half-written (measured: a test that waits for ``summary.json`` to appear read it empty once)."""
+    import os
+    from pathlib import Path
+
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(dumps(obj, **{"indent": 2, **kwargs}))
+    os.replace(tmp, path)

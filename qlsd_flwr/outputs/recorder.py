@@ -38,7 +38,7 @@ from qlsd_flwr.errors import CheckpointError
 from qlsd_flwr.outputs.bits import bits_object
 from qlsd_flwr.outputs.run_dir import lock_run_dir
 
-from qlsd_flwr.outputs.jsonio import dumps
+from qlsd_flwr.outputs.jsonio import dumps, write as write_json
 
 log = logging.getLogger("qlsd_flwr")
 
@@ -272,7 +272,7 @@ class Recorder:
 
             summary["convergence"] = self.convergence
             log_report(self.convergence)
-        (self.dir / "summary.json").write_text(dumps(summary, indent=2))
+        write_json(self.dir / "summary.json", summary)
         return summary
 
     def _build_nc(self, keep_raw: bool = False) -> None:

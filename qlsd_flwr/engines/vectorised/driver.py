@@ -26,7 +26,7 @@ from qlsd_flwr.engines.vectorised.results import (
     chain_seeds,
 )
 from qlsd_flwr.outputs import checkpoint as ckpt
-from qlsd_flwr.outputs.jsonio import dumps
+from qlsd_flwr.outputs import jsonio
 from qlsd_flwr.outputs.warmup import warmup_store
 from qlsd_flwr.outputs.progress import progress_bar
 from qlsd_flwr.outputs.recorder import (
@@ -275,7 +275,7 @@ def run_side_by_side(cfgs, task: Task | None = None, write: bool = False, keep_t
         if recs[v] is not None:
             summary = recs[v].close(extra)
             summary["per_chain_round"] = {kk: val / nchain for kk, val in summary["per_round"].items()}
-            (run_dirs[v] / "summary.json").write_text(dumps(summary, indent=2))
+            jsonio.write(run_dirs[v] / "summary.json", summary)
             mode = cfgs[v].get("loo")  # the federated LOO, each client's part computed as its node would
             loo.attach(run_dirs[v], mode, task.n_data, loo.local_ask(task.clients, mode), summary,
                        ceiling=loo.log_lik_ceiling(cfgs[v]))
