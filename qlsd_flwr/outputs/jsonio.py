@@ -1,10 +1,12 @@
 """The package's one JSON encoder for what a run writes (``config.json``, ``summary.json``, a
-checkpoint's metadata, the provenance hash): numpy arrays and scalars as lists and numbers,
+checkpoint's metadata, the provenance hash; :func:`write` writes a file whole): numpy arrays and scalars as lists and numbers,
 anything else as its string."""
 
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import numpy as np
 
@@ -49,9 +51,6 @@ def write(path, obj, **kwargs) -> None:
     """``path`` as :func:`dumps`'s text (``indent = 2``), written whole or not at all: to a temporary name in the same
     folder, then renamed over it, so that a reader polling the file (``flwr``'s tests, a user's monitor, a resume)
     never reads it half-written (measured: a test that waits for ``summary.json`` to appear read it empty once)."""
-    import os
-    from pathlib import Path
-
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(dumps(obj, **{"indent": 2, **kwargs}))
