@@ -104,13 +104,13 @@ def execute(overrides: dict) -> int:
 def _sigterm_stops_cleanly():
     """SIGTERM (a scheduler's stop, ``kill``) and SIGINT (Ctrl-C) stop a run the same way: a
     ``KeyboardInterrupt`` in the main thread, deferred while a round's row and draw are being
-    written (:func:`qlsd_flwr.outputs.recorder.stop_signal`), so the engines close their outputs
+    written (:func:`qlsd_flwr.outputs.stopsignal.stop_signal`), so the engines close their outputs
     consistently instead of dying with files open. Returns the handlers it replaced (``None``
     off the main thread)."""
     import signal
     import threading
 
-    from qlsd_flwr.outputs.recorder import stop_signal
+    from qlsd_flwr.outputs.stopsignal import stop_signal
 
     if threading.current_thread() is not threading.main_thread():
         return None
@@ -152,8 +152,11 @@ def main(argv: list[str] | None = None) -> int:
         if previous is not None:
             import signal
 
+            from qlsd_flwr.outputs import stopsignal
+
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            stopsignal.clear()  # the run it stopped is closed: the next one (in this process) starts clean
 
 
 def _dispatch(args) -> int:

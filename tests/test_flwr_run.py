@@ -30,7 +30,7 @@ from qlsd_flwr.deploy.processes import BIN, Proc
 from qlsd_flwr.outputs.recorder import load_samples
 from qlsd_flwr.run.simulate import run
 
-pytestmark = pytest.mark.deployment  # one worker at a time with Ray and the deployments
+pytestmark = [pytest.mark.deployment, pytest.mark.ray]  # a SuperLink and flwr-simulation's Ray: the group ray
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "quickstart-torch"

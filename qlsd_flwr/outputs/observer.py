@@ -17,7 +17,8 @@ from pathlib import Path
 
 from qlsd_flwr.config import RunConfig
 from qlsd_flwr.outputs import checkpoint as ckpt
-from qlsd_flwr.outputs.recorder import Recorder, deferred_signals
+from qlsd_flwr.outputs.recorder import Recorder
+from qlsd_flwr.outputs.stopsignal import deferred_signals
 from qlsd_flwr.outputs.run_dir import make_run_dir
 
 log = logging.getLogger("qlsd_flwr")

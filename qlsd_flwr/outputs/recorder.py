@@ -46,34 +46,6 @@ METRIC_FIELDS = ["round", "n_active", "n_replied", "n_rejected", "skipped", "bit
                  "bits_exact", "bytes_payload", "bytes_message", "seconds", "bits_down", "bytes_message_down"]
 
 
-_CRITICAL = {"depth": 0, "pending": None}  # a stop signal that came while a round was being written
-
-
-@contextlib.contextmanager
-def deferred_signals():
-    """A round's metrics row and its draw are written together or not at all: a stop signal
-    (:func:`stop_signal`, which the CLI's SIGTERM and SIGINT handlers call) that comes meanwhile
-    is raised as ``KeyboardInterrupt`` when the block ends. (Masking the signal would not do:
-    CPython runs handlers in the main thread whichever thread the kernel hands the signal to.)"""
-    _CRITICAL["depth"] += 1
-    try:
-        yield
-    finally:
-        _CRITICAL["depth"] -= 1
-        if _CRITICAL["depth"] == 0 and _CRITICAL["pending"] is not None:
-            name, _CRITICAL["pending"] = _CRITICAL["pending"], None
-            raise KeyboardInterrupt(name)
-
-
-def stop_signal(name: str) -> None:
-    """From a signal handler: stop now (``KeyboardInterrupt(name)``), or at the end of the round
-    being written (:func:`deferred_signals`)."""
-    if _CRITICAL["depth"]:
-        _CRITICAL["pending"] = name
-        return
-    raise KeyboardInterrupt(name)
-
-
 CHUNK_BYTES = 1 << 22  # an HDF5 chunk of samples.nc holds at most ~4 MiB (one draw at least)
 
 

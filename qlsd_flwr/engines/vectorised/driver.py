@@ -29,10 +29,8 @@ from qlsd_flwr.outputs import checkpoint as ckpt
 from qlsd_flwr.outputs import jsonio
 from qlsd_flwr.outputs.warmup import warmup_store
 from qlsd_flwr.outputs.progress import progress_bar
-from qlsd_flwr.outputs.recorder import (
-    Recorder,
-    deferred_signals,
-)
+from qlsd_flwr.outputs.recorder import Recorder
+from qlsd_flwr.outputs.stopsignal import deferred_signals
 from qlsd_flwr.outputs.run_dir import make_run_dir
 from qlsd_flwr.protocol import build
 from qlsd_flwr.protocol.divergence import DivergenceError, divergence_message
