@@ -1,16 +1,17 @@
 """Test-suite plumbing.
 
 ``./dev test`` runs pytest with two xdist workers (``-n 2 --dist loadgroup``). Every test that
-starts a Ray cluster (Flower's Ray engine in this process or under ``flwr run``) goes to the group
-``ray``, and every other test that starts real SuperLink/SuperNode processes to the group
-``deployment``: each group runs one test after another in one worker (never two Ray clusters or
-two deployments at once), the two groups side by side, and the CPU-bound tests fill the workers
-around them. The groups are collected first, so that they start at once. Without xdist the
-markers are inert.
+starts Flower's Ray engine or real SuperLink/SuperNode processes goes to one group, so those
+run one after another in a single worker (never two Ray clusters or two deployments at once);
+the CPU-bound tests run in the other worker meanwhile, overlapping the deployments' polling
+waits. The group is collected first, so that it starts at once. Without xdist the marker is inert.
+(Two groups, Ray runs beside deployments, measured 768 s against 787 s, within the day's spread;
+not kept, since a deployment test beside Ray runs once timed out.)
 
 Ray starts its workers at nice 15 (``RAY_worker_niceness``), so on 2 cores a CPU-bound test beside a
 Ray run took most of its actors' time (a Ray test measured 29 s beside one busy process, 22 s at nice
-0, 20 s alone); here they run at the other tests' priority. Nothing a run computes depends on it.
+0, 20 s alone; 199 s against 17 s beside a run left going by a failed test); here they run at the
+other tests' priority. Nothing a run computes depends on it.
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ import os
 import pytest
 
 os.environ.setdefault("RAY_worker_niceness", "0")  # before any Ray start, inherited by flwr's processes
-GROUPS = ("ray", "deployment")  # a test's group: the first of these markers it has
+ENGINE_MARKERS = ("ray", "deployment")  # the tests of the group "engines"
 
 
 def _group(item) -> str | None:
-    return next((g for g in GROUPS if item.get_closest_marker(g)), None)
+    return "engines" if any(item.get_closest_marker(m) for m in ENGINE_MARKERS) else None
 
 
 def pytest_configure(config):
@@ -46,9 +47,9 @@ def pytest_collection_modifyitems(config, items):
         if (group := _group(item)) is not None:
             item.add_marker(pytest.mark.xdist_group(group))
             engines.add(item.nodeid)
-    # the groups are the suite's longest units of work (about 6 and 4 of its minutes): collected
-    # first, each starts at once in its own worker and the other tests fill in around them, instead
-    # of starting after whatever a worker was handed before (a stable sort keeps each file's order)
+    # the group is the suite's longest unit of work (about 12 of its minutes): collected first, it
+    # starts at once in its worker and the other worker takes the rest, instead of starting after
+    # whatever a worker was handed before it (a stable sort keeps each file's own order)
     items.sort(key=lambda it: it.nodeid not in engines)
 
 
