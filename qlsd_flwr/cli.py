@@ -114,6 +114,9 @@ def _sigterm_stops_cleanly():
 
     if threading.current_thread() is not threading.main_thread():
         return None
+    # Ray's driver installs a C failure-signal handler over SIGTERM at ray.init (engine = ray), which
+    # aborted this process before Python's handler ran: no samples.nc, no summary.json, a stale .lock
+    os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
     names = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT"}
     return {sig: signal.signal(sig, lambda signum, frame: stop_signal(names[signum])) for sig in names}
 

@@ -335,10 +335,8 @@ class QLSDStrategy(Strategy):
         try:
             return self._start(grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config,
                                evaluate_fn)
-        except DivergenceError as exc:
-            if self.failure_sink is not None:
-                self.failure_sink["error"] = exc
-            raise
+        except (DivergenceError, KeyboardInterrupt) as exc:  # the outputs are closed (_start)
+            stopping.hand_over(exc, self.failure_sink)
 
     def _start(self, grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config,
                evaluate_fn) -> Result:

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import contextlib
 
-_STATE = {"depth": 0, "pending": None}  # open round blocks; the stop signal received, until cleared
+# open round blocks; the stop signal received, until cleared; where a run in another thread takes it
+_STATE = {"depth": 0, "pending": None, "forward": None}
 
 
 @contextlib.contextmanager
@@ -35,10 +36,21 @@ def deferred_signals():
 
 def stop_signal(name: str) -> None:
     """From a signal handler: remember the stop and raise ``KeyboardInterrupt(name)`` now, or at
-    the end of the round being written (:func:`deferred_signals`)."""
+    the end of the round being written (:func:`deferred_signals`). While a run goes on in another
+    thread (Flower's ServerApp under the simulation engine, see :func:`forward_to`), it is handed
+    the stop instead and this thread raises nothing: that run closes its outputs and ends, and its
+    engine raises the ``KeyboardInterrupt`` here."""
     _STATE["pending"] = name
+    if _STATE["forward"] is not None:
+        _STATE["forward"](name)
+        return
     if not _STATE["depth"]:
         raise KeyboardInterrupt(name)
+
+
+def forward_to(request) -> None:
+    """``request(name)`` is to receive the stop signals from now on (``None``: nobody)."""
+    _STATE["forward"] = request
 
 
 def clear() -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,6 +93,7 @@ def run_ray(cfg: RunConfig, overrides: dict, mods=None, strategy_kwargs: dict | 
 
     from qlsd_flwr.flower.client_app import make_client_app
     from qlsd_flwr.flower.server_app import make_server_app, quiet_flower
+    from qlsd_flwr.flower.stopping import RunStopped, stop_in_thread
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     quiet_flower(cfg.verbose)
@@ -99,9 +101,16 @@ def run_ray(cfg: RunConfig, overrides: dict, mods=None, strategy_kwargs: dict | 
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     failure: dict = {}
     kwargs = {"engine_label": "flower-ray", "failure_sink": failure, **(strategy_kwargs or {})}
-    run_simulation(server_app=make_server_app(overrides, sink, kwargs),
-                   client_app=make_client_app(overrides=overrides, mods=mods), num_supernodes=cfg.b,
-                   backend_config=ray_backend_config(cfg), verbose_logging=cfg.verbose)
+    try:
+        run_simulation(server_app=make_server_app(overrides, sink, kwargs),
+                       client_app=make_client_app(overrides=overrides, mods=mods), num_supernodes=cfg.b,
+                       backend_config=ray_backend_config(cfg), verbose_logging=cfg.verbose)
+    except RunStopped:  # a signal to our CLI stopped the ServerApp's thread: its KeyboardInterrupt, here
+        raise failure["error"] from None
+    except SystemExit as exc:  # SIGTERM, as ray.init's handler has it: the ServerApp's run stops and closes
+        if exc.code != signal.SIGTERM or not stop_in_thread("SIGTERM"):
+            raise
+        raise failure.get("error", KeyboardInterrupt("SIGTERM")) from None
     if "error" in failure:  # e.g. the chain diverged: the ServerApp's error, not Flower's
         raise failure["error"]
     if "strategy" not in sink:
