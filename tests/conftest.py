@@ -21,11 +21,11 @@ import os
 import pytest
 
 os.environ.setdefault("RAY_worker_niceness", "0")  # before any Ray start, inherited by flwr's processes
-ENGINE_MARKERS = ("ray", "deployment")  # the tests of the group "engines"
 
 
-def _group(item) -> str | None:
-    return "engines" if any(item.get_closest_marker(m) for m in ENGINE_MARKERS) else None
+def _engine(item) -> bool:
+    """Starts Ray or real SuperLink/SuperNode processes: a test of the group "engines"."""
+    return bool(item.get_closest_marker("ray") or item.get_closest_marker("deployment"))
 
 
 def pytest_configure(config):
@@ -44,8 +44,8 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     engines = set()
     for item in items:
-        if (group := _group(item)) is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
+        if _engine(item):
+            item.add_marker(pytest.mark.xdist_group("engines"))
             engines.add(item.nodeid)
     # the group is the suite's longest unit of work (about 12 of its minutes): collected first, it
     # starts at once in its worker and the other worker takes the rest, instead of starting after
@@ -72,8 +72,8 @@ def pytest_runtest_setup(item):
     on 2 cores, timing out a deployment test. Hence ``pytest<9`` in the test extra."""
     if not getattr(item.config.option, "loadgroup", False):  # not an xdist worker in loadgroup mode
         return
-    if (group := _group(item)) is not None and not item.nodeid.endswith(f"@{group}"):
-        pytest.fail(f"xdist did not put this engine test in the '{group}' group, so it may run beside "
+    if _engine(item) and not item.nodeid.endswith("@engines"):
+        pytest.fail("xdist did not put this engine test in the 'engines' group, so it may run beside "
                     "another Ray run or deployment; check the pytest / pytest-xdist versions", pytrace=False)
 
 

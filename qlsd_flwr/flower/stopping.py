@@ -99,11 +99,8 @@ def stop_in_thread(reason: str) -> bool:
 
 def _on_exit() -> None:
     run = _active
-    if run is None:
-        return
-    run.requested.set()
-    if threading.current_thread() is not run.thread:
-        run.closed.wait(WAIT_S)
+    if run is not None and not stop_in_thread(run.reason):
+        run.request(run.reason)  # in the run's own thread: only ask (Flower's sys.exit then reaches it)
 
 
 def _register() -> None:
