@@ -18,6 +18,13 @@ refused (``fsgld_refused_widening``: ``λ = 0``, what no rule can change). The c
 products' use of ``robust.reports.FACTOR_SHARE``'s allowance (``loo_metric_*``, ``loo_lowrank``).
 
     python benchmarks/bench_honest_claims.py            # writes benchmarks/honest_claims.json
+    python benchmarks/bench_honest_claims.py --shares   # writes benchmarks/honest_products.json (1 min)
+
+``--shares``: the constants of ``robust.products``' share rule. For each client, at every product of the power
+iteration from a random start at θ* (30) and along 5 random directions, its part of the Rayleigh quotient
+``q_i = uᵀ ∇²U_i u`` over the others' and the prior's, ``q_{−i}``; the largest ``q_i / q_{−i}``, the largest
+per datum (``q_i N_{−i} / (q_{−i} N_i)``), and the largest per datum among the parts over ``q_{−i}`` (what
+``FACTOR_SHARE_DATUM`` must clear for the rule to hold no honest part).
 """
 
 from __future__ import annotations
@@ -80,6 +87,64 @@ def product_ratio(task, theta: np.ndarray, seed: int = 0) -> float:
         v = np.array([np.linalg.norm(hi) / c.n_data for hi, c in zip(h, task.clients)])
         worst = max(worst, float(v.max() / np.sort(v)[(len(v) - 1) // 2]))
     return worst
+
+
+def share_ratios(task, theta: np.ndarray, seed: int = 0) -> dict:
+    """The share rule's honest statistics at ``theta`` (module docstring, ``--shares``)."""
+    from qlsd_flwr.core.curvature import fd_step
+
+    n = np.array([c.n_data for c in task.clients], dtype=np.float64)
+
+    def parts(u):
+        eps = fd_step(theta) / max(float(np.max(np.abs(u))), 1e-300)
+        h = [(c.grad_sum(theta + eps * u) - c.grad_sum(theta - eps * u)) / (2 * eps) for c in task.clients]
+        return h, (task.prior.grad(theta + eps * u) - task.prior.grad(theta - eps * u)) / (2 * eps)
+
+    gen = np.random.default_rng(seed)
+    directions, u = [], gen.normal(size=theta.shape)
+    for _ in range(30):
+        u = u / np.linalg.norm(u)
+        directions.append(u)
+        h, prior = parts(u)
+        u = sum(h) + prior
+    directions += [gen.normal(size=theta.shape) for _ in range(5)]
+    share = per_datum = needed = 0.0
+    for u in directions:
+        u = u / np.linalg.norm(u)
+        h, prior = parts(u)
+        q = np.array([u @ x for x in h])
+        for i in range(len(q)):
+            r = float(q[i] / (q.sum() - q[i] + u @ prior))
+            p = r * (n.sum() - n[i]) / n[i]
+            share, per_datum = max(share, r), max(per_datum, p)
+            if r > 1.0:
+                needed = max(needed, p)
+    return {"share": share, "share_per_datum": per_datum, "share_per_datum_over_1": needed}
+
+
+def shares_main() -> None:
+    rows = []
+    for over in cases(False):
+        try:
+            cfg = resolve({**over, "variant": "lsd-star", "theta-star": "optimise", "gamma": "auto",
+                           "metric": "diagonal", "num-rounds": 1, "burn-in": 0, "progress": False, "loo": "off",
+                           "plot": False})
+            task = loading.load_task(cfg)
+        except ConfigError as exc:
+            print(f"{json.dumps(over)}: skipped ({exc})", flush=True)
+            continue
+        specs = [build.client_spec(cfg, i, task.clients[i].n_data, task.dim, task.prior, build.blocks_for(cfg, task))
+                 for i in range(cfg.b)]
+        prep = precondition.prepare(cfg, task, build.theta0_of(task), *build.direct_exchanges(cfg, task, specs))
+        r = {"case": over, **share_ratios(task, prep.theta_star)}
+        rows.append(r)
+        print(f"{json.dumps(over)}: q_i/q_-i {r['share']:.3g}, per datum {r['share_per_datum']:.3g}, per datum "
+              f"where over 1 {r['share_per_datum_over_1']:.3g}", flush=True)
+    worst = {k: max(r[k] for r in rows) for k in ("share", "share_per_datum", "share_per_datum_over_1")}
+    print(f"honest maximum over {len(rows)} cases: q_i/q_-i {worst['share']:.3g}, per datum "
+          f"{worst['share_per_datum']:.3g}, per datum where over 1 {worst['share_per_datum_over_1']:.3g} "
+          "(robust.products.FACTOR_SHARE_DATUM)")
+    (HERE / "honest_products.json").write_text(json.dumps({"worst": worst, "rows": rows}, indent=1))
 
 
 def loo_metric(task, theta: np.ndarray, kind: str) -> float:
@@ -188,8 +253,12 @@ def main() -> None:
     import argparse
     import os
 
-    argparse.ArgumentParser(description="The honest maxima behind robust.claims.FACTOR_CLAIM; writes "
-                            "benchmarks/honest_claims.json (QLSD_SMOKE: three cases, nothing written).").parse_args()
+    ap = argparse.ArgumentParser(description="The honest maxima behind robust.claims.FACTOR_CLAIM; writes "
+                                 "benchmarks/honest_claims.json (QLSD_SMOKE: three cases, nothing written).")
+    ap.add_argument("--shares", action="store_true", help="only robust.products' share rule: writes "
+                    "benchmarks/honest_products.json")
+    if ap.parse_args().shares:
+        return shares_main()
     smoke = bool(os.environ.get("QLSD_SMOKE"))
     rows = []
     for over in cases(smoke):

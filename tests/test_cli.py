@@ -64,3 +64,19 @@ def test_a_run_away_chain_is_one_line_and_exit_code_1(tmp_path, capsys):
     assert "Traceback" not in err
     assert err.strip().splitlines()[-1].startswith("qlsd-flwr: the chain diverged at round")
     assert (tmp_path / "away" / "summary.json").is_file()  # the rounds so far are kept
+
+
+def test_a_taken_run_name_is_refused_before_the_preparation(tmp_path, capsys, monkeypatch):
+    """A run-name whose folder exists is one line naming it and ``resume``, before any exchange: the
+    preparation (θ*, the metric, ``gamma = auto``) is never started (here it would raise)."""
+    from qlsd_flwr.protocol import precondition
+
+    def never(*a, **k):
+        raise AssertionError("the preparation started")
+
+    monkeypatch.setattr(precondition, "prepare", never)
+    (tmp_path / "taken").mkdir()
+    err = _one_line_error(capsys, ["run", "--set", "engine=local", "--set", "gamma=auto", "--set", "metric=diagonal",
+                                   "--set", f"output-dir={tmp_path}", "--set", "run-name=taken",
+                                   "--set", "progress=false"])
+    assert "run-name:" in err and "taken already exists" in err and "resume =" in err

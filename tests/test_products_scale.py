@@ -6,9 +6,10 @@ still where an engine cannot ask for products). Before the rule, one client whos
 5,000× smaller (and ×1e8 froze the chain); ×−1e4 stopped the run with "λ_max is zero (a flat potential)".
 
 Now each client's product is held per datum to ``FACTOR_PRODUCT`` times the clients' lower median before the
-sum. The bound: client ``i``'s clipped product is at most ``F · N_i`` times the median per-datum product, so on
-the toy Gaussian (``∇²U_j = N_j I``: every client's product per datum is ``u``) the Rayleigh quotient is at most
-``(N − N_i) + F N_i`` (+ the prior's), and γ shrinks by at most ``(N + 1/σ²) / (N − N_i + F N_i + 1/σ²)``; a
+sum, then its part of the Rayleigh quotient to ``a_i = max(SHARE, FACTOR_SHARE_DATUM · N_i / N_{−i})`` times the
+others' and the prior's. On the toy Gaussian (``∇²U_j = N_j I``: every client's part along a unit ``u`` is
+``N_j``) the Rayleigh quotient is then at most ``(N − N_i + 1/σ²)(1 + a_i)``, and never more than the per-datum
+clip's ``(N − N_i) + F N_i + 1/σ²``, so γ shrinks by at most the smaller of the two factors; a
 sign flip gives ``N − N_i − F N_i``: where that is ≤ 0 the run stops naming the cause (the curvature reads as
 not convex), never with a silent γ. θ* is in closed form, so the only curvature the client gives before
 sampling is these products.
@@ -20,7 +21,7 @@ import numpy as np
 
 from qlsd_flwr.config import ConfigError
 from qlsd_flwr.protocol.divergence import DivergenceError
-from qlsd_flwr.robust.products import FACTOR_PRODUCT
+from qlsd_flwr.robust.products import FACTOR_PRODUCT, FACTOR_SHARE_DATUM, SHARE, hold_shares
 from qlsd_flwr.run.simulate import run
 from qlsd_flwr.tasks.gaussian import build_gaussian_task
 
@@ -58,7 +59,10 @@ def test_one_client_s_products_move_gamma_auto_at_most_by_the_stated_factor(tmp_
     honest = run({**O, "output-dir": str(tmp_path), "run-name": "honest"})
     g0 = honest.summary["gamma"]
     assert "products_clipped" not in honest.summary.get("ts_info", honest.summary)
-    floor = (N + prec) / (N - Ni + FACTOR_PRODUCT * Ni + prec)  # the largest shrink the rule allows
+    per_datum = (N + prec) / (N - Ni + FACTOR_PRODUCT * Ni + prec)  # the per-datum clip's largest shrink
+    share = (N + prec) / ((N - Ni + prec) * (1 + max(SHARE, FACTOR_SHARE_DATUM * Ni / (N - Ni))))
+    floor = max(per_datum, share)  # the rules' largest shrink: here the share's, 0.367 against 0.184
+    assert share > per_datum
     for factor in (1e4, 1e8):
         r = run({**O, "output-dir": str(tmp_path), "run-name": f"x{factor:g}"}, mods=[scaled_products(factor, client)])
         ratio = r.summary["gamma"] / g0
@@ -88,3 +92,41 @@ def test_the_power_iteration_finds_the_largest_signed_eigenvalue():
         A = np.diag(diag)
         lam, _ = lambda_max(lambda th: A @ th, np.zeros(3), Identity(), seed=0, iters=200, tol=1e-6)
         assert abs(lam - largest) <= 1e-3 * max(1.0, abs(largest)), (diag, lam)
+
+
+def test_one_client_of_ten_raises_the_power_iteration_s_lambda_at_most_by_one_plus_its_share():
+    """The share rule alone (:func:`hold_shares`), on ten clients of equal ``N`` with random PSD curvatures of
+    different sizes (d = 30): one client answering each product with any vector (its honest product ×1e6, or
+    ``c·u``, a spike along the vector it was asked about) raises the power iteration's λ to at most
+    ``1 + max(SHARE, FACTOR_SHARE_DATUM/9)`` times the honest federation's λ_max, and honest products are
+    returned as they came (the same objects: no client held)."""
+    from qlsd_flwr.core.curvature import lambda_max
+    from qlsd_flwr.core.metric import Identity
+
+    gen = np.random.default_rng(3)
+    d, b, n = 30, 10, 40
+    H = []
+    for k in range(b):
+        A = gen.normal(size=(d, 2 * d)) * (1.0 + 2.0 * (k % 3))  # clients' curvatures 1× to 9× apart
+        H.append(A @ A.T / (2 * d) * n)
+    P0 = np.eye(d) * 0.2
+    counts = {k: n for k in range(b)}
+    honest = float(np.linalg.eigvalsh(sum(H) + P0)[-1])
+    bound = 1 + max(SHARE, FACTOR_SHARE_DATUM * n / ((b - 1) * n))
+
+    def hvp_with(lie):
+        def hvp(th, u, eps):
+            parts = {k: H[k] @ u for k in range(b)}
+            if lie is not None:
+                parts[4] = lie(u, parts[4])
+            held, why = hold_shares(parts, counts, u, float(u @ P0 @ u))
+            if lie is None:
+                assert not why and all(held[k] is parts[k] for k in parts)
+            return sum(held[k] for k in sorted(held)) + P0 @ u
+        return hvp
+
+    lam0, _ = lambda_max(None, np.zeros(d), Identity(), seed=0, iters=500, tol=1e-9, hvp=hvp_with(None))
+    assert abs(lam0 - honest) <= 1e-6 * honest
+    for lie in (lambda u, h: h * 1e6, lambda u, h: u * 1e9):
+        lam, _ = lambda_max(None, np.zeros(d), Identity(), seed=0, iters=500, tol=1e-9, hvp=hvp_with(lie))
+        assert honest <= lam * (1 + 1e-6) and lam <= bound * honest, (lam / honest, bound)

@@ -8,17 +8,26 @@ import time
 from pathlib import Path
 
 
-def make_run_dir(output_dir: str | os.PathLike, run_name: str, variant: str) -> Path:
+def refuse_taken(output_dir: str | os.PathLike, run_name: str) -> str:
+    """The run name checked (:func:`~qlsd_flwr.keys.check_run_name`), and ``ConfigError`` if the user chose one
+    whose folder exists: a name the user chose is never silently changed. :func:`qlsd_flwr.run.simulate.run`
+    asks before the preparation, so a taken name costs no exchange."""
     from qlsd_flwr.keys import check_run_name  # a run never writes outside output-dir
 
     given = check_run_name(run_name)
-    name = given or f"{time.strftime('%Y%m%d-%H%M%S')}-{variant}"
-    path = Path(output_dir) / name
-    if given and path.exists():  # a name the user chose is never silently changed
+    path = Path(output_dir) / given
+    if given and path.exists():
         from qlsd_flwr.config import ConfigError
 
         raise ConfigError(f"run-name: {path} already exists; choose another run-name, leave it empty for a "
                           f"timestamped folder, or continue that run with resume = {path}")
+    return given
+
+
+def make_run_dir(output_dir: str | os.PathLike, run_name: str, variant: str) -> Path:
+    given = refuse_taken(output_dir, run_name)
+    name = given or f"{time.strftime('%Y%m%d-%H%M%S')}-{variant}"
+    path = Path(output_dir) / name
     i = 1
     while path.exists():  # two timestamped runs started in the same second
         path = Path(output_dir) / f"{name}-{i}"

@@ -204,9 +204,9 @@ def power_products(task: Task, curv_fn: CurvFn | None, n_data, info: dict, kept=
                         "gradients instead (products_fallback)", missing)
             info["products_fallback"] = int(info.get("products_fallback", 0)) + 1
             return fallback(th, u, eps)
-        held, _ = held_parts(parts, n_data, info)
         step = eps * U[0]
         prior = (task.prior.grad(th + step) - task.prior.grad(th - step)) / (2.0 * eps)
+        held, _ = held_parts(parts, n_data, info, U[0], float(U[0] @ prior))
         return sum((held[i] for i in sorted(held)), np.zeros(d)) + prior
 
     return hvp

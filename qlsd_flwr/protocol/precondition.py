@@ -277,10 +277,10 @@ def held_products(grad_fn, info: dict):
         plus, minus = th + eps * u, th - eps * u
         gp, gm = grad_fn.clients(plus), grad_fn.clients(minus)
         parts = {i: (gp[i] - gm[i]) / (2.0 * eps) for i in gp}
-        held, scaled = held_parts(parts, grad_fn.n_data, info)
+        prior = (grad_fn.combine({}, plus) - grad_fn.combine({}, minus)) / (2.0 * eps)
+        held, scaled = held_parts(parts, grad_fn.n_data, info, u, float(u @ prior))
         if not scaled:
             return (grad_fn.combine(gp, plus) - grad_fn.combine(gm, minus)) / (2.0 * eps)
-        prior = (grad_fn.combine({}, plus) - grad_fn.combine({}, minus)) / (2.0 * eps)
         return sum(held[i] for i in sorted(held)) + prior
 
     return hvp

@@ -38,6 +38,10 @@ class Outcome:
 def run(overrides: dict | None = None, **kwargs) -> Outcome:
     overrides = resume_overrides(overrides)  # resume: the run folder's config under the overrides
     cfg = resolve(overrides)
+    if not cfg.get("resume") and kwargs.get("write", True):
+        from qlsd_flwr.outputs.run_dir import refuse_taken
+
+        refuse_taken(cfg.get("output-dir"), cfg.get("run-name"))  # before the preparation's exchanges
     if cfg.engine == "local":
         from qlsd_flwr.engines.local import run_local
 
