@@ -66,15 +66,22 @@ def ratios(task, theta: np.ndarray) -> float:
     return float(v.max() / med) if med > 0 else float("inf")
 
 
+def central_products(task, theta: np.ndarray, u: np.ndarray) -> tuple[list, np.ndarray]:
+    """Each client's Hessian-vector product at ``theta`` along ``u`` and the prior's, as the power iteration forms
+    them (central differences, ``core.curvature.fd_step``)."""
+    from qlsd_flwr.core.curvature import fd_step
+
+    eps = fd_step(theta) / max(float(np.max(np.abs(u))), 1e-300)
+    h = [(c.grad_sum(theta + eps * u) - c.grad_sum(theta - eps * u)) / (2 * eps) for c in task.clients]
+    return h, (task.prior.grad(theta + eps * u) - task.prior.grad(theta - eps * u)) / (2 * eps)
+
+
 def product_ratio(task, theta: np.ndarray, seed: int = 0) -> float:
     """``max_i v_i / lower median`` of the clients' Hessian-vector products per datum at ``theta``, as the power
     iteration forms them (central differences, ``core.curvature.fd_step``), along the top eigenvector of the
     whole ``∇²U`` (30 power iterations) and 5 random directions: the worst."""
-    from qlsd_flwr.core.curvature import fd_step
-
     def parts(u):
-        eps = fd_step(theta) / max(float(np.max(np.abs(u))), 1e-300)
-        return [(c.grad_sum(theta + eps * u) - c.grad_sum(theta - eps * u)) / (2 * eps) for c in task.clients]
+        return central_products(task, theta, u)[0]
 
     gen = np.random.default_rng(seed)
     u = gen.normal(size=theta.shape)
@@ -91,14 +98,10 @@ def product_ratio(task, theta: np.ndarray, seed: int = 0) -> float:
 
 def share_ratios(task, theta: np.ndarray, seed: int = 0) -> dict:
     """The share rule's honest statistics at ``theta`` (module docstring, ``--shares``)."""
-    from qlsd_flwr.core.curvature import fd_step
-
     n = np.array([c.n_data for c in task.clients], dtype=np.float64)
 
     def parts(u):
-        eps = fd_step(theta) / max(float(np.max(np.abs(u))), 1e-300)
-        h = [(c.grad_sum(theta + eps * u) - c.grad_sum(theta - eps * u)) / (2 * eps) for c in task.clients]
-        return h, (task.prior.grad(theta + eps * u) - task.prior.grad(theta - eps * u)) / (2 * eps)
+        return central_products(task, theta, u)
 
     gen = np.random.default_rng(seed)
     directions, u = [], gen.normal(size=theta.shape)
