@@ -15,10 +15,8 @@ from __future__ import annotations
 import csv
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -228,33 +226,24 @@ print("RESULT " + json.dumps({"pid": os.getpid(), "rounds": o.summary["rounds"]}
 
 @pytest.mark.deployment
 @pytest.mark.ray
-def test_simulation_runs_on_an_existing_ray_cluster(tmp_path):
-    """`ray start --head` then the simulation with QLSD_RAY_ADDRESS: the cluster's GCS lists the
-    simulation's driver (by PID) and its ClientApp actors on the cluster's node."""
-    port = D.free_port()
-    ray_tmp = tempfile.mkdtemp(prefix="rq", dir="/tmp")  # short: Ray's socket paths are limited
+def test_simulation_runs_on_an_existing_ray_cluster(tmp_path, ray_cluster):
+    """`ray start --head` (the session's, tests/conftest.py) then the simulation with QLSD_RAY_ADDRESS: the
+    cluster's GCS lists the simulation's driver (by PID) and its ClientApp actors on the cluster's node."""
+    address = ray_cluster
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=str(D.REPO))
-    head = D.Proc("ray-head", D.ray_head_argv(port, ray_tmp), env, tmp_path / "ray-head.log").start()
-    try:
-        D.wait_port(port, timeout=120, proc=head)
-        address = f"127.0.0.1:{port}"
-        cp = subprocess.run([sys.executable, "-c", SIM_CODE, str(tmp_path / "out")], cwd=D.REPO,
-                            env={**env, "QLSD_RAY_ADDRESS": address}, capture_output=True, text=True,
-                            timeout=300)
-        result = [ln for ln in cp.stdout.splitlines() if ln.startswith("RESULT ")]
-        assert cp.returncode == 0 and result, cp.stderr[-3000:]
-        res = json.loads(result[0][len("RESULT "):])
-        assert res["rounds"] == 3
+    cp = subprocess.run([sys.executable, "-c", SIM_CODE, str(tmp_path / "out")], cwd=D.REPO,
+                        env={**env, "QLSD_RAY_ADDRESS": address}, capture_output=True, text=True, timeout=300)
+    result = [ln for ln in cp.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert cp.returncode == 0 and result, cp.stderr[-3000:]
+    res = json.loads(result[0][len("RESULT "):])
+    assert res["rounds"] == 3
 
-        state = D.ray_cluster_state(address)
-        jobs = [j for j in state["jobs"] if int(j["DriverPid"]) == res["pid"]]
-        assert len(jobs) == 1, state["jobs"]
-        actors = [a for a in state["actors"] if a["JobID"] == jobs[0]["JobID"]]
-        assert actors and all(a["ActorClassName"] == "ClientAppActor" for a in actors), actors
-        assert {a["Address"]["NodeID"] for a in actors} <= set(state["nodes"])
-    finally:
-        head.stop(grace=15)
-        shutil.rmtree(ray_tmp, ignore_errors=True)
+    state = D.ray_cluster_state(address)
+    jobs = [j for j in state["jobs"] if int(j["DriverPid"]) == res["pid"]]
+    assert len(jobs) == 1, state["jobs"]
+    actors = [a for a in state["actors"] if a["JobID"] == jobs[0]["JobID"]]
+    assert actors and all(a["ActorClassName"] == "ClientAppActor" for a in actors), actors
+    assert {a["Address"]["NodeID"] for a in actors} <= set(state["nodes"])
 
 
 # ---- no processes -----------------------------------------------------------------------------

@@ -190,6 +190,7 @@ def test_every_documented_deploy_command_runs(tmp_path):
     assert {"certs", "partition", "stage-app"} <= seen, seen
 
 
+@pytest.mark.docs_smoke  # with the commands it checks, after the suite: 30-odd processes importing numpy and torch
 def test_every_documented_script_exists_and_takes_the_options_given():
     given: dict[str, set[str]] = {}
     for where, cmd in commands():

@@ -14,9 +14,9 @@ from qlsd_flwr.run.simulate import run_legacy_simulation
 
 
 @pytest.mark.ray
-def test_legacy_pair_on_ray_matches_framework_free_chain(tmp_path):
+def test_legacy_pair_on_ray_matches_framework_free_chain(tmp_path, attached_ray):
     o = {"variant": "qlsd-pp", "p": "0.5", "s": "8", "num-rounds": 12, "burn-in": 0, "progress": False,
-         "l": 5, "num-clients": 6, "output-dir": str(tmp_path), "run-name": "legacy"}
+         "l": 5, "num-clients": 6, "output-dir": str(tmp_path), "run-name": "legacy", "client-cpus": 1.0}
     cfg = resolve(o)
     strat = run_legacy_simulation(cfg, o, keep_trace=True)
     ref = run_local(cfg, write=False, keep_trace=True, progress=False).trace
@@ -34,7 +34,7 @@ def test_legacy_pair_on_ray_matches_framework_free_chain(tmp_path):
 @pytest.mark.ray
 @pytest.mark.parametrize("rival", [{"variant": "fald", "tau": 0.5, "metric": "dense"},
                                    {"variant": "dg-lmc", "metric": "diagonal"}])
-def test_legacy_pair_runs_the_rivals_fald_and_dg_lmc_bit_for_bit(tmp_path, rival):
+def test_legacy_pair_runs_the_rivals_fald_and_dg_lmc_bit_for_bit(tmp_path, rival, attached_ray):
     # FALD's local steps (with a dense metric from a file, its 50 × 50 numbers sent as bytes in the first
     # FitIns config) and QSGD-coded Δ_i, DG-LMC's z_i (sent with the first message, coupled in a diagonal
     # metric's norm) and its coded changes, through FitIns/FitRes; VR-FALD* and FSGLD need the clients'
@@ -45,7 +45,7 @@ def test_legacy_pair_runs_the_rivals_fald_and_dg_lmc_bit_for_bit(tmp_path, rival
     rival = {**rival, "metric": str(tmp_path / "m.npy")}
     o = {"p": "0.5", "local-steps": 2, "compressor": "qsgd", "s": "8", "num-rounds": 8,
          "burn-in": 0, "progress": False, "num-clients": 4, "output-dir": str(tmp_path), "run-name": "legacy",
-         "loo": "off", **rival}
+         "loo": "off", "client-cpus": 1.0, **rival}
     cfg = resolve(o)
     strat = run_legacy_simulation(cfg, o, keep_trace=True)
     ref = run_local(cfg, write=False, keep_trace=True, progress=False).trace

@@ -544,7 +544,7 @@ def test_curvature_reports_that_would_overflow_or_misclaim_their_size_cannot_bre
 
 
 @pytest.mark.ray
-def test_the_curvature_exchange_and_gamma_auto_through_flower_s_ray_engine(tmp_path):
+def test_the_curvature_exchange_and_gamma_auto_through_flower_s_ray_engine(tmp_path, attached_ray):
     from qlsd_flwr.run.simulate import run_ray
 
     o = {"engine": "ray", "num-chains": 2, "num-rounds": 15, "burn-in": 3, "progress": False, "dim": 6,

@@ -143,7 +143,7 @@ def test_qlsd_pp_hpd_error_against_mala():
 
 
 @pytest.mark.ray
-def test_fedavg_comparison_end_to_end_on_ray(tmp_path, capsys):
+def test_fedavg_comparison_end_to_end_on_ray(tmp_path, capsys, attached_ray):
     """The main job's comparison in a small configuration: QLSD++ (its 4 chains on the vectorised
     engine, 300 rounds) then Flower's FedAvg on the Ray engine (3 clients, 2 rounds), softmax regression on
     breast cancer. Checks the printed table and ``comparison.json``: every metric finite and in
@@ -157,7 +157,7 @@ def test_fedavg_comparison_end_to_end_on_ray(tmp_path, capsys):
                        "partition": "auto", "num-clients": b, "prior-var": 0.02, "s": "16",
                        "l": 20, "gamma": GAMMA, "batch-fraction": 0.2, "num-rounds": 300,
                        "burn-in": 100, "thin": 2, "engine": "vectorised", "downlink": "off", "progress": False,
-                       "output-dir": str(tmp_path), "run-name": "job", "fedavg-rounds": R,
+                       "output-dir": str(tmp_path), "run-name": "job", "fedavg-rounds": R, "client-cpus": 1.0,
                        "fedavg-epochs": 1})
     assert rc == 0
     out = capsys.readouterr().out

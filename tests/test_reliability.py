@@ -494,7 +494,7 @@ def test_fuzz_harness_sees_valid_replies_accepted():
 
 
 @pytest.mark.ray
-def test_a_killed_run_resumes_on_the_ray_engine_bitwise(tmp_path):
+def test_a_killed_run_resumes_on_the_ray_engine_bitwise(tmp_path, attached_ray):
     """Resume on Flower's Ray engine (fresh SuperNodes: every client's context.state is empty)
     a run killed on the framework-free engine: the same chain as an uninterrupted run."""
     o = {"engine": "local", "variant": "qlsd-pp", "p": "0.5", "s": "4", "num-rounds": 23, "burn-in": 0,
