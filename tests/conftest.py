@@ -100,8 +100,9 @@ def ray_cluster(tmp_path_factory):
     run of 4 clients took 16.3 s and 21.4 CPU-seconds, 11.4 s and 16.2 attached to a running head (and 7.8 s,
     6.4 with one actor instead of four). On 2 cores the suite is CPU-bound, so each Ray start is paid by the
     other worker too. The tests that attach are Ray runs as a user runs them on a cluster (DEPLOYMENT §10,
-    ``QLSD_RAY_ADDRESS``); Flower's own start of Ray is kept by ``tests/test_flower.py``'s Ray test and the
-    signal tests of ``tests/test_hardening.py``."""
+    ``QLSD_RAY_ADDRESS``), and ``tests/test_flwr_run.py``'s simulation SuperLink, whose Ray backend's ``ray.init()``
+    reads ``RAY_ADDRESS`` (its stop/resume tests: 81-89 s each before, 51-54 s attached). Flower's own start of
+    Ray is kept by ``tests/test_flower.py``'s Ray test and the signal tests of ``tests/test_hardening.py``."""
     import shutil
     import tempfile
 

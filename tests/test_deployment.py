@@ -79,44 +79,6 @@ def cluster(tmp_path_factory):
 
 
 @pytest.mark.deployment
-def test_insecure_run_three_supernodes(cluster, tmp_path):
-    rc = {**BASE, "num-rounds": 2, "burn-in": 0, "reply-timeout": 90.0, "output-dir": str(tmp_path),
-          "run-name": "insecure", "progress": True}
-    run_id = cluster.run(cluster.app, rc)  # before any SuperNode is up: the ServerApp waits for them
-    ensure_nodes(cluster)
-    row = cluster.wait(run_id, timeout=200)
-    assert row["status"] == "finished:completed", cluster.log(run_id)[-3000:]
-
-    run_dir = tmp_path / "insecure"
-    samples = load_samples(run_dir)
-    assert samples.shape == (1, 2, 5) and np.all(np.isfinite(samples))
-    # The deployed chain is the framework-free chain on the nodes' files, bit for bit: each node
-    # used its own data-path file (not the data its partition-id would generate).
-    files_task = build_gaussian_task(b=B, d=5, data_seed=FILE_SEED)
-    trace = run_local(resolve(rc), task=files_task, write=False, keep_trace=True, progress=False).trace
-    np.testing.assert_array_equal(samples[0], trace)
-
-    s = summary_of(run_dir)
-    t = s["totals"]
-    assert t["n_replied"] == 2 * B and t["n_rejected"] == 0 and s["missed_rounds"] == {}
-    # what the run said reaches flwr log from a deployment's ServerApp process (it does not copy
-    # standard error there): where it writes, its progress line, where its samples are
-    log = cluster.log(run_id)
-    for said in ("qlsd-pp: writing", "2/2 rounds (100 %)", "2 rounds done; samples in"):
-        assert said in log, (said, log[-3000:])
-    assert t["bits_bound"] >= t["bits_exact"] > 0
-    assert t["bytes_message"] > t["bytes_payload"] > 0
-    assert_memory_in_sync(s)
-    # the federated LOO ran over the nodes' training points, and the ServerApp drew overview.png
-    assert s["loo"]["mode"] == "psis" and np.isfinite(s["loo"]["elpd_loo"]), s["loo"]
-    assert (run_dir / "overview.png").stat().st_size > 10_000
-    # nothing is installed at run time
-    assert "--disable-runtime-dependency-installation" in cluster.superlink.argv
-    assert cluster.superlink.env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] == "1"
-    assert all("--allow-runtime-dependency-installation" not in p.argv for p in cluster.nodes.values())
-
-
-@pytest.mark.deployment
 def test_failed_run_is_noticed_from_run_status(cluster, tmp_path):
     """4 clients expected, 3 SuperNodes up: the ServerApp gives up after reply-timeout with a
     clear message; ``flwr run`` still exits 0, the run status says ``finished:failed``."""
@@ -143,7 +105,7 @@ def test_node_killed_mid_run_rejoins_and_is_resynced(cluster, tmp_path):
     victim = cluster.nodes["sn2"]
     before = D.count_in_log(victim.log, RECEIVE_TRAIN)
     rc = {**BASE, "num-rounds": 5, "reply-timeout": 20.0, "output-dir": str(tmp_path), "run-name": "fault",
-          "loo": "off"}  # the LOO exchange is tested by the insecure run: one 6 s exchange less
+          "loo": "off"}  # the LOO exchange is tested by the secured run: one 6 s exchange less
     run_id = cluster.run(cluster.app, rc)
     deadline = time.time() + 150
     while D.count_in_log(victim.log, RECEIVE_TRAIN) < before + 2:  # it has pulled round 2
@@ -170,9 +132,14 @@ def test_node_killed_mid_run_rejoins_and_is_resynced(cluster, tmp_path):
 
 @pytest.mark.deployment
 def test_secured_run_tls_and_node_auth(tmp_path_factory, tmp_path):
-    """TLS (certificates made here) and SuperNode authentication: 3 registered nodes run the
-    job; a 4th node with an unregistered key (claiming partition 0) is refused; a plaintext
-    client cannot talk to the SuperLink."""
+    """The whole job on a deployment, secured as production runs it: TLS (certificates made here)
+    and SuperNode authentication. The run is submitted before any SuperNode is up (the ServerApp
+    waits for them); 3 registered nodes run it on their own partition files, and the chain is the
+    framework-free chain on those files, bit for bit, with the federated LOO, overview.png and the
+    progress lines in ``flwr log``. A 4th node with a registered key not bound to partition 0 that
+    claims it is refused; an unregistered node and a plaintext client cannot talk to the SuperLink.
+    (The insecure SuperLink runs the two tests above; one full run here, not two, as each costs
+    about a minute of Flower processes.)"""
     root = tmp_path_factory.mktemp("secure")
     with D.LocalDeployment(root, secure=True, node_auth=True) as dep:
         dep.start_superlink()
@@ -182,9 +149,9 @@ def test_secured_run_tls_and_node_auth(tmp_path_factory, tmp_path):
         registered = set(dep.register(*[pub for _, pub in keys], impostor_pub))
         # node-keys binds partition i to keys/node<i>.pub: a registered node with another key
         # that claims partition 0 is refused, counted, and never gets a message of the run
-        rc = {**BASE, "num-rounds": 2, "reply-timeout": 90.0, "output-dir": str(tmp_path), "run-name": "secure",
-              "node-keys": str(root / "keys"), "loo": "off"}  # the LOO exchange: the insecure run
-        run_id = dep.run(app, rc)  # the ServerApp waits for the nodes
+        rc = {**BASE, "num-rounds": 2, "burn-in": 0, "reply-timeout": 90.0, "output-dir": str(tmp_path),
+              "run-name": "secure", "node-keys": str(root / "keys"), "progress": True}
+        run_id = dep.run(app, rc)  # before any SuperNode is up: the ServerApp waits for them
         for i, (priv, _) in enumerate(keys):
             dep.start_node(f"sn{i}", i, B, private_key=priv, data_path=node_data(root, i))
         dep.start_node("impostor", 0, B, private_key=impostor_key, data_path=node_data(root, 0))
@@ -193,10 +160,35 @@ def test_secured_run_tls_and_node_auth(tmp_path_factory, tmp_path):
         row = dep.wait(run_id, timeout=200)
         assert row["status"] == "finished:completed", dep.log(run_id)[-3000:]
 
-        s = summary_of(tmp_path / "secure")
-        assert s["totals"]["n_replied"] == 2 * B and s["missed_rounds"] == {}
+        run_dir = tmp_path / "secure"
+        samples = load_samples(run_dir)
+        assert samples.shape == (1, 2, 5) and np.all(np.isfinite(samples))
+        # the deployed chain is the framework-free chain on the nodes' files, bit for bit: each node
+        # used its own data-path file (not the data its partition-id would generate)
+        files_task = build_gaussian_task(b=B, d=5, data_seed=FILE_SEED)
+        ref_cfg = {k: v for k, v in rc.items() if k != "node-keys"}
+        trace = run_local(resolve(ref_cfg), task=files_task, write=False, keep_trace=True, progress=False).trace
+        np.testing.assert_array_equal(samples[0], trace)
+
+        s = summary_of(run_dir)
+        t = s["totals"]
+        assert t["n_replied"] == 2 * B and t["n_rejected"] == 0 and s["missed_rounds"] == {}
         assert list(s["refused_claims"]) == ["0"], s.get("refused_claims")  # the impostor
+        assert t["bits_bound"] >= t["bits_exact"] > 0
+        assert t["bytes_message"] > t["bytes_payload"] > 0
         assert_memory_in_sync(s)
+        # what the run said reaches flwr log from a deployment's ServerApp process (it does not copy
+        # standard error there): where it writes, its progress line, where its samples are
+        log = dep.log(run_id)
+        for said in ("qlsd-pp: writing", "2/2 rounds (100 %)", "2 rounds done; samples in"):
+            assert said in log, (said, log[-3000:])
+        # the federated LOO ran over the nodes' training points, and the ServerApp drew overview.png
+        assert s["loo"]["mode"] == "psis" and np.isfinite(s["loo"]["elpd_loo"]), s["loo"]
+        assert (run_dir / "overview.png").stat().st_size > 10_000
+        # nothing is installed at run time
+        assert "--disable-runtime-dependency-installation" in dep.superlink.argv
+        assert dep.superlink.env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] == "1"
+        assert all("--allow-runtime-dependency-installation" not in p.argv for p in dep.nodes.values())
         # the unregistered node was refused and gave up
         for _ in range(100):
             if not intruder.alive():

@@ -51,11 +51,14 @@ def test_every_conf_file_is_a_valid_run_config(conf):
 
 
 @pytest.fixture(scope="module")
-def local_sim(tmp_path_factory):
+def local_sim(tmp_path_factory, ray_cluster):
     root = tmp_path_factory.mktemp("flwr-run")
     port = D.free_port()
+    # RAY_ADDRESS: Flower's Ray backend calls ray.init(), which attaches to the session's head
+    # (tests/conftest.py) instead of starting and stopping a Ray instance at every run
     env = D.flwr_env(root / "flwr-home", {"FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(port),
-                                          "FLWR_LOCAL_CONTROL_API_PORT": str(D.free_port())})
+                                          "FLWR_LOCAL_CONTROL_API_PORT": str(D.free_port()),
+                                          "RAY_ADDRESS": ray_cluster})
     link = Proc("superlink", [str(BIN / "flower-superlink"), "--insecure", "--simulation", "--isolation",
                               "subprocess", "--host", "127.0.0.1", "--port", str(port),
                               "--disable-runtime-dependency-installation"],
@@ -87,8 +90,8 @@ def test_flwr_run_dot_from_a_conf_file_stopped_by_flwr_stop_and_resumed_bitwise(
     configuration (here num-clients = 4, where the app's default is 20) and ends with the draws of
     the ``local`` engine's run that was never stopped, bit for bit. The file then carries the
     federated LOO's pointwise log-likelihood (az.loo, az.compare and az.plot_trace take it as it is,
-    with the CLI run's numbers) and overview.png. (One flwr run for the two checks: each costs half
-    a minute of Flower and Ray start-up.)"""
+    with the CLI run's numbers) and overview.png. (One flwr run for the two checks: each costs about
+    20 s of Flower start-up.)"""
     import json
     import time
 

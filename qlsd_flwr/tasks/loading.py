@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from qlsd_flwr.config import ConfigError, RunConfig
+from qlsd_flwr.config import ConfigError, RunConfig, check_memory
 from qlsd_flwr.core.potential import GaussianPrior, Task
 from qlsd_flwr.plugins import is_plugin
 from qlsd_flwr.protocol.build import blocks_for
@@ -26,6 +26,9 @@ def _load_task(cfg: RunConfig) -> Task:
     if name == "gaussian":
         from qlsd_flwr.tasks.gaussian import build_gaussian_task
 
+        # d is known before the data are made: the chains' memory is refused first (the same check
+        # as the preparation's, seconds of data generation earlier at dim = 1e5)
+        check_memory(cfg, cfg.dim)
         return build_gaussian_task(b=cfg.num_clients, d=cfg.dim,
                                    data_seed=cfg.data_seed, prior_var=cfg.prior_var,
                                    pooled=pooled)
