@@ -79,11 +79,12 @@ def pointwise(pot, draws: np.ndarray) -> np.ndarray:
 def psis_points(ll: np.ndarray, reff: float) -> np.ndarray:
     """``(3, N_i)``: each point's ``elpd_loo,j``, ``lppd_j`` and Pareto ``k̂_j`` from its ``(S, N_i)``
     log-likelihoods, as ``az.loo`` computes them."""
-    import arviz as az
     from scipy.special import logsumexp
 
+    from qlsd_flwr.outputs.psis import psislw
+
     llt = np.ascontiguousarray(ll.T)  # (N_i, S): psislw smooths along the last axis, one point a row
-    lw, k = az.psislw(-llt, reff)
+    lw, k = psislw(-llt, reff)  # az.psislw's numbers, without importing ArviZ on a client
     lw = lw + llt
     return np.stack([logsumexp(lw, axis=1), logsumexp(llt, axis=1) - np.log(llt.shape[1]),
                      np.asarray(k, dtype=np.float64)])
