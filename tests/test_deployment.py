@@ -15,8 +15,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -207,33 +205,24 @@ def test_secured_run_tls_and_node_auth(tmp_path_factory, tmp_path):
         assert cp.returncode != 0 or '"success": false' in cp.stdout, cp.stdout
 
 
-SIM_CODE = """
-import json, os, sys
-from qlsd_flwr.run.simulate import run
-o = run({"engine": "ray", "num-clients": 3, "dim": 5, "num-rounds": 3, "burn-in": 1,
-         "progress": False, "output-dir": sys.argv[1], "run-name": "ray"})
-print("RESULT " + json.dumps({"pid": os.getpid(), "rounds": o.summary["rounds"]}))
-"""
-
-
 @pytest.mark.deployment
 @pytest.mark.ray
-def test_simulation_runs_on_an_existing_ray_cluster(tmp_path, ray_cluster):
+def test_simulation_runs_on_an_existing_ray_cluster(tmp_path, attached_ray):
     """`ray start --head` (the session's, tests/conftest.py) then the simulation with QLSD_RAY_ADDRESS: the
-    cluster's GCS lists the simulation's driver (by PID) and its ClientApp actors on the cluster's node."""
-    address = ray_cluster
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=str(D.REPO))
-    cp = subprocess.run([sys.executable, "-c", SIM_CODE, str(tmp_path / "out")], cwd=D.REPO,
-                        env={**env, "QLSD_RAY_ADDRESS": address}, capture_output=True, text=True, timeout=300)
-    result = [ln for ln in cp.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert cp.returncode == 0 and result, cp.stderr[-3000:]
-    res = json.loads(result[0][len("RESULT "):])
-    assert res["rounds"] == 3
+    cluster's GCS lists this process as the driver of the run's job (its newest) and the run's ClientApp actors
+    on the cluster's node."""
+    from qlsd_flwr.run.simulate import run
 
-    state = D.ray_cluster_state(address)
-    jobs = [j for j in state["jobs"] if int(j["DriverPid"]) == res["pid"]]
-    assert len(jobs) == 1, state["jobs"]
-    actors = [a for a in state["actors"] if a["JobID"] == jobs[0]["JobID"]]
+    o = run({"engine": "ray", "num-clients": 3, "dim": 5, "num-rounds": 3, "burn-in": 1, "client-cpus": 1.0,
+             "progress": False, "output-dir": str(tmp_path / "out"), "run-name": "ray"})
+    assert o.summary["rounds"] == 3 and o.summary["engine"] == "flower-ray"
+
+    state = D.ray_cluster_state(attached_ray)
+    mine = [j for j in state["jobs"] if int(j["DriverPid"]) == os.getpid()]  # the earlier attached runs' too
+    assert mine, state["jobs"]
+    # Ray's job ids count up (4 bytes, little-endian in their hex form): the newest is this run's
+    job = max(mine, key=lambda j: int.from_bytes(bytes.fromhex(j["JobID"]), "little"))
+    actors = [a for a in state["actors"] if a["JobID"] == job["JobID"]]
     assert actors and all(a["ActorClassName"] == "ClientAppActor" for a in actors), actors
     assert {a["Address"]["NodeID"] for a in actors} <= set(state["nodes"])
 

@@ -163,6 +163,8 @@ def test_sigterm_or_ctrl_c_leaves_a_readable_run_folder_with_every_draw_so_far(t
             "output-dir": str(tmp_path), "run-name": "t", "progress": False}
     if engine == "vectorised":
         sets["num-chains"] = 2
+    if engine == "ray":  # two actors rather than four: the signal goes to the driver, half the actors' start-up
+        sets["client-cpus"] = 1.0
     argv = [sys.executable, "-m", "qlsd_flwr", "run", *sum((["--set", f"{k}={v}"] for k, v in sets.items()), [])]
     # PYTHONFAULTHANDLER: a run still going long after the signal is made to print where it is (SIGABRT)
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
