@@ -194,6 +194,8 @@ def test_a_client_answers_a_malformed_loo_request_with_an_error_not_a_crash():
 
     assert loo_phase.answer(pot, req(), 0)["status"] == "ok"
     for content, why in ((req(mode="all"), "mode 'all'"), (req(draws=np.zeros((2, 3))), "draws of shape"),
+                         (req(draws=np.zeros((1, pot.dim))), "1 kept draw(s)"),
+                         (req(draws=np.zeros((0, pot.dim))), "0 kept draw(s)"),
                          (RecordDict({RECORD: ConfigRecord({"report": "loo"})}), "KeyError")):
         r = loo_phase.answer(pot, content, 0)
         assert r["status"] == "error" and why in r["error"], r

@@ -96,6 +96,12 @@ def client_reply(pot, draws: np.ndarray, reff: float, mode: str) -> np.ndarray:
     return (ll if mode == "pointwise" else psis_points(ll, reff)).ravel()
 
 
+def _enough_draws(S: int) -> None:
+    """PSIS needs at least 2 draws: the server's request and a client's reply both hold to it."""
+    if S < 2:
+        raise LooError(f"{S} kept draw(s): the LOO needs at least 2")
+
+
 def reply_fields(pot, mode, draws, reff) -> dict:
     """A client's reply to the LOO request, on either Flower API: ``{"status": "ok", "payload": <float64
     bytes>}``, or ``{"status": "error", "error": ...}`` for a bad request or a potential that fails."""
@@ -106,6 +112,7 @@ def reply_fields(pot, mode, draws, reff) -> dict:
         draws = np.asarray(draws, dtype=np.float64)
         if draws.ndim != 2 or draws.shape[1] != int(pot.dim):
             raise LooError(f"draws of shape {draws.shape}, expected (S, {pot.dim})")
+        _enough_draws(draws.shape[0])  # a request of one draw made PSIS's tail index fail (IndexError)
         payload = client_reply(pot, draws, float(reff), mode)
     except (LooError, KeyError, TypeError, ValueError) as exc:
         return {"status": "error", "error": f"{type(exc).__name__}: {exc}"[:300]}
@@ -166,8 +173,7 @@ def request(samples_nc) -> tuple[np.ndarray, float, tuple[int, int, int]]:
     th = np.asarray(idata.posterior["theta"].values, dtype=np.float64)
     c, n, d = th.shape
     S = c * n
-    if S < 2:
-        raise LooError(f"{S} kept draw(s): the LOO needs at least 2")
+    _enough_draws(S)
     size = np.dtype(DRAWS_DTYPE).itemsize * S * d
     if size > DOWNLINK_MAX_BYTES:
         raise LooError(f"the kept draws are {size / 2**20:.0f} MiB ({S} draws × d = {d}), more than one "
