@@ -257,7 +257,7 @@ def resolve(overrides: Mapping[str, Any] | None = None) -> RunConfig:
         compressed = compressor == "qsgd"
     raw["compression-basis"] = _choice("compression-basis", raw["compression-basis"], ("auto", "metric", "theta"))
     theta_star = _choice("theta-star", raw["theta-star"], ("closed-form", "optimise"))
-    raw["vectorised-backend"] = _choice("vectorised-backend", raw["vectorised-backend"], ("auto", "numba", "numpy"))
+    raw["vectorised-backend"] = _choice("vectorised-backend", raw["vectorised-backend"], ("auto", "numba", "numpy", "torch"))
     raw["resume"] = v["resume"]
     metric = _metric_key(raw["metric"])
     raw["metric-from"] = _choice("metric-from", raw["metric-from"], ("curvature", "adapt"))

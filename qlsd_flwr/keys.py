@@ -105,7 +105,8 @@ KEYS: tuple[Key, ...] = (
         group=SAMPLE),
     Key("model", "logistic", "text", "torch model of task mnist: logistic, mlp, lenet5, resnet20, or "
         "'<module>:<callable>'", group=SAMPLE),
-    Key("device", "cpu", "text", "torch device: cpu, cuda, cuda:<k> (the CUDA path has not run here)", group=SAMPLE),
+    Key("device", "cpu", "text", "torch device: cpu, cuda, cuda:<k> (CUDA ran on an H200 with the vectorised engine; "
+        "the Flower engines with cuda have not run on a GPU)", group=SAMPLE),
     Key("prior-var", "flat", "float|word", "variance of the Gaussian prior U_0 (flat: none; logistic and torch "
         "tasks use their own default when flat)", "σ₀²", lo=0, open_lo=True, words=("flat", "none", "inf"), group=SAMPLE),
     Key("prior-on", "server", "choice", "where ∇U_0 is added: on the server, or shared by the clients (1/b each)",
@@ -231,7 +232,8 @@ KEYS: tuple[Key, ...] = (
         "vectorised", choices=("ray", "inprocess", "local", "vectorised"), group=RUN),
     Key("vectorised-backend", "auto", "choice", "the vectorised engine's backend: auto (numba where its chains are "
         "the reference's bit for bit, the toy Gaussian; numpy otherwise), numba (also the logistic task, its chains "
-        "within float rounding of the reference's), numpy (the only one for the rivals)", choices=("auto", "numba", "numpy"),
+        "within float rounding of the reference's), numpy (the only one for the rivals), torch (a torch network's QLSD "
+        "chains with every part of a round on the clients' device; auto picks it on CUDA)", choices=("auto", "numba", "numpy", "torch"),
         group=RUN),
     Key("output-dir", "outputs", "text", "where run folders go (relative: to the working directory; under flwr run, "
         "the SuperLink's)", group=RUN),

@@ -106,6 +106,11 @@ CASES = {
                                    "num-chains": 2, "num-clients": 4}, {"block_rounds": 4}, 8),
     "vectorised-numpy": ({"engine": "vectorised", "variant": "qlsd-pp", "p": "0.5", "s": "4", "num-chains": 2},
                          {"block_rounds": 4, "backend": "numpy"}, 5),
+    # the torch backend (a torch network's chains on its device; here the CPU): θ, ζ, ∇U_i(ζ) and η from the checkpoint
+    "vectorised-torch": ({"engine": "vectorised", "task": "mnist", "dataset": "digits", "model": "mlp",
+                          "vectorised-backend": "torch", "variant": "qlsd-pp", "p": "0.5", "s": "4", "num-chains": 2,
+                          "num-clients": 4, "gamma": 1e-4, "batch-fraction": 0.2},
+                         {"block_rounds": 4}, 23),
     # a metric, gamma = auto and dispersed starts: the resumed run takes M and γ from the checkpoint
     "local-metric-auto": ({"engine": "local", "variant": "qlsd-pp", "p": "0.5", "s": "4", "metric": "diagonal",
                            "gamma": "auto", "init": "dispersed"}, {}, 10),

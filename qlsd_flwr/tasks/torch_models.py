@@ -96,8 +96,10 @@ class TorchPotential:
     computes: ``"cpu"``, ``"cuda"`` or ``"cuda:k"`` (a string or a ``torch.device``). θ and the
     gradients still cross as float64 numpy vectors on the CPU. Asking for CUDA where torch sees no
     GPU (or fewer than ``k + 1``) is a ``RuntimeError``, never a silent fall-back to the CPU; any
-    other device type is a ``ValueError``. *The CUDA path has not been run: this project's CI
-    machine has no GPU.*
+    other device type is a ``ValueError``. On a GPU, the vectorised engine's torch backend
+    (:mod:`qlsd_flwr.engines.vectorised.torch_backend`) stacks the clients' data there and computes a
+    whole round on the device; it ran on an NVIDIA H200 (``benchmarks/RESULTS.md``). The Flower
+    engines with ``device = "cuda"`` have not run on a GPU.
 
     ``log_concave`` (default ``None``: found from the model) says whether ``U_i`` is convex in θ.
     Found true only for a softmax regression: the model is one ``nn.Linear`` (itself,

@@ -53,9 +53,18 @@ def _is_logistic(task: Task) -> bool:
     return all(type(c) is LogisticLocal for c in task.clients)
 
 
+def _torch_task(task: Task) -> bool:
+    """Whether the clients are torch potentials (checked without importing torch for other tasks)."""
+    return bool(task.clients) and type(task.clients[0]).__name__ == "TorchPotential"
+
+
 def backend_for(cfgs, task: Task, backend: str = "auto") -> str:
-    """``"numba"`` (the compiled kernel) or ``"numpy"`` (any task); raises if ``numba`` is
-    requested but does not apply.
+    """``"numba"`` (the compiled kernel), ``"numpy"`` (any task) or ``"torch"`` (a torch network's
+    QLSD chains on its device, :mod:`.torch_backend`); raises if ``numba`` or ``torch`` is requested
+    but does not apply.
+
+    ``auto`` picks ``torch`` when the clients' torch potentials live on a CUDA device and it covers
+    the run (:func:`.torch_backend.applies`); on the CPU the numpy backend is the reference.
 
     ``auto`` picks ``numba`` for the toy Gaussian, where its chains are the reference's bit for
     bit. Not at ``d = 1``: there numpy sums a ``(b, 1)`` array over its first axis pairwise (the
@@ -64,6 +73,18 @@ def backend_for(cfgs, task: Task, backend: str = "auto") -> str:
     reference. On the logistic task ``numba`` runs only when asked for: its gradient is equal to
     the reference's within float rounding, not bit for bit (see :mod:`.kernel`)."""
     cfgs = [cfgs] if isinstance(cfgs, RunConfig) else list(cfgs)
+    if backend == "torch":
+        from qlsd_flwr.engines.vectorised import torch_backend
+
+        why = next((w for w in (torch_backend.unsupported(c, task) for c in cfgs) if w), None)
+        if why:
+            raise ValueError(why)
+        return "torch"
+    if backend == "auto" and _torch_task(task):
+        from qlsd_flwr.engines.vectorised import torch_backend
+
+        if all(torch_backend.applies(c, task) for c in cfgs):
+            return "torch"
     if any(build.downlink_on(c) for c in cfgs):  # the compiled kernel steps from θ itself
         if backend == "numba":
             raise ValueError("vectorised-backend = numba sends θ in full; downlink = qsgd runs on: auto, numpy")
@@ -86,7 +107,7 @@ def backend_for(cfgs, task: Task, backend: str = "auto") -> str:
     if backend == "auto":
         return "numba" if ok else "numpy"
     if backend not in ("numba", "numpy"):
-        raise ValueError(f"backend: unknown value {backend!r}; allowed: auto, numba, numpy")
+        raise ValueError(f"backend: unknown value {backend!r}; allowed: auto, numba, numpy, torch")
     if backend == "numba" and not (ok or (_is_logistic(task) and one_norm)):
         raise ValueError("vectorised-backend = numba needs the Gaussian task with dim >= 2 or the logistic task, "
                          "and one QSGD norm per vector (block-norm = vector); allowed for this run: auto, numpy")
@@ -199,6 +220,11 @@ def run_side_by_side(cfgs, task: Task | None = None, write: bool = False, keep_t
         bar = progress_bar(K, show, f"{name} vectorised x{nchain}")
         if which == "numba":
             runner = NumbaChains(cfgs, task, parts, stats, threads)
+        elif which == "torch":
+            from qlsd_flwr.engines.vectorised.torch_backend import TorchChains
+
+            runner = Sequential([TorchChains(cfg, task, *pt[:4], st, theta0=pt[4])
+                                 for cfg, pt, st in zip(cfgs, parts, stats)])
         else:
             runner = Sequential([RivalChains(cfg, task, pt[0], pt[5], st) if cfg.kind.local else
                                  NumpyGeneric(cfg, task, *pt[:4], st, theta0=pt[4])
@@ -218,7 +244,9 @@ def run_side_by_side(cfgs, task: Task | None = None, write: bool = False, keep_t
         downs = [SamplingDownlink(cfg, d, chain_seeds(cfg), k, 8 * len(metric_to_bytes(pt[1].metric)) if pt[0][0].whitened
                                   else 0) if rec is not None and not cfg.kind.local else None
                  for cfg, rec, pt in zip(cfgs, recs, parts)]
-        need_states = write or keep_trace
+        # a backend that keeps only the kept draws on the host gives each round's ‖θ‖ instead (torch)
+        sparse = isinstance(runner, Sequential) and all(getattr(r, "sparse_states", False) for r in runner.runners)
+        need_states = keep_trace or (write and not sparse)
     except BaseException as exc:
         _close_stopped(recs, exc, k)
         raise
@@ -314,7 +342,7 @@ def _record_block(rec: Recorder, k0: int, R: int, out: dict, dt: float) -> None:
     act, skp = out["n_active"].sum(axis=0), out["skipped"].sum(axis=0)
     be, bb, by = out["bits_exact"].sum(axis=0), out["bits_bound"].sum(axis=0), out["bytes"].sum(axis=0)
     down = out["bits_down"].sum(axis=0) if "bits_down" in out else np.zeros(R, np.int64)
-    states = out["states"]
+    states = out["states"] if out.get("states") is not None else out.get("kept")  # (C, R, d), or {r: (C, d)}
     with deferred_signals():  # the block's rows and draws together (a stop then finds them consistent)
         _record_rows(rec, k0, R, act, skp, be, bb, by, down, states, dt)
 
@@ -327,14 +355,14 @@ def _record_rows(rec, k0, R, act, skp, be, bb, by, down, states, dt) -> None:
                           "bits_exact": int(be[r]), "bytes_payload": int(by[r]), "bytes_message": 0,
                           "seconds": dt / R, "bits_down": int(down[r]), "bytes_message_down": 0})
         if rec.keeps(j):
-            rec.record_sample(j, states[:, r])
+            rec.record_sample(j, states[:, r] if isinstance(states, np.ndarray) else states[r])
 
 
 def _diverge(cfg, recs, v, k0, bad, out, traces, dt, run_dir, last_ckpt, stable=None) -> None:
     """Record the block's rounds before ``bad``, close every recorder cleanly, raise."""
     if traces is not None and bad:
         traces[v][:, k0:k0 + bad] = out["states"][:, :bad]
-    exact = out.get("states") is not None
+    exact = out.get("states") is not None or out.get("norms") is not None
     where = "" if exact else f" (within rounds {k0 + 1}..{k0 + len(out['skipped'][0])})"
     reason = out.get("error") or "θ is not finite"
     if recs[v] is not None and bad:

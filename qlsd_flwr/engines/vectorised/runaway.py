@@ -28,6 +28,16 @@ def first_bad_round(out: dict, theta: np.ndarray, R: int, limits: np.ndarray | N
     ``None`` when the whole block is fine."""
     limits = np.full(theta.shape[0], np.inf) if limits is None else limits
     states = out.get("states")
+    if states is None and out.get("norms") is not None:  # (C, R) ‖θ‖ each round (a sparse-states backend)
+        norms = out["norms"]
+        within = norms <= limits[:, None]  # NaN compares False
+        if out.get("error") is None and within.all():
+            return None
+        ok = np.isfinite(norms).all(axis=0) & within.all(axis=0)
+        bad = np.flatnonzero(~ok)
+        if out.get("error") is None and bad.size and np.isfinite(norms[:, bad[0]]).all():
+            out["error"] = RAN_AWAY
+        return int(bad[0]) if bad.size else R - 1
     # each round's ‖θ‖ is within its chain's limit (one pass over the block's states)
     within = (np.linalg.norm(theta, axis=-1) <= limits)[:, None] if states is None else \
         np.linalg.norm(states, axis=2) <= limits[:, None]  # (C, R); NaN compares False
