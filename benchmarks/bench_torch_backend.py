@@ -44,9 +44,9 @@ def parts(device: str) -> dict:
     """The torch twins against the numpy reference, on ``device``."""
     import torch
 
-    from qlsd_flwr.compression import qsgd_torch
     from qlsd_flwr.compression.qsgd import QSGD
-    from qlsd_flwr.core import rng, rng_torch
+    from qlsd_flwr.core import rng
+    from qlsd_flwr.engines.vectorised import torch_twins
 
     dev = torch.device(device)
     seeds = np.array([0, 1, 7, 2**40 + 3], dtype=np.int64)
@@ -55,15 +55,15 @@ def parts(device: str) -> dict:
     for name, stream, n in (("participation", rng.Stream.PARTICIPATION, 1), ("minibatch_keys", rng.Stream.MINIBATCH, 200),
                             ("dither", rng.Stream.DITHER, 61706)):
         ref = rng.uniform(seeds[:, None], stream, 12345, clients[None, :], n)
-        k = rng_torch.keys(rng_torch.seed_keys(seeds, int(stream), dev), 12345, torch.as_tensor(clients, device=dev))
-        got = rng_torch.uniform(k, n).cpu().numpy()
+        k = torch_twins.keys(torch_twins.seed_keys(seeds, int(stream), dev), 12345, torch.as_tensor(clients, device=dev))
+        got = torch_twins.uniform(k, n).cpu().numpy()
         res[f"{name}_bitwise"] = bool(np.array_equal(ref.view(np.uint64), got.view(np.uint64)))
     ref = rng.subset(seeds[:, None], rng.Stream.MINIBATCH, 99, clients[None, :], 200, 64)
-    k = rng_torch.keys(rng_torch.seed_keys(seeds, int(rng.Stream.MINIBATCH), dev), 99, torch.as_tensor(clients, device=dev))
-    res["subsets_equal"] = bool(np.array_equal(ref, rng_torch.subset(k, 200, 64).cpu().numpy()))
+    k = torch_twins.keys(torch_twins.seed_keys(seeds, int(rng.Stream.MINIBATCH), dev), 99, torch.as_tensor(clients, device=dev))
+    res["subsets_equal"] = bool(np.array_equal(ref, torch_twins.subset(k, 200, 64).cpu().numpy()))
     ref = rng.normal(seeds, rng.Stream.NOISE, 5, 0, 61706)
-    k = rng_torch.keys(rng_torch.seed_keys(seeds, int(rng.Stream.NOISE), dev), 5, torch.zeros(1, dtype=torch.int64, device=dev))[:, 0]
-    got = rng_torch.normal(k, 61706).cpu().numpy()
+    k = torch_twins.keys(torch_twins.seed_keys(seeds, int(rng.Stream.NOISE), dev), 5, torch.zeros(1, dtype=torch.int64, device=dev))[:, 0]
+    got = torch_twins.normal(k, 61706).cpu().numpy()
     res["normal_max_abs_diff"] = float(np.max(np.abs(ref - got)))
     res["normal_bitwise_share"] = float(np.mean(ref.view(np.uint64) == got.view(np.uint64)))
     gen = np.random.default_rng(0)
@@ -75,10 +75,10 @@ def parts(device: str) -> dict:
         for enc in ("auto", "elias", "packed"):
             q = QSGD(s=s, encoding=enc)
             norms, levels = q.quantise_batch(V, U)
-            n32, lv, ok = qsgd_torch.quantise(torch.as_tensor(V, device=dev), torch.as_tensor(U, device=dev), s)
+            n32, lv, ok = torch_twins.quantise(torch.as_tensor(V, device=dev), torch.as_tensor(U, device=dev), s)
             lv = lv.cpu().numpy()
             mism += int(np.sum(lv != levels))
-            code = qsgd_torch.CodeLength(V.shape[1], s, enc, dev)
+            code = torch_twins.CodeLength(V.shape[1], s, enc, dev)
             bits_eq &= bool(np.array_equal(code(torch.as_tensor(levels, device=dev)).cpu().numpy(),
                                            q.code_length_bits_batch(levels)))
             bits_eq &= bool(ok.all())

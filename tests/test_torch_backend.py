@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-from qlsd_flwr.compression import qsgd_torch
 from qlsd_flwr.compression.qsgd import QSGD
 from qlsd_flwr.config import ConfigError, resolve
-from qlsd_flwr.core import rng, rng_torch
+from qlsd_flwr.core import rng
+from qlsd_flwr.engines.vectorised import torch_twins
 from qlsd_flwr.core.potential import GaussianPrior, Task
 from qlsd_flwr.engines.vectorised import run_vectorised
 from qlsd_flwr.outputs.recorder import load_samples
@@ -29,21 +29,21 @@ def test_the_streams_are_the_references_bit_for_bit():
     seeds = np.array([0, 1, 12345, 2**40 + 3, 2**62 + 11], dtype=np.int64)
     clients = np.arange(7)
     for stream in (rng.Stream.PARTICIPATION, rng.Stream.MINIBATCH, rng.Stream.DITHER, rng.Stream.NOISE):
-        ks = rng_torch.seed_keys(seeds, int(stream), CPU)
+        ks = torch_twins.seed_keys(seeds, int(stream), CPU)
         for k in (0, 1, 99_999, 2**31 + 5):
             ref = rng.uniform(seeds[:, None], stream, k, clients[None, :], 33, offset=0)
-            got = rng_torch.uniform(rng_torch.keys(ks, k, torch.as_tensor(clients)), 33).numpy()
+            got = torch_twins.uniform(torch_twins.keys(ks, k, torch.as_tensor(clients)), 33).numpy()
             assert np.array_equal(ref.view(np.uint64), got.view(np.uint64)), (stream, k)
             assert np.all((got >= 0.0) & (got < 1.0))
-    ks = rng_torch.seed_keys(seeds, int(rng.Stream.MINIBATCH), CPU)
+    ks = torch_twins.seed_keys(seeds, int(rng.Stream.MINIBATCH), CPU)
     for N, n in ((50, 7), (50, 49), (8, 8), (8, 20)):
         ref = rng.subset(seeds[:, None], rng.Stream.MINIBATCH, 3, clients[None, :], N, n)
-        got = rng_torch.subset(rng_torch.keys(ks, 3, torch.as_tensor(clients)), N, n).numpy()
+        got = torch_twins.subset(torch_twins.keys(ks, 3, torch.as_tensor(clients)), N, n).numpy()
         assert np.array_equal(np.broadcast_to(ref, got.shape), got), (N, n)
     # the normals: the same uniforms through the device's log1p and cos (equal to a few ulps)
     ref = rng.normal(seeds, rng.Stream.NOISE, 4, 0, 1000)
-    ks = rng_torch.seed_keys(seeds, int(rng.Stream.NOISE), CPU)
-    got = rng_torch.normal(rng_torch.keys(ks, 4, torch.zeros(1, dtype=torch.int64))[:, 0], 1000).numpy()
+    ks = torch_twins.seed_keys(seeds, int(rng.Stream.NOISE), CPU)
+    got = torch_twins.normal(torch_twins.keys(ks, 4, torch.zeros(1, dtype=torch.int64))[:, 0], 1000).numpy()
     assert np.allclose(got, ref, rtol=1e-13, atol=1e-13)
 
 
@@ -58,24 +58,25 @@ def test_the_qsgd_twin_gives_the_references_levels_norms_and_code_lengths():
         for enc in ("auto", "elias", "packed"):
             q = QSGD(s=s, encoding=enc)
             norms, levels = q.quantise_batch(V, U)
-            n32, lv, ok = qsgd_torch.quantise(torch.as_tensor(V), torch.as_tensor(U), s)
+            n32, lv, ok = torch_twins.quantise(torch.as_tensor(V), torch.as_tensor(U), s)
             assert ok.all()
             assert np.array_equal(lv.numpy(), levels), (s, enc)
             assert np.array_equal(n32.numpy().view(np.uint32), norms.view(np.uint32))
-            assert np.array_equal(qsgd_torch.dequantise(n32, lv, s).numpy(), q.dequantise_batch(norms, levels))
-            code = qsgd_torch.CodeLength(500, s, enc, CPU)
+            assert np.array_equal(torch_twins.dequantise(n32, lv, s).numpy(), q.dequantise_batch(norms, levels))
+            code = torch_twins.CodeLength(500, s, enc, CPU)
             assert np.array_equal(code(lv).numpy(), q.code_length_bits_batch(levels)), (s, enc)
     V[4, 7] = np.nan  # the reference raises; the twin flags the row
-    assert qsgd_torch.quantise(torch.as_tensor(V), torch.as_tensor(U), 4)[2].tolist() == [True] * 4 + [False, True]
+    assert torch_twins.quantise(torch.as_tensor(V), torch.as_tensor(U), 4)[2].tolist() == [True] * 4 + [False, True]
     with pytest.raises(ValueError, match="allowed: auto, elias, packed"):
-        qsgd_torch.CodeLength(10, 2, "rice", CPU)
+        torch_twins.CodeLength(10, 2, "rice", CPU)
 
 
 def test_an_uncompressed_chain_follows_the_numpy_backend_within_float_rounding():
-    # LSD++ (no quantisation): the same draws, minibatches and steps; the gradients are the model's float32
-    # sums in vmap's order, so the chains agree to float32 rounding carried over the rounds (1e-5 of |θ|'s
-    # scale bounds 40 rounds of relative errors of about 1e-7 a gradient at γ·L ≈ 0.1), not bit for bit
-    cfg = resolve({**MLP, "variant": "lsd-pp", "num-rounds": 40})
+    # LSD++ (no quantisation), with a diagonal metric and a temperature (the step's general form; the plain
+    # one runs in the tests below): the same draws, minibatches and steps; the gradients are the model's
+    # float32 sums in vmap's order, so the chains agree to float32 rounding carried over the rounds (1e-5 of
+    # |θ|'s scale bounds 40 rounds of relative errors of about 1e-7 a gradient at γ·L ≈ 0.1), not bit for bit
+    cfg = resolve({**MLP, "variant": "lsd-pp", "num-rounds": 40, "metric": "diagonal", "temperature": 0.9})
     t = run_vectorised(cfg, write=False, keep_trace=True, backend="torch")
     n = run_vectorised(cfg, write=False, keep_trace=True, backend="numpy")
     assert t.backend == "torch" and n.backend == "numpy"
@@ -145,8 +146,8 @@ def test_a_written_run_keeps_the_same_draws_as_the_trace_and_says_which_backend(
 
 
 def test_what_the_torch_backend_does_not_cover_is_refused_with_the_key():
-    with pytest.raises(ValueError, match="metric = identity"):
-        run_vectorised(resolve({**MLP, "variant": "qlsd-pp", "num-rounds": 2, "metric": "diagonal"}),
+    with pytest.raises(ValueError, match="metric = identity or diagonal"):
+        run_vectorised(resolve({**MLP, "variant": "qlsd-pp", "num-rounds": 2, "metric": "dense"}),
                        write=False, backend="torch")
     with pytest.raises(ValueError, match="needs torch potentials"):
         run_vectorised(resolve({"engine": "vectorised", "num-rounds": 2, "burn-in": 0, "progress": False}), write=False,

@@ -6,13 +6,14 @@ data and every array of a round on the device the clients' :class:`~qlsd_flwr.ta
 use, so a GPU computes a round without a copy to the host:
 
 * the round's participation, minibatches, QSGD dither and Langevin noise come from the streams every
-  engine draws from (:mod:`qlsd_flwr.core.rng_torch`, the uniforms bit for bit);
+  engine draws from (:mod:`.torch_twins`, the uniforms bit for bit);
 * the oracles ``H_i`` (:func:`qlsd_flwr.core.oracles.oracle`'s expressions) of the active
   ``(chain, client)`` pairs, their minibatch gradients in one ``torch.func.vmap`` call over the pairs
   (and, for a control variate, over the two points ``θ`` and the anchor);
-* the memory, QSGD with one norm and its exact code lengths (:mod:`qlsd_flwr.compression.qsgd_torch`);
-* the server step of :func:`qlsd_flwr.core.server_step.langevin_step` (the paper's: identity metric,
-  ``T = 1``), its sums over clients in one reduction.
+* the memory, QSGD with one norm and its exact code lengths (:mod:`.torch_twins`);
+* the server step of :func:`qlsd_flwr.core.server_step.langevin_step` (the paper's, or with a diagonal
+  metric ``M`` and a temperature ``T``: ``θ − γ M g + √(2γT) M^{1/2} Z``), its sums over clients in one
+  reduction.
 
 Its chains are the reference's in law, not bit for bit: the gradients are the model's float32
 sums in vmap's order and the sums over clients one reduction, so the last bits differ, and a
@@ -24,7 +25,7 @@ a function of its seed there too (the device script compares two runs).
 
 The draws the run keeps cross to the host; the other rounds leave only their counts and ``‖θ‖``
 (:attr:`TorchChains.sparse_states`). What it does not cover is refused before anything runs
-(:func:`unsupported`): another sampler, a metric, a temperature, the compressed downlink, one norm
+(:func:`.torch_scope.unsupported`): another sampler, a metric that is not diagonal, the compressed downlink, one norm
 per tensor, Rice codes, per-client compressors, a prior other than a Gaussian, potentials that are
 not one torch architecture.
 """
@@ -37,64 +38,16 @@ import math
 import numpy as np
 import torch
 
-from qlsd_flwr.compression import qsgd_torch
 from qlsd_flwr.compression.format import HEADER_BYTES, QuantiseError
-from qlsd_flwr.compression.identity import Identity as IdentityCompressor
 from qlsd_flwr.compression.qsgd import QSGD
-from qlsd_flwr.core import participation, rng, rng_torch
-from qlsd_flwr.core.potential import GaussianPrior
+from qlsd_flwr.core import participation, rng
+from qlsd_flwr.engines.vectorised import torch_twins as twins
 from qlsd_flwr.engines.vectorised.results import chain_seeds, keeps
+from qlsd_flwr.engines.vectorised.torch_scope import unsupported
 from qlsd_flwr.protocol import build
 
 #: the largest number of examples a gradient call takes at once (the anchor's full pass is chunked)
 CHUNK_EXAMPLES = 1 << 16
-
-
-def unsupported(cfg, task, specs=None, spec=None) -> str | None:
-    """Why the torch backend cannot run ``cfg`` on ``task`` (one line naming the key), or ``None``."""
-    from qlsd_flwr.tasks.torch_models import TorchPotential
-
-    pots = list(task.clients)
-    if not all(isinstance(p, TorchPotential) for p in pots):
-        return "vectorised-backend = torch needs torch potentials (a torch model's task); allowed here: auto, numpy"
-    m0 = pots[0]
-    if any(repr(p.model) != repr(m0.model) or p.blocks != m0.blocks or p.dtype != m0.dtype
-           or p.device != m0.device or p._per_example is not m0._per_example for p in pots):
-        return "vectorised-backend = torch needs every client on one model, dtype, device and loss; allowed here: auto, numpy"
-    if not cfg.kind.batched or cfg.kind.local:
-        return f"vectorised-backend = torch runs the QLSD family; variant {cfg.variant!r} runs on: auto, numpy"
-    if build.downlink_on(cfg):
-        return "vectorised-backend = torch sends θ in full; downlink = qsgd runs on: auto, numpy"
-    if cfg.metric != "identity" or int(cfg.get("metric-rank") or 0) or cfg.temperature != 1.0:
-        return "vectorised-backend = torch runs the paper's step (metric = identity, metric-rank = 0, temperature = 1)"
-    if not isinstance(task.prior, GaussianPrior) or np.ndim(task.prior.mean) or np.ndim(task.prior.var):
-        return "vectorised-backend = torch needs a Gaussian prior with one mean and variance (prior-var)"
-    if build.blocks_for(cfg, task) is not None:
-        return "vectorised-backend = torch quantises with one norm per vector; block-norm: allowed: vector"
-    if specs is not None:
-        comps = [s.compressor for s in specs]
-        if any(c != comps[0] for c in comps):
-            return "vectorised-backend = torch needs one compressor for every client (s, encoding)"
-        c = comps[0]
-        if isinstance(c, QSGD) and c.encoding not in ("auto", "elias", "packed"):
-            return f"vectorised-backend = torch codes QSGD as auto, elias or packed; encoding = {c.encoding!r}"
-        if not isinstance(c, (QSGD, IdentityCompressor)):
-            return f"vectorised-backend = torch has no twin of the compressor {type(c).__name__}; compressor: qsgd, identity"
-    if spec is not None and (spec.offset is not None or spec.whitened):
-        return "vectorised-backend = torch runs the paper's step (no client left the federation, compression-basis = identity)"
-    return None
-
-
-def applies(cfg, task) -> bool:
-    """Whether ``vectorised-backend = auto`` picks this backend: torch potentials on a CUDA device
-    that it covers (on the CPU the numpy backend's chains are the reference's bit for bit)."""
-    try:
-        from qlsd_flwr.tasks.torch_models import TorchPotential
-    except ImportError:  # pragma: no cover - torch is a dependency
-        return False
-    pots = list(task.clients)
-    return (bool(pots) and all(isinstance(p, TorchPotential) for p in pots)
-            and pots[0].device.type == "cuda" and unsupported(cfg, task) is None)
 
 
 class _Group:
@@ -145,7 +98,7 @@ class TorchChains:
         self.p_np = np.asarray(cfg.p, dtype=np.float64)
         self.p = torch.as_tensor(self.p_np, device=dev)
         self.unbiased = participation._rule(spec.rule) is participation.Aggregation.UNBIASED
-        self.keys = {s: rng_torch.seed_keys(self.seeds, int(s), dev) for s in
+        self.keys = {s: twins.seed_keys(self.seeds, int(s), dev) for s in
                      (rng.Stream.PARTICIPATION, rng.Stream.MINIBATCH, rng.Stream.DITHER, rng.Stream.NOISE)}
         self.clients = torch.arange(b, dtype=torch.int64, device=dev)
         self.zero_client = torch.zeros(1, dtype=torch.int64, device=dev)
@@ -153,6 +106,12 @@ class TorchChains:
         self.prior_mean, self.prior_var = float(prior.mean), float(prior.var)
         self.prior_flat = bool(prior.is_flat)
         self.prior_on_server = bool(spec.prior_on_server) and not self.prior_flat
+        # the step: the paper's expression where it is plain (bit for bit the reference's form), else M's diagonal
+        self.plain = bool(spec.plain)
+        if not self.plain:
+            m = np.ones(d) if spec.metric.kind == "identity" else spec.metric.m
+            self.m = torch.as_tensor(np.asarray(m, dtype=np.float64), device=dev)
+            self.root = torch.sqrt(self.m)
         self.w = torch.as_tensor(np.array([s.prior_weight for s in specs], dtype=np.float64), device=dev)
         # clients grouped by (N_i, n_i): one gather of their minibatches each
         by = {}
@@ -162,7 +121,7 @@ class TorchChains:
         comp = specs[0].compressor
         self.qsgd = isinstance(comp, QSGD)
         self.s = comp.s if self.qsgd else None
-        self.code = qsgd_torch.CodeLength(d, comp.s, comp.encoding, dev) if self.qsgd else None
+        self.code = twins.CodeLength(d, comp.s, comp.encoding, dev) if self.qsgd else None
         self.wire = None if self.qsgd else (torch.float64 if comp.dtype == "float64" else torch.float32)
         self.id_bits = None if self.qsgd else int(comp.code_length_bits(np.zeros(d)))
         self.bound = np.array([s.compressor.bound_bits(d) for s in specs])
@@ -316,7 +275,7 @@ class TorchChains:
         """``H_i(θ_k)`` of the active pairs ``(c_idx, i_idx)``, ``(P, d)`` (:func:`qlsd_flwr.core.oracles.oracle`)."""
         kind = self.kind
         h = torch.empty((c_idx.numel(), self.d), dtype=torch.float64, device=self.dev)
-        mkeys = rng_torch.keys(self.keys[rng.Stream.MINIBATCH], k, self.clients) if kind.minibatch else None
+        mkeys = twins.keys(self.keys[rng.Stream.MINIBATCH], k, self.clients) if kind.minibatch else None
         for grp in self.groups:
             sel = torch.nonzero(grp.is_member[i_idx]).flatten() if len(self.groups) > 1 else None
             c, i = (c_idx, i_idx) if sel is None else (c_idx[sel], i_idx[sel])
@@ -328,7 +287,7 @@ class TorchChains:
             if not kind.minibatch:
                 hg = self._grad_sums(theta, grp, pos, None) + w * self._prior(theta)
             else:
-                idx = rng_torch.subset(mkeys[c, i], grp.N, grp.n)
+                idx = twins.subset(mkeys[c, i], grp.N, grp.n)
                 scale = grp.N / grp.n
                 if not kind.control_variate:
                     hg = scale * self._grad_sums(theta, grp, pos, idx) + w * self._prior(theta)
@@ -350,7 +309,7 @@ class TorchChains:
         dev = self.dev
         if self.kind.cv_zeta and k % self.spec.l == 0:
             self._refresh()
-        u = rng_torch.uniform(rng_torch.keys(self.keys[rng.Stream.PARTICIPATION], k, self.clients), 1)[..., 0]
+        u = twins.uniform(twins.keys(self.keys[rng.Stream.PARTICIPATION], k, self.clients), 1)[..., 0]
         active.copy_(u < self.p)
         c_idx, i_idx = torch.nonzero(active, as_tuple=True)  # chain-major, clients ascending
         g_hat = torch.zeros((nc, b, d), dtype=torch.float64, device=dev)
@@ -359,9 +318,9 @@ class TorchChains:
             if self.memory:
                 h = h - self.eta_i[c_idx, i_idx]
             if self.qsgd:
-                dkeys = rng_torch.keys(self.keys[rng.Stream.DITHER], k, self.clients)[c_idx, i_idx]
-                norm32, levels, ok = qsgd_torch.quantise(h, rng_torch.uniform(dkeys, d), self.s)
-                gh = qsgd_torch.dequantise(norm32, levels, self.s)
+                dkeys = twins.keys(self.keys[rng.Stream.DITHER], k, self.clients)[c_idx, i_idx]
+                norm32, levels, ok = twins.quantise(h, twins.uniform(dkeys, d), self.s)
+                gh = twins.dequantise(norm32, levels, self.s)
                 nb = self.code(levels)
                 by = HEADER_BYTES + (nb + 7) // 8
             else:
@@ -390,7 +349,10 @@ class TorchChains:
             g = g + self._prior(self.theta_t)
             if self.kind.cv_theta_star:
                 g = g - self._prior(self.theta_star)
-        z = rng_torch.normal(rng_torch.keys(self.keys[rng.Stream.NOISE], k, self.zero_client)[:, 0], d)
+        z = twins.normal(twins.keys(self.keys[rng.Stream.NOISE], k, self.zero_client)[:, 0], d)
         gamma = float(self.spec.gamma)
-        new = self.theta_t - gamma * g + math.sqrt(2.0 * gamma) * z
+        if self.plain:
+            new = self.theta_t - gamma * g + math.sqrt(2.0 * gamma) * z
+        else:
+            new = self.theta_t - gamma * (self.m * g) + math.sqrt(2.0 * gamma * self.spec.temperature) * (self.root * z)
         self.theta_t = torch.where(skipped[:, None], self.theta_t, new)
