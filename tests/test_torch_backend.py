@@ -35,6 +35,8 @@ def test_the_streams_are_the_references_bit_for_bit():
             got = torch_twins.uniform(torch_twins.keys(ks, k, torch.as_tensor(clients)), 33).numpy()
             assert np.array_equal(ref.view(np.uint64), got.view(np.uint64)), (stream, k)
             assert np.all((got >= 0.0) & (got < 1.0))
+        block = torch_twins.keys_block(ks, 99_998, 3, torch.as_tensor(clients))  # a block's keys at once
+        assert torch.equal(block[1], torch_twins.keys(ks, 99_999, torch.as_tensor(clients)))
     ks = torch_twins.seed_keys(seeds, int(rng.Stream.MINIBATCH), CPU)
     for N, n in ((50, 7), (50, 49), (8, 8), (8, 20)):
         ref = rng.subset(seeds[:, None], rng.Stream.MINIBATCH, 3, clients[None, :], N, n)

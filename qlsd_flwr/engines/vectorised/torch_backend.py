@@ -101,6 +101,7 @@ class TorchChains:
         self.keys = {s: twins.seed_keys(self.seeds, int(s), dev) for s in
                      (rng.Stream.PARTICIPATION, rng.Stream.MINIBATCH, rng.Stream.DITHER, rng.Stream.NOISE)}
         self.clients = torch.arange(b, dtype=torch.int64, device=dev)
+        self.round_keys = None  # the round's stream keys, from its block's (run_block)
         self.zero_client = torch.zeros(1, dtype=torch.int64, device=dev)
         prior = spec.prior
         self.prior_mean, self.prior_var = float(prior.mean), float(prior.var)
@@ -210,8 +211,12 @@ class TorchChains:
         norms = torch.zeros((R, nc), dtype=torch.float64, device=dev)
         kept, states = {}, ([] if need_states else None)
         cfg = self.cfg
+        # the block's stream keys at once (rounds k0 .. k0 + R − 1; the noise's client is 0)
+        block_keys = {s: twins.keys_block(kk, k0, R, self.zero_client if s == rng.Stream.NOISE else self.clients)
+                      for s, kk in self.keys.items()}
         for r in range(R):
             k = k0 + r
+            self.round_keys = {s: kk[r] for s, kk in block_keys.items()}
             self._round(k, active[r], bits[r], nbytes[r], skipped[r], bad[r])
             norms[r] = torch.where(bad[r], torch.nan, torch.linalg.vector_norm(self.theta_t, dim=-1))
             if keeps(np.asarray(k + 1), cfg.burn_in, cfg.thin):
@@ -275,7 +280,7 @@ class TorchChains:
         """``H_i(θ_k)`` of the active pairs ``(c_idx, i_idx)``, ``(P, d)`` (:func:`qlsd_flwr.core.oracles.oracle`)."""
         kind = self.kind
         h = torch.empty((c_idx.numel(), self.d), dtype=torch.float64, device=self.dev)
-        mkeys = twins.keys(self.keys[rng.Stream.MINIBATCH], k, self.clients) if kind.minibatch else None
+        mkeys = self.round_keys[rng.Stream.MINIBATCH] if kind.minibatch else None
         for grp in self.groups:
             sel = torch.nonzero(grp.is_member[i_idx]).flatten() if len(self.groups) > 1 else None
             c, i = (c_idx, i_idx) if sel is None else (c_idx[sel], i_idx[sel])
@@ -309,7 +314,7 @@ class TorchChains:
         dev = self.dev
         if self.kind.cv_zeta and k % self.spec.l == 0:
             self._refresh()
-        u = twins.uniform(twins.keys(self.keys[rng.Stream.PARTICIPATION], k, self.clients), 1)[..., 0]
+        u = twins.uniform(self.round_keys[rng.Stream.PARTICIPATION], 1)[..., 0]
         active.copy_(u < self.p)
         c_idx, i_idx = torch.nonzero(active, as_tuple=True)  # chain-major, clients ascending
         g_hat = torch.zeros((nc, b, d), dtype=torch.float64, device=dev)
@@ -318,7 +323,7 @@ class TorchChains:
             if self.memory:
                 h = h - self.eta_i[c_idx, i_idx]
             if self.qsgd:
-                dkeys = twins.keys(self.keys[rng.Stream.DITHER], k, self.clients)[c_idx, i_idx]
+                dkeys = self.round_keys[rng.Stream.DITHER][c_idx, i_idx]
                 norm32, levels, ok = twins.quantise(h, twins.uniform(dkeys, d), self.s)
                 gh = twins.dequantise(norm32, levels, self.s)
                 nb = self.code(levels)
@@ -349,7 +354,7 @@ class TorchChains:
             g = g + self._prior(self.theta_t)
             if self.kind.cv_theta_star:
                 g = g - self._prior(self.theta_star)
-        z = twins.normal(twins.keys(self.keys[rng.Stream.NOISE], k, self.zero_client)[:, 0], d)
+        z = twins.normal(self.round_keys[rng.Stream.NOISE][:, 0], d)
         gamma = float(self.spec.gamma)
         if self.plain:
             new = self.theta_t - gamma * g + math.sqrt(2.0 * gamma) * z

@@ -71,6 +71,15 @@ def keys(kseed: torch.Tensor, round_: int, clients: torch.Tensor) -> torch.Tenso
     return mix(k + (clients + 1) * _G)
 
 
+def keys_block(kseed: torch.Tensor, k0: int, R: int, clients: torch.Tensor) -> torch.Tensor:
+    """:func:`keys` of the rounds ``k0 .. k0 + R − 1`` at once, ``(R, C) + S``: a block's keys in a few
+    launches instead of a few a round (element ``r`` equals ``keys(kseed, k0 + r, clients)``)."""
+    rounds = torch.arange(k0 + 1, k0 + R + 1, dtype=torch.int64, device=kseed.device)
+    k = mix(kseed[None, :] + rounds[:, None] * _G)
+    k = k.reshape(k.shape + (1,) * clients.dim())
+    return mix(k + (clients + 1) * _G)
+
+
 def uniform(k: torch.Tensor, n: int, offset: int = 0) -> torch.Tensor:
     """``n`` uniforms in ``[0, 1)`` of each stream key in ``k`` (``k.shape + (n,)``, float64), as
     :func:`qlsd_flwr.core.rng.uniform`: position ``offset + j + 1`` of the stream, bit for bit."""
