@@ -73,12 +73,14 @@ def test_the_qsgd_twin_gives_the_references_levels_norms_and_code_lengths():
         torch_twins.CodeLength(10, 2, "rice", CPU)
 
 
-def test_an_uncompressed_chain_follows_the_numpy_backend_within_float_rounding():
+def test_an_uncompressed_chain_follows_the_numpy_backend_within_float_rounding(tmp_path):
     # LSD++ (no quantisation), with a diagonal metric and a temperature (the step's general form; the plain
     # one runs in the tests below): the same draws, minibatches and steps; the gradients are the model's
     # float32 sums in vmap's order, so the chains agree to float32 rounding carried over the rounds (1e-5 of
-    # |θ|'s scale bounds 40 rounds of relative errors of about 1e-7 a gradient at γ·L ≈ 0.1), not bit for bit
-    cfg = resolve({**MLP, "variant": "lsd-pp", "num-rounds": 40, "metric": "diagonal", "temperature": 0.9})
+    # |θ|'s scale bounds 30 rounds of relative errors of about 1e-7 a gradient at γ·L ≈ 0.1), not bit for bit
+    m = np.exp(np.random.default_rng(1).uniform(-1.0, 1.0, 7510))  # a diagonal metric from a file (d = 7,510)
+    np.save(tmp_path / "m.npy", m)
+    cfg = resolve({**MLP, "variant": "lsd-pp", "num-rounds": 30, "metric": str(tmp_path / "m.npy"), "temperature": 0.9})
     t = run_vectorised(cfg, write=False, keep_trace=True, backend="torch")
     n = run_vectorised(cfg, write=False, keep_trace=True, backend="numpy")
     assert t.backend == "torch" and n.backend == "numpy"
@@ -87,6 +89,23 @@ def test_an_uncompressed_chain_follows_the_numpy_backend_within_float_rounding()
     assert np.max(np.abs(n.trace[:, -1] - n.trace[:, 0])) > 1e-3 * scale  # the chains moved
     for key in ("n_active", "bits_exact"):  # the same participants and messages
         assert np.array_equal(getattr(t.stats, key), getattr(n.stats, key)), key
+
+
+@pytest.mark.parametrize("over", [
+    {"variant": "lsd-star", "theta-star": "optimise", "opt-rounds": 20, "opt-accept-unconverged": True},  # at θ*
+    {"variant": "qlsd", "compressor": "identity", "prior-on": "clients"},  # the full oracle, the prior shared
+    {"variant": "qlsd-sharp", "compressor": "identity", "aggregation": "active-fraction", "p": "0.3"},  # skips
+], ids=["star", "full-prior-on-clients", "minibatch-active-fraction"])
+def test_every_oracle_and_aggregation_follows_the_numpy_backend(over):
+    # the other estimators and rules, uncompressed (as above: float rounding, the same messages and skips)
+    cfg = resolve({**MLP, "num-rounds": 15, **over})
+    t = run_vectorised(cfg, write=False, keep_trace=True, backend="torch")
+    n = run_vectorised(cfg, write=False, keep_trace=True, backend="numpy")
+    assert np.max(np.abs(t.trace - n.trace)) <= 1e-5 * np.max(np.abs(n.trace))
+    for key in ("n_active", "bits_exact", "skipped"):
+        assert np.array_equal(getattr(t.stats, key), getattr(n.stats, key)), key
+    if over.get("aggregation"):
+        assert n.stats.skipped.sum() > 0  # an empty round was skipped, in both
 
 
 def _linear_gaussian(b=4, n=20, d=3, var=4.0, seed=0):
