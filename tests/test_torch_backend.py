@@ -188,3 +188,29 @@ def test_cuda_without_a_gpu_is_an_error_not_a_fallback():
         return
     with pytest.raises(RuntimeError, match="CUDA is not available"):
         run_vectorised(resolve({**MLP, "variant": "qlsd-pp", "num-rounds": 2, "device": "cuda"}), write=False)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_a_checkpoint_array_of_another_shape_is_a_one_line_error_before_anything_is_restored(backend):
+    # a damaged or foreign checkpoint (another num-chains, num-clients or model) must not reach the rounds as an
+    # IndexError; ζ and ∇U_i(ζ), which a fresh runner does not hold yet, are checked against θ's shape too
+    from qlsd_flwr.engines.vectorised.driver import Sequential, _parts, _restore
+    from qlsd_flwr.engines.vectorised.numpy_backend import NumpyGeneric
+    from qlsd_flwr.engines.vectorised.results import ChainStats
+    from qlsd_flwr.engines.vectorised.torch_backend import TorchChains
+    from qlsd_flwr.errors import CheckpointError
+    from qlsd_flwr.tasks import loading
+
+    cfg = resolve({**MLP, "variant": "qlsd-pp", "num-rounds": 4})
+    task = loading.load_task(cfg)
+    pt = _parts(cfg, task, write=False)
+    st = ChainStats(2, task.dim)
+    r = (TorchChains if backend == "torch" else NumpyGeneric)(cfg, task, *pt[:4], st, theta0=pt[4])
+    good = {f"run_{n}": a for n, a in r.checkpoint_arrays().items()}
+    good["run_zeta"] = good["run_theta"].copy()
+    good["run_anchor_grad"] = np.zeros((2, 4, task.dim))
+    _restore(Sequential([r]), st, good, {}, "ck.npz")  # the right shapes are taken
+    for name in ("run_theta", "run_zeta", "run_anchor_grad", "run_eta_i"):
+        bad = {**good, name: good[name][..., :5]}
+        with pytest.raises(CheckpointError, match=rf"ck.npz: array '{name}' has shape .*, this run's is"):
+            _restore(Sequential([r]), st, bad, {}, "ck.npz")

@@ -9,6 +9,7 @@ import time
 import numpy as np
 
 from qlsd_flwr.config import ConfigError, RunConfig, check_memory
+from qlsd_flwr.errors import CheckpointError
 from qlsd_flwr.protocol.downlink import SamplingDownlink
 from qlsd_flwr.protocol.wire import metric_to_bytes
 from qlsd_flwr.tasks.threads import pin_blas
@@ -164,7 +165,7 @@ def run_side_by_side(cfgs, task: Task | None = None, write: bool = False, keep_t
         last_ckpt = None
         if resume is not None:
             k = last_ckpt = int(resume[1]["k"])
-            _restore(runner, stats[0], resume[2], resume[1])
+            _restore(runner, stats[0], resume[2], resume[1], ckpt.path_in(resume[0]))
             bar.update(k)
         every = ref.checkpoint_every if ck_on else 0
         R = block_rounds or runner.initial_block()
@@ -329,9 +330,17 @@ def _gamma_of(r) -> float:
     return float(r.prm.gamma[0]) if isinstance(r, NumbaChains) else float(r.spec.gamma)
 
 
-def _restore(runner, st: ChainStats, arrays: dict, meta: dict) -> None:
+def _restore(runner, st: ChainStats, arrays: dict, meta: dict, path) -> None:
     r = runner if isinstance(runner, NumbaChains) else runner.runners[0]
     run = {n[4:]: a for n, a in arrays.items() if n.startswith("run_")}
+    if not isinstance(r, RivalChains):  # the QLSD family's chains: each array as this run's own state is shaped
+        shapes = {n: np.shape(a) for n, a in r.checkpoint_arrays().items()}
+        th = shapes["theta"]  # ζ and ∇U_i(ζ) exist from the first refresh on: θ's shape, and one per client
+        shapes = {"zeta": th, **({"anchor_grad": th[:1] + (r.b,) + th[1:]} if hasattr(r, "b") else {}), **shapes}
+        for n, a in run.items():
+            if n in shapes and np.shape(a) != shapes[n]:
+                raise CheckpointError(f"checkpoint {path}: array 'run_{n}' has shape {np.shape(a)}, this run's is "
+                                      f"{shapes[n]} (num-chains, num-clients and the model's dimension)")
     r.restore(run, meta.get("runner")) if isinstance(r, RivalChains) else r.restore(run)
     for n, a in arrays.items():
         if n.startswith("st_"):
