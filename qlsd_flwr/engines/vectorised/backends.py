@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from qlsd_flwr.config import RunConfig
 from qlsd_flwr.core.potential import GaussianPrior, Task
 from qlsd_flwr.protocol import build
@@ -18,8 +20,9 @@ def _is_logistic(task: Task) -> bool:
 
 
 def _torch_task(task: Task) -> bool:
-    """Whether the clients are torch potentials (checked without importing torch for other tasks)."""
-    return bool(task.clients) and type(task.clients[0]).__name__ == "TorchPotential"
+    """Whether the clients are torch potentials (without importing torch: a task holding them has)."""
+    mod = sys.modules.get("qlsd_flwr.tasks.torch_models")
+    return mod is not None and bool(task.clients) and isinstance(task.clients[0], mod.TorchPotential)
 
 
 def backend_for(cfgs, task: Task, backend: str = "auto") -> str:

@@ -104,7 +104,6 @@ class TorchChains:
         self.round_keys = None  # the round's stream keys, from its block's (run_block)
         self.zero_client = torch.zeros(1, dtype=torch.int64, device=dev)
         prior = spec.prior
-        self.prior_mean, self.prior_var = float(prior.mean), float(prior.var)
         self.prior_flat = bool(prior.is_flat)
         self.prior_on_server = bool(spec.prior_on_server) and not self.prior_flat
         # the step: the paper's expression where it is plain (bit for bit the reference's form), else M's diagonal
@@ -240,13 +239,13 @@ class TorchChains:
         if stop < R:
             out["error"] = QuantiseError.NON_FINITE.message if bad[stop].any() else "θ is not finite"
         for r in range(min(stop + 1, R)):
-            j = k0 + r + 1
-            self.stats.add_round(kept.get(r), bool(keeps(np.asarray(j), cfg.burn_in, cfg.thin)) and r in kept, out, r)
+            self.stats.add_round(kept.get(r), r in kept, out, r)
         return out
 
     # ------------------------------------------------------------------ one round
     def _prior(self, t: torch.Tensor) -> torch.Tensor:
-        return torch.zeros_like(t) if self.prior_flat else (t - self.prior_mean) / self.prior_var
+        """``∇U_0`` (:meth:`GaussianPrior.grad`'s expression, which takes a tensor; the flat prior's zeros on the device)."""
+        return torch.zeros_like(t) if self.prior_flat else self.spec.prior.grad(t)
 
     def _grad_sums(self, points: torch.Tensor, grp: _Group, pos: torch.Tensor, idx) -> torch.Tensor:
         """``Σ_{j∈S} ∇U_ij`` at ``points`` ``(P, d)`` for the clients at rows ``pos`` ``(P,)`` of ``grp``,
@@ -264,7 +263,7 @@ class TorchChains:
     def _refresh(self) -> None:
         """ζ = θ, and every (chain, client)'s ``∇U_i(ζ)`` (a full pass over its data)."""
         self.zeta = self.theta_t.clone()
-        nc, d = self.nc, self.d
+        nc = self.nc
         for grp in self.groups:
             G = len(grp.members)
             per = max(1, CHUNK_EXAMPLES // max(1, grp.N))  # pairs per call
@@ -274,12 +273,11 @@ class TorchChains:
                 c, i = cc[a:a + per], ii[a:a + per]
                 g = self._grad_sums(self.zeta[c], grp, grp.pos[i], None) + self.w[i, None] * self._prior(self.zeta[c])
                 self.anchor_grad[c, i] = g
-        assert self.anchor_grad.shape == (nc, self.b, d)
 
     def _oracles(self, k: int, c_idx: torch.Tensor, i_idx: torch.Tensor) -> torch.Tensor:
         """``H_i(θ_k)`` of the active pairs ``(c_idx, i_idx)``, ``(P, d)`` (:func:`qlsd_flwr.core.oracles.oracle`)."""
         kind = self.kind
-        h = torch.empty((c_idx.numel(), self.d), dtype=torch.float64, device=self.dev)
+        h = None if len(self.groups) == 1 else torch.empty((c_idx.numel(), self.d), dtype=torch.float64, device=self.dev)
         mkeys = self.round_keys[rng.Stream.MINIBATCH] if kind.minibatch else None
         for grp in self.groups:
             sel = torch.nonzero(grp.is_member[i_idx]).flatten() if len(self.groups) > 1 else None

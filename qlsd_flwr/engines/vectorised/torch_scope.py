@@ -51,10 +51,8 @@ def unsupported(cfg, task, specs=None, spec=None) -> str | None:
 def applies(cfg, task) -> bool:
     """Whether ``vectorised-backend = auto`` picks this backend: torch potentials on a CUDA device
     that it covers (on the CPU the numpy backend's chains are the reference's bit for bit)."""
-    try:
-        from qlsd_flwr.tasks.torch_models import TorchPotential
-    except ImportError:  # pragma: no cover - torch is a dependency
-        return False
+    from qlsd_flwr.tasks.torch_models import TorchPotential
+
     pots = list(task.clients)
     return (bool(pots) and all(isinstance(p, TorchPotential) for p in pots)
             and pots[0].device.type == "cuda" and unsupported(cfg, task) is None)
