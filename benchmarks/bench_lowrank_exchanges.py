@@ -23,6 +23,16 @@ uncorrected Ritz pair (:func:`qlsd_flwr.core.curvature.lambda_max` with ``start`
 from a random start (before), each with its number of product exchanges (exact products here).
 
     python benchmarks/bench_lowrank_exchanges.py --gamma 0 1 2 --out lowrank_gamma.json
+
+``--subspace k ...`` measures base metrics that might make the products unnecessary (issue 37: "a base metric
+that is less wrong at the bottom of the spectrum"), each without any correction: EK-FAC (K-FAC's eigenbasis,
+its diagonal re-estimated), and K-FAC with the exact curvature on the subspace spanned by ``G``'s top ``k``
+eigenvectors and every output (``kK`` dimensions, their couplings included), K-FAC elsewhere. The exact block is
+what a client could report, ``Σ_j (Q_kᵀ x̃_j)(Q_kᵀ x̃_j)ᵀ ⊗ (diag p_j − p_j p_jᵀ)``, given ``Q_k`` (``k F̃``
+numbers down); computed here from each client's data as a client would, and checked against the exact
+Hessian's restriction. Bits: float32 rows, the block's upper triangle up, ``Q_k`` down, over the 20 clients.
+
+    python benchmarks/bench_lowrank_exchanges.py --subspace 10 30 50 100 150 --out lowrank_subspace.json
 """
 
 from __future__ import annotations
@@ -45,6 +55,7 @@ from qlsd_flwr.compression import fixed  # noqa: E402
 from qlsd_flwr.config import resolve  # noqa: E402
 from qlsd_flwr.core import curvature as cv  # noqa: E402
 from qlsd_flwr.core import lowrank as lr  # noqa: E402
+from qlsd_flwr.robust.reports import loo_excess, share_allowance  # noqa: E402
 from qlsd_flwr.experiments.mainjob import QLSD_MAIN  # noqa: E402
 from qlsd_flwr.tasks import loading  # noqa: E402
 
@@ -59,6 +70,8 @@ def main(argv=None):
                     help="widths of the block (down) and the clients' products (up): 32 is float32, 2-16 fixed point")
     ap.add_argument("--gamma", type=int, nargs="*", default=[], metavar="SEED",
                     help="γ's λ_max(B') from the top Ritz pair and from a random start, for these Krylov seeds")
+    ap.add_argument("--subspace", type=int, nargs="*", default=[], metavar="K",
+                    help="κ of K-FAC with the exact curvature on G's top K input directions (and of EK-FAC)")
     ap.add_argument("--out", default="lowrank_exchanges.json", help="a JSON file under benchmarks/")
     a = ap.parse_args(argv)
     over = {"num-clients": 4, "dataset": "digits", "task": "logistic"} if SMOKE else {}
@@ -90,10 +103,12 @@ def main(argv=None):
                "kappa": float(e[-1] / e[0]), "lambda_max": float(e[-1]), "lambda_min": float(e[0])}
         rows.append(row)
         print(json.dumps(row), f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    if a.subspace:
+        rows += _subspace_rows(task, post, mode, H, m.kron, a.subspace, t0)
     for seed in a.gamma:
         rows.append(_gamma_row(task, post, mode, H, R, B, m, a.rank, seed))
         print(json.dumps(rows[-1]), f"({time.perf_counter() - t0:.0f} s)", flush=True)
-    for b, q in [(b, q) for b in a.block for q in a.q] if not (a.bits or a.gamma) else []:
+    for b, q in [(b, q) for b in a.block for q in a.q] if not (a.bits or a.gamma or a.subspace) else []:
         (u, t), info = lr.correction(lambda W: (H @ W.T).T, lambda x: R @ x, lambda x: R.T @ x, post.d, a.rank,
                                      cfg.seed, block=b, exchanges=q)
         C = np.eye(post.d) + (u * (t ** -0.5 - 1.0)) @ u.T
@@ -127,6 +142,80 @@ def _gamma_row(task, post, mode, H, R, B, m, rank: int, seed: int) -> dict:
             "from_ritz_exchanges": n_ritz, "from_random": rand, "from_random_exchanges": n_rand,
             "from_random_error": rand / exact - 1.0, "from_ritz_error": ritz / exact - 1.0,
             "converged": int(info["lowrank_converged"])}
+
+
+def _subspace_rows(task, post, mode, H, kr, ks, t0) -> list[dict]:
+    """κ of the whitened Hessian under EK-FAC and under K-FAC with the exact block on ``G``'s top ``k`` input
+    directions (module docstring), in K-FAC's eigenbasis ``Q = Q_G ⊗ Q_A``, where K-FAC is the diagonal ``den``."""
+    from scipy.linalg import eigh
+
+    F, K = kr.den.shape
+    assert np.array_equal(kr.perm, np.arange(post.d)), "the logistic task's θ is already the (F̃, K) matrix"
+    Ht = np.einsum("fkgl,fa,kb,gc,ld->abcd", H.reshape(F, K, F, K), kr.qg, kr.qa, kr.qg, kr.qa,
+                   optimize=True).reshape(post.d, post.d)
+    Ht = 0.5 * (Ht + Ht.T)
+
+    def kappa(s, idx=None, Rs=None):  # B = R Ht R, R = diag(s) but the block Rs on idx
+        B = s[:, None] * Ht * s[None, :]
+        if idx is not None:
+            B[idx, :] = Rs @ (Ht[idx, :] * s[None, :])
+            B[:, idx] = B[idx, :].T
+            B[np.ix_(idx, idx)] = Rs @ Ht[np.ix_(idx, idx)] @ Rs
+        e = eigh(0.5 * (B + B.T), eigvals_only=True)
+        return {"kappa": float(e[-1] / e[0]), "lambda_max": float(e[-1]), "lambda_min": float(e[0])}
+
+    b = len(task.clients)
+    # where K-FAC is wrong: the share of each of B's 5 lowest eigenvectors on G's top 1 and top 5 input directions
+    s = kr.den.ravel() ** -0.5
+    _, V = eigh(s[:, None] * Ht * s[None, :], subset_by_index=[0, 4])
+    mass = (V**2).reshape(F, K, 5).sum(axis=1)  # (F̃, 5): each input direction's share (eigh: the top ones last)
+    where = {"bottom5_on_top1_input": [round(float(x), 3) for x in mass[-1]],
+             "bottom5_on_top5_inputs": [round(float(x), 3) for x in mass[-5:].sum(axis=0)]}
+    rows = [{"base": "kfac", **kappa(s), **where},
+            {"base": "ekfac", "uplink_bits": 32 * post.d * b, "downlink_bits": 32 * F * F * b,
+             **kappa(np.diag(Ht) ** -0.5)}]
+    for r in rows:
+        print(json.dumps(r), f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    for k in sorted({min(k, F) for k in ks}):  # k = F̃ is the exact Hessian: κ = 1
+        Qk = kr.qg[:, F - k:]  # eigh's order: the top k input directions are the last
+        block = sum(_client_block(c, mode, Qk) for c in task.clients)  # (k K, k K), f-major, outputs unrotated
+        Ik = np.kron(np.eye(k), kr.qa)  # rotate the outputs to Q_A's basis, as Ht is
+        idx = np.arange((F - k) * K, post.d)
+        exact = Ht[np.ix_(idx, idx)]
+        reported = Ik.T @ block @ Ik + post.prec * np.eye(k * K)
+        w, U = np.linalg.eigh(0.5 * (reported + reported.T))
+        # what honest clients use of the rules that hold a block (core.kron_block.correction): the per-datum trace
+        # over the lower median (cap: REPORT_CAP) and the leave-one-out excess over its allowance (cap: 1)
+        per = {i: _client_block(c, mode, Qk) for i, c in enumerate(task.clients)}
+        n = np.asarray(task.n_data, dtype=np.float64)
+        tr = sorted(float(np.trace(B)) / n[i] for i, B in per.items())
+        allow = share_allowance(task.n_data, per)
+        floor = post.prec * (Qk.T @ Qk)  # the isotropic prior's part, in the block's coordinates
+        floor = np.kron(floor, np.eye(K))
+        loo = max(loo_excess(B, floor + block - B) / allow[i] for i, B in per.items())
+        row = {"base": "kfac+block", "k": k, "block_dim": k * K, "honest_trace_over_median": tr[-1] / tr[(len(tr) - 1) // 2],
+               "honest_loo_share": float(loo),
+               "block_vs_exact": float(np.abs(reported - exact).max() / np.abs(exact).max()),
+               "uplink_bits": 32 * (k * K) * (k * K + 1) // 2 * b, "downlink_bits": 32 * k * F * b,
+               **kappa(kr.den.ravel() ** -0.5, idx, (U * w ** -0.5) @ U.T)}
+        rows.append(row)
+        print(json.dumps(row), f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    return rows
+
+
+def _client_block(c, theta, Qk) -> np.ndarray:
+    """A client's exact curvature on ``span(Q_k) ⊗ R^K``: ``Σ_j z_j z_jᵀ ⊗ (diag p_j − p_j p_jᵀ)``, ``z_j = Q_kᵀ x̃_j``
+    (the prior's part left to the server)."""
+    K = c.n_classes
+    p = np.exp(c.Xa @ theta.reshape(-1, K) - (c.Xa @ theta.reshape(-1, K)).max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    Z = c.Xa @ Qk  # (n, k)
+    k = Z.shape[1]
+    Y = (Z[:, :, None] * p[:, None, :]).reshape(len(Z), k * K)
+    out = -(Y.T @ Y)
+    for a in range(K):  # the diag p_j part: Σ_j p_ja z_j z_jᵀ on the (·, a), (·, a) entries
+        out[a::K, a::K] += (Z * p[:, a:a + 1]).T @ Z
+    return out
 
 
 def _width(X, bits: int) -> np.ndarray:

@@ -8,8 +8,7 @@ and one line of documentation. The table drives:
 * ``[tool.flwr.app.config]`` in ``pyproject.toml`` — :func:`qlsd_flwr.keys_text.pyproject_block` (a test checks that
   the declared keys are the table's and their values valid);
 * ``qlsd-flwr config`` and ``qlsd-flwr run --help`` — :func:`qlsd_flwr.keys_text.help_text`;
-* the key table of docs/CONFIGURATION.md — :func:`qlsd_flwr.keys_text.markdown_table` (a test checks that the page holds
-  it).
+* the key table of docs/CONFIGURATION.md — :func:`qlsd_flwr.keys_text.markdown_table` (a test checks the page holds it).
 
 Parsing rules, the same for a TOML file, ``--set``, ``flwr run --run-config`` and Python:
 booleans are ``true/false/yes/no/on/off/1/0`` (anything else is refused, never ``bool("no")``);
@@ -156,6 +155,8 @@ KEYS: tuple[Key, ...] = (
         "federated Hessian-vector products at θ* (32 exchanges of 16 vectors) finds where M^½ᵀ ∇²U M^½ is farthest "
         "from 1 and maps those k directions to 1 (0: none; docs/METRIC.md)", "k", lo=0,
         cap=512, group=SAMPLER),  # the Krylov space's 32 × 16 vectors (core.lowrank): no more directions exist in it
+    Key("metric-block", 0, "int", "K-FAC (metric = kronecker) exact on its top k input directions, one block report "
+        "a client, in place of metric-rank's products (0: none; docs/METRIC.md)", "k", lo=0, cap=400, group=SAMPLER),
     Key("adapt-rounds", 300, "int", "rounds of metric-from = adapt's warm-up (each: one exact-gradient exchange "
         "per chain with every client); the sampling chains continue from its end", "", lo=20, cap=10**7,
         group=SAMPLER),

@@ -29,6 +29,7 @@ from qlsd_flwr.outputs.recorder import load_samples
 from qlsd_flwr.robust.reports import MAX_BLOCK
 from qlsd_flwr.protocol import build
 from qlsd_flwr.run.simulate import run
+from stop_resume import stopped_and_resumed
 from test_metric import _curvature_mod, _exact, ill_conditioned_task
 
 
@@ -197,24 +198,8 @@ def test_engines_agree_bit_for_bit_with_a_corrected_kronecker_metric_and_resume_
     assert np.array_equal(load_samples(one.run_dir), load_samples(c1.run_dir))
     # stopped after round 12 and resumed: the checkpoint carries the corrected metric, and the chain is the
     # uninterrupted one bit for bit (no client is asked for products again)
-    import qlsd_flwr.protocol.server as server_mod
-    from qlsd_flwr.engines.local import run_local
-
-    real_end, calls = server_mod.QLSDServer.end_round, {"n": 0}
-
-    def end_round(self):
-        calls["n"] += 1
-        if calls["n"] == 13:
-            raise KeyboardInterrupt("SIGTERM")
-        return real_end(self)
-
-    server_mod.QLSDServer.end_round = end_round
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            run_local(resolve({**base, "engine": "local", "num-chains": 1, "run-name": "r", "checkpoint-every": 1}))
-    finally:
-        server_mod.QLSDServer.end_round = real_end
-    resumed = run({"resume": str(tmp_path / "r"), "progress": False})
+    resumed = stopped_and_resumed({**base, "engine": "local", "num-chains": 1, "run-name": "r", "checkpoint-every": 1},
+                                  tmp_path / "r")
     assert resumed.summary["gamma"] == one.summary["gamma"]
     assert np.array_equal(load_samples(resumed.run_dir), load_samples(one.run_dir))
 

@@ -220,7 +220,8 @@ def test_one_huge_report_is_scaled_to_its_share_and_cannot_dominate_the_metric()
 
 def _curvature_mod(kind: str, report: str | None = None):
     """A client mod that rewrites client 1's curvature reply (after the client computed it); ``report``:
-    only replies of that kind (``"hvp"``: the Hessian-vector products of ``metric-rank``)."""
+    only replies of that kind (``"hvp"``: the Hessian-vector products of ``metric-rank``; ``"kronecker-block"``:
+    ``metric-block``'s float32 blocks)."""
     from flwr.app import ConfigRecord
 
     from qlsd_flwr.compression import fixed
@@ -241,10 +242,11 @@ def _curvature_mod(kind: str, report: str | None = None):
                 "short": lambda: fixed.encode(h, bits)[:-2]}[kind]()
             out.content[RECORD] = ConfigRecord(rec)
             return out
-        h = np.frombuffer(rec["payload"], dtype="<f8").copy()
+        width = "<f4" if fields.get("kind") == "kronecker-block" else "<f8"  # metric-block's blocks are float32
+        h = np.frombuffer(rec["payload"], dtype=width).astype(np.float64)
         bad = {"nan": np.full_like(h, np.nan), "negative": -h - 1.0, "huge": h * 1e12 + 1e12,
                "short": h[:-1]}[kind]
-        rec["payload"] = bad.astype("<f8").tobytes()
+        rec["payload"] = bad.astype(width).tobytes()
         out.content[RECORD] = ConfigRecord(rec)
         return out
 

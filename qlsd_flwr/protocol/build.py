@@ -380,6 +380,7 @@ class GradExchange:
 def direct_exchanges(cfg: RunConfig, task: Task, specs):
     """``(grad_fn, curv_fn)`` for the engines that call their clients directly (local, vectorised):
     the very functions a ClientApp runs for the ``grad`` and ``curvature`` phases."""
+    from qlsd_flwr.core.kron_block import KRON_BLOCK, local_block
     from qlsd_flwr.core.lowrank import local_hvp
     from qlsd_flwr.core.curvature import local_curvature
     from qlsd_flwr.core.oracles import full_local_grad
@@ -391,6 +392,9 @@ def direct_exchanges(cfg: RunConfig, task: Task, specs):
     def curv_fn(th, kind, vectors=None, bits=fixed.BITS):
         if kind == "hvp":  # metric-rank, the power iteration: the block of Hessian-vector products at width bits
             return {s.index: local_hvp(task.clients[s.index], th, vectors, bits) for s in specs}
+        if kind == KRON_BLOCK:  # metric-block: the input directions as the clients read them
+            V = fixed.rounded(vectors, bits)
+            return {s.index: local_block(task.clients[s.index], th, V) for s in specs}
         return {s.index: local_curvature(task.clients[s.index], th, kind, cfg.seed, s.index) for s in specs}
 
     return grad_fn, curv_fn

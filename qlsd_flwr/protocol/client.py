@@ -26,6 +26,7 @@ from qlsd_flwr.compression import fixed
 from qlsd_flwr.core.lowrank import local_hvp
 from qlsd_flwr.robust.reports import MAX_BLOCK
 from qlsd_flwr.core.curvature import KRON_OUTPUTS, local_curvature
+from qlsd_flwr.core.kron_block import KRON_BLOCK, local_block
 from qlsd_flwr.core.potential import LocalPotential
 from qlsd_flwr.protocol.gradients import gradient_to_bytes, precision_of
 from qlsd_flwr.protocol.wire import (
@@ -50,8 +51,12 @@ def _prepare(spec: ClientSpec, pot: LocalPotential, st: ClientState, fields: dic
                        "payload": gradient_to_bytes(full_local_grad(spec, pot, theta), precision)}
     if fields["phase"] == "curvature":  # metric-from = curvature: this client's ∇²U_i(θ*), data part
         kind = str(fields["kind"])
-        if kind not in ("diagonal", "dense", "kronecker", KRON_OUTPUTS, "hvp"):
-            raise ValueError(f"curvature: unknown kind {kind!r}; allowed: diagonal, dense, kronecker, {KRON_OUTPUTS}, hvp")
+        if kind not in ("diagonal", "dense", "kronecker", KRON_OUTPUTS, KRON_BLOCK, "hvp"):
+            raise ValueError(f"curvature: unknown kind {kind!r}; allowed: diagonal, dense, kronecker, {KRON_OUTPUTS}, "
+                             f"{KRON_BLOCK}, hvp")
+        if kind == KRON_BLOCK:  # metric-block: the exact curvature on the input directions sent
+            V, _ = block_of(fields.get("vectors"), d)
+            return theta, {"client": i, "status": "ok", "payload": report_bytes(local_block(pot, theta, V))}
         if kind == "hvp":  # the products at the width the block came in (compression.fixed)
             V, bits = block_of(fields.get("vectors"), d)
             return theta, {"client": i, "status": "ok", "payload": fixed.encode(local_hvp(pot, theta, V, bits), bits)}

@@ -160,6 +160,55 @@ def lowrank_correction(cfg: RunConfig, task: Task, point: np.ndarray, curv_fn: C
     return metric.corrected(*low)
 
 
+def block_count(cfg: RunConfig) -> int:
+    """``metric-block``: how many of K-FAC's top input directions its curvature is made exact on (0: none)."""
+    return int(cfg.get("metric-block") or 0)
+
+
+def block_corrected(cfg: RunConfig, task: Task, point: np.ndarray, curv_fn: CurvFn | None, n_data, metric: Metric,
+                    info: dict) -> Metric:
+    """``metric-block = k``: K-FAC's ``metric`` made exact on its top ``k`` input directions
+    (:mod:`qlsd_flwr.core.kron_block`): one exchange, the directions down as float32 rows and each client's block
+    up; each block checked (refused ones counted in ``curvature_rejected`` and left out) and held by the rules for
+    dense reports."""
+    from qlsd_flwr.core import kron_block as kb
+
+    if curv_fn is None:
+        raise ConfigError("metric-block: this path cannot ask its clients for curvature reports (the legacy Flower "
+                          "API); use metric-block = 0")
+    kron = metric.kron
+    F, K = kron.den.shape
+    k = min(block_count(cfg), F)
+    if k * K > kb.MAX_DIM:
+        raise ConfigError(f"metric-block: {k} input directions × {K} outputs is a block of {k * K} dimensions, above "
+                          f"{kb.MAX_DIM} (its report would be (kK)²/2 numbers a client); use metric-block ≤ "
+                          f"{kb.MAX_DIM // K}")
+    V = fixed.rounded(kb.pack(kron.qg[:, F - k:], task.dim), 32)  # as the clients read it
+    refused, ok = {}, {}
+    for i, h in sorted(curv_fn(point, kb.KRON_BLOCK, V, 32).items()):
+        try:
+            ok[int(i)] = kb.check_block(h, k * K)
+        except ReportError as exc:
+            refused[str(i)] = str(exc)
+            log.warning("client %s: metric-block report refused: %s (curvature_rejected)", i, exc)
+    rej = info.setdefault("curvature_rejected", {})
+    for i, why in refused.items():
+        rej.setdefault(i, why)
+    if not ok:
+        raise ConfigError("metric-block: no valid block report from the clients; use metric-block = 0")
+    try:
+        u, t = kb.correction(kron, kb.unpack(V, F), ok, n_data, prior_curvature(task, point), info)
+    except MetricError as exc:
+        raise ConfigError(str(exc)) from None
+    for i in info["block_scaled"]:
+        log.warning("client %d: metric-block report held to the others' (over %g × the clients' per-datum curvature, "
+                    "or 1 + %g N_i/N_−i times the prior's and the others' in some direction; block_scaled)", i,
+                    REPORT_CAP, FACTOR_SHARE)
+    log.info("metric-block: K-FAC exact on its top %d input directions (%d dimensions); the preconditioned "
+             "curvature there spans %.3g to %.3g", k, k * K, info["block_t_min"], info["block_t_max"])
+    return metric.corrected(u, t)
+
+
 def merge_reports(info: dict, cinfo: dict) -> None:
     """The facts of one curvature exchange added to the run's: every exchange's refused and scaled
     clients (a client refused in an early stage of the descent stays on record)."""

@@ -33,6 +33,8 @@ from qlsd_flwr.core.metric import Identity, Metric
 from qlsd_flwr.core.potential import Task
 from qlsd_flwr.robust.reports import SURROGATE_WIDEN, ReportError, cap_surrogates, cap_total
 from qlsd_flwr.protocol.curvature_exchange import (
+    block_corrected,
+    block_count,
     curvature_metric,
     lowrank_correction,
     lowrank_rank,
@@ -147,6 +149,8 @@ def prepare(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | No
     top: list = []  # the corrected metric's top uncorrected Ritz vector: γ's power iteration starts there
     if lowrank_rank(cfg) > 0 and not adapts(cfg):
         metric = lowrank_correction(cfg, task, point, curv_fn, n_data, metric, info, top)
+    if block_count(cfg) > 0:
+        metric = block_corrected(cfg, task, point, curv_fn, n_data, metric, info)
     if last and needs_curvature(cfg):
         newton_decrement(cfg, last[0], metric, info)
     spread = metric.spread()

@@ -155,6 +155,12 @@ def counted(grad_fn, curv_fn, traffic: Traffic):
                      for h in reports.values())
             traffic.add("curvature", up, point_bits(th) * d * b)
             return reports
+        if kind == "kronecker-block":  # metric-block: the input directions down as rows, the blocks up in float32
+            up = sum(8 * len(h) if isinstance(h, (bytes, bytearray)) else 8 * int(np.asarray(h).nbytes)
+                     for h in reports.values())
+            traffic.add("curvature", up, (point_bits(th) * d + fixed.message_bits(np.atleast_2d(vectors).shape[0], d,
+                                                                                  bits)) * b)
+            return reports
         # products and vectors as rows of width bits (compression.fixed); a reply that did not decode, as received
         up = sum(8 * len(h) if isinstance(h, (bytes, bytearray)) else fixed.message_bits(np.size(h) // d, d, bits)
                  for h in reports.values())

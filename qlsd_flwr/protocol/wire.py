@@ -119,7 +119,7 @@ def report_bytes(h: np.ndarray) -> bytes:
 def report_of(buf, kind: str):
     """A curvature report as received: float32 numbers for K-FAC's first (``kind = "kronecker"``), float64 for the
     others, or the bytes as they came when they are not whole numbers (the preparation's check refuses those)."""
-    width = 4 if kind == "kronecker" else 8
+    width = 4 if kind in ("kronecker", "kronecker-block") else 8  # K-FAC's first report, metric-block's
     if not isinstance(buf, (bytes, bytearray)) or len(buf) % width:
         return buf
     return np.frombuffer(buf, dtype="<f4" if width == 4 else "<f8")

@@ -51,6 +51,12 @@ Hessian-vector products            both ways, on each client's share of  1 + 150
                                    others' PSD parts); a client scaled:  0.728 of it over 37 cases
                                    the correction again (CARRY 0.5,      (``bench_honest_claims.py``, worst
                                    PASSES 3: then without it)            digits 20 clients); main job 0.163
+metric-block's block reports       core.kron_block with :mod:`.reports`: one client shrinks M along any
+(K-FAC exact on its top inputs)    REPORT_CAP 10 on tr B_i / N_i, then   direction of S by at most
+                                   FACTOR_SHARE 150 leave-one-out on S   1 + 150 N_i/N_{−i}; honest on the
+                                   (cap_leave_one_out, as dense ones)    main job's split: trace 1.69 ×, 0.255
+                                                                         of the allowance (bench_lowrank_
+                                                                         exchanges.py --subspace); one split
 LOO replies                        :mod:`.loo`: shape from ``N_i``,      sums of many points stay finite;
                                    finite, VALUE_MAX 1e150; at most the  a probability is at most 1, a
                                    model's ceiling (0; the Gaussian's    density at most its peak

@@ -79,6 +79,11 @@ class LogisticLocal:
         p = _softmax(self.Xa @ self._W(theta))
         return self.Xa.T @ self.Xa, np.diag(p.sum(axis=0)) - p.T @ p, np.arange(self.dim)
 
+    def kron_inputs(self, theta: np.ndarray):
+        """``(X̃, P)``: the inputs with the bias's 1 and the softmax outputs at ``θ`` (``metric-block``'s report,
+        :func:`qlsd_flwr.core.kron_block.block_report`)."""
+        return self.Xa, _softmax(self.Xa @ self._W(theta))
+
     def hvp_batch(self, theta: np.ndarray, V: np.ndarray) -> np.ndarray:
         """``∇²U_i(θ) v`` for each row ``v`` of ``V`` (``(b, d)``; ``metric-rank``), exact: with
         ``Z = X̃ V_r`` (``V_r`` the row as a ``(F̃, K)`` matrix), row ``j`` of the product's inner factor

@@ -236,6 +236,17 @@ class TorchPotential:
         perm = np.where(f < n_in, k * n_in + f, n_out * n_in + k).ravel()
         return G, A, perm
 
+    def kron_inputs(self, theta: np.ndarray):
+        """``(X̃, P)`` for ``metric-block`` (:func:`qlsd_flwr.core.kron_block.block_report`): the inputs with a
+        constant 1 and the softmax outputs at ``θ``, float64; the model is one ``nn.Linear`` (:meth:`kron_factors`
+        says so otherwise)."""
+        self.kron_factors(theta)  # the model's check, one home
+        with torch.no_grad():
+            x = torch.cat([self.X.reshape(self.n_data, -1).double(),
+                           torch.ones(self.n_data, 1, dtype=torch.float64, device=self.device)], dim=1)
+            p = F.softmax(self.model(self.X).double(), dim=-1)
+        return x.cpu().numpy(), p.cpu().numpy()
+
     def curvature_diag(self, theta: np.ndarray, chunk: int = 64) -> np.ndarray:
         """The diagonal of this client's curvature at ``θ`` (``metric-from = curvature``), from
         per-example gradients (``torch.func``):

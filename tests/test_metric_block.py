@@ -1,0 +1,186 @@
+"""``metric-block``: K-FAC made exact on its top input directions from one block report a client
+(:mod:`qlsd_flwr.core.kron_block`; issue 37)."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+from qlsd_flwr.compression import fixed
+from qlsd_flwr.config import ConfigError, resolve
+from qlsd_flwr.core import curvature as cv
+from qlsd_flwr.core import kron_block as kb
+from qlsd_flwr.outputs.recorder import load_samples
+from qlsd_flwr.robust.reports import FACTOR_SHARE
+from qlsd_flwr.run.simulate import run
+from stop_resume import stopped_and_resumed
+from test_metric import _curvature_mod
+from qlsd_flwr.tasks import loading
+
+
+def _digits(theta_scale=0.05):
+    cfg = resolve({"task": "logistic", "dataset": "digits", "num-clients": 4, "progress": False})
+    task = loading.load_task(cfg)
+    theta = theta_scale * np.random.default_rng(0).normal(size=task.dim)
+    reps = {i: cv.check_report(cv.local_curvature(c, theta, "kronecker", 0, i), "kronecker", task.dim)
+            for i, c in enumerate(task.clients)}
+    prior = np.full(task.dim, 1.0 / float(task.prior.var))
+    kfac, _ = cv.metric_from_kronecker(reps, task.n_data, prior, task.dim)
+    H = sum(c.hvp_batch(theta, np.eye(task.dim)) for c in task.clients) + np.diag(prior)
+    return task, theta, kfac, 0.5 * (H + H.T), prior
+
+
+def _with_block(task, theta, kfac, prior, k):
+    F = kfac.kron.den.shape[0]
+    V = kb.pack(kfac.kron.qg[:, F - k:], task.dim)
+    K = kfac.kron.den.shape[1]
+    reports = {i: kb.check_block(kb.local_block(c, theta, V), k * K) for i, c in enumerate(task.clients)}
+    info: dict = {}
+    u, t = kb.correction(kfac.kron, kb.unpack(V, F), reports, task.n_data, prior, info)
+    return kfac.corrected(u, t), info
+
+
+def test_the_block_makes_the_metric_the_exact_curvature_on_its_directions_and_k_equal_to_the_inputs_is_the_hessian():
+    """On ``S = span(Q_k) ⊗ R^K`` the metric's inverse is the Hessian's restriction (``M`` is ``H_S^{−1}`` there and
+    K-FAC elsewhere), and with every input direction it is ``∇²U``'s inverse: the whitened curvature is ``I``
+    (float64 reports here; as they travel, float32, to 1e-6)."""
+    task, theta, kfac, H, prior = _digits()
+    F, K = kfac.kron.den.shape
+    d = task.dim
+    Minv_dense = lambda m: np.linalg.inv(np.stack([m.apply(e) for e in np.eye(d)], axis=1))  # noqa: E731
+    full, info = _with_block(task, theta, kfac, prior, F)
+    assert info["block_dim"] == d and info["block_scaled"] == []
+    Mi = Minv_dense(full)
+    assert np.max(np.abs(Mi - H)) <= 1e-5 * np.max(np.abs(H))
+    R = np.stack([full.apply_root(e) for e in np.eye(d)], axis=1)
+    w = np.linalg.eigvalsh(R.T @ H @ R)
+    assert abs(w[0] - 1) < 1e-5 and abs(w[-1] - 1) < 1e-5
+    k = 12
+    part, info = _with_block(task, theta, kfac, prior, k)
+    P = kb.directions(kfac.kron, kfac.kron.qg[:, F - k:], np.eye(k * K))  # an orthonormal basis of S in θ's order
+    Mi = Minv_dense(part)
+    assert np.max(np.abs(P.T @ Mi @ P - P.T @ H @ P)) <= 1e-5 * np.max(np.abs(H))
+    # off S it is K-FAC's: a direction orthogonal to S (an eigenvector of K-FAC outside it) keeps K-FAC's curvature
+    e = kb.directions(kfac.kron, kfac.kron.qg[:, :1], np.eye(K))[:, 0]
+    assert abs(e @ Mi @ e - e @ Minv_dense(kfac) @ e) <= 1e-6 * abs(e @ Minv_dense(kfac) @ e)
+    # and it is a better preconditioner than K-FAC: a smaller condition number of the whitened Hessian
+    def kappa(m):
+        Rm = np.stack([m.apply_root(x) for x in np.eye(d)], axis=1)
+        ev = np.linalg.eigvalsh(Rm.T @ H @ Rm)
+        return ev[-1] / ev[0]
+    assert kappa(part) < kappa(kfac)
+
+
+def test_a_spike_within_the_per_datum_cap_is_held_by_the_leave_one_out_rule():
+    """A client that spends its per-datum allowance on one direction (its block plus a rank-1 spike of 3× its trace
+    along the others' weakest direction: under the per-datum cap) is held to ``1 + FACTOR_SHARE N_i/N_{−i}`` times
+    the prior's and the others' curvature there, as a dense report is (issue 38's rule)."""
+    task, theta, kfac, H, prior = _digits()
+    F, K = kfac.kron.den.shape
+    k = 6
+    V = kb.pack(kfac.kron.qg[:, F - k:], task.dim)
+    reports = {i: kb.check_block(kb.local_block(c, theta, V), k * K) for i, c in enumerate(task.clients)}
+    rest = sum(reports[i] for i in reports if i != 1)
+    w, U = np.linalg.eigh(rest)
+    spike = reports[1] + 3.0 * np.trace(reports[1]) * np.outer(U[:, 0], U[:, 0])
+    lied = {**reports, 1: spike}
+    info: dict = {}
+    kb.correction(kfac.kron, kb.unpack(V, F), lied, task.n_data, prior, info)
+    assert info["block_scaled"] == [1]
+    n = np.asarray(task.n_data, dtype=float)
+    allow = FACTOR_SHARE * n[1] / (n.sum() - n[1])
+    floor = 1.0 / float(task.prior.var)  # the isotropic prior's part on S (orthonormal directions)
+    v = U[:, 0]
+    assert v @ lied[1] @ v <= allow * (floor + v @ rest @ v) * (1 + 1e-9) < v @ spike @ v
+
+
+def test_engines_agree_bit_for_bit_and_the_exchange_is_counted(tmp_path):
+    base = {"task": "logistic", "dataset": "breast_cancer", "num-clients": 4, "num-chains": 2, "num-rounds": 20,
+            "burn-in": 5, "progress": False, "output-dir": str(tmp_path), "metric": "kronecker", "metric-block": 8,
+            "gamma": "auto", "init": "dispersed", "variant": "qlsd-pp", "s": "8", "l": 5, "loo": "off"}
+    a = run({**base, "engine": "inprocess", "run-name": "a"})
+    b = run({**base, "engine": "vectorised", "run-name": "b"})
+    assert np.array_equal(load_samples(a.run_dir), load_samples(b.run_dir))
+    s = a.summary
+    assert s["gamma"] == b.summary["gamma"] and s["block_dim"] == 16 and s["metric"]["lowrank"]["rank"] == 16
+    plain = run({**base, "engine": "vectorised", "metric-block": 0, "run-name": "plain"})
+    m, d, b_ = 16, 62, 4
+    cur, cur0 = s["bits"]["preparation"]["curvature"], plain.summary["bits"]["preparation"]["curvature"]
+    # the block exchange: each client's triangle in float32 up; θ* and the directions (float32 rows) down
+    assert cur["uplink"] - cur0["uplink"] == b_ * 32 * m * (m + 1) // 2
+    rows = -(-8 * 31 // d)  # the 8 input directions of breast_cancer's 31 inputs (with the bias) as rows of d
+    assert cur["downlink"] - cur0["downlink"] == b_ * (32 * d + fixed.message_bits(rows, d, 32))  # θ* in float32
+    assert cur["exchanges"] == cur0["exchanges"] + 1
+    assert plain.summary["lambda_max"] > s["lambda_max"]  # K-FAC made exact where it was most wrong: a larger step
+    # stopped after round 12 and resumed: the checkpoint carries the corrected metric, and the chain is the
+    # uninterrupted one bit for bit (no client is asked for its block again)
+    one = run({**base, "engine": "local", "num-chains": 1, "run-name": "one"})
+    resumed = stopped_and_resumed({**base, "engine": "local", "num-chains": 1, "run-name": "r", "checkpoint-every": 1},
+                                  tmp_path / "r")
+    assert resumed.summary["gamma"] == one.summary["gamma"]
+    assert np.array_equal(load_samples(resumed.run_dir), load_samples(one.run_dir))
+
+
+@pytest.mark.parametrize("kind", ["nan", "short", "negative", "huge"])
+def test_a_hostile_block_report_is_refused_or_held_to_its_share(kind, tmp_path, caplog):
+    """A block that does not decode, is not finite or not positive semi-definite (negated) is refused and counted;
+    one ×1e12 + 1e12 is held so that it raises the whitened curvature on ``S`` by at most ``1 + FACTOR_SHARE N_i/N_{−i}``."""
+    from qlsd_flwr.run.simulate import run_inprocess
+
+    o = {"task": "logistic", "dataset": "breast_cancer", "num-clients": 4, "engine": "inprocess", "num-rounds": 10,
+         "burn-in": 2, "progress": False, "output-dir": str(tmp_path), "metric": "kronecker", "metric-block": 6,
+         "gamma": "auto", "run-name": kind, "loo": "off"}
+    caplog.set_level(logging.WARNING, logger="qlsd_flwr")
+    s = run_inprocess(resolve(o), o, mods=[_curvature_mod(kind, report=kb.KRON_BLOCK)]).server.summary_data
+    honest = run({**o, "engine": "local", "run-name": kind + "-honest"}).summary
+    if kind == "huge":
+        n = np.asarray(loading.load_task(resolve(o)).n_data, dtype=float)
+        allow = 1.0 + FACTOR_SHARE * n[1] / (n.sum() - n[1])
+        assert 1 in s["block_scaled"] and "block_scaled" in caplog.text
+        assert s["block_t_max"] <= allow * honest["block_t_max"] * (1 + 1e-9)
+    else:
+        assert list(s["curvature_rejected"]) == ["1"] and "metric-block report refused" in caplog.text
+        assert s["block_dim"] == 12  # the others' blocks made the metric
+    assert np.isfinite(s["gamma"])
+
+
+def test_the_key_is_refused_by_name_where_it_cannot_apply_and_a_bad_message_is_refused_by_the_client():
+    for bad in ({"metric": "diagonal", "metric-block": 4}, {"metric": "kronecker", "metric-block": 4, "metric-rank": 3},
+                {"metric-block": -1}, {"metric": "kronecker", "metric-block": 100000}):
+        with pytest.raises(ConfigError, match="metric-block"):
+            resolve(bad)
+    for rows in (np.zeros((1, 20)), np.full((1, 20), np.nan), np.ones((1, 21)), np.vstack([np.zeros(10), np.ones(10)])):
+        with pytest.raises(ValueError, match="vectors"):
+            kb.unpack(rows.reshape(1, -1), 10)
+    Q = np.linalg.qr(np.random.default_rng(1).normal(size=(10, 3)))[0]
+    assert np.array_equal(kb.unpack(kb.pack(Q, 20), 10), Q)
+    with pytest.raises(cv.ReportError, match="expected"):
+        kb.check_block(np.zeros(5), 3)
+
+
+def test_a_torch_softmax_layer_reports_the_block_the_logistic_task_does():
+    """``TorchPotential.kron_inputs`` (one ``nn.Linear``): the same inputs and outputs as the logistic task's for the
+    same model, so the same block (the torch model's float32 logits: to 1e-5); another model is refused by name."""
+    import torch
+    from torch import nn
+
+    from qlsd_flwr.potentials import TorchPotential
+    from qlsd_flwr.tasks.logistic import LogisticLocal
+
+    rng = np.random.default_rng(0)
+    X, y = rng.normal(size=(40, 5)).astype(np.float32), rng.integers(0, 3, 40)
+    torch.manual_seed(0)
+    pot = TorchPotential(nn.Linear(5, 3), X, y)
+    lin = pot.model
+    W = np.vstack([lin.weight.detach().numpy().T, lin.bias.detach().numpy()[None, :]]).astype(np.float64)  # (F̃, K)
+    ref = LogisticLocal(X.astype(np.float64), y, 3)
+    Q = np.linalg.qr(rng.normal(size=(6, 4)))[0]
+    V = kb.pack(Q, 18)
+    theta = np.concatenate([p.detach().numpy().ravel() for p in lin.parameters()]).astype(np.float64)
+    ours, theirs = kb.local_block(pot, theta, V), kb.local_block(ref, W.ravel(), V)
+    assert np.max(np.abs(ours - theirs)) <= 1e-5 * np.max(np.abs(theirs))
+    with pytest.raises(ValueError, match="metric = kronecker"):
+        kb.local_block(TorchPotential(nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)), X, y),
+                       np.zeros(39), V)
