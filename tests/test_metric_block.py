@@ -32,9 +32,12 @@ def _digits(theta_scale=0.05):
     return task, theta, kfac, 0.5 * (H + H.T), prior
 
 
-def _with_block(task, theta, kfac, prior, k):
+def _with_block(task, theta, kfac, prior, k, T=None):
+    """The corrected metric from the clients' blocks for the directions ``Q_k`` (times ``T``: another basis of
+    the same span), sent as the exchange sends them, in float32 rows."""
     F = kfac.kron.den.shape[0]
-    V = kb.pack(kfac.kron.qg[:, F - k:], task.dim)
+    Q = kfac.kron.qg[:, F - k:] if T is None else kfac.kron.qg[:, F - k:] @ T
+    V = fixed.rounded(kb.pack(Q, task.dim), 32)
     K = kfac.kron.den.shape[1]
     reports = {i: kb.check_block(kb.local_block(c, theta, V), k * K) for i, c in enumerate(task.clients)}
     info: dict = {}
@@ -45,7 +48,7 @@ def _with_block(task, theta, kfac, prior, k):
 def test_the_block_makes_the_metric_the_exact_curvature_on_its_directions_and_k_equal_to_the_inputs_is_the_hessian():
     """On ``S = span(Q_k) ⊗ R^K`` the metric's inverse is the Hessian's restriction (``M`` is ``H_S^{−1}`` there and
     K-FAC elsewhere), and with every input direction it is ``∇²U``'s inverse: the whitened curvature is ``I``
-    (float64 reports here; as they travel, float32, to 1e-6)."""
+    (the directions and the blocks in float32, as they travel: to 1e-5)."""
     task, theta, kfac, H, prior = _digits()
     F, K = kfac.kron.den.shape
     d = task.dim
@@ -71,6 +74,12 @@ def test_the_block_makes_the_metric_the_exact_curvature_on_its_directions_and_k_
         ev = np.linalg.eigvalsh(Rm.T @ H @ Rm)
         return ev[-1] / ev[0]
     assert kappa(part) < kappa(kfac)
+    # the server works in the orthonormal basis of what the clients received: another basis of the same span (Q_k T,
+    # T far from I) gives the same metric, and the wrong transform of the blocks (T for T⁻¹) would not
+    T = np.triu(np.random.default_rng(2).uniform(0.5, 2.0, size=(k, k)))
+    other, _ = _with_block(task, theta, kfac, prior, k, T)
+    x = np.random.default_rng(3).normal(size=d)
+    assert np.max(np.abs(other.apply(x) - part.apply(x))) <= 1e-4 * np.max(np.abs(part.apply(x)))  # float32 blocks, T
 
 
 def test_a_spike_within_the_per_datum_cap_is_held_by_the_leave_one_out_rule():
@@ -156,6 +165,13 @@ def test_the_key_is_refused_by_name_where_it_cannot_apply_and_a_bad_message_is_r
             kb.unpack(rows.reshape(1, -1), 10)
     Q = np.linalg.qr(np.random.default_rng(1).normal(size=(10, 3)))[0]
     assert np.array_equal(kb.unpack(kb.pack(Q, 20), 10), Q)
+    # the client bounds the block the server's directions would make before building it: no more directions than
+    # its layer has inputs, no block over MAX_DIM dimensions
+    task = loading.load_task(resolve({"task": "logistic", "dataset": "breast_cancer", "num-clients": 4}))
+    with pytest.raises(ValueError, match="input directions"):
+        kb.local_block(task.clients[0], np.zeros(task.dim), kb.pack(np.ones((31, 32)), task.dim))
+    with pytest.raises(ConfigError, match="metric-block"):  # DG-LMC's exact draw takes an uncorrected metric
+        resolve({"variant": "dg-lmc", "metric": "kronecker", "metric-block": 4})
     with pytest.raises(cv.ReportError, match="expected"):
         kb.check_block(np.zeros(5), 3)
 

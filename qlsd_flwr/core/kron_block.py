@@ -26,7 +26,8 @@ works in the orthonormal basis of what the clients received (a QR factor, 1e-7 f
 :data:`~qlsd_flwr.robust.reports.REPORT_CAP` times the clients' lower median of ``tr B_i / N_i``, then to
 ``prior + Σ_l B_l ⪯ (1 + FACTOR_SHARE N_i/N_{−i}) (prior + Σ_{l≠i} B_l)`` in every direction of ``S``
 (:func:`~qlsd_flwr.robust.reports.cap_leave_one_out`): one client shrinks ``M`` along any direction of ``S`` by at
-most that factor, as with a dense report.
+most that factor, as with a dense report. Both rules need at least ``POOL_MIN`` (3) blocks: fewer clients do not stand
+for the honest ones (the leave-one-out rule's own condition; K-FAC's per-datum cap applies with any number).
 """
 
 from __future__ import annotations
@@ -86,7 +87,12 @@ def local_block(pot, theta: np.ndarray, V: np.ndarray) -> np.ndarray:
         raise ValueError("metric-block needs a potential with kron_inputs(theta) (one dense softmax layer: the "
                          "logistic tasks, TorchPotential of a single nn.Linear); use metric-block = 0")
     Xa, P = pot.kron_inputs(theta)
-    return block_report(Xa, P, unpack(V, np.shape(Xa)[1]))
+    F, K = np.shape(Xa)[1], np.shape(P)[1]
+    Q = unpack(V, F)
+    if Q.shape[1] > F or Q.shape[1] * K > MAX_DIM:  # before any m × m array: the server's message sets m
+        raise ValueError(f"curvature: 'vectors' holds {Q.shape[1]} input directions, a block of {Q.shape[1] * K} "
+                         f"dimensions; at most {F} directions and {MAX_DIM} dimensions")
+    return block_report(Xa, P, Q)
 
 
 def check_block(h, m: int) -> np.ndarray:
@@ -160,12 +166,14 @@ def correction(kron, Q: np.ndarray, reports: dict[int, np.ndarray], n_data, prio
     Hs = rot.T @ H @ rot
     D = kron.den[F - k:, :].ravel() ** -0.5  # eigh's order: the top k input directions are G's last
     t, V = np.linalg.eigh(0.5 * (D[:, None] * Hs * D[None, :]) + 0.5 * (D[:, None] * Hs * D[None, :]).T)
-    if not (np.all(np.isfinite(t)) and t[0] > 0):
+    if not np.all(np.isfinite(t)):
         from qlsd_flwr.core.metric import MetricError
 
-        raise MetricError(f"metric-block: the curvature on K-FAC's top {k} input directions is not positive "
-                          f"definite (smallest whitened eigenvalue {t[0]:.3g}); give a prior (prior-var) or "
-                          "metric-block = 0")
+        raise MetricError(f"metric-block: the curvature on K-FAC's top {k} input directions is not finite")
+    # as metric-rank's Ritz values (core.lowrank.RITZ_FLOOR): one direction of M grows at most 1/RITZ_FLOOR times
+    # K-FAC's, where the block is singular (a flat prior: diag p_j − p_j p_jᵀ is zero along the outputs' 1)
+    from qlsd_flwr.core.lowrank import RITZ_FLOOR
+
     info.update({"block_inputs": k, "block_dim": k * K, "block_t_min": float(t[0]), "block_t_max": float(t[-1]),
-                 "block_scaled": sorted(set(scaled))})
-    return directions(kron, Qh, V), t
+                 "block_scaled": sorted(set(scaled)), "block_t_clipped": int(np.count_nonzero(t < RITZ_FLOOR))})
+    return directions(kron, Qh, V), np.maximum(t, RITZ_FLOOR)

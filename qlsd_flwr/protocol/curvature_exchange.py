@@ -198,8 +198,10 @@ def block_corrected(cfg: RunConfig, task: Task, point: np.ndarray, curv_fn: Curv
         raise ConfigError("metric-block: no valid block report from the clients; use metric-block = 0")
     try:
         u, t = kb.correction(kron, kb.unpack(V, F), ok, n_data, prior_curvature(task, point), info)
-    except MetricError as exc:
-        raise ConfigError(str(exc)) from None
+    except MetricError as exc:  # as metric-rank's skipped correction: the base metric stands, and the run says so
+        info["block_skipped"] = str(exc)
+        log.warning("%s; the metric is left as K-FAC's (block_skipped)", exc)
+        return metric
     for i in info["block_scaled"]:
         log.warning("client %d: metric-block report held to the others' (over %g × the clients' per-datum curvature, "
                     "or 1 + %g N_i/N_−i times the prior's and the others' in some direction; block_scaled)", i,

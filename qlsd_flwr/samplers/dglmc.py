@@ -56,9 +56,10 @@ DGLMC = Estimator("dglmc", local=True, coupled=True, measure="coupling pull", me
 
 def no_low_rank(sampler: Sampler, s: Settings) -> None:
     """The exact θ | z draw takes the metric in its own eigenbasis, which a correction changes."""
-    if int(s.metric_rank):
-        raise ConfigError(f"metric-rank: {sampler.name}'s exact θ | z draw takes its metric in the metric's own "
-                          "eigenbasis, which a low-rank correction changes; allowed: metric-rank = 0")
+    for key in ("metric-rank", "metric-block"):  # both make M a low-rank correction of its base
+        if int(s.metric_rank if key == "metric-rank" else s.raw.get(key) or 0):
+            raise ConfigError(f"{key}: {sampler.name}'s exact θ | z draw takes its metric in the metric's own "
+                              f"eigenbasis, which a low-rank correction changes; allowed: {key} = 0")
 
 
 def untempered(sampler: Sampler, s: Settings) -> None:
