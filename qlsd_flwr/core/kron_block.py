@@ -34,8 +34,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from qlsd_flwr.robust.reports import (REPORT_CAP, REPORT_MAX, ReportError, cap_leave_one_out, clamped_counts,
-                                      lower_median, share_allowance)
+from qlsd_flwr.core.curvature import _psd
+from qlsd_flwr.core.lowrank import RITZ_FLOOR
+from qlsd_flwr.core.metric import MetricError
+from qlsd_flwr.robust.claims import POOL_MIN
+from qlsd_flwr.robust.reports import REPORT_MAX, ReportError, cap_leave_one_out, cap_reports, share_allowance
 
 #: the curvature kind of a client's block report (:func:`block_report`)
 KRON_BLOCK = "kronecker-block"
@@ -98,8 +101,6 @@ def local_block(pot, theta: np.ndarray, V: np.ndarray) -> np.ndarray:
 def check_block(h, m: int) -> np.ndarray:
     """A client's block report as the symmetric ``(m, m)`` float64 matrix, or :class:`ReportError`: not numbers,
     the wrong length, not finite, too large, or not positive semi-definite (beyond float32's rounding)."""
-    from qlsd_flwr.core.curvature import _psd
-
     try:
         a = np.asarray(h, dtype=np.float64)
     except (TypeError, ValueError, OverflowError) as exc:
@@ -128,11 +129,13 @@ def basis(kron, Q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return Qh, np.kron(np.linalg.inv(T), np.eye(K))
 
 
-def directions(kron, Qh: np.ndarray, V: np.ndarray) -> np.ndarray:
-    """``U = P V`` in θ's coordinates (``(d, r)``), for ``P = Q̂ ⊗ Q_A`` and ``V`` ``(kK, r)`` in ``(f, a)`` order."""
+def directions(kron, Qh: np.ndarray, V: np.ndarray, outputs: np.ndarray | None = None) -> np.ndarray:
+    """``U = P V`` in θ's coordinates (``(d, r)``), for ``P = Q̂ ⊗ Q_A`` (``outputs`` in place of ``Q_A``) and ``V``
+    ``(kK, r)`` in ``(f, a)`` order."""
     F, K = kron.den.shape
     k = Qh.shape[1]
-    E = np.einsum("fi,iar,ba->fbr", Qh, V.reshape(k, K, -1), kron.qa, optimize=True).reshape(F * K, -1)
+    out = kron.qa if outputs is None else outputs
+    E = np.einsum("fi,iar,ba->fbr", Qh, V.reshape(k, K, -1), out, optimize=True).reshape(F * K, -1)
     U = np.empty_like(E)
     U[kron.perm] = E
     return U
@@ -147,33 +150,21 @@ def correction(kron, Q: np.ndarray, reports: dict[int, np.ndarray], n_data, prio
     Qh, Tinv = basis(kron, Q)
     k = Qh.shape[1]
     # the prior's part in the received coordinates (Q ⊗ I_K, f major), where the rules compare the reports
-    Pq = np.einsum("fi,ab->fbia", np.asarray(Q, dtype=np.float64), np.eye(K)).reshape(F * K, k * K)
-    Pq_theta = np.empty_like(Pq)
-    Pq_theta[kron.perm] = Pq
-    floor = Pq_theta.T @ (Pq_theta * np.asarray(prior_curv, dtype=np.float64)[:, None])
-    n = clamped_counts(n_data, reports)
-    scaled: list[int] = []
-    sc = {i: float(np.trace(B)) / n[i] for i, B in reports.items()}
-    ref = lower_median(sc.values()) if len(sc) >= 3 else 0.0
-    for i in sorted(reports):
-        if ref > 0 and sc[i] > REPORT_CAP * ref:
-            reports[i] = reports[i] * (REPORT_CAP * ref / sc[i])
-            scaled.append(i)
+    Pq = directions(kron, np.asarray(Q, dtype=np.float64), np.eye(k * K), outputs=np.eye(K))
+    floor = Pq.T @ (Pq * np.asarray(prior_curv, dtype=np.float64)[:, None])
+    scaled = cap_reports(reports, n_data, scale=lambda B, n: float(np.trace(B)) / n) if len(reports) >= POOL_MIN else []
     scaled += cap_leave_one_out(reports, floor, share_allowance(n_data, reports))
     H = floor + sum(reports[i] for i in sorted(reports))
     # to Q̂ ⊗ Q_A, K-FAC's eigenvectors, where its root is the diagonal D
     rot = Tinv @ np.kron(np.eye(k), kron.qa)
     Hs = rot.T @ H @ rot
     D = kron.den[F - k:, :].ravel() ** -0.5  # eigh's order: the top k input directions are G's last
-    t, V = np.linalg.eigh(0.5 * (D[:, None] * Hs * D[None, :]) + 0.5 * (D[:, None] * Hs * D[None, :]).T)
+    W = D[:, None] * Hs * D[None, :]
+    t, V = np.linalg.eigh(0.5 * W + 0.5 * W.T)
     if not np.all(np.isfinite(t)):
-        from qlsd_flwr.core.metric import MetricError
-
         raise MetricError(f"metric-block: the curvature on K-FAC's top {k} input directions is not finite")
     # as metric-rank's Ritz values (core.lowrank.RITZ_FLOOR): one direction of M grows at most 1/RITZ_FLOOR times
     # K-FAC's, where the block is singular (a flat prior: diag p_j − p_j p_jᵀ is zero along the outputs' 1)
-    from qlsd_flwr.core.lowrank import RITZ_FLOOR
-
     info.update({"block_inputs": k, "block_dim": k * K, "block_t_min": float(t[0]), "block_t_max": float(t[-1]),
                  "block_scaled": sorted(set(scaled)), "block_t_clipped": int(np.count_nonzero(t < RITZ_FLOOR))})
     return directions(kron, Qh, V), np.maximum(t, RITZ_FLOOR)

@@ -150,16 +150,12 @@ def counted(grad_fn, curv_fn, traffic: Traffic):
 
     def curv(th, kind, vectors=None, bits=fixed.BITS):
         reports = curv_fn(th, kind, vectors, bits) if vectors is not None else curv_fn(th, kind)
-        if vectors is None:  # float64 reports, as each travels
+        if vectors is None or kind == "kronecker-block":  # reports as each travels (metric-block's: float32, after
+            # the input directions went down as rows)
             up = sum(8 * len(h) if isinstance(h, (bytes, bytearray)) else 8 * int(np.asarray(h).nbytes)
                      for h in reports.values())
-            traffic.add("curvature", up, point_bits(th) * d * b)
-            return reports
-        if kind == "kronecker-block":  # metric-block: the input directions down as rows, the blocks up in float32
-            up = sum(8 * len(h) if isinstance(h, (bytes, bytearray)) else 8 * int(np.asarray(h).nbytes)
-                     for h in reports.values())
-            traffic.add("curvature", up, (point_bits(th) * d + fixed.message_bits(np.atleast_2d(vectors).shape[0], d,
-                                                                                  bits)) * b)
+            rows = 0 if vectors is None else fixed.message_bits(np.atleast_2d(vectors).shape[0], d, bits)
+            traffic.add("curvature", up, (point_bits(th) * d + rows) * b)
             return reports
         # products and vectors as rows of width bits (compression.fixed); a reply that did not decode, as received
         up = sum(8 * len(h) if isinstance(h, (bytes, bytearray)) else fixed.message_bits(np.size(h) // d, d, bits)

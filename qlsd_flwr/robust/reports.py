@@ -72,11 +72,12 @@ def per_datum_scale(h: np.ndarray, n: int) -> float:
     return float(np.max(np.diag(h) if h.ndim == 2 else h)) / max(int(n), 1)
 
 
-def cap_reports(reports: dict[int, np.ndarray], n_data) -> list[int]:
-    """Scale down, in place, each report whose per-datum scale ``max_j (H_i)_jj / N_i`` passes
-    :data:`REPORT_CAP` times the lower median of the reports' scales; returns the clients scaled."""
+def cap_reports(reports: dict[int, np.ndarray], n_data, scale=per_datum_scale) -> list[int]:
+    """Scale down, in place, each report whose per-datum scale (``scale(H_i, N_i)``: by default
+    ``max_j (H_i)_jj / N_i``) passes :data:`REPORT_CAP` times the lower median of the reports' scales; returns the
+    clients scaled."""
     n = clamped_counts(n_data, reports)
-    scales = {i: per_datum_scale(h, n[i]) for i, h in reports.items()}
+    scales = {i: scale(h, n[i]) for i, h in reports.items()}
     scaled = []
     if scales:
         ref = lower_median(scales.values())
