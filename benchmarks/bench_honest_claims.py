@@ -21,7 +21,8 @@ products' use of ``robust.reports.FACTOR_SHARE``'s allowance (``loo_metric_*``, 
     python benchmarks/bench_honest_claims.py --shares   # writes benchmarks/honest_products.json (1 min)
 
 ``--shares``: the constants of ``robust.products``' share rule. For each client, at every product of the power
-iteration from a random start at θ* (30) and along 5 random directions, its part of the Rayleigh quotient
+iteration from a random start at θ* (30), along 5 random directions, and (since 2026-12-04) at every vector of the
+Lanczos iteration γ now takes from a random start (30 products) and its top Ritz vector after each, its part of the Rayleigh quotient
 ``q_i = uᵀ ∇²U_i u`` over the others' and the prior's, ``q_{−i}``; the largest ``q_i / q_{−i}``, the largest
 per datum (``q_i N_{−i} / (q_{−i} N_i)``), and the largest per datum among the parts over ``q_{−i}`` (what
 ``FACTOR_SHARE_DATUM`` must clear for the rule to hold no honest part).
@@ -111,6 +112,12 @@ def share_ratios(task, theta: np.ndarray, seed: int = 0) -> dict:
         h, prior = parts(u)
         u = sum(h) + prior
     directions += [gen.normal(size=theta.shape) for _ in range(5)]
+
+    def whole(v):  # the federation's product: the clients' parts and the prior's
+        h, prior = parts(v)
+        return sum(h) + prior
+
+    directions += _lanczos_directions(whole, gen.normal(size=theta.shape), 30)
     share = per_datum = needed = 0.0
     for u in directions:
         u = u / np.linalg.norm(u)
@@ -123,6 +130,29 @@ def share_ratios(task, theta: np.ndarray, seed: int = 0) -> dict:
             if r > 1.0:
                 needed = max(needed, p)
     return {"share": share, "share_per_datum": per_datum, "share_per_datum_over_1": needed}
+
+
+def _lanczos_directions(product, v, steps: int) -> list:
+    """The vectors γ's Lanczos iteration asks products at (since 2026-12-04; :func:`qlsd_flwr.core.spectral.lambda_max`
+    from a random start, run to ``steps`` products without stopping): its orthonormal basis and, after each step, its
+    top Ritz vector, where the value it returns is read."""
+    from scipy.linalg import eigh_tridiagonal
+
+    V, alpha, beta, out = [v / np.linalg.norm(v)], [], [], []
+    for j in range(min(steps, v.size)):
+        w = product(V[-1])
+        alpha.append(float(V[-1] @ w))
+        B = np.array(V)
+        w = w - B.T @ (B @ w)
+        w = w - B.T @ (B @ w)
+        t, S = eigh_tridiagonal(np.array(alpha), np.array(beta)) if j else (np.array(alpha), np.ones((1, 1)))
+        out.append(S[:, -1] @ B)
+        b = float(np.linalg.norm(w))
+        if b <= 1e-12 * abs(float(t[-1])):
+            break
+        beta.append(b)
+        V.append(w / b)
+    return V[:len(alpha)] + out
 
 
 def shares_main(smoke: bool) -> None:

@@ -19,7 +19,7 @@ as it sends them, then summed with the prior's part (``32``: float32, the width 
 
 ``--gamma SEED ...`` measures ``γ``'s ``λ_max(B')`` at the defaults (16-bit rows both ways), for each seed of the
 Krylov space's random start: the exact value (``eigvalsh``), the power iteration a run makes from the top
-uncorrected Ritz pair (:func:`qlsd_flwr.core.curvature.lambda_max` with ``start``; the run's since 2026-12-03) and
+uncorrected Ritz pair (:func:`qlsd_flwr.core.spectral.lambda_max` with ``start``; the run's since 2026-12-03) and
 from a random start (before), each with its number of product exchanges (exact products here).
 
     python benchmarks/bench_lowrank_exchanges.py --gamma 0 1 2 --out lowrank_gamma.json
@@ -33,6 +33,20 @@ numbers down); computed here from each client's data as a client would, and chec
 Hessian's restriction. Bits: float32 rows, the block's upper triangle up, ``Q_k`` down, over the 20 clients.
 
     python benchmarks/bench_lowrank_exchanges.py --subspace 10 30 50 100 150 --out lowrank_subspace.json
+
+``--lanczos SEED ...`` measures ``γ``'s ``λ_max`` from a random start (each seed one start) on the metrics without a
+Ritz vector to start from: K-FAC alone and K-FAC with ``metric-block = 50`` and ``100`` (the exact ``B``, exact
+products): the exact value, :func:`qlsd_flwr.core.spectral.lambda_max` (the Lanczos method, since 2026-12-04) and the
+power iteration it replaced (:func:`qlsd_flwr.core.spectral.rough_lambda_max` at ``γ``'s former ``tol = 1e-2``,
+``iters = 60``), each with its exchanges of products.
+
+    python benchmarks/bench_lowrank_exchanges.py --lanczos 0 1 2 3 4 --out lowrank_lanczos.json
+
+``--on-block k ...`` with ``--q``: ``metric-rank`` on top of ``metric-block = k`` (the products' Krylov space kept off
+the block's directions, as a run keeps it), ``q`` exchanges of 16 exact products (``0``: the block alone), rank
+``--rank``: κ, λ_max and λ_min of the corrected ``B``.
+
+    python benchmarks/bench_lowrank_exchanges.py --on-block 50 100 --q 0 2 4 8 16 --out lowrank_on_block.json
 """
 
 from __future__ import annotations
@@ -72,6 +86,10 @@ def main(argv=None):
                     help="γ's λ_max(B') from the top Ritz pair and from a random start, for these Krylov seeds")
     ap.add_argument("--subspace", type=int, nargs="*", default=[], metavar="K",
                     help="κ of K-FAC with the exact curvature on G's top K input directions (and of EK-FAC)")
+    ap.add_argument("--lanczos", type=int, nargs="*", default=[], metavar="SEED",
+                    help="γ's λ_max from random starts: the Lanczos method against the power iteration")
+    ap.add_argument("--on-block", type=int, nargs="*", default=[], metavar="K",
+                    help="metric-rank on top of metric-block = K, for each --q (0: the block alone)")
     ap.add_argument("--out", default="lowrank_exchanges.json", help="a JSON file under benchmarks/")
     a = ap.parse_args(argv)
     over = {"num-clients": 4, "dataset": "digits", "task": "logistic"} if SMOKE else {}
@@ -105,10 +123,14 @@ def main(argv=None):
         print(json.dumps(row), f"({time.perf_counter() - t0:.0f} s)", flush=True)
     if a.subspace:
         rows += _subspace_rows(task, post, mode, H, m.kron, a.subspace, t0)
+    if a.lanczos:
+        rows += _lanczos_rows(task, post, mode, H, m.kron, a.lanczos, t0)
+    if a.on_block:
+        rows += _on_block_rows(task, post, mode, H, m.kron, a.on_block, a.q, a.rank, t0)
     for seed in a.gamma:
         rows.append(_gamma_row(task, post, mode, H, R, B, m, a.rank, seed))
         print(json.dumps(rows[-1]), f"({time.perf_counter() - t0:.0f} s)", flush=True)
-    for b, q in [(b, q) for b in a.block for q in a.q] if not (a.bits or a.gamma or a.subspace) else []:
+    for b, q in [(b, q) for b in a.block for q in a.q] if not (a.bits or a.gamma or a.subspace or a.lanczos or a.on_block) else []:
         (u, t), info = lr.correction(lambda W: (H @ W.T).T, lambda x: R @ x, lambda x: R.T @ x, post.d, a.rank,
                                      cfg.seed, block=b, exchanges=q)
         C = np.eye(post.d) + (u * (t ** -0.5 - 1.0)) @ u.T
@@ -200,6 +222,82 @@ def _subspace_rows(task, post, mode, H, kr, ks, t0) -> list[dict]:
                **kappa(kr.den.ravel() ** -0.5, idx, (U * w ** -0.5) @ U.T)}
         rows.append(row)
         print(json.dumps(row), f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    return rows
+
+
+def _block_matrices(task, post, mode, H, kr, ks) -> dict:
+    """The whitened ``B`` in K-FAC's eigenbasis (as :func:`_subspace_rows`) under K-FAC (``"kfac"``) and under K-FAC
+    with the exact block on ``G``'s top ``k`` input directions (``k``, for each of ``ks``), with the block's
+    coordinates (the last ``kK``)."""
+    F, K = kr.den.shape
+    Ht = np.einsum("fkgl,fa,kb,gc,ld->abcd", H.reshape(F, K, F, K), kr.qg, kr.qa, kr.qg, kr.qa,
+                   optimize=True).reshape(post.d, post.d)
+    Ht = 0.5 * (Ht + Ht.T)
+    s = kr.den.ravel() ** -0.5
+    mats = {"kfac": (s[:, None] * Ht * s[None, :], np.arange(0))}
+    for k in sorted({min(k, F) for k in ks}):
+        Qk = kr.qg[:, F - k:]
+        block = sum(_client_block(c, mode, Qk) for c in task.clients)
+        Ik = np.kron(np.eye(k), kr.qa)
+        idx = np.arange((F - k) * K, post.d)
+        w, U = np.linalg.eigh(0.5 * (Ik.T @ block @ Ik + (Ik.T @ block @ Ik).T) + post.prec * np.eye(k * K))
+        Rs = (U * w ** -0.5) @ U.T
+        B = s[:, None] * Ht * s[None, :]
+        B[idx, :] = Rs @ (Ht[idx, :] * s[None, :])
+        B[:, idx] = B[idx, :].T
+        B[np.ix_(idx, idx)] = Rs @ Ht[np.ix_(idx, idx)] @ Rs
+        mats[k] = (0.5 * (B + B.T), idx)
+    return mats
+
+
+def _lanczos_rows(task, post, mode, H, kr, seeds, t0) -> list[dict]:
+    """γ's λ_max from random starts on K-FAC's ``B`` and on K-FAC with the exact block (``k = 50, 100``): exact,
+    Lanczos, power iteration."""
+    from scipy.linalg import eigh
+
+    from qlsd_flwr.core.metric import Identity
+
+    rows = []
+    for k, (B, _) in _block_matrices(task, post, mode, H, kr, (50, 100)).items():
+        name = k if k == "kfac" else f"kfac+block k={k}"
+        exact = float(eigh(B, eigvals_only=True, subset_by_index=[post.d - 1, post.d - 1])[0])
+        for seed in seeds:
+            hvp = lambda th, u, eps, B=B: B @ u  # noqa: E731
+            lz, n_lz = cv.lambda_max(None, np.zeros(post.d), Identity(), seed, hvp=hvp)
+            pw, n_pw = cv.rough_lambda_max(None, np.zeros(post.d), Identity(), seed, iters=60, tol=1e-2, hvp=hvp)
+            rows.append({"base": name, "seed": seed, "lambda_max_exact": exact, "lanczos": lz, "lanczos_exchanges": n_lz,
+                         "lanczos_error": lz / exact - 1.0, "power": pw, "power_exchanges": n_pw,
+                         "power_error": pw / exact - 1.0})
+            print(json.dumps(rows[-1]), f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    return rows
+
+
+def _on_block_rows(task, post, mode, H, kr, ks, qs, rank: int, t0) -> list[dict]:
+    """``metric-block = k`` with ``metric-rank`` on top (:func:`qlsd_flwr.core.lowrank.correction` off the block's
+    coordinates, ``q`` exchanges of 16 exact products; ``q = 0``: the block alone): κ, λ_max, λ_min of the corrected
+    ``B``, and the products' uplink in 16-bit rows over the clients."""
+    from scipy.linalg import eigh
+
+    rows = []
+    for k, (B, idx) in _block_matrices(task, post, mode, H, kr, ks).items():
+        if k == "kfac":
+            continue
+        comp = np.setdiff1d(np.arange(post.d), idx)  # off the block: its whitened coordinates are the last kK
+        Bc = B[np.ix_(comp, comp)]
+        for q in qs:
+            C, kept = np.eye(post.d), 0
+            if q and comp.size:  # k = F̃ (the smoke's digits): the block is the whole Hessian, nothing is left
+                low, info = lr.correction(lambda W, Bc=Bc: W @ Bc, lambda x: x, lambda x: x, comp.size, rank, 0,
+                                          exchanges=q)
+                if low is not None:
+                    u, t = low
+                    C[np.ix_(comp, comp)] += (u * (t ** -0.5 - 1.0)) @ u.T
+                    kept = int(t.size)
+            e = eigh(C.T @ B @ C, eigvals_only=True)
+            rows.append({"base": "kfac+block", "k": k, "q": q, "products": q * lr.LOWRANK_BLOCK, "kept": kept,
+                         "kappa": float(e[-1] / e[0]), "lambda_max": float(e[-1]), "lambda_min": float(e[0]),
+                         "products_uplink_bits": 16 * q * lr.LOWRANK_BLOCK * post.d * len(task.clients)})
+            print(json.dumps(rows[-1]), f"({time.perf_counter() - t0:.0f} s)", flush=True)
     return rows
 
 

@@ -267,11 +267,10 @@ def resolve(overrides: Mapping[str, Any] | None = None) -> RunConfig:
     if v["metric-rank"] > 0 and raw["metric-from"] == "adapt" and metric != "identity":
         raise ConfigError("metric-rank: corrects a metric built from the curvature, a file or the identity, not "
                           "metric-from = adapt's; use metric-rank = 0, or metric-from = curvature")
-    if v["metric-block"] > 0 and (metric != "kronecker" or raw["metric-from"] != "curvature" or v["metric-rank"] > 0):
+    if v["metric-block"] > 0 and (metric != "kronecker" or raw["metric-from"] != "curvature"):
         raise ConfigError(f"metric-block: makes K-FAC's curvature exact on its top input directions, so it needs "
-                          f"metric = kronecker with metric-from = curvature and metric-rank = 0 (it replaces the "
-                          f"rank's products); got metric = {metric}, metric-from = {raw['metric-from']}, metric-rank = "
-                          f"{v['metric-rank']}")
+                          f"metric = kronecker with metric-from = curvature; got metric = {metric}, metric-from = "
+                          f"{raw['metric-from']}")
     init = _choice("init", raw["init"], ("theta0", "dispersed"))
     raw["convergence-criterion"] = _choice("convergence-criterion", raw["convergence-criterion"],
                                            ("auto", "theta", "predictive"))

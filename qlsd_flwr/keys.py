@@ -10,10 +10,10 @@ and one line of documentation. The table drives:
 * ``qlsd-flwr config`` and ``qlsd-flwr run --help`` — :func:`qlsd_flwr.keys_text.help_text`;
 * the key table of docs/CONFIGURATION.md — :func:`qlsd_flwr.keys_text.markdown_table` (a test checks the page holds it).
 
-Parsing rules, the same for a TOML file, ``--set``, ``flwr run --run-config`` and Python:
-booleans are ``true/false/yes/no/on/off/1/0`` (anything else is refused, never ``bool("no")``);
-integers refuse fractions, booleans and infinities (``4.9`` is an error, not 4); numbers refuse
-booleans (TOML ``gamma = true`` is an error, not γ = 1), NaN and infinities unless allowed.
+Parsing rules, the same for a TOML file, ``--set``, ``flwr run --run-config`` and Python: booleans are
+``true/false/yes/no/on/off/1/0`` (anything else is refused, never ``bool("no")``); integers refuse fractions, booleans
+and infinities (``4.9`` is an error, not 4); numbers refuse booleans (TOML ``gamma = true`` is an error, not γ = 1),
+NaN and infinities unless allowed.
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ KEYS: tuple[Key, ...] = (
         group=SAMPLER),
     Key("thin", 1, "int", "keep every thin-th sample after burn-in", "", lo=1, cap=10**12, group=SAMPLER),
     Key("gamma", 4.9e-4, "float|word", "Langevin step size; auto: gamma-c / λ_max of M^½ ∇²U(θ*) M^½, estimated "
-        "by power iteration on federated Hessian-vector products before sampling", "γ", lo=0, open_lo=True,
+        "by the Lanczos method on federated Hessian-vector products before sampling", "γ", lo=0, open_lo=True,
         words=("auto",), group=SAMPLER),
     Key("gamma-c", "auto", "float|word", "gamma = auto's c in γ = c / λ_max: the chain is stable below 2; a larger c "
         "mixes faster and inflates the variance along the stiffest direction by 1/(1 − c/2) (1.14 at 0.25, 2 at 1); "
@@ -152,11 +152,11 @@ KEYS: tuple[Key, ...] = (
         "metric refined by the covariance of a warm-up chain on exact gradients, in doubling windows, frozen "
         "before the first round: docs/METRIC.md)", "", choices=("curvature", "adapt"), group=SAMPLER),
     Key("metric-rank", 0, "int", "directions in which the metric is corrected exactly: a block Krylov method on "
-        "federated Hessian-vector products at θ* (32 exchanges of 16 vectors) finds where M^½ᵀ ∇²U M^½ is farthest "
-        "from 1 and maps those k directions to 1 (0: none; docs/METRIC.md)", "k", lo=0,
-        cap=512, group=SAMPLER),  # the Krylov space's 32 × 16 vectors (core.lowrank): no more directions exist in it
+        "federated Hessian-vector products at θ* (metric-rank-exchanges of 16 vectors) finds where M^½ᵀ ∇²U M^½ is "
+        "farthest from 1 and maps those k directions to 1 (0: none; docs/METRIC.md)", "k", lo=0, cap=512, group=SAMPLER),
+    Key("metric-rank-exchanges", 32, "int", "metric-rank's exchanges of 16 products", "q", lo=1, cap=32, group=SAMPLER),
     Key("metric-block", 0, "int", "K-FAC (metric = kronecker) exact on its top k input directions, one block report "
-        "a client, in place of metric-rank's products (0: none; docs/METRIC.md)", "k", lo=0, cap=400, group=SAMPLER),
+        "a client; metric-rank then corrects off them (0: none; docs/METRIC.md)", "k", lo=0, cap=400, group=SAMPLER),
     Key("adapt-rounds", 300, "int", "rounds of metric-from = adapt's warm-up (each: one exact-gradient exchange "
         "per chain with every client); the sampling chains continue from its end", "", lo=20, cap=10**7,
         group=SAMPLER),

@@ -39,7 +39,7 @@ def _column(run_dir, name) -> list[int]:
 
 
 def test_the_bits_object_adds_up_phase_by_phase(tmp_path, capsys):
-    # softmax regression: the θ* descent, the curvature, the power iteration, then sampling and the LOO
+    # softmax regression: the θ* descent, the curvature, γ's λ_max (Lanczos), then sampling and the LOO
     o = {"task": "logistic", "dataset": "breast_cancer", "num-clients": 4, "prior-var": 0.05, "variant": "qlsd-pp",
          "metric": "diagonal", "gamma": "auto", "num-rounds": 30, "burn-in": 10, "output-dir": str(tmp_path),
          "run-name": "r", "progress": True, "plot": False, "loo": "psis", "p": "0.5,1,0.7,0.9", "l": 5}
@@ -71,7 +71,7 @@ def test_the_bits_object_adds_up_phase_by_phase(tmp_path, capsys):
     # every round θ to each active client, and ζ to those whose copy is stale: at least 64 d a message
     assert all(r["bits_down"] >= 64 * d * r["n_active"] for r in rows)
     err = capsys.readouterr().err
-    assert "preparation · θ* descent:" in err and "preparation · power iteration (λ_max):" in err
+    assert "preparation · θ* descent:" in err and "preparation · λ_max products:" in err
     assert f"preparation: {s['prep_exchanges']} exchanges" in err
 
 

@@ -80,3 +80,40 @@ def test_a_taken_run_name_is_refused_before_the_preparation(tmp_path, capsys, mo
                                    "--set", f"output-dir={tmp_path}", "--set", "run-name=taken",
                                    "--set", "progress=false"])
     assert "run-name:" in err and "taken already exists" in err and "resume =" in err
+
+
+def test_flower_s_actor_teardown_errors_are_dropped_from_a_stop_until_the_next_run():
+    """Flower's simulation workers log an ERROR with a traceback for each message in flight when a stop tears
+    their Ray actors down (seen by timing in the SIGTERM test): from a stop's request until the next run starts
+    those records are dropped; any other error (closing the outputs failed) and the next run's still show."""
+    import logging
+
+    from qlsd_flwr.flower import logs, stopping
+
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    died = "The actor died unexpectedly before finishing this task."
+    flwr_log, keep, level = logging.getLogger("flwr"), Keep(), logging.getLogger("flwr").level
+    flwr_log.addHandler(keep)
+    flwr_log.setLevel(logging.INFO)  # other tests quiet Flower's logger
+    try:
+        with stopping.Stopper() as run:
+            flwr_log.error(died)
+            run.request("SIGTERM")
+            flwr_log.error("An exception was raised when processing a message by RayBackend")
+            flwr_log.error(RuntimeError(died))
+            flwr_log.error("Traceback (most recent call last): ... ray.exceptions.ActorDiedError: ...")
+            flwr_log.error("ServerApp thread raised an exception: OSError: [Errno 28] No space left on device")
+        flwr_log.error(died + " (after the run, before the next)")
+        with stopping.Stopper():
+            flwr_log.error(died + " (the next run's)")
+    finally:
+        flwr_log.removeHandler(keep)
+        flwr_log.setLevel(level)
+        logs.quiet_errors(False)
+    assert seen == [died, "ServerApp thread raised an exception: OSError: [Errno 28] No space left on device",
+                    died + " (the next run's)"]

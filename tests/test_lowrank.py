@@ -347,11 +347,12 @@ def test_gamma_s_power_iteration_starts_at_the_top_uncorrected_ritz_pair_and_end
     assert prep.gamma == pytest.approx(info["gamma_c"] / info["lambda_max"], rel=1e-12)
 
 
-def test_a_ritz_start_that_is_not_an_eigenvector_iterates_on_and_ends_no_lower_than_a_random_start():
+def test_a_ritz_start_that_is_not_an_eigenvector_iterates_on_to_lambda_max_as_a_random_start_does():
     """The start's Rayleigh quotient is its Ritz value by construction, so only its residual shows whether it is
     an eigenpair. A dense bulk of eigenvalues below the corrected ones (d = 2,500, 512 products: the review's case)
     leaves the top uncorrected Ritz pair unconverged: one product must not end it (it read 4.1 % low when agreeing
-    with the Ritz value ended it); it iterates on and ends no lower than the random start, never above the truth."""
+    with the Ritz value ended it). From it, and from random starts, the Lanczos method ends within 1 % below the
+    truth, never above (the power iteration it replaced ended 3.8 % low from there and 6.8 % low from random)."""
     d = 2500
     rng = np.random.default_rng(1)
     eigs = np.r_[rng.uniform(100, 1e3, 100), rng.uniform(1, 50, d - 100)]
@@ -364,7 +365,9 @@ def test_a_ritz_start_that_is_not_an_eigenvector_iterates_on_and_ends_no_lower_t
     true = np.linalg.eigvalsh(S.T @ H @ S).max()
     hvp = lambda th, u, eps: H @ u  # noqa: E731
     from_ritz, n_ritz = cv.lambda_max(None, np.zeros(d), m, 0, hvp=hvp, start=top[0])
-    from_random, _ = cv.lambda_max(None, np.zeros(d), m, 0, hvp=hvp)
+    from_random = [cv.lambda_max(None, np.zeros(d), m, seed, hvp=hvp)[0] for seed in range(3)]
     w = S.T @ (H @ (S @ top[0]))
     assert np.linalg.norm(w - (top[0] @ w) * top[0]) > 0.01 * (top[0] @ w)  # not an eigenpair to 1 %
-    assert n_ritz >= 4 and from_random <= from_ritz <= true * (1 + 1e-9)
+    assert n_ritz >= 2
+    for lam in [from_ritz, *from_random]:
+        assert true * (1 - 1e-2) <= lam <= true * (1 + 1e-9), (lam, true)

@@ -132,6 +132,58 @@ def test_engines_agree_bit_for_bit_and_the_exchange_is_counted(tmp_path):
     assert np.array_equal(load_samples(resumed.run_dir), load_samples(one.run_dir))
 
 
+def test_metric_rank_on_top_of_the_block_corrects_off_it_and_the_two_are_one_correction(tmp_path):
+    """``metric-block`` then ``metric-rank``: the products' Krylov space is kept orthogonal to the block's directions,
+    so the directions found join the block's in one correction (``lowrank.merged``): its ``U`` orthonormal, the
+    block's own directions and values unchanged, ``M = S Sᵀ`` for the root the chain uses, and the whitened curvature
+    better conditioned than under the block alone (the exact Hessian at θ*). Engines bit for bit."""
+    from qlsd_flwr.protocol import build, precondition
+
+    def prepared(**over):
+        cfg = resolve({"task": "logistic", "dataset": "breast_cancer", "num-clients": 4, "progress": False,
+                       "variant": "qlsd-star", "metric": "kronecker", "gamma": "auto", "metric-block": 8, **over})
+        task = loading.load_task(cfg)
+        specs = [build.client_spec(cfg, i, task.clients[i].n_data, task.dim, task.prior, build.blocks_for(cfg, task))
+                 for i in range(cfg.b)]
+        return task, precondition.prepare(cfg, task, build.theta0_of(task), *build.direct_exchanges(cfg, task, specs))
+
+    task, block = prepared()
+    _, both = prepared(**{"metric-rank": 10, "metric-rank-exchanges": 2})
+    d, lo, lo1 = task.dim, both.metric.low, block.metric.low
+    r = both.info["lowrank_rank"]
+    assert 0 < r <= 10 and lo.u.shape == (d, 16 + r)
+    assert np.array_equal(lo.u[:, :16], lo1.u) and np.array_equal(lo.t[:16], lo1.t)
+    assert np.abs(lo.u.T @ lo.u - np.eye(16 + r)).max() < 1e-12
+    S = np.stack([both.metric.apply_root(e) for e in np.eye(d)], axis=1)
+    M = np.stack([both.metric.apply(e) for e in np.eye(d)], axis=1)
+    assert np.abs(S @ S.T - M).max() <= 1e-12 * np.abs(M).max()
+    H = sum(c.hvp_batch(both.theta_star, np.eye(d)) for c in task.clients) + np.eye(d) / float(task.prior.var)
+
+    def kappa(m):
+        R = np.stack([m.apply_root(e) for e in np.eye(d)], axis=1)
+        ev = np.linalg.eigvalsh(R.T @ H @ R)
+        return ev[-1] / ev[0]
+
+    assert np.array_equal(both.theta_star, block.theta_star) and kappa(both.metric) < kappa(block.metric)
+    base = {"task": "logistic", "dataset": "breast_cancer", "num-clients": 4, "num-chains": 2, "num-rounds": 10,
+            "burn-in": 2, "progress": False, "output-dir": str(tmp_path), "metric": "kronecker", "metric-block": 8,
+            "metric-rank": 10, "metric-rank-exchanges": 2, "gamma": "auto", "variant": "qlsd-pp", "s": "8", "loo": "off"}
+    a = run({**base, "engine": "inprocess", "run-name": "a"})
+    b = run({**base, "engine": "vectorised", "run-name": "b"})
+    assert np.array_equal(load_samples(a.run_dir), load_samples(b.run_dir))
+    assert a.summary["metric"]["lowrank"]["rank"] == 16 + a.summary["lowrank_rank"]
+    assert a.summary["bits"]["preparation"]["products"]["exchanges"] == 2
+    # a block over every input direction leaves nothing to correct: no exchange is asked for (not a Krylov space
+    # made of rounding noise inside the block's span)
+    from qlsd_flwr.core import lowrank as lr
+
+    def never(W):
+        raise AssertionError("no products should be asked for")
+
+    low, info = lr.correction(never, lambda x: x, lambda x: x, 5, 3, 0, avoid=np.eye(5))
+    assert low is None and info["lowrank_exchanges"] == 0
+
+
 @pytest.mark.parametrize("kind", ["nan", "short", "negative", "huge"])
 def test_a_hostile_block_report_is_refused_or_held_to_its_share(kind, tmp_path, caplog):
     """A block that does not decode, is not finite or not positive semi-definite (negated) is refused and counted;
@@ -156,10 +208,13 @@ def test_a_hostile_block_report_is_refused_or_held_to_its_share(kind, tmp_path, 
 
 
 def test_the_key_is_refused_by_name_where_it_cannot_apply_and_a_bad_message_is_refused_by_the_client():
-    for bad in ({"metric": "diagonal", "metric-block": 4}, {"metric": "kronecker", "metric-block": 4, "metric-rank": 3},
+    for bad in ({"metric": "diagonal", "metric-block": 4}, {"metric": "dense", "metric-block": 4},
                 {"metric-block": -1}, {"metric": "kronecker", "metric-block": 100000}):
         with pytest.raises(ConfigError, match="metric-block"):
             resolve(bad)
+    for q in (0, 33, 2.5):
+        with pytest.raises(ConfigError, match="metric-rank-exchanges"):
+            resolve({"metric": "kronecker", "metric-rank": 4, "metric-rank-exchanges": q})
     for rows in (np.zeros((1, 20)), np.full((1, 20), np.nan), np.ones((1, 21)), np.vstack([np.zeros(10), np.ones(10)])):
         with pytest.raises(ValueError, match="vectors"):
             kb.unpack(rows.reshape(1, -1), 10)

@@ -14,8 +14,8 @@ metric. At the end of each slow window:
   ``w = n / (n + 5 + d)`` for ``dense`` (a window of fewer draws than ``d`` has a singular ``Σ̂``: the
   previous metric fills the directions it has not seen). A convex mix of a positive semi-definite and
   a positive-definite matrix is positive-definite, so ``M`` stays a metric;
-- with ``gamma = auto``, ``γ ← c / λ_max(M^{1/2} ∇²U(θ*) M^{1/2})`` again (the power iteration of
-  :func:`qlsd_flwr.core.curvature.lambda_max`).
+- with ``gamma = auto``, ``γ ← c / λ_max(M^{1/2} ∇²U(θ*) M^{1/2})`` again (the Lanczos iteration of
+  :func:`qlsd_flwr.core.spectral.lambda_max`).
 
 Why a separate chain on exact gradients and not the sampling chain's burn-in: the compressed chain's
 covariance carries the compression noise (inflated along every direction the messages' norms reach),

@@ -5,8 +5,8 @@
 * :func:`check_report` — a report as the server accepts it, or :class:`~qlsd_flwr.robust.reports.ReportError`.
 * :func:`metric_from_curvature`, :func:`metric_from_kronecker` — ``M = (prior curvature + Σ_i H_i)^{-1}``
   from the valid reports at θ*, each bounded per datum (:mod:`qlsd_flwr.robust.reports`).
-* :func:`lambda_max` — the largest eigenvalue of ``M^{1/2} ∇²U M^{1/2}`` by power iteration on
-  Hessian-vector products (the clients' own, or differences of their gradients; the engine's ``hvp``);
+* :func:`lambda_max` (from :mod:`qlsd_flwr.core.spectral`) — the largest eigenvalue of ``M^{1/2} ∇²U M^{1/2}`` by
+  the Lanczos method on Hessian-vector products (the clients' own, or differences of their gradients; the engine's ``hvp``);
   :data:`GAMMA_AUTO_C` ``/ λ_max`` is ``gamma = auto``.
 
 It is framework-free numpy; engines call it through :mod:`qlsd_flwr.protocol.precondition`.
@@ -20,6 +20,8 @@ from qlsd_flwr.core import rng
 from qlsd_flwr.core.kron import Kron
 from qlsd_flwr.core.lowrank import fd_step
 from qlsd_flwr.core.metric import Dense, Diagonal, Kronecker, Metric, MetricError
+from qlsd_flwr.core.spectral import (LANCZOS_BYTES, LANCZOS_MIN, lambda_max, lanczos_vectors,  # noqa: F401
+                                     rough_lambda_max)
 from qlsd_flwr.robust.reports import (FACTOR_SHARE, REPORT_CAP, REPORT_MAX, ReportError, cap_kron_leave_one_out,
                                      cap_leave_one_out, cap_reports, clamped_counts, lower_median, share_allowance)
 
@@ -348,53 +350,3 @@ def metric_from_curvature(kind: str, reports: dict[int, np.ndarray], n_data, pri
     w = np.maximum(w, float(pos.min()))
     M = (Q / w) @ Q.T
     return Dense(0.5 * (M + M.T)), info
-
-
-# ---- the step from the curvature -----------------------------------------------------------------
-def lambda_max(grad_fn, theta: np.ndarray, metric: Metric, seed: int, iters: int = 60,
-               tol: float = 1e-2, hvp=None, start=None) -> tuple[float, int]:
-    """``λ_max(M^{1/2} ∇²U(θ) M^{1/2})`` by power iteration; ``∇²U u`` from ``hvp`` (the engine's: the clients'
-    own products), or by default the central difference ``(∇U(θ + εu) − ∇U(θ − εu)) / 2ε``, each ``∇U`` one
-    exchange with every client (``grad_fn``). Stops when the Rayleigh quotient changes by less than ``tol`` (relative;
-    1 % moves γ by 1 %) or after ``iters`` iterations; returns ``(λ, iterations)``. The start is random (stream ``(seed, INIT, −2, 0)``),
-    so it is not orthogonal to the top eigenvector, or ``start``, a unit vector in ``M``'s whitened coordinates
-    (``metric-rank``'s top uncorrected Ritz vector), ended by one product if ``‖Bv − (vᵀBv) v‖ ≤ tol vᵀBv`` (an
-    eigenpair, not only a Ritz pair). ``hvp(theta, u, eps)``: the product ``∇²U u`` in place of
-    the central difference of ``grad_fn`` (:mod:`qlsd_flwr.robust.products` gives one that holds each client's
-    part to scale).
-
-    The largest *signed* eigenvalue: when the dominant one (by size) is negative, the potential is not convex
-    at ``theta`` (a saddle, or false products), and a second power iteration on ``∇²U − μ I`` (``μ`` the
-    dominant one) finds the largest; the value returned may then be ≤ 0, which the caller names."""
-    if hvp is None:
-        def hvp(th, u, eps):
-            return (grad_fn(th + eps * u) - grad_fn(th - eps * u)) / (2.0 * eps)
-    lam, it = _power(hvp, theta, metric, seed, iters, tol, 0.0, start)
-    if lam < 0:  # the dominant eigenvalue is negative: the largest is μ + λ_max(H − μ I) (H − μ I is PSD)
-        shifted, more = _power(hvp, theta, metric, seed, iters, tol, lam)
-        return lam + shifted, it + more
-    return lam, it
-
-
-def _power(hvp, theta: np.ndarray, metric: Metric, seed: int, iters: int, tol: float, shift: float, start=None):
-    """The power iteration of :func:`lambda_max` on ``M^½ (∇²U − shift·M⁻¹) M^½``, i.e. ``M^½ ∇²U M^½ − shift I``."""
-    v = rng.normal(seed, rng.Stream.INIT, -2 & 0xFFFFFFFF, 0, theta.shape[0]) if start is None else start
-    v = v / np.linalg.norm(v)
-    lam, it = 0.0, 0
-    for it in range(1, iters + 1):
-        u = metric.apply_root(v)
-        eps = fd_step(theta) / max(float(np.max(np.abs(u))), 1e-300)
-        hu = hvp(theta, u, eps)
-        w = metric.apply_root_t(hu) - shift * v  # (M^{1/2})ᵀ H u, shifted (exactly itself at shift 0: v is finite)
-        new = float(v @ w)
-        nw = float(np.linalg.norm(w))
-        if not np.isfinite(nw) or nw == 0.0:
-            break
-        v = w / nw
-        # a Ritz start ends at once only as an eigenpair (small residual ‖w − new v‖²); else 4 products at least
-        done = (it == 1 and start is not None and nw * nw - new * new <= (tol * new) ** 2) or (
-            it > 3 and abs(new - lam) <= tol * abs(new))
-        lam = new if new < 0 and not shift else max(new, 0.0)
-        if done:
-            break
-    return lam, it

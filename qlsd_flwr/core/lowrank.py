@@ -26,15 +26,16 @@ products, and maps them to 1 (Rayleigh–Ritz):
    only slow or speed a direction, never bias it; the step ``γ`` is then chosen for ``M'``). Along
    an exact eigenvector ``u_j`` the new ``B' = Sᵀ ∇²U S`` has eigenvalue 1, elsewhere ``B``'s.
 5. ``γ = c/λ_max(B')`` needs ``B'``'s top, which the Krylov space already holds: ``S`` maps ``K`` into itself, so
-   on ``K`` the corrected pairs have Rayleigh quotient 1 and the others keep ``t_j``. The power iteration for
-   ``γ`` (:func:`qlsd_flwr.core.curvature.lambda_max`) starts at the largest uncorrected Ritz vector and ends after
+   on ``K`` the corrected pairs have Rayleigh quotient 1 and the others keep ``t_j``. The Lanczos iteration for
+   ``γ`` (:func:`qlsd_flwr.core.spectral.lambda_max`) starts at the largest uncorrected Ritz vector and ends after
    one exchange of products when that vector is an eigenvector to 1 % (the product's residual: its Rayleigh
    quotient is ``t_j`` by construction, so agreeing with ``t_j`` would prove nothing); otherwise it iterates on
    (issue 37). Measured on the main job (exact Hessian at the MAP, 16-bit rows; ``python
    benchmarks/bench_lowrank_exchanges.py --gamma``): ``λ_max(B') = 2.25942``, from the Ritz vector 2.25942 in one
-   exchange; the power iteration from a random start stopped after 10 exchanges at 2.1305, 5.7 % low, which made
-   ``γ`` 6 % larger than ``c/λ_max``. Where the pair has not converged (a dense bulk below the corrected
-   eigenvalues, ``tests/test_lowrank.py``) it takes 4 products and ends 3.8 % low, against 6.8 % from random.
+   exchange; the power iteration that preceded the Lanczos method stopped after 10 exchanges from a random start at
+   2.1305, 5.7 % low, which made ``γ`` 6 % larger than ``c/λ_max``. Where the pair has not converged (a dense bulk
+   below the corrected eigenvalues, ``tests/test_lowrank.py``) the power iteration took 4 products and ended 3.8 %
+   low (6.8 % from random); the Lanczos method goes on from it to within 1 % of the top, in about 20 products.
 
 Offline on the main job (the exact ``B``; ``benchmarks/bench_lowrank_exchanges.py``, RESULTS): ``b = 16``,
 ``q = 32`` (512 products) and ``k = 150`` bring ``κ`` from 136 to 9.7, as ``b = 32``, ``q = 20`` did with 640
@@ -176,7 +177,7 @@ def held_products(reports: dict, n_data, b: int, d: int, info: dict, log=None) -
 
 
 def correction(products, root, root_t, d: int, rank: int, seed: int, block: int | None = None,
-               exchanges: int | None = None, gram=None, start: list | None = None
+               exchanges: int | None = None, gram=None, start: list | None = None, avoid: np.ndarray | None = None
                ) -> tuple[tuple[np.ndarray, np.ndarray] | None, dict]:
     """The correction of the module docstring. ``products(W)`` is ``∇²U(θ*) W`` for the rows of
     ``W`` (``(b, d)``: one exchange); ``root``/``root_t`` apply ``R``/``Rᵀ`` to one vector. ``gram()``, when given,
@@ -184,15 +185,22 @@ def correction(products, root, root_t, d: int, rank: int, seed: int, block: int 
     products: the clients' shares held to the leave-one-out rule (:class:`qlsd_flwr.robust.krylov.KrylovShares`). Returns
     the correction's ``(U, t)`` (``None`` when no Ritz pair converged; :meth:`Metric.corrected
     <qlsd_flwr.core.metric.Metric.corrected>` makes the metric) and the facts for the summary. ``start``, a list, receives
-    the top uncorrected Ritz vector when its value is ``≥ 1``: the power iteration for ``γ`` starts there (step 5)."""
-    b = int(min(block, d)) if block else (d if d <= 2 * LOWRANK_BLOCK else LOWRANK_BLOCK)
-    q = int(max(1, min(exchanges or LOWRANK_EXCHANGES, d // b)))
+    the top uncorrected Ritz vector when its value is ``≥ 1``: the Lanczos iteration for ``γ`` starts there (step 5).
+    ``avoid`` (``d × r``, orthonormal columns): directions already corrected (``metric-block``'s, :func:`merged`); the
+    Krylov space is kept orthogonal to them, so the correction found is too and the two make one; where they span
+    every direction nothing is left to correct (``None``, no exchange)."""
+    free = d - (0 if avoid is None else avoid.shape[1])  # the dimensions the Krylov space may take
+    if free < 1:
+        return None, {"lowrank_rank": 0, "lowrank_exchanges": 0, "lowrank_block": 0, "lowrank_converged": 0}
+    b = int(min(block, free)) if block else (free if free <= 2 * LOWRANK_BLOCK else LOWRANK_BLOCK)
+    q = int(max(1, min(exchanges or LOWRANK_EXCHANGES, free // b)))
     X = rng.normal(seed, rng.Stream.INIT, -3 & 0xFFFFFFFF, 0, d * b).reshape(b, d)  # rows: the block
-    X = np.linalg.qr(X.T)[0].T
+    off = (lambda Y: Y) if avoid is None else (lambda Y: Y - (Y @ avoid) @ avoid.T)  # out of span(avoid)
+    X = np.linalg.qr(off(off(X)).T)[0].T
     Ks, BKs = [], []
     for j in range(q):
         HRX = products(np.stack([root(x) for x in X]))
-        BX = np.stack([root_t(h) for h in HRX])
+        BX = off(np.stack([root_t(h) for h in HRX]))  # B restricted to the orthogonal complement of ``avoid``
         Ks.append(X)
         BKs.append(BX)
         if j == q - 1:
@@ -224,6 +232,14 @@ def correction(products, root, root_t, d: int, rank: int, seed: int, block: int 
     info["lowrank_kappa_before"] = float(t[ok].max() / t[ok].min())
     info["lowrank_kappa_left"] = float(kept.max() / kept.min())
     # the Ritz vectors are orthonormal up to rounding; one QR makes the correction exactly SPD
-    u, r = np.linalg.qr(U[far].T)
+    u, r = np.linalg.qr(off(off(U[far])).T)
     u = u * np.sign(np.diag(r))
     return (u, np.maximum(t[far], RITZ_FLOOR)), info
+
+
+def merged(low, u: np.ndarray, t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """One correction from ``low`` (a :class:`LowRank`: ``metric-block``'s) and ``(u, t)`` found orthogonal to its
+    ``U`` (:func:`correction`'s ``avoid``). With ``U₁ ⊥ U₂`` the two roots' factors commute and multiply to one,
+    ``(I + U₁ D₁ U₁ᵀ)(I + U₂ D₂ U₂ᵀ) = I + [U₁ U₂] diag(D₁, D₂) [U₁ U₂]ᵀ``, and ``U₂`` is in ``R``'s whitened
+    coordinates as it was in the corrected root's (``(I + U₁ D₁ U₁ᵀ) U₂ = U₂``)."""
+    return np.concatenate([low.u, u], axis=1), np.concatenate([low.t, t])

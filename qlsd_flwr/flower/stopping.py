@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import threading
 
+from qlsd_flwr.flower.logs import quiet_errors
 from qlsd_flwr.outputs import stopsignal
 
 WAIT_S = 120.0  # the longest the handler holds Flower's exit while the outputs close
@@ -48,6 +49,7 @@ class Stopper:
     def __enter__(self) -> "Stopper":
         global _active
         _register()
+        quiet_errors(False)  # an earlier stop's teardown is over
         self.thread = threading.current_thread()
         _active = self
         if self.thread is not threading.main_thread():  # our CLI's SIGTERM/SIGINT: stop here, not there
@@ -64,6 +66,7 @@ class Stopper:
     def request(self, reason: str) -> None:
         """Stop at the next :func:`check` with ``KeyboardInterrupt(reason)``."""
         self.reason = reason
+        quiet_errors(True)  # Flower's in-flight messages die with their actors: their tracebacks are the stop's
         self.requested.set()
 
 

@@ -91,7 +91,7 @@ class QLSDStrategy(Strategy):
         ``lsd-star``, ``lsd-pp`` (uncompressed), ``sgld`` (one pooled client).
     gamma : float or "auto", default 4.9e-4
         γ, the Langevin step size: ``θ_{k+1} = θ_k − γ M G_k + sqrt(2γT) M^{1/2} Z_{k+1}``.
-        ``"auto"``: ``c / λ_max(M^{1/2} ∇²U(θ*) M^{1/2})``, ``λ_max`` by power iteration on the clients'
+        ``"auto"``: ``c / λ_max(M^{1/2} ∇²U(θ*) M^{1/2})``, ``λ_max`` by the Lanczos method on the clients'
         Hessian-vector products before sampling (``c``: ``gamma_c``, default ``"auto"``: 0.25 if the clients'
         handshakes and the prior declare the posterior log-concave, else 0.125; ``summary.json``).
     metric : str, default "identity"
@@ -103,8 +103,10 @@ class QLSDStrategy(Strategy):
         estimate from ``grad_sum``), exchanges before sampling, each report validated and bounded.
     metric_rank : int, default 0
         ``k``: M corrected along the ``k`` directions where ``M^{1/2}ᵀ ∇²U(θ*) M^{1/2}`` is farthest
-        from 1, found by a block Krylov method on the clients' Hessian-vector products (32 exchanges
-        of 16 vectors; :mod:`qlsd_flwr.core.lowrank`, docs/METRIC.md). 0: none.
+        from 1, by a block Krylov method on the clients' Hessian-vector products (``metric_rank_exchanges``,
+        default 32, exchanges of 16; :mod:`qlsd_flwr.core.lowrank`, docs/METRIC.md). 0: none. With ``metric_block``
+        (K-FAC exact on its top input directions) found off them: the main job's ``metric_block=100,
+        metric_rank=150, metric_rank_exchanges=4`` (``**config``: any run-config key, ``_`` for ``-``).
     temperature : float, default 1.0
         ``T``: the chain targets ``π^{1/T}`` (the noise is scaled by ``√T``).
     init : str, default "theta0"

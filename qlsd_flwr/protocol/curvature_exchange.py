@@ -89,10 +89,12 @@ def needs_curvature(cfg: RunConfig) -> bool:
 def lowrank_correction(cfg: RunConfig, task: Task, point: np.ndarray, curv_fn: CurvFn | None, n_data, metric: Metric,
              info: dict, start: list | None = None) -> Metric:
     """``metric-rank = k``: the metric corrected along the ``k`` directions where ``M^½ᵀ ∇²U(θ*) M^½`` is
-    farthest from 1 (:mod:`qlsd_flwr.core.lowrank`), from the clients' Hessian-vector products, each client's
+    farthest from 1 (:mod:`qlsd_flwr.core.lowrank`), in ``metric-rank-exchanges`` exchanges of products; with
+    ``metric-block``, ``metric`` is the block's correction, and these directions are found orthogonal to its own and
+    join them in one correction (:func:`qlsd_flwr.core.lowrank.merged`). From the clients' Hessian-vector products, each client's
     share held to the leave-one-out rule (:mod:`qlsd_flwr.robust.krylov`: a client scaled has the correction made
     again with its products scaled from the start, and a third time without them if it is over the rule again).
-    ``start``, a list, receives the corrected metric's top uncorrected Ritz pair, where the power iteration for ``γ``
+    ``start``, a list, receives the corrected metric's top uncorrected Ritz pair, where the Lanczos iteration for ``γ``
     starts (:func:`qlsd_flwr.core.lowrank.correction`)."""
     from qlsd_flwr.core import lowrank as lr
 
@@ -117,7 +119,9 @@ def lowrank_correction(cfg: RunConfig, task: Task, point: np.ndarray, curv_fn: C
 
         found: list = []  # this pass's top uncorrected Ritz pair
         low, linfo = lr.correction(products, metric.apply_root, metric.apply_root_t, d, lowrank_rank(cfg), cfg.seed,
-                                   gram=lambda shares=shares: shares.gram(n_data), start=found)
+                                   exchanges=int(cfg.get("metric-rank-exchanges")),
+                                   gram=lambda shares=shares: shares.gram(n_data), start=found,
+                                   avoid=None if metric.low is None else metric.low.u)
         info["lowrank_loo_share"] = max(float(info.get("lowrank_loo_share", 0.0)), shares.share_max)
         info.pop("lowrank_unjudged", None)  # this pass's, not an earlier one's
         if shares.unjudged:
@@ -140,8 +144,11 @@ def lowrank_correction(cfg: RunConfig, task: Task, point: np.ndarray, curv_fn: C
         info["lowrank_held"] = {str(i): v for i, v in sorted(scales.items())}
     info.update(linfo)
     if low is None:
-        log.warning("metric-rank: no direction of the curvature converged in %d exchanges; the metric is left as it "
-                    "was", linfo["lowrank_exchanges"])
+        if linfo["lowrank_exchanges"] == 0:  # lowrank.correction asked nothing: metric-block's directions span θ
+            log.info("metric-rank: metric-block's directions span every direction; nothing is left to correct")
+        else:
+            log.warning("metric-rank: no direction of the curvature converged in %d exchanges; the metric is left as "
+                        "it was", linfo["lowrank_exchanges"])
         return metric
     if linfo["lowrank_ritz_min"] <= 0:  # the curvature at θ* is not positive-definite: not a convex model there
         info.update({"lowrank_rank": 0, "lowrank_skipped": "the curvature at θ* is not positive-definite"})
@@ -157,7 +164,8 @@ def lowrank_correction(cfg: RunConfig, task: Task, point: np.ndarray, curv_fn: C
              linfo["lowrank_kappa_left"])
     if start is not None:
         start.extend(found)
-    return metric.corrected(*low)
+    # on top of metric-block's correction (found orthogonal to it): the two as one
+    return metric.corrected(*(low if metric.low is None else lr.merged(metric.low, *low)))
 
 
 def block_count(cfg: RunConfig) -> int:
@@ -223,7 +231,7 @@ def merge_reports(info: dict, cinfo: dict) -> None:
 
 
 def power_products(task: Task, curv_fn: CurvFn | None, n_data, info: dict, kept=None, fallback=None):
-    """The power iteration's ``∇²U u`` (:func:`qlsd_flwr.core.curvature.lambda_max`'s ``hvp``) as one exchange of
+    """γ's ``λ_max`` iteration's ``∇²U u`` (:func:`qlsd_flwr.core.spectral.lambda_max`'s ``hvp``) as one exchange of
     Hessian-vector products, ``u`` and the clients' products as float32 rows (:mod:`qlsd_flwr.compression.fixed`:
     the step rests on every coordinate, however small), where ``curv_fn`` can ask for them; ``None`` otherwise.
     Against two float64 gradient exchanges at ``θ ± εu`` this sends a quarter of the uplink and 0.75× the downlink
@@ -247,11 +255,11 @@ def power_products(task: Task, curv_fn: CurvFn | None, n_data, info: dict, kept=
             try:
                 parts[int(i)] = lr.check_block(h, 1, d)[0]
             except ReportError as exc:
-                log.warning("client %s: power iteration's Hessian-vector product refused: %s (products_rejected)", i, exc)
+                log.warning("client %s: λ_max's Hessian-vector product refused: %s (products_rejected)", i, exc)
                 info["products_rejected"] = int(info.get("products_rejected", 0)) + 1
         missing = sorted(set(kept()) - set(parts)) if kept is not None else []
         if missing and fallback is not None:
-            log.warning("power iteration: no usable product from client(s) %s; this product from the clients' "
+            log.warning("λ_max (gamma = auto): no usable product from client(s) %s; this product from the clients' "
                         "gradients instead (products_fallback)", missing)
             info["products_fallback"] = int(info.get("products_fallback", 0)) + 1
             return fallback(th, u, eps)

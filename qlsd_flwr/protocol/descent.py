@@ -110,7 +110,7 @@ def curvature_point(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: Cal
 
 def _as_point(cfg: RunConfig, theta: np.ndarray) -> np.ndarray:
     """Where θ* is only the point where the curvature is taken, it is rounded to float32, as its descent's exchanges
-    carried it: the curvature reports, the products and the power iteration then send it in 32 bits a number,
+    carried it: the curvature reports, the products and λ_max's products then send it in 32 bits a number,
     losing nothing (traffic.point_bits; issue 37). QLSD*'s θ* stays as it is."""
     return theta if needs_theta_star(cfg) else build.as_sent(theta, 32)
 
@@ -121,7 +121,7 @@ def _stage(cfg: RunConfig, theta, grad_fn, metric: Metric | None, info: dict, hv
     lr = cfg.gamma
     if cfg.gamma_auto or metric is not None:
         with phase(grad_fn, "power_iteration"):
-            lam, _ = cv.lambda_max(grad_fn, theta, metric or Identity(), cfg.seed, iters=20, tol=5e-2, hvp=hvp)
+            lam, _ = cv.rough_lambda_max(grad_fn, theta, metric or Identity(), cfg.seed, hvp=hvp)
         lr = 1.0 / lam if lam > 0 else 1.0
         info.setdefault("opt_lr", []).append(lr)
     # float64 buys nothing where θ* is only the point where the curvature is taken (to opt-tol, 1e-3 on the

@@ -37,9 +37,9 @@ def stop_server(server, round_: int, why: str = "θ is not finite", stable: floa
         msg = f"the run stopped at round {round_}: {why}." + saved_where(
             round_, obs.run_dir if obs is not None else None, obs.last_checkpoint if obs is not None else None)
         suspects = []
-    if suspects and server.cfg.gamma_auto:  # the step came from a power iteration in which they were out of scale
+    if suspects and server.cfg.gamma_auto:  # the step came from λ_max's products, in which they were out of scale
         named = ", ".join(str(i) for i in suspects)
-        why = (f"{why}; gamma = auto's power iteration scaled down the products of client {named} as out of scale "
+        why = (f"{why}; gamma = auto's λ_max iteration scaled down the products of client {named} as out of scale "
                f"(products_clipped): a false product can set the step, so the likely cause is client {named}; "
                "rerun with a numeric gamma, or without it")
     if not stalled:

@@ -13,7 +13,7 @@ all of them. The order:
    stages that each take the curvature again, and checked in the metric taken at θ* (:mod:`qlsd_flwr.protocol.descent`).
 2. ``M`` from the clients' curvature at θ* (:func:`qlsd_flwr.core.curvature.metric_from_curvature`),
    or from a ``.npy`` file, or the identity.
-3. ``λ_max(M^{1/2} ∇²U(θ*) M^{1/2})`` by power iteration on the clients' Hessian-vector products, when ``gamma =
+3. ``λ_max(M^{1/2} ∇²U(θ*) M^{1/2})`` by the Lanczos method on the clients' Hessian-vector products, when ``gamma =
    auto`` (``γ = c/λ_max``) or when a metric is used (the start-up check ``γ λ_max < 2``).
 4. ``init = dispersed``: chain ``c`` starts at ``θ* + 2 M^{1/2} z_c`` (:mod:`qlsd_flwr.protocol.starts`).
 """
@@ -146,11 +146,11 @@ def prepare(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | No
         merge_reports(info, cinfo)
     else:
         metric = file_metric or Identity()
-    top: list = []  # the corrected metric's top uncorrected Ritz vector: γ's power iteration starts there
+    top: list = []  # the corrected metric's top uncorrected Ritz vector: γ's Lanczos iteration starts there
+    if block_count(cfg) > 0:  # first: it needs K-FAC's own root, which maps its block's span to itself
+        metric = block_corrected(cfg, task, point, curv_fn, n_data, metric, info)
     if lowrank_rank(cfg) > 0 and not adapts(cfg):
         metric = lowrank_correction(cfg, task, point, curv_fn, n_data, metric, info, top)
-    if block_count(cfg) > 0:
-        metric = block_corrected(cfg, task, point, curv_fn, n_data, metric, info)
     if last and needs_curvature(cfg):
         newton_decrement(cfg, last[0], metric, info)
     spread = metric.spread()
@@ -225,13 +225,16 @@ def _step(cfg: RunConfig, grad_fn: GradFn | None, point: np.ndarray, metric: Met
     given γ, with a warning when it is beyond the estimated stability limit."""
     gamma = cfg.gamma
     if (cfg.gamma_auto or not metric.is_identity) and grad_fn is not None:
+        saw_all = not info.get("block_inputs")  # metric-rank's Krylov space was kept off the block's directions
         with phase(grad_fn, "power_iteration"):
-            lam, iters = cv.lambda_max(grad_fn, point, metric, cfg.seed, iters=iters, tol=tol, hvp=hvp, start=start)
+            lam, iters = cv.lambda_max(grad_fn, point, metric, cfg.seed, iters=iters, tol=tol, hvp=hvp, start=start,
+                                       start_saw_all=saw_all)
+        begun = "random" if start is None else "ritz" if saw_all else "ritz+random"
         c = info.get("gamma_c", cv.GAMMA_AUTO_C)  # prepare's, from gamma-c (auto: by log-concavity)
         if quiet and not (cfg.gamma_auto and lam <= 0):  # the warm-up's own steps: no announcement
             return c / lam if cfg.gamma_auto else gamma
         info.update({"lambda_max": lam, "lambda_max_iterations": iters,
-                     "lambda_max_start": "random" if start is None else "ritz"})
+                     "lambda_max_start": begun})
         stable = c / lam if lam > 0 else None
         if cfg.gamma_auto:
             if stable is None:
@@ -241,9 +244,11 @@ def _step(cfg: RunConfig, grad_fn: GradFn | None, point: np.ndarray, metric: Met
             gamma = c / lam
             auto = str(cfg.get("gamma-c")).strip().lower() == "auto"
             log.warning("gamma = auto: γ = %.4g = %g / λ_max, λ_max = %.4g (the largest eigenvalue of M^½ ∇²U(θ*) "
-                        "M^½, %d power iterations%s; metric %s; variance along the stiffest direction ×%.3g, ULA's "
+                        "M^½, %d exchanges of products (Lanczos)%s; metric %s; variance along the stiffest direction ×%.3g, ULA's "
                         "bias at this c%s)", gamma, c, lam, iters,
-                        "" if start is None else " from metric-rank's top uncorrected Ritz vector", metric.kind,
+                        {"random": "", "ritz": " from metric-rank's top uncorrected Ritz vector",
+                         "ritz+random": " from metric-rank's top uncorrected Ritz vector and a random one"}[begun],
+                        metric.kind,
                         1.0 / (1.0 - c / 2.0),
                         "" if not auto else "; gamma-c = auto: " + (
                             "a log-concave posterior" if info.get("log_concave") else
@@ -261,7 +266,7 @@ def _step(cfg: RunConfig, grad_fn: GradFn | None, point: np.ndarray, metric: Met
 
 
 def products_for(task: Task, grad_fn, curv_fn, n_data, info: dict):
-    """The power iteration's ``∇²U u``: one exchange of the clients' own Hessian-vector products where the engine
+    """γ's ``λ_max`` iteration's ``∇²U u``: one exchange of the clients' own Hessian-vector products where the engine
     can ask for them (:func:`~qlsd_flwr.protocol.curvature_exchange.power_products`, a quarter of the uplink of two
     gradient exchanges; issue 37), otherwise central differences of their gradients (:func:`held_products`, also
     the fallback when a kept client gives no usable product); each client's part held to scale either way."""
@@ -270,7 +275,7 @@ def products_for(task: Task, grad_fn, curv_fn, n_data, info: dict):
 
 
 def held_products(grad_fn, info: dict):
-    """The power iteration's ``∇²U u`` with each client's part held to scale (:mod:`qlsd_flwr.robust.products`),
+    """γ's ``λ_max`` iteration's ``∇²U u`` with each client's part held to scale (:mod:`qlsd_flwr.robust.products`),
     bit for bit the sum of the central differences while no client is over it; those scaled are counted in
     ``info['products_clipped']`` and named in the log. ``None`` (the plain difference of ``grad_fn``) when
     ``grad_fn`` cannot give its clients' gradients one by one."""

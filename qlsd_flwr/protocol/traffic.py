@@ -9,8 +9,9 @@ float32 descent's result, :func:`point_bits`, else ``64 d``; and, for Hessian-ve
 products, the block's ``k`` vectors as rows of :mod:`qlsd_flwr.compression.fixed`, ``8 + k (16 d + 32)`` bits at
 16 bits, ``8 + 32 k d`` at 32) and gets each client's report as sent (products: the same as the block). The kinds (``PREP_KINDS`` of
 :mod:`qlsd_flwr.outputs.bits`) follow what the exchange is for: a gradient in the θ* descent is
-``descent``, in the warm-up of ``metric-from = adapt`` ``warmup``; a product or a gradient difference in the
-power iteration for λ_max ``power_iteration``; a curvature report ``curvature``, a block of the correction's
+``descent``, in the warm-up of ``metric-from = adapt`` ``warmup``; a product or a gradient difference for a
+``λ_max`` (γ's Lanczos iteration, and the descent's power iteration for its step) ``power_iteration`` (the key's
+name from before γ's Lanczos iteration, 2026-12-04); a curvature report ``curvature``, a block of the correction's
 products ``products``; the claims at θ*
 ``claims`` (:func:`count_claims`). The counts go into the preparation's facts (``prep_bits``, and the
 totals ``prep_exchanges``, ``prep_uplink_bits``, ``prep_downlink_bits``).
@@ -29,7 +30,7 @@ from qlsd_flwr.protocol.gradients import theta_width
 
 #: how the progress lines name each kind of exchange
 LABELS = {"descent": "θ* descent", "curvature": "curvature reports", "products": "Hessian-vector products",
-          "power_iteration": "power iteration (λ_max)", "warmup": "warm-up", "claims": "claims at θ*"}
+          "power_iteration": "λ_max products", "warmup": "warm-up", "claims": "claims at θ*"}
 
 
 class Traffic:

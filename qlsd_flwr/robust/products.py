@@ -1,6 +1,6 @@
-"""The power iteration's products held to scale: one client cannot steer ``gamma = auto`` (issue 38).
+"""``gamma = auto``'s products held to scale: one client cannot steer ``gamma = auto`` (issue 38).
 
-``gamma = auto`` is ``c / λ_max(M^½ ∇²U(θ*) M^½)``, and the power iteration finds ``λ_max`` from
+``gamma = auto`` is ``c / λ_max(M^½ ∇²U(θ*) M^½)``, and the Lanczos iteration finds ``λ_max`` from
 Hessian-vector products ``∇²U u``: each client's own ``∇²U_i u`` in one exchange where the engine can ask for it
 (:func:`qlsd_flwr.protocol.curvature_exchange.power_products`, since issue 37), else the central difference of its
 gradients at ``θ* ± εu``. Summed as they came, one client's difference scaled ×1e4 made γ 5,000× smaller (the chain frozen, 70 sd off
@@ -22,8 +22,10 @@ over it is scaled down to it (``products_clipped``, the log naming the rule).
 
 **What one client can still do.** At every product the iteration reads, ``Σ q ≤ (1 + a_i) q_{−i}`` with
 ``a_i = max(SHARE, FACTOR_SHARE_DATUM · N_i / N_{−i})``, and ``q_{−i} = vᵀ B_{−i} v ≤ λ_max(B_{−i})`` (``v`` the
-iterate in ``M``'s whitened coordinates, ``B_{−i}`` the others' and the prior's part of ``M^½ ∇²U M^½``, which
-is at most the honest federation's wherever the liar's own data have a convex potential). So the λ_max it
+vector asked about, in ``M``'s whitened coordinates, ``B_{−i}`` the others' and the prior's part of ``M^½ ∇²U M^½``,
+which is at most the honest federation's wherever the liar's own data have a convex potential). The value the
+Lanczos iteration returns is such a quotient, that of one more product at its top Ritz vector
+(:func:`qlsd_flwr.core.spectral.lambda_max`; the iteration's other entries only choose that vector). So the λ_max it
 returns is at most ``1 + a_i`` times the honest one, and γ smaller by at most that factor: **3.2 for one client of ten equal
 ones** (``1 + 20/9``), 2.05 for one of twenty, and never more than the per-datum clip's
 ``1 + FACTOR_PRODUCT · N_i / N_{−i}`` (6.6 for one of ten, the bound before this rule). A claimed ``N_i`` raises
@@ -36,8 +38,9 @@ down), never with a silent γ. Enlarging γ is not bounded by a factor.
 
 **The constants, measured on honest clients** (``python benchmarks/bench_honest_claims.py --shares``, the same
 37 log-concave cases, ``benchmarks/honest_products.json``; every product of the power iteration from a random
-start at θ*, then 5 random directions): a client's ``q_i / q_{−i}`` reached 2.05 (digits
-over 5 clients, Dirichlet(0.1); 1.85 over 10 clients, for a client with 75 % of breast_cancer's points), and
+start at θ*, 5 random directions, and since 2026-12-04 every vector of the Lanczos iteration from a random start and
+its top Ritz vectors): a client's ``q_i / q_{−i}`` reached 2.10 (breast_cancer over 5 clients, Dirichlet(0.5), at a
+Lanczos vector; 2.05 before, digits over 5 clients, Dirichlet(0.1)), and
 where it passed 1 its curvature per datum was at most 10.3× the others' (``q_i N_{−i} / (q_{−i} N_i)``), so
 ``FACTOR_SHARE_DATUM = 20`` leaves a factor of 1.9: no honest part was held in the 37 cases. **Networks are
 not covered by that measurement**: their clients' parts at θ* are not convex, and honest ones pass both rules
