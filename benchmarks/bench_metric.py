@@ -199,7 +199,8 @@ def run_predictive(out: Path, which: str) -> dict:
 
     # these modes measured the main job as it was until 2026-12-02 (600 rounds, c = 1, θ broadcast in float64):
     # pinned, so that each reproduces what it recorded (the main job now: bench_mainjob_reference.py --sweep)
-    QLSD_MAIN = {**QLSD_MAIN, "gamma-c": 1.0, "num-rounds": 600, "burn-in": 150, "thin": 3, "downlink": "off"}
+    QLSD_MAIN = {**QLSD_MAIN, "gamma-c": 1.0, "num-rounds": 600, "burn-in": 150, "thin": 3, "downlink": "off",
+                 "metric-block": 0, "metric-rank-exchanges": 32}  # the 512 products alone (until 2026-12-04)
     if which == "mainjob":  # the metrics at the former step settings (s = 2, c = 0.25)
         bases = {"mainjob": {**QLSD_MAIN, "engine": "vectorised", "s": "2", "gamma-c": 0.25}}
         metrics = [("identity (γ = 2e-3, the old default)", {"metric": "identity", "gamma": 2e-3}),
