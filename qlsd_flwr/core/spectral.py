@@ -49,16 +49,17 @@ def lambda_max(grad_fn, theta: np.ndarray, metric: Metric, seed: int, iters: int
     a value ≤ 0 (a saddle, a maximum, or false products) is the caller's to name."""
     hvp = _central(grad_fn) if hvp is None else hvp
 
-    def product(v):  # B v: one exchange
-        u = metric.apply_root(v)
-        eps = fd_step(theta) / max(float(np.max(np.abs(u))), 1e-300)
-        return metric.apply_root_t(hvp(theta, u, eps))
+    def product(v):
+        return _product(hvp, theta, metric, v)
 
     d = theta.shape[0]
-    v = rng.normal(seed, rng.Stream.INIT, -2 & 0xFFFFFFFF, 0, d) if start is None or not start_saw_all else None
-    if start is not None:
-        s0 = np.asarray(start, np.float64)
-        v = s0 / np.linalg.norm(s0) if v is None else s0 / np.linalg.norm(s0) + v / np.linalg.norm(v)
+    if start is None:
+        v = _random_start(seed, d)
+    else:
+        v = np.asarray(start, np.float64) / np.linalg.norm(start)
+        if not start_saw_all:
+            r = _random_start(seed, d)
+            v = v + r / np.linalg.norm(r)
     v = v / np.linalg.norm(v)
     V = np.empty((max(1, min(int(iters), lanczos_vectors(d), d)), d))  # the Lanczos vectors, as rows
     alpha: list[float] = []
@@ -94,6 +95,18 @@ def lambda_max(grad_fn, theta: np.ndarray, metric: Metric, seed: int, iters: int
     return (q if math.isfinite(q) else max(alpha)), len(alpha) + 1
 
 
+def _random_start(seed: int, d: int) -> np.ndarray:
+    """Both iterations' random start, stream ``(seed, INIT, −2, 0)``."""
+    return rng.normal(seed, rng.Stream.INIT, -2 & 0xFFFFFFFF, 0, d)
+
+
+def _product(hvp, theta: np.ndarray, metric: Metric, v: np.ndarray) -> np.ndarray:
+    """``B v = (M^½)ᵀ ∇²U M^½ v``: one exchange of products, at a step ``ε`` scaled to ``M^½ v``'s largest entry."""
+    u = metric.apply_root(v)
+    eps = fd_step(theta) / max(float(np.max(np.abs(u))), 1e-300)
+    return metric.apply_root_t(hvp(theta, u, eps))
+
+
 def _central(grad_fn):
     """``∇²U u`` as the central difference ``(∇U(θ + εu) − ∇U(θ − εu)) / 2ε`` of ``grad_fn``: two exchanges."""
     def hvp(th, u, eps):
@@ -120,14 +133,11 @@ def rough_lambda_max(grad_fn, theta: np.ndarray, metric: Metric, seed: int, iter
 
 def _power(hvp, theta: np.ndarray, metric: Metric, seed: int, iters: int, tol: float, shift: float):
     """The power iteration of :func:`rough_lambda_max` on ``M^½ (∇²U − shift·M⁻¹) M^½``, i.e. ``M^½ ∇²U M^½ − shift I``."""
-    v = rng.normal(seed, rng.Stream.INIT, -2 & 0xFFFFFFFF, 0, theta.shape[0])
+    v = _random_start(seed, theta.shape[0])
     v = v / np.linalg.norm(v)
     lam, it = 0.0, 0
     for it in range(1, iters + 1):
-        u = metric.apply_root(v)
-        eps = fd_step(theta) / max(float(np.max(np.abs(u))), 1e-300)
-        hu = hvp(theta, u, eps)
-        w = metric.apply_root_t(hu) - shift * v  # (M^{1/2})ᵀ H u, shifted (exactly itself at shift 0: v is finite)
+        w = _product(hvp, theta, metric, v) - shift * v  # shifted (exactly itself at shift 0: v is finite)
         new = float(v @ w)
         nw = float(np.linalg.norm(w))
         if not np.isfinite(nw) or nw == 0.0:
