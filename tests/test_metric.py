@@ -221,10 +221,10 @@ def test_one_huge_report_is_scaled_to_its_share_and_cannot_dominate_the_metric()
 def _curvature_mod(kind: str, report: str | None = None):
     """A client mod that rewrites client 1's curvature reply (after the client computed it); ``report``:
     only replies of that kind (``"hvp"``: the Hessian-vector products of ``metric-rank``; ``"kronecker-block"``:
-    ``metric-block``'s float32 blocks)."""
+    ``metric-block``'s blocks, as square roots)."""
     from flwr.app import ConfigRecord
 
-    from qlsd_flwr.compression import fixed
+    from qlsd_flwr.compression import fixed, root
     from qlsd_flwr.flower.records import RECORD, from_content
 
     def mod(msg, ctx, call_next):
@@ -242,8 +242,18 @@ def _curvature_mod(kind: str, report: str | None = None):
                 "short": lambda: fixed.encode(h, bits)[:-2]}[kind]()
             out.content[RECORD] = ConfigRecord(rec)
             return out
-        width = "<f4" if fields.get("kind") == "kronecker-block" else "<f8"  # metric-block's blocks are float32
-        h = np.frombuffer(rec["payload"], dtype=width).astype(np.float64)
+        if fields.get("kind") == "kronecker-block":  # metric-block's blocks travel as square roots (compression.root)
+            buf = rec["payload"]
+            m = int(np.frombuffer(buf, dtype="<u4", count=1, offset=1)[0])
+            B = root.decode(buf, m)
+            piv = bytearray(buf)
+            piv[9:13] = piv[13:17]  # the first pivot repeated: not an ordering of the rows
+            rec["payload"] = {"nan": lambda: root.encode(np.full_like(B, np.nan)), "negative": lambda: bytes(piv),
+                              "huge": lambda: root.encode(B * 1e12 + 1e12), "short": lambda: buf[:-2]}[kind]()
+            out.content[RECORD] = ConfigRecord(rec)
+            return out
+        h = np.frombuffer(rec["payload"], dtype="<f8").astype(np.float64)
+        width = "<f8"
         bad = {"nan": np.full_like(h, np.nan), "negative": -h - 1.0, "huge": h * 1e12 + 1e12,
                "short": h[:-1]}[kind]
         rec["payload"] = bad.astype(width).tobytes()
@@ -417,16 +427,27 @@ def test_kronecker_reports_are_checked_and_a_foreign_layout_is_refused():
     G, A = np.eye(F), np.eye(K) * 0.2
     good = cv.kron_report(G, A, np.arange(d))
     assert cv.check_report(good, "kronecker", d)["G"].shape == (F, F)
-    for bad, why in ((cv.kron_report(G, A, np.zeros(d)), "ordering"),
-                     (np.concatenate([[4], good[1:]]), "sizes"),
-                     (cv.kron_report(-G, A, np.arange(d)), "semi-definite"),
-                     (good[:-1], "sizes|numbers"), (np.full_like(good, np.nan), "non-finite")):
+    head = np.frombuffer(good, dtype="<f4", count=2 + K * K + d).copy()
+
+    def with_head(h):
+        return h.astype("<f4").tobytes() + good[4 * head.size:]
+
+    nan_a, neg_a, four = head.copy(), head.copy(), head.copy()
+    nan_a[2] = np.nan
+    neg_a[2:2 + K * K] = -np.eye(K).ravel()
+    four[0] = 4
+    for bad, why in ((cv.kron_report(G, A, np.zeros(d)), "ordering"), (with_head(four), "sizes"),
+                     (with_head(neg_a), "A is not positive semi-definite"), (good[:-1], "G: expected"),
+                     (with_head(nan_a), "non-finite"), (good[:5], "bytes"), (np.zeros(40), "bytes"),
+                     (cv.kron_report(np.full((F, F), np.nan), A, np.arange(d)), "G: a row's scale")):
         with pytest.raises(ReportError, match=why):
             cv.check_report(bad, "kronecker", d)
+    # G travels as a square root: whatever a client sends decodes to a semi-definite G (here: nothing of −I)
+    assert np.array_equal(cv.check_report(cv.kron_report(-G, A, np.arange(d)), "kronecker", d)["G"], np.zeros((F, F)))
     reps = {i: cv.check_report(good, "kronecker", d) for i in range(3)}
-    other = good.copy()
+    other = head.copy()
     other[-d:] = np.arange(d)[::-1]
-    reps[3] = cv.check_report(other, "kronecker", d)
+    reps[3] = cv.check_report(with_head(other), "kronecker", d)
     _, info = cv.metric_from_kronecker(reps, np.full(4, 10), np.full(d, 1.0), d)
     assert list(info["curvature_rejected"]) == ["3"]
 

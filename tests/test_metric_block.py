@@ -8,7 +8,7 @@ import logging
 import numpy as np
 import pytest
 
-from qlsd_flwr.compression import fixed
+from qlsd_flwr.compression import fixed, root
 from qlsd_flwr.config import ConfigError, resolve
 from qlsd_flwr.core import curvature as cv
 from qlsd_flwr.core import kron_block as kb
@@ -48,7 +48,9 @@ def _with_block(task, theta, kfac, prior, k, T=None):
 def test_the_block_makes_the_metric_the_exact_curvature_on_its_directions_and_k_equal_to_the_inputs_is_the_hessian():
     """On ``S = span(Q_k) ⊗ R^K`` the metric's inverse is the Hessian's restriction (``M`` is ``H_S^{−1}`` there and
     K-FAC elsewhere), and with every input direction it is ``∇²U``'s inverse: the whitened curvature is ``I``
-    (the directions and the blocks in float32, as they travel: to 1e-5)."""
+    (the directions in float32 and the blocks as 16-bit square roots, as they travel: each entry of a client's root
+    within ``R_ff/2L`` makes each entry of ``Σ B_i`` within ``Σ tr B_i / L``, 6e-3 of ``H``'s largest here; measured
+    2.1e-5, and the whitened curvature within 4.4e-4 of 1, so the tolerances are 1e-4 and 2e-3)."""
     task, theta, kfac, H, prior = _digits()
     F, K = kfac.kron.den.shape
     d = task.dim
@@ -56,15 +58,15 @@ def test_the_block_makes_the_metric_the_exact_curvature_on_its_directions_and_k_
     full, info = _with_block(task, theta, kfac, prior, F)
     assert info["block_dim"] == d and info["block_scaled"] == []
     Mi = Minv_dense(full)
-    assert np.max(np.abs(Mi - H)) <= 1e-5 * np.max(np.abs(H))
+    assert np.max(np.abs(Mi - H)) <= 1e-4 * np.max(np.abs(H))
     R = np.stack([full.apply_root(e) for e in np.eye(d)], axis=1)
     w = np.linalg.eigvalsh(R.T @ H @ R)
-    assert abs(w[0] - 1) < 1e-5 and abs(w[-1] - 1) < 1e-5
+    assert abs(w[0] - 1) < 2e-3 and abs(w[-1] - 1) < 2e-3
     k = 12
     part, info = _with_block(task, theta, kfac, prior, k)
     P = kb.directions(kfac.kron, kfac.kron.qg[:, F - k:], np.eye(k * K))  # an orthonormal basis of S in θ's order
     Mi = Minv_dense(part)
-    assert np.max(np.abs(P.T @ Mi @ P - P.T @ H @ P)) <= 1e-5 * np.max(np.abs(H))
+    assert np.max(np.abs(P.T @ Mi @ P - P.T @ H @ P)) <= 1e-4 * np.max(np.abs(H))
     # off S it is K-FAC's: a direction orthogonal to S (an eigenvector of K-FAC outside it) keeps K-FAC's curvature
     e = kb.directions(kfac.kron, kfac.kron.qg[:, :1], np.eye(K))[:, 0]
     assert abs(e @ Mi @ e - e @ Minv_dense(kfac) @ e) <= 1e-6 * abs(e @ Minv_dense(kfac) @ e)
@@ -79,7 +81,8 @@ def test_the_block_makes_the_metric_the_exact_curvature_on_its_directions_and_k_
     T = np.triu(np.random.default_rng(2).uniform(0.5, 2.0, size=(k, k)))
     other, _ = _with_block(task, theta, kfac, prior, k, T)
     x = np.random.default_rng(3).normal(size=d)
-    assert np.max(np.abs(other.apply(x) - part.apply(x))) <= 1e-4 * np.max(np.abs(part.apply(x)))  # float32 blocks, T
+    # (the two bases' blocks round differently as 16-bit roots: 1.1e-4 measured)
+    assert np.max(np.abs(other.apply(x) - part.apply(x))) <= 1e-3 * np.max(np.abs(part.apply(x)))
 
 
 def test_a_spike_within_the_per_datum_cap_is_held_by_the_leave_one_out_rule():
@@ -117,8 +120,9 @@ def test_engines_agree_bit_for_bit_and_the_exchange_is_counted(tmp_path):
     plain = run({**base, "engine": "vectorised", "metric-block": 0, "run-name": "plain"})
     m, d, b_ = 16, 62, 4
     cur, cur0 = s["bits"]["preparation"]["curvature"], plain.summary["bits"]["preparation"]["curvature"]
-    # the block exchange: each client's triangle in float32 up; θ* and the directions (float32 rows) down
-    assert cur["uplink"] - cur0["uplink"] == b_ * 32 * m * (m + 1) // 2
+    # the block exchange: each client's square root up (compression.root), of rank 8: with K = 2 outputs each point's
+    # A_j = p_j(1 − p_j)(1, −1)(1, −1)ᵀ has rank 1, so B_i has rank k = 8 of its 16; θ* and the directions down
+    assert cur["uplink"] - cur0["uplink"] == b_ * root.message_bits(8, m) < b_ * 32 * m * (m + 1) // 2
     rows = -(-8 * 31 // d)  # the 8 input directions of breast_cancer's 31 inputs (with the bias) as rows of d
     assert cur["downlink"] - cur0["downlink"] == b_ * (32 * d + fixed.message_bits(rows, d, 32))  # θ* in float32
     assert cur["exchanges"] == cur0["exchanges"] + 1
@@ -186,7 +190,8 @@ def test_metric_rank_on_top_of_the_block_corrects_off_it_and_the_two_are_one_cor
 
 @pytest.mark.parametrize("kind", ["nan", "short", "negative", "huge"])
 def test_a_hostile_block_report_is_refused_or_held_to_its_share(kind, tmp_path, caplog):
-    """A block that does not decode, is not finite or not positive semi-definite (negated) is refused and counted;
+    """A block that does not decode (short, or its pivots not an ordering: "negative", as a root cannot be) or is not
+    finite is refused and counted;
     one ×1e12 + 1e12 is held so that it raises the whitened curvature on ``S`` by at most ``1 + FACTOR_SHARE N_i/N_{−i}``."""
     from qlsd_flwr.run.simulate import run_inprocess
 
@@ -227,8 +232,10 @@ def test_the_key_is_refused_by_name_where_it_cannot_apply_and_a_bad_message_is_r
         kb.local_block(task.clients[0], np.zeros(task.dim), kb.pack(np.ones((31, 32)), task.dim))
     with pytest.raises(ConfigError, match="metric-block"):  # DG-LMC's exact draw takes an uncorrected metric
         resolve({"variant": "dg-lmc", "metric": "kronecker", "metric-block": 4})
-    with pytest.raises(cv.ReportError, match="expected"):
+    with pytest.raises(cv.ReportError, match="not a square-root report"):
         kb.check_block(np.zeros(5), 3)
+    with pytest.raises(cv.ReportError, match="of a 3 × 3 matrix"):  # a root of another size
+        kb.check_block(root.encode(np.eye(4)), 3)
 
 
 def test_a_torch_softmax_layer_reports_the_block_the_logistic_task_does():
@@ -250,8 +257,8 @@ def test_a_torch_softmax_layer_reports_the_block_the_logistic_task_does():
     Q = np.linalg.qr(rng.normal(size=(6, 4)))[0]
     V = kb.pack(Q, 18)
     theta = np.concatenate([p.detach().numpy().ravel() for p in lin.parameters()]).astype(np.float64)
-    ours, theirs = kb.local_block(pot, theta, V), kb.local_block(ref, W.ravel(), V)
-    assert np.max(np.abs(ours - theirs)) <= 1e-5 * np.max(np.abs(theirs))
+    ours, theirs = (kb.check_block(kb.local_block(p, th, V), 12) for p, th in ((pot, theta), (ref, W.ravel())))
+    assert np.max(np.abs(ours - theirs)) <= 1e-4 * np.max(np.abs(theirs))  # each as its 16-bit root travels
     with pytest.raises(ValueError, match="metric = kronecker"):
         kb.local_block(TorchPotential(nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)), X, y),
                        np.zeros(39), V)

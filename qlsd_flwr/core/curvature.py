@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from qlsd_flwr.compression import root
 from qlsd_flwr.core import rng
 from qlsd_flwr.core.kron import Kron
 from qlsd_flwr.core.lowrank import fd_step
@@ -109,12 +110,12 @@ def local_curvature(pot, theta: np.ndarray, kind: str, seed: int, client: int) -
     return (Q * np.abs(w)) @ Q.T
 
 
-#: K-FAC's first report travels as float32 (issue 37: the input factor's triangle was the main job's largest report,
-#: ``F̃(F̃+1)/2 = 308,505`` numbers a client, 4.0e8 bits of float64 for 20 clients). float32 keeps every entry to
-#: ``2⁻²⁴`` of itself, so the metric to ``F̃ 2⁻²⁴ ≈ 5e-5`` of ``G``'s largest entry in any direction, far below the
-#: prior's share on the main job; the rounding can leave ``G`` (of rank at most the client's data count) and ``Ā``
-#: (the softmax's Hessian has the all-ones null vector) a little indefinite, so the check allows that much and
-#: shifts the matrix back to semi-definite (:func:`_psd`'s ``rounding``)
+#: K-FAC's first report: ``[F̃, K, Ā (K²), perm (d)]`` as float32 numbers, then ``G_i`` as its square root in 16-bit
+#: rows (:mod:`qlsd_flwr.compression.root`). ``G_i``'s float32 triangle, ``F̃(F̃+1)/2 = 308,505`` numbers a client,
+#: was 2.0e8 of the main job's preparation uplink; its root, of rank at most the client's data count plus one
+#: (201), is 4.5e7, and positive semi-definite whatever arrives. ``Ā`` (the softmax's Hessian has the all-ones
+#: null vector) may come a little indefinite from float32's rounding, which the check allows and shifts back
+#: (:func:`_psd`'s ``rounding``)
 KRON_REPORT_DTYPE = np.float32
 #: the curvature kind of K-FAC's later exchanges: the output factor ``Ā_i`` alone. The input factor ``G_i =
 #: Σ_j x̃_j x̃_jᵀ`` is the client's data alone, the same at every θ, so the server keeps it from the client's
@@ -123,17 +124,15 @@ KRON_REPORT_DTYPE = np.float32
 KRON_OUTPUTS = "kronecker-a"
 
 
-def kron_report(G: np.ndarray, A: np.ndarray, perm) -> np.ndarray:
-    """K-FAC's first report as it travels: ``[F̃, K, G's upper triangle row by row (F̃(F̃+1)/2), Ā (K²),
-    perm (d)]``, float32 numbers (:data:`KRON_REPORT_DTYPE`). ``G`` is symmetrised first, ``½G + ½Gᵀ``, so the
-    mirrored triangle is a symmetric matrix at half the bits."""
+def kron_report(G: np.ndarray, A: np.ndarray, perm) -> bytes:
+    """K-FAC's first report as it travels: ``[F̃, K, Ā (K²), perm (d)]`` as float32 numbers, then ``½G + ½Gᵀ``'s
+    square root (:func:`qlsd_flwr.compression.root.encode`: 16-bit rows of its pivoted Cholesky factor)."""
     G = np.asarray(G, dtype=np.float64)
     F, K = G.shape[0], np.shape(A)[0]
-    sym = 0.5 * G + 0.5 * G.T
     A = 0.5 * np.asarray(A, dtype=np.float64) + 0.5 * np.asarray(A, dtype=np.float64).T  # both round alike in float32
     with np.errstate(over="ignore"):  # beyond float32's range: inf, which the server refuses as not finite
-        return np.concatenate([[F, K], sym[np.triu_indices(F)], np.ravel(A),
-                               np.asarray(perm, dtype=np.float64)]).astype(np.float32)
+        head = np.concatenate([[F, K], np.ravel(A), np.asarray(perm, dtype=np.float64)]).astype("<f4")
+    return head.tobytes() + root.encode(0.5 * G + 0.5 * G.T)
 
 
 def kron_outputs_report(F: int, A: np.ndarray) -> np.ndarray:
@@ -165,14 +164,14 @@ class KronInputs(dict):
 def check_report(h, kind: str, d: int) -> np.ndarray:
     """A client's curvature report as a float64 array, or :class:`ReportError` saying why: the wrong
     length, a value that is not finite, a negative diagonal, an asymmetric or indefinite matrix."""
+    if kind == "kronecker":  # bytes: float32 numbers and G's root
+        return _check_kron_report(h, d)
     try:
         a = np.asarray(h, dtype=np.float64)
     except (TypeError, ValueError, OverflowError) as exc:
         raise ReportError(f"not an array of numbers ({type(exc).__name__})") from None
     if a.size and np.all(np.isfinite(a)) and float(np.max(np.abs(a))) > REPORT_MAX:
         raise ReportError(f"values above {REPORT_MAX:g}")
-    if kind == "kronecker":
-        return _check_kron_report(a, d)
     if kind == KRON_OUTPUTS:
         return _check_kron_outputs(a, d)
     shape = (d,) if kind == "diagonal" else (d, d)
@@ -228,22 +227,31 @@ def _check_kron_outputs(a: np.ndarray, d: int) -> dict:
     return {"F": F, "K": K, "A": _psd(a[2:].reshape(K, K), "A")}
 
 
-def _check_kron_report(a: np.ndarray, d: int) -> dict:
-    """A :func:`kron_report` as a dict ``{"G", "A", "perm"}``, or :class:`ReportError`."""
-    F, K = _kron_sizes(a, d)
-    tri = F * (F + 1) // 2
-    if a.size != 2 + tri + K * K + d:
-        raise ReportError(f"expected {2 + tri + K * K + d} numbers, got {a.size}")
-    iu = np.triu_indices(F)
-    G = np.empty((F, F))
-    G[iu] = a[2:2 + tri]
-    G[iu[1], iu[0]] = a[2:2 + tri]
-    A = a[2 + tri:2 + tri + K * K].reshape(K, K)
-    perm = a[2 + tri + K * K:]
+def _check_kron_report(buf, d: int) -> dict:
+    """A :func:`kron_report` as a dict ``{"G", "A", "perm"}``, or :class:`ReportError`: its float32 numbers
+    first (sizes, ``Ā``, ``perm``), then ``G``'s root, which decodes to a positive semi-definite matrix or not at
+    all (:mod:`qlsd_flwr.compression.root`)."""
+    if not isinstance(buf, (bytes, bytearray)) or len(buf) < 8:
+        raise ReportError("expected K-FAC's report as bytes (float32 numbers, then G's square root)")
+    F, K = _kron_sizes(np.frombuffer(buf, dtype="<f4", count=2).astype(np.float64), d)
+    n = 2 + K * K + d
+    if len(buf) < 4 * n:
+        raise ReportError(f"expected at least {4 * n} bytes (the layer's sizes, Ā and perm), got {len(buf)}")
+    a = np.frombuffer(buf, dtype="<f4", count=n).astype(np.float64)
+    if not np.all(np.isfinite(a)):
+        raise ReportError("non-finite values")
+    A = a[2:2 + K * K].reshape(K, K)
+    perm = a[2 + K * K:]
     if not np.array_equal(np.sort(perm), np.arange(d, dtype=np.float64)):
         raise ReportError("perm is not an ordering of θ's coordinates")
+    try:
+        G = root.decode(bytes(buf[4 * n:]), F)
+    except ValueError as exc:
+        raise ReportError(f"G: {exc}") from None
+    if max(float(np.max(np.abs(G), initial=0.0)), float(np.max(np.abs(A)))) > REPORT_MAX:
+        raise ReportError(f"values above {REPORT_MAX:g}")
     eps = float(np.finfo(KRON_REPORT_DTYPE).eps) / 2  # float32's rounding, 2⁻²⁴
-    return {"G": _psd(G, "G", F * eps), "A": _psd(A, "A", K * eps), "perm": perm.astype(np.int64)}
+    return {"G": G, "A": _psd(A, "A", K * eps), "perm": perm.astype(np.int64)}
 
 
 #: why a report was scaled (``curvature_scaled_why``; the log names it): the per-datum cap, then the leave-one-out rule

@@ -9,7 +9,7 @@ from 512 Hessian-vector products (1.29e9 bits up, 1.45e9 down on the main job). 
 the top ``k`` eigenvectors of ``G = Σ_i G_i`` (``k F̃`` numbers), and each client reports its exact curvature on
 ``S = span(Q_k) ⊗ R^K``, couplings included:
 
-    ``B_i = Σ_j (Q_kᵀ x̃_j)(Q_kᵀ x̃_j)ᵀ ⊗ A_j``   (``m × m``, ``m = kK``; its upper triangle, float32)
+    ``B_i = Σ_j (Q_kᵀ x̃_j)(Q_kᵀ x̃_j)ᵀ ⊗ A_j``   (``m × m``, ``m = kK``; as its square root in 16-bit rows)
 
 (``k = 50`` on the main job: 8.0e7 bits up, 2.5e7 down, 16× and 58× fewer than the products, for a whitened
 condition number of 11.7 against their 9.7: ``benchmarks/RESULTS.md``, "A base metric without products").
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from qlsd_flwr.core.curvature import _psd
+from qlsd_flwr.compression import root
 from qlsd_flwr.core.lowrank import RITZ_FLOOR
 from qlsd_flwr.core.metric import MetricError
 from qlsd_flwr.robust.claims import POOL_MIN
@@ -68,10 +68,12 @@ def unpack(V: np.ndarray, F: int) -> np.ndarray:
     return np.ascontiguousarray(cols[:k].T)
 
 
-def block_report(Xa: np.ndarray, P: np.ndarray, Q: np.ndarray) -> np.ndarray:
-    """A client's ``B_i = Σ_j z_j z_jᵀ ⊗ (diag p_j − p_j p_jᵀ)``, ``z_j = Qᵀ x̃_j``, as it travels: the upper
-    triangle row by row, float32. ``Xa``: the inputs with the bias's 1 (``(n, F̃)``); ``P``: the softmax
-    outputs (``(n, K)``); ``Q``: ``(F̃, k)``. The coordinates are ``(f, a)``, ``f`` major."""
+def block_report(Xa: np.ndarray, P: np.ndarray, Q: np.ndarray) -> bytes:
+    """A client's ``B_i = Σ_j z_j z_jᵀ ⊗ (diag p_j − p_j p_jᵀ)``, ``z_j = Qᵀ x̃_j``, as it travels: its square root
+    in 16-bit rows (:func:`qlsd_flwr.compression.root.encode`; 1.6e8 bits for the main job's 20 clients against
+    3.2e8 as a float32 triangle, and positive semi-definite whatever arrives). ``Xa``: the inputs with the bias's 1
+    (``(n, F̃)``); ``P``: the softmax outputs (``(n, K)``); ``Q``: ``(F̃, k)``. The coordinates are ``(f, a)``,
+    ``f`` major."""
     Xa, P = np.asarray(Xa, dtype=np.float64), np.asarray(P, dtype=np.float64)
     Z = Xa @ np.asarray(Q, dtype=np.float64)  # (n, k)
     n, k, K = Z.shape[0], Z.shape[1], P.shape[1]
@@ -79,8 +81,7 @@ def block_report(Xa: np.ndarray, P: np.ndarray, Q: np.ndarray) -> np.ndarray:
     B = -(Y.T @ Y)
     for a in range(K):  # the diag p_j part, on the (·, a), (·, a) entries
         B[a::K, a::K] += (Z * P[:, a:a + 1]).T @ Z
-    with np.errstate(over="ignore"):  # beyond float32's range: inf, which the server refuses as not finite
-        return (0.5 * B + 0.5 * B.T)[np.triu_indices(k * K)].astype(np.float32)
+    return root.encode(0.5 * B + 0.5 * B.T)
 
 
 def local_block(pot, theta: np.ndarray, V: np.ndarray) -> np.ndarray:
@@ -99,24 +100,16 @@ def local_block(pot, theta: np.ndarray, V: np.ndarray) -> np.ndarray:
 
 
 def check_block(h, m: int) -> np.ndarray:
-    """A client's block report as the symmetric ``(m, m)`` float64 matrix, or :class:`ReportError`: not numbers,
-    the wrong length, not finite, too large, or not positive semi-definite (beyond float32's rounding)."""
+    """A client's block report as the symmetric positive semi-definite ``(m, m)`` float64 matrix its root gives
+    (:func:`qlsd_flwr.compression.root.decode`), or :class:`ReportError`: not a root of an ``m × m`` matrix, not
+    finite, or too large."""
     try:
-        a = np.asarray(h, dtype=np.float64)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise ReportError(f"not an array of numbers ({type(exc).__name__})") from None
-    if a.ndim != 1 or a.size != m * (m + 1) // 2:
-        raise ReportError(f"expected {m * (m + 1) // 2} numbers (the upper triangle of a {m} × {m} block), got "
-                          f"{a.size}")
-    if not np.all(np.isfinite(a)):
-        raise ReportError("non-finite values")
-    if a.size and float(np.max(np.abs(a))) > REPORT_MAX:
+        B = root.decode(h, m)
+    except ValueError as exc:
+        raise ReportError(str(exc)) from None
+    if B.size and float(np.max(np.abs(B))) > REPORT_MAX:
         raise ReportError(f"values above {REPORT_MAX:g}")
-    B = np.empty((m, m))
-    iu = np.triu_indices(m)
-    B[iu] = a
-    B[iu[1], iu[0]] = a
-    return _psd(B, "the block", m * float(np.finfo(np.float32).eps) / 2)
+    return B
 
 
 def basis(kron, Q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -59,7 +59,7 @@ QLSD_MAIN = {
     "num-clients": 20, "prior-var": 0.2, "variant": "qlsd-pp", "s": "16", "l": 20, "p": "1.0",
     "alpha": "auto", "batch-fraction": 0.32, "gamma": "auto", "gamma-c": 0.5, "metric": "kronecker", "metric-block": 100,
     "metric-rank": 150, "metric-rank-exchanges": 4,
-    "init": "dispersed", "opt-tol": 1e-3, "loo": "off", "num-rounds": 1200, "burn-in": 300, "thin": 3, "num-chains": 4,
+    "init": "dispersed", "opt-tol": 1e-2, "loo": "off", "num-rounds": 1200, "burn-in": 300, "thin": 3, "num-chains": 4,
     "downlink": "qsgd", "engine": "ray", "seed": 0, "data-seed": 0,
     "output-dir": "outputs", "run-name": "",
 }

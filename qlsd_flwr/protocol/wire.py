@@ -109,20 +109,19 @@ def bytes_to_arr(b: bytes, d: int) -> np.ndarray:
     return np.frombuffer(b, dtype="<f8").astype(np.float64)
 
 
-def report_bytes(h: np.ndarray) -> bytes:
-    """A curvature report's payload: its numbers row by row, float32 where the report is float32 (K-FAC's first,
-    :data:`qlsd_flwr.core.curvature.KRON_REPORT_DTYPE`), float64 otherwise."""
-    h = np.asarray(h)
-    return np.ascontiguousarray(h.ravel(), dtype="<f4").tobytes() if h.dtype == np.float32 else arr_to_bytes(h.ravel())
+def report_bytes(h) -> bytes:
+    """A curvature report's payload: bytes as they are (K-FAC's first report and ``metric-block``'s, which carry a
+    square root in 16-bit rows: :mod:`qlsd_flwr.compression.root`), the other reports' numbers as float64."""
+    return bytes(h) if isinstance(h, (bytes, bytearray)) else arr_to_bytes(np.asarray(h).ravel())
 
 
 def report_of(buf, kind: str):
-    """A curvature report as received: float32 numbers for K-FAC's first (``kind = "kronecker"``), float64 for the
-    others, or the bytes as they came when they are not whole numbers (the preparation's check refuses those)."""
-    width = 4 if kind in ("kronecker", "kronecker-block") else 8  # K-FAC's first report, metric-block's
-    if not isinstance(buf, (bytes, bytearray)) or len(buf) % width:
+    """A curvature report as received: the bytes themselves for K-FAC's first (``kind = "kronecker"``) and
+    ``metric-block``'s, which their checks read; float64 numbers for the others, or the bytes as they came when
+    they are not whole numbers (the preparation's check refuses those)."""
+    if kind in ("kronecker", "kronecker-block") or not isinstance(buf, (bytes, bytearray)) or len(buf) % 8:
         return buf
-    return np.frombuffer(buf, dtype="<f4" if width == 4 else "<f8")
+    return np.frombuffer(buf, dtype="<f8")
 
 
 class PhaseError(RuntimeError):

@@ -1,0 +1,126 @@
+"""How a client's positive semi-definite report travels (issue 37): as its square root in 16-bit rows.
+
+K-FAC's input factor ``G_i = Σ_j x̃_j x̃_jᵀ`` and ``metric-block``'s ``B_i`` are the main job's largest reports (an
+upper triangle of float32 numbers: 308,505 and 500,500 a client, 5.2e8 of the preparation's 9.9e8 uplink bits). A
+triangle rounded to 16 bits does not do: its error in spectral norm is up to ``m/2L`` of its largest entry
+(``m = 1,000``: 1.5 %), which leaves the matrix indefinite, and shifting it back to semi-definite adds that much
+curvature in every direction, twenty clients' worth; the bottom of ``B``'s spectrum is what ``metric-block`` is for.
+
+So a client sends a root ``R`` with ``Pᵀ S P = RᵀR`` instead: the pivoted Cholesky factor (LAPACK ``dpstrf``),
+upper trapezoidal, ``r × m`` for a report of rank ``r``, with its pivots ``P``. Whatever ``R`` arrives, ``RᵀR`` is
+positive semi-definite: **rounding cannot make the report indefinite, and nor can a client**, so the check is
+structural. Each row of ``R`` goes as :mod:`qlsd_flwr.compression.fixed`'s 16-bit row of its entries from the
+diagonal on (pivoting makes ``|R_fj| ≤ R_ff``, so the row's scale is its diagonal), and the error of ``RᵀR``
+along a direction ``u`` is ``2 (Ru)ᵀ(Eu) + ‖Eu‖²``, ``|E_fj| ≤ R_ff / 2L``: relative to ``uᵀSu = ‖Ru‖²`` it is
+about ``‖Eu‖ / ‖Ru‖``, a square root's precision where the triangle's was the matrix's (16 bits on ``R`` keep
+what 32 keep on ``S``). Cost: ``32 (m + r) + 16 (r m − r(r−1)/2)`` bits, against ``32 m(m+1)/2`` for the float32
+triangle: half for a full-rank report, less for a low-rank one (a client's ``G_i`` has rank at most its data
+count plus one, 201 of 785 on the main job: a fifth).
+
+Both ends round the same way (:func:`rounded` is ``decode(encode(S))``), so every engine uses the numbers Flower
+carries.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+from scipy.linalg import lapack
+
+from qlsd_flwr.compression import fixed
+
+#: the first byte of a root message (``fixed``'s rows start with 16 or 32)
+TAG = 0x52
+#: :func:`factor` stops at a pivot below this times ``m`` times the largest diagonal entry: float32's rounding, 2⁻²⁴
+RANK_TOL = 2.0 ** -24
+_HEAD = struct.Struct("<BII")  # tag, m, r
+_INDEX = np.dtype("<u4")
+_FLOAT = np.dtype("<f4")
+_LEVEL = np.dtype("<i2")
+
+
+def factor(S: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(R, piv)`` with ``S[piv][:, piv] ≈ RᵀR``: the pivoted Cholesky factor of the symmetric positive
+    semi-definite ``S`` (``m × m``), ``R`` upper trapezoidal ``(r, m)``. It stops at the first pivot below
+    :data:`RANK_TOL` ``m`` times the largest diagonal entry: what it leaves is semi-definite and at most that in
+    spectral norm, the error float32's triangle had (and a matrix computed in float64 from ``n`` points has
+    rounding of about ``n ε`` there, which LAPACK's own ``m ε`` would keep as rank). A matrix that is not finite
+    gives ``ValueError``."""
+    S = np.asarray(S, dtype=np.float64)
+    m = S.shape[0]
+    if not np.all(np.isfinite(S)):
+        raise ValueError("a report to factor is not finite")
+    if m == 0 or not np.any(np.diag(S) > 0):
+        return np.zeros((0, m)), np.arange(m)
+    tol = RANK_TOL * m * float(np.max(np.diag(S)))
+    c, piv, rank, info = lapack.dpstrf(0.5 * S + 0.5 * S.T, tol=tol, lower=0)
+    if info < 0:
+        raise ValueError(f"dpstrf: argument {-info} is illegal")
+    return np.triu(c[:rank]), piv.astype(np.int64) - 1
+
+
+def _mask(r: int, m: int) -> np.ndarray:
+    return np.arange(m)[None, :] >= np.arange(r)[:, None]
+
+
+def encode(S) -> bytes:
+    """``S`` (``m × m``, symmetric positive semi-definite) as it travels: :data:`TAG`, ``m``, ``r``, the pivots
+    (``m`` uint32), the rows' float32 scales and their 16-bit levels from the diagonal on (module docstring).
+    A report that is not finite, or a row beyond float32's range, travels with a NaN scale, which every reader
+    refuses: a client's failed report is refused and counted by the server on every engine alike."""
+    S = np.asarray(S, dtype=np.float64)
+    if not np.all(np.isfinite(S)):
+        m = S.shape[0]
+        return (_HEAD.pack(TAG, m, 1) + np.arange(m, dtype=_INDEX).tobytes() + np.float32(np.nan).tobytes()
+                + np.zeros(m, dtype=_LEVEL).tobytes())
+    R, piv = factor(S)
+    r, m = R.shape
+    s32 = fixed._scales(R) if r else np.zeros(0, dtype=_FLOAT)
+    levels = fixed._levels(R, s32)[_mask(r, m)] if r else np.zeros(0, dtype=_LEVEL)
+    return (_HEAD.pack(TAG, m, r) + piv.astype(_INDEX).tobytes() + s32.astype(_FLOAT).tobytes()
+            + levels.astype(_LEVEL).tobytes())
+
+
+def message_bits(r: int, m: int) -> int:
+    """The code length of a rank-``r`` root of an ``m × m`` report."""
+    return 8 * _HEAD.size + 32 * (m + r) + 16 * (r * m - r * (r - 1) // 2)
+
+
+def decode(buf, m: int) -> np.ndarray:
+    """The ``(m, m)`` float64 matrix ``P RᵀR Pᵀ`` of :func:`encode`'s bytes (symmetric and positive
+    semi-definite whatever they held), or ``ValueError`` saying why: not bytes, another tag or size, a length
+    other than the rows', pivots that are not an ordering of ``0 … m−1``, or a scale that is negative or not
+    finite."""
+    if not isinstance(buf, (bytes, bytearray)) or len(buf) < _HEAD.size:
+        raise ValueError("not a square-root report")
+    tag, mm, r = _HEAD.unpack_from(buf)
+    if tag != TAG or mm != int(m) or r > mm:
+        raise ValueError(f"not a square-root report of a {m} × {m} matrix (tag {tag}, size {mm}, rank {r})")
+    m = int(m)
+    n = r * m - r * (r - 1) // 2
+    if len(buf) != message_bits(r, m) // 8:
+        raise ValueError(f"expected {message_bits(r, m) // 8} bytes for rank {r}, got {len(buf)}")
+    at = _HEAD.size
+    piv = np.frombuffer(buf, dtype=_INDEX, count=m, offset=at).astype(np.int64)
+    if not np.array_equal(np.sort(piv), np.arange(m)):
+        raise ValueError("its pivots are not an ordering of the rows")
+    s32 = np.frombuffer(buf, dtype=_FLOAT, count=r, offset=at + 4 * m)
+    if not (np.all(np.isfinite(s32)) and np.all(s32 >= 0)):
+        raise ValueError("a row's scale is negative or not finite")
+    L = np.zeros((r, m), dtype=_LEVEL)
+    L[_mask(r, m)] = np.frombuffer(buf, dtype=_LEVEL, count=n, offset=at + 4 * (m + r))
+    return _square(fixed._values(L, s32), piv)
+
+
+def _square(R: np.ndarray, piv: np.ndarray) -> np.ndarray:
+    m = piv.size
+    Sp = R.T @ R  # finite: R's entries are at most float32's largest, 3.4e38, so each sum is below m 1.2e77
+    S = np.empty((m, m))
+    S[np.ix_(piv, piv)] = 0.5 * Sp + 0.5 * Sp.T
+    return S
+
+
+def rounded(S) -> np.ndarray:
+    """``decode(encode(S))`` without the bytes: ``S`` as the server reads it."""
+    return decode(encode(S), np.shape(S)[0])
