@@ -422,6 +422,27 @@ def test_the_kronecker_metric_is_the_inverse_of_g_kron_a_plus_the_prior_and_its_
     assert np.array_equal(again.apply(np.arange(d, dtype=float)), m.apply(np.arange(d, dtype=float)))
 
 
+def test_a_kfac_report_claiming_another_layer_is_refused_before_its_g_is_built(monkeypatch):
+    """A client sets F̃ in its report, and G travels as a square root: a rank-0 root of F̃ = d (K = 1) is a few kB, yet
+    would make the server build a d × d matrix (the review's: 63 kB, 2 GB at peak on the main job). The exchange votes
+    on the reports' layers from their float32 numbers first: the foreign one is refused, its G never decoded."""
+    from qlsd_flwr.compression import root
+    from qlsd_flwr.protocol import curvature_exchange as ce
+    from qlsd_flwr.tasks.loading import load_task
+
+    cfg = resolve({"task": "logistic", "dataset": "breast_cancer", "num-clients": 4, "metric": "kronecker",
+                   "progress": False})
+    task = load_task(cfg)
+    d, theta = task.dim, np.zeros(task.dim)
+    honest = {i: cv.local_curvature(c, theta, "kronecker", 0, i) for i, c in enumerate(task.clients)}
+    hostile = np.concatenate([[d, 1], [1.0], np.arange(d)]).astype("<f4").tobytes() + root.encode(np.zeros((d, d)))
+    assert cv.kron_layout(hostile, d)[:2] == (d, 1)  # a well-formed report of another layer
+    sizes, real = [], root.decode
+    monkeypatch.setattr(root, "decode", lambda buf, m: sizes.append(m) or real(buf, m))
+    _, info = ce.curvature_metric(cfg, task, theta, lambda th, kind: {**honest, 2: hostile}, task.n_data)
+    assert info["curvature_rejected"] == {"2": cv.FOREIGN_LAYOUT} and sizes == [d // 2] * 3
+
+
 def test_kronecker_reports_are_checked_and_a_foreign_layout_is_refused():
     d, F, K = 6, 3, 2
     G, A = np.eye(F), np.eye(K) * 0.2

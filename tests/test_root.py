@@ -24,7 +24,7 @@ def test_a_root_comes_back_within_its_rounding_and_costs_what_it_says(m, r, spre
     back = root.decode(buf, m)
     assert np.array_equal(back, back.T) and np.array_equal(back, root.rounded(S))
     # each entry of R within R_ff / 2L (pivoting: |R_fj| ≤ R_ff), so each entry of RᵀR within Σ_f R_ff² / L (1 + 1/4L)
-    # ≤ tr S / L, plus what the rank's cut left (RANK_TOL m max S_ii)
+    # ≤ tr S / L, plus what the rank's cut left (each entry below m RANK_TOL max S_ii)
     bound = np.trace(S) / fixed.LEVELS * (1 + 1 / (4 * fixed.LEVELS)) + root.RANK_TOL * m * np.max(np.diag(S))
     assert np.max(np.abs(back - S)) <= bound
     # and the root keeps the bottom of the spectrum to a square root's precision: along S's least eigenvector (of
@@ -85,3 +85,20 @@ def test_a_zero_report_is_rank_zero_and_a_non_finite_one_cannot_be_factored():
     assert 8 * len(root.encode(np.zeros((4, 4)))) == root.message_bits(0, 4)
     with pytest.raises(ValueError, match="not finite"):
         root.factor(np.full((2, 2), np.nan))
+
+
+def test_the_rank_cut_leaves_at_most_m_minus_r_times_its_tolerance():
+    # the review's case: pivots just below the cut along a direction spread over m − 1 coordinates; what the cut leaves
+    # is semi-definite with each diagonal entry below m RANK_TOL max S_ii, so its spectral norm is below (m − r) times that
+    m = 400
+    cut = m * root.RANK_TOL
+    S = np.zeros((m, m))
+    S[0, 0] = 1.0
+    S[1:, 1:] = 0.99 * cut
+    R, piv = root.factor(S)
+    back = np.empty_like(S)
+    back[np.ix_(piv, piv)] = R.T @ R
+    left = np.linalg.eigvalsh(S - back)
+    assert R.shape[0] == 1 and left[0] >= -1e-15 and 0.9 * (m - 1) * cut < left[-1] <= (m - 1) * cut
+    S[1:, 1:] = 1.01 * cut  # just above the cut: kept
+    assert root.factor(S)[0].shape[0] == 2

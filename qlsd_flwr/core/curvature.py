@@ -61,7 +61,7 @@ HUTCHINSON_PROBES = 64
 
 
 
-def local_curvature(pot, theta: np.ndarray, kind: str, seed: int, client: int) -> np.ndarray:
+def local_curvature(pot, theta: np.ndarray, kind: str, seed: int, client: int) -> np.ndarray | bytes:
     """Client ``i``'s curvature of its data potential at ``θ``: ``(d,)`` (``kind = diagonal``) or
     ``(d, d)`` (``dense``), positive semi-definite.
 
@@ -227,10 +227,45 @@ def _check_kron_outputs(a: np.ndarray, d: int) -> dict:
     return {"F": F, "K": K, "A": _psd(a[2:].reshape(K, K), "A")}
 
 
+#: why a K-FAC report whose layer is not the majority's is refused
+FOREIGN_LAYOUT = "a layer shape or layout (perm) other than the other clients'"
+
+
+def kron_layout(buf, d: int) -> tuple[int, int, bytes]:
+    """A :func:`kron_report`'s layer ``(F̃, K, perm's bytes)`` from its float32 numbers alone, ``G`` not decoded, or
+    :class:`ReportError`: what the clients vote on (:func:`common_layout`) before any ``F̃ × F̃`` matrix is built,
+    since a client sets ``F̃`` (a 63 kB report with ``F̃ = d``, ``K = 1`` would make the server build ``d × d``)."""
+    F, K, a = _kron_head(buf, d)
+    return F, K, a[2 + K * K:].tobytes()
+
+
+def common_layout(keys: dict) -> object:
+    """The layout most reports give, ``keys`` ``{client: layout}``; a tie goes to the lowest client's (a function
+    of the reports alone, never of hashing)."""
+    votes = {k: sum(v == k for v in keys.values()) for k in keys.values()}
+    return keys[min(keys, key=lambda i: (-votes[keys[i]], i))]
+
+
 def _check_kron_report(buf, d: int) -> dict:
     """A :func:`kron_report` as a dict ``{"G", "A", "perm"}``, or :class:`ReportError`: its float32 numbers
     first (sizes, ``Ā``, ``perm``), then ``G``'s root, which decodes to a positive semi-definite matrix or not at
     all (:mod:`qlsd_flwr.compression.root`)."""
+    F, K, a = _kron_head(buf, d)
+    n = a.size
+    A = a[2:2 + K * K].reshape(K, K)
+    perm = a[2 + K * K:]
+    try:
+        G = root.decode(bytes(buf[4 * n:]), F)
+    except ValueError as exc:
+        raise ReportError(f"G: {exc}") from None
+    if max(float(np.max(np.abs(G), initial=0.0)), float(np.max(np.abs(A)))) > REPORT_MAX:
+        raise ReportError(f"values above {REPORT_MAX:g}")
+    eps = float(np.finfo(KRON_REPORT_DTYPE).eps) / 2  # float32's rounding, 2⁻²⁴
+    return {"G": G, "A": _psd(A, "A", K * eps), "perm": perm.astype(np.int64)}
+
+
+def _kron_head(buf, d: int) -> tuple[int, int, np.ndarray]:
+    """``(F̃, K, [F̃, K, Ā, perm])`` of a :func:`kron_report`'s float32 numbers, checked, or :class:`ReportError`."""
     if not isinstance(buf, (bytes, bytearray)) or len(buf) < 8:
         raise ReportError("expected K-FAC's report as bytes (float32 numbers, then G's square root)")
     F, K = _kron_sizes(np.frombuffer(buf, dtype="<f4", count=2).astype(np.float64), d)
@@ -240,18 +275,9 @@ def _check_kron_report(buf, d: int) -> dict:
     a = np.frombuffer(buf, dtype="<f4", count=n).astype(np.float64)
     if not np.all(np.isfinite(a)):
         raise ReportError("non-finite values")
-    A = a[2:2 + K * K].reshape(K, K)
-    perm = a[2 + K * K:]
-    if not np.array_equal(np.sort(perm), np.arange(d, dtype=np.float64)):
+    if not np.array_equal(np.sort(a[2 + K * K:]), np.arange(d, dtype=np.float64)):
         raise ReportError("perm is not an ordering of θ's coordinates")
-    try:
-        G = root.decode(bytes(buf[4 * n:]), F)
-    except ValueError as exc:
-        raise ReportError(f"G: {exc}") from None
-    if max(float(np.max(np.abs(G), initial=0.0)), float(np.max(np.abs(A)))) > REPORT_MAX:
-        raise ReportError(f"values above {REPORT_MAX:g}")
-    eps = float(np.finfo(KRON_REPORT_DTYPE).eps) / 2  # float32's rounding, 2⁻²⁴
-    return {"G": G, "A": _psd(A, "A", K * eps), "perm": perm.astype(np.int64)}
+    return F, K, a
 
 
 #: why a report was scaled (``curvature_scaled_why``; the log names it): the per-datum cap, then the leave-one-out rule
@@ -279,14 +305,13 @@ def metric_from_kronecker(reports: dict[int, dict], n_data, prior_curv: np.ndarr
     info: dict = {"curvature_reports": len(reports), "curvature_scaled": [], "curvature_rejected": {}}
     if not reports:
         raise MetricError("metric = kronecker: no valid curvature report")
-    # the layer's shape and layout most reports give; a tie goes to the lowest client's (a function of
-    # the reports alone, never of hashing)
+    # the layer's shape and layout most reports give (the curvature exchange votes on the reports' heads before it
+    # decodes any G, with the same rule: this one is then a no-op)
     keys = {i: (r["G"].shape[0], r["A"].shape[0], r["perm"].tobytes()) for i, r in reports.items()}
-    votes = {k: sum(v == k for v in keys.values()) for k in keys.values()}
-    common = keys[min(reports, key=lambda i: (-votes[keys[i]], i))]
+    common = common_layout(keys)
     for i in sorted(reports):
         if keys[i] != common:
-            info["curvature_rejected"][str(i)] = "a layer shape or layout (perm) other than the other clients'"
+            info["curvature_rejected"][str(i)] = FOREIGN_LAYOUT
             del reports[i]
     n = clamped_counts(n_data, reports)
     why: dict[int, str] = {}

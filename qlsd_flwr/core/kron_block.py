@@ -84,7 +84,7 @@ def block_report(Xa: np.ndarray, P: np.ndarray, Q: np.ndarray) -> bytes:
     return root.encode(0.5 * B + 0.5 * B.T)
 
 
-def local_block(pot, theta: np.ndarray, V: np.ndarray) -> np.ndarray:
+def local_block(pot, theta: np.ndarray, V: np.ndarray) -> bytes:
     """Client ``i``'s :func:`block_report` at ``θ`` for the input directions the server sent as rows ``V``
     (:func:`pack`); ``ValueError`` for a potential without ``kron_inputs`` (one dense softmax layer)."""
     if not hasattr(pot, "kron_inputs"):

@@ -54,6 +54,8 @@ def curvature_metric(cfg: RunConfig, task: Task, point: np.ndarray, curv_fn: Cur
         kind = cfg.metric
         reports = curv_fn(point, kind)
     ok = {}
+    if kind == "kronecker":  # the clients vote on the layer before any G is decoded (cv.kron_layout)
+        reports = _majority_layout(reports, task.dim, refused)
     for i, h in reports.items():
         try:
             if kind == cv.KRON_OUTPUTS:
@@ -79,6 +81,23 @@ def curvature_metric(cfg: RunConfig, task: Task, point: np.ndarray, curv_fn: Cur
         log.warning("client %d: curvature report %s (curvature_scaled)", i,
                     why.get(i, f"scaled down to {REPORT_CAP:g} × the clients' per-datum curvature"))
     return metric, cinfo
+
+
+def _majority_layout(reports: dict, d: int, refused: dict) -> dict:
+    """K-FAC's first reports whose layer (``F̃``, ``K``, ``perm``, read from their float32 numbers alone) is the one
+    most give; the others, and those whose numbers do not read, go to ``refused`` with the reason, logged."""
+    keys = {}
+    for i, h in reports.items():
+        try:
+            keys[int(i)] = cv.kron_layout(h, d)
+        except ReportError as exc:
+            refused[int(i)] = str(exc)
+            log.warning("client %s: curvature report refused: %s (curvature_rejected)", i, exc)
+    common = cv.common_layout(keys) if keys else None
+    for i in sorted(k for k in keys if keys[k] != common):
+        refused[i] = cv.FOREIGN_LAYOUT
+        log.warning("client %s: curvature report refused: %s (curvature_rejected)", i, cv.FOREIGN_LAYOUT)
+    return {i: h for i, h in reports.items() if keys.get(int(i), None) == common and common is not None}
 
 
 def needs_curvature(cfg: RunConfig) -> bool:
