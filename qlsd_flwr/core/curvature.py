@@ -113,7 +113,7 @@ def local_curvature(pot, theta: np.ndarray, kind: str, seed: int, client: int) -
 #: K-FAC's first report: ``[F̃, K, Ā (K²), perm (d)]`` as float32 numbers, then ``G_i`` as its square root in 16-bit
 #: rows (:mod:`qlsd_flwr.compression.root`). ``G_i``'s float32 triangle, ``F̃(F̃+1)/2 = 308,505`` numbers a client,
 #: was 2.0e8 of the main job's preparation uplink; its root, of rank at most the client's data count plus one
-#: (201), is 4.5e7, and positive semi-definite whatever arrives. ``Ā`` (the softmax's Hessian has the all-ones
+#: (198–200 of 785), is 4.5e7, and positive semi-definite whatever arrives. ``Ā`` (the softmax's Hessian has the all-ones
 #: null vector) may come a little indefinite from float32's rounding, which the check allows and shifts back
 #: (:func:`_psd`'s ``rounding``)
 KRON_REPORT_DTYPE = np.float32

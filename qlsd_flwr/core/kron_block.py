@@ -70,7 +70,7 @@ def unpack(V: np.ndarray, F: int) -> np.ndarray:
 
 def block_report(Xa: np.ndarray, P: np.ndarray, Q: np.ndarray) -> bytes:
     """A client's ``B_i = Σ_j z_j z_jᵀ ⊗ (diag p_j − p_j p_jᵀ)``, ``z_j = Qᵀ x̃_j``, as it travels: its square root
-    in 16-bit rows (:func:`qlsd_flwr.compression.root.encode`; 1.6e8 bits for the main job's 20 clients against
+    in 16-bit rows (:func:`qlsd_flwr.compression.root.encode`; 1.1e8 bits for the main job's 20 clients at θ* against
     3.2e8 as a float32 triangle, and positive semi-definite whatever arrives). ``Xa``: the inputs with the bias's 1
     (``(n, F̃)``); ``P``: the softmax outputs (``(n, K)``); ``Q``: ``(F̃, k)``. The coordinates are ``(f, a)``,
     ``f`` major."""

@@ -97,7 +97,7 @@ def _majority_layout(reports: dict, d: int, refused: dict) -> dict:
     for i in sorted(k for k in keys if keys[k] != common):
         refused[i] = cv.FOREIGN_LAYOUT
         log.warning("client %s: curvature report refused: %s (curvature_rejected)", i, cv.FOREIGN_LAYOUT)
-    return {i: h for i, h in reports.items() if keys.get(int(i), None) == common and common is not None}
+    return {i: h for i, h in reports.items() if int(i) in keys and keys[int(i)] == common}
 
 
 def needs_curvature(cfg: RunConfig) -> bool:
