@@ -42,7 +42,10 @@ def one(over: dict) -> dict:
     def traced(th, precision=64):
         g = grad_fn(th, precision)
         norms.append(float(np.linalg.norm(g)))
+        traced.scales = grad_fn.scales  # the clients' row scales, for the descent's next width (DescentWidth)
         return g
+
+    traced.scales = None
 
     for name in ("clients", "combine", "n_data", "kept"):
         setattr(traced, name, getattr(grad_fn, name))

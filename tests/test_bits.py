@@ -20,6 +20,7 @@ import json
 import numpy as np
 import pytest
 
+from qlsd_flwr.compression import fixed
 from qlsd_flwr.config import resolve
 from qlsd_flwr.engines.local import run_local
 from qlsd_flwr.engines.vectorised import run_vectorised
@@ -27,6 +28,15 @@ from qlsd_flwr.run.simulate import run_inprocess
 
 #: per message: Flower's records, metadata and the client's settings (sent with its first message)
 FRAMING_BYTES = 4096
+
+
+def _descent_bits(widths: dict, d: int, b: int) -> tuple[int, int]:
+    """The descent's bits both ways from the widths its rule chose (``opt_widths``: width → exchanges): θ down as
+    float32 (float64 at 64), each gradient up as one fixed-point row at 12 or 16 bits, else ``width d``."""
+
+    up = sum(n * (fixed.message_bits(1, d, int(w)) if int(w) < 32 else int(w) * d) for w, n in widths.items())
+    down = sum(n * (64 if int(w) == 64 else 32) * d for w, n in widths.items())
+    return up * b, down * b
 
 
 def _rows(run_dir) -> list[dict]:
@@ -54,16 +64,20 @@ def test_the_bits_object_adds_up_phase_by_phase(tmp_path, capsys):
     assert {"descent", "curvature", "power_iteration"} <= set(prep)
     assert bits["uplink"]["preparation"] == sum(k["uplink"] for k in prep.values()) == s["prep_uplink_bits"]
     assert bits["downlink"]["preparation"] == sum(k["downlink"] for k in prep.values()) == s["prep_downlink_bits"]
-    # the descent: θ down as float32 and ∇U_i(θ) up as a 16-bit row, each client (θ* is only where the curvature is taken:
-    # precondition.DESCENT_PRECISION); the power iteration: θ and u down, ∇²U_i u up, as float32 rows, θ in float64 at
-    # the descent's stages (float32 where the point is exactly a float32 vector, as θ_0 = 0 is) and in float32 at θ*,
-    # the descent's result rounded to what it carried (traffic.point_bits): θ's part is n + (its float64 ones) times
-    # 32 d b, the last power iteration's `last` exchanges in float32
-    n = prep["descent"]["exchanges"]
-    assert prep["descent"]["downlink"] == 32 * d * b * n > 0 and prep["descent"]["uplink"] == (16 * d + 40) * b * n
+    # the descent: θ down as float32 and ∇U_i(θ) up as a 12- or 16-bit row, each client, at the widths its rule chose
+    # (θ* is only where the curvature is taken: descent.DescentWidth); the power iteration: θ and u down, ∇²U_i u up,
+    # as 16-bit rows (the metrics' scales span less than fixed.SPREAD_16), θ in float64 at the descent's stages
+    # (float32 where the point is exactly a float32 vector, as θ_0 = 0 is) and in float32 at θ*, the descent's result
+    # rounded to what it carried (traffic.point_bits): θ's part is n + (its float64 ones) times 32 d b, the last
+    # power iteration's `last` exchanges in float32
+    n, widths = prep["descent"]["exchanges"], s["opt_widths"]
+    assert sum(widths.values()) == n > 0 and set(widths) <= {"12", "16", "32"}
+    assert (prep["descent"]["uplink"], prep["descent"]["downlink"]) == _descent_bits(widths, d, b)
     n, last = prep["power_iteration"]["exchanges"], s["lambda_max_iterations"]
-    assert prep["power_iteration"]["uplink"] == (8 + 32 * d) * b * n > 0 and 0 < last < n
-    points, rest = divmod(prep["power_iteration"]["downlink"] - (8 + 32 * d) * b * n, 32 * d * b)
+    row = fixed.message_bits(1, d, 16)
+    assert s["metric_spread"] <= fixed.SPREAD_16
+    assert prep["power_iteration"]["uplink"] == row * b * n > 0 and 0 < last < n
+    points, rest = divmod(prep["power_iteration"]["downlink"] - row * b * n, 32 * d * b)
     assert rest == 0 and n <= points <= 2 * n - last
     assert prep["curvature"]["uplink"] == 64 * d * b * prep["curvature"]["exchanges"]  # a diagonal a client
     assert (bits["uplink"]["loo"], bits["downlink"]["loo"]) == (s["loo"]["bits_up"], s["loo"]["bits_down"]) != (0, 0)
@@ -81,14 +95,17 @@ def test_the_descent_is_narrower_only_where_theta_star_is_only_the_curvature_poi
     o = {"task": "logistic", "dataset": "breast_cancer", "num-clients": 4, "prior-var": 0.05, "metric": "diagonal",
          "gamma": "auto", "num-rounds": 4, "burn-in": 0, "progress": False, "plot": False, "loo": "off",
          "output-dir": str(tmp_path)}
-    for variant, up, down in (("qlsd-pp", 16 * 62 + 40, 32 * 62), ("qlsd-star", 64 * 62, 64 * 62)):
+    for variant in ("qlsd-pp", "qlsd-star"):
         c = {**o, "variant": variant, "theta-star": "optimise"}
         local = run_local(resolve({**c, "run-name": f"l-{variant}"}))
         s = json.loads((local.run_dir / "summary.json").read_text())
         row = s["bits"]["preparation"]["descent"]
-        # QLSD++: θ as float32, each gradient back as one 16-bit row (a tag byte, a float32 scale, d levels)
+        # QLSD++: θ as float32, each gradient back as one 12- or 16-bit row (a tag byte, a float32 scale, d levels) as
+        # its rule chose (opt_widths); QLSD*: float64 both ways, no rule
         assert s["d"] == 62 and row["exchanges"] > 0, variant
-        assert (row["uplink"], row["downlink"]) == (up * 4 * row["exchanges"], down * 4 * row["exchanges"]), variant
+        widths = s.get("opt_widths", {"64": row["exchanges"]})
+        assert ("opt_widths" in s) == (variant == "qlsd-pp") and sum(widths.values()) == row["exchanges"], variant
+        assert (row["uplink"], row["downlink"]) == _descent_bits(widths, 62, 4), variant
         flwr = run_inprocess(resolve({**c, "engine": "inprocess", "run-name": f"f-{variant}"}), {**c, "engine": "inprocess"})
         sf = json.loads((flwr.run_dir / "summary.json").read_text())
         assert sf["bits"]["preparation"]["descent"] == row and sf["gamma"] == s["gamma"], variant
@@ -266,12 +283,14 @@ def test_the_metric_goes_once_a_message_and_is_counted_once(tmp_path):
     assert extra[1] == extra[3] > 0
 
 
-def test_the_16_bit_descent_reaches_theta_star_within_its_tolerance():
-    # the descent's gradients come back as 16-bit rows (precondition.DESCENT_PRECISION): the θ* it ends at must
-    # meet the stopping rule with the exact float64 gradient, ‖∇U(θ*)‖ ≤ opt-tol (1 + ‖∇U(θ_0)‖), as the float64
-    # descent's does (QLSD*'s, on the same task), and it must end near that one
+@pytest.mark.parametrize("tol", [1e-4, 1e-7])
+def test_the_narrow_descent_reaches_theta_star_within_its_tolerance(tol):
+    # the descent's gradients come back as rows as narrow as its stopping rule allows (descent.DescentWidth): the θ*
+    # it ends at must meet the stopping rule with the exact float64 gradient, ‖∇U(θ*)‖ ≤ opt-tol (1 + ‖∇U(θ_0)‖), as
+    # the float64 descent's does (QLSD*'s, on the same task), and it must end near that one; the width grows as the
+    # threshold shrinks (at 1e-7, 16-bit rows' rounding is above it: float32)
     from qlsd_flwr.core.curvature import KronInputs
-    from qlsd_flwr.protocol import build, precondition
+    from qlsd_flwr.protocol import build, descent, precondition
     from qlsd_flwr.protocol.traffic import Traffic, counted
     from qlsd_flwr.tasks import loading
 
@@ -279,7 +298,7 @@ def test_the_16_bit_descent_reaches_theta_star_within_its_tolerance():
     for variant in ("qlsd-pp", "qlsd-star"):
         cfg = resolve({"task": "logistic", "dataset": "breast_cancer", "num-clients": 4, "prior-var": 0.05,
                        "metric": "diagonal", "gamma": "auto", "theta-star": "optimise", "variant": variant,
-                       "opt-tol": 1e-4, "progress": False})
+                       "opt-tol": tol, "progress": False})
         task = loading.load_task(cfg)
         specs = [build.client_spec(cfg, i, task.clients[i].n_data, task.dim, task.prior, build.blocks_for(cfg, task))
                  for i in range(cfg.b)]
@@ -289,8 +308,36 @@ def test_the_16_bit_descent_reaches_theta_star_within_its_tolerance():
                                              KronInputs(), precondition.products_for(task, grad_fn, curv_fn, n, info))
         exact = sum(c.grad_sum(theta) for c in task.clients) + task.prior.grad(theta)
         assert info["opt_converged"], variant
-        assert np.linalg.norm(exact) <= 1e-4 * (1.0 + info["opt_grad0_norm"]), variant
-        up = traffic.info["prep_bits"]["descent"]["uplink"] // (cfg.b * traffic.info["prep_bits"]["descent"]["exchanges"])
-        assert up == (16 * task.dim + 40 if variant == "qlsd-pp" else 64 * task.dim), variant  # the widths compared
-        out[variant] = theta
-    assert np.max(np.abs(out["qlsd-pp"] - out["qlsd-star"])) <= 1e-3 * np.max(np.abs(out["qlsd-star"]))
+        # the rule's allowance: the exact gradient within 1 + ROUNDING_SHARE of the threshold
+        assert np.linalg.norm(exact) <= (1 + descent.ROUNDING_SHARE) * tol * (1.0 + info["opt_grad0_norm"]), variant
+        row = traffic.info["prep_bits"]["descent"]
+        widths = traffic.info.get("opt_widths", {"64": row["exchanges"]})
+        assert (row["uplink"], row["downlink"]) == _descent_bits(widths, task.dim, cfg.b), variant
+        out[variant] = (theta, widths)
+    narrow = out["qlsd-pp"][1]
+    assert "12" in narrow and ("32" in narrow) == (tol < 1e-6), narrow  # 12 bits far out; float32 only for 1e-7
+    ref = out["qlsd-star"][0]
+    assert np.max(np.abs(out["qlsd-pp"][0] - ref)) <= 1e-3 * (tol / 1e-4) * np.max(np.abs(ref))
+
+
+def test_the_descent_width_rule_and_its_recheck():
+    # protocol.descent.DescentWidth: before an exchange, the narrowest width whose rounding bound Σ_i √d σ_i/2L is
+    # within ROUNDING_SHARE of max(T, ‖∇U‖); after it, a reading that may end the descent (within its rounding of T)
+    # with a bound above ROUNDING_SHARE T is asked again at the width that meets it (a review's case: after a reading
+    # of 4T the rule takes 12 bits, whose bound is 0.98 T)
+    from qlsd_flwr.protocol.descent import ROUNDING_SHARE, DescentWidth
+
+    d, scales = 100, [1000.0] * 4
+    rule = DescentWidth(d, 1e-2)
+    assert rule(None, None) == 16 and rule.recheck(scales, 999.0, 16) is None  # θ_0's reading: T = 10
+    rule.saw(999.0)
+    T = 1e-2 * 1000.0
+    assert rule(scales, 4 * T) == 12 and rule.bound(scales, 12) / T == pytest.approx(0.977, rel=1e-3)
+    again = rule.recheck(scales, T, 12)
+    assert again == 16 and rule.bound(scales, again) <= ROUNDING_SHARE * T
+    assert rule.recheck(scales, 3 * T, 12) is None  # far above T: the reading cannot end the descent
+    fine = DescentWidth(d, 1e-4)  # T = 0.1: 16-bit rows' bound, 0.61, is above a quarter of it
+    fine.saw(999.0)
+    assert fine(scales, 0.05) == 32 and fine._narrowest(scales, 1e-12) == 64
+    rule.saw(5.0)  # later readings leave θ_0's alone
+    assert rule.g0 == 999.0

@@ -654,3 +654,23 @@ def test_omega_tables_equal_the_rule():
     y = np.arange(1, Q._FIELDS_SMALL, dtype=np.int64)
     for a, b in zip(Q._omega_fields(y), Q._omega_fields_ref(y)):
         assert np.array_equal(a, b)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(1, 40), st.integers(1, 4), st.sampled_from([12, 16, 32]), st.integers(0, 2**32 - 1))
+def test_fixed_point_rows_round_trip_at_every_width_with_their_exact_length(d, rows, bits, seed):
+    # compression.fixed: a row as it travels (12 bits: two levels in three bytes, the last padded) reads back as
+    # rounded() gives it, each entry within σ/2L of itself (σ the row's largest), and its bytes are message_bits
+    from qlsd_flwr.compression import fixed
+
+    rng = np.random.default_rng(seed)
+    X = rng.normal(size=(rows, d)) * 10.0 ** rng.uniform(-20, 20, size=(rows, 1))
+    buf = fixed.encode(X, bits)
+    assert 8 * len(buf) == fixed.message_bits(rows, d, bits) and fixed.width_of(buf) == bits
+    Y = fixed.decode(buf, d)
+    assert np.array_equal(Y, fixed.rounded(X, bits))
+    sigma = np.max(np.abs(X), axis=1, keepdims=True)
+    L = 2 ** (bits - 1) - 1 if bits < 32 else 2 ** 23  # float32: within 2⁻²⁴ of itself
+    assert np.all(np.abs(Y - X) <= sigma / (2 * L) * (1 + 1e-6) + 1e-300)
+    with pytest.raises(ValueError, match="not whole rows"):
+        fixed.decode(buf[:-1], d)

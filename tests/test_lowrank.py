@@ -204,10 +204,11 @@ def test_engines_agree_bit_for_bit_with_a_corrected_kronecker_metric_and_resume_
     assert np.array_equal(load_samples(resumed.run_dir), load_samples(one.run_dir))
 
 
-@pytest.mark.parametrize("kind", ["nan", "huge", "short", "negative"])
+@pytest.mark.parametrize("kind", ["nan", "huge", "short", "negative", "narrow"])
 def test_hostile_hessian_vector_products_are_refused_or_bounded(kind, tmp_path, caplog):
-    """A client's products are refused (wrong length, NaN) or scaled to its share (huge); an indefinite
-    one can only move the correction's directions: the metric stays SPD and the chain finite."""
+    """A client's products are refused (wrong length, NaN, rows of a width the request did not name) or scaled to
+    its share (huge); an indefinite one can only move the correction's directions: the metric stays SPD and the
+    chain finite."""
     from qlsd_flwr.run.simulate import run_inprocess
 
     o = {"engine": "inprocess", "num-rounds": 20, "burn-in": 5, "progress": False, "output-dir": str(tmp_path),
@@ -217,7 +218,7 @@ def test_hostile_hessian_vector_products_are_refused_or_bounded(kind, tmp_path, 
     s = strat.server.summary_data
     t = np.array(s["metric"]["lowrank"]["t"]) if s.get("lowrank_rank") else np.ones(1)
     assert np.all(np.isfinite(t)) and np.all(t >= lr.RITZ_FLOOR)
-    if kind in ("nan", "short"):
+    if kind in ("nan", "short", "narrow"):
         assert list(s["curvature_rejected"]) == ["1"] and "Hessian-vector products refused" in caplog.text
     if kind == "huge":
         assert 1 in s["curvature_scaled"]
@@ -284,10 +285,12 @@ def test_a_curvature_that_is_not_positive_definite_leaves_the_metric_uncorrected
 
 @pytest.mark.parametrize("cond", [1e3, 1e10])
 def test_gamma_auto_sees_every_coordinate_whatever_the_metric_s_spread(cond, monkeypatch):
-    """The power iteration's row and products travel as float32 (compression.fixed): with a diagonal metric whose
-    scales span 1e10, 16-bit rows (each entry rounded against its row's largest) lost the stiff coordinates and
-    read λ_max 3× too small, so γ 3× too large. γ must be c/λ_max of the metric it is for, within the
-    iteration's stop rule (5 %), and never above it by more than float32's rounding."""
+    """The power iteration's row and products travel as 16-bit rows where the metric's scales span at most
+    ``fixed.SPREAD_16``, float32 beyond (``curvature_exchange.products_in``): with a diagonal metric whose scales span
+    1e10, 16-bit rows (each entry rounded against its row's largest) lost the stiff coordinates and read λ_max 3×
+    too small, so γ 3× too large. γ must be c/λ_max of the metric it is for, within the iteration's stop rule (5 %),
+    and never above it by more than the rows' rounding (``fixed.quotient_bound``: at 16 bits ``(1 + b) √(spread d)/2L``
+    for ``b`` clients)."""
     task = ill_conditioned_task(d=6, cond=cond)
     P = sum(c.A for c in task.clients)
     cfg = resolve({"variant": "qlsd", "compressor": "identity", "num-clients": task.b, "dim": task.dim,
@@ -296,9 +299,14 @@ def test_gamma_auto_sees_every_coordinate_whatever_the_metric_s_spread(cond, mon
     prep = precondition.prepare(cfg, task, task.theta0, *build.direct_exchanges(cfg, task, specs))
     L = np.stack([prep.metric.apply_root(e) for e in np.eye(task.dim)], axis=1)
     lam = np.linalg.eigvalsh(L.T @ P @ L).max()
-    assert prep.metric.spread() >= 0.1 * cond
-    assert cv.GAMMA_AUTO_C / lam <= prep.gamma * (1 + 1e-6) and prep.gamma == pytest.approx(cv.GAMMA_AUTO_C / lam,
-                                                                                             rel=5e-2)
+    spread = prep.metric.spread()
+    assert spread >= 0.1 * cond
+    bits = 16 if spread <= fixed.SPREAD_16 else 32
+    power = prep.info["prep_bits"]["power_iteration"]
+    assert power["uplink"] == power["exchanges"] * task.b * fixed.message_bits(1, task.dim, bits)
+    over = fixed.quotient_bound(spread, task.dim, bits, task.b)
+    assert cv.GAMMA_AUTO_C / lam <= prep.gamma * (1 + over) and prep.gamma == pytest.approx(cv.GAMMA_AUTO_C / lam,
+                                                                                            rel=5e-2)
 
 
 def test_a_kept_client_without_a_usable_product_sends_its_gradients_instead(tmp_path, caplog):

@@ -1,7 +1,7 @@
 """How the preparation's blocks of vectors and Hessian-vector products travel (issue 37): fixed-point rows, or
 float32 where a row's entries span too many scales.
 
-A message is one tag byte, :data:`BITS` (16) or 32, then its rows:
+A message is one tag byte, :data:`NARROW` (12), :data:`BITS` (16) or 32, then its rows:
 
 * **16** — each row ``v`` of ``d`` numbers as its scale ``σ = max_j |v_j|`` (float32, rounded up so that no
   level overflows) and ``d`` signed levels ``round(v_j L / σ)``, ``L = 2^15 − 1``, read back as
@@ -9,13 +9,18 @@ A message is one tag byte, :data:`BITS` (16) or 32, then its rows:
   again is the same row). Each coordinate is within ``σ / 2L`` of ``v_j``: for a dense row of ``d = 7,850``
   numbers whose largest is four times their root mean square, a relative error of about ``3e-5`` in norm, at
   ``16 d + 32`` bits a row instead of float32's ``32 d``.
+* **12** — the same with ``L = 2^11 − 1``, two levels (each offset by ``2^11``) in three bytes, the last padded
+  with a zero level: ``24 ⌈d/2⌉ + 32`` bits a row, each coordinate within ``σ / 2L``, 16 times 16 bits' error.
+  The θ* descent's gradients take it where that error is within its stopping rule's allowance
+  (:class:`qlsd_flwr.protocol.descent.DescentWidth`).
 * **32** — each row as float32: a relative error of ``6e-8`` on every entry, however small. The power
-  iteration's row uses it (its product sets the step, and a metric whose scales span ``1e10`` made 16-bit rows
-  lose the stiff coordinates: λ_max 3× too small), and the correction's blocks when the metric's scales span
-  more than :data:`SPREAD_16` (the entries of ``M^½ x`` then span more than ``√SPREAD_16 = 1,000``, and a
-  coordinate 1,000 times below its row's largest is within 1.5 % in 16 bits).
+  iteration's row uses it where the metric's scales span more than :data:`SPREAD_16` (its product sets the step,
+  and a metric whose scales span ``1e10`` made 16-bit rows lose the stiff coordinates: λ_max 3× too small;
+  :func:`qlsd_flwr.protocol.curvature_exchange.products_in`), and so do the correction's blocks (the entries of
+  ``M^½ x`` then span more than ``√SPREAD_16 = 1,000``, and a coordinate 1,000 times below its row's largest is
+  within 1.5 % in 16 bits).
 
-A row that is not finite (or beyond float32's range) travels with a NaN scale (16) or NaN values (32), which
+A row that is not finite (or beyond float32's range) travels with a NaN scale (12, 16) or NaN values (32), which
 every reader refuses: a client's failed product is refused and counted by the server on every engine alike.
 
 Why 16 bits is enough for the correction, measured (offline, the main job's exact Hessian at the MAP, every
@@ -38,16 +43,26 @@ import numpy as np
 #: bits a level of a fixed-point row: 16 (12 measured nearly the same on the main job, 8 not; module docstring)
 BITS = 16
 LEVELS = 2 ** (BITS - 1) - 1
+#: the narrow width, two levels in three bytes: the θ* descent's gradients where its stopping rule allows
+#: (:class:`qlsd_flwr.protocol.descent.DescentWidth`)
+NARROW = 12
 #: a metric whose scales span more than this sends the correction's blocks as float32 rows (module docstring)
 SPREAD_16 = 1e6
-WIDTHS = (BITS, 32)
+WIDTHS = (NARROW, BITS, 32)
 _LEVEL = np.dtype("<i2")
 _FLOAT = np.dtype("<f4")
 
 
 def row_bits(d: int, bits: int = BITS) -> int:
-    """The code length of one row of ``d`` numbers: a float32 scale and ``d`` levels, or ``d`` float32 numbers."""
-    return 32 * int(d) if bits == 32 else 32 + BITS * int(d)
+    """The code length of one row of ``d`` numbers: a float32 scale and ``d`` levels (at :data:`NARROW`, two in three
+    bytes, the last padded), or ``d`` float32 numbers."""
+    return 8 * _row_bytes(int(d), bits)
+
+
+def _row_bytes(d: int, bits: int) -> int:
+    if bits not in WIDTHS:
+        raise ValueError(f"fixed-point rows: bits must be one of {WIDTHS}, got {bits}")
+    return 4 * d if bits == 32 else 4 + 2 * d if bits == BITS else 4 + 3 * (-(-d // 2))
 
 
 def message_bits(rows: int, d: int, bits: int = BITS) -> int:
@@ -56,8 +71,19 @@ def message_bits(rows: int, d: int, bits: int = BITS) -> int:
 
 
 def width_for(spread: float) -> int:
-    """The width of the correction's blocks for a metric whose scales span ``spread``."""
+    """The width of the correction's blocks, and of ``λ_max``'s products, for a metric whose scales span ``spread``."""
     return BITS if float(spread) <= SPREAD_16 else 32
+
+
+def quotient_bound(spread: float, d: int, bits: int, clients: int = 1) -> float:
+    """How far, relative to ``λ_max``, rounding ``u = M^½ v`` and the ``clients``' products ``∇²U_i u`` to rows of
+    ``bits`` can move the quotient ``vᵀ M^½ Σ_i ∇²U_i u`` for a unit ``v``, where each ``∇²U_i`` is positive
+    semi-definite (below the whole): each of the ``d`` entries of a row is within ``σ/2L`` of its largest ``σ``
+    (float32: ``2⁻²⁴`` of itself), ``‖u‖ ≤ √m_max`` and each ``σ_{h_i} ≤ λ_max/√m_min``, so ``u``'s rounding and each
+    product's move it by at most ``√(spread d)/2L``: ``(1 + clients) √(spread d)/2L`` in all (``L = 2²³`` for
+    float32). A client whose curvature is not semi-definite (a network's) has no such bound."""
+    return (1 + int(clients)) * float(np.sqrt(float(spread) * int(d))) / (
+        2.0 * (2.0 ** 23 if bits == 32 else 2 ** (int(bits) - 1) - 1))
 
 
 def _scales(X: np.ndarray) -> np.ndarray:
@@ -90,14 +116,46 @@ def _float32(X: np.ndarray) -> np.ndarray:
 
 
 def encode(X, bits: int = BITS) -> bytes:
-    """The rows of ``X`` (``(b, d)``, or one row) as they travel at width ``bits`` (16 or 32)."""
+    """The rows of ``X`` (``(b, d)``, or one row) as they travel at width ``bits`` (12, 16 or 32)."""
     X = np.atleast_2d(np.asarray(X, dtype=np.float64))
     if bits == 32:
         return bytes([32]) + _float32(X).tobytes()
-    if bits != BITS:
+    if bits not in WIDTHS:
         raise ValueError(f"fixed-point rows: bits must be one of {WIDTHS}, got {bits}")
     s32 = _scales(X)
-    return bytes([BITS]) + s32.tobytes() + _levels(X, s32).tobytes()
+    if bits == BITS:
+        return bytes([BITS]) + s32.tobytes() + _levels(X, s32).tobytes()
+    return bytes([NARROW]) + s32.tobytes() + _pack12(_levels(X, s32, _NARROW_TOP)).tobytes()
+
+
+_NARROW_TOP = 2 ** (NARROW - 1) - 1  # 2,047: a level and its offset 2,048 fit in 12 bits, 0 is never written
+
+
+def _pack12(q: np.ndarray) -> np.ndarray:
+    """Signed levels ``(b, d)`` in ``[−2047, 2047]`` as ``(b, 3⌈d/2⌉)`` bytes: each pair ``(a, c)``, offset by 2,048,
+    as ``a``'s low byte, ``a``'s high nibble with ``c``'s low one, ``c``'s high byte (an odd row padded with 0)."""
+    b, d = q.shape
+    u = np.full((b, 2 * (-(-d // 2))), 2 ** (NARROW - 1), dtype=np.uint16)
+    u[:, :d] = q.astype(np.int32) + 2 ** (NARROW - 1)
+    a, c = u[:, 0::2], u[:, 1::2]
+    out = np.empty((b, a.shape[1], 3), dtype=np.uint8)
+    out[..., 0] = a & 0xFF
+    out[..., 1] = (a >> 8) | ((c & 0xF) << 4)
+    out[..., 2] = c >> 4
+    return out.reshape(b, -1)
+
+
+def _unpack12(raw: np.ndarray, d: int) -> np.ndarray:
+    """:func:`_pack12`'s levels back, ``(b, d)`` int64, or ``ValueError`` for a level outside ``[−2047, 2047]`` or
+    padding that is not a zero level."""
+    t = raw.reshape(raw.shape[0], -1, 3).astype(np.int64)
+    u = np.empty((raw.shape[0], 2 * t.shape[1]), dtype=np.int64)
+    u[:, 0::2] = t[..., 0] | ((t[..., 1] & 0xF) << 8)
+    u[:, 1::2] = (t[..., 1] >> 4) | (t[..., 2] << 4)
+    q = u - 2 ** (NARROW - 1)
+    if np.any(q[:, :d] < -_NARROW_TOP) or np.any(q[:, d:] != 0):
+        raise ValueError("a 12-bit level is out of range (−2048) or the padding is not zero")
+    return q[:, :d]
 
 
 def width_of(buf) -> int:
@@ -112,7 +170,7 @@ def decode(buf, d: int, max_rows: int | None = None) -> np.ndarray:
     width, not whole rows of ``d``, more than ``max_rows`` rows, or a scale or value that is not finite (or a
     negative scale)."""
     bits, d = width_of(buf), int(d)
-    size = 4 * d if bits == 32 else 4 + 2 * d
+    size = _row_bytes(d, bits)
     body = bytes(buf[1:])
     if len(body) == 0 or len(body) % size:
         raise ValueError(f"not whole rows of {d} ({size} bytes a row at {bits} bits)")
@@ -127,6 +185,9 @@ def decode(buf, d: int, max_rows: int | None = None) -> np.ndarray:
     s32 = np.frombuffer(body, dtype=_FLOAT, count=b)
     if not (np.all(np.isfinite(s32)) and np.all(s32 >= 0)):
         raise ValueError("a row's scale is negative or not finite")
+    if bits == NARROW:
+        raw = np.frombuffer(body, dtype=np.uint8, offset=4 * b).reshape(b, size - 4)
+        return _values(_unpack12(raw, d), s32, _NARROW_TOP)
     return _values(np.frombuffer(body, dtype=_LEVEL, offset=4 * b).reshape(b, d), s32)
 
 

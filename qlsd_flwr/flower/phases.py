@@ -126,7 +126,7 @@ class PhaseExchanges:
     def gradients(self, grid, theta: np.ndarray, timeout: float, precision: int = 64) -> list[np.ndarray]:
         """The kept clients' ``∇U_i(θ)`` in client order (zeros for those left out); an unusable reply
         is asked once more, then its client is left out (:class:`LeftOut`). ``precision = 32``: θ (already
-        float32-valued) travels as float32 and the gradients come back so; 16: the gradients as 16-bit rows."""
+        float32-valued) travels as float32 and the gradients come back so; 12, 16: as fixed-point rows of that width."""
         ask = {"phase": "grad", "round": -1, "theta": theta}
         if precision != 64:  # θ (already float32-valued) as float32; the gradients at the width asked
             ask = {**ask, "theta": np.asarray(theta, dtype=np.float32), "precision": precision}
@@ -189,13 +189,14 @@ class PhaseExchanges:
         if vectors is not None:
             fields["vectors"] = fixed.encode(vectors, bits)
         got = self.ask(grid, fields, timeout, self.clients())
-        return {i: (_products(b, theta.size) if kind == "hvp" else report_of(b, kind)) for i, b in got.items()}
+        return {i: (_products(b, theta.size, bits) if kind == "hvp" else report_of(b, kind)) for i, b in got.items()}
 
 
-def _products(buf: bytes, d: int):
-    """A client's block of Hessian-vector products (fixed-point rows) as ``(b, d)`` float64, or the bytes as
-    received when they do not decode: the preparation's check refuses those, and counts them."""
+def _products(buf: bytes, d: int, bits: int):
+    """A client's block of Hessian-vector products (fixed-point rows at the width asked) as ``(b, d)`` float64, or
+    the bytes as received when they do not decode or come at another width: the preparation's check refuses those,
+    and counts them (a client answers at its request's width, as the direct engines do)."""
     try:
-        return fixed.decode(buf, d, MAX_BLOCK)
+        return fixed.decode(buf, d, MAX_BLOCK) if fixed.width_of(buf) == bits else buf
     except ValueError:
         return buf

@@ -32,7 +32,7 @@ def to_content(fields: dict, settings: dict | None = None, theta: Array | None =
     """A server → client message's content from the protocol's fields (vectors as arrays).
     ``theta``: ``θ_k`` already made an :class:`Array` (one per round, shared by its messages:
     making an ``Array`` serialises the vector)."""
-    # float32 vectors stay float32 (the θ* descent's θ, precondition.DESCENT_PRECISION); the rest travel as float64
+    # float32 vectors stay float32 (the θ* descent's θ, descent.DescentWidth); the rest travel as float64
     arrays = {k: (theta if k == "theta" and theta is not None else
                   Array(v if isinstance(v, np.ndarray) and v.dtype == np.float32 else np.asarray(v, dtype=np.float64)))
               for k, v in fields.items() if k in VECTORS}

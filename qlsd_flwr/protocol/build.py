@@ -340,12 +340,11 @@ def combine_grads(cfg: RunConfig, prior: GaussianPrior, grads, theta: np.ndarray
 
 
 def as_sent(x: np.ndarray, precision: int = 64) -> np.ndarray:
-    """``x`` as a ``precision``-bit exchange carries it, back in float64 (the identity at 64; 16: a fixed-point row,
-    :mod:`~qlsd_flwr.protocol.gradients`): every engine rounds the descent's θ and gradients where Flower's messages
-    do, so all give the same θ*."""
-    if precision == 16:
-        return fixed.rounded(x, 16)[0]
-    return np.asarray(x, dtype=np.float32).astype(np.float64) if precision == 32 else x
+    """``x`` as a ``precision``-bit exchange carries it, back in float64 (the identity at 64; 12, 16: a fixed-point
+    row, :mod:`~qlsd_flwr.protocol.gradients`): every engine rounds where Flower's messages do, so all give one θ*."""
+    if precision in (fixed.NARROW, fixed.BITS):
+        return fixed.rounded(x, precision)[0]
+    return x if precision == 64 else np.asarray(x, dtype=np.float32).astype(np.float64)
 
 
 class GradExchange:
@@ -356,7 +355,7 @@ class GradExchange:
     def __init__(self, cfg: RunConfig, prior, gradients, kept, n_data):
         self.cfg, self.prior = cfg, prior
         self._gradients, self._kept = gradients, kept  # θ → the b clients' gradients (zeros for those left out)
-        self.n_data = n_data  # the clients' N_i (claims on the Flower path)
+        self.n_data, self.scales = n_data, None  # the clients' N_i (claims on the Flower path); __call__'s scales
 
     def clients(self, th) -> dict:
         grads = self._gradients(th)
@@ -370,11 +369,13 @@ class GradExchange:
         return combine_grads(self.cfg, self.prior, [grads.get(i, np.zeros_like(th)) for i in range(self.cfg.b)], th)
 
     def __call__(self, th, precision: int = 64) -> np.ndarray:
-        """``∇U(θ)``; at ``precision = 32`` θ goes out and the gradients come back as float32, at 16 θ as float32
-        and the gradients as 16-bit rows (the θ* descent where θ* is only the point where the curvature is taken),
-        the prior's part taken at the θ the clients got."""
-        th = as_sent(th, theta_width(precision))
-        return combine_grads(self.cfg, self.prior, self._gradients(th, precision), th)
+        """``∇U(θ)``; at ``precision = 32`` θ goes out and the gradients come back as float32, at 16 or 12 θ as
+        float32 and the gradients as fixed-point rows (the θ* descent where θ* is only the point where the curvature
+        is taken), the prior's part taken at the θ the clients got. ``scales``: each client's row scale as received,
+        for the next exchange's width (:class:`qlsd_flwr.protocol.descent.DescentWidth`)."""
+        grads = self._gradients(th := as_sent(th, theta_width(precision)), precision)
+        self.scales = [float(np.max(np.abs(g), initial=0.0)) for g in grads]
+        return combine_grads(self.cfg, self.prior, grads, th)
 
 
 def direct_exchanges(cfg: RunConfig, task: Task, specs):
@@ -393,8 +394,7 @@ def direct_exchanges(cfg: RunConfig, task: Task, specs):
         if kind == "hvp":  # metric-rank, the power iteration: the block of Hessian-vector products at width bits
             return {s.index: local_hvp(task.clients[s.index], th, vectors, bits) for s in specs}
         if kind == KRON_BLOCK:  # metric-block: the input directions as the clients read them
-            V = fixed.rounded(vectors, bits)
-            return {s.index: local_block(task.clients[s.index], th, V) for s in specs}
+            return {s.index: local_block(task.clients[s.index], th, fixed.rounded(vectors, bits)) for s in specs}
         return {s.index: local_curvature(task.clients[s.index], th, kind, cfg.seed, s.index) for s in specs}
 
     return grad_fn, curv_fn

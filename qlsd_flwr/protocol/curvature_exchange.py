@@ -4,6 +4,7 @@ facts each exchange adds to the run's summary."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Callable
 
@@ -251,10 +252,11 @@ def merge_reports(info: dict, cinfo: dict) -> None:
 
 def power_products(task: Task, curv_fn: CurvFn | None, n_data, info: dict, kept=None, fallback=None):
     """γ's ``λ_max`` iteration's ``∇²U u`` (:func:`qlsd_flwr.core.spectral.lambda_max`'s ``hvp``) as one exchange of
-    Hessian-vector products, ``u`` and the clients' products as float32 rows (:mod:`qlsd_flwr.compression.fixed`:
-    the step rests on every coordinate, however small), where ``curv_fn`` can ask for them; ``None`` otherwise.
-    Against two float64 gradient exchanges at ``θ ± εu`` this sends a quarter of the uplink and 0.75× the downlink
-    (issue 37), and the product is the client's own (exact where its potential has ``hvp_batch``). Each client's product
+    Hessian-vector products, ``u`` and the clients' products as rows of ``bits`` (:mod:`qlsd_flwr.compression.fixed`;
+    :func:`products_in` sets it from the metric the iteration is for), where ``curv_fn`` can ask for them; ``None``
+    otherwise. Against two float64 gradient exchanges at ``θ ± εu`` this sends a quarter of the uplink in float32
+    rows, an eighth in 16-bit ones (issue 37), and the product is the client's own (exact where its potential has
+    ``hvp_batch``). Each client's product
     is checked (:func:`qlsd_flwr.core.lowrank.check_block`: refused and counted as ``products_rejected``) and held
     per datum to scale (:mod:`qlsd_flwr.robust.products`: ``products_clipped``, the clients named in the log).
     A sum without one of the ``kept()`` clients would read the curvature too small and the step too large: when a
@@ -267,10 +269,10 @@ def power_products(task: Task, curv_fn: CurvFn | None, n_data, info: dict, kept=
 
     d = task.dim
 
-    def hvp(th, u, eps):
-        U = fixed.rounded(u, 32)
+    def hvp(th, u, eps, bits=32):
+        U = fixed.rounded(u, bits)
         parts = {}
-        for i, h in sorted(curv_fn(th, "hvp", U, 32).items()):
+        for i, h in sorted(curv_fn(th, "hvp", U, bits).items()):
             try:
                 parts[int(i)] = lr.check_block(h, 1, d)[0]
             except ReportError as exc:
@@ -287,4 +289,23 @@ def power_products(task: Task, curv_fn: CurvFn | None, n_data, info: dict, kept=
         held, _ = held_parts(parts, n_data, info, U[0], float(U[0] @ prior))
         return sum((held[i] for i in sorted(held)), np.zeros(d)) + prior
 
+    hvp.widths = True  # products_in may choose its rows' width
     return hvp
+
+
+def products_in(hvp, metric: Metric):
+    """``hvp`` for the ``λ_max`` of ``metric`` (``M^½ᵀ ∇²U M^½``): :func:`power_products`' rows 16 bits wide where the
+    metric's scales span at most :data:`~qlsd_flwr.compression.fixed.SPREAD_16`, float32 beyond; any other ``hvp``
+    (central differences of float64 gradients) as it is.
+
+    Why 16 bits are enough there: a row's entries are rounded within ``σ/2L`` of its largest, ``σ``. For ``b`` clients
+    with semi-definite curvature that moves the Rayleigh quotient ``vᵀ M^½ᵀ ∇²U u`` (``u = M^½ v``) by at most
+    ``(1 + b) √(spread d)/2L`` of ``λ_max`` (:func:`~qlsd_flwr.compression.fixed.quotient_bound`, which the tests hold γ
+    to), a worst case of aligned errors; independent errors of mean zero move it by about one entry's worth a row,
+    ``‖u‖ σ_h/(2L√3)``, at most ``√spread/(2L√3)`` each: 3e-3 on the main job (spread 9.3e4; measured: λ_max
+    2.2019255 against float32's 2.2019184), 9e-3 at ``SPREAD_16``, the size of the Lanczos iteration's own stop rule
+    (1e-2). At a spread of 1e10 the same rows lost the stiff coordinates (λ_max 3× too small;
+    ``tests/test_lowrank.py``)."""
+    if not getattr(hvp, "widths", False):
+        return hvp
+    return functools.partial(hvp, bits=fixed.width_for(metric.spread()))

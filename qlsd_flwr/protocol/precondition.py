@@ -41,9 +41,10 @@ from qlsd_flwr.protocol.curvature_exchange import (
     merge_reports,
     needs_curvature,
     power_products,
+    products_in,
     prior_curvature,
 )
-from qlsd_flwr.protocol.descent import DESCENT_PRECISION, DESCENT_STAGES, curvature_point  # noqa: F401 (re-exported)
+from qlsd_flwr.protocol.descent import DESCENT_STAGES, DescentWidth, curvature_point  # noqa: F401 (re-exported)
 from qlsd_flwr.protocol.theta_star import needs_theta_star, newton_decrement, resolve_theta_star
 from qlsd_flwr.outputs.metric_file import metric_from_file  # the one file the preparation reads
 from qlsd_flwr.outputs.progress import announce
@@ -227,8 +228,8 @@ def _step(cfg: RunConfig, grad_fn: GradFn | None, point: np.ndarray, metric: Met
     if (cfg.gamma_auto or not metric.is_identity) and grad_fn is not None:
         saw_all = not info.get("block_inputs")  # metric-rank's Krylov space was kept off the block's directions
         with phase(grad_fn, "power_iteration"):
-            lam, iters = cv.lambda_max(grad_fn, point, metric, cfg.seed, iters=iters, tol=tol, hvp=hvp, start=start,
-                                       start_saw_all=saw_all)
+            lam, iters = cv.lambda_max(grad_fn, point, metric, cfg.seed, iters=iters, tol=tol,
+                                       hvp=products_in(hvp, metric), start=start, start_saw_all=saw_all)
         begun = "random" if start is None else "ritz" if saw_all else "ritz+random"
         c = info.get("gamma_c", cv.GAMMA_AUTO_C)  # prepare's, from gamma-c (auto: by log-concavity)
         if quiet and not (cfg.gamma_auto and lam <= 0):  # the warm-up's own steps: no announcement

@@ -3,8 +3,9 @@
 Every engine hands :func:`qlsd_flwr.protocol.precondition.prepare` the same two ways to reach the clients
 (``grad_fn``, ``curv_fn``); :func:`counted` wraps them so that each exchange adds its code lengths to a
 :class:`Traffic`: a gradient exchange sends θ to each of the ``b`` clients (``64 d`` bits each, 32 in a
-float32 descent) and gets ``∇U_i(θ)`` back (the same; at 16, :mod:`qlsd_flwr.protocol.gradients`, θ goes as
-float32 and the gradient comes back as one fixed-point row, ``16 d + 40`` bits); a curvature exchange sends θ (``32 d`` where it is the
+float32 descent) and gets ``∇U_i(θ)`` back (the same; at 12 or 16, :mod:`qlsd_flwr.protocol.gradients`, θ goes as
+float32 and the gradient comes back as one fixed-point row, ``16 d + 40`` or ``24 ⌈d/2⌉ + 40`` bits, the width chosen
+before each exchange by the descent's rule, :func:`precision`); a curvature exchange sends θ (``32 d`` where it is the
 float32 descent's result, :func:`point_bits`, else ``64 d``; and, for Hessian-vector
 products, the block's ``k`` vectors as rows of :mod:`qlsd_flwr.compression.fixed`, ``8 + k (16 d + 32)`` bits at
 16 bits, ``8 + 32 k d`` at 32) and gets each client's report as sent (products: the same as the block). The kinds (``PREP_KINDS`` of
@@ -124,15 +125,17 @@ def phase(fn, name: str):
 
 
 @contextlib.contextmanager
-def precision(fn, bits: int):
+def precision(fn, bits):
     """Within the block, gradient exchanges through ``fn`` (a :func:`counted` ``grad_fn`` over a
-    :class:`~qlsd_flwr.protocol.build.GradExchange`) send θ and the gradients with ``bits`` a number (32: the θ*
-    descent where θ* is only the point where the curvature is taken). Without a count, nothing changes."""
+    :class:`~qlsd_flwr.protocol.build.GradExchange`) send θ and the gradients with ``bits`` a number, or at the width
+    ``bits(scales, norm)`` gives before each exchange from the one before (the clients' row scales and the summed
+    gradient's norm: :class:`qlsd_flwr.protocol.descent.DescentWidth`, whose ``recheck`` may ask the same θ again
+    wider). Without a count, nothing changes."""
     traffic = getattr(fn, "traffic", None)
     if traffic is None or not hasattr(fn, "clients"):  # only a GradExchange (it has clients) takes a precision
         yield
         return
-    before, traffic.precision = traffic.precision, int(bits)
+    before, traffic.precision = traffic.precision, (bits if callable(bits) else int(bits))
     try:
         yield
     finally:
@@ -143,11 +146,28 @@ def counted(grad_fn, curv_fn, traffic: Traffic):
     """``grad_fn`` and ``curv_fn`` adding each exchange to ``traffic`` (module docstring); ``None`` stays ``None``."""
     b, d = traffic.b, traffic.d
 
-    def grad(th):  # counted when asked: a request that fails still went out
-        bits = traffic.precision
-        up = fixed.message_bits(1, d, 16) if bits == 16 else bits * d  # 16: one fixed-point row (protocol.gradients)
+    def exchange(th, bits, ruled):  # counted when asked: a request that fails still went out
+        if ruled:  # the widths a rule chose go into the summary
+            widths = traffic.info.setdefault("opt_widths", {})
+            widths[str(bits)] = widths.get(str(bits), 0) + 1
+        up = fixed.message_bits(1, d, bits) if bits < 32 else bits * d  # 12, 16: one fixed-point row (gradients)
         traffic.add(traffic.phase, up * b, theta_width(bits) * d * b)
-        return grad_fn(th) if bits == 64 else grad_fn(th, bits)
+        g = grad_fn(th) if bits == 64 else grad_fn(th, bits)
+        return g, float(np.linalg.norm(g))
+
+    def grad(th):
+        rule = traffic.precision
+        if not callable(rule):
+            g, grad.norm = exchange(th, rule, False)
+            return g
+        # a rule (precision): the width from the exchange before, and the same θ again where this reading may end
+        # the descent with too coarse a rounding (protocol.descent.DescentWidth)
+        g, norm = exchange(th, bits := rule(getattr(grad_fn, "scales", None), grad.norm), True)
+        if (again := rule.recheck(getattr(grad_fn, "scales", None), norm, bits)) is not None:
+            g, norm = exchange(th, again, True)
+        rule.saw(norm)
+        grad.norm = norm
+        return g
 
     def curv(th, kind, vectors=None, bits=fixed.BITS):
         reports = curv_fn(th, kind, vectors, bits) if vectors is not None else curv_fn(th, kind)
@@ -166,7 +186,7 @@ def counted(grad_fn, curv_fn, traffic: Traffic):
         return reports
 
     if grad_fn is not None:
-        grad.traffic = traffic
+        grad.traffic, grad.norm = traffic, None
     if hasattr(grad_fn, "clients"):  # a build.GradExchange: its clients' gradients one by one, counted alike
 
         def clients(th):
