@@ -75,15 +75,25 @@ def width_for(spread: float) -> int:
     return BITS if float(spread) <= SPREAD_16 else 32
 
 
+def _top(bits: int) -> int:
+    """The largest level of a fixed-point row ``bits`` wide: ``L = 2^{bits−1} − 1``."""
+    return 2 ** (int(bits) - 1) - 1
+
+
+def max_error(bits: int) -> float:
+    """An entry's largest rounding error at width ``bits``, relative to its row's largest ``σ``: ``1/2L`` in a
+    fixed-point row, float32's ``2⁻²⁴`` (of the entry itself, so at most of ``σ``), 0 at 64 (float64 as it is)."""
+    return 0.0 if bits == 64 else 2.0 ** -24 if bits == 32 else 1.0 / (2 * _top(bits))
+
+
 def quotient_bound(spread: float, d: int, bits: int, clients: int = 1) -> float:
     """How far, relative to ``λ_max``, rounding ``u = M^½ v`` and the ``clients``' products ``∇²U_i u`` to rows of
     ``bits`` can move the quotient ``vᵀ M^½ Σ_i ∇²U_i u`` for a unit ``v``, where each ``∇²U_i`` is positive
     semi-definite (below the whole): each of the ``d`` entries of a row is within ``σ/2L`` of its largest ``σ``
     (float32: ``2⁻²⁴`` of itself), ``‖u‖ ≤ √m_max`` and each ``σ_{h_i} ≤ λ_max/√m_min``, so ``u``'s rounding and each
-    product's move it by at most ``√(spread d)/2L``: ``(1 + clients) √(spread d)/2L`` in all (``L = 2²³`` for
-    float32). A client whose curvature is not semi-definite (a network's) has no such bound."""
-    return (1 + int(clients)) * float(np.sqrt(float(spread) * int(d))) / (
-        2.0 * (2.0 ** 23 if bits == 32 else 2 ** (int(bits) - 1) - 1))
+    product's move it by at most ``√(spread d)/2L``: ``(1 + clients) √(spread d)/2L`` in all (:func:`max_error`). A
+    client whose curvature is not semi-definite (a network's) has no such bound."""
+    return (1 + int(clients)) * float(np.sqrt(float(spread) * int(d))) * max_error(bits)
 
 
 def _scales(X: np.ndarray) -> np.ndarray:
@@ -128,7 +138,7 @@ def encode(X, bits: int = BITS) -> bytes:
     return bytes([NARROW]) + s32.tobytes() + _pack12(_levels(X, s32, _NARROW_TOP)).tobytes()
 
 
-_NARROW_TOP = 2 ** (NARROW - 1) - 1  # 2,047: a level and its offset 2,048 fit in 12 bits, 0 is never written
+_NARROW_TOP = _top(NARROW)  # 2,047: a level and its offset 2,048 fit in 12 bits, 0 is never written
 
 
 def _pack12(q: np.ndarray) -> np.ndarray:
@@ -200,5 +210,5 @@ def rounded(X, bits: int = BITS) -> np.ndarray:
         return _float32(X).astype(np.float64)
     if not 2 <= int(bits) <= BITS:
         raise ValueError(f"fixed-point rows: bits must be in [2, {BITS}] or 32, got {bits}")
-    s32, top = _scales(X), 2 ** (int(bits) - 1) - 1
+    s32, top = _scales(X), _top(bits)
     return _values(_levels(X, s32, top), s32, top)

@@ -65,9 +65,8 @@ class DescentWidth:
         self.d, self.opt_tol, self.g0 = int(d), float(opt_tol), None
 
     def bound(self, scales, bits: int) -> float:
-        """The rounding's largest norm at width ``bits``: ``Σ_i √d σ_i / 2L`` (float32: ``2⁻²⁴`` a number; 64: 0)."""
-        worst = np.sqrt(self.d) * float(np.sum(scales))
-        return 0.0 if bits == 64 else worst * 2.0 ** -24 if bits == 32 else worst / (2 * (2 ** (bits - 1) - 1))
+        """The rounding's largest norm at width ``bits``: ``Σ_i √d σ_i / 2L`` (:func:`~qlsd_flwr.compression.fixed.max_error`)."""
+        return np.sqrt(self.d) * float(np.sum(scales)) * fixed.max_error(bits)
 
     def _narrowest(self, scales, allowance: float) -> int:
         return next((w for w in (fixed.NARROW, fixed.BITS, 32) if self.bound(scales, w) <= allowance), 64)

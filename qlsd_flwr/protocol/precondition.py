@@ -44,7 +44,7 @@ from qlsd_flwr.protocol.curvature_exchange import (
     products_in,
     prior_curvature,
 )
-from qlsd_flwr.protocol.descent import DESCENT_STAGES, DescentWidth, curvature_point  # noqa: F401 (re-exported)
+from qlsd_flwr.protocol.descent import DESCENT_STAGES, curvature_point  # noqa: F401 (re-exported)
 from qlsd_flwr.protocol.theta_star import needs_theta_star, newton_decrement, resolve_theta_star
 from qlsd_flwr.outputs.metric_file import metric_from_file  # the one file the preparation reads
 from qlsd_flwr.outputs.progress import announce
