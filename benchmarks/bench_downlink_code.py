@@ -1,12 +1,18 @@
 """What the compressed broadcast's messages cost in each code (issue 37: the main job's sampling downlink,
 3.6e9 bits with QSGD's Elias code, was the largest single item of its traffic).
 
-The main job's QLSD++ (its keys, ``downlink = qsgd`` at ``downlink-s = 256``, EF21-P) runs on the local engine
+The main job's QLSD++ (its keys, ``downlink = qsgd`` at its ``downlink-s``, 128 since 2026-12-05, 256 before; EF21-P) runs on the local engine
 with one chain for ``--rounds`` rounds; every broadcast of the second half (after the descent to stationarity)
 is kept as the server coded it, and its levels are measured in bits a coordinate: QSGD's Elias code (``auto``,
 the shorter of Elias and packed: the broadcast's code until 2026-12-03), the Rice code
 (:mod:`qlsd_flwr.compression.rice`, the broadcast's code since), and the levels' order-0 entropy (what no code
 of one level at a time can beat). The levels are the same whatever the code, so the chain is too.
+
+It also measures what a code that adapts to a context both ends hold could reach, the levels' entropy given
+that context: the coordinate's scale in the metric (``½ log₂ diag(M)`` rounded, the class a per-coordinate
+scaling of the broadcast would use) and the coordinate's ``|level|`` in the message before (capped at 15). Where
+these are no lower than the order-0 entropy, no per-coordinate context, and no scaling of the broadcast by the
+metric's diagonal, buys bits on this job.
 
     python benchmarks/bench_downlink_code.py --rounds 300
 """
@@ -30,6 +36,7 @@ from qlsd_flwr.config import resolve  # noqa: E402
 from qlsd_flwr.core import downlink as dl  # noqa: E402
 from qlsd_flwr.engines.local import run_local  # noqa: E402
 from qlsd_flwr.experiments.mainjob import QLSD_MAIN  # noqa: E402
+from qlsd_flwr.protocol import precondition  # noqa: E402
 
 
 def main(argv=None):
@@ -50,29 +57,54 @@ def main(argv=None):
             sent.append((k, got[1]))
         return got
 
-    dl.Downlink.send = send
+    held = {}
+    prepare = precondition.prepare
+
+    def prepared(*args, **kw):  # the run's metric, for its diagonal
+        got = prepare(*args, **kw)
+        held["diag"] = got.metric.diagonal(args[1].dim)
+        return got
+
+    dl.Downlink.send, precondition.prepare = send, prepared
     t0 = time.perf_counter()
     try:
         run_local(cfg, write=False, progress=False)
     finally:
-        dl.Downlink.send = real
+        dl.Downlink.send, precondition.prepare = real, prepare
     s = int(cfg.get("downlink-s"))
     late = [code for k, code in sent if k > rounds // 2]
     rice, elias = dl.broadcast_code(s), QSGD(s)
     qs = [rice.decode(code, _dim(code)) for code in late]
     d = qs[0].d
     levels = np.stack([q.levels for q in qs])
-    _, counts = np.unique(levels, return_counts=True)
-    p = counts / levels.size
+    p = _frequencies(levels)
+    scale = np.round(0.5 * np.log2(held["diag"]))  # the power of two of each coordinate's scale in M
     row = {"rounds": rounds, "messages": len(qs), "d": d, "downlink_s": s,
            "elias_auto_bits_per_coordinate": float(sum(elias.code_length_bits(q) for q in qs) / levels.size),
            "rice_bits_per_coordinate": float(sum(rice.code_length_bits(q) for q in qs) / levels.size),
            "entropy_order0_bits": float(-(p * np.log2(p)).sum()),
+           "entropy_given_metric_scale_bits": _conditional(levels, np.broadcast_to(scale, levels.shape)),
+           "metric_scale_classes": int(np.unique(scale).size),
+           "metric_diagonal_spread": float(held["diag"].max() / held["diag"].min()),
+           "entropy_given_previous_level_bits": _conditional(levels[1:], np.minimum(np.abs(levels[:-1]), 15)),
            "zero_share": float((levels == 0).mean()), "mean_abs_level": float(np.abs(levels).mean()),
            "max_abs_level": int(np.abs(levels).max()), "seconds": round(time.perf_counter() - t0, 1)}
     print(json.dumps(row), flush=True)
     out(HERE / a.out).write_text(json.dumps(
         {"command": "python benchmarks/bench_downlink_code.py " + " ".join(sys.argv[1:]), **row}, indent=1))
+
+
+def _frequencies(x: np.ndarray) -> np.ndarray:
+    return np.unique(x, return_counts=True)[1] / x.size
+
+
+def _conditional(levels: np.ndarray, context: np.ndarray) -> float:
+    """``H(level | context)`` in bits, from the empirical joint frequencies."""
+    h = 0.0
+    for c in np.unique(context):
+        p = _frequencies(levels[context == c])
+        h -= (context == c).sum() * float((p * np.log2(p)).sum())
+    return h / levels.size
 
 
 def _dim(code: bytes) -> int:

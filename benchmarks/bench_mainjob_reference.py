@@ -181,8 +181,9 @@ def main(argv=None):
     ap.add_argument("--runs", nargs="*", default=[], help="run folders (qlsd-pp/ of a main job) to compare")
     ap.add_argument("--rebuild", action="store_true", help="run HMC again even if the cache exists")
     ap.add_argument("--sweep", nargs="*", default=[],
-                    help="main-job overrides as JSON objects (e.g. '{\"gamma-c\": 0.5}'), each run without Ray (the "
-                         "Ray engine's chains bit for bit) and compared: TV, R-hat, ESS, bits")
+                    help="main-job overrides, each a JSON object (e.g. '{\"gamma-c\": 0.5}'), key=value[,key=value] or "
+                         "'base' (none), each run without Ray (the Ray engine's chains bit for bit) and compared: TV, "
+                         "R-hat, ESS, bits")
     ap.add_argument("--out", default=None, help="with --sweep: a JSON file under benchmarks/ for the rows")
     a = ap.parse_args(argv)
     if CACHE.exists() and not a.rebuild:
@@ -200,15 +201,25 @@ def main(argv=None):
     for r in a.runs:
         p = run_predictive(Path(r))
         print(json.dumps({"run": str(r), "tv": tv(p, ref["p_all"]), "ratio": tv(p, ref["p_all"]) / base}))
-    rows = [sweep_row(json.loads(spec), ref, base) for spec in a.sweep]
+    rows = [sweep_row(_overrides(spec), ref, base) for spec in a.sweep]
     if rows and a.out:
         out(HERE / a.out).write_text(json.dumps({"command": "python benchmarks/bench_mainjob_reference.py --sweep ...",
                                                  "tv_halves": base, "rows": rows}, indent=1))
 
 
+def _overrides(spec: str) -> dict:
+    """One ``--sweep`` entry: a JSON object, ``key=value[,key=value]`` (values as the run config reads text) or
+    ``base`` (the main job as it is)."""
+    if spec.strip().startswith("{"):
+        return json.loads(spec)
+    if spec.strip() == "base":
+        return {}
+    return dict(item.split("=", 1) for item in spec.split(","))
+
+
 def sweep_row(over: dict, ref: dict, base: float) -> dict:
-    """The main job with ``over`` (on the vectorised engine, or in-process with the coded broadcast, which the
-    vectorised engine does not send): its predictive's TV to the reference (÷ the reference's halves'), the
+    """The main job with ``over`` (on the vectorised engine's numpy backend, the Ray engine's chains bit for bit):
+    its predictive's TV to the reference (÷ the reference's halves'), the
     held-out verdict's R-hat and ESS, the calibration, the bits and the wall time."""
     from benchmarks.smoke import folder
     from qlsd_flwr.evaluation import evaluate as E
@@ -219,8 +230,8 @@ def sweep_row(over: dict, ref: dict, base: float) -> dict:
              "opt-accept-unconverged": True} if SMOKE else {}
     cfg = {**QLSD_MAIN, "vectorised-backend": "numpy", "progress": False, "loo": "off",
            "output-dir": str(folder("/tmp/bench_mainjob_reference")), **over, **smoke}
-    if "engine" not in over:  # the Ray engine's chains, bit for bit, without Ray: the vectorised engine sends θ in full
-        cfg["engine"] = "vectorised" if cfg.get("downlink", "off") == "off" else "inprocess"
+    if "engine" not in over:  # the Ray engine's chains, bit for bit, without Ray (the coded broadcast too, on numpy)
+        cfg["engine"] = "vectorised"
     t = time.perf_counter()
     q = run(cfg)
     wall = time.perf_counter() - t

@@ -90,8 +90,7 @@ KEYS: tuple[Key, ...] = (
         "classifier (any dataset), or a task plug-in '<module>:<callable>'", "",
         choices=("gaussian", "logistic", "mnist", "<module>:<callable>"), group=SAMPLE),
     Key("num-clients", 20, "int", "number of clients", "b", lo=1, cap=100_000, group=SAMPLE),
-    Key("dim", 50, "int", "dimension of the Gaussian task (other tasks: the model's)", "d", lo=1, cap=100_000,
-        group=SAMPLE),
+    Key("dim", 50, "int", "the Gaussian task's dimension (other tasks: the model's)", "d", lo=1, cap=100_000, group=SAMPLE),
     Key("data-seed", 0, "int", "seed of the data, its split and the model's initial weights", "", lo=0, hi=2**32 - 1,
         group=SAMPLE),
     Key("dataset", "auto", "text", "breast_cancer, digits, mnist_subset, synthetic (offline); mnist, fashion_mnist, "
@@ -115,8 +114,7 @@ KEYS: tuple[Key, ...] = (
         "anchor and memory), LSD*, LSD++ (uncompressed), SGLD (centralised); the rivals FALD, VR-FALD* (local "
         "Langevin steps, averaged), DG-LMC (local chains on z_i, exact θ | z) and FSGLD (one client a round, "
         "conducive gradients from surrogates at θ*): docs/RIVALS.md", "",
-        choices=tuple(samplers.SAMPLERS),  # the registry (qlsd_flwr.samplers)
-        group=SAMPLER),
+        choices=tuple(samplers.SAMPLERS), group=SAMPLER),  # the registry (qlsd_flwr.samplers)
     Key("local-steps", 1, "int", "FALD, VR-FALD*: local Langevin steps of step γ/w_i per round on each active "
         "client (w_i = N_i/N its data share); DG-LMC: ULA steps on each active client's z_i; FSGLD: Langevin "
         "steps of step γ on the round's one client", "K_loc", lo=1,
@@ -185,16 +183,18 @@ KEYS: tuple[Key, ...] = (
         choices=("vector", "tensor"), group=SAMPLER),
     Key("encoding", "auto", "choice", "QSGD's sparse Elias code, the dense packed code, or the shorter per message",
         choices=("auto", "elias", "packed"), group=SAMPLER),
-    Key("downlink", "off", "choice", "the broadcast of θ_k: off (64 d bits of float64 to every active client), or "
-        "qsgd (a QSGD code of θ_k − w_{k−1} with downlink-s levels, the clients evaluating at the point w_k it gives; "
-        "a client that missed the last round is sent w_k in full). The QLSD family on every engine (the "
-        "vectorised one on its numpy backend; docs/ARCHITECTURE.md, the compressed downlink)", "", choices=("off", "qsgd"),
-        group=SAMPLER),
-    Key("downlink-s", 256, "int", "QSGD levels of the compressed downlink", "s_↓", lo=1, cap=2**31 - 1,
-        group=SAMPLER),
+    Key("downlink", "off", "choice", "the broadcast of θ_k: off (64 d bits of float64 to every active client), or qsgd "
+        "(a QSGD code of θ_k − w_{k−1} with downlink-s levels, the clients evaluating at the point w_k it gives; a client "
+        "that missed the last round is sent w_k in full). The QLSD family on every engine (the vectorised one on its "
+        "numpy backend; docs/ARCHITECTURE.md, the compressed downlink)", "", choices=("off", "qsgd"), group=SAMPLER),
+    Key("downlink-s", 256, "int", "QSGD levels of the compressed downlink", "s_↓", lo=1, cap=2**31 - 1, group=SAMPLER),
     Key("downlink-feedback", "ef21-p", "choice", "ef21-p (both sides keep w_k = w_{k−1} + α C(θ_k − w_{k−1}), "
         "α = 1/(ω_↓ + 1)) or none (w_k = C(θ_k), unbiased but with an error of θ's own size)", "",
         choices=("ef21-p", "none"), group=SAMPLER),
+    Key("downlink-correction", "auto", "choice", "metric: the step adds −γ (θ_k − w_k) and takes the prior at w_k, "
+        "the lag's first-order term with M⁻¹ as the curvature (exact where M⁻¹ = ∇²U); auto: metric where M is not "
+        "the identity, else off (docs/ARCHITECTURE.md, the compressed downlink)", "",
+        choices=("auto", "metric", "off"), group=SAMPLER),
     Key("p", "1.0", "floats", "participation probabilities, one value or one per client", "p_i", lo=0, hi=1,
         open_lo=True, group=SAMPLER),
     Key("aggregation", "unbiased", "choice", "weights 1/p_i (the supplement's theory) or b/|A_k| (Algorithm 1)",

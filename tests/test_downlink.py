@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import csv
+import json
 
 import numpy as np
 import pytest
@@ -80,6 +81,52 @@ def test_the_chain_has_its_derived_stationary_law(feedback, s, c):
     assert np.all(np.abs(means.mean(axis=1)) < 4 * means.std(axis=1, ddof=1) / np.sqrt(40))
 
 
+@pytest.mark.parametrize("metric, s", [("inverse", 2), ("diagonal", 2), ("diagonal", 8)])
+def test_the_corrected_chain_has_its_derived_stationary_law(metric, s, tmp_path):
+    """``downlink-correction = metric``: with ``M = P⁻¹`` the broadcast leaves the chain exactly ULA's (the law without
+    the broadcast's noise), however coarse the code; with ``M ≠ P⁻¹`` (the inverse of ``P``'s diagonal) its law is
+    :func:`~qlsd_flwr.core.downlink.transition`'s with ``β``; at ``s = 2`` the law without the correction is far off
+    (so the test can fail)."""
+    task = ill_conditioned_task(d=3, cond=30)
+    P = sum(cl.A for cl in task.clients)
+    M = np.linalg.inv(P) if metric == "inverse" else np.diag(1.0 / np.diag(P))
+    np.save(tmp_path / "m.npy", M)
+    gamma = 0.9 / np.linalg.eigvals(M @ P).real.max()
+    K, burn = 16000, 1000
+    cfg = resolve({"variant": "qlsd", "compressor": "identity", "num-clients": 2, "dim": 3, "num-rounds": K,
+                   "burn-in": 0, "progress": False, "plot": False, "loo": "off", "theta-star": "closed-form",
+                   "gamma": gamma, "p": "1", "downlink": "qsgd", "downlink-s": s, "downlink-correction": "metric",
+                   "metric": str(tmp_path / "m.npy"), "seed": 3})
+    trace = run_local(cfg, task=task, write=False, keep_trace=True, wire=False).trace
+    beta, alpha = min(1.0, 1.0 / gamma), downlink_of(cfg).alpha(3)
+    Q = _replayed_noise(cfg, task, trace, burn)
+    want = D.stationary_covariance(gamma, P, M, alpha, Q, beta=beta)
+    if metric == "inverse":  # the derivation: exactly ULA's law, the broadcast's noise gone
+        assert np.allclose(want, D.stationary_covariance(gamma, P, M, 1.0, np.zeros((3, 3)), feedback="none"))
+    _, V = np.linalg.eigh(P)
+    z = (trace[burn:] - task.theta_star) @ V
+    batches = np.array([[np.mean(b ** 2) for b in np.array_split(z[:, j], 40)] for j in range(3)])
+    se = batches.std(axis=1, ddof=1) / np.sqrt(40)
+    got = (z ** 2).mean(axis=0)
+    assert np.all(np.abs(got - np.diag(V.T @ want @ V)) < 4 * se), (got, np.diag(V.T @ want @ V), se)
+    if s == 2:
+        off = np.diag(V.T @ D.stationary_covariance(gamma, P, M, alpha, Q) @ V)  # β = 0: no correction
+        assert (np.abs(got - off) / se).max() > 8, got / off
+    means = np.array([[b.mean() for b in np.array_split(z[:, j], 40)] for j in range(3)])
+    assert np.all(np.abs(means.mean(axis=1)) < 4 * means.std(axis=1, ddof=1) / np.sqrt(40))
+
+
+def test_the_correction_keeps_every_step_ulas_stable():
+    """Jury's test with the correction (``b = γβ ≤ 1``): stable exactly for ``γλ < 2((1 − α)(1 − b) + 1)/α``, ≥ 2."""
+    for alpha in (1.0, 0.571, 0.2):
+        for b in (0.0, 0.3, 1.0):
+            top = 2 * ((1 - alpha) * (1 - b) + 1) / alpha
+            assert top >= 2
+            for g in np.linspace(0.01, min(top, 50) * 1.5, 150):
+                if abs(g - top) > 1e-6 * top:
+                    assert D.stable(g, alpha, b) == (g < top), (g, alpha, b)
+
+
 BASE = {"task": "gaussian", "num-clients": 4, "dim": 5, "num-rounds": 30, "burn-in": 5, "variant": "qlsd-pp", "l": 4,
         "p": "0.6,1,0.8,0.7", "gamma": 1e-3, "s": "4", "progress": False, "plot": False, "loo": "off", "seed": 2,
         "downlink": "qsgd", "downlink-s": 8}
@@ -134,6 +181,11 @@ def test_the_vectorised_engine_runs_the_protocols_chains_and_counts_its_bits(var
         assert v.backend == "numpy" and np.array_equal(v.trace, chains), batched
         assert _column(v.run_dir, "bits_down") == _column(flower.run_dir, "bits_down"), batched
         assert v.summary["bits"]["downlink"]["sampling"] == _bits_down(v.run_dir)
+    if "metric" in extra:  # downlink-correction = auto takes the lag's term out with that metric: on every path above
+        beta = json.loads((flower.run_dir / "summary.json").read_text())["downlink_correction_beta"]
+        assert v.summary["downlink_correction_beta"] == beta == 1.0
+        plain = run_local(resolve({**o, "downlink-correction": "off"}), write=False, keep_trace=True, wire=False).trace
+        assert not np.array_equal(plain, local)
 
 
 def _column(run_dir, name) -> list[int]:
@@ -142,6 +194,12 @@ def _column(run_dir, name) -> list[int]:
 
 
 def test_the_keys_are_refused_where_they_do_not_apply():
+    with pytest.raises(ConfigError, match="downlink-correction: metric takes M⁻¹ as the curvature, and metric = "
+                                          "identity has none; allowed with it: auto, off"):
+        resolve({**BASE, "downlink-correction": "metric"})
+    with pytest.raises(ConfigError, match="downlink-correction: unknown value 'yes'; allowed: auto, metric, off"):
+        resolve({**BASE, "downlink-correction": "yes"})
+    assert resolve({**BASE, "metric": "diagonal", "downlink-correction": "metric"}).get("downlink-correction") == "metric"
     with pytest.raises(ConfigError, match="downlink: qsgd compresses the broadcast of the QLSD family"):
         resolve({**BASE, "variant": "fald"})
     from qlsd_flwr.engines.vectorised import run_vectorised

@@ -16,7 +16,15 @@ Two rules (``downlink-feedback``):
 * ``none``: ``w_k = C(θ_k)``, nothing held; unbiased, but its error scales with ``‖θ_k‖``.
 
 The chain itself stays exact on the server: ``θ_{k+1} = θ_k − γ M ĝ(w_k) + √(2γT) M^{1/2} Z`` (the prior's
-gradient, on the server, at θ_k). On a Gaussian target ``U(θ) = ½ (θ − μ)ᵀ P (θ − μ)`` with exact client
+gradient, on the server, at θ_k). With ``downlink-correction = metric`` (the default where ``M`` is not the
+identity) the server also takes the lag's first-order term out of the step, with the curvature it already models,
+``M⁻¹``: the prior's gradient is taken at ``w_k`` too and the step adds ``−γ β (θ_k − w_k)``, ``β = 1``, so that
+
+    θ_{k+1} = θ_k − γ M [ĝ(w_k) + M⁻¹ (θ_k − w_k)] + √(2γT) M^{1/2} Z,
+
+``ĝ(w) + ∇²U (θ − w)`` being ``∇U(θ)`` to first order. On the Gaussian the drift is ``−γ M P (θ_k − μ) +
+γ (M P − β I)(θ_k − w_k)``: where ``M = P⁻¹`` the broadcast leaves the chain exactly as without it, and elsewhere
+the lag enters through ``M P − I`` instead of ``M P`` (:func:`transition`'s ``beta``). On a Gaussian target ``U(θ) = ½ (θ − μ)ᵀ P (θ − μ)`` with exact client
 gradients, ``(θ_k, w_k)`` is a linear recursion driven by the Langevin noise and by the quantisation noise
 ``ε_k = C(x_k) − x_k`` (zero mean, conditional covariance ``diag(v(x_k))``, :func:`qsgd_variance`), white
 because it is drawn afresh each round. Its stationary mean is μ and its covariance solves a discrete Lyapunov
@@ -36,6 +44,9 @@ from qlsd_flwr.core import rng
 from qlsd_flwr.errors import ConfigError
 
 FEEDBACKS = ("ef21-p", "none")
+#: ``downlink-correction``: ``metric`` takes the lag's first-order term out of the step with ``M⁻¹`` as the curvature
+#: (:func:`qlsd_flwr.core.server_step.langevin_step`); ``auto`` is ``metric`` where ``M`` is not the identity
+CORRECTIONS = ("auto", "metric", "off")
 #: the broadcast's code: the broadcast's messages are dense, and a Rice code a block sends the same levels in
 #: about 20 % fewer bits than QSGD's Elias code on the main job (:mod:`qlsd_flwr.compression.rice`); the clients read
 #: whichever code comes, so the chain does not depend on it
@@ -55,6 +66,28 @@ def check_downlink(downlink: str, sampler: str, local: bool) -> None:
     if local:
         raise ConfigError(f"downlink: qsgd compresses the broadcast of the QLSD family; {sampler}'s clients take "
                           "local steps from θ itself; allowed with it: downlink = off")
+
+
+def check_correction(value, identity: bool) -> str:
+    """``downlink-correction``'s value, lower-cased; ``ConfigError`` naming the key and what is allowed when it is not
+    one of :data:`CORRECTIONS`, or is ``metric`` where ``M`` is the identity (``identity``: no curvature to take)."""
+    v = str(value).strip().lower()
+    if v not in CORRECTIONS:
+        raise ConfigError(f"downlink-correction: unknown value {value!r}; allowed: {', '.join(CORRECTIONS)}")
+    if v == "metric" and identity:
+        raise ConfigError("downlink-correction: metric takes M⁻¹ as the curvature, and metric = identity has none; "
+                          "allowed with it: auto, off")
+    return v
+
+
+def lag_beta(correction: str, gamma: float, identity: bool) -> float:
+    """``β`` of ``downlink-correction`` (``correction``; ``"off"`` also when the broadcast is not compressed) for the
+    step ``γ``, ``identity``: whether ``M`` is the identity (:class:`~qlsd_flwr.core.server_step.ServerSpec`'s
+    ``lag``; 0: none): ``auto`` and ``metric`` alike where ``M`` is not the identity (the configuration refuses
+    ``metric`` without one), ``min(1, 1/γ)``: ``γβ ≤ 1`` keeps the recursion stable wherever ULA's is (:func:`stable`)."""
+    if correction == "off" or identity:
+        return 0.0
+    return min(1.0, 1.0 / float(gamma))
 
 
 @dataclass(frozen=True)
@@ -108,22 +141,26 @@ def qsgd_variance(x: np.ndarray, s: int) -> np.ndarray:
     return (n / s) ** 2 * f * (1.0 - f)
 
 
-def transition(gamma: float, MP: np.ndarray, alpha: float) -> np.ndarray:
+def transition(gamma: float, MP: np.ndarray, alpha: float, beta: float = 0.0) -> np.ndarray:
     r"""The linear part of the ``ef21-p`` recursion on ``z_k = (θ_k − μ, w_k − μ)`` with exact client gradients,
-    ``MP = M P``: ``θ_{k+1} = θ_k − γ M P (w_k − μ) + ξ``, ``w_{k+1} = (1 − α) w_k + α θ_{k+1} + α ε_{k+1}``."""
+    ``MP = M P``: ``θ_{k+1} = (1 − γβ) θ_k + γ (β I − M P)(w_k − μ) + ξ`` (``β = 1``: ``downlink-correction =
+    metric``; 0: off), ``w_{k+1} = (1 − α) w_k + α θ_{k+1} + α ε_{k+1}``."""
     d = MP.shape[0]
     eye = np.eye(d)
-    top = np.hstack([eye, -gamma * MP])
-    bottom = np.hstack([alpha * eye, (1 - alpha) * eye - alpha * gamma * MP])
-    return np.vstack([top, bottom])
+    top = np.hstack([(1 - gamma * beta) * eye, gamma * (beta * eye - MP)])
+    return np.vstack([top, alpha * top + np.hstack([0 * eye, (1 - alpha) * eye])])
 
 
-def stable(gamma_lambda: float, alpha: float) -> bool:
-    """Whether the ``ef21-p`` recursion is stable along a direction where ``γ λ(M P) = gamma_lambda``: the
-    spectral radius of its ``2 × 2`` block ``[[1, −g], [α, 1 − α − α g]]`` is below 1. Its determinant is ``1 − α``
-    and its trace ``2 − α − α g``, so by Jury's test it is stable exactly for ``0 < g < 4/α − 2``, which is at
-    least ULA's own ``g < 2`` for every ``α ≤ 1``: the lag never narrows the steps a chain may take."""
-    A = np.array([[1.0, -gamma_lambda], [alpha, 1 - alpha - alpha * gamma_lambda]])
+def stable(gamma_lambda: float, alpha: float, gamma_beta: float = 0.0) -> bool:
+    """Whether the ``ef21-p`` recursion is stable along a direction where ``γ λ(M P) = gamma_lambda`` (``g``), with
+    ``gamma_beta = γ β`` (``b``; 0 without ``downlink-correction``): the spectral radius of its ``2 × 2`` block
+    ``[[1 − b, b − g], [α (1 − b), 1 − α + α (b − g)]]`` is below 1. Its determinant is ``(1 − b)(1 − α)`` and its
+    trace ``2 − b − α + α b − α g``, so by Jury's test, for ``0 ≤ b ≤ 1``, it is stable exactly for
+    ``0 < g < 2 ((1 − α)(1 − b) + 1)/α`` (``4/α − 2`` at ``b = 0``), which is at least ULA's own ``g < 2`` for every
+    ``α ≤ 1``: neither the lag nor its correction narrows the steps a chain may take (the step keeps ``b ≤ 1``,
+    :data:`qlsd_flwr.core.server_step.ServerSpec.lag`)."""
+    g, b = gamma_lambda, gamma_beta
+    A = np.array([[1 - b, b - g], [alpha * (1 - b), 1 - alpha + alpha * (b - g)]])
     return bool(np.max(np.abs(np.linalg.eigvals(A))) < 1.0)
 
 
@@ -139,15 +176,16 @@ def _lyapunov(A: np.ndarray, N: np.ndarray) -> np.ndarray:
 
 
 def stationary_covariance(gamma: float, P: np.ndarray, M: np.ndarray, alpha: float, Q: np.ndarray,
-                          temperature: float = 1.0, feedback: str = "ef21-p") -> np.ndarray:
+                          temperature: float = 1.0, feedback: str = "ef21-p", beta: float = 0.0) -> np.ndarray:
     r"""θ's stationary covariance (``d × d``) of the chain with exact client gradients on the Gaussian whose clients'
     precisions sum to ``P`` (a flat prior: a prior's gradient is taken on the server at θ_k, not at ``w_k``), metric ``M``, and broadcast noise of covariance ``Q`` (the mean of ``diag`` :func:`qsgd_variance` over
     the chain's coded vectors). ``ef21-p``: the θ block of the ``2d`` recursion's :func:`transition`, noise
-    ``(ξ, α ξ + α ε)``; ``none``: the gradient is at ``θ + ε``, so ``A = I − γ M P`` and the noise ``ξ − γ M P ε``."""
+    ``(ξ, α ξ + α ε)``; ``none``: the gradient is at ``θ + ε``, so ``A = I − γ M P`` and the noise ``ξ − γ (M P − β I) ε``.
+    ``beta``: 1 with ``downlink-correction = metric``, 0 without."""
     d = P.shape[0]
     S = 2 * gamma * temperature * M
     if feedback == "none":
-        G = gamma * M @ P
-        return _lyapunov(np.eye(d) - G, S + G @ Q @ G.T)
+        G = gamma * (M @ P - beta * np.eye(d))
+        return _lyapunov(np.eye(d) - gamma * M @ P, S + G @ Q @ G.T)
     N = np.block([[S, alpha * S], [alpha * S, alpha ** 2 * (S + Q)]])
-    return _lyapunov(transition(gamma, M @ P, alpha), N)[:d, :d]
+    return _lyapunov(transition(gamma, M @ P, alpha, beta), N)[:d, :d]

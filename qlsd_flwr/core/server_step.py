@@ -10,7 +10,9 @@ Read next to Algorithm 2 of the paper (QLSD++; the other variants switch parts o
 5. ``θ_{k+1} = θ_k − γ g_{k+1} + √(2γ) Z_{k+1}``, ``Z`` from stream ``(seed, NOISE, k, 0)``;
    with a metric ``M`` and a temperature ``T`` (:mod:`qlsd_flwr.core.metric`),
    ``θ_{k+1} = θ_k − γ M g_{k+1} + √(2γT) M^{1/2} Z_{k+1}`` (the identity metric at ``T = 1`` runs
-   the paper's expression unchanged, so its chains are bit for bit those of before)
+   the paper's expression unchanged, so its chains are bit for bit those of before); under ``downlink = qsgd``
+   with ``downlink-correction``, the prior at the clients' point ``w_k`` and ``− γβ (θ_k − w_k)`` more
+   (:mod:`qlsd_flwr.core.downlink`)
 
 Sums run over clients in ascending index order, always, so the result does not depend on
 the order replies arrive in. The server keeps a mirror of every ``η_i`` and recomputes
@@ -47,6 +49,9 @@ class ServerState:
     zeta_version: int = -1  # increments at each refresh
     eta_i: np.ndarray | None = None  # (b, d) or (C, b, d): mirror of the clients' memory terms
     eta: np.ndarray | None = None  # Σ_i η_i
+    # downlink = qsgd: w_k, where this round's clients evaluate (set by the broadcast before the step; the step reads it
+    # only with ServerSpec.lag)
+    w: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,10 @@ class ServerSpec:
     # compression-basis = metric: the replies, the memory and the step's g are in the metric's coordinates
     # φ = S⁻¹ θ (M = S Sᵀ): the server applies S (langevin_step)
     whitened: bool = False
+    # downlink-correction = metric: β of the lag's correction (0: none). The clients evaluate at w_k ≠ θ_k; the step
+    # takes the prior at w_k too and adds −γβ (θ_k − w_k), M⁻¹ standing for the curvature (core.downlink). β =
+    # min(1, 1/γ), so that γβ ≤ 1 and the recursion is stable wherever ULA's is (core.downlink.stable)
+    lag: float = 0.0
 
     @property
     def oracle(self) -> str:
@@ -157,7 +166,8 @@ def langevin_step(spec: ServerSpec, st: ServerState, seed, g_hat: np.ndarray,
     if spec.memory:
         g = g + st.eta
         st.eta = st.eta_i.sum(axis=-2)
-    pt = prior_term(spec, st.theta)
+    lagged = bool(spec.lag) and st.w is not None
+    pt = prior_term(spec, st.w if lagged else st.theta)
     if pt is not None:
         g = g + (spec.metric.apply_root_t(pt) if spec.whitened else pt)
     if spec.offset is not None:
@@ -171,6 +181,8 @@ def langevin_step(spec: ServerSpec, st: ServerState, seed, g_hat: np.ndarray,
     else:
         new = st.theta - spec.gamma * spec.metric.apply(g) \
             + np.sqrt(2.0 * spec.gamma * spec.temperature) * spec.metric.apply_root(z)
+    if lagged:  # ĝ(w_k) + M⁻¹ (θ_k − w_k): ∇U(θ_k) to first order, with the curvature M models
+        new = new - (spec.gamma * spec.lag) * (st.theta - st.w)
     st.theta = np.where(np.asarray(skipped)[..., None], st.theta, new)
     st.k += 1
     return skipped

@@ -147,7 +147,7 @@ def _run_direct(cfg, task, specs, states, prep, keep_trace, bar) -> RunResult:
     for k in range(cfg.num_rounds):
         if down is not None:
             try:
-                w = down.send(st.theta, w, cfg.seed, k)[0]
+                w = st.w = down.send(st.theta, w, cfg.seed, k)[0]
             except ValueError as exc:  # the chain ran away: θ_k − w_{k−1} cannot be coded
                 raise DivergenceError(divergence_message(k, cfg.gamma, stable=build.stable_gamma(task, prep.info))
                                       + f" [{exc}]") from exc

@@ -18,7 +18,9 @@ paper's weight decay 5).
   off the block's directions, ``core/lowrank.py``; until 2026-12-04 the correction alone, 512 products), ``γ =
   auto`` with ``gamma-c = 0.5`` (the variance along the stiffest direction inflated by
   1/(1 − 1/4) = 1.33, ULA's bias at this step), the server's broadcast QSGD-coded
-  (``downlink = qsgd``, ``downlink-s = 256``, EF21-P), and the chains start dispersed around θ*
+  (``downlink = qsgd``, ``downlink-s = 128``, EF21-P, the lag between the clients' point and θ taken out of
+  the step with the metric's curvature, ``downlink-correction = auto``; 256 levels until 2026-12-05, when that
+  correction let the broadcast halve its levels within the HMC target), and the chains start dispersed around θ*
   (``init = dispersed``) so that R-hat is honest. θ* is only the point where the curvature is
   taken (QLSD++ needs no control variate at it), so its descent stops at ``opt-tol = 1e-3``.
   Why these settings (issue 37; measured against a full-batch HMC reference,
@@ -60,7 +62,7 @@ QLSD_MAIN = {
     "alpha": "auto", "batch-fraction": 0.32, "gamma": "auto", "gamma-c": 0.5, "metric": "kronecker", "metric-block": 100,
     "metric-rank": 150, "metric-rank-exchanges": 4,
     "init": "dispersed", "opt-tol": 1e-2, "loo": "off", "num-rounds": 1200, "burn-in": 300, "thin": 3, "num-chains": 4,
-    "downlink": "qsgd", "engine": "ray", "seed": 0, "data-seed": 0,
+    "downlink": "qsgd", "downlink-s": 128, "engine": "ray", "seed": 0, "data-seed": 0,
     "output-dir": "outputs", "run-name": "",
 }
 FEDAVG_MAIN = {"num_rounds": 50, "local_epochs": 2, "lr": 0.1, "batch_size": 32}
@@ -209,7 +211,10 @@ def run_main_job(overrides: dict | None = None) -> int:
         + f", γ = {qs['gamma']:.4g}"
         + (f" (gamma = auto: {qs.get('gamma_c', 0.25):g}/λ_max, λ_max = {qs['lambda_max']:.3g}; variance along the "
            f"stiffest direction ×{1 / (1 - qs.get('gamma_c', 0.25) / 2):.3g}, ULA's bias)" if qs.get("gamma_auto") else "")
-        + f", chains started {'dispersed around θ*' if cfg.get('init') == 'dispersed' else 'at one point'}.",
+        + (f"; θ broadcast QSGD-coded at {cfg.get('downlink-s')} levels (EF21-P)"
+           + (f", its lag taken out of the step with the metric (β = {qs['downlink_correction_beta']:g})"
+              if qs.get("downlink_correction_beta") else "") if cfg.get("downlink") == "qsgd" else "")
+        + f"; chains started {'dispersed around θ*' if cfg.get('init') == 'dispersed' else 'at one point'}.",
         *convergence_notes(qm.get("convergence")),
         "uplink bits, bits/round: the sampling (training) rounds' uplink; QLSD++ exact Elias/packed code lengths, "
         "summed over its chains; FedAvg 32 × params × clients. total bits: uplink + downlink of the whole run, "

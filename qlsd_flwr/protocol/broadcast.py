@@ -42,6 +42,7 @@ def begin_round(server) -> None:
         return
     try:
         server.w, server.w_code = dl.send(st.theta, server.w, server.cfg.seed, st.k)
+        st.w = server.w  # downlink-correction: the step's lag term (core.server_step)
     except ValueError as exc:  # θ_k − w_{k−1} not finite or beyond float32's range: the chain ran away
         server._diverged(st.k, f"the broadcast cannot code θ_k ({exc})")
 

@@ -16,7 +16,7 @@ from qlsd_flwr.compression.identity import Identity
 from qlsd_flwr.compression.qsgd import QSGD
 from qlsd_flwr.config import ConfigError, RunConfig
 from qlsd_flwr.core.dglmc import Spectrum
-from qlsd_flwr.core.downlink import FEEDBACKS, Downlink, broadcast_code
+from qlsd_flwr.core.downlink import FEEDBACKS, Downlink, broadcast_code, lag_beta
 from qlsd_flwr.core.metric import Identity as IdentityMetric
 from qlsd_flwr.core.metric import Metric
 from qlsd_flwr import samplers
@@ -283,7 +283,7 @@ def server_spec(cfg: RunConfig, task: Task, theta_star: np.ndarray | None, block
         prior_on_server=(cfg.prior_on == "server"), theta_star=theta_star,
         metric=metric, temperature=float(cfg.temperature), spectrum=spectrum,
         whitened=whitens(cfg, task.dim) and not metric.is_identity,
-    )
+        lag=lag_beta(str(cfg.get("downlink-correction")) if downlink_on(cfg) else "off", cfg.gamma, metric.is_identity))
 
 
 def external_task(cfg: RunConfig, blocks=None, theta_star=None, prior=None, prior_var="flat",

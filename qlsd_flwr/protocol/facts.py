@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from qlsd_flwr.config import RunConfig
+from qlsd_flwr.core.downlink import lag_beta
 from qlsd_flwr.core.potential import Task
 
 
@@ -16,6 +17,9 @@ def summary_extra(cfg: RunConfig, task: Task, extra: dict) -> dict:
                 "gamma": cfg.gamma, "num_rounds": cfg.num_rounds, "seed": cfg.seed,
                 "temperature": cfg.temperature})
     out.update(task.meta.get("summary_extra", {}))  # e.g. dataset, partition counts, prior used
+    if cfg.get("downlink") == "qsgd":  # β of the step's lag term (core.downlink.lag_beta; 0: none)
+        out["downlink_correction_beta"] = lag_beta(str(cfg.get("downlink-correction")), cfg.gamma,
+                                                   out.get("metric", "identity") == "identity")
     if task.posterior_mean is not None:
         out["posterior_mean_exact"] = np.asarray(task.posterior_mean).tolist()
         out["posterior_var_exact"] = np.asarray(task.posterior_var).tolist()

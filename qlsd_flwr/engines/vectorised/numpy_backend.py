@@ -192,6 +192,7 @@ class NumpyGeneric:
         self.st.k = k
         if self.down.on:
             self.down.send(self.st.theta, k, out["down_code_bits"][:, r])
+            self.st.w = self.down.w  # downlink-correction: the step's lag term (core.server_step)
         refreshed = sampler.refresh_anchor(self.spec, self.st)  # ζ_k = θ_k every l rounds (QLSD++)
         if refreshed and self.down.on:
             self.st.zeta = self.down.w.copy()  # the anchor refreshed at round k is w_k, where the clients evaluate
