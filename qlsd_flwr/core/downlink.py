@@ -18,13 +18,17 @@ Two rules (``downlink-feedback``):
 The chain itself stays exact on the server: ``θ_{k+1} = θ_k − γ M ĝ(w_k) + √(2γT) M^{1/2} Z`` (the prior's
 gradient, on the server, at θ_k). With ``downlink-correction = metric`` (the default where ``M`` is not the
 identity) the server also takes the lag's first-order term out of the step, with the curvature it already models,
-``M⁻¹``: the prior's gradient is taken at ``w_k`` too and the step adds ``−γ β (θ_k − w_k)``, ``β = 1``, so that
+``M⁻¹``: the prior's gradient is taken at ``w_k`` too and the step adds ``−γ β (θ_k − w_k)`` (``β = min(1, 1/γ)``,
+:func:`lag_beta`: 1 unless γ > 1), so that at ``β = 1``
 
     θ_{k+1} = θ_k − γ M [ĝ(w_k) + M⁻¹ (θ_k − w_k)] + √(2γT) M^{1/2} Z,
 
 ``ĝ(w) + ∇²U (θ − w)`` being ``∇U(θ)`` to first order. On the Gaussian the drift is ``−γ M P (θ_k − μ) +
-γ (M P − β I)(θ_k − w_k)``: where ``M = P⁻¹`` the broadcast leaves the chain exactly as without it, and elsewhere
-the lag enters through ``M P − I`` instead of ``M P`` (:func:`transition`'s ``beta``). On a Gaussian target ``U(θ) = ½ (θ − μ)ᵀ P (θ − μ)`` with exact client
+γ (M P − β I)(θ_k − w_k)`` (``P`` the precision, the prior's included, since the prior is then taken at ``w_k``):
+where ``M = P⁻¹`` the broadcast leaves the chain exactly as without it, and elsewhere the lag enters through
+``M P − I`` instead of ``M P`` (:func:`transition`'s ``beta``).
+
+On a Gaussian target ``U(θ) = ½ (θ − μ)ᵀ P (θ − μ)`` with exact client
 gradients, ``(θ_k, w_k)`` is a linear recursion driven by the Langevin noise and by the quantisation noise
 ``ε_k = C(x_k) − x_k`` (zero mean, conditional covariance ``diag(v(x_k))``, :func:`qsgd_variance`), white
 because it is drawn afresh each round. Its stationary mean is μ and its covariance solves a discrete Lyapunov
@@ -178,7 +182,8 @@ def _lyapunov(A: np.ndarray, N: np.ndarray) -> np.ndarray:
 def stationary_covariance(gamma: float, P: np.ndarray, M: np.ndarray, alpha: float, Q: np.ndarray,
                           temperature: float = 1.0, feedback: str = "ef21-p", beta: float = 0.0) -> np.ndarray:
     r"""θ's stationary covariance (``d × d``) of the chain with exact client gradients on the Gaussian whose clients'
-    precisions sum to ``P`` (a flat prior: a prior's gradient is taken on the server at θ_k, not at ``w_k``), metric ``M``, and broadcast noise of covariance ``Q`` (the mean of ``diag`` :func:`qsgd_variance` over
+    precisions sum to ``P`` (without the correction a flat prior: a prior's gradient is taken on the server at θ_k, not at
+    ``w_k``; with it the prior is taken at ``w_k`` and ``P`` may include it), metric ``M``, and broadcast noise of covariance ``Q`` (the mean of ``diag`` :func:`qsgd_variance` over
     the chain's coded vectors). ``ef21-p``: the θ block of the ``2d`` recursion's :func:`transition`, noise
     ``(ξ, α ξ + α ε)``; ``none``: the gradient is at ``θ + ε``, so ``A = I − γ M P`` and the noise ``ξ − γ (M P − β I) ε``.
     ``beta``: 1 with ``downlink-correction = metric``, 0 without."""
