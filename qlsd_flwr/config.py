@@ -18,7 +18,7 @@ import numpy as np
 from qlsd_flwr.keys import DEFAULTS, ConfigError, close_keys, flag, parse  # noqa: F401 (DEFAULTS, ConfigError: re-exported)
 
 from qlsd_flwr import samplers
-from qlsd_flwr.core.downlink import FEEDBACKS, check_correction, check_downlink
+from qlsd_flwr.core.downlink import CORRECTIONS, FEEDBACKS, check_correction, check_downlink
 from qlsd_flwr.samplers import ALIASES  # noqa: F401 (re-exported)
 ENGINES = ("ray", "inprocess", "local", "vectorised")
 TASKS = ("gaussian", "logistic", "mnist")
@@ -283,7 +283,8 @@ def resolve(overrides: Mapping[str, Any] | None = None) -> RunConfig:
     raw["downlink"] = _choice("downlink", raw["downlink"], ("off", "qsgd"))
     raw["downlink-feedback"] = _choice("downlink-feedback", raw["downlink-feedback"], FEEDBACKS)
     check_downlink(raw["downlink"], sampler.name, sampler.estimator.local)
-    raw["downlink-correction"] = check_correction(raw["downlink-correction"], metric == "identity" and not v["metric-rank"])
+    raw["downlink-correction"] = check_correction(_choice("downlink-correction", raw["downlink-correction"], CORRECTIONS),
+                                                  metric == "identity" and not v["metric-rank"])
     if raw["downlink"] == "qsgd" and raw["vectorised-backend"] == "numba":
         raise ConfigError("vectorised-backend: numba sends θ in full; with downlink = qsgd allowed: auto, numpy")
     _check_data_keys(raw)

@@ -72,12 +72,9 @@ def check_downlink(downlink: str, sampler: str, local: bool) -> None:
                           "local steps from θ itself; allowed with it: downlink = off")
 
 
-def check_correction(value, identity: bool) -> str:
-    """``downlink-correction``'s value, lower-cased; ``ConfigError`` naming the key and what is allowed when it is not
-    one of :data:`CORRECTIONS`, or is ``metric`` where ``M`` is the identity (``identity``: no curvature to take)."""
-    v = str(value).strip().lower()
-    if v not in CORRECTIONS:
-        raise ConfigError(f"downlink-correction: unknown value {value!r}; allowed: {', '.join(CORRECTIONS)}")
+def check_correction(v: str, identity: bool) -> str:
+    """``downlink-correction``'s value ``v`` (one of :data:`CORRECTIONS`), or ``ConfigError`` naming the key and what is
+    allowed where it is ``metric`` and ``M`` is the identity (``identity``: no curvature to take)."""
     if v == "metric" and identity:
         raise ConfigError("downlink-correction: metric takes M⁻¹ as the curvature, and metric = identity has none; "
                           "allowed with it: auto, off")

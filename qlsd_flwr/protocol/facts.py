@@ -8,6 +8,7 @@ import numpy as np
 from qlsd_flwr.config import RunConfig
 from qlsd_flwr.core.downlink import lag_beta
 from qlsd_flwr.core.potential import Task
+from qlsd_flwr.protocol.build import downlink_on
 
 
 def summary_extra(cfg: RunConfig, task: Task, extra: dict) -> dict:
@@ -17,7 +18,7 @@ def summary_extra(cfg: RunConfig, task: Task, extra: dict) -> dict:
                 "gamma": cfg.gamma, "num_rounds": cfg.num_rounds, "seed": cfg.seed,
                 "temperature": cfg.temperature})
     out.update(task.meta.get("summary_extra", {}))  # e.g. dataset, partition counts, prior used
-    if cfg.get("downlink") == "qsgd":  # β of the step's lag term (core.downlink.lag_beta; 0: none)
+    if downlink_on(cfg):  # β of the step's lag term (core.downlink.lag_beta; 0: none)
         out["downlink_correction_beta"] = lag_beta(str(cfg.get("downlink-correction")), cfg.gamma,
                                                    out.get("metric", "identity") == "identity")
     if task.posterior_mean is not None:
