@@ -17,7 +17,7 @@ import numpy as np
 from numba import njit
 
 from qlsd_flwr.compression.elias import _omega_small_nb, omega_len_nb
-from qlsd_flwr.compression.format import DecodeFault
+from qlsd_flwr.compression.format import DecodeError, DecodeFault
 
 # the decoding kernels return a DecodeFault value (0 = valid); plain ints, frozen into the code
 (_OK, _TRUNC_OMEGA, _ABOVE, _TRUNC_NORM, _TRUNC_SIGN, _TRAILING, _PADDING, _NEG_ZERO,
@@ -271,6 +271,18 @@ def _check(norm_bits, levels, blocks, s):
                     return _ZERO_NORM
         start += blocks[b]
     return _OK
+
+
+def checked(err: int, norm_bits: np.ndarray, levels: np.ndarray, blocks: np.ndarray, s: int):
+    """A dense code's reading (:mod:`.rice`, :mod:`.arith`) finished: QSGD's checks (:func:`_check`) where the reader
+    found no fault, ``DecodeError`` naming the fault otherwise; ``(norms float32, levels)``."""
+    if not err:
+        err = _check(norm_bits, levels, blocks, s)
+    if err == _ABOVE_S:
+        raise DecodeError(f"level above s = {s}")
+    if err:
+        raise DecodeError(DecodeFault(err).message)
+    return norm_bits.astype(np.uint32).view(np.float32), levels
 
 
 def decode_body(body: bytes, d: int, blocks: np.ndarray, s: int, elias: bool,

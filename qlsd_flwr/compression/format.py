@@ -12,20 +12,24 @@ from enum import IntEnum
 HEADER_BYTES = 5  # 1 tag byte + uint32 d: 40 bits per message, not part of code_length_bits
 TAG_PACKED = 0x01
 TAG_ELIAS = 0x02
-TAG_RICE = 0x03  # the compressed broadcast's dense code (compression.rice)
+TAG_RICE = 0x03  # the compressed broadcast's Rice code until 2026-12-05 (compression.rice)
+TAG_ARITH = 0x04  # the compressed broadcast's code (compression.arith)
 MAX_S = 2**32  # levels fit the vectorised bit writer (int64 fields, float64-exact bit lengths)
 MAX_D = 2**32 - 1  # d is a uint32 in the header
 OMEGA_GROUPS = 5  # Elias omega groups for any value < 2^63: n → ⌊log2 n⌋ → ... reaches 1 in ≤ 5 steps
 
 
 class Encoding(IntEnum):
-    """How a message is coded: dense ``packed``, QSGD's sparse ``elias``, the shorter of those two (``auto``), or
-    a ``rice`` code (the compressed broadcast's: :mod:`qlsd_flwr.compression.rice`; not a client's choice)."""
+    """How a message is coded: dense ``packed``, QSGD's sparse ``elias``, the shorter of those two (``auto``), a
+    ``rice`` code, an adaptive arithmetic code ``arith``, or the shorter of those two, ``dense`` (the compressed
+    broadcast's: :mod:`qlsd_flwr.compression.dense`; not a client's choice)."""
 
     PACKED = 0
     ELIAS = 1
     AUTO = 2
     RICE = 3
+    ARITH = 4
+    DENSE = 5
 
     @classmethod
     def of(cls, name: str) -> "Encoding":
@@ -35,7 +39,7 @@ class Encoding(IntEnum):
             raise ValueError(f"unknown encoding {name!r}; allowed: {', '.join(ENCODINGS)}") from None
 
 
-ENCODINGS = ("elias", "packed", "auto", "rice")
+ENCODINGS = ("elias", "packed", "auto", "rice", "arith", "dense")
 KINDS = ("qsgd", "identity")
 
 
@@ -87,6 +91,7 @@ class DecodeFault(IntEnum):
     ZERO_NORM = 11
     TRUNC_RICE = 12
     ABOVE_K = 13
+    NOT_CANONICAL = 14
 
     @property
     def message(self) -> str:
@@ -100,4 +105,6 @@ _DECODE_MESSAGES = {
     DecodeFault.NONFINITE: "non-finite norm", DecodeFault.NEG_NORM: "negative norm",
     DecodeFault.ZERO_NORM: "nonzero level in a block with zero norm",
     DecodeFault.TRUNC_RICE: "truncated Rice code", DecodeFault.ABOVE_K: "Rice parameter k above bitlen(s)",
+    DecodeFault.NOT_CANONICAL: "not the arithmetic code of the levels it decodes to (trailing bytes, padding or a "
+                               "stream the writer does not make)",
 }

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from qlsd_flwr.compression import codec, rice, wire
+from qlsd_flwr.compression import codec, dense, wire
 from qlsd_flwr.compression.bounds import (
     _bound_bits,
     _max_elias_bits,
@@ -57,7 +57,6 @@ from qlsd_flwr.compression.format import (
     MAX_S,
     TAG_ELIAS,
     TAG_PACKED,
-    TAG_RICE,
     DecodeError,
     Encoding,
     QuantiseError,
@@ -128,8 +127,9 @@ class QSGD:
         s: number of quantisation levels ``s ≥ 1`` (the paper's "p bits" is ``s = 2^p``).
         blocks: ``None`` for one norm for the whole vector (the paper), or per-tensor block
             sizes (the authors' code), each block quantised and coded with its own norm.
-        encoding: ``"elias"``, ``"packed"``, ``"auto"`` (the shorter actual code), or ``"rice"`` (the compressed
-            broadcast's dense code, :mod:`~qlsd_flwr.compression.rice`).
+        encoding: ``"elias"``, ``"packed"``, ``"auto"`` (the shorter actual code), or one of the compressed
+            broadcast's dense codes (:mod:`~qlsd_flwr.compression.dense`): ``"arith"``, ``"rice"``, or ``"dense"``
+            (the shorter of those two, the broadcast's).
     """
 
     s: int
@@ -264,8 +264,8 @@ class QSGD:
     def code_length_bits_batch(self, levels: np.ndarray) -> np.ndarray:
         """Exact code length (norms + body, no header) of each row of ``levels`` (..., d)."""
         levels = np.asarray(levels, dtype=np.int64)
-        if self.encoding == "rice":
-            return rice.code_bits(levels, self._blocks(levels.shape[-1]), self.s)
+        if self.encoding in dense.TAGS:
+            return dense.code_bits(self.encoding, levels, self._blocks(levels.shape[-1]), self.s)
         packed = self._packed_bits(levels.shape[-1])
         if self.encoding == "packed":
             return np.full(levels.shape[:-1], packed, dtype=np.int64)
@@ -298,8 +298,8 @@ class QSGD:
         blocks = self._blocks(d)
         elias = float(sum(elias_bound_bits(n, self.s) for n in blocks))
         packed = float(self._packed_bits(d))
-        if self.encoding == "rice":
-            return float(rice.max_bits(self.s, blocks))
+        if self.encoding in dense.TAGS:
+            return float(dense.max_bits(self.encoding, self.s, blocks))
         return {"elias": elias, "packed": packed, "auto": min(elias, packed)}[self.encoding]
 
     def theorem_bits(self, d: int) -> float:
@@ -313,8 +313,8 @@ class QSGD:
         With ``encoding = "auto"`` the Elias fields are built first and their length decides
         (packed on a tie), so the Elias code is laid out once, not measured and then built."""
         self._check_encodable(q)
-        if self.encoding == "rice":
-            return rice.encode(q)
+        if self.encoding in dense.TAGS:
+            return dense.encode(self.encoding, q)
         body, elias, _ = codec.encode_body(q.levels, q.norms.view(np.uint32).astype(np.int64),
                                            np.asarray(q.blocks, dtype=np.int64), self.level_bits,
                                            int(Encoding.of(self.encoding)))
@@ -367,8 +367,8 @@ class QSGD:
         if d_wire != d:
             raise DecodeError(f"payload is for d = {d_wire}, expected d = {d}")
         body = payload[HEADER_BYTES:]
-        if tag == TAG_RICE and self.encoding == "rice":  # the broadcast's code, read only where it is expected
-            norms, levels, bits = rice.decode(body, d, blocks, self.s)
+        if dense.reads(self.encoding, tag):  # a dense code, read only where it is expected
+            norms, levels, bits = dense.decode(tag, body, d, blocks, self.s)
             return Quantised(norms=norms, levels=levels, s=self.s, blocks=blocks, code_bits=bits)
         if tag not in (TAG_PACKED, TAG_ELIAS):
             raise DecodeError(f"unknown encoding tag {tag:#04x}")

@@ -24,7 +24,7 @@ import struct
 import numpy as np
 from numba import njit
 
-from qlsd_flwr.compression.codec import _bit, _check, _put
+from qlsd_flwr.compression.codec import _bit, _put, checked
 from qlsd_flwr.compression.format import TAG_RICE, DecodeError, DecodeFault
 
 #: bits of a block's parameter ``k`` (up to 31, above ``bitlen(s)`` for any ``s ≤ 2^32``)
@@ -178,10 +178,5 @@ def decode(body: bytes, d: int, blocks, s: int):
     norm_bits = np.zeros(blk.shape[0], dtype=np.int64)
     levels = np.zeros(d, dtype=np.int64)
     err, p = _decode(np.frombuffer(body, dtype=np.uint8), blk, int(s), kmax(s), norm_bits, levels)
-    if not err:
-        err = _check(norm_bits, levels, blk, s)
-    if err == _ABOVE_S:
-        raise DecodeError(f"level above s = {s}")
-    if err:
-        raise DecodeError(DecodeFault(err).message)
-    return norm_bits.astype(np.uint32).view(np.float32), levels, int(p)
+    norms, levels = checked(err, norm_bits, levels, blk, s)
+    return norms, levels, int(p)
