@@ -13,7 +13,7 @@ import pytest
 
 from qlsd_flwr.compression import arith, rice
 from qlsd_flwr.compression.format import DecodeError
-from qlsd_flwr.compression.qsgd import QSGD
+from qlsd_flwr.compression.qsgd import QSGD, Quantised
 
 LAYOUTS = [(128, 7850, None), (16, 50, None), (3, 10, (4, 6)), (1, 5, None), (2 ** 20, 30, None),
            (64, 200, None), (100, 40, (25, 15))]
@@ -177,17 +177,23 @@ def test_hostile_bytes_are_refused_by_name_or_are_the_writers_own_code():
 
 def test_a_level_above_s_is_refused():
     """Above ``MAX_SYMBOL`` a magnitude's size comes from the escape's bit length, which can say more than ``s``:
-    the reader refuses it by name. The writer's code for ``s = 1000`` with one level of 1,000, read as ``s = 999``."""
+    the reader refuses it by name (the writer's code for ``s = 1000`` with one level of 1,000, read as ``s = 999``);
+    and the writer refuses a level above ``s`` (its model has no symbol for it) rather than write past its buffer."""
     q = QSGD(1000, encoding="arith").quantise(np.array([1.0, 0.0, 0.0]), np.zeros(3))
     assert q.levels[0] == 1000
     code = QSGD(1000, encoding="arith").encode(q)
     with pytest.raises(DecodeError, match="above s = 999"):
         QSGD(999, encoding="arith").decode(code, 3)
+    for s, big in ((3, 100), (2 ** 32, 2 ** 40)):  # the writer refuses what its model cannot code (never a crash)
+        bad = Quantised(norms=np.ones(1, np.float32), levels=np.full(5, big), s=s, blocks=(5,))
+        with pytest.raises(ValueError, match="level above s"):
+            arith.encode(bad)
 
 
 def test_dense_takes_the_shorter_code_and_reads_both():
     """``dense`` (the broadcast's): each message in the shorter of the two codes (the arithmetic one on a tie), read
-    back by a ``dense`` reader whichever it is; a reader of one code refuses the other's tag."""
+    back by a ``dense`` reader whichever it is, which refuses the longer code of the same levels (so every message
+    has one code); a reader of one code refuses the other's tag, and no broadcast reader reads an uplink code."""
     rng = np.random.default_rng(9)
     seen = set()
     for d, s in ((7850, 128), (200, 64), (650, 256), (30, 4)):
@@ -202,6 +208,12 @@ def test_dense_takes_the_shorter_code_and_reads_both():
             other = "rice" if code[0] == 0x04 else "arith"
             with pytest.raises(DecodeError, match="tag"):
                 QSGD(s, encoding=other).decode(code, d)
+            longer = QSGD(s, encoding=other).encode(q)  # the other code of the same levels: never sent, refused
+            with pytest.raises(DecodeError, match="longer of the broadcast's two codes"):
+                c.decode(longer, d)
+            for enc in ("dense", "arith", "rice"):  # a broadcast reader reads no uplink code
+                with pytest.raises(DecodeError, match="tag"):
+                    QSGD(s, encoding=enc).decode(QSGD(s).encode(q), d)
     assert seen == {0x03, 0x04}  # both codes are taken somewhere among these messages
 
 
@@ -225,9 +237,14 @@ def test_the_chain_is_the_rice_broadcasts_in_no_more_bits(tmp_path, monkeypatch)
         with open(run_dir / "metrics.csv", newline="") as f:
             return [int(float(r["bits_down"])) for r in csv.DictReader(f)]
 
+    from qlsd_flwr.flower import client_app
+
     runs = {}
     for enc in ("dense", "rice"):
         monkeypatch.setattr(downlink, "ENCODING", enc)
+        # a client's spec (its reader of the broadcast among it) is cached per settings, which do not name the
+        # broadcast's code (a constant of the package): changing the constant here needs a fresh one
+        client_app._spec.cache_clear()
         loc = run_local(resolve({**o, "engine": "local", "run-name": f"local-{enc}"}))
         fl_o = {**o, "engine": "inprocess", "num-chains": 2, "run-name": f"flwr-{enc}"}
         fl = run_inprocess(resolve(fl_o), fl_o)

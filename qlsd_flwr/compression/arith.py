@@ -313,19 +313,24 @@ def _decode(body, blocks, s, nsym, escape, norm_bits, levels):
 
 
 def max_bits(s: int, blocks) -> int:
-    """A bound on the code's length (norms and body), for the reader's length guard and buffers: a symbol of
-    frequency ``f`` out of ``T ≤ 2^16`` costs at most ``log2(T/f) + 1 ≤ 17`` bits as coded (``f ≥ 1``), the sign
-    one, an escape's length 17 and its bits 32; two bits end the stream."""
+    """A bound on the code's length (norms and body), for the reader's length guard and buffers. After the norms and
+    ``j`` the code has one bit a shift plus two, and the writer's range stays above ``2^30`` after each shift, so
+    the shifts are at most ``−log2`` of the final interval's width over ``2^32``, which is at least ``Π f/T`` up to a
+    factor ``1 − 2^−14`` a symbol: ``Σ log2(T/f)`` plus a hair, with each symbol's ``f ≥ 1`` out of ``T ≤ 2^16``
+    (at most 16 bits; the sign, and each escape bit, 1). Allowed here: 17 a magnitude, 1 a sign, 17 an escape's
+    length and 32 its bits."""
     d = int(sum(int(n) for n in blocks))
     per = 17 + 1 + (17 + LENGTHS - 1 if int(s) > MAX_SYMBOL else 0)
     return 32 * len(blocks) + SHAPE_BITS + d * per + 2
 
 
 def _write(levels, norm_bits, blocks, s):
+    levels = np.ascontiguousarray(levels, dtype=np.int64)
+    if levels.size and int(np.max(np.abs(levels))) > int(s):  # the model has no symbol for it
+        raise ValueError(f"arithmetic code: a level above s = {s}")
     nsym = alphabet(s)
     buf = np.zeros((max_bits(s, blocks) + 7) // 8 + 1, dtype=np.uint8)
-    bits = _encode(np.ascontiguousarray(levels, dtype=np.int64), norm_bits, np.asarray(blocks, dtype=np.int64),
-                   nsym, int(s) > MAX_SYMBOL, buf)
+    bits = _encode(levels, norm_bits, np.asarray(blocks, dtype=np.int64), nsym, int(s) > MAX_SYMBOL, buf)
     return buf[: (bits + 7) // 8], int(bits)
 
 

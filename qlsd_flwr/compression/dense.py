@@ -5,7 +5,9 @@ The arithmetic code reaches the levels' order-0 entropy to within its model's le
 message: on the main job (``d = 7,850``, 128 levels) it is 8 % shorter than the Rice code, but on a message of a
 few hundred coordinates with wide levels the Rice code can be a little shorter (by about 2 % at ``d = 200``, 64
 levels). Taking the shorter of the two costs the writer one more length and never sends more bits than the Rice
-code before it. A ``dense`` reader takes either tag: each code is checked in full by its own reader.
+code before it. A ``dense`` reader takes either tag, checks each code in full with its own reader, and refuses the
+longer of the two (the writer never sends it), so every message has one code; a reader of a dense code refuses
+QSGD's uplink codes (Elias, packed).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from qlsd_flwr.compression import arith, rice
-from qlsd_flwr.compression.format import TAG_ARITH, TAG_RICE
+from qlsd_flwr.compression.format import TAG_ARITH, TAG_RICE, DecodeError
 
 #: ``encoding`` → the tags its reader takes
 TAGS = {"arith": (TAG_ARITH,), "rice": (TAG_RICE,), "dense": (TAG_ARITH, TAG_RICE)}
@@ -47,6 +49,12 @@ def reads(encoding: str, tag: int) -> bool:
     return tag in TAGS.get(encoding, ())
 
 
-def decode(tag: int, body: bytes, d: int, blocks, s: int):
-    """``(norms, levels, bits)`` of a code body of this tag (:func:`reads` said yes), or ``DecodeError``."""
-    return _CODE[tag].decode(body, d, blocks, s)
+def decode(encoding: str, tag: int, body: bytes, d: int, blocks, s: int):
+    """``(norms, levels, bits)`` of a code body of this tag (:func:`reads` said yes), or ``DecodeError``; under
+    ``dense`` the code must also be the one the writer takes, the shorter (so every message has one code)."""
+    norms, levels, bits = _CODE[tag].decode(body, d, blocks, s)
+    if encoding == "dense":
+        other = (rice if tag == TAG_ARITH else arith).code_bits(levels, blocks, s)
+        if (tag == TAG_ARITH and bits > other) or (tag == TAG_RICE and bits >= other):
+            raise DecodeError("the longer of the broadcast's two codes for these levels (the writer sends the shorter)")
+    return norms, levels, bits

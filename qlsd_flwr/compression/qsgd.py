@@ -368,9 +368,9 @@ class QSGD:
             raise DecodeError(f"payload is for d = {d_wire}, expected d = {d}")
         body = payload[HEADER_BYTES:]
         if dense.reads(self.encoding, tag):  # a dense code, read only where it is expected
-            norms, levels, bits = dense.decode(tag, body, d, blocks, self.s)
+            norms, levels, bits = dense.decode(self.encoding, tag, body, d, blocks, self.s)
             return Quantised(norms=norms, levels=levels, s=self.s, blocks=blocks, code_bits=bits)
-        if tag not in (TAG_PACKED, TAG_ELIAS):
+        if tag not in (TAG_PACKED, TAG_ELIAS) or self.encoding in dense.TAGS:  # a dense reader reads no uplink code
             raise DecodeError(f"unknown encoding tag {tag:#04x}")
         elias = tag == TAG_ELIAS
         self._check_length(body, d, blocks, elias)
