@@ -13,6 +13,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from qlsd_flwr.compression import dense
 from qlsd_flwr.compression.elias import omega_len_int
 
 
@@ -84,10 +85,7 @@ def _bound_bits(s: int, blocks: tuple[int, ...], encoding: str, packed_bits: int
     """``QSGD.bound_bits`` (memoised: it is asked for every message)."""
     elias = float(sum(min(qsgd_theorem_bits(n, s), elias_bound_bits(n, s)) for n in blocks))
     packed = float(packed_bits)
-    if encoding in ("rice", "arith", "dense"):  # the broadcast's codes: the longest message (an upper bound, not an
-        # expectation)
-        from qlsd_flwr.compression import dense
-
+    if encoding in dense.TAGS:  # the broadcast's codes: the longest message (an upper bound, not an expectation)
         return float(dense.max_bits(encoding, s, blocks))
     return {"elias": elias, "packed": packed, "auto": min(elias, packed)}[encoding]
 
