@@ -43,9 +43,10 @@ def one(over: dict) -> dict:
         g = grad_fn(th, precision)
         norms.append(float(np.linalg.norm(g)))
         traced.scales = grad_fn.scales  # the clients' row scales, for the descent's next width (DescentWidth)
+        traced.uplink = grad_fn.uplink  # the replies' bits (their code depends on the levels)
         return g
 
-    traced.scales = None
+    traced.scales = traced.uplink = None
 
     for name in ("clients", "combine", "n_data", "kept"):
         setattr(traced, name, getattr(grad_fn, name))

@@ -77,8 +77,10 @@ def reference(q) -> bytes:
             n = e.bit_length() - 1
             code(*lens.interval(n))
             lens.update(n)
-            for ch in format(e, "b")[1:]:
-                code(int(ch), int(ch) + 1, 2)
+            below = format(e, "b")[1:]  # the bits below the leading one, as uniform symbols of up to CHUNK bits
+            for i in range(0, len(below), arith.CHUNK):
+                v, k = int(below[i:i + arith.CHUNK], 2), len(below[i:i + arith.CHUNK])
+                code(v, v + 1, 2 ** k)
         if a:
             code(int(lv < 0), int(lv < 0) + 1, 2)
     pending += 1

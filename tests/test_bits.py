@@ -147,24 +147,50 @@ def test_flowers_messages_wrap_the_code_lengths_both_ways(tmp_path):
     assert s["bits"]["total"] == s["totals"]["bits_exact"] + s["totals"]["bits_down"]
 
 
-def test_metric_rank_s_products_travel_and_count_as_fixed_point_rows_on_every_engine(tmp_path):
-    # issue 37: float64 bought nothing in the correction's products; they and the block's vectors are 16-bit fixed-point
-    # rows (compression.fixed), on the wire and in the count, and the direct engine uses the very numbers Flower
-    # carries (same chain, same bits)
-    o = {"task": "logistic", "dataset": "breast_cancer", "num-clients": 4, "prior-var": 0.05, "variant": "qlsd-pp",
+def _payloads(seen: list):
+    """A client mod that keeps, for each exchange before sampling, ``(kind, precision, up, down)``: the request's
+    curvature kind (``grad`` for a gradient) and precision, the reply's payload as the client sent it, and the
+    request's θ and vectors as the server sent them (bits)."""
+    from qlsd_flwr.flower.records import from_content
+
+    def mod(msg, ctx, call_next):
+        reply = call_next(msg, ctx)
+        fields = from_content(msg.content)[0]
+        if fields.get("phase") in ("grad", "curvature") and not reply.has_error():
+            down = 8 * np.asarray(fields["theta"]).nbytes + 8 * len(fields.get("vectors", b""))
+            seen.append((fields.get("kind", "grad"), fields.get("precision", 64), 8 * len(reply.content["qlsd"]["payload"]),
+                         down))
+        return reply
+
+    return mod
+
+
+def test_the_preparations_rows_are_counted_as_the_bytes_the_clients_send_on_every_engine(tmp_path):
+    # issue 37: metric-rank's products, λ_max's and the descent's gradients travel as fixed-point rows
+    # (compression.fixed), coded where that is shorter: on digits (d = 650) the count is the bytes the Flower clients
+    # sent, at most the raw layout's length, and the direct engine, which sends no bytes, counts the same and samples
+    # the same chain
+    o = {"task": "logistic", "dataset": "digits", "num-clients": 4, "prior-var": 0.05, "variant": "qlsd-pp",
          "metric": "diagonal", "metric-rank": 3, "gamma": "auto", "num-rounds": 6, "burn-in": 2, "progress": False,
          "plot": False, "loo": "off", "output-dir": str(tmp_path)}
+    seen: list = []
+    flwr = run_inprocess(resolve({**o, "engine": "inprocess", "run-name": "flwr"}), {**o, "engine": "inprocess"},
+                         mods=[_payloads(seen)])
+    s = json.loads((flwr.run_dir / "summary.json").read_text())
+    prep, d, b, k = s["bits"]["preparation"], s["d"], 4, s["lowrank_block"]
+    hvp = sum(n for kind, _, n, _ in seen if kind == "hvp")
+    grads = sum(n for kind, _, n, _ in seen if kind == "grad")  # rows at 12 and 16 bits, float32 where the rule asked
+    assert prep["products"]["uplink"] + prep["power_iteration"]["uplink"] == hvp > 0
+    assert prep["products"]["downlink"] + prep["power_iteration"]["downlink"] == sum(m for kind, _, _, m in seen
+                                                                                       if kind == "hvp")
+    assert prep["descent"]["uplink"] == grads and {"12", "16"} & set(s["opt_widths"])
+    q, n = prep["products"]["exchanges"], prep["power_iteration"]["exchanges"]
+    # at most the raw layout's length (16 bits), and the products 0.90 of it (measured; MNIST's: 0.57)
+    assert prep["products"]["uplink"] < 0.95 * (8 + k * (16 * d + 32)) * b * q
+    assert prep["power_iteration"]["uplink"] <= (8 + 16 * d + 32) * b * n
+    assert prep["descent"]["uplink"] <= _descent_bits(s["opt_widths"], d, b)[0]
     local = run_local(resolve({**o, "run-name": "local"}))
-    s = json.loads((local.run_dir / "summary.json").read_text())
-    d, b, k, q = s["d"], 4, s["lowrank_block"], s["lowrank_exchanges"]
-    prods = s["bits"]["preparation"]["products"]
-    assert prods["exchanges"] == q > 0
-    # each client's k products: a tag byte, then 16 bits a number and a scale a row
-    assert prods["uplink"] == (8 + k * (16 * d + 32)) * b * q and s["lowrank_bits"] == 16
-    assert prods["downlink"] == (32 * d + 8 + k * (16 * d + 32)) * b * q  # θ* (the float32 descent's) and the block
-    flwr = run_inprocess(resolve({**o, "engine": "inprocess", "run-name": "flwr"}), {**o, "engine": "inprocess"})
-    sf = json.loads((flwr.run_dir / "summary.json").read_text())
-    assert sf["bits"]["preparation"]["products"] == prods
+    assert json.loads((local.run_dir / "summary.json").read_text())["bits"]["preparation"] == prep
     from qlsd_flwr.outputs.recorder import load_samples
 
     assert np.array_equal(load_samples(flwr.run_dir), load_samples(local.run_dir))

@@ -659,18 +659,73 @@ def test_omega_tables_equal_the_rule():
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(1, 40), st.integers(1, 4), st.sampled_from([12, 16, 32]), st.integers(0, 2**32 - 1))
 def test_fixed_point_rows_round_trip_at_every_width_with_their_exact_length(d, rows, bits, seed):
-    # compression.fixed: a row as it travels (12 bits: two levels in three bytes, the last padded) reads back as
-    # rounded() gives it, each entry within σ/2L of itself (σ the row's largest), and its bytes are message_bits
+    # compression.fixed: a row as it travels (12 bits: two levels in three bytes, the last padded; or the same levels
+    # coded where shorter) reads back as rounded() gives it, each entry within σ/2L of itself (σ the row's largest),
+    # and its bytes are sent_bits, at most the raw layout's message_bits (exactly it where the raw layout is sent)
     from qlsd_flwr.compression import fixed
 
     rng = np.random.default_rng(seed)
     X = rng.normal(size=(rows, d)) * 10.0 ** rng.uniform(-20, 20, size=(rows, 1))
+    X[:, rng.random(d) < 0.5] = 0.0  # zeros, as a product's coordinates whose input pixel is always 0
     buf = fixed.encode(X, bits)
-    assert 8 * len(buf) == fixed.message_bits(rows, d, bits) and fixed.width_of(buf) == bits
+    raw = fixed.message_bits(rows, d, bits)
+    assert 8 * len(buf) == fixed.sent_bits(X, bits) and fixed.width_of(buf) == bits
+    assert 8 * len(buf) == raw if buf[0] == bits else 8 * len(buf) < raw
     Y = fixed.decode(buf, d)
-    assert np.array_equal(Y, fixed.rounded(X, bits))
+    assert np.array_equal(Y, fixed.rounded(X, bits)) and fixed.sent_bits(Y, bits) == 8 * len(buf)
     sigma = np.max(np.abs(X), axis=1, keepdims=True)
     L = 2 ** (bits - 1) - 1 if bits < 32 else 2 ** 23  # float32: within 2⁻²⁴ of itself
     assert np.all(np.abs(Y - X) <= sigma / (2 * L) * (1 + 1e-6) + 1e-300)
-    with pytest.raises(ValueError, match="not whole rows"):
+    with pytest.raises(ValueError, match="not whole rows" if buf[0] == bits else "coded|rows"):
         fixed.decode(buf[:-1], d)
+
+
+def test_fixed_point_rows_are_coded_where_shorter_and_read_only_as_the_writers_code():
+    # issue 37: the preparation's rows are mostly levels far below L (a product's coordinates whose pixel is always 0
+    # are 0; the rest spread over scales), so the writer codes the same levels (compression.arith) where that is
+    # shorter; one message has one code, and any other bytes are refused by name or are that code
+    from qlsd_flwr.compression import fixed
+
+    rng = np.random.default_rng(3)
+    d = 400
+    X = rng.normal(size=(3, d)) * np.exp(2.0 * rng.normal(size=d))  # scales spread over orders of magnitude
+    X[:, :100] = 0.0
+    for bits in (fixed.NARROW, fixed.BITS):
+        buf = fixed.encode(X, bits)
+        assert buf[0] == fixed.CODED | bits and 8 * len(buf) < 0.75 * fixed.message_bits(3, d, bits)
+        assert np.array_equal(fixed.decode(buf, d, max_rows=3), fixed.rounded(X, bits))
+        s32 = fixed._scales(X)
+        q = fixed._levels(X, s32, fixed._top(bits))
+        with pytest.raises(ValueError, match="whose code is shorter"):  # the same levels, raw: not the writer's
+            fixed.decode(fixed._raw(q, s32, bits), d)
+        G = rng.normal(size=(2, d))  # Gaussian rows: their raw layout is the shorter, and their code is refused
+        assert fixed.encode(G, bits)[0] == bits
+        g32 = fixed._scales(G)
+        with pytest.raises(ValueError, match="no shorter than its raw rows"):
+            fixed.decode(fixed._coded(fixed._levels(G, g32, fixed._top(bits)), g32, bits), d)
+        for bad, why in ((buf[:3], "shorter than its header"), (struct.pack("<BI", buf[0], 0) + buf[5:], "0 rows, none"),
+                         (struct.pack("<BI", buf[0], 2 ** 32 - 1) + buf[5:], "above the 3 allowed")):
+            with pytest.raises(ValueError, match=why):  # the row count is checked before a level is read
+                fixed.decode(bad, d, max_rows=3)
+        half = q.copy()
+        half[0] //= 2  # the first row's levels below L: not the writer's scale for them, raw or coded
+        for forged in (fixed._raw(half, s32, bits), fixed._coded(half, s32, bits)):
+            with pytest.raises(ValueError, match="not the writer's message"):
+                fixed.decode(forged, d)
+        nan = fixed.encode(np.full((1, d), np.nan), bits)
+        with pytest.raises(ValueError, match="non-finite row scale"):
+            fixed.decode(nan, d)
+        accepted = 0
+        for trial in range(300):  # flipped bits and random bodies: refused, or exactly the writer's bytes of what they hold
+            b = bytearray(buf)
+            if trial < 200:
+                b[5 + trial % (len(b) - 5)] ^= 1 << (trial % 8)
+            else:
+                b[5:] = rng.integers(0, 256, size=len(b) - 5, dtype=np.uint8).tobytes()
+            try:
+                Y = fixed.decode(bytes(b), d, max_rows=3)
+            except ValueError:
+                continue
+            accepted += 1
+            assert fixed.encode(Y, bits) == bytes(b)
+        assert accepted < 300

@@ -11,7 +11,7 @@ levels, so the same chain, in fewer bits.
 ½. Magnitudes ``0 … A − 2`` are symbols of their own and ``A − 1 = min(s, MAX_SYMBOL)`` is one more symbol;
 where ``s > MAX_SYMBOL`` that last symbol is an escape, followed by ``e = |ℓ| − A + 2 ≥ 1`` as its bit length
 ``n + 1`` (``n`` a symbol of a second adaptive model of :data:`LENGTHS` symbols) and the ``n`` bits below its
-leading one, each of probability ½. The magnitudes' frequencies start from a geometric shape whose parameter
+leading one, uniform (as symbols of up to :data:`CHUNK` bits, most significant first). The magnitudes' frequencies start from a geometric shape whose parameter
 ``j`` (the bit length of the mean magnitude plus one, :data:`SHAPE_BITS` bits) the writer sends after the norms
 (:func:`_prior`), the lengths' at 1; a coded symbol's frequency grows by :data:`INCREMENT`, and when the total passes
 :data:`MAX_TOTAL` every frequency is halved (rounded up). Writer and reader update the same models, so no table is
@@ -58,6 +58,10 @@ PRIOR_WEIGHT = 256
 SHAPE_BITS = 3
 #: the escape's bit lengths ``n + 1``, ``n = 0 … 32``: a magnitude up to ``s ≤ 2^32`` has at most 33 bits
 LENGTHS = 33
+#: the ``n`` bits below an escape's leading one go as uniform symbols of up to this many bits (most significant
+#: first): the same length as one bit at a time, in a sixteenth of the coder's steps for a 16-bit fixed-point row's
+#: levels (:mod:`.fixed`); a symbol's total stays at most ``2^16``, as the models'
+CHUNK = 16
 
 _HALF, _QUARTER = 1 << 31, 1 << 30
 _TOP = (1 << 32) - 1
@@ -168,8 +172,11 @@ def _encode(levels, norm_bits, blocks, nsym, escape, buf):
         a = abs(levels[j])
         x = a if (not escape or a < nsym - 1) else nsym - 1
         lo = 0
-        for i in range(x):
-            lo += freq[i]
+        if x == nsym - 1:  # the last symbol (an escape, mostly): below it lies everything else
+            lo = total - freq[x]
+        else:
+            for i in range(x):
+                lo += freq[i]
         _code(buf, st, lo, lo + freq[x], total)
         total = _update(freq, total, x)
         if escape and x == nsym - 1:  # e = a − (A − 2) ≥ 1: its bit length, then the bits below its leading one
@@ -182,9 +189,11 @@ def _encode(levels, norm_bits, blocks, nsym, escape, buf):
                 lo += flen[i]
             _code(buf, st, lo, lo + flen[n], tlen)
             tlen = _update(flen, tlen, n)
-            for i in range(n - 1, -1, -1):
-                bit = (e >> i) & 1
-                _code(buf, st, bit, bit + 1, 2)
+            while n > 0:  # the bits below the leading one, up to CHUNK at a time as one uniform symbol
+                k = min(n, CHUNK)
+                n -= k
+                v = (e >> n) & ((1 << k) - 1)
+                _code(buf, st, v, v + 1, 1 << k)
         if a != 0:
             sign = 1 if levels[j] < 0 else 0
             _code(buf, st, sign, sign + 1, 2)
@@ -264,6 +273,8 @@ def _decode(body, blocks, s, nsym, escape, norm_bits, levels):
         t = _target(st, total)
         x = 0
         lo = 0
+        if t >= total - freq[nsym - 1]:  # the last symbol, without the scan (the scan ends there too)
+            x, lo = nsym - 1, total - freq[nsym - 1]
         while x < nsym - 1 and lo + freq[x] <= t:
             lo += freq[x]
             x += 1
@@ -280,10 +291,12 @@ def _decode(body, blocks, s, nsym, escape, norm_bits, levels):
             _narrow(body, st, lo, lo + flen[n], tlen)
             tlen = _update(flen, tlen, n)
             e = 1
-            for _ in range(n):
-                bit = 1 if _target(st, 2) >= 1 else 0
-                _narrow(body, st, bit, bit + 1, 2)
-                e = 2 * e + bit
+            while n > 0:
+                k = min(n, CHUNK)
+                n -= k
+                v = min(_target(st, 1 << k), (1 << k) - 1)
+                _narrow(body, st, v, v + 1, 1 << k)
+                e = (e << k) | v
             a = e + nsym - 2
             if a > s:
                 return _ABOVE_S, 0
@@ -317,7 +330,7 @@ def max_bits(s: int, blocks) -> int:
     ``j`` the code has one bit a shift plus two, and the writer's range stays above ``2^30`` after each shift, so
     the shifts are at most ``−log2`` of the final interval's width over ``2^32``, which is at least ``Π f/T`` up to a
     factor ``1 − 2^−14`` a symbol: ``Σ log2(T/f)`` plus a hair, with each symbol's ``f ≥ 1`` out of ``T ≤ 2^16``
-    (at most 16 bits; the sign, and each escape bit, 1). Allowed here: 17 a magnitude, 1 a sign, 17 an escape's
+    (at most 16 bits; the sign 1, and an escape's chunk of ``k`` uniform bits ``k``). Allowed here: 17 a magnitude, 1 a sign, 17 an escape's
     length and 32 its bits."""
     d = int(sum(int(n) for n in blocks))
     per = 17 + 1 + (17 + LENGTHS - 1 if int(s) > MAX_SYMBOL else 0)
@@ -332,6 +345,14 @@ def _write(levels, norm_bits, blocks, s):
     buf = np.zeros((max_bits(s, blocks) + 7) // 8 + 1, dtype=np.uint8)
     bits = _encode(levels, norm_bits, np.asarray(blocks, dtype=np.int64), nsym, int(s) > MAX_SYMBOL, buf)
     return buf[: (bits + 7) // 8], int(bits)
+
+
+def write(levels, norm_bits, blocks, s: int) -> tuple[bytes, int]:
+    """``(code ‖ padding, the code's length in bits)`` of ``levels`` (``Σ blocks`` signed integers, ``|ℓ| ≤ s``) after
+    the blocks' 32-bit ``norm_bits`` (float32 bit patterns), no header: what a format with its own header carries
+    (:mod:`.fixed`'s coded rows, a row a block and its scale the norm); :func:`decode` reads it back."""
+    buf, bits = _write(levels, np.asarray(norm_bits, dtype=np.int64), blocks, s)
+    return buf.tobytes(), bits
 
 
 def code_bits(levels: np.ndarray, blocks, s: int) -> np.ndarray:

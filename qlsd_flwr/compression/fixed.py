@@ -20,6 +20,17 @@ A message is one tag byte, :data:`NARROW` (12), :data:`BITS` (16) or 32, then it
   ``M^½ x`` then span more than ``√SPREAD_16 = 1,000``, and a coordinate 1,000 times below its row's largest is
   within 1.5 % in 16 bits).
 
+**Coded** (since 2026-12-05 afternoon; issue 37) — at 12 and 16 bits the writer sends the same scales and levels in
+:mod:`.arith`'s adaptive arithmetic code where that is shorter: tag ``CODED | bits`` (``0x8C``, ``0x90``), the row
+count (uint32), then the code, a row a block and its scale the block's norm. The levels are the raw layout's, so the
+rows read back are the same numbers, in fewer bits: a product or gradient row's levels spread over many scales (a
+coordinate whose input pixel is always 0 has level 0; the rest lie between 1 and ``L``), and on the main job the
+clients' products take 0.57 of their raw bits, the descent's 12-bit gradients 0.48, the server's blocks of vectors 0.90
+(``benchmarks/bench_preparation.py``). One message, one code: the writer sends the shorter (the raw layout on a
+tie), and a reader refuses the other (a raw message whose code would have been shorter, a code not shorter than its
+raw layout), so every engine counts a message's bits as the writer's bytes (:func:`sent_bits`). A coded message's
+rows are at most ``max_rows`` (or its body's bits over 32), checked before a level is read.
+
 A row that is not finite (or beyond float32's range) travels with a NaN scale (12, 16) or NaN values (32), which
 every reader refuses: a client's failed product is refused and counted by the server on every engine alike.
 
@@ -38,7 +49,12 @@ prior's curvature) by the block the clients received.
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
+
+from qlsd_flwr.compression import arith
+from qlsd_flwr.compression.format import DecodeError
 
 #: bits a level of a fixed-point row: 16 (12 measured nearly the same on the main job, 8 not; module docstring)
 BITS = 16
@@ -49,6 +65,9 @@ NARROW = 12
 #: a metric whose scales span more than this sends the correction's blocks as float32 rows (module docstring)
 SPREAD_16 = 1e6
 WIDTHS = (NARROW, BITS, 32)
+#: a coded message's tag is its width's with this bit set (module docstring)
+CODED = 0x80
+_CODED_HEAD = struct.Struct("<BI")  # tag, rows
 _LEVEL = np.dtype("<i2")
 _FLOAT = np.dtype("<f4")
 
@@ -66,8 +85,16 @@ def _row_bytes(d: int, bits: int) -> int:
 
 
 def message_bits(rows: int, d: int, bits: int = BITS) -> int:
-    """A message of ``rows`` rows: its tag byte and the rows."""
+    """A message of ``rows`` rows in the raw layout: its tag byte and the rows (the most a message of ``rows`` rows
+    costs; :func:`sent_bits` is what one does)."""
     return 8 + int(rows) * row_bits(d, bits)
+
+
+def sent_bits(X, bits: int = BITS) -> int:
+    """The bits of :func:`encode` ``(X, bits)``: what the message carrying these rows costs, coded or raw. Rows that
+    were read back (:func:`rounded`, :func:`decode`) give their own message's bytes again, so an engine that never
+    writes them counts what Flower carries."""
+    return 8 * len(encode(X, bits))
 
 
 def width_for(spread: float) -> int:
@@ -133,9 +160,19 @@ def encode(X, bits: int = BITS) -> bytes:
     if bits not in WIDTHS:
         raise ValueError(f"fixed-point rows: bits must be one of {WIDTHS}, got {bits}")
     s32 = _scales(X)
-    if bits == BITS:
-        return bytes([BITS]) + s32.tobytes() + _levels(X, s32).tobytes()
-    return bytes([NARROW]) + s32.tobytes() + _pack12(_levels(X, s32, _NARROW_TOP)).tobytes()
+    q = _levels(X, s32, _top(bits))
+    raw = _raw(q, s32, bits)
+    coded = _coded(q, s32, bits)
+    return coded if len(coded) < len(raw) else raw
+
+
+def _raw(q: np.ndarray, s32: np.ndarray, bits: int) -> bytes:
+    return bytes([bits]) + s32.tobytes() + (q.tobytes() if bits == BITS else _pack12(q).tobytes())
+
+
+def _coded(q: np.ndarray, s32: np.ndarray, bits: int) -> bytes:
+    body, _ = arith.write(q.ravel(), s32.view(np.uint32), [q.shape[1]] * q.shape[0], _top(bits))
+    return _CODED_HEAD.pack(CODED | bits, q.shape[0]) + body
 
 
 _NARROW_TOP = _top(NARROW)  # 2,047: a level and its offset 2,048 fit in 12 bits, 0 is never written
@@ -169,17 +206,22 @@ def _unpack12(raw: np.ndarray, d: int) -> np.ndarray:
 
 
 def width_of(buf) -> int:
-    """A message's width (its tag byte), or ``ValueError``."""
-    if not isinstance(buf, (bytes, bytearray)) or len(buf) == 0 or buf[0] not in WIDTHS:
-        raise ValueError(f"not a block of rows: the first byte must be one of {WIDTHS}")
-    return int(buf[0])
+    """A message's width (its tag byte, less :data:`CODED`), or ``ValueError``."""
+    if not isinstance(buf, (bytes, bytearray)) or len(buf) == 0 or buf[0] not in _TAGS:
+        raise ValueError(f"not a block of rows: the first byte must be one of {WIDTHS}, or {CODED:#x} with 12 or 16")
+    return int(buf[0]) & ~CODED
+
+
+_TAGS = (*WIDTHS, CODED | NARROW, CODED | BITS)
 
 
 def decode(buf, d: int, max_rows: int | None = None) -> np.ndarray:
     """The ``(b, d)`` float64 rows of :func:`encode`'s bytes, or ``ValueError`` saying why: not bytes, an unknown
-    width, not whole rows of ``d``, more than ``max_rows`` rows, or a scale or value that is not finite (or a
-    negative scale)."""
+    width, not whole rows of ``d``, more than ``max_rows`` rows, a scale or value that is not finite (or a
+    negative scale), a code that does not read, or bytes that are not the writer's message of what they hold."""
     bits, d = width_of(buf), int(d)
+    if buf[0] & CODED:
+        return _decode_coded(bytes(buf), d, bits, max_rows)
     size = _row_bytes(d, bits)
     body = bytes(buf[1:])
     if len(body) == 0 or len(body) % size:
@@ -197,8 +239,50 @@ def decode(buf, d: int, max_rows: int | None = None) -> np.ndarray:
         raise ValueError("a row's scale is negative or not finite")
     if bits == NARROW:
         raw = np.frombuffer(body, dtype=np.uint8, offset=4 * b).reshape(b, size - 4)
-        return _values(_unpack12(raw, d), s32, _NARROW_TOP)
-    return _values(np.frombuffer(body, dtype=_LEVEL, offset=4 * b).reshape(b, d), s32)
+        q = _unpack12(raw, d)
+    else:
+        q = np.frombuffer(body, dtype=_LEVEL, offset=4 * b).reshape(b, d)
+    return _canonical(bytes(buf), q, s32, bits)
+
+
+def _canonical(buf: bytes, q: np.ndarray, s32: np.ndarray, bits: int) -> np.ndarray:
+    """The rows of ``q`` and ``s32`` read from ``buf``, where ``buf`` is the writer's own message of them; otherwise
+    ``ValueError`` (one message, one code: every engine counts the writer's bytes). Where each row's largest level
+    is ``L`` (or a zero row has scale 0) these are the writer's scale and levels (the largest entry reads back as
+    the scale, and the rest as their levels), so only the layout is left to check: the shorter, raw on a tie. Any
+    other rows (a float32-subnormal scale's, or a forger's) are written again and compared."""
+    top = _top(bits)
+    X = _values(q, s32, top)
+    peak = np.max(np.abs(q), axis=1, initial=0)
+    if not np.all((peak == top) | ((peak == 0) & (s32 == 0))):
+        if encode(X, bits) != buf:
+            raise ValueError("rows that are not the writer's message of the numbers they hold (one message, one code)")
+        return X
+    if buf[0] & CODED:
+        if len(buf) >= len(_raw(q, s32, bits)):
+            raise ValueError("a code no shorter than its raw rows: the writer sends the raw rows (one message, one "
+                             "code)")
+    elif len(_coded(q, s32, bits)) < len(buf):
+        raise ValueError("raw rows whose code is shorter: the writer sends the code (one message, one code)")
+    return X
+
+
+def _decode_coded(buf: bytes, d: int, bits: int, max_rows: int | None) -> np.ndarray:
+    """A coded message's rows (module docstring), or ``ValueError`` saying why."""
+    if len(buf) < _CODED_HEAD.size:
+        raise ValueError("a coded block of rows shorter than its header")
+    b = _CODED_HEAD.unpack_from(buf)[1]
+    body = buf[_CODED_HEAD.size:]
+    most = 8 * len(body) // 32 if max_rows is None else int(max_rows)  # a row's scale alone is 32 bits
+    if b == 0 or b > most:
+        raise ValueError(f"{b} rows, {'none' if b == 0 else f'above the {most} allowed'}")
+    if len(buf) >= 1 + b * _row_bytes(d, bits):
+        raise ValueError("a code no shorter than its raw rows: the writer sends the raw rows (one message, one code)")
+    try:
+        s32, q, _ = arith.decode(body, b * d, [d] * b, _top(bits))
+    except DecodeError as exc:
+        raise ValueError(f"coded rows: {str(exc).replace('norm', 'row scale')}") from None  # QSGD's words, a row's
+    return _canonical(buf, q.reshape(b, d), s32, bits)
 
 
 def rounded(X, bits: int = BITS) -> np.ndarray:

@@ -189,14 +189,17 @@ class PhaseExchanges:
         if vectors is not None:
             fields["vectors"] = fixed.encode(vectors, bits)
         got = self.ask(grid, fields, timeout, self.clients())
-        return {i: (_products(b, theta.size, bits) if kind == "hvp" else report_of(b, kind)) for i, b in got.items()}
+        rows = MAX_BLOCK if vectors is None else np.atleast_2d(vectors).shape[0]
+        return {i: (_products(b, theta.size, bits, rows) if kind == "hvp" else report_of(b, kind))
+                for i, b in got.items()}
 
 
-def _products(buf: bytes, d: int, bits: int):
-    """A client's block of Hessian-vector products (fixed-point rows at the width asked) as ``(b, d)`` float64, or
-    the bytes as received when they do not decode or come at another width: the preparation's check refuses those,
-    and counts them (a client answers at its request's width, as the direct engines do)."""
+def _products(buf: bytes, d: int, bits: int, rows: int = MAX_BLOCK):
+    """A client's block of Hessian-vector products (fixed-point rows at the width asked, at most the ``rows`` asked)
+    as ``(b, d)`` float64, or the bytes as received when they do not decode or come at another width: the
+    preparation's check refuses those, and counts them (a client answers at its request's width, as the direct
+    engines do)."""
     try:
-        return fixed.decode(buf, d, MAX_BLOCK) if fixed.width_of(buf) == bits else buf
+        return fixed.decode(buf, d, rows) if fixed.width_of(buf) == bits else buf
     except ValueError:
         return buf

@@ -24,7 +24,7 @@ from qlsd_flwr.core.oracles import ClientSpec
 from qlsd_flwr.core.potential import GaussianPrior, Task
 from qlsd_flwr.core.priors import check_prior
 from qlsd_flwr.core.server_step import ServerSpec
-from qlsd_flwr.protocol.gradients import theta_width
+from qlsd_flwr.protocol.gradients import ROWS, as_sent, theta_width
 
 
 def check_clients(task: Task) -> None:
@@ -339,14 +339,6 @@ def combine_grads(cfg: RunConfig, prior: GaussianPrior, grads, theta: np.ndarray
     return g
 
 
-def as_sent(x: np.ndarray, precision: int = 64) -> np.ndarray:
-    """``x`` as a ``precision``-bit exchange carries it, back in float64 (the identity at 64; 12, 16: a fixed-point
-    row, :mod:`~qlsd_flwr.protocol.gradients`): every engine rounds where Flower's messages do, so all give one θ*."""
-    if precision in (fixed.NARROW, fixed.BITS):
-        return fixed.rounded(x, precision)[0]
-    return x if precision == 64 else np.asarray(x, dtype=np.float32).astype(np.float64)
-
-
 class GradExchange:
     """``∇U(θ)`` from the kept clients' full gradients (one exchange of the θ* phase: ``grad_fn(θ)``), and each
     client's own (``clients(θ)``: ``{i: ∇U_i(θ)}``) for the rules that judge them one by one
@@ -355,7 +347,8 @@ class GradExchange:
     def __init__(self, cfg: RunConfig, prior, gradients, kept, n_data):
         self.cfg, self.prior = cfg, prior
         self._gradients, self._kept = gradients, kept  # θ → the b clients' gradients (zeros for those left out)
-        self.n_data, self.scales = n_data, None  # the clients' N_i (claims on the Flower path); __call__'s scales
+        # the clients' N_i (claims on the Flower path); __call__'s scales, and its replies' bits where they are rows
+        self.n_data, self.scales, self.uplink = n_data, None, None
 
     def clients(self, th) -> dict:
         grads = self._gradients(th)
@@ -374,7 +367,8 @@ class GradExchange:
         is taken), the prior's part taken at the θ the clients got. ``scales``: each client's row scale as received,
         for the next exchange's width (:class:`qlsd_flwr.protocol.descent.DescentWidth`)."""
         grads = self._gradients(th := as_sent(th, theta_width(precision)), precision)
-        self.scales = [float(np.max(np.abs(g), initial=0.0)) for g in grads]
+        self.scales = [float(np.max(np.abs(g), initial=0.0)) for g in grads]  # (a row's code depends on its levels)
+        self.uplink = sum(fixed.sent_bits(grads[i], precision) for i in self._kept()) if precision in ROWS else None
         return combine_grads(self.cfg, self.prior, grads, th)
 
 

@@ -25,7 +25,7 @@ from qlsd_flwr.config import ConfigError, RunConfig
 from qlsd_flwr.core import curvature as cv
 from qlsd_flwr.core.metric import Identity, Metric
 from qlsd_flwr.core.potential import Task
-from qlsd_flwr.protocol import build
+from qlsd_flwr.protocol.gradients import as_sent
 from qlsd_flwr.protocol.curvature_exchange import curvature_metric, merge_reports, needs_curvature, products_in
 from qlsd_flwr.protocol.theta_star import (STALL, closed_form_theta_star, decrement_squared, needs_theta_star,
                                           optimise_theta_star)
@@ -165,7 +165,7 @@ def _as_point(cfg: RunConfig, theta: np.ndarray) -> np.ndarray:
     """Where θ* is only the point where the curvature is taken, it is rounded to float32, as its descent's exchanges
     carried it: the curvature reports, the products and λ_max's products then send it in 32 bits a number,
     losing nothing (traffic.point_bits; issue 37). QLSD*'s θ* stays as it is."""
-    return theta if needs_theta_star(cfg) else build.as_sent(theta, 32)
+    return theta if needs_theta_star(cfg) else as_sent(theta, 32)
 
 
 def _stage(cfg: RunConfig, theta, grad_fn, metric: Metric | None, info: dict, hvp, budget: int, g0, stall, width, last,

@@ -58,3 +58,11 @@ def gradient_of(payload, d: int, precision: int = 64) -> np.ndarray:
 def theta_width(precision: int) -> int:
     """The width θ goes down at in a ``grad`` request of ``precision``: float64 at 64, float32 otherwise."""
     return 64 if int(precision) == 64 else 32
+
+
+def as_sent(x: np.ndarray, precision: int = 64) -> np.ndarray:
+    """``x`` as a ``precision``-bit exchange carries it, back in float64 (the identity at 64; 12, 16: a fixed-point
+    row, as :func:`gradient_to_bytes` sends it): every engine rounds where Flower's messages do, so all give one θ*."""
+    if precision in (fixed.NARROW, fixed.BITS):
+        return fixed.rounded(x, precision)[0]
+    return x if precision == 64 else np.asarray(x, dtype=np.float32).astype(np.float64)

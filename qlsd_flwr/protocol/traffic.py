@@ -4,10 +4,11 @@ Every engine hands :func:`qlsd_flwr.protocol.precondition.prepare` the same two 
 (``grad_fn``, ``curv_fn``); :func:`counted` wraps them so that each exchange adds its code lengths to a
 :class:`Traffic`: a gradient exchange sends θ to each of the ``b`` clients (``64 d`` bits each, 32 in a
 float32 descent) and gets ``∇U_i(θ)`` back (the same; at 12 or 16, :mod:`qlsd_flwr.protocol.gradients`, θ goes as
-float32 and the gradient comes back as one fixed-point row, ``16 d + 40`` or ``24 ⌈d/2⌉ + 40`` bits, the width chosen
+float32 and the gradient comes back as one fixed-point row, at most ``16 d + 40`` or ``24 ⌈d/2⌉ + 40`` bits (coded where
+shorter, :mod:`qlsd_flwr.compression.fixed`: counted as the bytes the row takes, :func:`~qlsd_flwr.compression.fixed.sent_bits`), the width chosen
 before each exchange by the descent's rule, :func:`precision`); a curvature exchange sends θ (``32 d`` where it is the
 float32 descent's result, :func:`point_bits`, else ``64 d``; and, for Hessian-vector
-products, the block's ``k`` vectors as rows of :mod:`qlsd_flwr.compression.fixed`, ``8 + k (16 d + 32)`` bits at
+products, the block's ``k`` vectors as rows of :mod:`qlsd_flwr.compression.fixed`, at most ``8 + k (16 d + 32)`` bits at
 16 bits, ``8 + 32 k d`` at 32) and gets each client's report as sent (products: the same as the block). The kinds (``PREP_KINDS`` of
 :mod:`qlsd_flwr.outputs.bits`) follow what the exchange is for: a gradient in the θ* descent is
 ``descent``, in the warm-up of ``metric-from = adapt`` ``warmup``; a product or a gradient difference for a
@@ -150,9 +151,14 @@ def counted(grad_fn, curv_fn, traffic: Traffic):
         if ruled:  # the widths a rule chose go into the summary
             widths = traffic.info.setdefault("opt_widths", {})
             widths[str(bits)] = widths.get(str(bits), 0) + 1
-        up = fixed.message_bits(1, d, bits) if bits < 32 else bits * d  # 12, 16: one fixed-point row (gradients)
-        traffic.add(traffic.phase, up * b, theta_width(bits) * d * b)
-        g = grad_fn(th) if bits == 64 else grad_fn(th, bits)
+        # 12, 16: one fixed-point row a client, counted as its bytes (the exchange's ``uplink``); a request that fails
+        # is counted at the raw layout's length, the most its replies could have cost
+        up = (fixed.message_bits(1, d, bits) if bits < 32 else bits * d) * b
+        try:
+            g = grad_fn(th) if bits == 64 else grad_fn(th, bits)
+            up = getattr(grad_fn, "uplink", None) or up
+        finally:
+            traffic.add(traffic.phase, up, theta_width(bits) * d * b)
         return g, float(np.linalg.norm(g))
 
     def grad(th):
@@ -175,13 +181,13 @@ def counted(grad_fn, curv_fn, traffic: Traffic):
             # the input directions went down as rows)
             up = sum(8 * len(h) if isinstance(h, (bytes, bytearray)) else 8 * int(np.asarray(h).nbytes)
                      for h in reports.values())
-            rows = 0 if vectors is None else fixed.message_bits(np.atleast_2d(vectors).shape[0], d, bits)
+            rows = 0 if vectors is None else fixed.sent_bits(vectors, bits)
             traffic.add("curvature", up, (point_bits(th) * d + rows) * b)
             return reports
         # products and vectors as rows of width bits (compression.fixed); a reply that did not decode, as received
-        up = sum(8 * len(h) if isinstance(h, (bytes, bytearray)) else fixed.message_bits(np.size(h) // d, d, bits)
+        up = sum(8 * len(h) if isinstance(h, (bytes, bytearray)) else fixed.sent_bits(np.reshape(h, (-1, d)), bits)
                  for h in reports.values())
-        sent = point_bits(th) * d + fixed.message_bits(np.atleast_2d(vectors).shape[0], d, bits)
+        sent = point_bits(th) * d + fixed.sent_bits(vectors, bits)
         traffic.add("power_iteration" if traffic.phase == "power_iteration" else "products", up, sent * b)
         return reports
 
