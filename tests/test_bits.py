@@ -30,12 +30,15 @@ from qlsd_flwr.run.simulate import run_inprocess
 FRAMING_BYTES = 4096
 
 
-def _descent_bits(widths: dict, d: int, b: int) -> tuple[int, int]:
+def _descent_bits(widths: dict, d: int, b: int, held: int = 0) -> tuple[int, int]:
     """The descent's bits both ways from the widths its rule chose (``opt_widths``: width → exchanges): θ down as
-    float32 (float64 at 64), each gradient up as one fixed-point row at 12 or 16 bits, else ``width d``."""
+    float32 (float64 at 64), less the ``held`` bits a client was not sent at the point it held (``prep_points_held``:
+    a recheck that asks the same θ wider, the first exchange of a stage at the point its curvature was taken),
+    each gradient up as one fixed-point row at 12 or 16 bits (the raw layout's: at d = 62 a gradient's code is not
+    the shorter), else ``width d``."""
 
     up = sum(n * (fixed.message_bits(1, d, int(w)) if int(w) < 32 else int(w) * d) for w, n in widths.items())
-    down = sum(n * (64 if int(w) == 64 else 32) * d for w, n in widths.items())
+    down = sum(n * (64 if int(w) == 64 else 32) * d for w, n in widths.items()) - held
     return up * b, down * b
 
 
@@ -72,13 +75,15 @@ def test_the_bits_object_adds_up_phase_by_phase(tmp_path, capsys):
     # power iteration's `last` exchanges in float32
     n, widths = prep["descent"]["exchanges"], s["opt_widths"]
     assert sum(widths.values()) == n > 0 and set(widths) <= {"12", "16", "32"}
-    assert (prep["descent"]["uplink"], prep["descent"]["downlink"]) == _descent_bits(widths, d, b)
+    assert (prep["descent"]["uplink"], prep["descent"]["downlink"]) == _descent_bits(widths, d, b, s.get("prep_points_held", {}).get("descent", 0))
     n, last = prep["power_iteration"]["exchanges"], s["lambda_max_iterations"]
     row = fixed.message_bits(1, d, 16)
     assert s["metric_spread"] <= fixed.SPREAD_16
     assert prep["power_iteration"]["uplink"] == row * b * n > 0 and 0 < last < n
-    points, rest = divmod(prep["power_iteration"]["downlink"] - row * b * n, 32 * d * b)
-    assert rest == 0 and n <= points <= 2 * n - last
+    # θ sent or held (a client keeps the last point; γ's `last` exchanges at θ* send it at most once)
+    held = s["prep_points_held"]["power_iteration"]
+    points, rest = divmod(prep["power_iteration"]["downlink"] - row * b * n + held * b, 32 * d * b)
+    assert rest == 0 and n <= points <= 2 * n - last and held >= 32 * d * (last - 1)
     assert prep["curvature"]["uplink"] == 64 * d * b * prep["curvature"]["exchanges"]  # a diagonal a client
     assert (bits["uplink"]["loo"], bits["downlink"]["loo"]) == (s["loo"]["bits_up"], s["loo"]["bits_down"]) != (0, 0)
     assert bits["uplink"]["other"] == bits["downlink"]["other"] == 0
@@ -105,7 +110,7 @@ def test_the_descent_is_narrower_only_where_theta_star_is_only_the_curvature_poi
         assert s["d"] == 62 and row["exchanges"] > 0, variant
         widths = s.get("opt_widths", {"64": row["exchanges"]})
         assert ("opt_widths" in s) == (variant == "qlsd-pp") and sum(widths.values()) == row["exchanges"], variant
-        assert (row["uplink"], row["downlink"]) == _descent_bits(widths, 62, 4), variant
+        assert (row["uplink"], row["downlink"]) == _descent_bits(widths, 62, 4, s.get("prep_points_held", {}).get("descent", 0)), variant
         flwr = run_inprocess(resolve({**c, "engine": "inprocess", "run-name": f"f-{variant}"}), {**c, "engine": "inprocess"})
         sf = json.loads((flwr.run_dir / "summary.json").read_text())
         assert sf["bits"]["preparation"]["descent"] == row and sf["gamma"] == s["gamma"], variant
@@ -157,9 +162,9 @@ def _payloads(seen: list):
         reply = call_next(msg, ctx)
         fields = from_content(msg.content)[0]
         if fields.get("phase") in ("grad", "curvature") and not reply.has_error():
-            down = 8 * np.asarray(fields["theta"]).nbytes + 8 * len(fields.get("vectors", b""))
+            down = 8 * np.asarray(fields.get("theta", [])).nbytes + 8 * len(fields.get("vectors", b""))
             seen.append((fields.get("kind", "grad"), fields.get("precision", 64), 8 * len(reply.content["qlsd"]["payload"]),
-                         down))
+                         down, "theta" in fields))
         return reply
 
     return mod
@@ -178,11 +183,16 @@ def test_the_preparations_rows_are_counted_as_the_bytes_the_clients_send_on_ever
                          mods=[_payloads(seen)])
     s = json.loads((flwr.run_dir / "summary.json").read_text())
     prep, d, b, k = s["bits"]["preparation"], s["d"], 4, s["lowrank_block"]
-    hvp = sum(n for kind, _, n, _ in seen if kind == "hvp")
-    grads = sum(n for kind, _, n, _ in seen if kind == "grad")  # rows at 12 and 16 bits, float32 where the rule asked
+    hvp = sum(n for kind, _, n, *_ in seen if kind == "hvp")
+    grads = sum(n for kind, _, n, *_ in seen if kind == "grad")  # rows at 12 and 16 bits, float32 where the rule asked
     assert prep["products"]["uplink"] + prep["power_iteration"]["uplink"] == hvp > 0
-    assert prep["products"]["downlink"] + prep["power_iteration"]["downlink"] == sum(m for kind, _, _, m in seen
+    assert prep["products"]["downlink"] + prep["power_iteration"]["downlink"] == sum(m for kind, _, _, m, _ in seen
                                                                                        if kind == "hvp")
+    # θ goes to a client once a point: a request at the point it holds names it by its number (Phases.ask), and
+    # the count is what the requests carry (λ_max's and the products' at θ*: θ in the first only)
+    assert sum(k["downlink"] for k in prep.values()) == sum(m for *_, m, _ in seen)
+    again = [kind for kind, *_, sent in seen if not sent]
+    assert again.count("hvp") >= 4 * (prep["power_iteration"]["exchanges"] + prep["products"]["exchanges"] - 3)
     assert prep["descent"]["uplink"] == grads and {"12", "16"} & set(s["opt_widths"])
     q, n = prep["products"]["exchanges"], prep["power_iteration"]["exchanges"]
     # at most the raw layout's length (16 bits), and the products 0.90 of it (measured; MNIST's: 0.57)
@@ -194,6 +204,43 @@ def test_the_preparations_rows_are_counted_as_the_bytes_the_clients_send_on_ever
     from qlsd_flwr.outputs.recorder import load_samples
 
     assert np.array_equal(load_samples(flwr.run_dir), load_samples(local.run_dir))
+
+
+def test_a_node_that_lost_its_point_is_sent_theta_again_and_the_chain_is_unchanged(tmp_path):
+    # issue 37: before sampling θ goes to a client once a point, and a request at the point it holds names it by its
+    # number; a restarted node (its context.state wiped here, by a client mod, before every third such request)
+    # answers resync, is sent θ again, and the run is the local engine's chain, its resends counted apart
+    from qlsd_flwr.flower.records import from_content
+
+    o = {"task": "logistic", "dataset": "breast_cancer", "num-clients": 4, "prior-var": 0.05, "variant": "qlsd-pp",
+         "metric": "diagonal", "metric-rank": 3, "gamma": "auto", "num-rounds": 6, "burn-in": 2, "progress": False,
+         "plot": False, "loo": "off", "output-dir": str(tmp_path)}
+    seen: list = []
+
+    def restarts(msg, ctx, call_next):
+        fields = from_content(msg.content)[0]
+        held = fields.get("phase") in ("grad", "curvature") and "theta" not in fields
+        if held and int(ctx.node_config["partition-id"]) == 2:
+            seen.append("held")
+            if len(seen) % 3 == 0:
+                for key in list(ctx.state.keys()):
+                    del ctx.state[key]
+        reply = call_next(msg, ctx)
+        if held and not reply.has_error() and reply.content["qlsd"].get("status") == "resync":
+            seen.append("resync")
+        return reply
+
+    flwr = run_inprocess(resolve({**o, "engine": "inprocess", "run-name": "flwr"}), {**o, "engine": "inprocess"},
+                         mods=[restarts])
+    local = run_local(resolve({**o, "run-name": "local"}))
+    from qlsd_flwr.outputs.recorder import load_samples
+
+    assert np.array_equal(load_samples(flwr.run_dir), load_samples(local.run_dir))
+    s, sl = (json.loads((r.run_dir / "summary.json").read_text()) for r in (flwr, local))
+    resent = seen.count("resync")
+    assert resent >= 3 and s["bits"]["preparation"]["resync"]["exchanges"] == resent
+    assert s["bits"]["preparation"]["resync"]["downlink"] >= resent * 32 * s["d"]  # θ at least, float32 or 64
+    assert {k: v for k, v in s["bits"]["preparation"].items() if k != "resync"} == sl["bits"]["preparation"]
 
 
 def test_kfacs_input_factor_travels_once_as_a_square_root_and_the_chain_is_unchanged(tmp_path):
@@ -338,7 +385,8 @@ def test_the_narrow_descent_reaches_theta_star_within_its_tolerance(tol):
         assert np.linalg.norm(exact) <= (1 + descent.ROUNDING_SHARE) * tol * (1.0 + info["opt_grad0_norm"]), variant
         row = traffic.info["prep_bits"]["descent"]
         widths = traffic.info.get("opt_widths", {"64": row["exchanges"]})
-        assert (row["uplink"], row["downlink"]) == _descent_bits(widths, task.dim, cfg.b), variant
+        assert (row["uplink"], row["downlink"]) == _descent_bits(widths, task.dim, cfg.b,
+                                                                 traffic.info.get("prep_points_held", {}).get("descent", 0)), variant
         out[variant] = (theta, widths)
     narrow = out["qlsd-pp"][1]
     assert "12" in narrow and ("32" in narrow) == (tol < 1e-6), narrow  # 12 bits far out; float32 only for 1e-7
@@ -367,3 +415,23 @@ def test_the_descent_width_rule_and_its_recheck():
     assert fine(scales, 0.05) == 32 and fine._narrowest(scales, 1e-12) == 64
     rule.saw(5.0)  # later readings leave θ_0's alone
     assert rule.g0 == 999.0
+
+
+def test_a_clients_point_is_kept_by_number_and_a_bad_request_is_refused_by_name():
+    # protocol.client.prep_point: θ with its number is kept; the number alone gives it back; another number, or a
+    # client that holds none, gives None (the client answers resync); a request with neither, or a number that is
+    # not an integer ≥ 0, is refused naming the field
+    from qlsd_flwr.core.oracles import ClientState
+    from qlsd_flwr.protocol.client import prep_point
+
+    st, theta = ClientState(), np.arange(4.0)
+    assert prep_point(st, {"phase": "grad", "point": 0}, 4) is None
+    assert np.array_equal(prep_point(st, {"phase": "grad", "theta": theta, "point": 7}, 4), theta)
+    assert np.array_equal(prep_point(st, {"phase": "curvature", "point": 7}, 4), theta)
+    assert prep_point(st, {"phase": "curvature", "point": 8}, 4) is None
+    assert np.array_equal(prep_point(st, {"phase": "grad", "theta": theta + 1}, 4), theta + 1)  # not kept: no number
+    assert np.array_equal(prep_point(st, {"phase": "grad", "point": 7}, 4), theta)
+    for bad, why in (({"phase": "grad"}, "neither 'theta' nor 'point'"), ({"phase": "grad", "point": -1}, "'point'"),
+                     ({"phase": "grad", "point": True}, "'point'"), ({"phase": "curvature", "point": "7"}, "'point'")):
+        with pytest.raises(ValueError, match=why):
+            prep_point(st, bad, 4)

@@ -230,15 +230,19 @@ def _curvature_mod(kind: str, report: str | None = None):
     from qlsd_flwr.compression import fixed, root
     from qlsd_flwr.flower.records import RECORD, from_content
 
+    dim: list = []  # d, from the first request that carries θ (a later one at the same point names it by number)
+
     def mod(msg, ctx, call_next):
         out = call_next(msg, ctx)
         fields, _ = from_content(msg.content)
+        if "theta" in fields and not dim:
+            dim.append(np.size(fields["theta"]))
         if fields.get("phase") != "curvature" or int(ctx.node_config["partition-id"]) != 1 \
                 or report not in (None, fields.get("kind")):
             return out
         rec = dict(out.content[RECORD])
         if fields.get("kind") == "hvp":  # products travel as rows of compression.fixed, in the block's width
-            h, bits = fixed.decode(rec["payload"], np.size(fields["theta"])), fixed.width_of(rec["payload"])
+            h, bits = fixed.decode(rec["payload"], dim[0]), fixed.width_of(rec["payload"])
             rec["payload"] = {
                 "nan": lambda: fixed.encode(np.full_like(h, np.nan), bits),
                 "negative": lambda: fixed.encode(-h - 1.0, bits), "huge": lambda: fixed.encode(h * 1e12 + 1e12, bits),

@@ -44,7 +44,7 @@ def scaled_products(factor: float, client: int = 0):
                 or reply.has_error() or fields.get("kind") != "hvp":
             return reply
         rec = dict(reply.content["qlsd"])
-        rec["payload"] = fixed.encode(fixed.decode(bytes(rec["payload"]), np.size(fields["theta"])) * factor)
+        rec["payload"] = fixed.encode(fixed.decode(bytes(rec["payload"]), O["dim"]) * factor)
         reply.content["qlsd"] = ConfigRecord(rec)
         return reply
 

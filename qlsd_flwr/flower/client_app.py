@@ -111,6 +111,7 @@ def load_state(context: Context, chain: int | None = None) -> ClientState:
     st.eta_count = int(rec.get("eta_count", 0))
     st.anchor_version = int(rec.get("anchor_version", -1))
     st.w_round = int(rec.get("w_round", -1))  # downlink = qsgd: the round of the w it holds
+    st.point_id = int(rec.get("point_id", -1))  # before sampling: the number of the point it holds
     for name in HELD:  # the vectors a client keeps (qlsd_flwr.samplers.fields)
         if name in rec:
             setattr(st, name, bytes_to_arr(rec[name], d))
@@ -121,7 +122,7 @@ def load_state(context: Context, chain: int | None = None) -> ClientState:
 
 def save_state(context: Context, st: ClientState, d: int, chain: int | None = None) -> None:
     rec = ConfigRecord({"dim": d, "eta_count": st.eta_count, "anchor_version": st.anchor_version,
-                        "w_round": st.w_round})
+                        "w_round": st.w_round, "point_id": st.point_id})
     for name in HELD:
         val = getattr(st, name)
         if val is not None:

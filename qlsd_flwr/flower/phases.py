@@ -33,7 +33,7 @@ from flwr.app import Message, MessageType
 from qlsd_flwr.core.potential import declares_log_concave
 from qlsd_flwr.flower.records import record_fields, to_content
 from qlsd_flwr.protocol import build, precondition
-from qlsd_flwr.protocol.traffic import as_point, count_claims
+from qlsd_flwr.protocol.traffic import Traffic, as_point, count_claims
 from qlsd_flwr.robust.claims import out_of_scale, over_bound, relative_gap
 from qlsd_flwr.robust.reports import MAX_BLOCK, clamped_counts
 from qlsd_flwr.robust.norm_guard import fixed_bound
@@ -64,6 +64,9 @@ class PhaseExchanges:
         self._dirs = np.random.default_rng(0).normal(size=(SKETCH, self.d))
         self._sketches: list = []  # a heap of (−‖∇U‖, n, θ bytes, {i: sketch}): the KEPT smallest ‖∇U‖
         self._n = 0
+        self._points: dict[int, tuple[int, bytes]] = {}  # client -> (number, values) of the last point θ it was sent
+        self._point_count = 0
+        self._resent: list[int] = []  # the bits of each request sent again with θ to a client that lost its point
 
     def prepare(self, grid, theta0: np.ndarray, timeout: float, warm, wants_claims: bool):
         """The preparation (θ*, the metric, γ: :func:`qlsd_flwr.protocol.precondition.prepare`) over
@@ -72,6 +75,8 @@ class PhaseExchanges:
         ``warm``. Returns ``(prep, claims)``."""
         pin_blas()  # the server's linear algebra on one BLAS thread, as every engine's (a user's ServerApp too)
         while True:
+            self._points.clear()  # every attempt counts θ from its first exchange (protocol.traffic.counted)
+            self._resent.clear()
             try:
                 n_data = [self.nodes.n_data.get(i, 1) for i in range(self.cfg.b)]
                 prep = precondition.prepare(
@@ -84,6 +89,9 @@ class PhaseExchanges:
                     n_data=[self.nodes.n_data.get(i, 1) for i in range(self.cfg.b)], warm=warm,
                     log_concave=declares_log_concave(self.task.prior) and all(
                         self.nodes.log_concave.get(i, False) for i in self.clients()))
+                resync = Traffic(len(self.clients()), self.d, prep.info)
+                for bits in self._resent:  # a restarted node's θ, sent again: counted beside the rest
+                    resync.add("resync", 0, bits)
                 if not wants_claims:
                     return prep, None
                 claims = self.claims(grid, prep.theta_star, timeout)
@@ -98,19 +106,48 @@ class PhaseExchanges:
 
     def ask(self, grid, fields: dict, timeout: float, clients: list[int]) -> dict[int, bytes]:
         """Send ``fields`` (with ``client = i``) to ``clients``; ``{i: payload}`` of the replies,
-        each attributed to the node it came from (never to the index it claims)."""
-        msgs = [Message(to_content({**fields, "client": i}, self.settings[i]), self.nodes.node_of[i],
-                        MessageType.TRAIN) for i in clients]
-        client_of = {self.nodes.node_of[i]: i for i in clients}
+        each attributed to the node it came from (never to the index it claims). ``fields``' θ goes to a client
+        only where it is not the point that client holds (:meth:`_at_point`); a client that answers ``resync`` (it
+        lost that point: a restarted node) is asked once more with θ."""
         out: dict[int, bytes] = {}
-        for msg in grid.send_and_receive(msgs, timeout=timeout):
-            i = client_of.get(msg.metadata.src_node_id)
-            if i is None or msg.has_error():
-                continue
-            rec = record_fields(msg.content) or {}
-            if isinstance(rec.get("payload"), (bytes, bytearray)):
-                out[i] = bytes(rec["payload"])
+        for _ in range(2):
+            msgs = [Message(to_content({**self._at_point(fields, i), "client": i}, self.settings[i]),
+                            self.nodes.node_of[i], MessageType.TRAIN) for i in clients]
+            client_of = {self.nodes.node_of[i]: i for i in clients}
+            lost = []
+            for msg in grid.send_and_receive(msgs, timeout=timeout):
+                i = client_of.get(msg.metadata.src_node_id)
+                if i is None or msg.has_error():
+                    continue
+                rec = record_fields(msg.content) or {}
+                if isinstance(rec.get("payload"), (bytes, bytearray)):
+                    out[i] = bytes(rec["payload"])
+                elif rec.get("status") == "resync":  # before sampling: it lost the point (a restarted node)
+                    lost.append(i)
+            if not lost or "theta" not in fields:
+                break
+            for i in lost:  # asked again with θ, and counted (the preparation's kind "resync")
+                self._points.pop(i, None)
+                self._resent.append(8 * (np.asarray(fields["theta"]).nbytes + len(fields.get("vectors", b""))))
+            clients = lost
         return out
+
+    def _at_point(self, fields: dict, i: int) -> dict:
+        """``fields`` for client ``i``: with θ and its number ``point`` where ``i`` does not hold that point (which
+        it then keeps), with the number alone where it does (issue 37: λ_max's products and the correction's ask
+        at θ* a dozen times and more). Every engine counts the point's bits so (:func:`~qlsd_flwr.protocol.traffic.counted`)."""
+        if "theta" not in fields:
+            return fields
+        key = np.asarray(fields["theta"], dtype=np.float64).tobytes()  # the values the client reads
+        held = self._points.get(i)
+        if held is not None and held[1] == key:
+            return {**{k: v for k, v in fields.items() if k != "theta"}, "point": held[0]}
+        number = next((n for n, k in self._points.values() if k == key), None)
+        if number is None:
+            number = self._point_count
+            self._point_count += 1
+        self._points[i] = (number, key)
+        return {**fields, "point": number}
 
     def _leave_out(self, why: dict[int, str]) -> None:
         for i, w in sorted(why.items()):
@@ -165,6 +202,7 @@ class PhaseExchanges:
         (module docstring); :class:`LeftOut` for a client that changed its answer."""
         key = np.asarray(theta_star, dtype=np.float64).tobytes()
         before = next((e[3] for e in self._sketches if e[2] == key), {})
+        self._points.clear()  # the claims send θ* whole, as count_claims counts them
         grads = self.gradients(grid, theta_star, timeout)
         changed = {}
         for i, old in before.items():

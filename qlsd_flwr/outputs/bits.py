@@ -23,7 +23,7 @@ from __future__ import annotations
 #: the phases of a run, in the order they happen
 PHASES = ("preparation", "sampling", "loo", "other")
 #: the preparation's kinds of exchange (``prep_bits``), in the order they happen
-PREP_KINDS = ("descent", "curvature", "products", "power_iteration", "warmup", "claims")
+PREP_KINDS = ("descent", "curvature", "products", "power_iteration", "warmup", "claims", "resync")
 
 
 def rounds_only(uplink: int, downlink: int) -> dict:

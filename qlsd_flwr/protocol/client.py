@@ -44,7 +44,13 @@ def _prepare(spec: ClientSpec, pot: LocalPotential, st: ClientState, fields: dic
     """``(θ, None)`` for a sampling round this state can answer, ``(θ, reply)`` otherwise (the
     full gradient of ``phase = "grad"``, or ``status = "resync"``)."""
     i = spec.index
-    theta = vector(fields["theta"], d) if fields["phase"] in ("grad", "curvature") else _point(spec, st, fields, d)
+    if fields["phase"] in ("grad", "curvature"):
+        theta = prep_point(st, fields, d)
+        if theta is None:  # a point it does not hold (a restarted node): the server sends θ again
+            return None, {"client": i, "status": "resync"}
+    else:
+        st.point, st.point_id = None, -1  # sampling: the preparation's point is not asked for again
+        theta = _point(spec, st, fields, d)
     if fields["phase"] == "grad":
         precision = precision_of(fields)
         return theta, {"client": i, "status": "ok",
@@ -95,6 +101,28 @@ def _prepare(spec: ClientSpec, pot: LocalPotential, st: ClientState, fields: dic
     if stale_anchor or stale_eta or lost_metric or theta is None:  # θ None: a code it cannot apply
         return theta, {"client": i, "status": "resync"}
     return theta, None
+
+
+def prep_point(st: ClientState, fields: dict, d: int) -> np.ndarray | None:
+    """The point θ of a request before sampling: ``theta`` as sent (kept, with its number ``point``, where the
+    request gives one), or the point kept when the request gives only its number (the server sends θ once for
+    the exchanges at one point: λ_max's and the products' at θ*); ``None`` when this client does not hold that
+    point (a restarted node, whose ``context.state`` is gone). ``ValueError`` naming the field otherwise."""
+    if "theta" in fields:
+        theta = vector(fields["theta"], d)
+        if "point" in fields:
+            st.point, st.point_id = theta, _point_id(fields)
+        return theta
+    if "point" not in fields:
+        raise ValueError(f"{fields['phase']}: neither 'theta' nor 'point' in the request")
+    return st.point if st.point is not None and st.point_id == _point_id(fields) else None
+
+
+def _point_id(fields: dict) -> int:
+    p = fields["point"]
+    if isinstance(p, bool) or not isinstance(p, (int, np.integer)) or p < 0:
+        raise ValueError(f"{fields['phase']}: 'point' must be an integer ≥ 0, not {p!r}")
+    return int(p)
 
 
 def _point(spec: ClientSpec, st: ClientState, fields: dict, d: int) -> np.ndarray | None:

@@ -32,7 +32,8 @@ from qlsd_flwr.protocol.gradients import theta_width
 
 #: how the progress lines name each kind of exchange
 LABELS = {"descent": "θ* descent", "curvature": "curvature reports", "products": "Hessian-vector products",
-          "power_iteration": "λ_max products", "warmup": "warm-up", "claims": "claims at θ*"}
+          "power_iteration": "λ_max products", "warmup": "warm-up", "claims": "claims at θ*",
+          "resync": "θ sent again to a restarted node"}
 
 
 class Traffic:
@@ -48,9 +49,24 @@ class Traffic:
         self.phase = "descent"
         self.precision = 64  # bits a number of a gradient exchange, both ways (:func:`precision`)
         info.setdefault("prep_bits", {})
+        self.point = None  # the values of the last point θ sent: the clients hold it (:meth:`theta_bits`)
         self._run = None  # [kind, exchanges, uplink, downlink, start] of the exchanges since the kind last changed
         self._start = None  # when the first exchange was asked
         self._totals()
+
+    def theta_bits(self, theta, width: int, kind: str) -> int:
+        """The bits of the point ``theta`` (the values the clients read) sent at ``width`` bits a number to one
+        client in an exchange of ``kind``: 0 where it is the last point sent, which each client holds and the
+        request names by its number instead (:meth:`qlsd_flwr.flower.phases.Phases.ask`; issue 37: λ_max's products
+        and the correction's ask at θ* a dozen times and more); the bits a client was not sent so, by kind, go into
+        ``prep_points_held``."""
+        key = np.asarray(theta, dtype=np.float64).tobytes()
+        if key == self.point:
+            held = self.info.setdefault("prep_points_held", {})
+            held[kind] = held.get(kind, 0) + int(width) * self.d
+            return 0
+        self.point = key
+        return int(width) * self.d
 
     def add(self, kind: str, uplink: int, downlink: int) -> None:
         """One exchange of ``kind`` with these code lengths (bits, all clients together)."""
@@ -154,11 +170,13 @@ def counted(grad_fn, curv_fn, traffic: Traffic):
         # 12, 16: one fixed-point row a client, counted as its bytes (the exchange's ``uplink``); a request that fails
         # is counted at the raw layout's length, the most its replies could have cost
         up = (fixed.message_bits(1, d, bits) if bits < 32 else bits * d) * b
+        width = theta_width(bits)  # θ as the request carries it: float32 below 64
+        down = traffic.theta_bits(th if width == 64 else np.asarray(th, dtype=np.float32), width, traffic.phase) * b
         try:
             g = grad_fn(th) if bits == 64 else grad_fn(th, bits)
             up = getattr(grad_fn, "uplink", None) or up
         finally:
-            traffic.add(traffic.phase, up, theta_width(bits) * d * b)
+            traffic.add(traffic.phase, up, down)
         return g, float(np.linalg.norm(g))
 
     def grad(th):
@@ -182,13 +200,14 @@ def counted(grad_fn, curv_fn, traffic: Traffic):
             up = sum(8 * len(h) if isinstance(h, (bytes, bytearray)) else 8 * int(np.asarray(h).nbytes)
                      for h in reports.values())
             rows = 0 if vectors is None else fixed.sent_bits(vectors, bits)
-            traffic.add("curvature", up, (point_bits(th) * d + rows) * b)
+            traffic.add("curvature", up, (traffic.theta_bits(th, point_bits(th), "curvature") + rows) * b)
             return reports
         # products and vectors as rows of width bits (compression.fixed); a reply that did not decode, as received
         up = sum(8 * len(h) if isinstance(h, (bytes, bytearray)) else fixed.sent_bits(np.reshape(h, (-1, d)), bits)
                  for h in reports.values())
-        sent = point_bits(th) * d + fixed.sent_bits(vectors, bits)
-        traffic.add("power_iteration" if traffic.phase == "power_iteration" else "products", up, sent * b)
+        kind = "power_iteration" if traffic.phase == "power_iteration" else "products"
+        sent = traffic.theta_bits(th, point_bits(th), kind) + fixed.sent_bits(vectors, bits)
+        traffic.add(kind, up, sent * b)
         return reports
 
     if grad_fn is not None:
@@ -196,7 +215,7 @@ def counted(grad_fn, curv_fn, traffic: Traffic):
     if hasattr(grad_fn, "clients"):  # a build.GradExchange: its clients' gradients one by one, counted alike
 
         def clients(th):
-            traffic.add(traffic.phase, 64 * d * b, 64 * d * b)
+            traffic.add(traffic.phase, 64 * d * b, traffic.theta_bits(th, 64, traffic.phase) * b)
             return grad_fn.clients(th)
 
         grad.clients, grad.combine, grad.n_data, grad.kept = clients, grad_fn.combine, grad_fn.n_data, grad_fn.kept

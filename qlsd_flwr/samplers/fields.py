@@ -68,7 +68,7 @@ FIELDS: dict[str, Field] = {f.name: f for f in (
 
 #: what a client keeps between rounds as vectors (``ClientState``; Flower: ``context.state``), beside
 #: its counters and the metric
-HELD = ("eta", "anchor", "anchor_grad", "anchor_total", "surrogate", "surrogate_total", "w")
+HELD = ("eta", "anchor", "anchor_grad", "anchor_total", "surrogate", "surrogate_total", "w", "point")
 
 #: a chain's checkpoint arrays that belong to one sampler's state (beside every chain's θ, ζ, η_i, the
 #: counters, the metric and θ*'s claims), and what each must be
