@@ -188,7 +188,7 @@ def test_the_preparations_rows_are_counted_as_the_bytes_the_clients_send_on_ever
     assert prep["products"]["uplink"] + prep["power_iteration"]["uplink"] == hvp > 0
     assert prep["products"]["downlink"] + prep["power_iteration"]["downlink"] == sum(m for kind, _, _, m, _ in seen
                                                                                        if kind == "hvp")
-    # θ goes to a client once a point: a request at the point it holds names it by its number (Phases.ask), and
+    # θ goes to a client once a point: a request at the point it holds names it by its number (PhaseExchanges.ask), and
     # the count is what the requests carry (λ_max's and the products' at θ*: θ in the first only)
     assert sum(k["downlink"] for k in prep.values()) == sum(m for *_, m, _ in seen)
     again = [kind for kind, *_, sent in seen if not sent]

@@ -712,6 +712,14 @@ def test_fixed_point_rows_are_coded_where_shorter_and_read_only_as_the_writers_c
         for forged in (fixed._raw(half, s32, bits), fixed._coded(half, s32, bits)):
             with pytest.raises(ValueError, match="not the writer's message"):
                 fixed.decode(forged, d)
+        peaked = np.zeros((1, d), dtype=np.int64)
+        peaked[0, :7] = fixed._top(bits)  # scale 0 with levels at L: would read as zeros, counted as a zero row's bytes
+        for forged, why in ((fixed._raw(peaked, np.zeros(1, np.float32), bits), "not the writer's message"),
+                            (fixed._raw(0 * peaked, np.full(1, -0.0, np.float32), bits), "negative or not finite")):
+            with pytest.raises(ValueError, match=why):
+                fixed.decode(forged, d)
+        tiny = np.full((2, d), 1e-300)  # below float32's least scale: a zero row, sent with scale 0, read back
+        assert np.array_equal(fixed.decode(fixed.encode(tiny, bits), d), fixed.rounded(tiny, bits))
         nan = fixed.encode(np.full((1, d), np.nan), bits)
         with pytest.raises(ValueError, match="non-finite row scale"):
             fixed.decode(nan, d)

@@ -126,7 +126,7 @@ def test_engines_agree_bit_for_bit_and_the_exchange_is_counted(tmp_path):
     up = cur["uplink"] - cur0["uplink"]
     assert b_ * 8 * (9 + 4 * m + 4 * 8) <= up <= b_ * root.message_bits(8, m) < b_ * 32 * m * (m + 1) // 2
     rows = -(-8 * 31 // d)  # the 8 input directions of breast_cancer's 31 inputs (with the bias) as rows of d
-    # the directions as float32 rows; θ* not again: the clients hold it from K-FAC's report there (Phases.ask)
+    # the directions as float32 rows; θ* not again: the clients hold it from K-FAC's report there (PhaseExchanges.ask)
     assert cur["downlink"] - cur0["downlink"] == b_ * fixed.message_bits(rows, d, 32)
     assert s["prep_points_held"]["curvature"] - plain.summary["prep_points_held"].get("curvature", 0) == 32 * d
     assert cur["exchanges"] == cur0["exchanges"] + 1

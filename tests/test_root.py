@@ -127,6 +127,10 @@ def test_a_report_with_structure_travels_coded_and_one_report_has_one_code():
     assert np.array_equal(back, root.rounded(S))
     with pytest.raises(ValueError, match="whose code is shorter"):
         root.decode(raw, m)
+    low = bytearray(raw)
+    low[-2:] = np.array([-32768], "<i2").tobytes()  # a level no writer makes
+    with pytest.raises(ValueError, match="out of range"):
+        root.decode(bytes(low), m)
     A = g.normal(size=(20, 20))  # a small dense report: its raw layout is the shorter
     assert root.encode(A @ A.T)[0] == root.TAG
     Rf, pf = root.factor(A @ A.T)

@@ -161,13 +161,14 @@ def encode(X, bits: int = BITS) -> bytes:
         raise ValueError(f"fixed-point rows: bits must be one of {WIDTHS}, got {bits}")
     s32 = _scales(X)
     q = _levels(X, s32, _top(bits))
+    s32[np.isfinite(s32) & ~np.any(q, axis=1)] = 0  # all its levels 0 (below float32's least scale): a zero row
     raw = _raw(q, s32, bits)
     coded = _coded(q, s32, bits)
     return coded if len(coded) < len(raw) else raw
 
 
 def _raw(q: np.ndarray, s32: np.ndarray, bits: int) -> bytes:
-    return bytes([bits]) + s32.tobytes() + (q.tobytes() if bits == BITS else _pack12(q).tobytes())
+    return bytes([bits]) + s32.tobytes() + (q.astype(_LEVEL).tobytes() if bits == BITS else _pack12(q).tobytes())
 
 
 def _coded(q: np.ndarray, s32: np.ndarray, bits: int) -> bytes:
@@ -235,7 +236,7 @@ def decode(buf, d: int, max_rows: int | None = None) -> np.ndarray:
             raise ValueError("a value is not finite")
         return X
     s32 = np.frombuffer(body, dtype=_FLOAT, count=b)
-    if not (np.all(np.isfinite(s32)) and np.all(s32 >= 0)):
+    if not (np.all(np.isfinite(s32)) and not np.any(np.signbit(s32))):
         raise ValueError("a row's scale is negative or not finite")
     if bits == NARROW:
         raw = np.frombuffer(body, dtype=np.uint8, offset=4 * b).reshape(b, size - 4)
@@ -254,15 +255,12 @@ def _canonical(buf: bytes, q: np.ndarray, s32: np.ndarray, bits: int) -> np.ndar
     top = _top(bits)
     X = _values(q, s32, top)
     peak = np.max(np.abs(q), axis=1, initial=0)
-    if not np.all((peak == top) | ((peak == 0) & (s32 == 0))):
+    if not np.all(((peak == top) & (s32 > 0)) | ((peak == 0) & (s32 == 0))):
         if encode(X, bits) != buf:
             raise ValueError("rows that are not the writer's message of the numbers they hold (one message, one code)")
         return X
-    if buf[0] & CODED:
-        if len(buf) >= len(_raw(q, s32, bits)):
-            raise ValueError("a code no shorter than its raw rows: the writer sends the raw rows (one message, one "
-                             "code)")
-    elif len(_coded(q, s32, bits)) < len(buf):
+    # a code was checked shorter than its raw rows before it was read (_decode_coded)
+    if not buf[0] & CODED and len(_coded(q, s32, bits)) < len(buf):
         raise ValueError("raw rows whose code is shorter: the writer sends the code (one message, one code)")
     return X
 

@@ -141,9 +141,11 @@ def decode(buf, m: int) -> np.ndarray:
             raise ValueError(f"coded root: {exc}") from None
     else:
         s32 = np.frombuffer(buf, dtype=_FLOAT, count=r, offset=at + 4 * m)
-        if not (np.all(np.isfinite(s32)) and np.all(s32 >= 0)):
+        if not (np.all(np.isfinite(s32)) and not np.any(np.signbit(s32))):
             raise ValueError("a row's scale is negative or not finite")
         levels = np.frombuffer(buf, dtype=_LEVEL, count=n, offset=at + 4 * (m + r))
+        if np.any(levels == np.iinfo(_LEVEL).min):
+            raise ValueError("a 16-bit level is out of range (−32768)")
         if len(_coded(levels, s32, piv, m)) < len(buf):
             raise ValueError("a raw root whose code is shorter: the writer sends the code (one report, one code)")
     L = np.zeros((r, m), dtype=np.int64)

@@ -24,6 +24,7 @@ leaves its client out here too.
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import logging
 
@@ -65,7 +66,6 @@ class PhaseExchanges:
         self._sketches: list = []  # a heap of (−‖∇U‖, n, θ bytes, {i: sketch}): the KEPT smallest ‖∇U‖
         self._n = 0
         self._points: dict[int, tuple[int, bytes]] = {}  # client -> (number, values) of the last point θ it was sent
-        self._point_count = 0
         self._resent: list[int] = []  # the bits of each request sent again with θ to a client that lost its point
 
     def prepare(self, grid, theta0: np.ndarray, timeout: float, warm, wants_claims: bool):
@@ -133,8 +133,8 @@ class PhaseExchanges:
         return out
 
     def _at_point(self, fields: dict, i: int) -> dict:
-        """``fields`` for client ``i``: with θ and its number ``point`` where ``i`` does not hold that point (which
-        it then keeps), with the number alone where it does (issue 37: λ_max's products and the correction's ask
+        """``fields`` for client ``i``: with θ and its number ``point`` (a 63-bit digest of its values) where ``i``
+        does not hold that point (which it then keeps), with the number alone where it does (issue 37: λ_max's products and the correction's ask
         at θ* a dozen times and more). Every engine counts the point's bits so (:func:`~qlsd_flwr.protocol.traffic.counted`)."""
         if "theta" not in fields:
             return fields
@@ -142,10 +142,9 @@ class PhaseExchanges:
         held = self._points.get(i)
         if held is not None and held[1] == key:
             return {**{k: v for k, v in fields.items() if k != "theta"}, "point": held[0]}
-        number = next((n for n, k in self._points.values() if k == key), None)
-        if number is None:
-            number = self._point_count
-            self._point_count += 1
+        # the number is a digest of the values: another strategy of the same run (whose numbers the client may
+        # still hold) or a lost message can never make a client take one point for another
+        number = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big") >> 1
         self._points[i] = (number, key)
         return {**fields, "point": number}
 

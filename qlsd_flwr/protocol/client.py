@@ -68,7 +68,8 @@ def _prepare(spec: ClientSpec, pot: LocalPotential, st: ClientState, fields: dic
             return theta, {"client": i, "status": "ok", "payload": fixed.encode(local_hvp(pot, theta, V, bits), bits)}
         h = local_curvature(pot, theta, kind, seed, i)
         return theta, {"client": i, "status": "ok", "payload": report_bytes(h)}
-    # every field is read and checked before any of the client's state changes
+    # every field is read and checked before any of the client's state changes (but the preparation's point,
+    # dropped above: the state of a message that fails is not kept)
     refuse_undeclared(fields, spec.kind.down, "down")
     if spec.kind.local:
         local_of(fields, spec.kind.coupled)  # the round's numbers

@@ -15,8 +15,13 @@ products, the block's ``k`` vectors as rows of :mod:`qlsd_flwr.compression.fixed
 ``λ_max`` (γ's Lanczos iteration, and the descent's power iteration for its step) ``power_iteration`` (the key's
 name from before γ's Lanczos iteration, 2026-12-04); a curvature report ``curvature``, a block of the correction's
 products ``products``; the claims at θ*
-``claims`` (:func:`count_claims`). The counts go into the preparation's facts (``prep_bits``, and the
+``claims`` (:func:`count_claims`); θ sent again to a node that lost the point it held ``resync`` (Flower only:
+:meth:`qlsd_flwr.flower.phases.PhaseExchanges.ask`). The counts go into the preparation's facts (``prep_bits``, and the
 totals ``prep_exchanges``, ``prep_uplink_bits``, ``prep_downlink_bits``).
+
+θ goes to a client once a point (since 2026-12-05 afternoon): each client keeps the last point it was sent, and a
+request at that point names it by its number instead, so an exchange at the last exchange's point counts no θ
+(:meth:`Traffic.theta_bits`; ``prep_points_held``: the bits one client was not sent so, by kind).
 """
 
 from __future__ import annotations
@@ -57,7 +62,7 @@ class Traffic:
     def theta_bits(self, theta, width: int, kind: str) -> int:
         """The bits of the point ``theta`` (the values the clients read) sent at ``width`` bits a number to one
         client in an exchange of ``kind``: 0 where it is the last point sent, which each client holds and the
-        request names by its number instead (:meth:`qlsd_flwr.flower.phases.Phases.ask`; issue 37: λ_max's products
+        request names by its number instead (:meth:`qlsd_flwr.flower.phases.PhaseExchanges.ask`; issue 37: λ_max's products
         and the correction's ask at θ* a dozen times and more); the bits a client was not sent so, by kind, go into
         ``prep_points_held``."""
         key = np.asarray(theta, dtype=np.float64).tobytes()
