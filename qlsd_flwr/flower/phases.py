@@ -110,8 +110,9 @@ class PhaseExchanges:
         only where it is not the point that client holds (:meth:`_at_point`); a client that answers ``resync`` (it
         lost that point: a restarted node) is asked once more with θ."""
         out: dict[int, bytes] = {}
+        point = _point_of(fields)
         for _ in range(2):
-            msgs = [Message(to_content({**self._at_point(fields, i), "client": i}, self.settings[i]),
+            msgs = [Message(to_content({**self._at_point(fields, point, i), "client": i}, self.settings[i]),
                             self.nodes.node_of[i], MessageType.TRAIN) for i in clients]
             client_of = {self.nodes.node_of[i]: i for i in clients}
             lost = []
@@ -132,21 +133,18 @@ class PhaseExchanges:
             clients = lost
         return out
 
-    def _at_point(self, fields: dict, i: int) -> dict:
+    def _at_point(self, fields: dict, point: tuple[int, bytes] | None, i: int) -> dict:
         """``fields`` for client ``i``: with θ and its number ``point`` (a 63-bit digest of its values) where ``i``
-        does not hold that point (which it then keeps), with the number alone where it does (issue 37: λ_max's products and the correction's ask
-        at θ* a dozen times and more). Every engine counts the point's bits so (:func:`~qlsd_flwr.protocol.traffic.counted`)."""
-        if "theta" not in fields:
+        does not hold that point (which it then keeps), with the number alone where it does (issue 37: λ_max's
+        products and the correction's ask at θ* a dozen times and more); ``point`` is :func:`_point_of` the request,
+        made once for all its clients. Every engine counts the point's bits so
+        (:func:`~qlsd_flwr.protocol.traffic.counted`)."""
+        if point is None:
             return fields
-        key = np.asarray(fields["theta"], dtype=np.float64).tobytes()  # the values the client reads
-        held = self._points.get(i)
-        if held is not None and held[1] == key:
-            return {**{k: v for k, v in fields.items() if k != "theta"}, "point": held[0]}
-        # the number is a digest of the values: another strategy of the same run (whose numbers the client may
-        # still hold) or a lost message can never make a client take one point for another
-        number = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big") >> 1
-        self._points[i] = (number, key)
-        return {**fields, "point": number}
+        if self._points.get(i) == point:
+            return {**{k: v for k, v in fields.items() if k != "theta"}, "point": point[0]}
+        self._points[i] = point
+        return {**fields, "point": point[0]}
 
     def _leave_out(self, why: dict[int, str]) -> None:
         for i, w in sorted(why.items()):
@@ -240,3 +238,13 @@ def _products(buf: bytes, d: int, bits: int, rows: int = MAX_BLOCK):
         return fixed.decode(buf, d, rows) if fixed.width_of(buf) == bits else buf
     except ValueError:
         return buf
+
+
+def _point_of(fields: dict) -> tuple[int, bytes] | None:
+    """``(number, values)`` of the request's θ (``None`` without one): the values the client reads, and a 63-bit
+    digest of them as the number, so that another strategy of the same run (whose numbers a client may still hold)
+    or a lost message can never make a client take one point for another."""
+    if "theta" not in fields:
+        return None
+    key = np.asarray(fields["theta"], dtype=np.float64).tobytes()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big") >> 1, key
