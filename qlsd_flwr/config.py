@@ -251,7 +251,7 @@ def resolve(overrides: Mapping[str, Any] | None = None) -> RunConfig:
     if sampler.estimator.local:  # n/a: FALD shares U_0 by w_i, DG-LMC draws it exactly
         prior_on = "server"
     block_norm = _choice("block-norm", raw["block-norm"], ("vector", "tensor"))
-    encoding = _choice("encoding", raw["encoding"], ("auto", "elias", "packed"))
+    encoding = _choice("encoding", raw["encoding"], ("auto", "elias", "packed", "arith"))
     compressor = _choice("compressor", str(raw["compressor"]).strip().lower(), ("auto", "qsgd", "identity"))
     if compressor != "auto":  # qsgd: any variant's messages QSGD-coded (the rivals' too); identity: none
         compressed = compressor == "qsgd"

@@ -181,8 +181,8 @@ KEYS: tuple[Key, ...] = (
         lo=1, cap=2**31 - 1, group=SAMPLER),
     Key("block-norm", "vector", "choice", "one QSGD norm for the whole vector, or one per tensor",
         choices=("vector", "tensor"), group=SAMPLER),
-    Key("encoding", "auto", "choice", "QSGD's sparse Elias code, the dense packed code, or the shorter per message",
-        choices=("auto", "elias", "packed"), group=SAMPLER),
+    Key("encoding", "auto", "choice", "QSGD's Elias or packed code, the shorter per message (auto), or an arithmetic "
+        "code of its levels (arith: the same chain)", choices=("auto", "elias", "packed", "arith"), group=SAMPLER),
     Key("downlink", "off", "choice", "the broadcast of θ_k: off (64 d bits of float64 to every active client), or qsgd "
         "(a QSGD code of θ_k − w_{k−1} with downlink-s levels, the clients evaluating at the point w_k it gives; a client "
         "that missed the last round is sent w_k in full). The QLSD family on every engine (the vectorised one on its "

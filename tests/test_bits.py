@@ -152,6 +152,40 @@ def test_flowers_messages_wrap_the_code_lengths_both_ways(tmp_path):
     assert s["bits"]["total"] == s["totals"]["bits_exact"] + s["totals"]["bits_down"]
 
 
+def test_the_arithmetic_uplink_is_the_same_chain_in_fewer_bits_counted_as_the_clients_send_them(tmp_path):
+    # encoding = arith codes the same QSGD levels (the main job's uplink): every engine's chain is auto's, each
+    # round's count is the code Flower's clients send (within the framing), the vectorised engine counts it alike
+    from qlsd_flwr.compression.format import DecodeError
+    from qlsd_flwr.compression.qsgd import QSGD
+    from qlsd_flwr.core import rng
+    from qlsd_flwr.outputs.recorder import load_samples
+
+    o = {"task": "gaussian", "num-clients": 5, "dim": 300, "num-rounds": 12, "burn-in": 2, "variant": "qlsd-pp",
+         "s": "16", "p": "0.5,0.7,0.9,0.3,1", "output-dir": str(tmp_path), "progress": False, "plot": False, "seed": 3,
+         "loo": "off", "num-chains": 2, "engine": "inprocess"}
+    runs = {}
+    for enc in ("auto", "arith"):
+        c = {**o, "encoding": enc, "run-name": enc}
+        runs[enc] = run_inprocess(resolve(c), c, shuffle_seed=2).run_dir
+    v = run_vectorised(resolve({**o, "encoding": "arith", "run-name": "v", "engine": "vectorised"}))
+    assert np.array_equal(load_samples(runs["arith"]), load_samples(runs["auto"]))
+    assert np.array_equal(load_samples(v.run_dir), load_samples(runs["auto"]))
+    assert _column(v.run_dir, "bits_exact") == _column(runs["arith"], "bits_exact")
+    auto, arith = sum(_column(runs["auto"], "bits_exact")), sum(_column(runs["arith"], "bits_exact"))
+    assert arith < 0.9 * auto, (arith, auto)  # s = 16 at d = 300: mostly zeros and ones
+    for r in _rows(runs["arith"]):
+        up = r["bytes_message"] - r["bits_exact"] / 8
+        assert 0 < up <= FRAMING_BYTES * r["n_replied"], r
+    with pytest.raises(ValueError, match="encoding = arith runs on: auto, numpy"):
+        run_vectorised(resolve({**o, "encoding": "arith", "run-name": "n", "engine": "vectorised"}), backend="numba")
+    # each reader takes its own code only: an arithmetic payload is no Elias or packed one, and the other way round
+    q = QSGD(16).quantise(np.linspace(-1, 1, 300), rng.uniform(1, rng.Stream.DITHER, 16, 300, 300))
+    with pytest.raises(DecodeError, match="unknown encoding tag"):
+        QSGD(16).decode(QSGD(16, encoding="arith").encode(q), 300)
+    with pytest.raises(DecodeError, match="unknown encoding tag"):
+        QSGD(16, encoding="arith").decode(QSGD(16).encode(q), 300)
+
+
 def _payloads(seen: list):
     """A client mod that keeps, for each exchange before sampling, ``(kind, precision, up, down)``: the request's
     curvature kind (``grad`` for a gradient) and precision, the reply's payload as the client sent it, and the

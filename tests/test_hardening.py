@@ -145,7 +145,8 @@ def test_sgld_refuses_partial_participation():
 @pytest.mark.parametrize("engine, sig", [
     ("local", "SIGTERM"), ("vectorised", "SIGTERM"),
     # the run goes on in Flower's ServerApp thread; ray.init makes SIGTERM sys.exit(15) in the main thread
-    # (and its C handler aborted the process); raised in the main thread, Ctrl-C left the process hung at exit
+    # (and its C handler aborted the process) unless we put ours back (keep_our_sigterm); raised in the main
+    # thread, Ctrl-C left the process hung at exit
     pytest.param("ray", "SIGTERM", marks=pytest.mark.ray), pytest.param("ray", "SIGINT", marks=pytest.mark.ray)])
 def test_sigterm_or_ctrl_c_leaves_a_readable_run_folder_with_every_draw_so_far(tmp_path, engine, sig):
     # the default run (no checkpointing): SIGTERM or SIGINT mid-run, then the folder is complete and readable
@@ -195,6 +196,48 @@ def test_sigterm_or_ctrl_c_leaves_a_readable_run_folder_with_every_draw_so_far(t
     samples = load_samples(tmp_path / "t")  # readable: the draws of every recorded round past burn-in
     assert samples.shape[1] == len([r for r in rounds if r > 10]) > 0
     assert np.all(np.isfinite(samples)) and not (tmp_path / "t" / "draws.f8").exists()
+
+
+@pytest.mark.ray
+def test_the_ray_engine_keeps_our_sigterm_handler_so_a_stop_reaches_the_run_before_its_actors_die(monkeypatch):
+    # ray.init puts sys.exit(15) over SIGTERM: Flower's loop then tore its actors down under the messages
+    # in flight, which it logged with tracebacks before the run heard of the stop (CI, once)
+    import signal
+
+    import ray
+
+    from qlsd_flwr.run.simulate import keep_our_sigterm, ray_backend_config
+
+    cfg = resolve({"dim": 3, "num-clients": 2})
+
+    def ours(signum, frame):
+        pass
+
+    before = signal.signal(signal.SIGTERM, ours)
+    try:
+        if ray.is_initialized():  # an earlier test of this worker left it: this one starts its own
+            ray.shutdown()
+        assert keep_our_sigterm(ray_backend_config(cfg)) and ray.is_initialized()
+        assert signal.getsignal(signal.SIGTERM) is ours
+        assert not keep_our_sigterm(ray_backend_config(cfg))  # running already: Flower attaches to it
+        ray.shutdown()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # no handler of ours (a user's script): Ray's stays
+        assert not keep_our_sigterm(ray_backend_config(cfg)) and not ray.is_initialized()
+        # SIGTERM while Ray starts (its sys.exit(15) in place): the CLI's stop, our handler back, no Ray left
+        signal.signal(signal.SIGTERM, ours)
+        with monkeypatch.context() as m:
+            def sigterm_in_start(config):
+                ray.init(**config["init_args"])
+                raise SystemExit(signal.SIGTERM)  # what Ray's handler raises
+
+            m.setattr("flwr.server.superlink.fleet.vce.backend.raybackend.RayBackend", sigterm_in_start)
+            with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+                keep_our_sigterm(ray_backend_config(cfg))
+        assert signal.getsignal(signal.SIGTERM) is ours and not ray.is_initialized()
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        signal.signal(signal.SIGTERM, before)
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")

@@ -175,6 +175,12 @@ def test_what_the_torch_backend_does_not_cover_is_refused_with_the_key():
                        backend="torch")
     with pytest.raises(ValueError, match="runs the QLSD family"):
         run_vectorised(resolve({**MLP, "variant": "fald", "num-rounds": 2}), write=False, backend="torch")
+    # named from the configuration alone, so that auto on a GPU leaves encoding = arith to the numpy backend
+    from qlsd_flwr.engines.vectorised import torch_scope
+    from qlsd_flwr.tasks import loading
+
+    cfg = resolve({**MLP, "variant": "qlsd-pp", "encoding": "arith"})
+    assert "encoding = 'arith' runs on: auto, numpy" in torch_scope.unsupported(cfg, loading.load_task(cfg))
     # on the CPU, auto keeps the numpy backend: its chains are the reference's bit for bit
     assert run_vectorised(resolve({**MLP, "variant": "qlsd-pp", "num-rounds": 2}), write=False).backend == "numpy"
     with pytest.raises(ConfigError, match="auto, numba, numpy, torch"):

@@ -85,6 +85,8 @@ def _bound_bits(s: int, blocks: tuple[int, ...], encoding: str, packed_bits: int
     """``QSGD.bound_bits`` (memoised: it is asked for every message)."""
     elias = float(sum(min(qsgd_theorem_bits(n, s), elias_bound_bits(n, s)) for n in blocks))
     packed = float(packed_bits)
+    if encoding == "arith":  # the uplink's arithmetic code: QSGD's own figure for these levels, the report's reference
+        return min(elias, packed)
     if encoding in dense.TAGS:  # the broadcast's codes: the longest message (an upper bound, not an expectation)
         return float(dense.max_bits(encoding, s, blocks))
     return {"elias": elias, "packed": packed, "auto": min(elias, packed)}[encoding]

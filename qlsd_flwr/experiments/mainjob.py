@@ -6,7 +6,9 @@ dominant label, ≈40 % of that label's points, and 1 % of every other label; 20
 Model: multiclass logistic regression (``d = 785 × 10 = 7,850``), prior ``N(0, I/5)`` (the
 paper's weight decay 5).
 
-* QLSD++ (Algorithm 2): QSGD with ``s = 16`` (4 bits a coordinate before Elias coding), ``l = 20``,
+* QLSD++ (Algorithm 2): QSGD with ``s = 16`` (4 bits a coordinate before coding; the levels go in the
+  broadcast's adaptive arithmetic code, ``encoding = arith``: the same chain in 16 % fewer bits than the shorter of
+  the Elias and packed codes, 2026-12-05), ``l = 20``,
   ``α = 1/(ω+1)``, full participation, minibatch 64 of 200 per client (the paper's batch),
   **4 chains in one Flower run** (``num-chains = 4``: one message per client and round carries
   the 4 chains' θ; chain ``c`` uses seed ``seed + c``), 1,050 rounds, burn-in 150, every 3rd draw
@@ -63,7 +65,7 @@ QLSD_MAIN = {
     "alpha": "auto", "batch-fraction": 0.32, "gamma": "auto", "gamma-c": 0.5, "metric": "kronecker", "metric-block": 100,
     "metric-rank": 150, "metric-rank-exchanges": 4,
     "init": "dispersed", "opt-tol": 1e-2, "loo": "off", "num-rounds": 1050, "burn-in": 150, "thin": 3, "num-chains": 4,
-    "downlink": "qsgd", "downlink-s": 128, "engine": "ray", "seed": 0, "data-seed": 0,
+    "downlink": "qsgd", "downlink-s": 128, "encoding": "arith", "engine": "ray", "seed": 0, "data-seed": 0,
     "output-dir": "outputs", "run-name": "",
 }
 FEDAVG_MAIN = {"num_rounds": 50, "local_epochs": 2, "lr": 0.1, "batch_size": 32}
@@ -217,7 +219,7 @@ def run_main_job(overrides: dict | None = None) -> int:
               if qs.get("downlink_correction_beta") else "") if cfg.get("downlink") == "qsgd" else "")
         + f"; chains started {'dispersed around θ*' if cfg.get('init') == 'dispersed' else 'at one point'}.",
         *convergence_notes(qm.get("convergence")),
-        "uplink bits, bits/round: the sampling (training) rounds' uplink; QLSD++ exact Elias/packed code lengths, "
+        "uplink bits, bits/round: the sampling (training) rounds' uplink; QLSD++ the exact lengths of the codes it sends, "
         "summed over its chains; FedAvg 32 × params × clients. total bits: uplink + downlink of the whole run, "
         "preparation and LOO included (summary.json 'bits'). wall: rounds only (Ray start-up excluded).",
         *bits_notes(qs["bits"], fa.bits),

@@ -144,7 +144,7 @@ class QLSDStrategy(Strategy):
     block_norm : str, default "vector"
         One QSGD norm for the whole ``vector``, or one per ``tensor`` (needs ``blocks``).
     encoding : str, default "auto"
-        ``elias`` (QSGD's sparse code), ``packed`` (dense), ``auto`` (the shorter, per message).
+        ``elias`` (QSGD's sparse code), ``packed`` (dense), ``auto`` (the shorter), ``arith`` (arithmetic-coded levels).
     theta_star : array_like, optional
         θ*, the mode of the posterior, for QLSD*/LSD*; without it they first find θ* by a
         federated gradient descent through the same clients (``opt_rounds``, ``opt_tol``).

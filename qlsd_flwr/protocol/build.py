@@ -219,7 +219,7 @@ def downlink_on(cfg: RunConfig) -> bool:
     return cfg.get("downlink") == "qsgd"
 
 
-_ENCODINGS = ("auto", "elias", "packed")
+_ENCODINGS = ("auto", "elias", "packed", "arith")
 
 
 def client_spec_from_settings(settings: dict, i: int, n_data: int, d: int) -> tuple[ClientSpec, int]:

@@ -91,6 +91,42 @@ def ray_backend_config(cfg: RunConfig) -> dict:
     return {"client_resources": {"num_cpus": cpus, "num_gpus": gpus}, "init_args": init_args}
 
 
+def keep_our_sigterm(backend_config: dict) -> bool:
+    """Start Ray here, as Flower's backend would (:class:`RayBackend`: its own ``ray.init``), and keep
+    the SIGTERM handler this process had (our CLI's), which ``ray.init`` replaces with ``sys.exit(15)``.
+
+    Why: under Ray's handler, SIGTERM unwinds Flower's simulation loop in the main thread, whose
+    ``finally`` tears the Ray actors down under the messages in flight before the ServerApp's run hears
+    of the stop; Flower then logged each of them with its traceback (a CI run's SIGTERM test, 1 in
+    some dozens). Under ours the stop goes as Ctrl-C's does: the run is asked first
+    (:func:`qlsd_flwr.flower.stopping.Stopper.request`, which quiets those errors), ends at the next
+    round and closes its outputs, and only then does Flower tear down. Nothing happens off the main
+    thread, with no handler of ours (a user's script: Ray's ``sys.exit(15)`` stays, caught in
+    :func:`run_ray`), or when Ray is already initialised in this process. ``True`` when it started Ray."""
+    import threading
+
+    import ray
+
+    if threading.current_thread() is not threading.main_thread() or ray.is_initialized():
+        return False
+    ours = signal.getsignal(signal.SIGTERM)
+    if not callable(ours):
+        return False
+    from flwr.server.superlink.fleet.vce.backend.raybackend import RayBackend
+
+    try:  # Flower fills in the same defaults before it builds its backend (run_simulation: init_args)
+        RayBackend({**backend_config, "init_args": dict(backend_config.get("init_args", {}))})
+    except BaseException as exc:
+        if ray.is_initialized():  # started, then failed: nothing of it stays
+            ray.shutdown()
+        if isinstance(exc, SystemExit) and exc.code == signal.SIGTERM:  # SIGTERM while Ray started, under its handler
+            raise KeyboardInterrupt("SIGTERM") from None  # our CLI's stop, as its handler has it
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, ours)
+    return True
+
+
 def run_ray(cfg: RunConfig, overrides: dict, mods=None, strategy_kwargs: dict | None = None):
     """Run on Flower's Ray simulation engine; returns the finished strategy."""
     from flwr.simulation import run_simulation
@@ -105,16 +141,24 @@ def run_ray(cfg: RunConfig, overrides: dict, mods=None, strategy_kwargs: dict | 
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     failure: dict = {}
     kwargs = {"engine_label": "flower-ray", "failure_sink": failure, **(strategy_kwargs or {})}
+    backend_config = ray_backend_config(cfg)
+    started = False
     try:
+        started = keep_our_sigterm(backend_config)
         run_simulation(server_app=make_server_app(overrides, sink, kwargs),
                        client_app=make_client_app(overrides=overrides, mods=mods), num_supernodes=cfg.b,
-                       backend_config=ray_backend_config(cfg), verbose_logging=cfg.verbose)
+                       backend_config=backend_config, verbose_logging=cfg.verbose)
     except RunStopped:  # a signal to our CLI stopped the ServerApp's thread: its KeyboardInterrupt, here
         raise failure["error"] from None
     except SystemExit as exc:  # SIGTERM, as ray.init's handler has it: the ServerApp's run stops and closes
         if exc.code != signal.SIGTERM or not stop_in_thread("SIGTERM"):
             raise
         raise failure.get("error", KeyboardInterrupt("SIGTERM")) from None
+    finally:
+        import ray
+
+        if started and ray.is_initialized():  # Flower shuts Ray down with its backend; not if it failed first
+            ray.shutdown()
     if "error" in failure:  # e.g. the chain diverged: the ServerApp's error, not Flower's
         raise failure["error"]
     if "strategy" not in sink:

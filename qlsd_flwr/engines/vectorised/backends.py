@@ -52,6 +52,11 @@ def backend_for(cfgs, task: Task, backend: str = "auto") -> str:
 
         if all(torch_scope.applies(c, task) for c in cfgs):
             return "torch"
+    if any(c.compressed and c.encoding not in ("auto", "elias", "packed") for c in cfgs):  # the kernel counts those
+        if backend == "numba":
+            raise ValueError("vectorised-backend = numba counts QSGD's Elias and packed codes; "
+                             "encoding = arith runs on: auto, numpy")
+        return "numpy"
     if any(build.downlink_on(c) for c in cfgs):  # the compiled kernel steps from θ itself
         if backend == "numba":
             raise ValueError("vectorised-backend = numba sends θ in full; downlink = qsgd runs on: auto, numpy")

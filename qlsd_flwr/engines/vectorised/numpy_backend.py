@@ -97,7 +97,9 @@ class NumpyGeneric:
         # compressors: QSGD with one norm per vector runs compiled; any other one by the numpy
         # reference, one call per group of clients with the same compressor
         comps = [s.compressor for s in specs]
-        fast = [i for i, c in enumerate(comps) if isinstance(c, QSGD) and c._blocks(d) == (d,)]
+        # (the compiled rows count the Elias and packed codes; the arithmetic code's rows go by the reference)
+        fast = [i for i, c in enumerate(comps) if isinstance(c, QSGD) and c._blocks(d) == (d,)
+                and c.encoding in ("auto", "elias", "packed")]
         self.fast = np.array(fast, dtype=np.int64)
         self.fast_s = np.array([comps[i].s for i in fast], dtype=np.int64)
         self.fast_packed = np.array([comps[i]._packed_bits(d) for i in fast], dtype=np.int64)

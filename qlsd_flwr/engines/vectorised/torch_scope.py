@@ -33,6 +33,8 @@ def unsupported(cfg, task, specs=None, spec=None) -> str | None:
         return "vectorised-backend = torch needs a Gaussian prior with one mean and variance (prior-var)"
     if build.blocks_for(cfg, task) is not None:
         return "vectorised-backend = torch quantises with one norm per vector; block-norm: allowed: vector"
+    if cfg.compressed and cfg.encoding not in ("auto", "elias", "packed"):  # before the specs: auto then picks numpy
+        return f"vectorised-backend = torch codes QSGD as auto, elias or packed; encoding = {cfg.encoding!r} runs on: auto, numpy"
     if specs is not None:
         comps = [s.compressor for s in specs]
         if any(c != comps[0] for c in comps):
