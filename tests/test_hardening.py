@@ -199,9 +199,11 @@ def test_sigterm_or_ctrl_c_leaves_a_readable_run_folder_with_every_draw_so_far(t
 
 
 @pytest.mark.ray
-def test_the_ray_engine_keeps_our_sigterm_handler_so_a_stop_reaches_the_run_before_its_actors_die(monkeypatch):
+def test_the_ray_engine_keeps_our_sigterm_handler_so_a_stop_reaches_the_run_before_its_actors_die(attached_ray,
+                                                                                                monkeypatch):
     # ray.init puts sys.exit(15) over SIGTERM: Flower's loop then tore its actors down under the messages
-    # in flight, which it logged with tracebacks before the run heard of the stop (CI, once)
+    # in flight, which it logged with tracebacks before the run heard of the stop (CI, once). Attached to the
+    # session's head (QLSD_RAY_ADDRESS), as a user's cluster run is: ray.init installs the same handler
     import signal
 
     import ray
@@ -221,6 +223,10 @@ def test_the_ray_engine_keeps_our_sigterm_handler_so_a_stop_reaches_the_run_befo
         assert signal.getsignal(signal.SIGTERM) is ours
         assert not keep_our_sigterm(ray_backend_config(cfg))  # running already: Flower attaches to it
         ray.shutdown()
+        ray.init(**ray_backend_config(cfg)["init_args"])  # the premise: Ray's own start replaces our handler
+        assert signal.getsignal(signal.SIGTERM) is not ours
+        ray.shutdown()
+        signal.signal(signal.SIGTERM, ours)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # no handler of ours (a user's script): Ray's stays
         assert not keep_our_sigterm(ray_backend_config(cfg)) and not ray.is_initialized()
         # SIGTERM while Ray starts (its sys.exit(15) in place): the CLI's stop, our handler back, no Ray left
