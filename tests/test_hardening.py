@@ -246,6 +246,50 @@ def test_the_ray_engine_keeps_our_sigterm_handler_so_a_stop_reaches_the_run_befo
         signal.signal(signal.SIGTERM, before)
 
 
+def test_a_stop_in_the_preparation_ends_it_at_the_next_exchange():
+    # Flower's ServerApp thread (here a thread of ours, as run_simulation's): a stop signal to the CLI came
+    # only to the sampling rounds, so one in a long θ* descent was lost and the process waited on; now
+    # the next exchange of the preparation raises it
+    import threading
+
+    from qlsd_flwr.flower.records import from_content
+    from qlsd_flwr.outputs import stopsignal
+    from qlsd_flwr.tasks import loading
+
+    o = {"variant": "qlsd-star", "theta-star": "optimise", "opt-tol": 1e-14, "opt-rounds": 100000,
+         "opt-accept-unconverged": True, "dim": 5, "num-clients": 3, "num-rounds": 20, "burn-in": 5, "progress": False}
+    asked = []  # one entry a message of the descent: 3 a gradient exchange
+
+    def mod(msg, ctx, call_next):
+        if from_content(msg.content)[0].get("phase") == "grad":
+            asked.append(1)
+            if len(asked) == 7:  # in the descent's third exchange
+                stopsignal.stop_signal("SIGTERM")  # what the CLI's handler does in the main thread
+        return call_next(msg, ctx)
+
+    cfg = resolve(o)
+    grid = InProcessGrid(make_client_app(overrides=o, mods=[mod]), cfg.b)
+    strategy = QLSDStrategy.from_config(cfg, loading.load_task(cfg))
+    got = {}
+
+    def serverapp():
+        try:
+            strategy.start(grid=grid)
+        except BaseException as exc:  # noqa: BLE001 — what the thread ended with
+            got["exc"] = exc
+
+    try:
+        t = threading.Thread(target=serverapp)
+        t.start()
+        t.join(120)
+        assert not t.is_alive()
+    finally:
+        stopsignal.clear()
+    assert isinstance(got.get("exc"), KeyboardInterrupt) and str(got["exc"]) == "SIGTERM", got
+    assert len(asked) == 9  # the exchange in flight ended; no other was asked for
+    assert strategy.run_dir is None or not (strategy.run_dir / "metrics.csv").exists()
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_a_stop_signal_dropped_by_a_finaliser_still_stops_the_run_at_the_end_of_the_next_round():
     """CPython runs a signal handler at whatever bytecode the main thread is at; in a finaliser the

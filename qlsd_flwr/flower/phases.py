@@ -32,6 +32,7 @@ import numpy as np
 from flwr.app import Message, MessageType
 
 from qlsd_flwr.core.potential import declares_log_concave
+from qlsd_flwr.flower import stopping
 from qlsd_flwr.flower.records import record_fields, to_content
 from qlsd_flwr.protocol import build, precondition
 from qlsd_flwr.protocol.traffic import Traffic, as_point, count_claims
@@ -112,6 +113,7 @@ class PhaseExchanges:
         out: dict[int, bytes] = {}
         point = _point_of(fields)
         for _ in range(2):
+            stopping.check()  # a stop asked for meanwhile (flwr stop, SIGTERM, Ctrl-C) ends the preparation here
             msgs = [Message(to_content({**self._at_point(fields, point, i), "client": i}, self.settings[i]),
                             self.nodes.node_of[i], MessageType.TRAIN) for i in clients]
             client_of = {self.nodes.node_of[i]: i for i in clients}

@@ -357,29 +357,29 @@ class QLSDStrategy(Strategy):
         self._timeout = cfg.reply_timeout if timeout is None else float(timeout)
         K = cfg.num_rounds if num_rounds is None else int(num_rounds)
         self._grid = grid
-        self.nodes.handshake(grid, self._timeout)
-        self.server.set_counts([self.nodes.n_data.get(i, 1) for i in range(cfg.b)])
-        ph = PhaseExchanges(cfg, self.task, self.nodes, self.server.settings)  # a bad reply: counted, asked again
-        prep = claims = None
-        if not resuming:  # resume: θ*, M and γ are in the checkpoint
-            prep, claims = ph.prepare(grid, build.theta0_of(self.task) if theta0 is None else theta0,
-                                      self._timeout, self._warm, self.server.wants_claims())
-        if prep is None:
-            self.server.begin(None, {}, theta0)
-        else:
-            self.server.begin(prep.theta_star, prep.info, theta0, prep)
-            self.server.set_claims(claims)
-            self.server.leave_out(ph.left_out, ph.rejected)
-        self.cfg = cfg = self.server.cfg  # with the step the preparation chose (gamma = auto) or the checkpoint's
-        saved = self.server.persist.get("rejoined", {})
-        self.nodes.rejoined.update({int(i): list(r) for i, r in saved.items()})
-        self.server.persist["rejoined"] = self.nodes.rejoined  # kept in the checkpoints
+        with stopping.Stopper():  # flwr stop, SIGTERM or Ctrl-C in the handshake or the preparation: stop there
+            self.nodes.handshake(grid, self._timeout)
+            self.server.set_counts([self.nodes.n_data.get(i, 1) for i in range(cfg.b)])
+            ph = PhaseExchanges(cfg, self.task, self.nodes, self.server.settings)  # a bad reply: counted, asked again
+            prep = claims = None
+            if not resuming:  # resume: θ*, M and γ are in the checkpoint
+                prep, claims = ph.prepare(grid, build.theta0_of(self.task) if theta0 is None else theta0,
+                                          self._timeout, self._warm, self.server.wants_claims())
+            if prep is None:
+                self.server.begin(None, {}, theta0)
+            else:
+                self.server.begin(prep.theta_star, prep.info, theta0, prep)
+                self.server.set_claims(claims)
+                self.server.leave_out(ph.left_out, ph.rejected)
+            self.cfg = cfg = self.server.cfg  # with the step the preparation chose (gamma = auto) or the checkpoint's
+            saved = self.server.persist.get("rejoined", {})
+            self.nodes.rejoined.update({int(i): list(r) for i, r in saved.items()})
+            self.server.persist["rejoined"] = self.nodes.rejoined  # kept in the checkpoints
         if self.run_dir is not None:
             announce(f"{cfg.variant}: writing {Path(self.run_dir).resolve()}", cfg.progress)
         self._bar = progress_bar(K, cfg.progress, f"{cfg.variant} {self.server.engine_label}")
         self._bar.update(self.state.k)
-        flwr_log = logging.getLogger("flwr")
-        level = flwr_log.level
+        level = (flwr_log := logging.getLogger("flwr")).level
         if not cfg.verbose:  # Flower logs every round at INFO: the progress line replaces that
             flwr_log.setLevel(max(level, logging.WARNING))
         with stopping.Stopper():  # flwr stop / SIGTERM of Flower's process: stop here, close the outputs
