@@ -163,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(args) -> int:
+    from qlsd_flwr.outputs.run_dir import OPENED
+
+    before = len(OPENED)  # the run folders locked before this command (a process may run several)
     try:
         if args.cmd == "demo":
             if args.toy:
@@ -194,8 +197,12 @@ def _dispatch(args) -> int:
         return 2
     except KeyboardInterrupt as exc:
         sig = "SIGTERM" if str(exc) == "SIGTERM" else "Ctrl-C"
-        print(f"qlsd-flwr: stopped by {sig}; the run folder holds every draw and round so far "
-              "(samples.nc, metrics.csv, summary.json with 'stopped')", file=sys.stderr)
+        if len(OPENED) > before:
+            print(f"qlsd-flwr: stopped by {sig}; the run folder {OPENED[-1]} holds every draw and round so far "
+                  "(samples.nc, metrics.csv, summary.json with 'stopped')", file=sys.stderr)
+        else:  # in the preparation (or before it): no run folder was begun
+            print(f"qlsd-flwr: stopped by {sig} before the run began writing (in its preparation); no run folder "
+                  "was made", file=sys.stderr)
         return 143 if sig == "SIGTERM" else 130
     except (InputError, PhaseError) as exc:  # PhaseError: a client's unusable reply before sampling, named
         print(f"qlsd-flwr: {exc}", file=sys.stderr)

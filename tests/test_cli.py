@@ -82,6 +82,23 @@ def test_a_taken_run_name_is_refused_before_the_preparation(tmp_path, capsys, mo
     assert "run-name:" in err and "taken already exists" in err and "resume =" in err
 
 
+def test_a_stop_in_the_preparation_says_that_no_run_folder_was_made(tmp_path, capsys, monkeypatch):
+    """A stop before the run begins writing (here in the preparation, as a signal there raises) is exit code 143
+    and a line that says no folder was made, not that one holds the draws so far."""
+    from qlsd_flwr.cli import main
+    from qlsd_flwr.protocol import precondition
+
+    def stopped(*a, **k):
+        raise KeyboardInterrupt("SIGTERM")  # what the CLI's handler raises
+
+    monkeypatch.setattr(precondition, "prepare", stopped)
+    assert main(["run", "--set", "engine=local", "--set", "gamma=auto", "--set", "metric=diagonal",
+                 "--set", f"output-dir={tmp_path}", "--set", "progress=false"]) == 143
+    err = capsys.readouterr().err
+    assert "stopped by SIGTERM before the run began writing" in err and "no run folder was made" in err
+    assert not list(tmp_path.iterdir())
+
+
 def test_flower_s_actor_teardown_errors_are_dropped_from_a_stop_until_the_next_run():
     """Flower's simulation workers log an ERROR with a traceback for each message in flight when a stop tears
     their Ray actors down (seen by timing in the SIGTERM test): from a stop's request until the next run starts

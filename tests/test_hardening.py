@@ -189,6 +189,7 @@ def test_sigterm_or_ctrl_c_leaves_a_readable_run_folder_with_every_draw_so_far(t
             proc.wait()
     assert proc.returncode == {"SIGTERM": 143, "SIGINT": 130}[sig], (out, err)
     assert f"stopped by {'SIGTERM' if sig == 'SIGTERM' else 'Ctrl-C'}" in err and "Traceback" not in err, err[-3000:]
+    assert f"the run folder {tmp_path / 't'} holds every draw" in err, err[-3000:]
     summary = json.loads((tmp_path / "t" / "summary.json").read_text())
     assert summary["stopped"].startswith("KeyboardInterrupt")
     with open(metrics) as f:

@@ -36,6 +36,10 @@ def make_run_dir(output_dir: str | os.PathLike, run_name: str, variant: str) -> 
     return path
 
 
+#: the run folders this process has locked, in order (the CLI names the last when a stop ends a run)
+OPENED: list[Path] = []
+
+
 def lock_run_dir(run_dir: Path):
     """An exclusive lock on ``<run_dir>/.lock`` for as long as a run writes the folder (two runs,
     e.g. two resumes of one folder, would corrupt each other's files); ``ConfigError`` naming the
@@ -57,4 +61,5 @@ def lock_run_dir(run_dir: Path):
     f.truncate()
     f.write(str(os.getpid()))
     f.flush()
+    OPENED.append(Path(run_dir))
     return f
