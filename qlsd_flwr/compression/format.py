@@ -40,6 +40,8 @@ class Encoding(IntEnum):
 
 
 ENCODINGS = ("elias", "packed", "auto", "rice", "arith", "dense")
+#: the codes the compiled kernels count (numba's, numpy's fast rows, torch's twin); ``arith`` goes by the reference
+COMPILED_ENCODINGS = ("auto", "elias", "packed")
 KINDS = ("qsgd", "identity")
 
 

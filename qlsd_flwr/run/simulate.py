@@ -114,8 +114,8 @@ def keep_our_sigterm(backend_config: dict) -> bool:
         return False
     from flwr.server.superlink.fleet.vce.backend.raybackend import RayBackend
 
-    try:  # Flower fills in the same defaults before it builds its backend (run_simulation: init_args)
-        RayBackend({**backend_config, "init_args": dict(backend_config.get("init_args", {}))})
+    try:  # ray_backend_config sets the init_args defaults run_simulation would add, so Ray starts as there
+        RayBackend(backend_config)
     except BaseException as exc:
         if ray.is_initialized():  # started, then failed: nothing of it stays
             ray.shutdown()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+from qlsd_flwr.compression.format import COMPILED_ENCODINGS
 from qlsd_flwr.config import RunConfig
 from qlsd_flwr.core.potential import GaussianPrior, Task
 from qlsd_flwr.protocol import build
@@ -52,7 +53,7 @@ def backend_for(cfgs, task: Task, backend: str = "auto") -> str:
 
         if all(torch_scope.applies(c, task) for c in cfgs):
             return "torch"
-    if any(c.compressed and c.encoding not in ("auto", "elias", "packed") for c in cfgs):  # the kernel counts those
+    if any(c.compressed and c.encoding not in COMPILED_ENCODINGS for c in cfgs):  # the kernel counts those
         if backend == "numba":
             raise ValueError("vectorised-backend = numba counts QSGD's Elias and packed codes; "
                              "encoding = arith runs on: auto, numpy")

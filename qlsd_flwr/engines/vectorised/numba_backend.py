@@ -9,7 +9,7 @@ import os
 
 import numpy as np
 
-from qlsd_flwr.compression.format import Encoding, QuantiseError
+from qlsd_flwr.compression.format import COMPILED_ENCODINGS, Encoding, QuantiseError
 from qlsd_flwr.compression.qsgd import QSGD
 from qlsd_flwr.core import rng
 from qlsd_flwr.core.oracles import Oracle
@@ -66,7 +66,7 @@ def kernel_params(cfgs, task, parts, noise_in_kernel: bool) -> KernelParams:
             raise ValueError("numba backend: s must be at most 2^52")
         if compressed[v] and any(c.encoding != comps[0].encoding for c in comps):
             raise ValueError("numba backend: all clients must use the same encoding")
-        if compressed[v] and comps[0].encoding not in ("auto", "elias", "packed"):  # the kernel counts those only
+        if compressed[v] and comps[0].encoding not in COMPILED_ENCODINGS:  # the kernel counts those only
             raise ValueError(f"numba backend: encoding = {comps[0].encoding} runs on: auto, numpy")
         enc[v] = int(Encoding.of(comps[0].encoding)) if compressed[v] else int(Encoding.PACKED)
         for i, c in enumerate(comps):

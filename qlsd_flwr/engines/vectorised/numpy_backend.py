@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from qlsd_flwr.compression.format import HEADER_BYTES, Encoding, QuantiseError
+from qlsd_flwr.compression.format import COMPILED_ENCODINGS, HEADER_BYTES, Encoding, QuantiseError
 from qlsd_flwr.compression.qsgd import QSGD
 from qlsd_flwr.core import participation, rng
 from qlsd_flwr.core import server_step as sampler
@@ -99,7 +99,7 @@ class NumpyGeneric:
         comps = [s.compressor for s in specs]
         # (the compiled rows count the Elias and packed codes; the arithmetic code's rows go by the reference)
         fast = [i for i, c in enumerate(comps) if isinstance(c, QSGD) and c._blocks(d) == (d,)
-                and c.encoding in ("auto", "elias", "packed")]
+                and c.encoding in COMPILED_ENCODINGS]
         self.fast = np.array(fast, dtype=np.int64)
         self.fast_s = np.array([comps[i].s for i in fast], dtype=np.int64)
         self.fast_packed = np.array([comps[i]._packed_bits(d) for i in fast], dtype=np.int64)

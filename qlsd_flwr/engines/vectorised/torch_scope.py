@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from qlsd_flwr.compression.format import COMPILED_ENCODINGS
 from qlsd_flwr.compression.identity import Identity as IdentityCompressor
 from qlsd_flwr.compression.qsgd import QSGD
 from qlsd_flwr.core.potential import GaussianPrior
@@ -33,14 +34,14 @@ def unsupported(cfg, task, specs=None, spec=None) -> str | None:
         return "vectorised-backend = torch needs a Gaussian prior with one mean and variance (prior-var)"
     if build.blocks_for(cfg, task) is not None:
         return "vectorised-backend = torch quantises with one norm per vector; block-norm: allowed: vector"
-    if cfg.compressed and cfg.encoding not in ("auto", "elias", "packed"):  # before the specs: auto then picks numpy
+    if cfg.compressed and cfg.encoding not in COMPILED_ENCODINGS:  # before the specs: auto then picks numpy
         return f"vectorised-backend = torch codes QSGD as auto, elias or packed; encoding = {cfg.encoding!r} runs on: auto, numpy"
     if specs is not None:
         comps = [s.compressor for s in specs]
         if any(c != comps[0] for c in comps):
             return "vectorised-backend = torch needs one compressor for every client (s, encoding)"
         c = comps[0]
-        if isinstance(c, QSGD) and c.encoding not in ("auto", "elias", "packed"):
+        if isinstance(c, QSGD) and c.encoding not in COMPILED_ENCODINGS:
             return f"vectorised-backend = torch codes QSGD as auto, elias or packed; encoding = {c.encoding!r}"
         if not isinstance(c, (QSGD, IdentityCompressor)):
             return f"vectorised-backend = torch has no twin of the compressor {type(c).__name__}; compressor: qsgd, identity"

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from qlsd_flwr.compression.elias import omega_length
+from qlsd_flwr.compression.format import COMPILED_ENCODINGS
 from qlsd_flwr.core import rng as _rng
 
 # ---------------------------------------------------------------- the streams
@@ -137,7 +138,7 @@ class CodeLength:
     on vectors of length ``d``: the Elias omega lengths it needs are looked up in a table on the device."""
 
     def __init__(self, d: int, s: int, encoding: str, device):
-        if encoding not in ("auto", "elias", "packed"):
+        if encoding not in COMPILED_ENCODINGS:
             raise ValueError(f"encoding = {encoding!r} has no torch twin; allowed: auto, elias, packed")
         self.d, self.encoding = int(d), encoding
         self.packed = 32 + self.d * (1 + int(s).bit_length())
