@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from qlsd_flwr.core.metric import Diagonal, MetricError, to_array
+from qlsd_flwr.core.metric import Diagonal, MetricError
+from qlsd_flwr.core.metric_codec import to_array
 from qlsd_flwr.outputs import checkpoint as ckpt
 from qlsd_flwr.outputs.checkpoint import CheckpointError
 from qlsd_flwr.outputs.metric_file import metric_from_file

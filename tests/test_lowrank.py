@@ -24,7 +24,8 @@ from qlsd_flwr.core import lowrank as lr
 from qlsd_flwr.core import curvature as cv
 from qlsd_flwr.protocol import precondition
 from qlsd_flwr.protocol.curvature_exchange import lowrank_correction
-from qlsd_flwr.core.metric import Dense, Diagonal, Identity, MetricError, from_array, from_bytes, to_array
+from qlsd_flwr.core.metric import Dense, Diagonal, Identity, MetricError
+from qlsd_flwr.core.metric_codec import from_array, from_bytes, to_array
 from qlsd_flwr.outputs.recorder import load_samples
 from qlsd_flwr.robust.reports import MAX_BLOCK
 from qlsd_flwr.protocol import build

@@ -23,7 +23,8 @@ from qlsd_flwr.compression import fixed
 from qlsd_flwr.config import ConfigError, resolve
 from qlsd_flwr.core import curvature as cv
 from qlsd_flwr.core import server_step as sampler
-from qlsd_flwr.core.metric import Diagonal, from_array, to_array
+from qlsd_flwr.core.metric import Diagonal
+from qlsd_flwr.core.metric_codec import from_array, to_array
 from qlsd_flwr.core.potential import GaussianPrior, Task
 from qlsd_flwr.engines.vectorised import run_vectorised
 from qlsd_flwr.outputs.recorder import load_samples

@@ -41,8 +41,7 @@ def _with_block(task, theta, kfac, prior, k, T=None):
     K = kfac.kron.den.shape[1]
     reports = {i: kb.check_block(kb.local_block(c, theta, V), k * K) for i, c in enumerate(task.clients)}
     info: dict = {}
-    u, t = kb.correction(kfac.kron, kb.unpack(V, F), reports, task.n_data, prior, info)
-    return kfac.corrected(u, t), info
+    return kb.correction(kfac.kron, kb.unpack(V, F), reports, task.n_data, prior, info), info
 
 
 def test_the_block_makes_the_metric_the_exact_curvature_on_its_directions_and_k_equal_to_the_inputs_is_the_hessian():
@@ -142,9 +141,10 @@ def test_engines_agree_bit_for_bit_and_the_exchange_is_counted(tmp_path):
 
 def test_metric_rank_on_top_of_the_block_corrects_off_it_and_the_two_are_one_correction(tmp_path):
     """``metric-block`` then ``metric-rank``: the products' Krylov space is kept orthogonal to the block's directions,
-    so the directions found join the block's in one correction (``lowrank.merged``): its ``U`` orthonormal, the
-    block's own directions and values unchanged, ``M = S Sᵀ`` for the root the chain uses, and the whitened curvature
-    better conditioned than under the block alone (the exact Hessian at θ*). Engines bit for bit."""
+    so the directions found correct the block's metric off its own (``Corrected`` on ``Blocked``): their ``U``
+    orthonormal and orthogonal to the block's, the block unchanged, ``M = S Sᵀ`` for the root the chain uses, the same
+    metric as one dense correction of K-FAC by both sets of directions (the form before 2026-12-06), and the whitened
+    curvature better conditioned than under the block alone (the exact Hessian at θ*). Engines bit for bit."""
     from qlsd_flwr.protocol import build, precondition
 
     def prepared(**over):
@@ -157,14 +157,19 @@ def test_metric_rank_on_top_of_the_block_corrects_off_it_and_the_two_are_one_cor
 
     task, block = prepared()
     _, both = prepared(**{"metric-rank": 10, "metric-rank-exchanges": 2})
-    d, lo, lo1 = task.dim, both.metric.low, block.metric.low
+    d, lo, blk = task.dim, both.metric.low, both.metric.base
     r = both.info["lowrank_rank"]
-    assert 0 < r <= 10 and lo.u.shape == (d, 16 + r)
-    assert np.array_equal(lo.u[:, :16], lo1.u) and np.array_equal(lo.t[:16], lo1.t)
-    assert np.abs(lo.u.T @ lo.u - np.eye(16 + r)).max() < 1e-12
+    assert 0 < r <= 10 and lo.u.shape == (d, r) and isinstance(blk, kb.Blocked) and block.metric.low is None
+    assert all(np.array_equal(getattr(blk, a), getattr(block.metric, a)) for a in ("qh", "v", "t"))
+    U = np.concatenate([blk.directions(), lo.u], axis=1)
+    assert np.abs(U.T @ U - np.eye(16 + r)).max() < 1e-12
     S = np.stack([both.metric.apply_root(e) for e in np.eye(d)], axis=1)
     M = np.stack([both.metric.apply(e) for e in np.eye(d)], axis=1)
     assert np.abs(S @ S.T - M).max() <= 1e-12 * np.abs(M).max()
+    from qlsd_flwr.core.metric import Kronecker
+
+    one = Kronecker(blk.kron).corrected(U, np.concatenate([blk.t, lo.t]))
+    assert np.abs(np.stack([one.apply(e) for e in np.eye(d)], axis=1) - M).max() <= 1e-12 * np.abs(M).max()
     H = sum(c.hvp_batch(both.theta_star, np.eye(d)) for c in task.clients) + np.eye(d) / float(task.prior.var)
 
     def kappa(m):
@@ -266,3 +271,33 @@ def test_a_torch_softmax_layer_reports_the_block_the_logistic_task_does():
     with pytest.raises(ValueError, match="metric = kronecker"):
         kb.local_block(TorchPotential(nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)), X, y),
                        np.zeros(39), V)
+
+
+def test_the_block_kept_in_its_structure_is_the_dense_correction_and_its_bytes_are_checked():
+    """:class:`kb.Blocked` applies ``R (I + P C Pᵀ)`` through K-FAC's factors and one ``m × m`` product: the same
+    ``M``, root and transposed root as K-FAC corrected by the ``d × m`` dense directions ``U = P V`` (the form until
+    2026-12-06) to rounding (1e-12 of the largest entry); its bytes (kind 5, also as a correction's base) give back the
+    very arrays and so the same numbers bit for bit (a resumed chain is the one that ran); bytes whose directions are
+    not orthonormal, whose rotation is not orthogonal or whose values are not positive are refused by name."""
+    from qlsd_flwr.core.metric import MetricError
+    from qlsd_flwr.core.metric_codec import from_array, from_bytes, to_array
+
+    task, theta, kfac, H, prior = _digits()
+    blk, _ = _with_block(task, theta, kfac, prior, 7)
+    dense = kfac.corrected(blk.directions(), blk.t)
+    x = np.random.default_rng(4).normal(size=(3, task.dim))
+    for f in ("apply", "apply_root", "apply_root_t"):
+        a, b = getattr(blk, f)(x), getattr(dense, f)(x)
+        assert np.abs(a - b).max() <= 1e-12 * np.abs(b).max(), f
+    assert blk.spread() == dense.spread() and blk.largest() == dense.largest() and blk.to_json() == dense.to_json()
+    u = np.linalg.qr(np.random.default_rng(5).normal(size=(task.dim, 3)))[0]
+    u = np.linalg.qr(u - blk.directions() @ (blk.directions().T @ u))[0]
+    for m in (blk, blk.corrected(u, np.array([0.5, 2.0, 3.0]))):
+        back = from_array(to_array(m), task.dim)
+        assert type(back) is type(m) and type(back.base) is type(m.base)
+        assert all(np.array_equal(getattr(back, f)(x), getattr(m, f)(x)) for f in ("apply", "apply_root", "apply_root_t"))
+    for name, bad in (("qh", 2.0 * blk.qh), ("v", blk.v + 1e-3), ("t", -blk.t)):
+        arrays = {**blk.arrays(), name: bad}
+        with pytest.raises(MetricError, match="block-corrected Kronecker"):
+            from_bytes(type("M", (kb.Blocked,), {"arrays": lambda self, a=arrays: a})(blk.kron, blk.qh, blk.v,
+                                                                                      blk.t).to_bytes(), task.dim)

@@ -324,7 +324,8 @@ def test_a_client_told_to_expect_a_metric_gets_the_identity_when_the_correction_
 
 
 def test_a_dense_metric_with_a_low_rank_correction_travels_and_checkpoints_whole():
-    from qlsd_flwr.core.metric import Dense, from_array, to_array
+    from qlsd_flwr.core.metric import Dense
+    from qlsd_flwr.core.metric_codec import from_array, to_array
     from qlsd_flwr.protocol.wire import metric_of, metric_to_bytes
 
     M = Dense(_rotated(np.array([0.5, 1.0, 2.0])))

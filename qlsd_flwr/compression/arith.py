@@ -75,42 +75,38 @@ def alphabet(s: int) -> int:
     return int(min(int(s), MAX_SYMBOL)) + 1
 
 
-@njit(cache=True)
-def _emit(buf, st, bit):
-    """One bit and then the pending opposite bits; ``st = [low, high, pending, p]``."""
-    p = st[3]
-    if bit:
-        buf[p >> 3] |= np.uint8(0x80 >> (p & 7))
-    p += 1
-    for _ in range(st[2]):
-        if not bit:
-            buf[p >> 3] |= np.uint8(0x80 >> (p & 7))
-        p += 1
-    st[2] = 0
-    st[3] = p
-
-
-@njit(cache=True)
-def _code(buf, st, lo, hi, total):
-    """Narrow ``[low, high]`` to the cumulative frequencies ``[lo, hi)`` of ``total`` and shift out settled bits."""
-    rng = st[1] - st[0] + 1
-    st[1] = st[0] + (rng * hi) // total - 1
-    st[0] = st[0] + (rng * lo) // total
+# The coder's state lives in local integers (returned as tuples by functions Numba inlines), not in an array: each
+# symbol then costs register arithmetic, about twice as fast as the array form of 2026-12-05 for the same bits
+# (``benchmarks/RESULTS.md``, "The arithmetic coder's speed").
+@njit(cache=True, inline="always")
+def _code(buf, low, high, pending, p, lo, hi, total):
+    """Narrow ``[low, high]`` to the cumulative frequencies ``[lo, hi)`` of ``total`` and write the settled bits at
+    ``p``, each followed by the ``pending`` opposite bits; returns ``(low, high, pending, p)``."""
+    rng = high - low + 1
+    high = low + (rng * hi) // total - 1
+    low = low + (rng * lo) // total
     while True:
-        if st[1] < _HALF:
-            _emit(buf, st, 0)
-        elif st[0] >= _HALF:
-            _emit(buf, st, 1)
-            st[0] -= _HALF
-            st[1] -= _HALF
-        elif st[0] >= _QUARTER and st[1] < _HALF + _QUARTER:
-            st[2] += 1
-            st[0] -= _QUARTER
-            st[1] -= _QUARTER
+        if high < _HALF:
+            p += 1
+            for _ in range(pending):  # a 0, then the pending 1s
+                buf[p >> 3] |= np.uint8(0x80 >> (p & 7))
+                p += 1
+            pending = 0
+        elif low >= _HALF:
+            buf[p >> 3] |= np.uint8(0x80 >> (p & 7))  # a 1, then the pending 0s
+            p += 1 + pending
+            pending = 0
+            low -= _HALF
+            high -= _HALF
+        elif low >= _QUARTER and high < _HALF + _QUARTER:
+            pending += 1
+            low -= _QUARTER
+            high -= _QUARTER
         else:
             break
-        st[0] = 2 * st[0]
-        st[1] = 2 * st[1] + 1
+        low = 2 * low
+        high = 2 * high + 1
+    return low, high, pending, p
 
 
 @njit(cache=True)
@@ -142,7 +138,7 @@ def _prior(nsym, j):
     return freq, total
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _update(freq, total, x):
     freq[x] += INCREMENT
     total += INCREMENT
@@ -162,9 +158,7 @@ def _encode(levels, norm_bits, blocks, nsym, escape, buf):
         p = _put(buf, p, norm_bits[b], 32)
     j = _shape(levels)
     p = _put(buf, p, j, SHAPE_BITS)
-    st = np.zeros(4, dtype=np.int64)
-    st[1] = _TOP
-    st[3] = p
+    low, high, pending = 0, _TOP, 0
     freq, total = _prior(nsym, j)
     flen = np.ones(LENGTHS, dtype=np.int64)
     tlen = LENGTHS
@@ -177,7 +171,7 @@ def _encode(levels, norm_bits, blocks, nsym, escape, buf):
         else:
             for i in range(x):
                 lo += freq[i]
-        _code(buf, st, lo, lo + freq[x], total)
+        low, high, pending, p = _code(buf, low, high, pending, p, lo, lo + freq[x], total)
         total = _update(freq, total, x)
         if escape and x == nsym - 1:  # e = a − (A − 2) ≥ 1: its bit length, then the bits below its leading one
             e = a - (nsym - 2)
@@ -187,19 +181,26 @@ def _encode(levels, norm_bits, blocks, nsym, escape, buf):
             lo = 0
             for i in range(n):
                 lo += flen[i]
-            _code(buf, st, lo, lo + flen[n], tlen)
+            low, high, pending, p = _code(buf, low, high, pending, p, lo, lo + flen[n], tlen)
             tlen = _update(flen, tlen, n)
             while n > 0:  # the bits below the leading one, up to CHUNK at a time as one uniform symbol
                 k = min(n, CHUNK)
                 n -= k
                 v = (e >> n) & ((1 << k) - 1)
-                _code(buf, st, v, v + 1, 1 << k)
+                low, high, pending, p = _code(buf, low, high, pending, p, v, v + 1, 1 << k)
         if a != 0:
             sign = 1 if levels[j] < 0 else 0
-            _code(buf, st, sign, sign + 1, 2)
-    st[2] += 1  # two more bits settle the interval
-    _emit(buf, st, 0 if st[0] < _QUARTER else 1)
-    return st[3]
+            low, high, pending, p = _code(buf, low, high, pending, p, sign, sign + 1, 2)
+    # two more bits settle the interval: b, then pending + 1 bits !b
+    if low < _QUARTER:
+        p += 1
+        for _ in range(pending + 1):
+            buf[p >> 3] |= np.uint8(0x80 >> (p & 7))
+            p += 1
+    else:
+        buf[p >> 3] |= np.uint8(0x80 >> (p & 7))
+        p += 2 + pending
+    return p
 
 
 @njit(cache=True)
@@ -217,36 +218,38 @@ def _field(body, p, nbits):
     return v
 
 
-@njit(cache=True)
-def _narrow(body, st, lo, hi, total):
-    """The reader's side of :func:`_code`; ``st = [low, high, value, p, pending]`` (``pending``: the writer's)."""
-    rng = st[1] - st[0] + 1
-    st[1] = st[0] + (rng * hi) // total - 1
-    st[0] = st[0] + (rng * lo) // total
+@njit(cache=True, inline="always")
+def _narrow(body, low, high, value, p, pending, lo, hi, total):
+    """The reader's side of :func:`_code`: ``value`` the code's next 32 bits from ``p`` on, ``pending`` the writer's;
+    returns ``(low, high, value, p, pending)``."""
+    rng = high - low + 1
+    high = low + (rng * hi) // total - 1
+    low = low + (rng * lo) // total
     while True:
-        if st[1] < _HALF:
-            st[4] = 0
-        elif st[0] >= _HALF:
-            st[4] = 0
-            st[0] -= _HALF
-            st[1] -= _HALF
-            st[2] -= _HALF
-        elif st[0] >= _QUARTER and st[1] < _HALF + _QUARTER:
-            st[4] += 1
-            st[0] -= _QUARTER
-            st[1] -= _QUARTER
-            st[2] -= _QUARTER
+        if high < _HALF:
+            pending = 0
+        elif low >= _HALF:
+            pending = 0
+            low -= _HALF
+            high -= _HALF
+            value -= _HALF
+        elif low >= _QUARTER and high < _HALF + _QUARTER:
+            pending += 1
+            low -= _QUARTER
+            high -= _QUARTER
+            value -= _QUARTER
         else:
             break
-        st[0] = 2 * st[0]
-        st[1] = 2 * st[1] + 1
-        st[2] = 2 * st[2] + _read(body, st[3])
-        st[3] += 1
+        low = 2 * low
+        high = 2 * high + 1
+        value = 2 * value + _read(body, p)
+        p += 1
+    return low, high, value, p, pending
 
 
-@njit(cache=True)
-def _target(st, total):
-    return ((st[2] - st[0] + 1) * total - 1) // (st[1] - st[0] + 1)
+@njit(cache=True, inline="always")
+def _target(low, high, value, total):
+    return ((value - low + 1) * total - 1) // (high - low + 1)
 
 
 @njit(cache=True)
@@ -262,15 +265,12 @@ def _decode(body, blocks, s, nsym, escape, norm_bits, levels):
     if shape == 0:
         return _NOT_CANONICAL, 0
     start = p
-    st = np.zeros(5, dtype=np.int64)
-    st[1] = _TOP
-    st[2] = _field(body, p, 32)
-    st[3] = p + 32
+    low, high, value, q, pending = 0, _TOP, _field(body, p, 32), p + 32, 0
     freq, total = _prior(nsym, shape)
     flen = np.ones(LENGTHS, dtype=np.int64)
     tlen = LENGTHS
     for j in range(levels.shape[0]):
-        t = _target(st, total)
+        t = _target(low, high, value, total)
         x = 0
         lo = 0
         if t >= total - freq[nsym - 1]:  # the last symbol, without the scan (the scan ends there too)
@@ -278,42 +278,42 @@ def _decode(body, blocks, s, nsym, escape, norm_bits, levels):
         while x < nsym - 1 and lo + freq[x] <= t:
             lo += freq[x]
             x += 1
-        _narrow(body, st, lo, lo + freq[x], total)
+        low, high, value, q, pending = _narrow(body, low, high, value, q, pending, lo, lo + freq[x], total)
         total = _update(freq, total, x)
         a = x
         if escape and x == nsym - 1:
-            t = _target(st, tlen)
+            t = _target(low, high, value, tlen)
             n = 0
             lo = 0
             while n < LENGTHS - 1 and lo + flen[n] <= t:
                 lo += flen[n]
                 n += 1
-            _narrow(body, st, lo, lo + flen[n], tlen)
+            low, high, value, q, pending = _narrow(body, low, high, value, q, pending, lo, lo + flen[n], tlen)
             tlen = _update(flen, tlen, n)
             e = 1
             while n > 0:
                 k = min(n, CHUNK)
                 n -= k
-                v = min(_target(st, 1 << k), (1 << k) - 1)
-                _narrow(body, st, v, v + 1, 1 << k)
+                v = min(_target(low, high, value, 1 << k), (1 << k) - 1)
+                low, high, value, q, pending = _narrow(body, low, high, value, q, pending, v, v + 1, 1 << k)
                 e = (e << k) | v
             a = e + nsym - 2
             if a > s:
                 return _ABOVE_S, 0
         if a != 0:
-            sign = 1 if _target(st, 2) >= 1 else 0
-            _narrow(body, st, sign, sign + 1, 2)
+            sign = 1 if _target(low, high, value, 2) >= 1 else 0
+            low, high, value, q, pending = _narrow(body, low, high, value, q, pending, sign, sign + 1, 2)
             a = -a if sign else a
         levels[j] = a
     if shape != _shape(levels):  # the writer's prior is the one its levels give
         return _NOT_CANONICAL, 0
     # the writer's length and its last bits: one bit a shift, then the settling bit b and pending + 1 bits !b
-    shifts = st[3] - start - 32
+    shifts = q - start - 32
     bits = start + shifts + 2
     if (bits + 7) // 8 != body.shape[0]:
         return _NOT_CANONICAL, 0
-    b = 0 if st[0] < _QUARTER else 1
-    first = start + shifts - st[4]
+    b = 0 if low < _QUARTER else 1
+    first = start + shifts - pending
     if _bit(body, first) != b:
         return _NOT_CANONICAL, 0
     for i in range(first + 1, bits):

@@ -84,9 +84,9 @@ class Spectrum:
 
     @staticmethod
     def of(metric) -> "Spectrum":
-        if metric.low is not None or not isinstance(metric, (Diagonal, Dense, Kronecker)):
+        if metric.has_correction or not isinstance(metric, (Diagonal, Dense, Kronecker)):
             raise ValueError(f"dg-lmc: no eigenbasis for a {metric.kind} metric"
-                             f"{' with a low-rank correction' if metric.low is not None else ''}")
+                             f"{' with a correction' if metric.has_correction else ''}")
         if isinstance(metric, Diagonal):
             return Spectrum(metric.m)
         if isinstance(metric, Kronecker):

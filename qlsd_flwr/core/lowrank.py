@@ -186,7 +186,8 @@ def correction(products, root, root_t, d: int, rank: int, seed: int, block: int 
     the correction's ``(U, t)`` (``None`` when no Ritz pair converged; :meth:`Metric.corrected
     <qlsd_flwr.core.metric.Metric.corrected>` makes the metric) and the facts for the summary. ``start``, a list, receives
     the top uncorrected Ritz vector when its value is ``≥ 1``: the Lanczos iteration for ``γ`` starts there (step 5).
-    ``avoid`` (``d × r``, orthonormal columns): directions already corrected (``metric-block``'s, :func:`merged`); the
+    ``avoid`` (``d × r``, orthonormal columns): directions already corrected (``metric-block``'s,
+    :meth:`qlsd_flwr.core.kron_block.Blocked.directions`); the
     Krylov space is kept orthogonal to them, so the correction found is too and the two make one; where they span
     every direction nothing is left to correct (``None``, no exchange)."""
     free = d - (0 if avoid is None else avoid.shape[1])  # the dimensions the Krylov space may take
@@ -235,11 +236,3 @@ def correction(products, root, root_t, d: int, rank: int, seed: int, block: int 
     u, r = np.linalg.qr(off(off(U[far])).T)
     u = u * np.sign(np.diag(r))
     return (u, np.maximum(t[far], RITZ_FLOOR)), info
-
-
-def merged(low, u: np.ndarray, t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """One correction from ``low`` (a :class:`LowRank`: ``metric-block``'s) and ``(u, t)`` found orthogonal to its
-    ``U`` (:func:`correction`'s ``avoid``). With ``U₁ ⊥ U₂`` the two roots' factors commute and multiply to one,
-    ``(I + U₁ D₁ U₁ᵀ)(I + U₂ D₂ U₂ᵀ) = I + [U₁ U₂] diag(D₁, D₂) [U₁ U₂]ᵀ``, and ``U₂`` is in ``R``'s whitened
-    coordinates as it was in the corrected root's (``(I + U₁ D₁ U₁ᵀ) U₂ = U₂``)."""
-    return np.concatenate([low.u, u], axis=1), np.concatenate([low.t, t])

@@ -17,11 +17,12 @@ The kinds (Stan's ``diag_e`` and ``dense_e`` are two of them):
 
 * :class:`Identity`; :class:`Diagonal` (``d`` positive numbers); :class:`Dense` (SPD ``d × d``, its lower
   Cholesky factor ``L`` giving ``M^{1/2} Z`` as ``L Z``); :class:`Kronecker` (one dense layer's K-FAC,
-  :class:`~qlsd_flwr.core.kron.Kron`); :class:`Corrected` (a low-rank correction of any of them,
+  :class:`~qlsd_flwr.core.kron.Kron`); :class:`~qlsd_flwr.core.kron_block.Blocked` (K-FAC made exact on a block,
+  ``metric-block``); :class:`Corrected` (a low-rank correction of any of them,
   ``metric-rank``, :mod:`qlsd_flwr.core.lowrank`).
 * Each has ``apply`` (``M g``), ``apply_root`` (``M^{1/2} z``), ``apply_root_t``, ``spread``, ``largest``,
-  ``to_json`` (``summary.json``) and ``to_bytes``; :func:`from_bytes` reads the tagged encoding the
-  wire and the checkpoints share (a kind code and its named arrays, each with its shape: no sentinel
+  ``to_json`` (``summary.json``) and ``to_bytes``; :func:`qlsd_flwr.core.metric_codec.from_bytes` reads the
+  tagged encoding the wire and the checkpoints share (a kind code and its named arrays, each with its shape: no sentinel
   value, no layout guessed from a length), validating every number before a metric is built.
 
 How the metric is chosen (the clients' curvature, ``gamma = auto``): :mod:`qlsd_flwr.core.curvature`.
@@ -29,7 +30,6 @@ How the metric is chosen (the clients' curvature, ``gamma = auto``): :mod:`qlsd_
 
 from __future__ import annotations
 
-import math
 import struct
 
 import numpy as np
@@ -71,7 +71,16 @@ class Metric:
         """The metric without its low-rank correction."""
         return self
 
-    def corrected(self, u: np.ndarray, t: np.ndarray) -> "Corrected":
+    @property
+    def has_correction(self) -> bool:
+        """Whether a correction (``metric-rank``'s, ``metric-block``'s) moves the base's eigenbasis."""
+        return self.low is not None
+
+    def factored(self) -> tuple["Metric", np.ndarray]:
+        """``(base, t)``: the metric without its corrections, and their values ``t`` (none: empty)."""
+        return self, np.empty(0)
+
+    def corrected(self, u: np.ndarray, t: np.ndarray) -> "Metric":
         """This metric with the low-rank correction ``(U, t)`` (:mod:`qlsd_flwr.core.lowrank`)."""
         b = self.base
         return Corrected(b, LowRank(u, t, np.stack([b.apply_root(x) for x in u.T], axis=1)))
@@ -257,7 +266,26 @@ class Kronecker(Metric):
         return {"qg": k.qg, "qa": k.qa, "den": k.den, "perm": k.perm.astype(np.float64)}
 
 
-class Corrected(Metric):
+class FromFactors:
+    """``spread``, ``largest`` and ``summary.json``'s entry of a corrected metric (:class:`Corrected`,
+    :class:`~qlsd_flwr.core.kron_block.Blocked`), from its base and its corrections' values (``factored``)."""
+
+    def spread(self) -> float:
+        """The base's spread times the corrections' (an upper bound)."""
+        base, t = self.factored()
+        return base.spread() * max(float((1.0 / t).max()), 1.0) / min(float((1.0 / t).min()), 1.0)
+
+    def largest(self) -> float:
+        """An upper bound."""
+        base, t = self.factored()
+        return base.largest() * max(float((1.0 / t).max()), 1.0)
+
+    def to_json(self):
+        base, t = self.factored()
+        return {"base": base.to_json(), "lowrank": {"rank": int(t.size), "t": [float(x) for x in t]}}
+
+
+class Corrected(FromFactors, Metric):
     """A base metric with a low-rank correction: the root ``R (I + U diag(t^{−1/2} − 1) Uᵀ)`` for the
     base's root ``R`` (:class:`~qlsd_flwr.core.lowrank.LowRank`)."""
 
@@ -285,112 +313,12 @@ class Corrected(Metric):
         lo, b = self.low, self._base
         return _rows(lambda r: lo.add(b.apply_root_t(r), lo.u, lo.w, r, -0.5), x)
 
-    def spread(self) -> float:
-        """The base's spread times the correction's (an upper bound)."""
-        f = 1.0 / self.low.t
-        return self._base.spread() * max(float(f.max()), 1.0) / min(float(f.min()), 1.0)
-
-    def largest(self) -> float:
-        """An upper bound."""
-        return self._base.largest() * max(float((1.0 / self.low.t).max()), 1.0)
-
-    def to_json(self):
-        return {"base": self._base.to_json(), "lowrank": {"rank": int(self.low.t.size),
-                                                           "t": [float(x) for x in self.low.t]}}
+    def factored(self):
+        base, t = self._base.factored()  # metric-block's values, then these
+        return base, np.concatenate([t, self.low.t])
 
     def arrays(self):
         return {"u": self.low.u, "t": self.low.t}
 
 
 _MAGIC = b"QM"
-_KINDS = {1: ("m",), 2: ("M",), 3: ("qg", "qa", "den", "perm"), 4: ("u", "t")}
-
-
-def max_bytes(d: int) -> int:
-    """The longest encoding of a metric of dimension ``d`` (a dense base and a correction of rank ``d``)."""
-    return 4 * len(_MAGIC) + 64 * 8 + 8 * (2 * d * d + 3 * d + 8)
-
-
-def from_bytes(x, d: int) -> Metric:
-    """The metric :meth:`Metric.to_bytes` encoded, for dimension ``d``; :class:`MetricError` saying what is
-    wrong (the tag, a kind, a name, a shape, the length, a value) before anything is built. Empty bytes
-    are the identity (a metric the server sends when ``metric-rank``'s correction found no direction)."""
-    if not isinstance(x, (bytes, bytearray, memoryview)):
-        raise MetricError(f"metric: expected bytes, got {type(x).__name__}")
-    x = bytes(x)
-    if not x:
-        return Identity()
-    if len(x) > max_bytes(d):
-        raise MetricError(f"metric: {len(x)} bytes, more than any metric of d = {d} takes")
-    metric, end = _read(x, 0, d, nested=False)
-    if end != len(x):
-        raise MetricError(f"metric: {len(x) - end} bytes after the metric's end")
-    return metric
-
-
-def _read(x: bytes, at: int, d: int, nested: bool) -> tuple[Metric, int]:
-    def take(n: int) -> bytes:
-        nonlocal at
-        if at + n > len(x):
-            raise MetricError("metric: the encoding ends early")
-        at += n
-        return x[at - n:at]
-
-    if take(2) != _MAGIC:
-        raise MetricError("metric: not a metric's encoding (no 'QM' tag)")
-    code, count = struct.unpack("<BB", take(2))
-    if code == 0 and count == 0:
-        return Identity(), at
-    names = _KINDS.get(code)
-    if names is None or (nested and code == 4):
-        raise MetricError(f"metric: unknown kind code {code}; allowed: 0 to 4 (a correction's base: 0 to 3)")
-    if count != len(names):
-        raise MetricError(f"metric: kind {code} carries {len(names)} arrays, not {count}")
-    parts = {}
-    for want in names:
-        n, ndim = struct.unpack("<BB", take(2))
-        name = take(n).decode("ascii", "replace")
-        if name != want or not 1 <= ndim <= 2:
-            raise MetricError(f"metric: array {name!r} of {ndim} dimensions where {want!r} was expected")
-        shape = struct.unpack(f"<{ndim}I", take(4 * ndim))
-        size = math.prod(shape)  # Python integers: a product of crafted dimensions cannot wrap around
-        if size > 2 * d * d + 8:
-            raise MetricError(f"metric: array {name!r} of shape {shape} is larger than d = {d} allows")
-        a = np.frombuffer(take(8 * size), dtype="<f8").reshape(shape)
-        if not np.all(np.isfinite(a)):
-            raise MetricError(f"metric: array {name!r} holds a value that is not finite")
-        parts[name] = a.copy()
-    if code == 4:
-        base, at = _read(x, at, d, nested=True)
-        u, t = parts["u"], parts["t"]
-        k = t.size
-        if t.ndim != 1 or u.shape != (d, k) or k < 1 or not np.all(t > 0) \
-                or not np.allclose(u.T @ u, np.eye(k), atol=1e-8):
-            raise MetricError("metric: a low-rank correction needs positive values and orthonormal directions "
-                              f"of d = {d}")
-        return base.corrected(u, t), at
-    if code == 1:
-        if parts["m"].shape != (d,):
-            raise MetricError(f"metric: a diagonal metric of d = {d} needs {d} numbers, got {parts['m'].shape}")
-        return Diagonal(parts["m"]), at
-    if code == 2:
-        if parts["M"].shape != (d, d):
-            raise MetricError(f"metric: a dense metric of d = {d} needs {d} × {d} numbers, got {parts['M'].shape}")
-        return Dense(parts["M"]), at
-    try:
-        return Kronecker(Kron.checked(parts["perm"], parts["qg"], parts["qa"], parts["den"], d)), at
-    except ValueError as exc:
-        raise MetricError(str(exc)) from None
-
-
-def to_array(metric: Metric) -> np.ndarray:
-    """The metric as a checkpoint holds it: its tagged encoding as a ``uint8`` array."""
-    return np.frombuffer(metric.to_bytes(), dtype=np.uint8).copy()
-
-
-def from_array(a, d: int) -> Metric:
-    """The inverse of :func:`to_array` (a checkpoint's ``metric``); :class:`MetricError` saying what is wrong."""
-    a = np.asarray(a)
-    if a.dtype != np.uint8 or a.ndim != 1:
-        raise MetricError(f"metric: expected the metric's encoding as bytes (uint8), got {a.dtype} of shape {a.shape}")
-    return from_bytes(a.tobytes(), d)

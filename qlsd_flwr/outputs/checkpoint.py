@@ -57,7 +57,7 @@ from qlsd_flwr.outputs.checkpoint_checks import (
 )
 
 NAME = "checkpoint.npz"
-FORMAT = 3  # 2: the metric in its tagged encoding (qlsd_flwr.core.metric.to_array); 3: metrics.csv counts the downlink
+FORMAT = 3  # 2: the metric in its tagged encoding (qlsd_flwr.core.metric_codec.to_array); 3: metrics.csv counts the downlink
 # keys that may differ between a run and its resumption (they do not change the chain)
 RESUME_FREE_KEYS = ("num-rounds", "progress", "plot", "verbose", "checkpoint-every", "resume", "engine",
                     "convergence-criterion", "loo",  # what is judged and reported after the chain, not the chain

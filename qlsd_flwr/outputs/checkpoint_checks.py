@@ -19,7 +19,8 @@ def check_step_and_metric(cfg: RunConfig, meta: dict, arrays: dict, path) -> Non
     """The checkpoint's γ and metric are those of this configuration, or of the preparation they came from
     (``ts_info``: ``gamma_used``, ``gamma_c``, ``metric_kind``), never numbers taken on trust: a γ of 1e-300 or a
     metric put into an identity-metric run's checkpoint is refused, naming the key."""
-    from qlsd_flwr.core.metric import MetricError, from_array
+    from qlsd_flwr.core.metric import MetricError
+    from qlsd_flwr.core.metric_codec import from_array
 
     metas = [meta] + [m for m in (meta.get("chain_meta") or []) if isinstance(m, dict)]
     run = meta.get("runner") if isinstance(meta.get("runner"), dict) else {}
@@ -200,7 +201,8 @@ def _check_server_chain(meta: dict, arrays: dict, bad) -> None:
             raise bad(f"array {name!r} has shape {arrays[name].shape}, expected {shape}")
     metric_array = arrays.get("metric")
     if metric_array is not None:
-        from qlsd_flwr.core.metric import MetricError, from_array
+        from qlsd_flwr.core.metric import MetricError
+        from qlsd_flwr.core.metric_codec import from_array
 
         try:
             from_array(metric_array, d)

@@ -31,7 +31,7 @@ class WarmupStore:
 
     def save(self, state: dict) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        from qlsd_flwr.core.metric import to_array
+        from qlsd_flwr.core.metric_codec import to_array
 
         arrays = {"theta": state["theta"], "kept": state["kept"], "metric": to_array(state["metric"])}
         save(self.path, arrays, {"kind": "warmup", "config": self.config, "r": state["r"], "w_idx": state["w_idx"],
@@ -43,7 +43,8 @@ class WarmupStore:
         naming the file and field."""
         if not self.path.exists():
             return None
-        from qlsd_flwr.core.metric import MetricError, from_array
+        from qlsd_flwr.core.metric import MetricError
+        from qlsd_flwr.core.metric_codec import from_array
 
         meta, a = load(self.path)
 

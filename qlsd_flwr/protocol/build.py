@@ -276,7 +276,7 @@ def server_spec(cfg: RunConfig, task: Task, theta_star: np.ndarray | None, block
     metric = IdentityMetric() if metric is None else metric
     # DG-LMC coupled in M's norm draws θ | z in M's eigenbasis (a low-rank correction: refused by
     # protocol.local_chains, naming the key)
-    spectrum = Spectrum.of(metric) if cfg.kind.coupled and not metric.is_identity and metric.low is None else None
+    spectrum = Spectrum.of(metric) if cfg.kind.coupled and not metric.is_identity and not metric.has_correction else None
     return ServerSpec(
         b=cfg.b, gamma=cfg.gamma, p=cfg.p, rule=cfg.aggregation, memory=cfg.memory,
         alpha=alphas(cfg, task.dim, blocks), l=cfg.l, kind=cfg.kind, prior=task.prior,

@@ -158,7 +158,7 @@ def _metric(fields: dict, d: int, coupled: bool):
     """The local steps' metric ``M`` (:func:`qlsd_flwr.protocol.wire.metric_of`); DG-LMC's without a
     low-rank correction (its server draws θ | z in ``M``'s eigenbasis); else ``ValueError`` naming it."""
     metric = metric_of(fields["metric"], d)
-    if coupled and metric.low is not None:
+    if coupled and metric.has_correction:
         raise ValueError("sample: 'metric' for dg-lmc may not carry a low-rank correction")
     return metric
 

@@ -110,8 +110,8 @@ def lowrank_correction(cfg: RunConfig, task: Task, point: np.ndarray, curv_fn: C
              info: dict, start: list | None = None) -> Metric:
     """``metric-rank = k``: the metric corrected along the ``k`` directions where ``M^½ᵀ ∇²U(θ*) M^½`` is
     farthest from 1 (:mod:`qlsd_flwr.core.lowrank`), in ``metric-rank-exchanges`` exchanges of products; with
-    ``metric-block``, ``metric`` is the block's correction, and these directions are found orthogonal to its own and
-    join them in one correction (:func:`qlsd_flwr.core.lowrank.merged`). From the clients' Hessian-vector products, each client's
+    ``metric-block``, ``metric`` is the block's (:class:`qlsd_flwr.core.kron_block.Blocked`), and these directions are
+    found orthogonal to its own and correct it further. From the clients' Hessian-vector products, each client's
     share held to the leave-one-out rule (:mod:`qlsd_flwr.robust.krylov`: a client scaled has the correction made
     again with its products scaled from the start, and a third time without them if it is over the rule again).
     ``start``, a list, receives the corrected metric's top uncorrected Ritz pair, where the Lanczos iteration for ``γ``
@@ -141,7 +141,7 @@ def lowrank_correction(cfg: RunConfig, task: Task, point: np.ndarray, curv_fn: C
         low, linfo = lr.correction(products, metric.apply_root, metric.apply_root_t, d, lowrank_rank(cfg), cfg.seed,
                                    exchanges=int(cfg.get("metric-rank-exchanges")),
                                    gram=lambda shares=shares: shares.gram(n_data), start=found,
-                                   avoid=None if metric.low is None else metric.low.u)
+                                   avoid=metric.directions() if hasattr(metric, "directions") else None)
         info["lowrank_loo_share"] = max(float(info.get("lowrank_loo_share", 0.0)), shares.share_max)
         info.pop("lowrank_unjudged", None)  # this pass's, not an earlier one's
         if shares.unjudged:
@@ -184,8 +184,8 @@ def lowrank_correction(cfg: RunConfig, task: Task, point: np.ndarray, curv_fn: C
              linfo["lowrank_kappa_left"])
     if start is not None:
         start.extend(found)
-    # on top of metric-block's correction (found orthogonal to it): the two as one
-    return metric.corrected(*(low if metric.low is None else lr.merged(metric.low, *low)))
+    # on top of metric-block's (found orthogonal to its directions, so the two commute: core.kron_block.Blocked)
+    return metric.corrected(*low)
 
 
 def block_count(cfg: RunConfig) -> int:
@@ -225,7 +225,7 @@ def block_corrected(cfg: RunConfig, task: Task, point: np.ndarray, curv_fn: Curv
     if not ok:
         raise ConfigError("metric-block: no valid block report from the clients; use metric-block = 0")
     try:
-        u, t = kb.correction(kron, kb.unpack(V, F), ok, n_data, prior_curvature(task, point), info)
+        blocked = kb.correction(kron, kb.unpack(V, F), ok, n_data, prior_curvature(task, point), info)
     except MetricError as exc:  # as metric-rank's skipped correction: the base metric stands, and the run says so
         info["block_skipped"] = str(exc)
         log.warning("%s; the metric is left as K-FAC's (block_skipped)", exc)
@@ -236,7 +236,7 @@ def block_corrected(cfg: RunConfig, task: Task, point: np.ndarray, curv_fn: Curv
                     REPORT_CAP, FACTOR_SHARE)
     log.info("metric-block: K-FAC exact on its top %d input directions (%d dimensions); the preconditioned "
              "curvature there spans %.3g to %.3g", k, k * K, info["block_t_min"], info["block_t_max"])
-    return metric.corrected(u, t)
+    return blocked
 
 
 def merge_reports(info: dict, cinfo: dict) -> None:

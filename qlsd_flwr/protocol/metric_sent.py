@@ -20,11 +20,12 @@ def wanted(server) -> bool:
 
 def setup(server, error=ConfigError) -> None:
     """Ready the metric's bytes on ``server`` (none when its clients do not take it); DG-LMC's may not carry a
-    low-rank correction (``error`` naming the key)."""
+    correction (``error`` naming the key)."""
     metric = server.spec.metric
-    if server.cfg.kind.coupled and metric.low is not None:
-        raise error(f"metric-rank: {server.cfg.variant}'s exact θ | z draw takes its metric in the metric's own "
-                    "eigenbasis, which a low-rank correction changes; allowed: metric-rank = 0")
+    if server.cfg.kind.coupled and metric.has_correction:
+        key = "metric-rank" if metric.low is not None else "metric-block"
+        raise error(f"{key}: {server.cfg.variant}'s exact θ | z draw takes its metric in the metric's own "
+                    f"eigenbasis, which a correction changes; allowed: {key} = 0")
     server._metric_sent = set()
     server._metric_bytes = metric_to_bytes(metric) if wanted(server) or not metric.is_identity else None
 

@@ -163,7 +163,7 @@ def prepare(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | No
                     "multiplied by M in the flat directions and biases the chain there (measured: sd up to 59× on a "
                     "regression with spread 2e6 at s = 16); use compression-basis = metric (the QLSD family) or an "
                     "uncompressed variant (docs/METRIC.md)",
-                    "up to " if metric.low is not None else "", spread, cv.COMPRESSED_SPREAD_WARN)
+                    "up to " if metric.has_correction else "", spread, cv.COMPRESSED_SPREAD_WARN)
     # 3. the step
     gamma = _step(cfg, grad_fn, point, metric, info, quiet=adapts(cfg), hvp=hvp,  # announced once, after the warm-up
                   start=top[0] if top else None)

@@ -10,7 +10,8 @@ import numpy as np
 
 from qlsd_flwr.config import ConfigError, RunConfig
 from qlsd_flwr.core import server_step as sampler
-from qlsd_flwr.core.metric import Identity, from_array, to_array
+from qlsd_flwr.core.metric import Identity
+from qlsd_flwr.core.metric_codec import from_array, to_array
 from qlsd_flwr.outputs.checkpoint import CheckpointError
 from qlsd_flwr.protocol import broadcast, build, local_chains, metric_sent
 from qlsd_flwr.protocol.claims import ThetaStarClaims

@@ -70,11 +70,12 @@ def metric_of(x, d: int):
 
 
 def _parse_metric(x, d: int):
-    """A metric sent as :func:`metric_to_bytes` made (:func:`qlsd_flwr.core.metric.from_bytes`: the tag, the
+    """A metric sent as :func:`metric_to_bytes` made (:func:`qlsd_flwr.core.metric_codec.from_bytes`: the tag, the
     kind, each array's name and shape, every number finite, a dense matrix symmetric positive-definite,
     Kronecker factors orthogonal with positive eigenvalues, the length held to what the largest metric
     of ``d`` takes before anything is allocated); else ``ValueError`` naming ``metric``."""
-    from qlsd_flwr.core.metric import MetricError, from_bytes
+    from qlsd_flwr.core.metric import MetricError
+    from qlsd_flwr.core.metric_codec import from_bytes
 
     if not isinstance(x, (bytes, bytearray)):
         raise ValueError(f"sample: 'metric' must be the bytes of a metric of d = {d}, not {type(x).__name__}")

@@ -14,7 +14,8 @@ from qlsd_flwr.protocol.downlink import SamplingDownlink
 from qlsd_flwr.protocol.wire import metric_to_bytes
 from qlsd_flwr.tasks.threads import pin_blas
 from qlsd_flwr.protocol import precondition
-from qlsd_flwr.core.metric import Identity, to_array
+from qlsd_flwr.core.metric import Identity
+from qlsd_flwr.core.metric_codec import to_array
 from qlsd_flwr.core.potential import Task
 from qlsd_flwr.outputs import loo
 from qlsd_flwr.engines.vectorised.numba_backend import NumbaChains
