@@ -278,7 +278,9 @@ def test_the_block_kept_in_its_structure_is_the_dense_correction_and_its_bytes_a
     ``M``, root and transposed root as K-FAC corrected by the ``d × m`` dense directions ``U = P V`` (the form until
     2026-12-06) to rounding (1e-12 of the largest entry); its bytes (kind 5, also as a correction's base) give back the
     very arrays and so the same numbers bit for bit (a resumed chain is the one that ran); bytes whose directions are
-    not orthonormal, whose rotation is not orthogonal or whose values are not positive are refused by name."""
+    not orthonormal, whose rotation is not orthogonal (to within ``0.1 / max t``) or whose values are outside
+    ``[RITZ_FLOOR, T_MAX]`` are refused by name; a checkpoint in the form before (a dense correction) is named as
+    such."""
     from qlsd_flwr.core.metric import MetricError
     from qlsd_flwr.core.metric_codec import from_array, from_bytes, to_array
 
@@ -296,8 +298,19 @@ def test_the_block_kept_in_its_structure_is_the_dense_correction_and_its_bytes_a
         back = from_array(to_array(m), task.dim)
         assert type(back) is type(m) and type(back.base) is type(m.base)
         assert all(np.array_equal(getattr(back, f)(x), getattr(m, f)(x)) for f in ("apply", "apply_root", "apply_root_t"))
-    for name, bad in (("qh", 2.0 * blk.qh), ("v", blk.v + 1e-3), ("t", -blk.t)):
-        arrays = {**blk.arrays(), name: bad}
+    # (t below the server's floor makes 1/t overflow; a huge t leaves M near 0 along v, where V's error of 1e-9, inside
+    # a fixed tolerance, would make it indefinite)
+    rot = np.eye(blk.t.size) + 1e-9 * np.random.default_rng(6).normal(size=(blk.t.size,) * 2)
+    big = np.full_like(blk.t, 1e9)
+    assert from_bytes(to_array(kb.Blocked(blk.kron, blk.qh, blk.v, big)).tobytes(), task.dim).t.max() == 1e9
+    for bad in ({"qh": 2.0 * blk.qh}, {"v": blk.v + 1e-3}, {"t": -blk.t}, {"t": np.full_like(blk.t, 5e-324)},
+                {"t": np.full_like(blk.t, 1e13)}, {"v": blk.v @ rot, "t": big}):
+        arrays = {**blk.arrays(), **bad}
         with pytest.raises(MetricError, match="block-corrected Kronecker"):
             from_bytes(type("M", (kb.Blocked,), {"arrays": lambda self, a=arrays: a})(blk.kron, blk.qh, blk.v,
                                                                                       blk.t).to_bytes(), task.dim)
+    from qlsd_flwr.core.metric_codec import older_block_form
+
+    assert older_block_form(to_array(dense), blk, task.dim) and not older_block_form(to_array(blk), blk, task.dim)
+    assert not older_block_form(to_array(kfac.corrected(u, np.ones(3))), kfac, task.dim)
+

@@ -51,6 +51,8 @@ from qlsd_flwr.robust.reports import REPORT_MAX, ReportError, cap_leave_one_out,
 KRON_BLOCK = "kronecker-block"
 #: the largest block ``m = kK``: a report of ``m(m+1)/2`` float32 numbers (8 MB), the server's ``m × m`` per client
 MAX_DIM = 2000
+#: the largest whitened curvature a :class:`Blocked` metric read from bytes may hold along a direction of its block
+T_MAX = 1e12
 
 
 def pack(Q: np.ndarray, d: int) -> np.ndarray:
@@ -225,7 +227,9 @@ class Blocked(FromFactors, Metric):
     def checked(parts: dict, d: int) -> "Blocked":
         """A :class:`Blocked` of dimension ``d`` from its arrays as received (:meth:`arrays`), else ``MetricError``
         naming what is wrong: K-FAC's factors (:meth:`Kron.checked`), ``Q̂``'s columns not orthonormal input
-        directions, ``V`` not orthogonal of side ``kK``, ``t`` not ``kK`` positive numbers."""
+        directions, a block above :data:`MAX_DIM`, ``t`` outside ``[RITZ_FLOOR, T_MAX]`` (the server clips it below;
+        a huge ``t`` leaves ``I + V diag(1/t − 1) Vᵀ`` near 0 along ``v``), or ``V`` not orthogonal of side ``kK`` to
+        within ``0.1 / max t`` (so that its error cannot make ``M`` indefinite there)."""
         try:
             kron = Kron.checked(parts["perm"], parts["qg"], parts["qa"], parts["den"], d)
         except ValueError as exc:
@@ -234,8 +238,9 @@ class Blocked(FromFactors, Metric):
         qh, v, t = parts["qh"], parts["v"], parts["t"]
         k = qh.shape[1] if qh.ndim == 2 else 0
         m = k * K
-        if not (qh.shape == (F, k) and 1 <= k <= F and v.shape == (m, m) and t.shape == (m,) and np.all(t > 0)
-                and np.allclose(qh.T @ qh, np.eye(k), atol=1e-8) and np.allclose(v.T @ v, np.eye(m), atol=1e-8)):
+        if not (qh.shape == (F, k) and 1 <= k <= F and 1 <= m <= MAX_DIM and v.shape == (m, m) and t.shape == (m,)
+                and np.all(t >= RITZ_FLOOR) and np.all(t <= T_MAX) and np.allclose(qh.T @ qh, np.eye(k), atol=1e-8)
+                and np.allclose(v.T @ v, np.eye(m), rtol=0.0, atol=min(1e-8, 0.1 / float(t.max())))):
             raise MetricError(f"metric: not a block-corrected Kronecker metric of d = {d} (input directions not "
                               "orthonormal, a rotation not orthogonal, or values not positive, or their sizes)")
         return Blocked(kron, qh, v, t)

@@ -107,3 +107,15 @@ def from_array(a, d: int) -> Metric:
     if a.dtype != np.uint8 or a.ndim != 1:
         raise MetricError(f"metric: expected the metric's encoding as bytes (uint8), got {a.dtype} of shape {a.shape}")
     return from_bytes(a.tobytes(), d)
+
+
+def older_block_form(saved, metric: Metric, d: int) -> bool:
+    """Whether a checkpoint's metric (``saved``, :func:`to_array`'s bytes) is ``metric-block``'s in its form before
+    2026-12-06 (a dense correction of K-FAC) where this run's ``metric`` keeps it in its structure (:class:`Blocked`):
+    the same metric to rounding, not the same bytes."""
+    try:
+        old = from_array(saved, d)
+    except MetricError:
+        return False
+    return old.low is not None and isinstance(old.base, Kronecker) and isinstance(metric.base, Blocked)
+

@@ -10,6 +10,7 @@ forever).
 from __future__ import annotations
 
 from qlsd_flwr.config import ConfigError
+from qlsd_flwr.core.kron_block import Blocked
 from qlsd_flwr.protocol.wire import metric_to_bytes
 
 
@@ -23,9 +24,10 @@ def setup(server, error=ConfigError) -> None:
     correction (``error`` naming the key)."""
     metric = server.spec.metric
     if server.cfg.kind.coupled and metric.has_correction:
-        key = "metric-rank" if metric.low is not None else "metric-block"
+        key = " and ".join(k for k, on in (("metric-block", isinstance(metric.base, Blocked)),
+                                           ("metric-rank", metric.low is not None)) if on)
         raise error(f"{key}: {server.cfg.variant}'s exact θ | z draw takes its metric in the metric's own "
-                    f"eigenbasis, which a correction changes; allowed: {key} = 0")
+                    f"eigenbasis, which a correction changes; allowed: {key.replace(' and ', ' = 0 and ')} = 0")
     server._metric_sent = set()
     server._metric_bytes = metric_to_bytes(metric) if wanted(server) or not metric.is_identity else None
 

@@ -15,7 +15,7 @@ from qlsd_flwr.protocol.wire import metric_to_bytes
 from qlsd_flwr.tasks.threads import pin_blas
 from qlsd_flwr.protocol import precondition
 from qlsd_flwr.core.metric import Identity
-from qlsd_flwr.core.metric_codec import to_array
+from qlsd_flwr.core.metric_codec import older_block_form, to_array
 from qlsd_flwr.core.potential import Task
 from qlsd_flwr.outputs import loo
 from qlsd_flwr.engines.vectorised.numba_backend import NumbaChains
@@ -122,6 +122,11 @@ def run_side_by_side(cfgs, task: Task | None = None, write: bool = False, keep_t
             raise ConfigError(f"resume: gamma differs from the checkpoint's ({resume[1]['gamma']!r} against "
                               f"{spec0.gamma!r}); the run's data or metric file changed")
         if saved_m is not None and not np.array_equal(saved_m, to_array(spec0.metric)):
+            if older_block_form(saved_m, spec0.metric, d):
+                raise ConfigError("resume: the checkpoint holds metric-block's metric as a dense correction, the form "
+                                  "written before 2026-12-06; this version keeps it in its Kronecker structure, so this "
+                                  "engine cannot continue that chain bit for bit: resume it with engine = ray or "
+                                  "inprocess (they restore the checkpoint's metric), or start the run again")
             raise ConfigError("resume: the metric differs from the checkpoint's; the run's data or metric file changed")
     recs, run_dirs = [], []
     k = 0
