@@ -36,9 +36,11 @@ def lambda_max(grad_fn, theta: np.ndarray, metric: Metric, seed: int, iters: int
     reached it to 0.03 % in as many products or fewer (``python benchmarks/bench_lowrank_exchanges.py --lanczos``).
 
     The value returned is the Rayleigh quotient ``yᵀ B y`` of one more product, at the top Ritz vector ``y`` (none is
-    needed when ``y`` is the one vector so far): each client's part of that product is held as every product is
-    (:mod:`qlsd_flwr.robust.products`), so the bound one client can put on γ is the same as the power iteration's;
-    ``T``'s off-diagonal entries, which no rule holds, only choose ``y``. For honest clients it equals ``θ_j``.
+    needed when ``y`` is the one vector so far), or the start's ``v₀ᵀ B v₀`` where that is larger: each client's part
+    of either product is held as every product is (:mod:`qlsd_flwr.robust.products`), so the bound one client can put
+    on γ is the same as the power iteration's; ``T``'s off-diagonal entries, which no rule holds, only choose ``y``,
+    and the start, which holds a random direction, floors what steering ``y`` can do. For honest clients it is ``θ_j``
+    (a Ritz value is at least every quotient in its Krylov space).
 
     ``start``, a unit vector in ``M``'s whitened coordinates (``metric-rank``'s top uncorrected Ritz vector), replaces
     the random start (stream ``(seed, INIT, −2, 0)``): when it is an eigenvector to ``tol`` one product ends it. With
@@ -92,7 +94,7 @@ def lambda_max(grad_fn, theta: np.ndarray, metric: Metric, seed: int, iters: int
     y = y / np.linalg.norm(y)
     w = product(y)
     q = float(y @ w)
-    return (q if math.isfinite(q) else max(alpha)), len(alpha) + 1
+    return (max(q, alpha[0]) if math.isfinite(q) else max(alpha)), len(alpha) + 1
 
 
 def _random_start(seed: int, d: int) -> np.ndarray:

@@ -31,10 +31,19 @@ ones** (``1 + 20/9``), 2.05 for one of twenty, and never more than the per-datum
 ``1 + FACTOR_PRODUCT · N_i / N_{−i}`` (6.6 for one of ten, the bound before this rule). A claimed ``N_i`` raises
 ``a_i`` up to ``N_CLAIM_CAP`` (10) times the median's. The 2× the issue asks for one client of ten
 (``FACTOR_SHARE_DATUM ≤ 9``) would hold honest clients: those that count for more than the others together
-had a curvature per datum up to 10.3× theirs (below). A negative lie (``q_i < 0``) is not held by either
-rule: it makes the curvature read smaller (γ larger) or not convex; the run then stops naming the cause
-(``gamma = auto``: not convex there; or, once sampling runs away, the clients whose products were scaled
-down), never with a silent γ. Enlarging γ is not bounded by a factor.
+had a curvature per datum up to 10.3× theirs (below).
+
+**Enlarging γ** (since 2026-12-06). A negative part is held from below as well, ``q_i ≥ −a_i/(1 + a_i) · q_{−i}``
+(the leave-one-out rule's other side, as for ``metric-rank``'s shares: :mod:`.krylov`), so that at every product
+``Σ q ≥ q_{−i} / (1 + a_i)``: a convex client's own part is never negative, so no honest part of a log-concave model is
+held. The iteration's value is at least the quotient at its start ``v₀`` (:func:`qlsd_flwr.core.spectral.lambda_max`
+returns the larger of the two, both held), and ``v₀`` holds a random direction the clients do not choose (it is that
+direction, or ``metric-rank``'s top uncorrected Ritz vector plus it where a block was corrected first). So the λ_max
+it returns is at least ``q_{−i}(v₀) / (1 + a_i)`` and γ larger by at most ``(1 + a_i) · λ_max(B) / q_{−i}(v₀)``: the
+share's factor times the spectrum's top over its value at the start, which for a random start is about the mean
+eigenvalue: on the main job ``λ_max = 2.201`` and the start's quotient 1.237 (``benchmarks/RESULTS.md``), so one client
+of its twenty equal ones can make γ about ``2.05 × 1.9 ≈ 3.8`` times larger at most. Before, ×−1e4 stopped the run
+("not convex") and a smaller negative lie made γ larger without any bound.
 
 **The constants, measured on honest clients** (``python benchmarks/bench_honest_claims.py --shares``, the same
 37 log-concave cases, ``benchmarks/honest_products.json``; every product of the power iteration from a random
@@ -92,8 +101,9 @@ def clip_products(parts: dict, n_data: dict) -> tuple[dict, dict[int, str]]:
 
 def hold_shares(parts: dict, n_data: dict, u: np.ndarray, q0: float) -> tuple[dict, dict[int, str]]:
     """``parts`` with each client's part of the Rayleigh quotient, ``q_i = uᵀ h_i``, held to
-    ``max(SHARE, FACTOR_SHARE_DATUM · N_i / N_{−i})`` times the others' and the prior's (``q0``) together (module
-    docstring), and ``{i: why}`` for those scaled (nothing with fewer than ``POOL_MIN`` clients)."""
+    ``max(SHARE, FACTOR_SHARE_DATUM · N_i / N_{−i})`` times the others' and the prior's (``q0``) together, and from
+    below to ``−a_i/(1 + a_i)`` times them (module docstring), and ``{i: why}`` for those scaled (nothing with fewer
+    than ``POOL_MIN`` clients)."""
     if len(parts) < POOL_MIN:
         return parts, {}
     q = {i: float(u @ h) for i, h in parts.items()}
@@ -101,11 +111,17 @@ def hold_shares(parts: dict, n_data: dict, u: np.ndarray, q0: float) -> tuple[di
     out, why = dict(parts), {}
     for i in sorted(parts):
         others, n_i = total - q[i], max(int(n_data.get(i, 1)), 1)
-        allow = max(SHARE, FACTOR_SHARE_DATUM * n_i / max(n_all - n_i, 1)) * others
-        if others > 0 and np.isfinite(others) and q[i] > allow:
-            out[i] = parts[i] * (allow / q[i])
+        a = max(SHARE, FACTOR_SHARE_DATUM * n_i / max(n_all - n_i, 1))
+        if not (others > 0 and np.isfinite(others)):
+            continue
+        if q[i] > a * others:
+            out[i] = parts[i] * (a * others / q[i])
             why[i] = (f"its part of the curvature along the power iteration's vector was {q[i] / others:.3g}× the "
-                      f"others' and the prior's together (over {allow / others:.3g}×): scaled down to it")
+                      f"others' and the prior's together (over {a:.3g}×): scaled down to it")
+        elif q[i] < -a / (1.0 + a) * others:  # Σ q stays at least q_{−i}/(1 + a): γ grows by at most that factor
+            out[i] = parts[i] * (a / (1.0 + a) * others / -q[i])
+            why[i] = (f"its part of the curvature along the power iteration's vector was {q[i] / others:.3g}× the "
+                      f"others' and the prior's together (below {-a / (1.0 + a):.3g}×): scaled to it")
     return out, why
 
 
