@@ -24,10 +24,10 @@ def setup(server, error=ConfigError) -> None:
     correction (``error`` naming the key)."""
     metric = server.spec.metric
     if server.cfg.kind.coupled and metric.has_correction:
-        key = " and ".join(k for k, on in (("metric-block", isinstance(metric.base, Blocked)),
-                                           ("metric-rank", metric.low is not None)) if on)
-        raise error(f"{key}: {server.cfg.variant}'s exact θ | z draw takes its metric in the metric's own "
-                    f"eigenbasis, which a correction changes; allowed: {key.replace(' and ', ' = 0 and ')} = 0")
+        keys = [k for k, on in (("metric-block", isinstance(metric.base, Blocked)),
+                                ("metric-rank", metric.low is not None)) if on]
+        raise error(f"{' and '.join(keys)}: {server.cfg.variant}'s exact θ | z draw takes its metric in the metric's "
+                    f"own eigenbasis, which a correction changes; allowed: {' and '.join(k + ' = 0' for k in keys)}")
     server._metric_sent = set()
     server._metric_bytes = metric_to_bytes(metric) if wanted(server) or not metric.is_identity else None
 
