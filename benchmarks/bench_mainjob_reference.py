@@ -36,7 +36,7 @@ from scipy.optimize import minimize
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from benchmarks.smoke import SMOKE, out, small  # noqa: E402
+from benchmarks.smoke import SMOKE, few, out, small  # noqa: E402
 from qlsd_flwr.config import resolve  # noqa: E402
 from qlsd_flwr.evaluation.reference import DualAveraging  # noqa: E402
 from qlsd_flwr.experiments.mainjob import QLSD_MAIN  # noqa: E402
@@ -201,7 +201,7 @@ def main(argv=None):
     for r in a.runs:
         p = run_predictive(Path(r))
         print(json.dumps({"run": str(r), "tv": tv(p, ref["p_all"]), "ratio": tv(p, ref["p_all"]) / base}))
-    rows = [sweep_row(_overrides(spec), ref, base) for spec in a.sweep]
+    rows = [sweep_row(_overrides(spec), ref, base) for spec in few(a.sweep)]  # QLSD_SMOKE: one row through the code
     if rows and a.out:
         out(HERE / a.out).write_text(json.dumps({"command": "python benchmarks/bench_mainjob_reference.py --sweep ...",
                                                  "tv_halves": base, "rows": rows}, indent=1))

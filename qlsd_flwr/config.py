@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from qlsd_flwr.keys import DEFAULTS, ConfigError, close_keys, flag, parse  # noqa: F401 (DEFAULTS, ConfigError: re-exported)
+from qlsd_flwr.keys import BY_NAME, DEFAULTS, ConfigError, close_keys, flag, parse  # noqa: F401 (DEFAULTS, ConfigError: re-exported)
 
 from qlsd_flwr import samplers
 from qlsd_flwr.core.downlink import CORRECTIONS, FEEDBACKS, check_correction, check_downlink
@@ -255,7 +255,7 @@ def resolve(overrides: Mapping[str, Any] | None = None) -> RunConfig:
     compressor = _choice("compressor", str(raw["compressor"]).strip().lower(), ("auto", "qsgd", "identity"))
     if compressor != "auto":  # qsgd: any variant's messages QSGD-coded (the rivals' too); identity: none
         compressed = compressor == "qsgd"
-    raw["compression-basis"] = _choice("compression-basis", raw["compression-basis"], ("auto", "metric", "theta"))
+    raw["compression-basis"] = _choice("compression-basis", raw["compression-basis"], BY_NAME["compression-basis"].choices)
     theta_star = _choice("theta-star", raw["theta-star"], ("closed-form", "optimise"))
     raw["vectorised-backend"] = _choice("vectorised-backend", raw["vectorised-backend"], ("auto", "numba", "numpy", "torch"))
     raw["resume"] = v["resume"]

@@ -173,10 +173,10 @@ KEYS: tuple[Key, ...] = (
     Key("compression-basis", "auto", "choice", "the coordinates a compressed message is quantised in: metric "
         "(C(Sᵀ H_i − η_i) with M = S Sᵀ, the server applying S, so that the compression's noise takes M's shape as "
         "the Langevin noise does; M travels to the clients once and stays in their state), theta (the paper's "
-        "C(H_i − η_i), whose noise M multiplies in the flat directions), or auto (metric for a diagonal M or a "
-        "dense one of d ≤ 512, theta for K-FAC and a low-rank correction, whose M is too large to keep with every "
-        "chain). The QLSD family with a metric; without one the two are the same (docs/METRIC.md)", "",
-        choices=("auto", "metric", "theta"), group=SAMPLER),
+        "C(H_i − η_i), whose noise M multiplies in the flat directions), block (C(B H_i − η_i), B K-FAC's root on "
+        "metric-block's directions, the server applying M B⁻¹: 8e4 numbers a client, not M's megabytes), or auto "
+        "(metric for a diagonal M or a dense one of d ≤ 512, block for K-FAC with metric-block, else theta). QLSD "
+        "with a metric (docs/METRIC.md)", "", choices=("auto", "block", "metric", "theta"), group=SAMPLER),
     Key("s", "16", "ints", "QSGD levels, one value or one per client ('2,4,...'); s = 2^k is 'k bits'", "s_i",
         lo=1, cap=2**31 - 1, group=SAMPLER),
     Key("block-norm", "vector", "choice", "one QSGD norm for the whole vector, or one per tensor",

@@ -102,6 +102,11 @@ def test_a_corrected_metric_survives_its_array_and_a_bad_one_is_refused_by_name(
     tail = base.to_bytes()
     for bad, why in ((_corrected_bytes(u, -t) + tail, "low-rank correction"),  # a negative curvature
                      (_corrected_bytes(2 * u, t) + tail, "low-rank correction"),  # directions not orthonormal
+                     # below the floor the server clips to, and beyond T_MAX (metric-block's rule, kron_block)
+                     (_corrected_bytes(u, np.r_[0.5 * lr.RITZ_FLOOR, t[1:]]) + tail, "low-rank correction"),
+                     (_corrected_bytes(u, np.r_[1e13, t[1:]]) + tail, "low-rank correction"),
+                     # a large t with directions 1e-9 off orthonormal: within 1e-8, not within 0.1 / max t
+                     (_corrected_bytes(u + 1e-9 * np.ones_like(u), np.r_[1e9, t[1:]]) + tail, "low-rank correction"),
                      (m.to_bytes()[:40], "ends early"),  # cut short
                      (_corrected_bytes(u, np.r_[np.nan, t[1:]]) + tail, "not finite"),
                      (_corrected_bytes(u, t) + m.to_bytes(), "a correction's base")):  # a correction of a correction

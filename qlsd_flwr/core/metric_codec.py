@@ -9,12 +9,15 @@ import struct
 
 import numpy as np
 
+from qlsd_flwr.core.block_basis import BlockBasis
 from qlsd_flwr.core.kron import Kron
-from qlsd_flwr.core.kron_block import Blocked
+from qlsd_flwr.core.kron_block import T_MAX, Blocked
+from qlsd_flwr.core.lowrank import RITZ_FLOOR
 from qlsd_flwr.core.metric import _MAGIC, Dense, Diagonal, Identity, Kronecker, Metric, MetricError
 
 _KINDS = {1: ("m",), 2: ("M",), 3: ("qg", "qa", "den", "perm"), 4: ("u", "t"),
-          5: ("qg", "qa", "den", "perm", "qh", "v", "t")}  # 5: core.kron_block.Blocked
+          5: ("qg", "qa", "den", "perm", "qh", "v", "t"),  # 5: core.kron_block.Blocked
+          6: ("perm", "qh", "qa", "s", "a")}  # 6: core.block_basis.BlockBasis (the clients' basis, never a base)
 
 
 def max_bytes(d: int) -> int:
@@ -53,8 +56,8 @@ def _read(x: bytes, at: int, d: int, nested: bool) -> tuple[Metric, int]:
     if code == 0 and count == 0:
         return Identity(), at
     names = _KINDS.get(code)
-    if names is None or (nested and code == 4):
-        raise MetricError(f"metric: unknown kind code {code}; allowed: 0 to 5 (a correction's base: 0 to 3, 5)")
+    if names is None or (nested and code in (4, 6)):
+        raise MetricError(f"metric: unknown kind code {code}; allowed: 0 to 6 (a correction's base: 0 to 3, 5)")
     if count != len(names):
         raise MetricError(f"metric: kind {code} carries {len(names)} arrays, not {count}")
     parts = {}
@@ -75,13 +78,18 @@ def _read(x: bytes, at: int, d: int, nested: bool) -> tuple[Metric, int]:
         base, at = _read(x, at, d, nested=True)
         u, t = parts["u"], parts["t"]
         k = t.size
-        if t.ndim != 1 or u.shape != (d, k) or k < 1 or not np.all(t > 0) \
-                or not np.allclose(u.T @ u, np.eye(k), atol=1e-8):
-            raise MetricError("metric: a low-rank correction needs positive values and orthonormal directions "
-                              f"of d = {d}")
+        # the rule of metric-block's values (Blocked.checked): the server clips t below at RITZ_FLOOR
+        # (core.lowrank.correction), and a t beyond T_MAX with directions slightly off orthonormal would leave
+        # I + U diag(1/t − 1) Uᵀ indefinite along them
+        if t.ndim != 1 or u.shape != (d, k) or k < 1 or not (np.all(t >= RITZ_FLOOR) and np.all(t <= T_MAX)) \
+                or not np.allclose(u.T @ u, np.eye(k), rtol=0.0, atol=min(1e-8, 0.1 / float(t.max()))):
+            raise MetricError(f"metric: a low-rank correction needs values in [{RITZ_FLOOR:g}, {T_MAX:g}] and "
+                              f"orthonormal directions of d = {d}")
         return base.corrected(u, t), at
     if code == 5:
         return Blocked.checked(parts, d), at
+    if code == 6:
+        return BlockBasis.checked(parts, d), at
     if code == 1:
         if parts["m"].shape != (d,):
             raise MetricError(f"metric: a diagonal metric of d = {d} needs {d} numbers, got {parts['m'].shape}")

@@ -83,6 +83,9 @@ class ServerSpec:
     # compression-basis = metric: the replies, the memory and the step's g are in the metric's coordinates
     # φ = S⁻¹ θ (M = S Sᵀ): the server applies S (langevin_step)
     whitened: bool = False
+    # compression-basis = block: the clients' basis B when it is not M's own root S (core.block_basis): g then
+    # estimates B ∇U and the step applies M B⁻¹ g; None: S
+    basis: Any = None
     # downlink-correction = metric: β of the lag's correction (0: none). The clients evaluate at w_k ≠ θ_k; the step
     # takes the prior at w_k too and adds −γβ (θ_k − w_k), M⁻¹ standing for the curvature (core.downlink). β =
     # min(1, 1/γ), so that γβ ≤ 1 and the recursion is stable wherever ULA's is (core.downlink.stable)
@@ -92,6 +95,11 @@ class ServerSpec:
     def oracle(self) -> str:
         """The estimator's label (``full``, ``svrg``, ...)."""
         return self.kind.name
+
+    @property
+    def whitening(self):
+        """What the clients' messages are quantised in under ``whitened``: ``basis``, else ``M``'s own root."""
+        return self.metric if self.basis is None else self.basis
 
     @property
     def plain(self) -> bool:
@@ -169,13 +177,14 @@ def langevin_step(spec: ServerSpec, st: ServerState, seed, g_hat: np.ndarray,
     lagged = bool(spec.lag) and st.w is not None
     pt = prior_term(spec, st.w if lagged else st.theta)
     if pt is not None:
-        g = g + (spec.metric.apply_root_t(pt) if spec.whitened else pt)
+        g = g + (spec.whitening.apply_root_t(pt) if spec.whitened else pt)
     if spec.offset is not None:
-        g = g + (spec.metric.apply_root_t(spec.offset) if spec.whitened else spec.offset)
+        g = g + (spec.whitening.apply_root_t(spec.offset) if spec.whitened else spec.offset)
     z = rng.normal(seed, rng.Stream.NOISE, k, 0, st.theta.shape[-1])
     if spec.whitened:  # g is Sᵀ ∇U's estimate: θ − γ S g + √(2γT) S z, the metric's step in θ's coordinates
-        new = st.theta - spec.gamma * spec.metric.apply_root(g) \
-            + np.sqrt(2.0 * spec.gamma * spec.temperature) * spec.metric.apply_root(z)
+        # (compression-basis = block: g estimates B ∇U, and M B⁻¹ g is M ∇U's estimate)
+        drift = spec.metric.apply_root(g) if spec.basis is None else spec.metric.apply(spec.basis.apply_inv(g))
+        new = st.theta - spec.gamma * drift + np.sqrt(2.0 * spec.gamma * spec.temperature) * spec.metric.apply_root(z)
     elif spec.plain:
         new = st.theta - spec.gamma * g + np.sqrt(2.0 * spec.gamma) * z
     else:

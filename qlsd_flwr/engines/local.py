@@ -137,10 +137,10 @@ def direct_round(server, specs, states, task, seed: int, d: int) -> dict:
 
 def _run_direct(cfg, task, specs, states, prep, keep_trace, bar) -> RunResult:
     theta_star = prep.theta_star
-    for spec, state in zip(specs, states):  # compression-basis = metric: the M the server sends its clients
-        if spec.whitened:
-            state.metric = prep.metric
     spec = build.server_spec(cfg, task, theta_star, build.blocks_for(cfg, task), prep.metric)
+    for cspec, state in zip(specs, states):  # compression-basis = metric, block: what the server sends its clients
+        if cspec.whitened:
+            state.metric = spec.whitening
     st = sampler.init_state(spec, build.theta0_of(task) if prep.theta0 is None else prep.theta0[0])
     trace = np.empty((cfg.num_rounds, task.dim)) if keep_trace else None
     down, w = broadcast.downlink_of(cfg), None  # downlink = qsgd: the clients evaluate at w_k (core.downlink)

@@ -24,6 +24,7 @@ from qlsd_flwr.core.oracles import ClientSpec
 from qlsd_flwr.core.potential import GaussianPrior, Task
 from qlsd_flwr.core.priors import check_prior
 from qlsd_flwr.core.server_step import ServerSpec
+from qlsd_flwr.protocol.basis import basis_of, whitens
 from qlsd_flwr.protocol.gradients import ROWS, as_sent, theta_width
 
 
@@ -164,25 +165,6 @@ def minibatch_size(fraction: float, n_data: int) -> int:
     return max(1, int(np.floor(n_data * fraction)))
 
 
-#: ``compression-basis = auto`` quantises in the metric's coordinates where ``M`` is small enough for every
-#: client to keep with each chain's state: a diagonal, or a dense ``M`` of ``d ≤ 512`` (2 MiB). K-FAC's factors
-#: and a low-rank correction stay in θ's coordinates: the main job's ``M`` is 24 MB a client and chain, and
-#: in Flower's simulation its rounds ran 8× slower (0.3 against 2.5 rounds/s, 2026-11-29)
-WHITEN_AUTO_DENSE_MAX = 512
-
-
-def whitens(cfg: RunConfig, d: int) -> bool:
-    """Whether the QLSD family's compressed messages are quantised in the metric's coordinates on this run
-    (``compression-basis``: ``metric``, or ``auto`` by :data:`WHITEN_AUTO_DENSE_MAX`; docs/METRIC.md)."""
-    basis, rank = cfg.get("compression-basis"), int(cfg.get("metric-rank") or 0)
-    if basis == "theta" or not cfg.compressed or cfg.kind.local or (cfg.metric == "identity" and not rank):
-        return False
-    if basis == "metric":
-        return True
-    dense = cfg.metric == "dense" or cfg.metric.endswith(".npy")
-    return not rank and (cfg.metric == "diagonal" or (dense and d <= WHITEN_AUTO_DENSE_MAX))
-
-
 def client_settings(cfg: RunConfig, i: int, d: int, prior: GaussianPrior, blocks=None) -> dict:
     """What client ``i`` needs to compute its message, as plain scalars (the server sends them
     with every message, so that a client needs no run config of its own): the oracle, QSGD's
@@ -200,7 +182,7 @@ def client_settings(cfg: RunConfig, i: int, d: int, prior: GaussianPrior, blocks
         "prior_mean": float(getattr(prior, "mean", 0.0)),
         "prior_weight": (1.0 / cfg.b) if cfg.prior_on == "clients" else 0.0,
         "seed": int(cfg.seed),
-        # compression-basis = metric: M travels to the clients (protocol.metric_sent), which quantise Sᵀ H_i
+        # compression-basis = metric (block): M (B) travels to the clients (protocol.metric_sent): they quantise Sᵀ H_i
         **({"metric": "sent"} if whitens(cfg, d) else {}),
         # downlink = qsgd: the broadcast's levels and rule (core.downlink), the same on both sides
         **({"downlink_s": int(cfg.get("downlink-s")), "downlink_feedback": str(cfg.get("downlink-feedback"))}
@@ -283,6 +265,7 @@ def server_spec(cfg: RunConfig, task: Task, theta_star: np.ndarray | None, block
         prior_on_server=(cfg.prior_on == "server"), theta_star=theta_star,
         metric=metric, temperature=float(cfg.temperature), spectrum=spectrum,
         whitened=whitens(cfg, task.dim) and not metric.is_identity,
+        basis=basis_of(cfg, task.dim, metric),
         lag=lag_beta(str(cfg.get("downlink-correction")) if downlink_on(cfg) else "off", cfg.gamma, metric.is_identity))
 
 

@@ -63,7 +63,7 @@ class ThetaStarClaims:
         if not getattr(spec, "whitened", False):
             return self.claims
         if self._whitened is None:
-            self._whitened = spec.metric.apply_root_t(self.claims)
+            self._whitened = spec.whitening.apply_root_t(self.claims)
         return self._whitened
 
     def arrays(self) -> dict:

@@ -29,7 +29,8 @@ def setup(server, error=ConfigError) -> None:
         raise error(f"{' and '.join(keys)}: {server.cfg.variant}'s exact θ | z draw takes its metric in the metric's "
                     f"own eigenbasis, which a correction changes; allowed: {' and '.join(k + ' = 0' for k in keys)}")
     server._metric_sent = set()
-    server._metric_bytes = metric_to_bytes(metric) if wanted(server) or not metric.is_identity else None
+    sent = server.spec.whitening  # compression-basis = block: the clients' basis stands for M (core.block_basis)
+    server._metric_bytes = metric_to_bytes(sent) if wanted(server) or not metric.is_identity else None
 
 
 def add(server, i: int, fields: dict) -> None:

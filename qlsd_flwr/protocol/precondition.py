@@ -49,6 +49,7 @@ from qlsd_flwr.protocol.theta_star import needs_theta_star, newton_decrement, re
 from qlsd_flwr.outputs.metric_file import metric_from_file  # the one file the preparation reads
 from qlsd_flwr.outputs.progress import announce
 from qlsd_flwr.protocol import build
+from qlsd_flwr.protocol.basis import compression_basis
 from qlsd_flwr.protocol.starts import chain_starts
 from qlsd_flwr.robust.products import held_parts
 from qlsd_flwr.protocol.traffic import Traffic, counted, phase
@@ -158,11 +159,12 @@ def prepare(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | No
     info["metric_spread"] = spread
     if cfg.compressed and spread > cv.COMPRESSED_SPREAD_WARN and not build.whitens(cfg, task.dim):
         log.warning("metric: its scales span %s%.3g (above %.0e) and the messages are QSGD-compressed in θ's "
-                    "coordinates (compression-basis = theta, which auto picks for K-FAC and a low-rank correction): the "
+                    "coordinates (compression-basis = theta, which auto picks for K-FAC without metric-block and a "
+                    "low-rank correction of another base): the "
                     "compression noise, set by each message's norm, is "
                     "multiplied by M in the flat directions and biases the chain there (measured: sd up to 59× on a "
-                    "regression with spread 2e6 at s = 16); use compression-basis = metric (the QLSD family) or an "
-                    "uncompressed variant (docs/METRIC.md)",
+                    "regression with spread 2e6 at s = 16); use compression-basis = metric (the QLSD family), block "
+                    "(K-FAC with metric-block) or an uncompressed variant (docs/METRIC.md)",
                     "up to " if metric.has_correction else "", spread, cv.COMPRESSED_SPREAD_WARN)
     # 3. the step
     gamma = _step(cfg, grad_fn, point, metric, info, quiet=adapts(cfg), hvp=hvp,  # announced once, after the warm-up
@@ -174,7 +176,8 @@ def prepare(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | No
     # 5. metric-from = adapt: the warm-up refines M (and γ), and the chains continue from its end
     if adapts(cfg):
         metric, gamma, starts = _adapt(cfg, grad_fn, point, metric, gamma, starts, theta0, C, info, warm, hvp)
-    info.update({"metric": metric.to_json(), "metric_kind": metric.kind, "gamma_used": gamma, "gamma_auto": bool(cfg.gamma_auto),
+    info.update({"metric": metric.to_json(), "metric_kind": metric.kind, "compression_basis": compression_basis(
+        cfg, task.dim), "gamma_used": gamma, "gamma_auto": bool(cfg.gamma_auto),
                  "temperature": cfg.temperature})
     ts = point if needs_theta_star(cfg) else None
     prep = _with_surrogates(cfg, task, Prepared(ts, info, metric, gamma, starts), curv_fn, n_data)

@@ -112,7 +112,7 @@ class QLSDServer:
         self.state = sampler.init_state(self.spec, build.theta0_of(self.task) if theta0 is None else theta0)
         if self.local:  # DG-LMC's z_i start at the chain's θ_0; FSGLD's surrogates (protocol.local_chains)
             local_chains.start(self, prep)
-        elif metric_sent.wanted(self):  # compression-basis = metric: the clients quantise Sᵀ H_i
+        elif metric_sent.wanted(self):  # compression-basis = metric, block: the clients quantise Sᵀ H_i, B H_i
             metric_sent.setup(self)
         broadcast.setup(self)  # downlink = qsgd (protocol.broadcast)
         self._set_scale()

@@ -178,7 +178,7 @@ def run_side_by_side(cfgs, task: Task | None = None, write: bool = False, keep_t
         limits = [runaway_limits(cfg, task, pt, runner.theta_of(v)) for v, (cfg, pt) in enumerate(zip(cfgs, parts))]
         # the downlink of the QLSD family's rounds, counted as the protocol server sends it (the rivals'
         # rounds run through that server and count their own)
-        downs = [SamplingDownlink(cfg, d, chain_seeds(cfg), k, 8 * len(metric_to_bytes(pt[1].metric)) if pt[0][0].whitened
+        downs = [SamplingDownlink(cfg, d, chain_seeds(cfg), k, 8 * len(metric_to_bytes(pt[1].whitening)) if pt[0][0].whitened
                                   else 0) if rec is not None and not cfg.kind.local else None
                  for cfg, rec, pt in zip(cfgs, recs, parts)]
         # a backend that keeps only the kept draws on the host gives each round's ‖θ‖ instead (torch)

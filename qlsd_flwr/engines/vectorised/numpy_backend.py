@@ -253,8 +253,8 @@ class NumpyGeneric:
             h[rows, i] = oracle_batch(si, pot, self.point[rows], None if idx is None else idx[rows],
                                       st.zeta[rows] if si.kind.cv_zeta else self.theta_star,
                                       None if ag is None else ag[rows, i])
-        if self.spec.whitened:  # compression-basis = metric: each row's Sᵀ H_i, as its client computes it
-            h = self.spec.metric.apply_root_t(h.reshape(-1, d)).reshape(h.shape)
+        if self.spec.whitened:  # compression-basis = metric (block): each row's Sᵀ H_i (B H_i), as its client computes it
+            h = self.spec.whitening.apply_root_t(h.reshape(-1, d)).reshape(h.shape)
         if cfg.memory:
             h = np.where(active[:, :, None], h - st.eta_i, 0.0)  # send C(H_i − η_i)
         g_hat = np.zeros((nc, b, d))
@@ -337,7 +337,7 @@ class NumpyGeneric:
                 else:  # a message the QLSD family's H_i does not compute: the sampler's own
                     h[c] = si.kind.message(si, pot, self.states[c][i], int(seeds[c]), k, self.point[c], None)
             if self.spec.whitened:
-                h = self.spec.metric.apply_root_t(h)
+                h = self.spec.whitening.apply_root_t(h)
             if si.memory:
                 h = h - st.eta_i[:, i]
             comp = si.compressor

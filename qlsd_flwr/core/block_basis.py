@@ -1,0 +1,113 @@
+r"""``compression-basis = block``: the clients quantise their messages in K-FAC's whitened coordinates on
+``metric-block``'s directions, at the cost of a few thousand numbers a client instead of the whole metric.
+
+Quantised in θ's coordinates, QSGD's error is set by each message's norm and the step multiplies it by ``M``, so it
+biases the chain in the flat directions (docs/METRIC.md); quantised in the metric's own coordinates (``compression-basis
+= metric``, ``Sᵀ H_i`` with ``M = S Sᵀ``) it takes ``M``'s shape, as the Langevin noise does, but every client must then
+hold ``M``: on the main job its K-FAC factors, block and low-rank correction are 13.7 MB a client. Any invertible
+``B`` serves as the basis, provided the server undoes it exactly: a client sends ``C(B H_i − η_i)``, the server's ``g``
+estimates ``B ∇U`` and its step applies ``M B⁻¹ g``, which is ``M ∇U``'s estimate whatever ``B`` (only the
+quantisation's noise, ``M B⁻¹ ε``, depends on it). Here
+
+    ``B = a (I − P Pᵀ) + P diag(s) Pᵀ``,   ``P = Q̂ ⊗ Q_A`` (in θ's order),
+
+with ``Q̂`` ``metric-block``'s ``k`` input directions (the top eigenvectors of K-FAC's input factor, which the clients
+already received for their block reports), ``Q_A`` K-FAC's ``K × K`` output factor, ``s`` K-FAC's ``M^{1/2}`` along each
+column of ``P`` (``den^{−1/2}``, the quotient ``Σ_f (q̂ᵀ q_f)² den_f^{−1/2}``), and ``a = den_min^{−1/2}`` elsewhere:
+the widest scale K-FAC gives, the prior's on inputs the data never touch. Its inverse is exact,
+``B⁻¹ = a⁻¹ (I − P Pᵀ) + P diag(1/s) Pᵀ``, and both cost two thin products. On the main job ``k K = 1,000`` numbers
+``s``, ``Q_A``'s 100 and ``Q̂``'s 78,500 travel once to each client.
+
+**Measured** (``benchmarks/RESULTS.md``, "The uplink in K-FAC's block basis"): the main job's predictive at 1.19× the
+HMC halves' total variation, against 1.80× with its messages in θ's coordinates and 1.11× in the full metric's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from qlsd_flwr.core.kron import Kron
+from qlsd_flwr.core.metric import Metric, MetricError, _rows
+
+#: ``s`` and ``a`` read from bytes may span at most this factor (K-FAC's own scales span ``den``'s range, 948× on the
+#: main job; a hostile server's huge spread would only make a client's message badly scaled, never undefined)
+SPREAD_MAX = 1e12
+
+
+class BlockBasis(Metric):
+    """The clients' basis ``B`` (module docstring), carried in the metric's tagged encoding (code 6) as the clients'
+    "metric": ``apply_root`` and ``apply_root_t`` are ``B`` (symmetric), ``apply`` ``B²``; :meth:`apply_inv` is
+    ``B⁻¹``, the server's."""
+
+    kind, code = "block-basis", 6
+
+    def __init__(self, perm: np.ndarray, qh: np.ndarray, qa: np.ndarray, s: np.ndarray, a: float):
+        self.perm, self.qh, self.qa, self.s, self.a = perm, qh, qa, s, float(a)
+
+    @staticmethod
+    def of(metric: Metric) -> "BlockBasis | None":
+        """The basis of ``metric``'s block (a :class:`~qlsd_flwr.core.kron_block.Blocked` metric, or one corrected
+        further by ``metric-rank``); ``None`` when it has no block."""
+        blk = metric.base
+        if getattr(blk, "qh", None) is None or blk.kron is None:
+            return None
+        kr: Kron = blk.kron
+        root = kr.den ** -0.5  # K-FAC's M^{1/2} in its eigenbasis
+        return BlockBasis(kr.perm, blk.qh, kr.qa, ((blk.qh.T @ kr.qg) ** 2) @ root, float(root.max()))
+
+    def _map(self, x: np.ndarray, s: np.ndarray, a: float) -> np.ndarray:
+        F, K = self.qh.shape[0], self.qa.shape[0]
+        y = self.qh.T @ x[self.perm].reshape(F, K) @ self.qa  # Pᵀ x
+        out = a * x
+        out[self.perm] += (self.qh @ (y * (s - a)) @ self.qa.T).ravel()
+        return out
+
+    def apply_root(self, z):
+        return _rows(lambda r: self._map(r, self.s, self.a), z)
+
+    def apply_root_t(self, x):
+        return self.apply_root(x)
+
+    def apply_inv(self, g):
+        """``B⁻¹ g`` for ``g`` of shape ``(d,)`` or ``(C, d)``."""
+        return _rows(lambda r: self._map(r, 1.0 / self.s, 1.0 / self.a), g)
+
+    def apply(self, g):
+        return self.apply_root(self.apply_root(g))
+
+    def spread(self) -> float:
+        v = np.append(self.s, self.a) ** 2
+        return float(v.max() / v.min())
+
+    def largest(self) -> float:
+        return float(max(self.s.max(), self.a) ** 2)
+
+    def to_json(self):
+        return {"kind": self.kind, "inputs": int(self.qh.shape[1]), "outputs": int(self.qa.shape[0]),
+                "scale_min": float(min(self.s.min(), self.a)), "scale_max": float(max(self.s.max(), self.a))}
+
+    def arrays(self):
+        return {"perm": self.perm.astype(np.float64), "qh": self.qh, "qa": self.qa, "s": self.s,
+                "a": np.array([self.a])}
+
+    @staticmethod
+    def checked(parts: dict, d: int) -> "BlockBasis":
+        """A :class:`BlockBasis` of dimension ``d`` from its arrays as received, else ``MetricError`` naming what is
+        wrong: ``perm`` a permutation of ``0..d−1``, ``Q̂`` (``F × k``) orthonormal, ``Q_A`` (``K × K``, ``F K = d``)
+        orthogonal, ``s`` (``k × K``) and ``a`` positive within :data:`SPREAD_MAX` of each other (so ``B⁻¹`` is
+        exact to rounding and ``B`` is positive-definite)."""
+        perm, qh, qa, s, a = (parts[n] for n in ("perm", "qh", "qa", "s", "a"))
+        F = qh.shape[0] if qh.ndim == 2 else 0
+        k, K = (qh.shape[1] if qh.ndim == 2 else 0), (qa.shape[0] if qa.ndim == 2 else 0)
+        ok = (perm.shape == (d,) and K >= 1 and F * K == d and 1 <= k <= F and qa.shape == (K, K)
+              and s.shape == (k, K) and a.shape == (1,) and np.array_equal(np.sort(perm), np.arange(d)))
+        if ok:
+            v = np.append(s, a)
+            ok = bool(np.all(v > 0) and v.max() <= SPREAD_MAX * v.min()
+                      and np.allclose(qh.T @ qh, np.eye(k), rtol=0.0, atol=1e-8)
+                      and np.allclose(qa.T @ qa, np.eye(K), rtol=0.0, atol=1e-8))
+        if not ok:
+            raise MetricError(f"metric: not a block basis of d = {d} (a permutation of 0..d−1, orthonormal input "
+                              f"directions, an orthogonal output factor, positive scales within {SPREAD_MAX:g} of "
+                              "each other, and their sizes)")
+        return BlockBasis(perm.astype(np.int64), qh, qa, s, float(a[0]))

@@ -1,0 +1,103 @@
+"""``compression-basis = block`` (issue 37): the clients quantise in K-FAC's root on ``metric-block``'s directions
+(:mod:`qlsd_flwr.core.block_basis`), and the server undoes it exactly.
+
+* ``B⁻¹ B = I`` to rounding, ``B`` symmetric positive-definite with K-FAC's root on the block's directions and the widest
+  scale elsewhere; its bytes read back bit for bit, and hostile bytes are refused by name.
+* With QSGD's levels so fine that its noise is below 1e-9 of a message, the chain in the block basis is the chain in θ's
+  basis: the basis changes only where the quantisation's noise falls (a wrong inverse would move the drift itself).
+* ``auto`` picks it for K-FAC with ``metric-block``; asked for without a block it is refused naming the keys; the
+  engines' agreement bit for bit is ``tests/test_metric_block.py``'s (its runs take it by default).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from qlsd_flwr.config import ConfigError, resolve
+from qlsd_flwr.core.block_basis import BlockBasis
+from qlsd_flwr.core.kron import Kron
+from qlsd_flwr.core.kron_block import Blocked
+from qlsd_flwr.core.metric import MetricError
+from qlsd_flwr.core.metric_codec import from_bytes
+from qlsd_flwr.outputs.recorder import load_samples
+from qlsd_flwr.protocol.basis import compression_basis
+from qlsd_flwr.run.simulate import run
+
+
+def _blocked(F=9, K=3, k=4, seed=0) -> Blocked:
+    rng = np.random.default_rng(seed)
+    qg = np.linalg.qr(rng.normal(size=(F, F)))[0]
+    qa = np.linalg.qr(rng.normal(size=(K, K)))[0]
+    den = 5.0 + rng.gamma(1.0, 40.0, size=(F, K))
+    kron = Kron(rng.permutation(F * K), qg, qa, den)
+    m = k * K
+    v = np.linalg.qr(rng.normal(size=(m, m)))[0]
+    return Blocked(kron, qg[:, F - k:], v, rng.uniform(0.5, 3.0, m))
+
+
+def _dense(f, d):
+    return np.stack([f(e) for e in np.eye(d)], axis=1)
+
+
+def test_the_basis_is_k_fac_s_root_on_the_block_its_inverse_exact_and_its_bytes_checked():
+    blk = _blocked()
+    F, K = blk.kron.den.shape
+    d = F * K
+    B = BlockBasis.of(blk)
+    Bm, Bi = _dense(B.apply_root, d), _dense(B.apply_inv, d)
+    assert np.abs(Bi @ Bm - np.eye(d)).max() < 1e-12 and np.abs(Bm - Bm.T).max() < 1e-14
+    assert np.linalg.eigvalsh(Bm).min() > 0
+    # on the block's directions P = Q̂ ⊗ Q_A, K-FAC's root exactly (Q̂ are K-FAC's top input eigenvectors here);
+    # orthogonal to them, the widest scale K-FAC gives
+    R = _dense(lambda x: blk.kron.apply(x, -0.5), d)
+    P = _dense(lambda x: Blocked(blk.kron, blk.qh, np.eye(blk.v.shape[0]), np.full(blk.t.size, 4.0))
+               .apply_root(x) - blk.kron.apply(x, -0.5), d)  # R P C Pᵀ with C = −½ I: its range is R's image of S
+    S = np.linalg.svd(P)[0][:, :blk.t.size]  # an orthonormal basis of the block's directions in θ's order
+    assert np.abs(Bm @ S - R @ S).max() < 1e-12
+    out = np.linalg.qr(np.eye(d) - S @ S.T)[0][:, : d - S.shape[1]]
+    out = out - S @ (S.T @ out)
+    assert np.abs(Bm @ out - (blk.kron.den.min() ** -0.5) * out).max() < 1e-12
+    # the bytes: the same numbers back, bit for bit; the wrong ones refused by name
+    back = from_bytes(B.to_bytes(), d)
+    z = np.random.default_rng(1).normal(size=(2, d))
+    assert isinstance(back, BlockBasis) and np.array_equal(back.apply_root_t(z), B.apply_root_t(z))
+    arrays = B.arrays()
+    for name, bad in (("s", -arrays["s"]), ("a", np.array([0.0])), ("qh", 2 * arrays["qh"]),
+                      ("s", arrays["s"] * np.r_[1e13, np.ones(arrays["s"].size - 1)].reshape(arrays["s"].shape)),
+                      ("perm", np.zeros(d))):
+        hostile = type("H", (BlockBasis,), {"arrays": lambda self, a={**arrays, name: bad}: a})(
+            B.perm, B.qh, B.qa, B.s, B.a)
+        with pytest.raises(MetricError, match="not a block basis"):
+            from_bytes(hostile.to_bytes(), d)
+    with pytest.raises(MetricError, match="unknown kind code 6"):  # never a correction's base
+        from_bytes(b"QM" + _corrected_head(d) + B.to_bytes(), d)
+
+
+def _corrected_head(d: int) -> bytes:
+    import struct
+
+    out = [struct.pack("<BB", 4, 2)]  # a correction (kind 4) of two arrays, its base to follow
+    for name, a in (("u", np.eye(d)[:, :1]), ("t", np.ones(1))):
+        a = np.asarray(a, dtype="<f8")
+        out += [struct.pack("<BB", 1, a.ndim), name.encode(), struct.pack(f"<{a.ndim}I", *a.shape), a.tobytes()]
+    return b"".join(out)
+
+
+def test_the_block_basis_moves_only_the_quantisation_noise_and_auto_picks_it(tmp_path):
+    base = {"task": "logistic", "dataset": "breast_cancer", "num-clients": 4, "num-chains": 1, "num-rounds": 15,
+            "burn-in": 0, "thin": 1, "progress": False, "output-dir": str(tmp_path), "metric": "kronecker",
+            "metric-block": 8, "gamma": "auto", "variant": "qlsd-pp", "s": str(2 ** 30), "l": 5, "loo": "off",
+            "engine": "local"}
+    cfg = resolve(base)
+    assert compression_basis(cfg, 62) == "block"
+    assert compression_basis(resolve({**base, "metric-block": 0}), 62) == "theta"
+    with pytest.raises(ConfigError, match="compression-basis: block .* metric-block > 0"):
+        compression_basis(resolve({**base, "metric": "diagonal", "metric-block": 0, "compression-basis": "block"}), 62)
+    block = load_samples(run({**base, "run-name": "block"}).run_dir)
+    theta = load_samples(run({**base, "compression-basis": "theta", "run-name": "theta"}).run_dir)
+    # 2^30 levels: QSGD's noise is below 1e-9 of each message, so the two chains differ by rounding and that noise;
+    # the drift's M B⁻¹ (B g) is M g to rounding (an inverse off by 1 % would put them 1e-2 γ |M g| apart)
+    scale = np.abs(theta).max()
+    assert np.abs(block - theta).max() < 1e-6 * scale
+    assert not np.array_equal(block, theta)  # the basis did change the quantisation
