@@ -22,7 +22,7 @@ LAYERS = [
     {"plugins", "data", "errors"},
     {"core", "compression", "robust"},  # the mathematics, and the rules that judge what clients send
     {"samplers"},  # each sampler's declaration and its updates, built from the mathematics
-    {"config", "keys", "keys_text"},  # the run's keys; the variant's choices come from the samplers
+    {"config", "keys", "keys_text", "bases"},  # the run's keys; the variant's choices come from the samplers
     {"outputs"},
     {"protocol"},
     {"tasks", "potentials"},

@@ -21,7 +21,7 @@ from qlsd_flwr.core.kron_block import Blocked
 from qlsd_flwr.core.metric import MetricError
 from qlsd_flwr.core.metric_codec import from_bytes
 from qlsd_flwr.outputs.recorder import load_samples
-from qlsd_flwr.protocol.basis import compression_basis
+from qlsd_flwr.bases import compression_basis
 from qlsd_flwr.run.simulate import run
 
 
@@ -101,3 +101,30 @@ def test_the_block_basis_moves_only_the_quantisation_noise_and_auto_picks_it(tmp
     scale = np.abs(theta).max()
     assert np.abs(block - theta).max() < 1e-6 * scale
     assert not np.array_equal(block, theta)  # the basis did change the quantisation
+
+
+def test_a_basis_off_orthonormal_by_its_scales_spread_a_missing_block_and_an_older_checkpoint_are_refused(tmp_path):
+    """The review's cases: factors 1e-8 off orthonormal pass a fixed 1e-8, but with scales 1e11 apart ``B`` is then
+    indefinite, so the tolerance shrinks with the spread; ``block`` on a metric without a block (a checkpoint of the
+    former dense form) is refused by name rather than sending the whole metric; a checkpoint written before the block
+    basis, whose chain quantised in θ's coordinates, is not resumed in the block basis."""
+    from qlsd_flwr.bases import basis_of
+    from qlsd_flwr.core.metric import Kronecker
+    from qlsd_flwr.errors import CheckpointError
+    from qlsd_flwr.outputs.checkpoint_checks import check_step_and_metric
+
+    B = BlockBasis.of(_blocked())
+    d = B.perm.size
+    arrays = {**B.arrays(), "qh": B.qh * np.sqrt(1 + 0.9e-8), "s": np.full_like(B.s, 1e-11), "a": np.array([1.0])}
+    with pytest.raises(MetricError, match="not a block basis"):
+        BlockBasis.checked(arrays, d)
+    assert BlockBasis.checked({**arrays, "qh": B.qh}, d).a == 1.0  # exactly orthonormal: the same spread is allowed
+    cfg = resolve({"task": "logistic", "dataset": "breast_cancer", "num-clients": 4, "metric": "kronecker",
+                   "metric-block": 8, "gamma": "auto", "variant": "qlsd-pp", "s": "8"})
+    with pytest.raises(ConfigError, match="compression-basis: block needs metric-block's metric"):
+        basis_of(cfg, d, Kronecker(_blocked().kron))
+    theta = {"theta": np.zeros(62)}
+    old = {"ts_info": {"metric_kind": "kronecker", "gamma_used": 0.1}}
+    with pytest.raises(CheckpointError, match="compression-basis: its clients quantised in the theta basis"):
+        check_step_and_metric(cfg, old, theta, tmp_path)
+    check_step_and_metric(cfg, {"ts_info": {**old["ts_info"], "compression_basis": "block"}}, theta, tmp_path)

@@ -42,7 +42,7 @@ import numpy as np
 
 from qlsd_flwr.compression import root
 from qlsd_flwr.core.kron import Kron
-from qlsd_flwr.core.lowrank import RITZ_FLOOR
+from qlsd_flwr.core.lowrank import RITZ_FLOOR, T_MAX
 from qlsd_flwr.core.metric import FromFactors, Kronecker, Metric, MetricError, _rows
 from qlsd_flwr.robust.claims import POOL_MIN
 from qlsd_flwr.robust.reports import REPORT_MAX, ReportError, cap_leave_one_out, cap_reports, share_allowance
@@ -51,8 +51,6 @@ from qlsd_flwr.robust.reports import REPORT_MAX, ReportError, cap_leave_one_out,
 KRON_BLOCK = "kronecker-block"
 #: the largest block ``m = kK``: a report of ``m(m+1)/2`` float32 numbers (8 MB), the server's ``m × m`` per client
 MAX_DIM = 2000
-#: the largest whitened curvature a :class:`Blocked` metric read from bytes may hold along a direction of its block
-T_MAX = 1e12
 
 
 def pack(Q: np.ndarray, d: int) -> np.ndarray:
@@ -169,7 +167,7 @@ def correction(kron, Q: np.ndarray, reports: dict[int, np.ndarray], n_data, prio
     # K-FAC's, where the block is singular (a flat prior: diag p_j − p_j p_jᵀ is zero along the outputs' 1)
     info.update({"block_inputs": k, "block_dim": k * K, "block_t_min": float(t[0]), "block_t_max": float(t[-1]),
                  "block_scaled": sorted(set(scaled)), "block_t_clipped": int(np.count_nonzero(t < RITZ_FLOOR))})
-    return Blocked(kron, Qh, V, np.maximum(t, RITZ_FLOOR))
+    return Blocked(kron, Qh, V, np.clip(t, RITZ_FLOOR, T_MAX))  # and at most T_MAX, the bytes' bound
 
 
 class Blocked(FromFactors, Metric):

@@ -76,6 +76,9 @@ RITZ_TOL = 0.1
 #: Ritz values are clipped to at least this, so that one direction of ``M`` grows at most ``1/RITZ_FLOOR``
 #: times over the base metric's
 RITZ_FLOOR = 1e-3
+#: and to at most this: a correction's bytes with a larger value are refused on reading (``metric_codec``, where a huge
+#: ``t`` with directions slightly off orthonormal left ``M`` indefinite), so the server never builds one
+T_MAX = 1e12
 
 
 @dataclass(frozen=True)
@@ -235,4 +238,4 @@ def correction(products, root, root_t, d: int, rank: int, seed: int, block: int 
     # the Ritz vectors are orthonormal up to rounding; one QR makes the correction exactly SPD
     u, r = np.linalg.qr(off(off(U[far])).T)
     u = u * np.sign(np.diag(r))
-    return (u, np.maximum(t[far], RITZ_FLOOR)), info
+    return (u, np.clip(t[far], RITZ_FLOOR, T_MAX)), info

@@ -11,8 +11,8 @@ import numpy as np
 
 from qlsd_flwr.core.block_basis import BlockBasis
 from qlsd_flwr.core.kron import Kron
-from qlsd_flwr.core.kron_block import T_MAX, Blocked
-from qlsd_flwr.core.lowrank import RITZ_FLOOR
+from qlsd_flwr.core.kron_block import Blocked
+from qlsd_flwr.core.lowrank import RITZ_FLOOR, T_MAX
 from qlsd_flwr.core.metric import _MAGIC, Dense, Diagonal, Identity, Kronecker, Metric, MetricError
 
 _KINDS = {1: ("m",), 2: ("M",), 3: ("qg", "qa", "den", "perm"), 4: ("u", "t"),

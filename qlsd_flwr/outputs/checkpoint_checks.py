@@ -46,6 +46,18 @@ def check_step_and_metric(cfg: RunConfig, meta: dict, arrays: dict, path) -> Non
             raise CheckpointError(f"checkpoint {path}: gamma-c: its c {c!r} is not the configuration's "
                                   f"(gamma-c = {cfg.get('gamma-c')!r}, log-concave {concave!r})")
     kind = ts.get("metric_kind") if isinstance(ts, dict) else None
+    if kind is not None:  # a preparation's chain: the coordinates its clients quantised in are this run's
+        from qlsd_flwr.bases import compression_basis
+
+        thetas = [a for n, a in arrays.items() if n.rsplit(".", 1)[-1] == "theta" and getattr(a, "ndim", 0) >= 1]
+        now = compression_basis(cfg, int(thetas[0].shape[-1]) if thetas else 0)
+        # before 2026-12-06 no checkpoint recorded it, and auto never chose block: such a chain was in θ's coordinates
+        was = ts.get("compression_basis", "theta" if now == "block" else now)
+        if was != now:
+            raise CheckpointError(f"checkpoint {path}: compression-basis: its clients quantised in the {was} basis "
+                                  f"and this configuration resolves to {now} (auto picks block for K-FAC with "
+                                  "metric-block since 2026-12-06): a different chain; finish it with the version "
+                                  "that wrote it, or start the run again")
     plain = cfg.metric == "identity" and not int(cfg.get("metric-rank") or 0) and \
         str(cfg.get("metric-from") or "").strip().lower() != "adapt"
     for name, a in arrays.items():

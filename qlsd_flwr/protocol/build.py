@@ -24,7 +24,7 @@ from qlsd_flwr.core.oracles import ClientSpec
 from qlsd_flwr.core.potential import GaussianPrior, Task
 from qlsd_flwr.core.priors import check_prior
 from qlsd_flwr.core.server_step import ServerSpec
-from qlsd_flwr.protocol.basis import basis_of, whitens
+from qlsd_flwr.bases import basis_of, whitens
 from qlsd_flwr.protocol.gradients import ROWS, as_sent, theta_width
 
 

@@ -10,8 +10,8 @@ the anchor is not the round's, the anchor (``64 d``): QLSD++ and LSD++ refresh �
 at a client's first active round. On these engines every reply is accepted and no client restarts, so
 the server's record of each client's anchor is the anchor of its last active round; the other fields
 of :meth:`fields_for` (a resync's ``η_i``, the rivals' local numbers) never travel here, but for the metric
-under ``compression-basis = metric`` (:mod:`qlsd_flwr.protocol.metric_sent`): its bytes with each pair's first
-message, once a client's message however many of its chains need it.
+under ``compression-basis = metric`` (``block``: the basis; :mod:`qlsd_flwr.protocol.metric_sent`): its bytes with
+each pair's first message, once a client's message however many of its chains need it.
 
 Under ``downlink = qsgd`` (:mod:`qlsd_flwr.protocol.broadcast`) the round's code goes in θ's place to a
 client that holds ``w_{k−1}`` (it was active at round ``k − 1``; any client under ``downlink-feedback =
@@ -40,7 +40,7 @@ class SamplingDownlink:
 
     def __init__(self, cfg, d: int, seeds, k0: int = 0, metric_bits: int = 0):
         self.kind, self.l, self.d, self.p = cfg.kind, max(int(cfg.l), 1), int(d), cfg.p
-        # the metric's bits, sent with each pair's first message (compression-basis = metric; 0: not sent)
+        # the metric's (block: the basis's) bits, with each pair's first message (compression-basis; 0: not sent)
         self.metric_bits = int(metric_bits)
         self.metric_held = np.zeros((np.asarray(seeds).size, cfg.b), dtype=bool)
         self.seeds = np.asarray(seeds)

@@ -49,7 +49,7 @@ from qlsd_flwr.protocol.theta_star import needs_theta_star, newton_decrement, re
 from qlsd_flwr.outputs.metric_file import metric_from_file  # the one file the preparation reads
 from qlsd_flwr.outputs.progress import announce
 from qlsd_flwr.protocol import build
-from qlsd_flwr.protocol.basis import compression_basis
+from qlsd_flwr.bases import compression_basis
 from qlsd_flwr.protocol.starts import chain_starts
 from qlsd_flwr.robust.products import held_parts
 from qlsd_flwr.protocol.traffic import Traffic, counted, phase

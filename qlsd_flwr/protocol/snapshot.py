@@ -75,7 +75,7 @@ def restore(server, meta: dict, a: dict) -> None:
     server.claims = ThetaStarClaims.restored(a, cfg.b, server.d)
     if server.local:  # the rivals: the metric as it travels, FSGLD's surrogates
         local_chains.restore(server, a)
-    elif metric_sent.wanted(server):  # compression-basis = metric
+    elif metric_sent.wanted(server):  # compression-basis = metric or block (the basis rebuilt from the metric)
         metric_sent.setup(server, CheckpointError)
     broadcast.restore(server, a, CheckpointError)  # downlink = qsgd: w, every client sent it in full next
     server._set_offset()

@@ -33,8 +33,16 @@ def compression_basis(cfg: RunConfig, d: int) -> str:
 
 def basis_of(cfg: RunConfig, d: int, metric) -> BlockBasis | None:
     """The server step's ``basis`` (:class:`~qlsd_flwr.core.server_step.ServerSpec`): the block basis of ``metric`` under
-    ``block``; ``None`` (``M``'s own root) otherwise, or where the metric has no block (the metric itself is then sent)."""
-    return BlockBasis.of(metric) if compression_basis(cfg, d) == "block" else None
+    ``block`` (held to what its clients will accept, :meth:`BlockBasis.checked`), ``None`` (``M``'s own root)
+    otherwise; ``ConfigError`` naming the key where the metric has no block (a checkpoint's metric of the former
+    dense form: sending that whole metric to every client is what the basis is for avoiding)."""
+    if compression_basis(cfg, d) != "block":
+        return None
+    basis = BlockBasis.of(metric)
+    if basis is None:
+        raise ConfigError("compression-basis: block needs metric-block's metric, and this run's metric has no block "
+                          "(a checkpoint of its former dense form?); allowed here: theta, metric")
+    return BlockBasis.checked(basis.arrays(), d)
 
 
 def whitens(cfg: RunConfig, d: int) -> bool:
