@@ -9,8 +9,9 @@ from qlsd_flwr.core.block_basis import BlockBasis
 
 #: ``compression-basis = auto`` quantises in the metric's coordinates where ``M`` is small enough for every
 #: client to keep with each chain's state: a diagonal, or a dense ``M`` of ``d ≤ 512`` (2 MiB). K-FAC's factors
-#: and a low-rank correction stay in θ's coordinates: the main job's ``M`` is 24 MB a client and chain, and
-#: in Flower's simulation its rounds ran 8× slower (0.3 against 2.5 rounds/s, 2026-11-29)
+#: and a low-rank correction are too large for that (the main job's ``M`` was 24 MB a client and chain, and in
+#: Flower's simulation its rounds ran 8× slower, 0.3 against 2.5 rounds/s, 2026-11-29): K-FAC with ``metric-block``
+#: takes the block basis instead, and the others stay in θ's coordinates
 WHITEN_AUTO_DENSE_MAX = 512
 
 
@@ -25,8 +26,10 @@ def compression_basis(cfg: RunConfig, d: int) -> str:
     if basis == "block" and not blocked:
         raise ConfigError("compression-basis: block takes K-FAC's root on metric-block's directions, and needs "
                           f"metric = kronecker with metric-block > 0 (metric = {cfg.metric}); allowed: auto, metric, theta")
-    if basis != "auto" or blocked:
-        return basis if basis != "auto" else "block"
+    if basis != "auto":
+        return basis
+    if blocked:
+        return "block"
     dense = cfg.metric == "dense" or cfg.metric.endswith(".npy")
     return "metric" if not rank and (cfg.metric == "diagonal" or (dense and d <= WHITEN_AUTO_DENSE_MAX)) else "theta"
 
