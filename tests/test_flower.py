@@ -366,3 +366,29 @@ def test_metrics_csv_holds_each_round_as_soon_as_it_ends(tmp_path):
     strat = QLSDStrategy.from_config(cfg, load_task(cfg), run_dir=run_dir, on_round=watch)
     strat.start(grid=InProcessGrid(make_client_app(overrides=o), cfg.b, shuffle_seed=0))
     assert seen == list(range(1, 26))
+
+
+def test_a_nodes_chains_hold_their_shared_metric_once_in_its_context():
+    """Flower's Ray engine ships a client's whole Context with each message: the metric (the main job's 0.70 MB
+    block basis) is held once a node, not once a chain; each chain reads it back, and a state written before
+    (the metric in the chain's own record) still reads."""
+    from flwr.app import Context
+
+    from qlsd_flwr.core.metric import Diagonal
+    from qlsd_flwr.core.oracles import ClientState
+    from qlsd_flwr.flower.client_app import METRIC, load_state, save_state, state_key
+    from qlsd_flwr.protocol.wire import metric_of, metric_to_bytes
+
+    d = 6
+    raw = metric_to_bytes(Diagonal(np.arange(1.0, d + 1)))
+    ctx = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})
+    for c in range(4):
+        st = ClientState()
+        st.metric, st.eta = metric_of(raw, d), np.zeros(d)
+        save_state(ctx, st, d, c)
+    assert [k for k in ctx.state if "metric" in ctx.state[k]] == [METRIC]
+    for c in range(4):
+        np.testing.assert_array_equal(load_state(ctx, c).metric.apply(np.ones(d)), np.arange(1.0, d + 1))
+    old = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})
+    old.state[state_key(0)] = ConfigRecord({"dim": d, "metric": raw})
+    np.testing.assert_array_equal(load_state(old, 0).metric.apply(np.ones(d)), np.arange(1.0, d + 1))

@@ -54,6 +54,9 @@ from qlsd_flwr.tasks import loading
 from qlsd_flwr.tasks.threads import apply_threads
 
 STATE = "qlsd-state"
+#: the metric (or ``compression-basis = block``'s basis) a node's chains share, kept once a node: Flower's Ray engine
+#: ships a client's whole ``Context`` to its actor and back with every message, and the main job's basis is 0.70 MB
+METRIC = "qlsd-metric"
 
 
 @functools.lru_cache(maxsize=4096)  # one entry per client this process hosts (Ray: many)
@@ -115,8 +118,9 @@ def load_state(context: Context, chain: int | None = None) -> ClientState:
     for name in HELD:  # the vectors a client keeps (qlsd_flwr.samplers.fields)
         if name in rec:
             setattr(st, name, bytes_to_arr(rec[name], d))
-    if "metric" in rec:  # the rivals' local-step metric, as it travelled (protocol.wire.metric_to_bytes)
-        st.metric = metric_of(rec["metric"], d)
+    held = config_record(context.state, METRIC) if METRIC in context.state else rec  # rec: written before METRIC
+    if "metric" in held:  # the metric as it travelled (protocol.wire.metric_to_bytes)
+        st.metric = metric_of(held["metric"], d)
     return st
 
 
@@ -127,9 +131,20 @@ def save_state(context: Context, st: ClientState, d: int, chain: int | None = No
         val = getattr(st, name)
         if val is not None:
             rec[name] = arr_to_bytes(val)
-    if st.metric is not None:
-        rec["metric"] = metric_to_bytes(st.metric)
+    if st.metric is not None and not _holds(context, st.metric, d):
+        context.state[METRIC] = ConfigRecord({"metric": metric_to_bytes(st.metric)})
     context.state[state_key(chain)] = rec
+
+
+def _holds(context: Context, metric, d: int) -> bool:
+    """Whether ``context.state`` already holds ``metric``'s bytes: :func:`metric_of` keeps the metric it last read, so
+    the one every chain loaded from them is the same object, and is not encoded again at each message."""
+    if METRIC not in context.state:
+        return False
+    try:
+        return metric_of(config_record(context.state, METRIC)["metric"], d) is metric
+    except (KeyError, ValueError):
+        return False
 
 
 def held_chains(context: Context) -> list[int]:
