@@ -48,6 +48,14 @@ def basis_of(cfg: RunConfig, d: int, metric) -> BlockBasis | None:
     return BlockBasis.checked(basis.arrays(), d)
 
 
+def whitening_of(cfg: RunConfig, d: int, metric):
+    """What this run's clients quantise in (the server step's ``whitening``): the block basis, ``M`` itself, or
+    ``None`` in θ's coordinates (an identity metric included)."""
+    if not whitens(cfg, d) or metric.is_identity:
+        return None
+    return basis_of(cfg, d, metric) or metric
+
+
 def whitens(cfg: RunConfig, d: int) -> bool:
     """Whether the QLSD family's compressed messages are quantised in the metric's coordinates, or a basis standing for
     them (:func:`compression_basis`): the server then sends the clients that basis once (``metric``: sent)."""

@@ -550,6 +550,20 @@ def test_a_fixed_bound_below_an_honest_claim_is_refused_on_the_local_engine(tmp_
     assert not any(tmp_path.iterdir())  # refused before any run folder
 
 
+def test_a_fixed_bound_holds_claims_in_the_coordinates_the_replies_are_judged_in(tmp_path):
+    """With the messages in the metric's coordinates (compression-basis = metric) the sampling replies are judged as
+    ``Sᵀ c_i + ĝ_i``, so the claims are held to a fixed B as ``Sᵀ c_i`` too (here ``‖c_i‖`` 127–702, ``‖Sᵀ c_i‖``
+    6.9–38): B = 100 was refused before sampling, naming every client, although every reply passes; B = 30 leaves
+    client 0 (38) out, named in those coordinates."""
+    o = {**GAUSS, "engine": "local", "variant": "qlsd-star", "theta-star": "optimise", "prior-var": 5.0,
+         "metric": "diagonal", "compression-basis": "metric", "num-rounds": 50, "burn-in": 10}
+    r = run({**o, "norm-bound": 100.0, "output-dir": str(tmp_path / "a")})
+    assert r.summary["totals"]["n_rejected"] == 0
+    with pytest.raises(ConfigError, match=r"norm-bound: client 0: its ∇U_i\(θ\*\) in the messages' coordinates "
+                                          r"\(Sᵀ ∇U_i\(θ\*\), compression-basis\) has norm 38, over norm-bound = 30;"):
+        run({**o, "norm-bound": 30.0, "output-dir": str(tmp_path / "b")})
+
+
 def test_a_chain_whose_replies_are_mostly_refused_stops_naming_the_likely_cause(tmp_path):
     """Issue 38: a chain frozen by refusals ended "normally" (VR-FALD*'s anchor ×1e6 under norm-bound = 2000:
     2,995 of 3,000 honest replies refused, exit 0, 49 sd off). Whatever the cause, more than half of the

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from qlsd_flwr.bases import whitening_of
 from qlsd_flwr.config import ConfigError, RunConfig
 from qlsd_flwr.core import participation
 from qlsd_flwr.core import server_step as sampler
@@ -82,7 +83,8 @@ def run_local(cfg: RunConfig, task: Task | None = None, write: bool = True,
     if claims is not None:  # as the Flower path asks them: θ* down, ∇U_i(θ*) up
         count_claims(prep.info, cfg.b, d)
     # QLSD*'s replies carry c_i (judged as c_i + ĝ_i); VR-FALD*'s and FSGLD's local steps carry Σ_j c_j
-    if claims is not None and cfg.kind.needs_theta_star and (over := over_bound(claims, fixed_bound(bound))):
+    if claims is not None and cfg.kind.needs_theta_star and (
+            over := over_bound(claims, fixed_bound(bound), whitening_of(cfg, d, prep.metric))):
         # this engine's clients are honest: a claim over a fixed B means B is too small for the data
         raise ConfigError("norm-bound: " + "; ".join(f"client {i}: {w}" for i, w in over.items())
                           + "; every reply of theirs would be refused, a bias: raise norm-bound or use auto")

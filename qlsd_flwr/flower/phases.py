@@ -31,6 +31,7 @@ import logging
 import numpy as np
 from flwr.app import Message, MessageType
 
+from qlsd_flwr.bases import whitening_of
 from qlsd_flwr.core.potential import declares_log_concave
 from qlsd_flwr.flower import stopping
 from qlsd_flwr.flower.records import record_fields, to_content
@@ -95,7 +96,7 @@ class PhaseExchanges:
                     resync.add("resync", 0, bits)
                 if not wants_claims:
                     return prep, None
-                claims = self.claims(grid, prep.theta_star, timeout)
+                claims = self.claims(grid, prep.theta_star, timeout, prep.metric)
                 count_claims(prep.info, len(self.clients()), self.d)
                 return prep, claims
             except LeftOut:
@@ -196,9 +197,10 @@ class PhaseExchanges:
         self._n += 1
         (heapq.heappush if len(self._sketches) < KEPT else heapq.heappushpop)(self._sketches, entry)
 
-    def claims(self, grid, theta_star: np.ndarray, timeout: float) -> list[np.ndarray]:
+    def claims(self, grid, theta_star: np.ndarray, timeout: float, metric=None) -> list[np.ndarray]:
         """Every kept client's ``∇U_i(θ*)``, each held to what it said at θ* during the descent
-        (module docstring); :class:`LeftOut` for a client that changed its answer."""
+        (module docstring) and to a fixed ``norm-bound`` as its sampling replies will be (in ``metric``'s coordinates
+        where the run's messages are); :class:`LeftOut` for a client that changed its answer."""
         key = np.asarray(theta_star, dtype=np.float64).tobytes()
         before = next((e[3] for e in self._sketches if e[2] == key), {})
         self._points.clear()  # the claims send θ* whole, as count_claims counts them
@@ -208,7 +210,8 @@ class PhaseExchanges:
             if i not in self.left_out and (gap := relative_gap(self._dirs @ grads[i], old)) is not None:
                 changed[i] = f"its ∇U_i(θ*) changed between the descent and the claims (relative {gap:.3g})"
         if self.cfg.kind.needs_theta_star:  # QLSD*'s estimates carry c_i; VR-FALD*'s, FSGLD's local steps Σ_j c_j
-            changed.update(over_bound(grads, fixed_bound(self.cfg.raw.get("norm-bound", "auto"))))
+            whitening = None if metric is None else whitening_of(self.cfg, self.d, metric)
+            changed.update(over_bound(grads, fixed_bound(self.cfg.raw.get("norm-bound", "auto")), whitening))
         if self.cfg.kind.at_theta_star:  # every client's local steps carry Σ_j c_j: one claim out of scale moves all
             kept = self.clients()
             n = clamped_counts([self.nodes.n_data.get(i, 1) for i in range(self.cfg.b)], kept)

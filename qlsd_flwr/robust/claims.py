@@ -32,13 +32,20 @@ def relative_gap(a: np.ndarray, c: np.ndarray) -> float | None:
     return None if gap <= RTOL * scale else gap / max(scale, np.finfo(float).tiny)
 
 
-def over_bound(claims, bound: float | None) -> dict[int, str]:
+def over_bound(claims, bound: float | None, whitening=None) -> dict[int, str]:
     """The clients whose claim ``c_i`` alone passes a fixed ``norm-bound = B`` (``None``: no fixed
     bound), with why: each later estimate ``c_i + ĝ_i`` would carry it, so they are left out
-    before sampling and θ* is found again without them (:mod:`qlsd_flwr.flower.phases`)."""
-    norms = {i: float(np.linalg.norm(c)) for i, c in enumerate(claims)}
-    return {} if bound is None else {i: f"its ∇U_i(θ*) has norm {n:.3g}, over norm-bound = {bound:.3g}"
-                                     for i, n in norms.items() if not n <= bound}
+    before sampling and θ* is found again without them (:mod:`qlsd_flwr.flower.phases`). ``whitening``: the
+    metric (or basis) whose coordinates the replies are in (``compression-basis = metric``, ``block``), where the
+    estimate carries ``Sᵀ c_i`` and the sampling replies are judged so (:meth:`qlsd_flwr.protocol.claims.
+    ThetaStarClaims.base`): one measure before and during sampling."""
+    if bound is None:
+        return {}
+    carried = [c if whitening is None else whitening.apply_root_t(np.asarray(c)) for c in claims]
+    where = "" if whitening is None else " in the messages' coordinates (Sᵀ ∇U_i(θ*), compression-basis)"
+    norms = {i: float(np.linalg.norm(c)) for i, c in enumerate(carried)}
+    return {i: f"its ∇U_i(θ*){where} has norm {n:.3g}, over norm-bound = {bound:.3g}"
+            for i, n in norms.items() if not n <= bound}
 
 
 #: a claim whose per-datum norm is over this many times the lower median of the clients' is refused: honest
