@@ -53,7 +53,8 @@ def whitening_of(cfg: RunConfig, d: int, metric):
     ``None`` in θ's coordinates (an identity metric included)."""
     if not whitens(cfg, d) or metric.is_identity:
         return None
-    return basis_of(cfg, d, metric) or metric
+    basis = basis_of(cfg, d, metric)
+    return metric if basis is None else basis
 
 
 def whitens(cfg: RunConfig, d: int) -> bool:

@@ -389,6 +389,10 @@ def test_a_nodes_chains_hold_their_shared_metric_once_in_its_context():
     assert [k for k in ctx.state if "metric" in ctx.state[k]] == [METRIC]
     for c in range(4):
         np.testing.assert_array_equal(load_state(ctx, c).metric.apply(np.ones(d)), np.arange(1.0, d + 1))
+    st = load_state(ctx, 0)  # a resync brings chain 0 another metric: it replaces the node's, for every chain
+    st.metric = metric_of(metric_to_bytes(Diagonal(np.full(d, 7.0))), d)
+    save_state(ctx, st, d, 0)
+    np.testing.assert_array_equal(load_state(ctx, 3).metric.apply(np.ones(d)), np.full(d, 7.0))
     old = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})
     old.state[state_key(0)] = ConfigRecord({"dim": d, "metric": raw})
     np.testing.assert_array_equal(load_state(old, 0).metric.apply(np.ones(d)), np.arange(1.0, d + 1))

@@ -562,6 +562,9 @@ def test_a_fixed_bound_holds_claims_in_the_coordinates_the_replies_are_judged_in
     with pytest.raises(ConfigError, match=r"norm-bound: client 0: its ∇U_i\(θ\*\) in the messages' coordinates "
                                           r"\(Sᵀ ∇U_i\(θ\*\), compression-basis\) has norm 38, over norm-bound = 30;"):
         run({**o, "norm-bound": 30.0, "output-dir": str(tmp_path / "b")})
+    fl = {**o, "engine": "inprocess", "num-rounds": 12, "burn-in": 2}  # the Flower path leaves such a client out
+    assert "excluded" not in run({**fl, "norm-bound": 100.0, "output-dir": str(tmp_path / "c")}).summary
+    assert run({**fl, "norm-bound": 30.0, "output-dir": str(tmp_path / "d")}).summary["excluded"] == {"0": 0}
 
 
 def test_a_chain_whose_replies_are_mostly_refused_stops_naming_the_likely_cause(tmp_path):

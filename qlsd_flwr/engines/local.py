@@ -83,7 +83,7 @@ def run_local(cfg: RunConfig, task: Task | None = None, write: bool = True,
     if claims is not None:  # as the Flower path asks them: θ* down, ∇U_i(θ*) up
         count_claims(prep.info, cfg.b, d)
     # QLSD*'s replies carry c_i (judged as c_i + ĝ_i); VR-FALD*'s and FSGLD's local steps carry Σ_j c_j
-    if claims is not None and cfg.kind.needs_theta_star and (
+    if claims is not None and cfg.kind.needs_theta_star and fixed_bound(bound) is not None and (
             over := over_bound(claims, fixed_bound(bound), whitening_of(cfg, d, prep.metric))):
         # this engine's clients are honest: a claim over a fixed B means B is too small for the data
         raise ConfigError("norm-bound: " + "; ".join(f"client {i}: {w}" for i, w in over.items())

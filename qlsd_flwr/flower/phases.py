@@ -210,8 +210,9 @@ class PhaseExchanges:
             if i not in self.left_out and (gap := relative_gap(self._dirs @ grads[i], old)) is not None:
                 changed[i] = f"its ∇U_i(θ*) changed between the descent and the claims (relative {gap:.3g})"
         if self.cfg.kind.needs_theta_star:  # QLSD*'s estimates carry c_i; VR-FALD*'s, FSGLD's local steps Σ_j c_j
-            whitening = None if metric is None else whitening_of(self.cfg, self.d, metric)
-            changed.update(over_bound(grads, fixed_bound(self.cfg.raw.get("norm-bound", "auto")), whitening))
+            bound = fixed_bound(self.cfg.raw.get("norm-bound", "auto"))
+            whitening = None if metric is None or bound is None else whitening_of(self.cfg, self.d, metric)
+            changed.update(over_bound(grads, bound, whitening))
         if self.cfg.kind.at_theta_star:  # every client's local steps carry Σ_j c_j: one claim out of scale moves all
             kept = self.clients()
             n = clamped_counts([self.nodes.n_data.get(i, 1) for i in range(self.cfg.b)], kept)
