@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 
-from qlsd_flwr.bases import whitening_of
 from qlsd_flwr.config import ConfigError, RunConfig
 from qlsd_flwr.core import participation
 from qlsd_flwr.core import server_step as sampler
@@ -25,6 +24,7 @@ from qlsd_flwr.core.oracles import (
     set_anchor,
 )
 from qlsd_flwr.core.potential import Task
+from qlsd_flwr.protocol.claims import claims_over_bound
 from qlsd_flwr.protocol.traffic import count_claims
 from qlsd_flwr.protocol import broadcast, precondition
 from qlsd_flwr.outputs import loo
@@ -33,10 +33,8 @@ from qlsd_flwr.outputs.warmup import warmup_store
 from qlsd_flwr.outputs.observer import RunOutputs
 from qlsd_flwr.outputs.progress import progress_bar
 from qlsd_flwr.protocol import build
-from qlsd_flwr.robust.claims import over_bound
 from qlsd_flwr.protocol.client import handle
 from qlsd_flwr.protocol.divergence import DivergenceError, divergence_message
-from qlsd_flwr.robust.norm_guard import fixed_bound
 from qlsd_flwr.protocol.server import QLSDServer
 from qlsd_flwr.protocol.wire import vectors_to_bytes
 from qlsd_flwr.tasks import loading
@@ -83,8 +81,7 @@ def run_local(cfg: RunConfig, task: Task | None = None, write: bool = True,
     if claims is not None:  # as the Flower path asks them: θ* down, ∇U_i(θ*) up
         count_claims(prep.info, cfg.b, d)
     # QLSD*'s replies carry c_i (judged as c_i + ĝ_i); VR-FALD*'s and FSGLD's local steps carry Σ_j c_j
-    if claims is not None and cfg.kind.needs_theta_star and fixed_bound(bound) is not None and (
-            over := over_bound(claims, fixed_bound(bound), whitening_of(cfg, d, prep.metric))):
+    if claims is not None and cfg.kind.needs_theta_star and (over := claims_over_bound(cfg, d, prep.metric, claims)):
         # this engine's clients are honest: a claim over a fixed B means B is too small for the data
         raise ConfigError("norm-bound: " + "; ".join(f"client {i}: {w}" for i, w in over.items())
                           + "; every reply of theirs would be refused, a bias: raise norm-bound or use auto")

@@ -31,15 +31,14 @@ import logging
 import numpy as np
 from flwr.app import Message, MessageType
 
-from qlsd_flwr.bases import whitening_of
 from qlsd_flwr.core.potential import declares_log_concave
 from qlsd_flwr.flower import stopping
 from qlsd_flwr.flower.records import record_fields, to_content
 from qlsd_flwr.protocol import build, precondition
 from qlsd_flwr.protocol.traffic import Traffic, as_point, count_claims
-from qlsd_flwr.robust.claims import out_of_scale, over_bound, relative_gap
+from qlsd_flwr.protocol.claims import claims_over_bound
+from qlsd_flwr.robust.claims import out_of_scale, relative_gap
 from qlsd_flwr.robust.reports import MAX_BLOCK, clamped_counts
-from qlsd_flwr.robust.norm_guard import fixed_bound
 from qlsd_flwr.compression import fixed
 from qlsd_flwr.protocol.gradients import gradient_of
 from qlsd_flwr.protocol.wire import PhaseError, report_of
@@ -210,9 +209,7 @@ class PhaseExchanges:
             if i not in self.left_out and (gap := relative_gap(self._dirs @ grads[i], old)) is not None:
                 changed[i] = f"its ∇U_i(θ*) changed between the descent and the claims (relative {gap:.3g})"
         if self.cfg.kind.needs_theta_star:  # QLSD*'s estimates carry c_i; VR-FALD*'s, FSGLD's local steps Σ_j c_j
-            bound = fixed_bound(self.cfg.raw.get("norm-bound", "auto"))
-            whitening = None if metric is None or bound is None else whitening_of(self.cfg, self.d, metric)
-            changed.update(over_bound(grads, bound, whitening))
+            changed.update(claims_over_bound(self.cfg, self.d, metric, grads))
         if self.cfg.kind.at_theta_star:  # every client's local steps carry Σ_j c_j: one claim out of scale moves all
             kept = self.clients()
             n = clamped_counts([self.nodes.n_data.get(i, 1) for i in range(self.cfg.b)], kept)

@@ -24,7 +24,7 @@ from qlsd_flwr.core.oracles import ClientSpec
 from qlsd_flwr.core.potential import GaussianPrior, Task
 from qlsd_flwr.core.priors import check_prior
 from qlsd_flwr.core.server_step import ServerSpec
-from qlsd_flwr.bases import basis_of, whitens
+from qlsd_flwr.bases import whitening_of, whitens
 from qlsd_flwr.protocol.gradients import ROWS, as_sent, theta_width
 
 
@@ -259,13 +259,13 @@ def server_spec(cfg: RunConfig, task: Task, theta_star: np.ndarray | None, block
     # DG-LMC coupled in M's norm draws θ | z in M's eigenbasis (a low-rank correction: refused by
     # protocol.local_chains, naming the key)
     spectrum = Spectrum.of(metric) if cfg.kind.coupled and not metric.is_identity and not metric.has_correction else None
+    whitening = whitening_of(cfg, task.dim, metric)  # what the clients quantise in (None: θ's coordinates)
     return ServerSpec(
         b=cfg.b, gamma=cfg.gamma, p=cfg.p, rule=cfg.aggregation, memory=cfg.memory,
         alpha=alphas(cfg, task.dim, blocks), l=cfg.l, kind=cfg.kind, prior=task.prior,
         prior_on_server=(cfg.prior_on == "server"), theta_star=theta_star,
         metric=metric, temperature=float(cfg.temperature), spectrum=spectrum,
-        whitened=whitens(cfg, task.dim) and not metric.is_identity,
-        basis=basis_of(cfg, task.dim, metric),
+        whitened=whitening is not None, basis=None if whitening is metric else whitening,
         lag=lag_beta(str(cfg.get("downlink-correction")) if downlink_on(cfg) else "off", cfg.gamma, metric.is_identity))
 
 

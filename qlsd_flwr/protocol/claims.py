@@ -33,11 +33,22 @@ import logging
 
 import numpy as np
 
+from qlsd_flwr.bases import whitening_of
 from qlsd_flwr.outputs.checkpoint import CheckpointError
 from qlsd_flwr.protocol.wire import ReplyError, bytes_to_arr
-from qlsd_flwr.robust.claims import relative_gap
+from qlsd_flwr.robust.claims import over_bound, relative_gap
+from qlsd_flwr.robust.norm_guard import fixed_bound
 
 log = logging.getLogger("qlsd_flwr")
+
+
+def claims_over_bound(cfg, d: int, metric, claims) -> dict[int, str]:
+    """QLSD*'s claims over a fixed ``norm-bound = B``, measured as its sampling replies will be judged
+    (:func:`qlsd_flwr.robust.claims.over_bound`, in the coordinates the messages are quantised in,
+    :func:`qlsd_flwr.bases.whitening_of`); nothing under ``auto`` or ``off``."""
+    bound = fixed_bound(cfg.raw.get("norm-bound", "auto"))
+    return {} if bound is None else over_bound(claims, bound, None if metric is None else whitening_of(cfg, d, metric))
+
 
 class ThetaStarClaims:
     """Every client's ``∇U_i(θ*)`` from the θ* phase, and the step's correction (module docstring)."""
