@@ -120,13 +120,18 @@ def test_node_killed_mid_run_rejoins_and_is_resynced(cluster, tmp_path):
     # the killed node misses the round it was killed in. Another node may miss a round too on a slow machine: in a
     # fresh clone's CI run (2026-12-06, a slow hour: the suite took 666 s) node 1's first sampling reply came after
     # the 20 s reply-timeout (the later rounds took 9 s each), was counted as no reply, and node 1 was resynced. That
-    # is the protocol working, not a fault, so it is allowed here and checked as the killed node's rounds are
+    # is the protocol working, not a fault, so it is allowed here: every node that missed a round before the last was
+    # resynced (a new node id, as the killed node's, rejoins; a late node answers resync), and every node stays in
+    # the federation
     assert "2" in missed and 2 in missed["2"], missed
     assert s["rejoined"].get("2"), s["rejoined"]
-    assert s["rejected"].get("resync", 0) >= 1 and s["rejected"].get("no_reply", 0) >= 1, s["rejected"]
     rows = metrics_of(run_dir)
     assert len(rows) == 5
-    for r in rows:  # a node is inactive exactly in the rounds it misses
+    last = int(rows[-1]["round"])
+    assert s["rejected"].get("resync", 0) >= sum(min(m) < last for m in missed.values()), (s["rejected"], missed)
+    assert s["rejected"].get("no_reply", 0) >= 1, s["rejected"]
+    for r in rows:  # every node active every round, and its reply missing exactly in the rounds it is said to miss
+        assert r["n_active"] == B, rows
         assert r["n_replied"] == B - sum(int(r["round"]) in m for m in missed.values()), (rows, missed)
     assert int(rows[-1]["round"]) not in missed["2"]  # the killed node back in the chain by the end
     assert_memory_in_sync(s)
