@@ -19,6 +19,7 @@ from qlsd_flwr.keys import BY_NAME, DEFAULTS, ConfigError, close_keys, flag, par
 
 from qlsd_flwr import samplers
 from qlsd_flwr.core.downlink import CORRECTIONS, FEEDBACKS, check_correction, check_downlink
+from qlsd_flwr.core.server_step import NOISE_CORRECTIONS, check_noise, langevin_step
 from qlsd_flwr.samplers import ALIASES  # noqa: F401 (re-exported)
 ENGINES = ("ray", "inprocess", "local", "vectorised")
 TASKS = ("gaussian", "logistic", "mnist")
@@ -282,11 +283,10 @@ def resolve(overrides: Mapping[str, Any] | None = None) -> RunConfig:
     sampler.refuse(samplers.Settings(raw=raw, p=p, aggregation=aggregation, metric_rank=int(v["metric-rank"])))
     raw["downlink"] = _choice("downlink", raw["downlink"], ("off", "qsgd"))
     raw["downlink-feedback"] = _choice("downlink-feedback", raw["downlink-feedback"], FEEDBACKS)
-    check_downlink(raw["downlink"], sampler.name, sampler.estimator.local)
-    raw["downlink-correction"] = check_correction(_choice("downlink-correction", raw["downlink-correction"], CORRECTIONS),
-                                                  metric == "identity" and not v["metric-rank"])
-    if raw["downlink"] == "qsgd" and raw["vectorised-backend"] == "numba":
-        raise ConfigError("vectorised-backend: numba sends θ in full; with downlink = qsgd allowed: auto, numpy")
+    check_downlink(raw["downlink"], sampler.name, sampler.estimator.local, raw["vectorised-backend"])
+    no_metric = metric == "identity" and not v["metric-rank"]
+    raw["downlink-correction"] = check_correction(_choice("downlink-correction", raw["downlink-correction"], CORRECTIONS), no_metric)
+    raw["noise-correction"] = check_noise(_choice("noise-correction", raw["noise-correction"], NOISE_CORRECTIONS), no_metric, sampler.estimator.step is langevin_step, gamma)
     _check_data_keys(raw)
     return RunConfig(
         raw=raw, variant=variant, oracle=oracle, compressed=compressed, memory=memory, b=b_eff,

@@ -156,14 +156,15 @@ KEYS: tuple[Key, ...] = (
     Key("metric-block", 0, "int", "K-FAC (metric = kronecker) exact on its top k input directions, one block report "
         "a client; metric-rank then corrects off them (0: none; docs/METRIC.md)", "k", lo=0, cap=400, group=SAMPLER),
     Key("adapt-rounds", 300, "int", "rounds of metric-from = adapt's warm-up (each: one exact-gradient exchange "
-        "per chain with every client); the sampling chains continue from its end", "", lo=20, cap=10**7,
-        group=SAMPLER),
+        "per chain with every client); the sampling chains continue from its end", "", lo=20, cap=10**7, group=SAMPLER),
     Key("temperature", 1.0, "float", "the chain targets π^(1/T): T = 1 the posterior, T < 1 a cooled one (the "
         "noise is scaled by √T)", "T", lo=0, open_lo=True, cap=1e6, group=SAMPLER),
-    Key("init", "theta0", "choice", "where chains start: the task's θ_0 (all chains alike), or dispersed: θ* + 2 "
-        "M^½ z_c per chain (without a metric: the prior's sd, for a layered network at most each tensor's own "
-        "scale in θ_0), so that R-hat can show chains that have not met",
-        choices=("theta0", "dispersed"), group=SAMPLER),
+    Key("noise-correction", "off", "choice", "metric: the Langevin noise's covariance 2γT M times 1 − γ/2, which makes "
+        "the chain's law exact on the Gaussian of precision M⁻¹ with exact gradients (γ < 2; off: "
+        "ULA's; docs/METRIC.md)", "", choices=("off", "metric"), group=SAMPLER),
+    Key("init", "theta0", "choice", "where chains start: the task's θ_0 (all chains alike), or dispersed: θ* + 2 M^½ "
+        "z_c per chain (without a metric: the prior's sd, for a layered network at most each tensor's own scale in "
+        "θ_0), so that R-hat can show chains that have not met", choices=("theta0", "dispersed"), group=SAMPLER),
     Key("seed", 0, "int", "the run's seed (participation, minibatches, quantisation, noise)", "", lo=0, hi=SEED_MAX,
         group=SAMPLER),
     Key("num-chains", 1, "int", "independent chains in one run (chain c: seed + c; every engine but local)", "", lo=1, cap=100_000, group=SAMPLER),
@@ -192,9 +193,8 @@ KEYS: tuple[Key, ...] = (
         "α = 1/(ω_↓ + 1)) or none (w_k = C(θ_k), unbiased but with an error of θ's own size)", "",
         choices=("ef21-p", "none"), group=SAMPLER),
     Key("downlink-correction", "auto", "choice", "metric: the step adds −γ (θ_k − w_k) and takes the prior at w_k, "
-        "the lag's first-order term with M⁻¹ as the curvature (exact where M⁻¹ = ∇²U); auto: metric where M is not "
-        "the identity, else off (docs/ARCHITECTURE.md, the compressed downlink)", "",
-        choices=("auto", "metric", "off"), group=SAMPLER),
+        "the lag's first-order term with M⁻¹ as the curvature (exact where M⁻¹ = ∇²U); auto: metric where M is not the "
+        "identity, else off (docs/ARCHITECTURE.md, compressed downlink)", "", choices=("auto", "metric", "off"), group=SAMPLER),
     Key("p", "1.0", "floats", "participation probabilities, one value or one per client", "p_i", lo=0, hi=1,
         open_lo=True, group=SAMPLER),
     Key("aggregation", "unbiased", "choice", "weights 1/p_i (the supplement's theory) or b/|A_k| (Algorithm 1)",

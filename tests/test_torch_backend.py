@@ -181,6 +181,8 @@ def test_what_the_torch_backend_does_not_cover_is_refused_with_the_key():
 
     cfg = resolve({**MLP, "variant": "qlsd-pp", "encoding": "arith"})
     assert "encoding = 'arith' runs on: auto, numpy" in torch_scope.unsupported(cfg, loading.load_task(cfg))
+    cfg = resolve({**MLP, "variant": "qlsd-pp", "metric": "diagonal", "noise-correction": "metric"})
+    assert "noise-correction = metric runs on: auto, numpy" in torch_scope.unsupported(cfg, loading.load_task(cfg))
     # on the CPU, auto keeps the numpy backend: its chains are the reference's bit for bit
     assert run_vectorised(resolve({**MLP, "variant": "qlsd-pp", "num-rounds": 2}), write=False).backend == "numpy"
     with pytest.raises(ConfigError, match="auto, numba, numpy, torch"):

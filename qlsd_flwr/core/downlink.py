@@ -63,14 +63,17 @@ def broadcast_code(s: int) -> QSGD:
     return QSGD(int(s), encoding=ENCODING)
 
 
-def check_downlink(downlink: str, sampler: str, local: bool) -> None:
+def check_downlink(downlink: str, sampler: str, local: bool, backend: str = "auto") -> None:
     """``downlink = qsgd`` is for the QLSD family (the rivals' clients step from θ itself), on every engine (the
-    vectorised one on its numpy backend); else ``ConfigError`` naming the key and what is allowed."""
+    vectorised one on its numpy backend: ``backend``, ``vectorised-backend``'s value); else ``ConfigError`` naming
+    the key and what is allowed."""
     if downlink == "off":
         return
     if local:
         raise ConfigError(f"downlink: qsgd compresses the broadcast of the QLSD family; {sampler}'s clients take "
                           "local steps from θ itself; allowed with it: downlink = off")
+    if backend == "numba":
+        raise ConfigError("vectorised-backend: numba sends θ in full; with downlink = qsgd allowed: auto, numpy")
 
 
 def check_correction(v: str, identity: bool) -> str:

@@ -12,7 +12,8 @@ Read next to Algorithm 2 of the paper (QLSD++; the other variants switch parts o
    ``θ_{k+1} = θ_k − γ M g_{k+1} + √(2γT) M^{1/2} Z_{k+1}`` (the identity metric at ``T = 1`` runs
    the paper's expression unchanged, so its chains are bit for bit those of before); under ``downlink = qsgd``
    with ``downlink-correction``, the prior at the clients' point ``w_k`` and ``− γβ (θ_k − w_k)`` more
-   (:mod:`qlsd_flwr.core.downlink`)
+   (:mod:`qlsd_flwr.core.downlink`); with ``noise-correction = metric`` the noise's covariance ``2γT M`` times
+   ``1 − γ/2`` (:func:`noise_factor`)
 
 Sums run over clients in ascending index order, always, so the result does not depend on
 the order replies arrive in. The server keeps a mirror of every ``η_i`` and recomputes
@@ -37,6 +38,7 @@ import numpy as np
 from qlsd_flwr.core import participation, rng
 from qlsd_flwr.core.metric import Identity, Metric
 from qlsd_flwr.core.potential import GaussianPrior
+from qlsd_flwr.errors import ConfigError
 
 
 @dataclass
@@ -90,6 +92,8 @@ class ServerSpec:
     # takes the prior at w_k too and adds −γβ (θ_k − w_k), M⁻¹ standing for the curvature (core.downlink). β =
     # min(1, 1/γ), so that γβ ≤ 1 and the recursion is stable wherever ULA's is (core.downlink.stable)
     lag: float = 0.0
+    # noise-correction = metric: the Langevin noise's scale √(1 − γ/2) (1: ULA's own; :func:`noise_factor`)
+    noise: float = 1.0
 
     @property
     def oracle(self) -> str:
@@ -105,6 +109,48 @@ class ServerSpec:
     def plain(self) -> bool:
         """Whether the step is the paper's own (identity metric, ``T = 1``)."""
         return self.metric.is_identity and self.temperature == 1.0
+
+
+#: ``noise-correction``: ``metric`` scales the Langevin noise so that the chain's law is exact on the Gaussian whose
+#: precision is ``M⁻¹`` (:func:`noise_factor`); ``off``: ULA's noise
+NOISE_CORRECTIONS = ("off", "metric")
+
+
+def check_noise(v: str, identity: bool, langevin: bool, gamma: float = float("nan")) -> str:
+    """``noise-correction``'s value ``v``, or ``ConfigError`` naming the key where ``metric`` has no curvature to take
+    (``identity``: ``M`` is the identity) or no Langevin step of the QLSD family's to act on (``langevin``: the
+    sampler's step is :func:`langevin_step`; the rivals take their own), or where a numeric ``gamma`` is not below 2
+    (:func:`noise_factor`; ``gamma = auto``'s γ is checked when it is chosen)."""
+    if v == "metric" and identity:
+        raise ConfigError("noise-correction: metric takes M⁻¹ as the curvature, and metric = identity has none; "
+                          "allowed with it: off")
+    if v == "metric" and not langevin:
+        raise ConfigError("noise-correction: metric scales the QLSD family's Langevin noise; this variant takes its "
+                          "own step; allowed with it: off")
+    if np.isfinite(gamma):
+        noise_factor(v, gamma)
+    return v
+
+
+def noise_factor(correction: str, gamma: float, identity: bool = False) -> float:
+    r"""The Langevin noise's scale under ``noise-correction`` (``correction``) at the step ``γ``: 1 under ``off``
+    (ULA) and where ``M`` is the identity (``identity``: a run whose correction left it so has no curvature to take),
+    and under ``metric`` ``√(1 − γ/2)``, the noise's covariance then ``γ (2 − γ) T M``.
+
+    Why: on a Gaussian target of precision ``P`` the step ``θ' = θ − γ M P (θ − μ) + ξ``, ``ξ ~ N(0, Q)``, has the
+    stationary covariance ``Σ = A Σ Aᵀ + Q``, ``A = I − γ M P``. ULA's ``Q = 2γT M`` gives ``Σ ≠ T P⁻¹``: along a
+    direction where ``M^½ P M^½`` has the eigenvalue ``λ`` the variance is ``1/(1 − γλ/2)`` times the target's
+    (ULA's bias: 2 at ``γλ = 1``). ``Σ = T P⁻¹`` exactly needs ``Q = T (2γ M − γ² M P M)``, and where ``P = M⁻¹``, the
+    curvature the metric models, that is ``γ (2 − γ) T M``. Elsewhere the ratio is ``(1 − γ/2)/(1 − γλ/2)``: 1 at
+    ``λ = 1``, above 1 where the metric reads the curvature low and below where it reads it high. ``γ < 2`` (a
+    positive covariance); ``ConfigError`` naming the key otherwise. Exact with exact gradients: the clients'
+    quantisation, their minibatches and the broadcast's lag add variance of their own."""
+    if correction != "metric" or identity:
+        return 1.0
+    if not 0.0 < float(gamma) < 2.0:
+        raise ConfigError(f"noise-correction: metric needs 0 < γ < 2 (the noise's covariance γ (2 − γ) T M), "
+                          f"and γ = {float(gamma):.6g}; allowed with it: off")
+    return float(np.sqrt(1.0 - float(gamma) / 2.0))
 
 
 def init_state(spec: ServerSpec, theta0: np.ndarray) -> ServerState:
@@ -184,12 +230,13 @@ def langevin_step(spec: ServerSpec, st: ServerState, seed, g_hat: np.ndarray,
     if spec.whitened:  # g is Sᵀ ∇U's estimate: θ − γ S g + √(2γT) S z, the metric's step in θ's coordinates
         # (compression-basis = block: g estimates B ∇U, and M B⁻¹ g is M ∇U's estimate)
         drift = spec.metric.apply_root(g) if spec.basis is None else spec.metric.apply(spec.basis.apply_inv(g))
-        new = st.theta - spec.gamma * drift + np.sqrt(2.0 * spec.gamma * spec.temperature) * spec.metric.apply_root(z)
+        new = st.theta - spec.gamma * drift + spec.noise * np.sqrt(2.0 * spec.gamma * spec.temperature) \
+            * spec.metric.apply_root(z)
     elif spec.plain:
         new = st.theta - spec.gamma * g + np.sqrt(2.0 * spec.gamma) * z
     else:
         new = st.theta - spec.gamma * spec.metric.apply(g) \
-            + np.sqrt(2.0 * spec.gamma * spec.temperature) * spec.metric.apply_root(z)
+            + spec.noise * np.sqrt(2.0 * spec.gamma * spec.temperature) * spec.metric.apply_root(z)
     if lagged:  # ĝ(w_k) + M⁻¹ (θ_k − w_k): ∇U(θ_k) to first order, with the curvature M models
         new = new - (spec.gamma * spec.lag) * (st.theta - st.w)
     st.theta = np.where(np.asarray(skipped)[..., None], st.theta, new)

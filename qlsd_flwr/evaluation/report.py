@@ -27,7 +27,7 @@ def posterior_errors(summary: dict) -> dict:
         "sample var / posterior var (avg)": float(np.mean(sv / v)),
     }
     if "ula_var_exact" in summary:
-        out["same, for exact-gradient ULA at this γ"] = float(np.mean(np.asarray(summary["ula_var_exact"]) / v))
+        out["same, for exact-gradient ULA at this γ (noise-correction's included)"] = float(np.mean(np.asarray(summary["ula_var_exact"]) / v))
     return out
 
 

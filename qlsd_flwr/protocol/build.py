@@ -23,7 +23,7 @@ from qlsd_flwr import samplers
 from qlsd_flwr.core.oracles import ClientSpec
 from qlsd_flwr.core.potential import GaussianPrior, Task
 from qlsd_flwr.core.priors import check_prior
-from qlsd_flwr.core.server_step import ServerSpec
+from qlsd_flwr.core.server_step import ServerSpec, noise_factor
 from qlsd_flwr.bases import whitening_of, whitens
 from qlsd_flwr.protocol.gradients import ROWS, as_sent, theta_width
 
@@ -266,7 +266,8 @@ def server_spec(cfg: RunConfig, task: Task, theta_star: np.ndarray | None, block
         prior_on_server=(cfg.prior_on == "server"), theta_star=theta_star,
         metric=metric, temperature=float(cfg.temperature), spectrum=spectrum,
         whitened=whitening is not None, basis=None if whitening is metric else whitening,
-        lag=lag_beta(str(cfg.get("downlink-correction")) if downlink_on(cfg) else "off", cfg.gamma, metric.is_identity))
+        lag=lag_beta(str(cfg.get("downlink-correction")) if downlink_on(cfg) else "off", cfg.gamma, metric.is_identity),
+        noise=noise_factor(str(cfg.get("noise-correction")), cfg.gamma, metric.is_identity))
 
 
 def external_task(cfg: RunConfig, blocks=None, theta_star=None, prior=None, prior_var="flat",

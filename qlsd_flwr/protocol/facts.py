@@ -8,6 +8,7 @@ import numpy as np
 from qlsd_flwr.config import RunConfig
 from qlsd_flwr.core.downlink import lag_beta
 from qlsd_flwr.core.potential import Task
+from qlsd_flwr.core.server_step import noise_factor
 from qlsd_flwr.protocol.build import downlink_on
 
 
@@ -21,6 +22,9 @@ def summary_extra(cfg: RunConfig, task: Task, extra: dict) -> dict:
     if downlink_on(cfg):  # β of the step's lag term (core.downlink.lag_beta; 0: none)
         out["downlink_correction_beta"] = lag_beta(str(cfg.get("downlink-correction")), cfg.gamma,
                                                    out.get("metric", "identity") == "identity")
+    noise = noise_factor(str(cfg.get("noise-correction")), cfg.gamma, out.get("metric", "identity") == "identity")
+    if noise != 1.0:  # noise-correction = metric: the Langevin noise's scale (core.server_step.noise_factor)
+        out["noise_factor"] = noise
     if task.posterior_mean is not None:
         out["posterior_mean_exact"] = np.asarray(task.posterior_mean).tolist()
         out["posterior_var_exact"] = np.asarray(task.posterior_var).tolist()
@@ -33,8 +37,8 @@ def summary_extra(cfg: RunConfig, task: Task, extra: dict) -> dict:
         diag = 1.0 if metric == "identity" else (np.asarray(metric, dtype=np.float64)
                                               if isinstance(metric, list) and len(metric) == v.size
                                               and np.ndim(metric) == 1 else None)
-        if diag is not None:  # ULA's exact variance at this γ: T v / (1 − γ M / (2 v)), coordinate-wise
-            shrink = 1.0 - cfg.gamma * diag / (2.0 * v)
+        if diag is not None:  # ULA's exact variance at this γ: T v / (1 − γ M / (2 v)), coordinate-wise (times
+            shrink = 1.0 - cfg.gamma * diag / (2.0 * v)  # noise-correction's 1 − γ/2 where it is on)
             if np.all(shrink > 0):
-                out["ula_var_exact"] = (cfg.temperature * v / shrink).tolist()
+                out["ula_var_exact"] = (cfg.temperature * noise ** 2 * v / shrink).tolist()
     return out

@@ -247,13 +247,15 @@ def _step(cfg: RunConfig, grad_fn: GradFn | None, point: np.ndarray, metric: Met
                                   "products from a client); give a numeric gamma")
             gamma = c / lam
             auto = str(cfg.get("gamma-c")).strip().lower() == "auto"
+            noisy = str(cfg.get("noise-correction")) == "metric"
             log.warning("gamma = auto: γ = %.4g = %g / λ_max, λ_max = %.4g (the largest eigenvalue of M^½ ∇²U(θ*) "
                         "M^½, %d exchanges of products (Lanczos)%s; metric %s; variance along the stiffest direction ×%.3g, ULA's "
-                        "bias at this c%s)", gamma, c, lam, iters,
+                        "bias at this c%s%s)", gamma, c, lam, iters,
                         {"random": "", "ritz": " from metric-rank's top uncorrected Ritz vector",
                          "ritz+random": " from metric-rank's top uncorrected Ritz vector and a random one"}[begun],
                         metric.kind,
-                        1.0 / (1.0 - c / 2.0),
+                        (1.0 - gamma / 2.0 if noisy else 1.0) / (1.0 - c / 2.0),
+                        " with noise-correction's 1 − γ/2" if noisy else "",
                         "" if not auto else "; gamma-c = auto: " + (
                             "a log-concave posterior" if info.get("log_concave") else
                             "a posterior not declared log-concave, such as a network's, takes half the step"))

@@ -27,6 +27,8 @@ def unsupported(cfg, task, specs=None, spec=None) -> str | None:
         return f"vectorised-backend = torch runs the QLSD family; variant {cfg.variant!r} runs on: auto, numpy"
     if build.downlink_on(cfg):
         return "vectorised-backend = torch sends θ in full; downlink = qsgd runs on: auto, numpy"
+    if str(cfg.get("noise-correction")) != "off":
+        return "vectorised-backend = torch takes ULA's noise; noise-correction = metric runs on: auto, numpy"
     if cfg.metric in ("dense", "kronecker") or int(cfg.get("metric-rank") or 0):  # a file: its kind, below
         return ("vectorised-backend = torch steps with metric = identity or diagonal and metric-rank = 0; "
                 f"metric = {cfg.metric!r} runs on: auto, numpy")
