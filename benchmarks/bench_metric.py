@@ -200,6 +200,7 @@ def run_predictive(out: Path, which: str) -> dict:
     # these modes measured the main job as it was until 2026-12-02 (600 rounds, c = 1, θ broadcast in float64):
     # pinned, so that each reproduces what it recorded (the main job now: bench_mainjob_reference.py --sweep)
     QLSD_MAIN = {**QLSD_MAIN, "gamma-c": 1.0, "num-rounds": 600, "burn-in": 150, "thin": 3, "downlink": "off",
+                 "noise-correction": "off",  # ULA's noise, as the job then had (2026-12-06 13:30: metric)
                  "metric-block": 0, "metric-rank-exchanges": 32}  # the 512 products alone (until 2026-12-04)
     if which == "mainjob":  # the metrics at the former step settings (s = 2, c = 0.25)
         bases = {"mainjob": {**QLSD_MAIN, "engine": "vectorised", "s": "2", "gamma-c": 0.25}}

@@ -11,8 +11,8 @@ two halves (chains 0–1 against 2–3), the measure of issue 39 (target ≤ 2).
 
     python benchmarks/bench_quickstart_hmc.py [--rounds 8000] [--rows identity:0.001,diagonal:auto]
 
-A row is ``metric:gamma[:gamma-c]``; ``gamma-c`` omitted is the key's default (its rule for
-networks included).
+A row is ``metric:gamma[:gamma-c[:noise-correction]]``; ``gamma-c`` omitted (or empty) is the key's default (its
+rule for networks included); ``noise-correction`` omitted is ``off``.
 """
 
 from __future__ import annotations
@@ -75,7 +75,9 @@ def row(spec: str, rounds: int, folder: str, X, p_ref, halves: float) -> dict:
     from qlsd_flwr.potentials import TorchPotential
 
     metric, gamma, *rest = spec.split(":")
-    extra = {"gamma_c": float(rest[0])} if rest else {}
+    extra = {"gamma_c": float(rest[0])} if rest and rest[0] else {}
+    if len(rest) > 1:  # a fourth field: noise-correction's value
+        extra["noise_correction"] = rest[1]
     pots = [potential(i, B) for i in range(B)]
     Xh, yh = held_out_data()
     st = QLSDStrategy(num_clients=B, dim=pots[0].dim, gamma=gamma if gamma == "auto" else float(gamma),
@@ -98,6 +100,7 @@ def row(spec: str, rounds: int, folder: str, X, p_ref, halves: float) -> dict:
     cv = summary["convergence"]
     pr = cv.get("predictive") or {}
     return {"row": spec, "rounds": rounds, "gamma": summary["gamma"], "gamma_c": summary.get("gamma_c"),
+            "noise_factor": summary.get("noise_factor", 1.0),
             "tv_to_hmc": tv(p, p_ref), "tv_ratio_to_hmc_halves": tv(p, p_ref) / halves,
             "tv_own_halves": tv(pred(draws[:2]), pred(draws[2:])),
             "agreement_with_hmc": float(np.mean(p.argmax(1) == p_ref.argmax(1))),
@@ -109,7 +112,7 @@ def row(spec: str, rounds: int, folder: str, X, p_ref, halves: float) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=8000)
-    ap.add_argument("--rows", default="identity:0.001,diagonal:auto", help="comma-separated metric:gamma[:gamma-c]")
+    ap.add_argument("--rows", default="identity:0.001,diagonal:auto", help="comma-separated metric:gamma[:gamma-c[:noise-correction]]")
     ap.add_argument("--out", default="quickstart_hmc.json", help="file name under benchmarks/")
     a = ap.parse_args()
     from qlsd_quickstart.task import _wine
