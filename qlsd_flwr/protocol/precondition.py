@@ -31,6 +31,7 @@ from qlsd_flwr.config import ConfigError, RunConfig, adapts
 from qlsd_flwr.core import curvature as cv
 from qlsd_flwr.core.metric import Identity, Metric
 from qlsd_flwr.core.potential import Task
+from qlsd_flwr.core.server_step import noise_factor
 from qlsd_flwr.robust.reports import SURROGATE_WIDEN, ReportError, cap_surrogates, cap_total
 from qlsd_flwr.protocol.curvature_exchange import (
     block_corrected,
@@ -247,15 +248,15 @@ def _step(cfg: RunConfig, grad_fn: GradFn | None, point: np.ndarray, metric: Met
                                   "products from a client); give a numeric gamma")
             gamma = c / lam
             auto = str(cfg.get("gamma-c")).strip().lower() == "auto"
-            noisy = str(cfg.get("noise-correction")) == "metric"
+            noise = noise_factor(str(cfg.get("noise-correction")), gamma, metric.is_identity)  # 1: ULA's noise
             log.warning("gamma = auto: γ = %.4g = %g / λ_max, λ_max = %.4g (the largest eigenvalue of M^½ ∇²U(θ*) "
                         "M^½, %d exchanges of products (Lanczos)%s; metric %s; variance along the stiffest direction ×%.3g, ULA's "
                         "bias at this c%s%s)", gamma, c, lam, iters,
                         {"random": "", "ritz": " from metric-rank's top uncorrected Ritz vector",
                          "ritz+random": " from metric-rank's top uncorrected Ritz vector and a random one"}[begun],
                         metric.kind,
-                        (1.0 - gamma / 2.0 if noisy else 1.0) / (1.0 - c / 2.0),
-                        " with noise-correction's 1 − γ/2" if noisy else "",
+                        noise ** 2 / (1.0 - c / 2.0),
+                        " with noise-correction's 1 − γ/2" if noise != 1.0 else "",
                         "" if not auto else "; gamma-c = auto: " + (
                             "a log-concave posterior" if info.get("log_concave") else
                             "a posterior not declared log-concave, such as a network's, takes half the step"))
