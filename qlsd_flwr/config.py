@@ -1,8 +1,7 @@
 """The run configuration: one flat key/value mapping drives every engine.
 
-The keys, their types, ranges, defaults and meanings are the table of :mod:`qlsd_flwr.keys`
-(also ``[tool.flwr.app.config]`` in ``pyproject.toml``, the files in ``conf/``, ``qlsd-flwr
-config``). :func:`resolve` reads every key by the table's rules, then checks what involves
+The keys, their types, ranges, defaults and meanings are the table of :mod:`qlsd_flwr.keys` (also
+``[tool.flwr.app.config]`` in ``pyproject.toml``, the files in ``conf/``, ``qlsd-flwr config``). :func:`resolve` reads every key by the table's rules, then checks what involves
 several keys, and raises :class:`ConfigError` naming the bad key and its allowed values, so a
 mistake costs a second, not an hour of sampling.
 """
@@ -18,7 +17,7 @@ import numpy as np
 from qlsd_flwr.keys import BY_NAME, DEFAULTS, ConfigError, close_keys, flag, parse  # noqa: F401 (DEFAULTS, ConfigError: re-exported)
 
 from qlsd_flwr import samplers
-from qlsd_flwr.core.downlink import CORRECTIONS, FEEDBACKS, check_correction, check_downlink
+from qlsd_flwr.core.downlink import CORRECTIONS, DITHERS, FEEDBACKS, check_correction, check_downlink
 from qlsd_flwr.core.server_step import NOISE_CORRECTIONS, check_noise, langevin_step
 from qlsd_flwr.samplers import ALIASES  # noqa: F401 (re-exported)
 ENGINES = ("ray", "inprocess", "local", "vectorised")
@@ -149,7 +148,7 @@ def not_applicable(raw: dict) -> set[str]:
     if str(raw.get("gamma", "")).lower() != "auto":
         out.add("gamma-c")
     if str(raw.get("downlink", "off")).strip().lower() != "qsgd":
-        out |= {"downlink-s", "downlink-feedback", "downlink-correction"}
+        out |= {"downlink-s", "downlink-feedback", "downlink-correction", "downlink-dither"}
     return out & set(raw)
 
 
@@ -282,7 +281,8 @@ def resolve(overrides: Mapping[str, Any] | None = None) -> RunConfig:
                           f"{variant} takes q = 0")
     sampler.refuse(samplers.Settings(raw=raw, p=p, aggregation=aggregation, metric_rank=int(v["metric-rank"])))
     raw["downlink"] = _choice("downlink", raw["downlink"], ("off", "qsgd"))
-    raw["downlink-feedback"] = _choice("downlink-feedback", raw["downlink-feedback"], FEEDBACKS)
+    raw["downlink-feedback"], raw["downlink-dither"] = (_choice(k, raw[k], v) for k, v in (
+        ("downlink-feedback", FEEDBACKS), ("downlink-dither", DITHERS)))
     check_downlink(raw["downlink"], sampler.name, sampler.estimator.local, raw["vectorised-backend"])
     no_metric = metric == "identity" and not v["metric-rank"]
     raw["downlink-correction"] = check_correction(_choice("downlink-correction", raw["downlink-correction"], CORRECTIONS), no_metric)

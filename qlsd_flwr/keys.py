@@ -1,10 +1,10 @@
 """The run configuration's keys: one declarative table (:data:`KEYS`).
 
-Each :class:`Key` gives the type, the allowed range or choices, the default, the paper's symbol
-and one line of documentation. The table drives:
+Each :class:`Key` gives the type, the allowed range or choices, the default, the paper's symbol and one line of
+documentation. The table drives:
 
-* validation — :func:`parse` reads one value by its key's rules (called by
-  :func:`qlsd_flwr.config.resolve` for every key, before the checks that involve several keys);
+* validation — :func:`parse` reads one value by its key's rules (called by :func:`qlsd_flwr.config.resolve` for every
+  key, before the checks that involve several keys);
 * ``[tool.flwr.app.config]`` in ``pyproject.toml`` — :func:`qlsd_flwr.keys_text.pyproject_block` (a test checks that
   the declared keys are the table's and their values valid);
 * ``qlsd-flwr config`` and ``qlsd-flwr run --help`` — :func:`qlsd_flwr.keys_text.help_text`;
@@ -192,6 +192,8 @@ KEYS: tuple[Key, ...] = (
     Key("downlink-feedback", "ef21-p", "choice", "ef21-p (both sides keep w_k = w_{k−1} + α C(θ_k − w_{k−1}), "
         "α = 1/(ω_↓ + 1)) or none (w_k = C(θ_k), unbiased but with an error of θ's own size)", "",
         choices=("ef21-p", "none"), group=SAMPLER),
+    Key("downlink-dither", "stochastic", "choice", "the broadcast's rounding: stochastic (QSGD's) or subtractive (the clients "
+        "take the shared dither out: the error uniform, (N/s_↓)²/12)", "", choices=("stochastic", "subtractive"), group=SAMPLER),
     Key("downlink-correction", "auto", "choice", "metric: the step adds −γ (θ_k − w_k) and takes the prior at w_k, "
         "the lag's first-order term with M⁻¹ as the curvature (exact where M⁻¹ = ∇²U); auto: metric where M is not the "
         "identity, else off (docs/ARCHITECTURE.md, compressed downlink)", "", choices=("auto", "metric", "off"), group=SAMPLER),
@@ -209,8 +211,7 @@ KEYS: tuple[Key, ...] = (
         "a steadily false client is excluded) and run-away detection; a number B: each client's gradient "
         "estimate (and QLSD*'s ∇U_i(θ*)) held to norm ≤ B, which bounds what one client, even a consistent liar, "
         "does to the stationary law (W2 ≤ B/m for m-strongly convex other clients, docs/DEPLOYMENT.md); off: neither",
-        "B", lo=0, open_lo=True,
-        words=("auto", "off"), group=SAMPLER),
+        "B", lo=0, open_lo=True, words=("auto", "off"), group=SAMPLER),
     Key("theta-star", "closed-form", "choice", "QLSD*/LSD*'s θ*: the task's closed form, or a federated gradient "
         "descent first", "θ*", choices=("closed-form", "optimise"), group=SAMPLER),
     Key("opt-rounds", 500, "int", "most rounds of the θ* descent", "", lo=1, cap=10**9, group=SAMPLER),
@@ -247,8 +248,7 @@ KEYS: tuple[Key, ...] = (
         group=RUN),
     Key("torch-threads", "auto", "float|word", "torch's threads in each process that computes gradients (auto: "
         "⌊client-cpus⌋, at least 1, in a Ray actor or a SuperNode; the process's cores less one, at least 1, on the "
-        "other engines)", "",
-        lo=1, cap=1024, words=("auto",), group=RUN),
+        "other engines)", "", lo=1, cap=1024, words=("auto",), group=RUN),
     Key("reply-timeout", 600.0, "float", "seconds to wait for replies and for nodes", "", lo=0, open_lo=True,
         cap=10**7, group=RUN),
     Key("node-keys", "", "text", "a folder with node0.pub, node1.pub, …: with node authentication, client i must be "

@@ -48,13 +48,16 @@ def _replayed_noise(cfg, task, trace, burn: int) -> np.ndarray:
     for k, theta in enumerate(thetas):
         coded = theta if dl.feedback == "none" else None if w is None else theta - w
         if k >= burn and coded is not None:
-            Q, n = Q + D.qsgd_variance(coded, s), n + 1
+            var = D.subtractive_variance if dl.dither == "subtractive" else D.qsgd_variance
+            Q, n = Q + var(coded, s), n + 1
         w = dl.send(theta, w, cfg.seed, k)[0]
     return np.diag(Q / n)
 
 
-@pytest.mark.parametrize("feedback, s, c", [("ef21-p", 2, 0.9), ("ef21-p", 8, 0.9), ("none", 2, 0.5)])
-def test_the_chain_has_its_derived_stationary_law(feedback, s, c):
+@pytest.mark.parametrize("feedback, s, c, dither", [("ef21-p", 2, 0.9, "stochastic"), ("ef21-p", 8, 0.9, "stochastic"),
+                                                     ("none", 2, 0.5, "stochastic"), ("ef21-p", 2, 0.9, "subtractive")])
+def test_the_chain_has_its_derived_stationary_law(feedback, s, c, dither):
+    """(``downlink-dither = subtractive``: the same law with ``Q`` the subtractive dither's ``(N/s)²/12``.)"""
     task = ill_conditioned_task(d=3, cond=30)
     P = sum(cl.A for cl in task.clients)
     gamma = c / np.linalg.eigvalsh(P)[-1]
@@ -62,9 +65,10 @@ def test_the_chain_has_its_derived_stationary_law(feedback, s, c):
     cfg = resolve({"variant": "qlsd", "compressor": "identity", "num-clients": 2, "dim": 3, "num-rounds": K,
                    "burn-in": 0, "progress": False, "plot": False, "loo": "off", "theta-star": "closed-form",
                    "gamma": gamma, "p": "1", "downlink": "qsgd", "downlink-s": s, "downlink-feedback": feedback,
-                   "seed": 3})
+                   "downlink-dither": dither, "seed": 3})
     trace = run_local(cfg, task=task, write=False, keep_trace=True, wire=False).trace
     dl = downlink_of(cfg)
+    assert dl.dither == dither
     Q = _replayed_noise(cfg, task, trace, burn)
     want = D.stationary_covariance(gamma, P, np.eye(3), dl.alpha(3), Q, feedback=feedback)
     exact = D.stationary_covariance(gamma, P, np.eye(3), 1.0, np.zeros((3, 3)), feedback="none")  # no broadcast noise
@@ -137,11 +141,13 @@ def _bits_down(run_dir) -> int:
         return sum(int(r["bits_down"]) for r in csv.DictReader(f))
 
 
-@pytest.mark.parametrize("feedback", ["ef21-p", "none"])
-def test_every_path_runs_the_same_chain_with_fewer_downlink_bits(feedback, tmp_path):
+@pytest.mark.parametrize("feedback, dither", [("ef21-p", "stochastic"), ("none", "stochastic"),
+                                             ("ef21-p", "subtractive")])
+def test_every_path_runs_the_same_chain_with_fewer_downlink_bits(feedback, dither, tmp_path):
+    """(With ``downlink-dither = subtractive`` each client takes its chain's dither out: two chains, seeds 2 and 3.)"""
     from qlsd_flwr.run.simulate import run_inprocess
 
-    o = {**BASE, "downlink-feedback": feedback, "output-dir": str(tmp_path)}
+    o = {**BASE, "downlink-feedback": feedback, "downlink-dither": dither, "output-dir": str(tmp_path)}
     wire = run_local(resolve({**o, "run-name": "wire"}), keep_trace=True)
     direct = run_local(resolve(o), write=False, keep_trace=True, wire=False)
     assert np.array_equal(wire.trace, direct.trace)
@@ -159,6 +165,7 @@ def test_every_path_runs_the_same_chain_with_fewer_downlink_bits(feedback, tmp_p
 
 @pytest.mark.parametrize("variant,feedback,extra", [
     ("qlsd-pp", "ef21-p", {}), ("qlsd-star", "none", {}), ("lsd-pp", "ef21-p", {}),
+    ("qlsd-pp", "ef21-p", {"downlink-dither": "subtractive"}),
     # the logistic task's batched oracles (grad_sum_clients) and a metric's basis (each client's Sᵀ H_i at w_k)
     ("qlsd-pp", "ef21-p", {"task": "logistic", "dataset": "breast_cancer", "dim": None, "metric": "diagonal",
                            "gamma": "auto", "compression-basis": "metric", "prior-var": 0.05})])
@@ -212,6 +219,35 @@ def test_the_keys_are_refused_where_they_do_not_apply():
         resolve({**BASE, "engine": "vectorised", "vectorised-backend": "numba"})
     with pytest.raises(ConfigError, match="downlink-feedback: unknown value 'ef21'; allowed: ef21-p, none"):
         resolve({**BASE, "downlink-feedback": "ef21"})
+    with pytest.raises(ConfigError, match="downlink-dither: unknown value 'uniform'; allowed: stochastic, subtractive"):
+        resolve({**BASE, "downlink-dither": "uniform"})
+
+
+def test_the_subtractive_dither_leaves_a_uniform_error_whatever_the_vector():
+    """``downlink-dither = subtractive`` (:func:`~qlsd_flwr.core.downlink.subtractive_quantise`): over the dither, each
+    coordinate's error ``C(x)_j − x_j`` has mean 0 and variance ``(N/s)²/12`` (a level's width, uniform), whatever
+    ``x_j``, where QSGD's is ``f (1 − f)`` levels² (so the test can tell them apart); the client's ``w`` is the
+    server's, bit for bit, and its code is QSGD's, the same levels' range."""
+    s, d, n = 4, 6, 20000
+    x = np.array([0.0, 1e-3, 0.37, -0.37, 1.0, -2.5])
+    N = float(np.float32(np.linalg.norm(x)))
+    rng = np.random.default_rng(0)
+    U = rng.random((n, d))
+    err = np.array([D.subtractive_value(D.subtractive_quantise(x, u, s), u) for u in U]) - x
+    assert np.all(np.abs(err.mean(axis=0)) < 4 * np.sqrt((N / s) ** 2 / 12 / n))
+    var = err.var(axis=0)
+    want = (N / s) ** 2 / 12
+    assert np.all(np.abs(var / want - 1) < 4 * np.sqrt(0.8 / n)), var / want  # Var of U² / (1/12)² is 0.8
+    assert np.all(np.abs(err) <= N / s / 2 * (1 + 1e-12))
+    assert np.abs(D.qsgd_variance(x, s)[3] / want - 1) > 0.5  # QSGD's own, at 0.37: another law
+    rule = D.Downlink(D.broadcast_code(s), "ef21-p", "subtractive")
+    w0 = rng.standard_normal(d)
+    w1, code = rule.send(w0 + x, w0, 7, 3)
+    assert np.array_equal(rule.receive(w0, code, d, 7, 3), w1)
+    assert not np.array_equal(rule.receive(w0, code, d, 8, 3), w1)  # another chain's dither: another point
+    assert D.subtractive_quantise(np.zeros(d), U[0], s).levels.tolist() == [0] * d
+    with pytest.raises(ValueError):
+        D.subtractive_quantise(np.array([np.inf, 0.0]), U[0, :2], s)
 
 
 def _client(feedback="ef21-p"):

@@ -90,6 +90,38 @@ def test_memory_bookkeeping_every_round(tmp_path):
     assert all(audit["eta_count_agrees"].values())
 
 
+def test_the_memory_audit_sends_digests_and_asks_for_the_vector_only_where_one_differs(tmp_path):
+    """The end-of-run audit (``protocol.memory_audit``): each client sends a 64-bit digest of its η_i, not the vector;
+    a client whose η_i no longer equals its mirror (here damaged in its ``context.state`` after the last round) is
+    named and asked for the vector, and the audit reports by how much it differs; the bits counted are the digests and
+    that one vector."""
+    from qlsd_flwr.flower.client_app import make_client_app
+    from qlsd_flwr.flower.inprocess import InProcessGrid
+    from qlsd_flwr.flower.strategy import QLSDStrategy
+    from qlsd_flwr.protocol.wire import arr_to_bytes
+    from qlsd_flwr.tasks.loading import load_task
+
+    o = {**BASE, "variant": "qlsd-pp", "s": "2", "num-rounds": 6, "output-dir": str(tmp_path)}
+    cfg = resolve(o)
+    grid = InProcessGrid(make_client_app(overrides=o), cfg.b, shuffle_seed=5)
+
+    def damage(strategy):
+        if strategy.state.k == cfg.num_rounds - 1:
+            rec = grid.contexts[grid_node_ids(grid)[2]].state.config_records[STATE]
+            eta = bytes_to_arr(rec["eta"], strategy.d)
+            eta[0] += 1e-3
+            rec["eta"] = arr_to_bytes(eta)
+
+    strat = QLSDStrategy.from_config(cfg, load_task(cfg), on_round=damage)
+    strat.start(grid=grid)
+    s = strat.summary_data
+    audit = s["memory_check"]
+    assert s["memory_digest_differs"] == {"2": [0]}
+    assert audit["clients_reported"] == list(range(cfg.b))
+    assert audit["max_abs_mirror_diff"] == pytest.approx(1e-3, rel=1e-6)
+    assert s["memory_check_bits"] == {"uplink": 128 * cfg.b + 64 * strat.d, "downlink": 0}
+
+
 def corrupting_mod(plan):
     """A Flower client mod that damages replies: plan[(round, client)] = kind."""
     def mod(msg: Message, ctx, call_next):

@@ -43,11 +43,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from qlsd_flwr.compression.qsgd import QSGD, dequantise
+from qlsd_flwr.compression.format import QuantiseError
+from qlsd_flwr.compression.qsgd import QSGD, Quantised, dequantise
 from qlsd_flwr.core import rng
 from qlsd_flwr.errors import ConfigError
 
 FEEDBACKS = ("ef21-p", "none")
+#: ``downlink-dither``: how the broadcast's levels round. ``stochastic`` is QSGD's (the level ``⌊r⌋ + 1{ξ < r − ⌊r⌋}``
+#: of ``r = s|x_j|/‖x‖``, its variance ``f (1 − f)`` a level², :func:`qsgd_variance`); ``subtractive`` is a subtractive
+#: dither (Schuchman 1964; Gray & Stockham 1993): the signed level ``⌊s x_j/N + ξ_j⌋`` and the value
+#: ``(level + ½ − ξ_j) N/s``, the dither ``ξ`` drawn by the clients too (stream ``DOWNLINK``, the chain's seed and the
+#: round), so that the error is uniform on a level's width whatever ``x``: ``(N/s)²/12`` a coordinate
+#: (:func:`subtractive_variance`), about half of QSGD's where most levels are 0 to 2 (the broadcast's), at the same
+#: levels and code. ``α`` keeps QSGD's rule: ``d (N/s)²/12 ≤ ω ‖x‖²`` for QSGD's ``ω``, so ``α C`` stays contractive
+DITHERS = ("stochastic", "subtractive")
 #: ``downlink-correction``: ``metric`` takes the lag's first-order term out of the step with ``M⁻¹`` as the curvature
 #: (:func:`qlsd_flwr.core.server_step.langevin_step`); ``auto`` is ``metric`` where ``M`` is not the identity
 CORRECTIONS = ("auto", "metric", "off")
@@ -101,6 +110,7 @@ class Downlink:
 
     compressor: QSGD
     feedback: str = "ef21-p"
+    dither: str = "stochastic"
 
     def alpha(self, d: int) -> float:
         """``α``: ``1/(ω + 1)`` under ``ef21-p`` (a contractive step), 1 under ``none``."""
@@ -114,18 +124,27 @@ class Downlink:
             return theta.copy(), None
         d = theta.shape[0]
         x = theta - w if self.feedback == "ef21-p" else theta
-        q = self.compressor.quantise(x, rng.uniform(seed, rng.Stream.DOWNLINK, k, 0, d))
+        u = rng.uniform(seed, rng.Stream.DOWNLINK, k, 0, d)
+        if self.dither == "subtractive":
+            q = subtractive_quantise(x, u, self.compressor.s)
+            return self._next(w, subtractive_value(q, u), d), self.compressor.encode(q)
+        q = self.compressor.quantise(x, u)
         return self._next(w, dequantise(q), d), self.compressor.encode(q)
 
-    def receive(self, w: np.ndarray | None, code, d: int) -> np.ndarray:
-        """``w_k`` from ``w_{k−1}`` and the code, bit for bit the server's; ``ValueError`` naming
-        ``theta_code`` when the code does not decode to ``d`` finite numbers."""
+    def receive(self, w: np.ndarray | None, code, d: int, seed: int = 0, k: int = 0) -> np.ndarray:
+        """``w_k`` from ``w_{k−1}`` and the code of round ``k`` of the chain of ``seed`` (the subtractive dither's
+        key), bit for bit the server's; ``ValueError`` naming ``theta_code`` when the code does not decode to ``d``
+        finite numbers."""
         if not isinstance(code, (bytes, bytearray)):
             raise ValueError(f"sample: 'theta_code' must be bytes, not {type(code).__name__}")
         try:
-            c = dequantise(self.compressor.decode(bytes(code), d))
+            q = self.compressor.decode(bytes(code), d)
         except ValueError as exc:  # DecodeError is a ValueError
             raise ValueError(f"sample: 'theta_code' does not decode: {exc}") from None
+        if self.dither == "subtractive":
+            c = subtractive_value(q, rng.uniform(seed, rng.Stream.DOWNLINK, k, 0, d))
+        else:
+            c = dequantise(q)
         out = self._next(w, c, d)
         if not np.all(np.isfinite(out)):
             raise ValueError("sample: 'theta_code' gives a point that is not finite")
@@ -133,6 +152,41 @@ class Downlink:
 
     def _next(self, w, c, d):
         return w + self.alpha(d) * c if self.feedback == "ef21-p" else c
+
+
+def subtractive_quantise(x: np.ndarray, u: np.ndarray, s: int) -> Quantised:
+    """``x``'s subtractively dithered levels (:data:`DITHERS`) as a one-norm QSGD message: the norm ``N``, float32
+    rounded up so that ``|s x_j/N| ≤ s``, and the signed levels ``⌊s x_j/N + u_j⌋`` (in ``[−s, s]``: QSGD's code
+    carries them as they are). ``ValueError`` as QSGD's when ``x`` is not finite or its norm beyond float32's."""
+    x = np.asarray(x, dtype=np.float64)
+    if not np.all(np.isfinite(x)):
+        raise ValueError(QuantiseError.NON_FINITE.message)
+    n = float(np.linalg.norm(x))
+    with np.errstate(over="ignore"):
+        N = np.float32(n)
+    if not np.isfinite(N):
+        raise ValueError(QuantiseError.NORM_OVERFLOW.message)
+    if float(N) < n:
+        N = np.nextafter(N, np.float32(np.inf))
+    if N == 0.0:
+        return Quantised(np.zeros(1, np.float32), np.zeros(x.shape[0], np.int64), int(s), (x.shape[0],))
+    levels = np.clip(np.floor(s * x / float(N) + u), -s, s).astype(np.int64)
+    return Quantised(np.array([N], dtype=np.float32), levels, int(s), (x.shape[0],))
+
+
+def subtractive_value(q: Quantised, u: np.ndarray) -> np.ndarray:
+    """The broadcast's vector from subtractively dithered levels and the same dither: ``(ℓ_j + ½ − u_j) N/s``
+    (0 where ``N`` is 0, a zero vector's code)."""
+    N = float(q.norms[0])
+    if N == 0.0:
+        return np.zeros(q.d)
+    return (q.levels + 0.5 - u) * (N / q.s)
+
+
+def subtractive_variance(x: np.ndarray, s: int) -> np.ndarray:
+    """``Var[C(x)_j]`` under ``downlink-dither = subtractive``: ``(N/s)²/12`` in every coordinate, ``N ≈ ‖x‖``
+    (uniform on a level's width, whatever ``x``)."""
+    return np.full(np.shape(x), (float(np.linalg.norm(x)) / s) ** 2 / 12.0)
 
 
 def qsgd_variance(x: np.ndarray, s: int) -> np.ndarray:

@@ -48,6 +48,7 @@ from qlsd_flwr.flower.records import (
 )
 from qlsd_flwr.protocol import build
 from qlsd_flwr.protocol.client import handle, handle_chains
+from qlsd_flwr.protocol.memory_audit import digest
 from qlsd_flwr.samplers.fields import HELD
 from qlsd_flwr.protocol.wire import arr_to_bytes, bytes_to_arr, metric_of, metric_to_bytes
 from qlsd_flwr.tasks import loading
@@ -226,16 +227,19 @@ def make_client_app(potential_fn: Callable[[Context], LocalPotential] | None = N
         rec = record_fields(message.content)
         if loo_phase.is_request(rec):  # after sampling: this client's part of the federated LOO
             return _reply(message, loo_phase.answer(pot, message.content, i))
-        if rec is not None and rec.get("report") == "memory":
+        if rec is not None and rec.get("report") in ("memory", "memory-digest"):
+            # the audit asks for digests first, the vectors only where a digest differs (protocol.memory_audit)
+            name, enc = ("eta_digest", digest) if rec["report"] == "memory-digest" else \
+                ("eta", lambda e: b"" if e is None else arr_to_bytes(e))
             if chains := held_chains(context):  # a several-chain run: one entry a chain
                 sts = [load_state(context, c) for c in chains]
                 fields.update({"chains": chains, "eta_count": [int(st.eta_count) for st in sts],
-                               "eta": [b"" if st.eta is None else arr_to_bytes(st.eta) for st in sts]})
+                               name: [enc(st.eta) for st in sts]})
             else:
                 st = load_state(context)
                 fields["eta_count"] = int(st.eta_count)
                 if st.eta is not None:
-                    fields["eta"] = arr_to_bytes(st.eta)
+                    fields[name] = enc(st.eta)
         return _reply(message, fields)
 
     @app.train()

@@ -18,7 +18,8 @@ from flwr.serverapp import Grid
 
 from qlsd_flwr.robust import handshake
 from qlsd_flwr.flower.records import RECORD, config_record
-from qlsd_flwr.protocol.wire import memory_report
+from qlsd_flwr.protocol import memory_audit
+from qlsd_flwr.protocol.wire import memory_digests, memory_report
 
 log = logging.getLogger("qlsd_flwr")
 
@@ -290,8 +291,13 @@ class NodeRegistry:
         """Each client's own ``{chain: (η_i, update count)}`` from its ``context.state`` (chain 0
         alone in a one-chain run; :func:`qlsd_flwr.protocol.wire.memory_report`); clients that do
         not answer, or answer from another node than theirs, are left out."""
-        msgs = [_hello(self.node_of[i], report="memory") for i in range(self.b)]
-        got: dict[int, dict[int, tuple[np.ndarray, int]]] = {}
+        return self._reports(grid, timeout, list(range(self.b)), "memory")
+
+    def _reports(self, grid: Grid, timeout: float, clients: list[int], report: str) -> dict:
+        """``report = "memory"`` (:func:`memory_report`) or ``"memory-digest"`` (:func:`memory_digests`) from
+        ``clients``."""
+        msgs = [_hello(self.node_of[i], report=report) for i in clients]
+        got: dict = {}
         for msg in grid.send_and_receive(msgs, timeout=timeout):
             if msg.has_error():
                 continue
@@ -300,7 +306,7 @@ class NodeRegistry:
                 i = int(rec["client"])
                 if self.node_of.get(i) != msg.metadata.src_node_id:
                     continue
-                got[i] = memory_report(rec, self.d)
+                got[i] = memory_report(rec, self.d) if report == "memory" else memory_digests(rec)
             except (KeyError, TypeError, ValueError):
                 continue
         return got
@@ -314,10 +320,22 @@ class NodeRegistry:
                        "refused_claims": {str(i): r for i, r in sorted(self.refused_claims.items())}}
         try:
             if server.cfg.memory:
-                reports = self.memory_reports(grid, max(timeout, AUDIT_WAIT))
-                # what the audit moved: each client's η_i of each chain up (the request carries no array)
-                extra["memory_check_bits"] = {"uplink": 64 * self.d * sum(len(r) for r in reports.values()),
-                                              "downlink": 0}
+                wait = max(timeout, AUDIT_WAIT)
+                # digests first, the vectors only where one differs from its mirror (protocol.memory_audit)
+                digests = self._reports(grid, wait, list(range(self.b)), "memory-digest")
+                mirrors = [ch.state.eta_i for ch in getattr(server, "chains", [server])]
+                bad = memory_audit.differing(mirrors, digests)
+                full = self._reports(grid, wait, sorted(bad), "memory") if bad else {}
+                # an equal digest stands for the mirror's own vector; a differing one for the vector sent (left out,
+                # and named in the summary, where the client did not send it)
+                reports = {i: {c: (mirrors[c][i].copy(), n) if c not in bad.get(i, ()) else full[i][c]
+                               for c, (_, n) in r.items() if c not in bad.get(i, ()) or c in full.get(i, {})}
+                           for i, r in digests.items()}
+                if bad:
+                    extra["memory_digest_differs"] = {str(i): cs for i, cs in sorted(bad.items())}
+                # what the audit moved: a digest and a count a chain up, the vectors asked again (no array goes down)
+                extra["memory_check_bits"] = {"uplink": 128 * sum(len(r) for r in digests.values())
+                                              + 64 * self.d * sum(len(r) for r in full.values()), "downlink": 0}
                 if server.cfg.num_chains == 1:
                     reports = {i: r[0] for i, r in reports.items() if 0 in r}
                 extra["memory_check"] = server.memory_check(reports)

@@ -32,7 +32,8 @@ def downlink_of(cfg) -> Downlink | None:
     """The run's broadcast rule (``None``: ``downlink = off``)."""
     if not build.downlink_on(cfg):
         return None
-    return Downlink(broadcast_code(int(cfg.get("downlink-s"))), str(cfg.get("downlink-feedback")))
+    return Downlink(broadcast_code(int(cfg.get("downlink-s"))), str(cfg.get("downlink-feedback")),
+                    str(cfg.get("downlink-dither") or "stochastic"))
 
 
 def begin_round(server) -> None:

@@ -16,7 +16,7 @@ from qlsd_flwr.compression.identity import Identity
 from qlsd_flwr.compression.qsgd import QSGD
 from qlsd_flwr.config import ConfigError, RunConfig
 from qlsd_flwr.core.dglmc import Spectrum
-from qlsd_flwr.core.downlink import FEEDBACKS, Downlink, broadcast_code, lag_beta
+from qlsd_flwr.core.downlink import DITHERS, FEEDBACKS, Downlink, broadcast_code, lag_beta
 from qlsd_flwr.core.metric import Identity as IdentityMetric
 from qlsd_flwr.core.metric import Metric
 from qlsd_flwr import samplers
@@ -187,6 +187,9 @@ def client_settings(cfg: RunConfig, i: int, d: int, prior: GaussianPrior, blocks
         # downlink = qsgd: the broadcast's levels and rule (core.downlink), the same on both sides
         **({"downlink_s": int(cfg.get("downlink-s")), "downlink_feedback": str(cfg.get("downlink-feedback"))}
            if downlink_on(cfg) else {}),
+        # downlink-dither = subtractive: the clients take the dither out (sent only then: the default's bytes as before)
+        **({"downlink_dither": "subtractive"} if downlink_on(cfg) and cfg.get("downlink-dither") == "subtractive"
+           else {}),
         # FALD, VR-FALD*: K local steps, the common share τ of the noise and T (0, 0, 1 for the others)
         **({"local_steps": int(cfg.get("local-steps")), "tau": float(cfg.get("tau")),
             "temperature": float(cfg.temperature),
@@ -220,6 +223,7 @@ def client_spec_from_settings(settings: dict, i: int, n_data: int, d: int) -> tu
         temperature = float(settings.get("temperature", 1.0))
         metric = str(settings.get("metric", "identity"))
         down_s, feedback = int(settings.get("downlink_s", 0)), str(settings.get("downlink_feedback", "ef21-p"))
+        dither = str(settings.get("downlink_dither", "stochastic"))
     except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise ValueError(f"client settings: missing or malformed value ({type(exc).__name__}: {exc})") from None
     kind = samplers.ESTIMATORS.get(oracle)
@@ -232,14 +236,15 @@ def client_spec_from_settings(settings: dict, i: int, n_data: int, d: int) -> tu
               "local_steps": (1 <= steps <= 10**5) if local else steps == 0,
               "tau": 0.0 <= tau <= 1.0, "temperature": 0.0 < temperature <= 1e6,
               "metric": metric in ("identity", "sent") and (metric == "identity" or local or s > 0),
-              "downlink_s": 0 <= down_s < 2 ** 31 and not (local and down_s), "downlink_feedback": feedback in FEEDBACKS}
+              "downlink_s": 0 <= down_s < 2 ** 31 and not (local and down_s), "downlink_feedback": feedback in FEEDBACKS,
+              "downlink_dither": dither in DITHERS}
     if bad := [k for k, ok in checks.items() if not ok]:
         raise ValueError(f"client settings: bad value for {', '.join(bad)}")
     compressor = QSGD(s=s, blocks=blocks, encoding=encoding) if s else Identity()
     return ClientSpec(index=i, kind=kind, batch_size=minibatch_size(bf, n_data), compressor=compressor,
                       memory=memory, alpha=alpha, prior=GaussianPrior(var=prior_var, mean=prior_mean),
                       prior_weight=w, local_steps=steps, tau=tau, temperature=temperature, metric=metric,
-                      downlink=Downlink(broadcast_code(down_s), feedback) if down_s else None), seed
+                      downlink=Downlink(broadcast_code(down_s), feedback, dither) if down_s else None), seed
 
 
 def client_spec(cfg: RunConfig, i: int, n_data: int, d: int, prior: GaussianPrior,

@@ -40,9 +40,11 @@ from qlsd_flwr.protocol.wire import (
 )
 
 
-def _prepare(spec: ClientSpec, pot: LocalPotential, st: ClientState, fields: dict, d: int, seed: int = 0):
+def _prepare(spec: ClientSpec, pot: LocalPotential, st: ClientState, fields: dict, d: int, seed: int = 0,
+             chain_seed: int | None = None):
     """``(θ, None)`` for a sampling round this state can answer, ``(θ, reply)`` otherwise (the
-    full gradient of ``phase = "grad"``, or ``status = "resync"``)."""
+    full gradient of ``phase = "grad"``, or ``status = "resync"``); ``chain_seed`` (``seed`` where not given) keys the
+    broadcast's subtractive dither."""
     i = spec.index
     if fields["phase"] in ("grad", "curvature"):
         theta = prep_point(st, fields, d)
@@ -50,7 +52,7 @@ def _prepare(spec: ClientSpec, pot: LocalPotential, st: ClientState, fields: dic
             return None, {"client": i, "status": "resync"}
     else:
         st.point, st.point_id = None, -1  # sampling: the preparation's point is not asked for again
-        theta = _point(spec, st, fields, d)
+        theta = _point(spec, st, fields, d, seed if chain_seed is None else chain_seed)
     if fields["phase"] == "grad":
         precision = precision_of(fields)
         return theta, {"client": i, "status": "ok",
@@ -126,7 +128,7 @@ def _point_id(fields: dict) -> int:
     return int(p)
 
 
-def _point(spec: ClientSpec, st: ClientState, fields: dict, d: int) -> np.ndarray | None:
+def _point(spec: ClientSpec, st: ClientState, fields: dict, d: int, seed: int = 0) -> np.ndarray | None:
     """A sampling round's point: θ_k, or with ``downlink = qsgd`` the ``w_k`` that ``theta_code`` builds from the
     client's ``w_{k−1}`` (``theta``: ``w_k`` in full); ``None`` when the client cannot apply the code (it missed
     round ``k − 1``: it answers resync and is sent ``w_k`` in full next). ``ValueError`` naming the field when a
@@ -138,11 +140,11 @@ def _point(spec: ClientSpec, st: ClientState, fields: dict, d: int) -> np.ndarra
         if "theta" not in fields:
             raise ValueError("sample: the message carries neither 'theta' nor 'theta_code'")
         return vector(fields["theta"], d)
-    dl = spec.downlink
-    if dl.feedback == "ef21-p" and (st.w is None or st.w_round != int(fields["round"]) - 1):
-        dl.receive(np.zeros(d), code, d)  # refused if malformed, even when it cannot be applied
+    dl, k = spec.downlink, int(fields["round"])
+    if dl.feedback == "ef21-p" and (st.w is None or st.w_round != k - 1):
+        dl.receive(np.zeros(d), code, d, seed, k)  # refused if malformed, even when it cannot be applied
         return None
-    return dl.receive(st.w if dl.feedback == "ef21-p" else None, code, d)
+    return dl.receive(st.w if dl.feedback == "ef21-p" else None, code, d, seed, k)
 
 
 def _surrogate(fields: dict, d: int) -> tuple[np.ndarray, np.ndarray]:
@@ -249,7 +251,7 @@ def handle_chains(spec: ClientSpec, pot: LocalPotential, load_state, seed: int, 
     states = {c: load_state(c) for c in per}
     replies, ready = {}, []  # ready: (chain, θ) of the chains that sample
     for c, f in per.items():
-        theta, replies[c] = _prepare(spec, pot, states[c], f, d, seed)
+        theta, replies[c] = _prepare(spec, pot, states[c], f, d, seed, seed + c)
         if replies[c] is None:
             ready.append((c, theta))
     if ready:

@@ -3,10 +3,16 @@
 QLSD++'s memory terms live twice, on each client and mirrored on the server, and they agree bit
 for bit only if both applied the same decoded increments in the same order. The audit compares
 them once the rounds are over (the clients report from ``context.state``).
+
+What travels (issue 37): each client first sends an 8-byte digest of each chain's ``η_i`` (:func:`digest`, 64 bits
+where the whole vector was ``64 d``: 4.0e7 bits on the main job); only a client whose digest differs from its
+mirror's is asked for the vector itself, so that the audit can say by how much. Equal digests stand for equal vectors
+(a 64-bit digest: a chance of 2^-64 that two different ones agree), and the comparison then takes the mirror's.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 
 import numpy as np
@@ -34,4 +40,23 @@ def memory_check(state, needs_resync: np.ndarray, eta_count: np.ndarray,
         out["max_abs_eta_minus_sum"] = float(np.max(np.abs(st.eta - total)))
     if out.get("max_abs_mirror_diff", 0.0) > 1e-9 * (1.0 + float(np.max(np.abs(st.eta_i)))):
         log.warning("memory check: server mirrors and clients' η_i differ: %s", out)
+    return out
+
+
+def digest(eta) -> bytes:
+    """The audit's 8 bytes for an ``η_i`` (BLAKE2b of its little-endian float64 values); ``b""`` where the client holds
+    none."""
+    if eta is None:
+        return b""
+    return hashlib.blake2b(np.ascontiguousarray(eta, dtype="<f8").tobytes(), digest_size=8).digest()
+
+
+def differing(mirrors: list, digests: dict[int, dict[int, tuple[bytes, int]]]) -> dict[int, list[int]]:
+    """``{client: [chain, ...]}`` whose reported digest is not the digest of the server's mirror ``mirrors[c][i]``
+    (each chain's ``eta_i``)."""
+    out: dict[int, list[int]] = {}
+    for i, per_chain in digests.items():
+        bad = [c for c, (dg, _) in per_chain.items() if c >= len(mirrors) or dg != digest(mirrors[c][i])]
+        if bad:
+            out[i] = bad
     return out

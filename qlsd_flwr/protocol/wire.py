@@ -366,6 +366,19 @@ def unbundle_reply(rec: dict | None, asked: list[int], up=None) -> dict[int, dic
     return per
 
 
+def memory_digests(rec: dict) -> dict[int, tuple[bytes, int]]:
+    """A client's ``report = "memory-digest"`` reply (:func:`qlsd_flwr.protocol.memory_audit.digest`): ``{c: (8-byte
+    digest or b"", update count)}`` (chain 0 for a one-chain client); ``ValueError`` when malformed."""
+    chains = _chain_list(rec["chains"], "chains") if "chains" in rec else [0]
+    dgs = rec.get("eta_digest") if "chains" in rec else [rec.get("eta_digest", b"")]
+    counts = _int_list(rec.get("eta_count"), len(chains), "eta_count") if "chains" in rec \
+        else [int(rec.get("eta_count", 0))]
+    if not isinstance(dgs, (list, tuple)) or len(dgs) != len(chains) or \
+            any(not isinstance(g, (bytes, bytearray)) or len(g) not in (0, 8) for g in dgs):
+        raise ValueError("eta_digest: expected one 8-byte digest (or none) per chain")
+    return {c: (bytes(g), n) for c, g, n in zip(chains, dgs, counts)}
+
+
 def memory_report(rec: dict, d: int) -> dict[int, tuple[np.ndarray, int]]:
     """A client's memory report (the end-of-run audit) per chain: ``{c: (η_i, update count)}``
     (chain 0 for a one-chain client); ``ValueError`` when malformed."""
