@@ -246,6 +246,15 @@ def test_the_subtractive_dither_leaves_a_uniform_error_whatever_the_vector():
     assert np.array_equal(rule.receive(w0, code, d, 7, 3), w1)
     assert not np.array_equal(rule.receive(w0, code, d, 8, 3), w1)  # another chain's dither: another point
     assert D.subtractive_quantise(np.zeros(d), U[0], s).levels.tolist() == [0] * d
+    # where d > 144 s² the dither's own error exceeds QSGD's bound, and α takes it: the lag θ − w still contracts
+    big, coarse = 7850, D.Downlink(D.broadcast_code(2), "ef21-p", "subtractive")
+    assert coarse.alpha(big) == 1.0 / (1.0 + big / 48.0) < D.Downlink(D.broadcast_code(2)).alpha(big)
+    theta, w = rng.standard_normal(big), np.zeros(big)
+    lags = []
+    for k in range(60):
+        w = coarse.send(theta, w, 1, k)[0]
+        lags.append(float(np.linalg.norm(theta - w)))
+    assert lags[-1] < 0.9 * np.linalg.norm(theta) and max(lags) <= 1.01 * np.linalg.norm(theta), lags[::10]
     with pytest.raises(ValueError):
         D.subtractive_quantise(np.array([np.inf, 0.0]), U[0, :2], s)
 

@@ -55,7 +55,8 @@ FEEDBACKS = ("ef21-p", "none")
 #: ``(level + ½ − ξ_j) N/s``, the dither ``ξ`` drawn by the clients too (stream ``DOWNLINK``, the chain's seed and the
 #: round), so that the error is uniform on a level's width whatever ``x``: ``(N/s)²/12`` a coordinate
 #: (:func:`subtractive_variance`), about half of QSGD's where most levels are 0 to 2 (the broadcast's), at the same
-#: levels and code. ``α`` keeps QSGD's rule: ``d (N/s)²/12 ≤ ω ‖x‖²`` for QSGD's ``ω``, so ``α C`` stays contractive
+#: levels and code. ``α`` is QSGD's rule ``1/(ω + 1)``, with ``ω`` the larger of QSGD's and ``d/(12 s²)`` (this
+#: error's own factor, the larger where ``d > 144 s²``), so that ``α C`` stays contractive (:meth:`Downlink.alpha`)
 DITHERS = ("stochastic", "subtractive")
 #: ``downlink-correction``: ``metric`` takes the lag's first-order term out of the step with ``M⁻¹`` as the curvature
 #: (:func:`qlsd_flwr.core.server_step.langevin_step`); ``auto`` is ``metric`` where ``M`` is not the identity
@@ -113,8 +114,15 @@ class Downlink:
     dither: str = "stochastic"
 
     def alpha(self, d: int) -> float:
-        """``α``: ``1/(ω + 1)`` under ``ef21-p`` (a contractive step), 1 under ``none``."""
-        return 1.0 / (1.0 + self.compressor.omega(d)) if self.feedback == "ef21-p" else 1.0
+        """``α``: ``1/(ω + 1)`` under ``ef21-p`` (a contractive step), 1 under ``none``; ``ω`` QSGD's, or under the
+        subtractive dither the larger of it and that dither's own factor ``d/(12 s²)`` (its error's variance over
+        ``‖x‖²``), which exceeds QSGD's bound where ``d > 144 s²``: ``α C`` stays contractive either way."""
+        if self.feedback != "ef21-p":
+            return 1.0
+        omega = self.compressor.omega(d)
+        if self.dither == "subtractive":
+            omega = max(omega, d / (12.0 * self.compressor.s ** 2))
+        return 1.0 / (1.0 + omega)
 
     def send(self, theta: np.ndarray, w: np.ndarray | None, seed: int, k: int) -> tuple[np.ndarray, bytes | None]:
         """Round ``k``'s ``(w_k, code)`` from θ_k and ``w_{k−1}`` (ignored under ``none``). Under ``ef21-p`` a chain's
@@ -168,6 +176,8 @@ def subtractive_quantise(x: np.ndarray, u: np.ndarray, s: int) -> Quantised:
         raise ValueError(QuantiseError.NORM_OVERFLOW.message)
     if float(N) < n:
         N = np.nextafter(N, np.float32(np.inf))
+        if not np.isfinite(N):  # within half a float32 step of its largest value: rounded up, beyond it
+            raise ValueError(QuantiseError.NORM_OVERFLOW.message)
     if N == 0.0:
         return Quantised(np.zeros(1, np.float32), np.zeros(x.shape[0], np.int64), int(s), (x.shape[0],))
     levels = np.clip(np.floor(s * x / float(N) + u), -s, s).astype(np.int64)

@@ -35,7 +35,9 @@ paper's weight decay 5).
   the predictive went from 1.80× to 1.19× the HMC halves' TV at 128 levels, 1.30× at 64, 1.64× at 48 and 2.78× at
   32), and the chains start dispersed around θ*
   (``init = dispersed``) so that R-hat is honest. θ* is only the point where the curvature is
-  taken (QLSD++ needs no control variate at it), so its descent stops at ``opt-tol = 1e-3``.
+  taken (QLSD++ needs no control variate at it), so its descent stops at ``opt-tol = 3e-2`` (1e-2 until
+  2026-12-06 evening: the descent took 35 exchanges where it now takes 5, 12 % of the run's bits, and the predictive
+  stayed as near HMC, 1.40–1.49× its halves' TV on three seeds, every run MIXED; 1e-1 did not mix).
   Why these settings (issue 37; measured against a full-batch HMC reference,
   ``benchmarks/bench_mainjob_reference.py``, ``benchmarks/RESULTS.md``): until 2026-12-02 the job ran
   600 rounds at ``gamma-c = 1``, which mixed within five minutes but whose predictive sat 3.47× the
@@ -75,7 +77,7 @@ QLSD_MAIN = {
     "alpha": "auto", "batch-fraction": 0.32, "gamma": "auto", "gamma-c": 0.75, "noise-correction": "metric",
     "metric": "kronecker", "metric-block": 100,
     "metric-rank": 150, "metric-rank-exchanges": 4,
-    "init": "dispersed", "opt-tol": 1e-2, "loo": "off", "num-rounds": 800, "burn-in": 150, "thin": 3, "num-chains": 4,
+    "init": "dispersed", "opt-tol": 3e-2, "loo": "off", "num-rounds": 800, "burn-in": 150, "thin": 3, "num-chains": 4,
     "downlink": "qsgd", "downlink-s": 32, "downlink-dither": "subtractive", "encoding": "arith", "engine": "ray", "seed": 0, "data-seed": 0,
     "output-dir": "outputs", "run-name": "",
 }

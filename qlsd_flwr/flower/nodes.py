@@ -333,6 +333,10 @@ class NodeRegistry:
                            for i, r in digests.items()}
                 if bad:
                     extra["memory_digest_differs"] = {str(i): cs for i, cs in sorted(bad.items())}
+                    unsent = {str(i): [c for c in cs if c not in full.get(i, {})] for i, cs in sorted(bad.items())}
+                    log.warning("memory check: η_i differs from the server's mirror (digest) for clients %s; not sent "
+                                "again by %s (summary.json 'memory_digest_differs')", extra["memory_digest_differs"],
+                                {i: cs for i, cs in unsent.items() if cs} or "none")
                 # what the audit moved: a digest and a count a chain up, the vectors asked again (no array goes down)
                 extra["memory_check_bits"] = {"uplink": 128 * sum(len(r) for r in digests.values())
                                               + 64 * self.d * sum(len(r) for r in full.values()), "downlink": 0}

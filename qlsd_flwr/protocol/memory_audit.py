@@ -56,7 +56,9 @@ def differing(mirrors: list, digests: dict[int, dict[int, tuple[bytes, int]]]) -
     (each chain's ``eta_i``)."""
     out: dict[int, list[int]] = {}
     for i, per_chain in digests.items():
-        bad = [c for c, (dg, _) in per_chain.items() if c >= len(mirrors) or dg != digest(mirrors[c][i])]
+        # a client that holds no η_i (never active) is a zero vector, as the full report reads it
+        bad = [c for c, (dg, _) in per_chain.items()
+               if c >= len(mirrors) or (dg or digest(np.zeros_like(mirrors[c][i]))) != digest(mirrors[c][i])]
         if bad:
             out[i] = bad
     return out
