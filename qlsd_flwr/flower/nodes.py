@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import time
 
-import numpy as np
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
@@ -287,15 +286,11 @@ class NodeRegistry:
         log.warning("round %d: node %d claims partition-id %d, refused (%s)", server_round, node, i, why)
         self.refused_claims.setdefault(i, []).append(int(node))
 
-    def memory_reports(self, grid: Grid, timeout: float) -> dict[int, dict[int, tuple[np.ndarray, int]]]:
-        """Each client's own ``{chain: (η_i, update count)}`` from its ``context.state`` (chain 0
-        alone in a one-chain run; :func:`qlsd_flwr.protocol.wire.memory_report`); clients that do
-        not answer, or answer from another node than theirs, are left out."""
-        return self._reports(grid, timeout, list(range(self.b)), "memory")
-
-    def _reports(self, grid: Grid, timeout: float, clients: list[int], report: str) -> dict:
-        """``report = "memory"`` (:func:`memory_report`) or ``"memory-digest"`` (:func:`memory_digests`) from
-        ``clients``."""
+    def memory_reports(self, grid: Grid, timeout: float, clients: list[int], report: str) -> dict:
+        """Each of ``clients``' own ``{chain: (η_i, update count)}`` (``report = "memory"``,
+        :func:`~qlsd_flwr.protocol.wire.memory_report`) or ``{chain: (digest, update count)}`` (``"memory-digest"``,
+        :func:`~qlsd_flwr.protocol.wire.memory_digests`) from its ``context.state`` (chain 0 alone in a one-chain
+        run); clients that do not answer, or answer from another node than theirs, are left out."""
         msgs = [_hello(self.node_of[i], report=report) for i in clients]
         got: dict = {}
         for msg in grid.send_and_receive(msgs, timeout=timeout):
@@ -322,15 +317,11 @@ class NodeRegistry:
             if server.cfg.memory:
                 wait = max(timeout, AUDIT_WAIT)
                 # digests first, the vectors only where one differs from its mirror (protocol.memory_audit)
-                digests = self._reports(grid, wait, list(range(self.b)), "memory-digest")
+                digests = self.memory_reports(grid, wait, list(range(self.b)), "memory-digest")
                 mirrors = [ch.state.eta_i for ch in getattr(server, "chains", [server])]
                 bad = memory_audit.differing(mirrors, digests)
-                full = self._reports(grid, wait, sorted(bad), "memory") if bad else {}
-                # an equal digest stands for the mirror's own vector; a differing one for the vector sent (left out,
-                # and named in the summary, where the client did not send it)
-                reports = {i: {c: (mirrors[c][i].copy(), n) if c not in bad.get(i, ()) else full[i][c]
-                               for c, (_, n) in r.items() if c not in bad.get(i, ()) or c in full.get(i, {})}
-                           for i, r in digests.items()}
+                full = self.memory_reports(grid, wait, sorted(bad), "memory") if bad else {}
+                reports = memory_audit.reports_from(mirrors, digests, bad, full)
                 if bad:
                     extra["memory_digest_differs"] = {str(i): cs for i, cs in sorted(bad.items())}
                     unsent = {str(i): [c for c in cs if c not in full.get(i, {})] for i, cs in sorted(bad.items())}

@@ -17,6 +17,8 @@ import logging
 
 import numpy as np
 
+from qlsd_flwr.protocol.wire import arr_to_bytes
+
 log = logging.getLogger("qlsd_flwr")
 
 
@@ -48,7 +50,7 @@ def digest(eta) -> bytes:
     none."""
     if eta is None:
         return b""
-    return hashlib.blake2b(np.ascontiguousarray(eta, dtype="<f8").tobytes(), digest_size=8).digest()
+    return hashlib.blake2b(arr_to_bytes(eta), digest_size=8).digest()
 
 
 def differing(mirrors: list, digests: dict[int, dict[int, tuple[bytes, int]]]) -> dict[int, list[int]]:
@@ -62,3 +64,12 @@ def differing(mirrors: list, digests: dict[int, dict[int, tuple[bytes, int]]]) -
         if bad:
             out[i] = bad
     return out
+
+
+def reports_from(mirrors: list, digests: dict, bad: dict[int, list[int]], full: dict) -> dict:
+    """The clients' ``{i: {c: (η_i, count)}}`` for :func:`memory_check`: an equal digest stands for the mirror's own
+    vector, a differing one (``bad``, :func:`differing`) for the vector the client sent again (``full``), left out
+    where it did not."""
+    return {i: {c: full[i][c] if c in bad.get(i, ()) else (mirrors[c][i].copy(), n)
+                for c, (_, n) in r.items() if c not in bad.get(i, ()) or c in full.get(i, {})}
+            for i, r in digests.items()}
