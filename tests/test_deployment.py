@@ -156,7 +156,10 @@ def test_secured_run_tls_and_node_auth(tmp_path_factory, tmp_path):
         registered = set(dep.register(*[pub for _, pub in keys], impostor_pub))
         # node-keys binds partition i to keys/node<i>.pub: a registered node with another key
         # that claims partition 0 is refused, counted, and never gets a message of the run
-        rc = {**BASE, "num-rounds": 2, "burn-in": 0, "reply-timeout": 90.0, "output-dir": str(tmp_path),
+        # reply-timeout bounds the wait for the rightful node 0 once the impostor has filled the count (counted from
+        # the ServerApp's start, before any SuperNode): 90 s ran out on a busy CI machine (2026-12-06 18:25); a
+        # passing run waits no longer for a larger bound
+        rc = {**BASE, "num-rounds": 2, "burn-in": 0, "reply-timeout": 180.0, "output-dir": str(tmp_path),
               "run-name": "secure", "node-keys": str(root / "keys"), "progress": True}
         run_id = dep.run(app, rc)  # before any SuperNode is up: the ServerApp waits for them
         for i, (priv, _) in enumerate(keys):
@@ -164,7 +167,7 @@ def test_secured_run_tls_and_node_auth(tmp_path_factory, tmp_path):
         dep.start_node("impostor", 0, B, private_key=impostor_key, data_path=node_data(root, 0))
         intruder_key, _ = dep.node_key("intruder")  # never registered
         intruder = dep.start_node("intruder", 0, B, private_key=intruder_key)
-        row = dep.wait(run_id, timeout=200)
+        row = dep.wait(run_id, timeout=300)
         assert row["status"] == "finished:completed", dep.log(run_id)[-3000:]
 
         run_dir = tmp_path / "secure"
