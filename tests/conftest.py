@@ -1,12 +1,15 @@
 """Test-suite plumbing.
 
-``./dev test`` runs pytest with two xdist workers (``-n 2 --dist loadgroup``). Every test that
-starts Flower's Ray engine or real SuperLink/SuperNode processes goes to one group, so those
-run one after another in a single worker (never two Ray clusters or two deployments at once);
-the CPU-bound tests run in the other worker meanwhile, overlapping the deployments' polling
-waits. The group is collected first, so that it starts at once. Without xdist the marker is inert.
-(Two groups, Ray runs beside deployments, measured 768 s against 787 s, within the day's spread;
-not kept, since a deployment test beside Ray runs once timed out.)
+``./dev test`` runs pytest with three xdist workers (``-n 3 --dist loadgroup``) on the 2-core machine. Every test
+that starts Flower's Ray engine goes to the group ``engines`` and every test that starts only real
+SuperLink/SuperNode processes to ``deployments``: each group runs one test at a time in one worker (never two Ray
+clusters or two deployments at once), and the CPU-bound tests take the third worker and whatever the groups leave.
+A deployment test mostly waits on Flower's fixed 3 s polls, so the third worker uses that idle core: measured on
+2026-12-06 (the working copy, idle), 1,054 tests in 650 s with two workers and one group, 593 s with three workers and
+one group, 572 s with three workers and the two groups. (On 2026-12-03 three workers had measured slower, 834 s
+against 768 s, on that day's suite, not examined; and a deployment test once timed out beside Ray runs, whose waits
+have been lengthened since.) Both groups are collected
+first, so that they start at once. Without xdist the markers are inert.
 
 Ray starts its workers at nice 15 (``RAY_worker_niceness``), so on 2 cores a CPU-bound test beside a
 Ray run took most of its actors' time (a Ray test measured 29 s beside one busy process, 22 s at nice
@@ -24,8 +27,15 @@ os.environ.setdefault("RAY_worker_niceness", "0")  # before any Ray start, inher
 
 
 def _engine(item) -> bool:
-    """Starts Ray or real SuperLink/SuperNode processes: a test of the group "engines"."""
+    """Starts Ray or real SuperLink/SuperNode processes: a test of the group "engines" or "deployments"."""
     return bool(item.get_closest_marker("ray") or item.get_closest_marker("deployment"))
+
+
+def _group(item) -> str:
+    """``engines`` for a test that starts Ray (its own or the session's head; ``flwr run``'s simulation too),
+    ``deployments`` for one that starts only SuperLink/SuperNode processes: the two run beside each other, each
+    group one test at a time."""
+    return "engines" if item.get_closest_marker("ray") else "deployments"
 
 
 def pytest_configure(config):
@@ -45,11 +55,11 @@ def pytest_collection_modifyitems(config, items):
     engines = set()
     for item in items:
         if _engine(item):
-            item.add_marker(pytest.mark.xdist_group("engines"))
+            item.add_marker(pytest.mark.xdist_group(_group(item)))
             engines.add(item.nodeid)
-    # the group is the suite's longest unit of work (about 12 of its minutes): collected first, it
-    # starts at once in its worker and the other worker takes the rest, instead of starting after
-    # whatever a worker was handed before it (a stable sort keeps each file's own order)
+    # the groups are the suite's longest units of work (the engines group about 7 of its minutes): collected first,
+    # each starts at once in its worker and the third takes the rest, instead of starting after whatever a worker
+    # was handed before it (a stable sort keeps each file's own order)
     items.sort(key=lambda it: it.nodeid not in engines)
 
 
@@ -68,13 +78,13 @@ def _overview_only_where_asked(monkeypatch):
 def pytest_runtest_setup(item):
     """Under ``--dist loadgroup``, an engine test fails unless xdist really put it in the group:
     with pytest 9.2 and xdist 3.8 the grouping silently did nothing (pytest's node ids no longer
-    come from the attribute xdist rewrites), and Ray runs and deployments then ran side by side
-    on 2 cores, timing out a deployment test. Hence ``pytest<9`` in the test extra."""
+    come from the attribute xdist rewrites), and Ray runs then ran side by side on 2 cores, timing out a
+    deployment test. Hence ``pytest<9`` in the test extra."""
     if not getattr(item.config.option, "loadgroup", False):  # not an xdist worker in loadgroup mode
         return
-    if _engine(item) and not item.nodeid.endswith("@engines"):
-        pytest.fail("xdist did not put this engine test in the 'engines' group, so it may run beside "
-                    "another Ray run or deployment; check the pytest / pytest-xdist versions", pytrace=False)
+    if _engine(item) and not item.nodeid.endswith("@" + _group(item)):
+        pytest.fail(f"xdist did not put this test in the '{_group(item)}' group, so it may run beside another Ray "
+                    "run or deployment; check the pytest / pytest-xdist versions", pytrace=False)
 
 
 @pytest.fixture()

@@ -1,0 +1,115 @@
+"""Two ways to a cheaper broadcast on the main job, screened against the HMC reference (issue 37); neither is in the
+package. Each row is ``bench_mainjob_reference.py``'s ``--sweep`` row (the main job on the vectorised engine's numpy
+backend, the Ray engine's chains) with the broadcast's rule patched here:
+
+* ``--idea support``: the broadcast codes only the coordinates of θ that some client's data touch. For the main job's
+  softmax regression a client's gradient depends on θ only through ``X_i W``, so the weights of an input pixel that is
+  0 in every client's data (127 of 785 on the main job's 4,000 digits: 1,270 of 7,850 coordinates) change no client's
+  gradient. Those coordinates are left out of the code, and the server's ``w`` there is θ itself (the lag's correction
+  and the prior's gradient at ``w`` then see no lag there). They carry the prior's scale, the widest, so leaving them
+  out also shrinks the norm QSGD's levels are cut from. Building it would need each client's support (from its data)
+  at the server and the union at every client: not built.
+* ``--idea block-basis``: the broadcast coded in the clients' block basis ``B`` (``core/block_basis.py``, which the
+  clients already hold for ``compression-basis = block``): ``C(B⁻¹ (θ_k − w))``, ``w`` moved by ``α B C(·)``.
+
+    python benchmarks/screen_broadcast_ideas.py --idea support --sweep base downlink-s=24 downlink-s=16 \\
+        --out broadcast_support_screen.json
+    python benchmarks/screen_broadcast_ideas.py --idea block-basis --sweep base downlink-s=16 \\
+        --out broadcast_block_basis_screen.json
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from qlsd_flwr.compression.qsgd import dequantise  # noqa: E402
+from qlsd_flwr.core import downlink as D  # noqa: E402
+from qlsd_flwr.core import rng  # noqa: E402
+from qlsd_flwr.engines.vectorised import numpy_backend as NB  # noqa: E402
+
+
+def _code(rule: D.Downlink, x: np.ndarray, seed: int, k: int):
+    """``(C(x), code)`` under ``rule``'s levels and dither, as :meth:`Downlink.send` codes."""
+    u = rng.uniform(seed, rng.Stream.DOWNLINK, k, 0, x.shape[0])
+    if rule.dither == "subtractive":
+        q = D.subtractive_quantise(x, u, rule.compressor.s)
+        return D.subtractive_value(q, u), rule.compressor.encode(q)
+    q = rule.compressor.quantise(x, u)
+    return dequantise(q), rule.compressor.encode(q)
+
+
+class SupportDownlink(D.Downlink):
+    """Codes θ_k − w on ``live`` only; ``w = θ`` elsewhere (on the server; no client's gradient reads it)."""
+
+    live: np.ndarray
+
+    def send(self, theta, w, seed, k):
+        if w is None:
+            return theta.copy(), None
+        L = self.live
+        c, code = _code(self, (theta - w)[L], seed, k)
+        out = theta.copy()
+        out[L] = w[L] + self.alpha(int(L.sum())) * c
+        return out, code
+
+
+class BasisDownlink(D.Downlink):
+    """Codes ``B⁻¹ (θ_k − w)`` and moves ``w`` by ``α B C(·)``."""
+
+    basis: object
+
+    def send(self, theta, w, seed, k):
+        if w is None:
+            return theta.copy(), None
+        c, code = _code(self, self.basis.apply_inv(theta - w), seed, k)
+        return w + self.alpha(theta.shape[0]) * self.basis.apply_root(c), code
+
+
+def patch(idea: str) -> None:
+    """The vectorised engine's broadcast rule swapped for ``idea``'s (the chains' own rule otherwise unchanged)."""
+    orig = NB.NumpyGeneric.__init__
+
+    def init(self, cfg, task, specs, spec, *a, **kw):
+        orig(self, cfg, task, specs, spec, *a, **kw)
+        if not self.down.on:
+            return
+        r = self.down.rule
+        if idea == "support":
+            X = np.vstack([c.Xa for c in task.clients])
+            live = np.repeat((X != 0).any(axis=0), task.clients[0].n_classes)  # θ is the (F̃, K) matrix, row-major
+            new = SupportDownlink(r.compressor, r.feedback, r.dither)
+            object.__setattr__(new, "live", live)
+            print(f"broadcast on the data's support: {int(live.sum())} of {live.size} coordinates", file=sys.stderr)
+        else:
+            if getattr(spec, "whitening", None) is None:
+                raise SystemExit("--idea block-basis needs compression-basis = block (the main job's)")
+            new = BasisDownlink(r.compressor, r.feedback, r.dither)
+            object.__setattr__(new, "basis", spec.whitening)
+        self.down.rule = new
+
+    NB.NumpyGeneric.__init__ = init
+
+
+def main(argv=None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--idea" not in argv:
+        raise SystemExit("usage: screen_broadcast_ideas.py --idea support|block-basis [bench_mainjob_reference args]")
+    i = argv.index("--idea")
+    idea = argv[i + 1]
+    if idea not in ("support", "block-basis"):
+        raise SystemExit(f"--idea: {idea!r}; allowed: support, block-basis")
+    del argv[i:i + 2]
+    patch(idea)
+    from benchmarks import bench_mainjob_reference
+
+    bench_mainjob_reference.main(argv)
+
+
+if __name__ == "__main__":
+    main()
