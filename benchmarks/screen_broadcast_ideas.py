@@ -20,6 +20,7 @@ backend, the Ray engine's chains) with the broadcast's rule patched here:
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -32,6 +33,8 @@ from qlsd_flwr.compression.qsgd import dequantise  # noqa: E402
 from qlsd_flwr.core import downlink as D  # noqa: E402
 from qlsd_flwr.core import rng  # noqa: E402
 from qlsd_flwr.engines.vectorised import numpy_backend as NB  # noqa: E402
+
+IDEAS = ("support", "block-basis")
 
 
 def _code(rule: D.Downlink, x: np.ndarray, seed: int, k: int):
@@ -97,18 +100,20 @@ def patch(idea: str) -> None:
 
 
 def main(argv=None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--idea" not in argv:
-        raise SystemExit("usage: screen_broadcast_ideas.py --idea support|block-basis [bench_mainjob_reference args]")
-    i = argv.index("--idea")
-    idea = argv[i + 1]
-    if idea not in ("support", "block-basis"):
-        raise SystemExit(f"--idea: {idea!r}; allowed: support, block-basis")
-    del argv[i:i + 2]
-    patch(idea)
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--idea", choices=IDEAS)
+    ap.add_argument("-h", "--help", action="store_true")
+    a, rest = ap.parse_known_args(sys.argv[1:] if argv is None else argv)
     from benchmarks import bench_mainjob_reference
 
-    bench_mainjob_reference.main(argv)
+    if a.help:  # this script's option, then the sweep's own (it exits after printing them)
+        print(f"--idea {{{','.join(IDEAS)}}}: the patched broadcast (the module docstring); the other options are "
+              "bench_mainjob_reference.py's:")
+        bench_mainjob_reference.main(["--help"])
+    if a.idea is None:
+        raise SystemExit(f"--idea: missing; allowed: {', '.join(IDEAS)}")
+    patch(a.idea)
+    bench_mainjob_reference.main(rest)
 
 
 if __name__ == "__main__":
