@@ -29,22 +29,16 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from qlsd_flwr.compression.qsgd import dequantise  # noqa: E402
 from qlsd_flwr.core import downlink as D  # noqa: E402
-from qlsd_flwr.core import rng  # noqa: E402
 from qlsd_flwr.engines.vectorised import numpy_backend as NB  # noqa: E402
 
 IDEAS = ("support", "block-basis")
 
 
-def _code(rule: D.Downlink, x: np.ndarray, seed: int, k: int):
-    """``(C(x), code)`` under ``rule``'s levels and dither, as :meth:`Downlink.send` codes."""
-    u = rng.uniform(seed, rng.Stream.DOWNLINK, k, 0, x.shape[0])
-    if rule.dither == "subtractive":
-        q = D.subtractive_quantise(x, u, rule.compressor.s)
-        return D.subtractive_value(q, u), rule.compressor.encode(q)
-    q = rule.compressor.quantise(x, u)
-    return dequantise(q), rule.compressor.encode(q)
+def _scaled_code(rule: D.Downlink, x: np.ndarray, seed: int, k: int):
+    """``(α C(x), code)``: the package's own coding of ``x`` (:meth:`Downlink.send` from ``w = 0``), ``α`` for
+    ``x``'s length."""
+    return D.Downlink.send(rule, x, np.zeros_like(x), seed, k)
 
 
 class SupportDownlink(D.Downlink):
@@ -56,22 +50,22 @@ class SupportDownlink(D.Downlink):
         if w is None:
             return theta.copy(), None
         L = self.live
-        c, code = _code(self, (theta - w)[L], seed, k)
+        step, code = _scaled_code(self, (theta - w)[L], seed, k)
         out = theta.copy()
-        out[L] = w[L] + self.alpha(int(L.sum())) * c
+        out[L] = w[L] + step
         return out, code
 
 
 class BasisDownlink(D.Downlink):
-    """Codes ``B⁻¹ (θ_k − w)`` and moves ``w`` by ``α B C(·)``."""
+    """Codes ``B⁻¹ (θ_k − w)`` and moves ``w`` by ``B (α C(·))``."""
 
     basis: object
 
     def send(self, theta, w, seed, k):
         if w is None:
             return theta.copy(), None
-        c, code = _code(self, self.basis.apply_inv(theta - w), seed, k)
-        return w + self.alpha(theta.shape[0]) * self.basis.apply_root(c), code
+        step, code = _scaled_code(self, self.basis.apply_inv(theta - w), seed, k)
+        return w + self.basis.apply_root(step), code
 
 
 def patch(idea: str) -> None:
