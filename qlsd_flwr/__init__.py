@@ -1,27 +1,22 @@
 """qlsd_flwr: the QLSD family of federated Langevin samplers (Vono et al., AISTATS 2022) on Flower."""
 
-import hashlib
 import os
 import tempfile
 from pathlib import Path
+
+from qlsd_flwr.jit import sources_hash
 
 __version__ = "0.1.0"
 
 
 def _numba_cache_dir() -> str:
-    """Where numba caches this package's compiled kernels: a folder named by a hash of every
-    module that compiles with numba. Numba checks a cached function against its own file only,
-    not against the compiled functions it calls in other files (the vectorised kernel calls the
-    twins in ``core/rng.py``, ``compression/qsgd_nb.py``, ``codec.py``, ``elias.py``), so an edit
-    there would otherwise leave a stale kernel in the cache. Inside the package when writable
-    (Ray workers then share it), else in the temporary folder."""
+    """Where numba caches this package's compiled kernels (``jit.py`` files each under a
+    hash of the package's numba modules: numba checks a cached function against its own file
+    only, not against the compiled functions it calls in other files, so an edit there would
+    otherwise leave a stale kernel in the cache). Inside the package when writable (Ray
+    workers then share it), else in the temporary folder."""
     here = Path(__file__).resolve().parent
-    h = hashlib.sha256()
-    for f in sorted(here.rglob("*.py")):
-        text = f.read_bytes()
-        if b"numba" in text:
-            h.update(str(f.relative_to(here)).encode() + b"\0" + text)
-    name = f"numba-{h.hexdigest()[:16]}"
+    name = "numba-" + sources_hash(here)
     cache = here / "__pycache__"
     if os.access(here, os.W_OK) and (not cache.exists() or os.access(cache, os.W_OK)):
         return str(cache / name)

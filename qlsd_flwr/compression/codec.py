@@ -14,7 +14,7 @@ Bits are written MSB first; see :mod:`.wire` for the layout.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from qlsd_flwr.jit import njit
 
 from qlsd_flwr.compression.elias import _omega_small_nb, omega_len_nb
 from qlsd_flwr.compression.format import DecodeError, DecodeFault

@@ -13,7 +13,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 import numpy as np
-from numba import njit
+from qlsd_flwr.jit import njit
 from numba.cpython.unsafe.numbers import leading_zeros
 
 from qlsd_flwr.compression.format import OMEGA_GROUPS as _G

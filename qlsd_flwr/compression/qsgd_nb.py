@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit
+from qlsd_flwr.jit import njit
 
 from qlsd_flwr.compression.format import QuantiseError
 

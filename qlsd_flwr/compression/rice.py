@@ -22,7 +22,7 @@ from __future__ import annotations
 import struct
 
 import numpy as np
-from numba import njit
+from qlsd_flwr.jit import njit
 
 from qlsd_flwr.compression.codec import _bit, _put, checked
 from qlsd_flwr.compression.format import TAG_RICE, DecodeError, DecodeFault

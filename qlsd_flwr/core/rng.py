@@ -19,7 +19,7 @@ import math
 from enum import IntEnum
 
 import numpy as np
-from numba import njit
+from qlsd_flwr.jit import njit
 
 _G = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit
+from qlsd_flwr.jit import njit
 
 from qlsd_flwr.compression.codec import elias_bits_float
 from qlsd_flwr.compression.format import HEADER_BYTES, Encoding, QuantiseError

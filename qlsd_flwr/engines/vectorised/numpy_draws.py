@@ -4,7 +4,7 @@ chain, and QSGD with exact code lengths over every active (chain, client) row.""
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from qlsd_flwr.jit import njit
 
 from qlsd_flwr.compression.codec import elias_bits_float
 from qlsd_flwr.compression.format import Encoding

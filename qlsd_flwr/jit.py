@@ -1,0 +1,90 @@
+"""``njit`` for this package, with numba's on-disk cache shared by every copy of the package.
+
+Numba files a cached kernel under a folder named by the full path of its source file
+(``UserProvidedCacheLocator.get_suitable_cache_subpath``). ``flwr run`` and a SuperNode run the
+app from a copy of ``qlsd_flwr`` in a new folder each time, so with numba's own locators every
+copy compiled every kernel again (about 11 s of a 71 s ``flwr run`` stop-and-resume test; the
+suite stages ten such copies). The locator installed here files a kernel under the path
+*inside* the package and a hash of all the package's numba modules instead: identical copies
+share one compiled kernel, and a copy whose numba modules differ anywhere gets its own folder.
+The hash spans every module, not only the function's own file, because numba checks a cached
+kernel against its own file only, not against the kernels it calls in other files (the
+vectorised kernel calls the twins in ``core/rng.py``, ``compression/qsgd_nb.py``, ``codec.py``,
+``elias.py``), so an edit there would otherwise leave a stale kernel in the cache.
+
+The package's modules take :func:`njit` from here, so the locator is in place before the first
+``cache=True`` decorator runs. Numba is imported on first use, not by ``import qlsd_flwr``.
+Functions outside a copy of ``qlsd_flwr`` fall through to numba's own locators; a numba whose
+cache internals differ (no ``CacheImpl._locator_classes``) gets nothing installed and files
+kernels as shipped, under ``NUMBA_CACHE_DIR`` (set by ``qlsd_flwr/__init__.py``, itself named by
+the same hash).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+from pathlib import Path
+
+
+def sources_hash(root: str | os.PathLike) -> str:
+    """A hash of every module under ``root`` (a copy of this package) that compiles with numba."""
+    root = Path(root)
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*.py")):
+        text = f.read_bytes()
+        if b"numba" in text:
+            h.update(str(f.relative_to(root)).encode() + b"\0" + text)
+    return h.hexdigest()[:16]
+
+
+def njit(*args, **kwargs):
+    """``numba.njit``, with this package's cache locator installed first."""
+    _install()
+    import numba
+
+    return numba.njit(*args, **kwargs)
+
+
+def _package_root(py_file: str) -> Path | None:
+    """The top folder of the ``qlsd_flwr`` copy that holds ``py_file``, else None."""
+    p = Path(py_file).resolve().parent
+    while (p / "__init__.py").exists() and p.name != "qlsd_flwr" and p.parent != p:
+        p = p.parent
+    return p if p.name == "qlsd_flwr" and (p / "__init__.py").exists() else None
+
+
+@functools.lru_cache(maxsize=None)
+def _sources_tag(root: Path) -> str:
+    return "src-" + sources_hash(root)
+
+
+@functools.lru_cache(maxsize=None)
+def _install() -> None:
+    from numba.core import caching
+
+    base = getattr(caching, "UserProvidedCacheLocator", None) or getattr(caching, "_UserProvidedCacheLocator", None)
+    impl = getattr(caching, "CacheImpl", None) or getattr(caching, "_CacheImpl", None)  # renamed in numba 0.6x
+    classes = getattr(impl, "_locator_classes", None)
+    if base is None or not isinstance(classes, list):
+        return
+
+    class PackageCopyLocator(base):
+        """``NUMBA_CACHE_DIR``, keyed by the path inside the package and the package's numba
+        sources rather than by the file's absolute path."""
+
+        def __init__(self, py_func, py_file):
+            super().__init__(py_func, py_file)
+            root = _package_root(py_file)
+            inner = Path(py_file).resolve().parent.relative_to(root)
+            self._cache_path = os.path.join(caching.config.CACHE_DIR, _sources_tag(root),
+                                            "_".join(("qlsd_flwr", *inner.parts)))
+
+        @classmethod
+        def from_function(cls, py_func, py_file):
+            if _package_root(py_file) is None:
+                return None
+            return super().from_function(py_func, py_file)
+
+    classes.insert(0, PackageCopyLocator)
