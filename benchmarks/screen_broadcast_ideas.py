@@ -1,5 +1,6 @@
-"""Two ways to a cheaper broadcast on the main job, screened against the HMC reference (issue 37); neither is in the
-package. Each row is ``bench_mainjob_reference.py``'s ``--sweep`` row (the main job on the vectorised engine's numpy
+"""Ways to a cheaper broadcast on the main job, screened against the HMC reference (issue 37). The first was screened
+here and is in the package since (``downlink-support = data``, the default: with it this patch codes what the
+package codes); the others are not. Each row is ``bench_mainjob_reference.py``'s ``--sweep`` row (the main job on the vectorised engine's numpy
 backend, the Ray engine's chains) with the broadcast's rule patched here:
 
 * ``--idea support``: the broadcast codes only the coordinates of θ that some client's data touch. For the main job's
@@ -7,8 +8,7 @@ backend, the Ray engine's chains) with the broadcast's rule patched here:
   0 in every client's data (127 of 785 on the main job's 4,000 digits: 1,270 of 7,850 coordinates) change no client's
   gradient. Those coordinates are left out of the code, and the server's ``w`` there is θ itself (the lag's correction
   and the prior's gradient at ``w`` then see no lag there). They carry the prior's scale, the widest, so leaving them
-  out also shrinks the norm QSGD's levels are cut from. Building it would need each client's support (from its data)
-  at the server and the union at every client: not built.
+  out also shrinks the norm QSGD's levels are cut from. Built since (``core/downlink.py``).
 * ``--idea block-basis``: the broadcast coded in the clients' block basis ``B`` (``core/block_basis.py``, which the
   clients already hold for ``compression-basis = block``): ``C(B⁻¹ (θ_k − w))``, ``w`` moved by ``α B C(·)``.
 
@@ -16,11 +16,18 @@ backend, the Ray engine's chains) with the broadcast's rule patched here:
         --out broadcast_support_screen.json
     python benchmarks/screen_broadcast_ideas.py --idea block-basis --sweep base downlink-s=16 \\
         --out broadcast_block_basis_screen.json
+    python benchmarks/screen_broadcast_ideas.py --idea client-support --sweep base --out broadcast_client_support_screen.json
+
+* ``--idea client-support`` (since ``downlink-support = data`` is built): the chain unchanged, the bits it would
+  take to send each client only the levels on its *own* support (of the union's code: the same norm, ``α`` and
+  dither, so every client still builds the server's ``w`` where its gradient reads it). Printed at the end beside
+  what the union's code sends; the package does not do it.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -32,7 +39,9 @@ sys.path.insert(0, str(HERE.parent))
 from qlsd_flwr.core import downlink as D  # noqa: E402
 from qlsd_flwr.engines.vectorised import numpy_backend as NB  # noqa: E402
 
-IDEAS = ("support", "block-basis")
+IDEAS = ("support", "block-basis", "client-support")
+#: ``--idea client-support``: [union's code bits to every client, each client's own code bits] over the run
+TALLY = [0, 0]
 
 
 def _scaled_code(rule: D.Downlink, x: np.ndarray, seed: int, k: int):
@@ -68,6 +77,24 @@ class BasisDownlink(D.Downlink):
         return w + self.basis.apply_root(step), code
 
 
+def _recording(compressor, positions):
+    """``compressor`` (the broadcast's QSGD), whose every code also tallies the codes of each client's subset of the
+    levels (``positions``: each client's support as positions in the union) into :data:`TALLY`."""
+    from dataclasses import fields
+
+    from qlsd_flwr.compression.qsgd import Quantised
+
+    class Recording(type(compressor)):
+        def encode(self, q):
+            code = super().encode(q)
+            TALLY[0] += 8 * len(code) * len(positions)
+            for pos in positions:
+                TALLY[1] += 8 * len(super().encode(Quantised(q.norms, q.levels[pos], q.s, (pos.size,))))
+            return code
+
+    return Recording(**{f.name: getattr(compressor, f.name) for f in fields(compressor)})
+
+
 def patch(idea: str) -> None:
     """The vectorised engine's broadcast rule swapped for ``idea``'s (the chains' own rule otherwise unchanged)."""
     orig = NB.NumpyGeneric.__init__
@@ -77,6 +104,16 @@ def patch(idea: str) -> None:
         if not self.down.on:
             return
         r = self.down.rule
+        if idea == "client-support":
+            from qlsd_flwr.core.potential import declared_support
+
+            union = r.support if r.support is not None else np.arange(task.dim)
+            own = [np.flatnonzero(declared_support(c, task.dim)) for c in task.clients]
+            positions = [np.searchsorted(union, o) for o in own]
+            print(f"clients' own supports: {min(o.size for o in own)}–{max(o.size for o in own)} of the union's "
+                  f"{union.size} coordinates", file=sys.stderr)
+            self.down.rule = dataclasses.replace(r, compressor=_recording(r.compressor, positions))
+            return
         if idea == "support":
             X = np.vstack([c.Xa for c in task.clients])
             live = np.repeat((X != 0).any(axis=0), task.clients[0].n_classes)  # θ is the (F̃, K) matrix, row-major
@@ -108,6 +145,9 @@ def main(argv=None) -> None:
         raise SystemExit(f"--idea: missing; allowed: {', '.join(IDEAS)}")
     patch(a.idea)
     bench_mainjob_reference.main(rest)
+    if a.idea == "client-support":
+        print(f"the broadcast's codes after round 0: the union's to every client {TALLY[0]:.4g} bits, each client's "
+              f"own support {TALLY[1]:.4g} bits ({TALLY[1] / max(TALLY[0], 1):.3f}×)")
 
 
 if __name__ == "__main__":

@@ -148,7 +148,7 @@ def not_applicable(raw: dict) -> set[str]:
     if str(raw.get("gamma", "")).lower() != "auto":
         out.add("gamma-c")
     if str(raw.get("downlink", "off")).strip().lower() != "qsgd":
-        out |= {"downlink-s", "downlink-feedback", "downlink-correction", "downlink-dither"}
+        out |= {"downlink-s", "downlink-feedback", "downlink-correction", "downlink-dither", "downlink-support"}
     return out & set(raw)
 
 
@@ -281,8 +281,8 @@ def resolve(overrides: Mapping[str, Any] | None = None) -> RunConfig:
                           f"{variant} takes q = 0")
     sampler.refuse(samplers.Settings(raw=raw, p=p, aggregation=aggregation, metric_rank=int(v["metric-rank"])))
     raw["downlink"] = _choice("downlink", raw["downlink"], ("off", "qsgd"))
-    raw["downlink-feedback"], raw["downlink-dither"] = (_choice(k, raw[k], v) for k, v in (
-        ("downlink-feedback", FEEDBACKS), ("downlink-dither", DITHERS)))
+    raw["downlink-feedback"], raw["downlink-dither"], raw["downlink-support"] = (_choice(k, raw[k], v) for k, v in (
+        ("downlink-feedback", FEEDBACKS), ("downlink-dither", DITHERS), ("downlink-support", ("data", "all"))))
     check_downlink(raw["downlink"], sampler.name, sampler.estimator.local, raw["vectorised-backend"])
     no_metric = metric == "identity" and not v["metric-rank"]
     raw["downlink-correction"] = check_correction(_choice("downlink-correction", raw["downlink-correction"], CORRECTIONS), no_metric)

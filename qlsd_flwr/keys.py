@@ -180,8 +180,7 @@ KEYS: tuple[Key, ...] = (
         "with a metric (docs/METRIC.md)", "", choices=("auto", "block", "metric", "theta"), group=SAMPLER),
     Key("s", "16", "ints", "QSGD levels, one value or one per client ('2,4,...'); s = 2^k is 'k bits'", "s_i",
         lo=1, cap=2**31 - 1, group=SAMPLER),
-    Key("block-norm", "vector", "choice", "one QSGD norm for the whole vector, or one per tensor",
-        choices=("vector", "tensor"), group=SAMPLER),
+    Key("block-norm", "vector", "choice", "one QSGD norm for the whole vector, or one per tensor", choices=("vector", "tensor"), group=SAMPLER),
     Key("encoding", "auto", "choice", "QSGD's Elias or packed code, the shorter per message (auto), or an arithmetic "
         "code of its levels (arith: the same chain)", choices=("auto", "elias", "packed", "arith"), group=SAMPLER),
     Key("downlink", "off", "choice", "the broadcast of θ_k: off (64 d bits of float64 to every active client), or qsgd "
@@ -189,11 +188,12 @@ KEYS: tuple[Key, ...] = (
         "that missed the last round is sent w_k in full). The QLSD family on every engine (the vectorised one on its "
         "numpy backend; docs/ARCHITECTURE.md, the compressed downlink)", "", choices=("off", "qsgd"), group=SAMPLER),
     Key("downlink-s", 256, "int", "QSGD levels of the compressed downlink", "s_↓", lo=1, cap=2**31 - 1, group=SAMPLER),
-    Key("downlink-feedback", "ef21-p", "choice", "ef21-p (both sides keep w_k = w_{k−1} + α C(θ_k − w_{k−1}), "
-        "α = 1/(ω_↓ + 1)) or none (w_k = C(θ_k), unbiased but with an error of θ's own size)", "",
-        choices=("ef21-p", "none"), group=SAMPLER),
+    Key("downlink-feedback", "ef21-p", "choice", "ef21-p (both sides keep w_k = w_{k−1} + α C(θ_k − w_{k−1}), α = 1/(ω_↓ + 1)) "
+        "or none (w_k = C(θ_k), unbiased but with an error of θ's own size)", "", choices=("ef21-p", "none"), group=SAMPLER),
     Key("downlink-dither", "stochastic", "choice", "the broadcast's rounding: stochastic (QSGD's) or subtractive (the clients "
         "take the shared dither out: the error uniform, (N/s_↓)²/12)", "", choices=("stochastic", "subtractive"), group=SAMPLER),
+    Key("downlink-support", "data", "choice", "data: the broadcast codes only the coordinates some client's gradient reads (as "
+        "each potential declares them: core.potential.declared_support), w_k = θ_k elsewhere; all: every one", "", choices=("data", "all"), group=SAMPLER),
     Key("downlink-correction", "auto", "choice", "metric: the step adds −γ (θ_k − w_k) and takes the prior at w_k, "
         "the lag's first-order term with M⁻¹ as the curvature (exact where M⁻¹ = ∇²U); auto: metric where M is not the "
         "identity, else off (docs/ARCHITECTURE.md, compressed downlink)", "", choices=("auto", "metric", "off"), group=SAMPLER),

@@ -72,13 +72,19 @@ class NumpyPotential:
         Say ``True`` if ``U_i`` is convex in θ (a GLM with a log-concave likelihood): ``gamma-c =
         auto`` keeps the larger step of a log-concave posterior (0.25, not 0.125) when every
         client and the prior say so.
+    support : array of bool, optional
+        ``(d,)``: ``True`` on every coordinate of θ that ``grad_sum`` reads (default: all). Where some
+        are never read (a softmax regression's weights of inputs that are 0 in all of this node's
+        data), ``downlink-support = data`` leaves them out of the broadcast's code; a coordinate the
+        gradient does read but ``support`` leaves out would be evaluated where it is stale.
     """
 
     def __init__(self, grad_sum: Callable, value: Callable, n_data: int, dim: int,
                  grad_sum_batch: Callable | None = None, pointwise_log_lik: Callable | None = None,
-                 log_concave: bool = False):
+                 log_concave: bool = False, support: np.ndarray | None = None):
         self._grad, self._value = grad_sum, value
         self.log_concave = bool(log_concave)
+        self._support = None if support is None else np.asarray(support)
         self.n_data, self.dim = int(n_data), int(dim)
         if self.n_data < 1 or self.dim < 1:
             raise ValueError(f"n_data and dim must be >= 1 (got {n_data}, {dim})")
@@ -88,6 +94,11 @@ class NumpyPotential:
         if pointwise_log_lik is not None:  # likewise: the LOO looks for the method
             self._ll = pointwise_log_lik
             self.pointwise_log_lik = self._pointwise
+
+    def support(self) -> np.ndarray | None:
+        """The coordinates ``grad_sum`` reads, as given (``None``: all; :func:`qlsd_flwr.core.potential.declared_support`
+        checks it)."""
+        return self._support
 
     def _batch(self, thetas: np.ndarray, idx: np.ndarray | None = None) -> np.ndarray:
         thetas = np.asarray(thetas, dtype=np.float64)

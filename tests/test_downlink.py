@@ -264,7 +264,7 @@ def _client(feedback="ef21-p"):
     from qlsd_flwr.protocol import build
     from qlsd_flwr.tasks import loading
 
-    cfg = resolve({**BASE, "downlink-feedback": feedback})
+    cfg = resolve({**BASE, "downlink-feedback": feedback, "downlink-support": "all"})  # supports: test_downlink_support
     task = loading.load_task(cfg)
     spec = build.client_spec(cfg, 0, task.clients[0].n_data, 5, task.prior)
     return cfg, task, spec, ClientState()

@@ -39,7 +39,7 @@ ULA's 2), but it widens the stationary law along the stiff directions, by the am
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -107,16 +107,26 @@ def lag_beta(correction: str, gamma: float, identity: bool) -> float:
 
 @dataclass(frozen=True)
 class Downlink:
-    """The broadcast's compressor and rule; the same object on the server and on every client."""
+    """The broadcast's compressor and rule; the same object on the server and on every client.
+
+    ``on_support`` (``downlink-support = data``): the code carries only ``support``, the coordinates the server names
+    (``theta_support``; sorted indices, or ``None`` for all) to each client once, and again after a resync. They are
+    the union of the clients' supports (:func:`union_support`): off it no client's gradient reads θ (a
+    softmax regression's weights of an input that is 0 in every client's data), so the code leaves those
+    coordinates out, ``α`` and the dither are those of the shorter vector, and the server's ``w`` there is θ_k
+    itself; a client keeps whatever it holds there."""
 
     compressor: QSGD
     feedback: str = "ef21-p"
     dither: str = "stochastic"
+    on_support: bool = False
+    support: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     def alpha(self, d: int) -> float:
         """``α``: ``1/(ω + 1)`` under ``ef21-p`` (a contractive step), 1 under ``none``; ``ω`` QSGD's, or under the
         subtractive dither the larger of it and that dither's own factor ``d/(12 s²)`` (its error's variance over
-        ``‖x‖²``), which exceeds QSGD's bound where ``d > 144 s²``: ``α C`` stays contractive either way."""
+        ``‖x‖²``), which exceeds QSGD's bound where ``d > 144 s²``: ``α C`` stays contractive either way. ``d``: the
+        coded vector's length (the support's size where there is one)."""
         if self.feedback != "ef21-p":
             return 1.0
         omega = self.compressor.omega(d)
@@ -130,36 +140,83 @@ class Downlink:
         the coded vector is not finite or too large to code."""
         if self.feedback == "ef21-p" and w is None:
             return theta.copy(), None
-        d = theta.shape[0]
         x = theta - w if self.feedback == "ef21-p" else theta
-        u = rng.uniform(seed, rng.Stream.DOWNLINK, k, 0, d)
+        S = self.support
+        if S is not None:
+            x = x[S]
+        n = x.shape[0]
+        u = rng.uniform(seed, rng.Stream.DOWNLINK, k, 0, n)
         if self.dither == "subtractive":
             q = subtractive_quantise(x, u, self.compressor.s)
-            return self._next(w, subtractive_value(q, u), d), self.compressor.encode(q)
-        q = self.compressor.quantise(x, u)
-        return self._next(w, dequantise(q), d), self.compressor.encode(q)
+            c = subtractive_value(q, u)
+        else:
+            q = self.compressor.quantise(x, u)
+            c = dequantise(q)
+        return self._place(theta, w, c, n), self.compressor.encode(q)
 
     def receive(self, w: np.ndarray | None, code, d: int, seed: int = 0, k: int = 0) -> np.ndarray:
         """``w_k`` from ``w_{k−1}`` and the code of round ``k`` of the chain of ``seed`` (the subtractive dither's
-        key), bit for bit the server's; ``ValueError`` naming ``theta_code`` when the code does not decode to ``d``
-        finite numbers."""
+        key), bit for bit the server's on the support (off it, ``w``'s own numbers, or 0 under ``none``);
+        ``ValueError`` naming ``theta_code`` when the code does not decode to the support's size of finite numbers."""
         if not isinstance(code, (bytes, bytearray)):
             raise ValueError(f"sample: 'theta_code' must be bytes, not {type(code).__name__}")
+        n = d if self.support is None else int(self.support.size)
         try:
-            q = self.compressor.decode(bytes(code), d)
+            q = self.compressor.decode(bytes(code), n)
         except ValueError as exc:  # DecodeError is a ValueError
             raise ValueError(f"sample: 'theta_code' does not decode: {exc}") from None
         if self.dither == "subtractive":
-            c = subtractive_value(q, rng.uniform(seed, rng.Stream.DOWNLINK, k, 0, d))
+            c = subtractive_value(q, rng.uniform(seed, rng.Stream.DOWNLINK, k, 0, n))
         else:
             c = dequantise(q)
-        out = self._next(w, c, d)
+        out = self._place(np.zeros(d) if w is None else w, w, c, n)
         if not np.all(np.isfinite(out)):
             raise ValueError("sample: 'theta_code' gives a point that is not finite")
         return out
 
+    def _place(self, base: np.ndarray, w: np.ndarray | None, c: np.ndarray, n: int) -> np.ndarray:
+        """``w_k``: ``w_{k−1} + α c`` (``ef21-p``) or ``c`` on the support, ``base`` elsewhere."""
+        S = self.support
+        if S is None:
+            return self._next(w, c, n)
+        out = np.array(base, dtype=np.float64, copy=True)
+        out[S] = self._next(None if w is None else w[S], c, n)
+        return out
+
     def _next(self, w, c, d):
         return w + self.alpha(d) * c if self.feedback == "ef21-p" else c
+
+
+def union_support(masks, d: int) -> np.ndarray | None:
+    """The coordinates some client's gradient reads: the union of ``masks`` (each a boolean ``(d,)`` array, or
+    ``None``: every coordinate), as sorted indices; ``None`` where that is every coordinate (or no mask is given)."""
+    masks = list(masks)
+    if not masks or any(m is None for m in masks):
+        return None
+    live = np.zeros(d, dtype=bool)
+    for m in masks:
+        live |= m
+    return None if live.all() else np.flatnonzero(live)
+
+
+def support_to_bytes(support: np.ndarray, d: int) -> bytes:
+    """``support`` (sorted indices, or a boolean ``(d,)`` mask) as it travels: ``d`` bits, one a coordinate, packed
+    (``⌈d/8⌉`` bytes)."""
+    live = np.zeros(d, dtype=bool)
+    live[support] = True
+    return np.packbits(live).tobytes()
+
+
+def support_from_bytes(x, d: int, name: str = "theta_support") -> np.ndarray:
+    """The boolean ``(d,)`` mask :func:`support_to_bytes` packed; ``ValueError`` naming ``name`` when ``x`` is not
+    ``⌈d/8⌉`` bytes, a padding bit is set, or no coordinate is."""
+    if not isinstance(x, (bytes, bytearray)) or len(x) != -(-d // 8):
+        raise ValueError(f"{name}: expected {-(-d // 8)} bytes (one bit a coordinate of θ), "
+                         f"got {len(x) if isinstance(x, (bytes, bytearray)) else type(x).__name__}")
+    bits = np.unpackbits(np.frombuffer(bytes(x), dtype=np.uint8))
+    if bits[d:].any() or not bits[:d].any():
+        raise ValueError(f"{name}: a padding bit is set, or no coordinate is")
+    return bits[:d].astype(bool)
 
 
 def subtractive_quantise(x: np.ndarray, u: np.ndarray, s: int) -> Quantised:

@@ -88,6 +88,7 @@ class ClientState:
     metric: Any = None  # the local steps' metric M (core.metric.Metric; ClientSpec.metric = "sent")
     w: np.ndarray | None = None  # downlink = qsgd, ef21-p: the point w_k the broadcast's codes build
     w_round: int = -1  # the round of that w_k
+    w_support: np.ndarray | None = None  # downlink-support = data: 1 on the coordinates the codes carry, 0 elsewhere
     point: np.ndarray | None = None  # before sampling: the last point θ the server sent (protocol.client.prep_point)
     point_id: int = -1  # and its number, which the server sends instead of θ while the point is the same
 

@@ -68,6 +68,22 @@ def declares_log_concave(obj) -> bool:
     return getattr(obj, "log_concave", False) is True
 
 
+def declared_support(obj, d: int) -> np.ndarray | None:
+    """The coordinates of θ that ``obj``'s (a local potential's) gradient reads, as it declares them: ``support()``, a
+    boolean ``(d,)`` array (a softmax regression: the weights of the inputs its data are not all 0 on), or ``None``,
+    every coordinate (what declares nothing). ``downlink-support = data`` codes the broadcast on their union
+    (:class:`qlsd_flwr.core.downlink.Downlink`): a potential whose gradient reads a coordinate it leaves out would
+    be evaluated where that coordinate is stale. ``ValueError`` naming ``support()`` when it is not such an array."""
+    fn = getattr(obj, "support", None)
+    m = fn() if callable(fn) else None
+    if m is None:
+        return None
+    m = np.asarray(m)
+    if m.dtype != np.bool_ or m.shape != (d,):
+        raise ValueError(f"support(): expected a boolean array of shape ({d},), got {m.dtype} {m.shape}")
+    return m
+
+
 @dataclass(frozen=True)
 class GaussianPrior:
     """``U_0(θ) = ‖θ − mean‖² / (2 var)``; ``var = inf`` is the flat prior."""

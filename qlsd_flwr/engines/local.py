@@ -142,7 +142,7 @@ def _run_direct(cfg, task, specs, states, prep, keep_trace, bar) -> RunResult:
             state.metric = spec.whitening
     st = sampler.init_state(spec, build.theta0_of(task) if prep.theta0 is None else prep.theta0[0])
     trace = np.empty((cfg.num_rounds, task.dim)) if keep_trace else None
-    down, w = broadcast.downlink_of(cfg), None  # downlink = qsgd: the clients evaluate at w_k (core.downlink)
+    down, w = broadcast.downlink_of(cfg, build.task_support(task)), None  # downlink = qsgd: the clients evaluate at w_k
     for k in range(cfg.num_rounds):
         if down is not None:
             try:

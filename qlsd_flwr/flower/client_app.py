@@ -36,7 +36,8 @@ from flwr.clientapp import ClientApp
 
 from qlsd_flwr.config import resolve
 from qlsd_flwr.core.oracles import ClientState
-from qlsd_flwr.core.potential import LocalPotential, declares_log_concave
+from qlsd_flwr.core.downlink import support_to_bytes
+from qlsd_flwr.core.potential import LocalPotential, declared_support, declares_log_concave
 from qlsd_flwr.flower import loo_phase
 from qlsd_flwr.outputs.resume import flwr_run_config
 from qlsd_flwr.flower.records import (
@@ -240,6 +241,8 @@ def make_client_app(potential_fn: Callable[[Context], LocalPotential] | None = N
                 fields["eta_count"] = int(st.eta_count)
                 if st.eta is not None:
                     fields[name] = enc(st.eta)
+        elif (live := declared_support(pot, d)) is not None:  # the handshake: the coordinates its gradient reads
+            fields["support"] = support_to_bytes(live, d)  # (downlink-support = data)
         return _reply(message, fields)
 
     @app.train()

@@ -15,6 +15,7 @@ import time
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
+from qlsd_flwr.core.downlink import support_from_bytes
 from qlsd_flwr.robust import handshake
 from qlsd_flwr.flower.records import RECORD, config_record
 from qlsd_flwr.protocol import memory_audit
@@ -90,6 +91,8 @@ class NodeRegistry:
         self._concave: dict[int, bool] = {}  # node -> it declared its potential log-concave
         self.log_concave: dict[int, bool] = {}  # client -> as its node declared (gamma-c = auto)
         self._failed: dict[int, str] = {}  # node -> the error it answered the handshake with
+        self._support: dict[int, object] = {}  # node -> the support it declared (None: every coordinate)
+        self.support: dict[int, object] = {}  # client -> as its node declared (downlink-support = data)
 
     def handshake(self, grid: Grid, timeout: float) -> None:
         """Wait for the ``b`` clients and map client index → node id (``partition-id``).
@@ -165,6 +168,7 @@ class NodeRegistry:
             try:
                 rec = config_record(msg.content)
                 i, d, n = int(rec["client"]), int(rec["dim"]), int(rec.get("n_data", 1))
+                live = None if "support" not in rec else support_from_bytes(rec["support"], self.d, "support")
             except (KeyError, TypeError, ValueError, OverflowError):
                 log.warning("node %d answered the handshake with a malformed record: ignored", node)
                 continue
@@ -182,6 +186,7 @@ class NodeRegistry:
             else:
                 self._claimed_n[node] = n
                 self._concave[node] = rec.get("log_concave") is True  # anything else: not declared
+                self._support[node] = live
 
     def _settle(self, claims: dict) -> tuple[dict[int, int], dict[int, list[int]]]:
         """``(client → its one consistent node, client → its several consistent nodes)``."""
@@ -192,9 +197,15 @@ class NodeRegistry:
                 seen[i] = ok[0]
                 self.n_data[i] = self._claimed_n[ok[0]]  # N_i as claimed (the curvature reports' scale)
                 self.log_concave[i] = self._concave.get(ok[0], False)
+                self.support[i] = self._support.get(ok[0])
             elif len(ok) > 1:
                 conflicts[i] = ok
         return seen, conflicts
+
+    def supports(self, b: int) -> list:
+        """Each client's declared support (``None``: every coordinate, or a client not mapped), for the broadcast
+        (:func:`qlsd_flwr.protocol.broadcast.set_support`)."""
+        return [self.support.get(i) for i in range(b)]
 
     def rediscover(self, grid: Grid, server_round: int, timeout: float) -> None:
         """Map nodes that joined after the handshake (a SuperNode restarted without node

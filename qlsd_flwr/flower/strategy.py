@@ -359,7 +359,7 @@ class QLSDStrategy(Strategy):
         self._grid = grid
         with stopping.Stopper():  # flwr stop, SIGTERM or Ctrl-C in the handshake or the preparation: stop there
             self.nodes.handshake(grid, self._timeout)
-            self.server.set_counts([self.nodes.n_data.get(i, 1) for i in range(cfg.b)])
+            self.server.set_counts([self.nodes.n_data.get(i, 1) for i in range(cfg.b)], self.nodes.supports(cfg.b))
             ph = PhaseExchanges(cfg, self.task, self.nodes, self.server.settings)  # a bad reply: counted, asked again
             prep = claims = None
             if not resuming:  # resume: θ*, M and γ are in the checkpoint

@@ -9,31 +9,62 @@ another point than the others. Round 0 sends ``w_0 = θ_0`` in full under ``ef21
 at round ``k`` is ``w_k`` (where the clients evaluate), so a client that builds ``w_k`` this round is told so
 (``anchor_is_theta``) instead of being sent ``ζ``. The server's ``w`` goes into the checkpoint (``downlink_w``),
 so a resumed chain codes the same ``w``s, bit for bit.
+
+Under ``downlink-support = data`` the code carries only the coordinates some client's gradient reads (the union
+of their declared supports, from the handshakes; :class:`~qlsd_flwr.core.downlink.Downlink`), and each client is
+told which, ``theta_support``, with its first message and after a resync: the same rule as the metric's
+(:mod:`qlsd_flwr.protocol.metric_sent`). The union is not in the checkpoint: a resumed run takes it from the
+handshakes again.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from qlsd_flwr.config import ConfigError
-from qlsd_flwr.core.downlink import Downlink, broadcast_code
+from qlsd_flwr.core.downlink import Downlink, broadcast_code, support_to_bytes, union_support
 from qlsd_flwr.protocol import build
 
 
 def setup(server) -> None:
-    """The chain's broadcast (``server.downlink``: ``None`` with ``downlink = off``)."""
+    """The chain's broadcast (``server.downlink``: ``None`` with ``downlink = off``), on the clients' support: the
+    handshakes' (:func:`set_support`, kept through a restore), else that of the clients the task holds."""
     cfg = server.cfg
-    server.downlink = downlink_of(cfg)
+    if not hasattr(server, "client_support"):
+        server.client_support = build.task_support(server.task) if build.support_on(cfg) else None
+    server.downlink = downlink_of(cfg, server.client_support)
     server.w, server.w_code = None, None
     server.w_held = np.full(cfg.b, -1, dtype=np.int64)  # the round of the w each client holds (−1: none)
+    server.support_sent = set()  # the clients sent theta_support since the server started
 
 
-def downlink_of(cfg) -> Downlink | None:
-    """The run's broadcast rule (``None``: ``downlink = off``)."""
+def set_support(server, masks) -> None:
+    """The broadcast's support from the clients' handshakes (each a boolean mask, or ``None``: every coordinate):
+    their union (:func:`~qlsd_flwr.core.downlink.union_support`) under ``downlink-support = data``. ``masks``
+    ``None``: no handshake (nothing changes)."""
+    if masks is None or not build.support_on(server.cfg):
+        return
+    server.client_support = union_support(masks, server.d)
+    if getattr(server, "downlink", None) is not None:  # else setup, when the chain begins, takes it
+        server.downlink = dataclasses.replace(server.downlink, support=server.client_support)
+
+
+def downlink_of(cfg, support: np.ndarray | None = None) -> Downlink | None:
+    """The run's broadcast rule (``None``: ``downlink = off``), coding ``support`` (sorted indices; ``None``: every
+    coordinate) under ``downlink-support = data``."""
     if not build.downlink_on(cfg):
         return None
+    on = build.support_on(cfg)
     return Downlink(broadcast_code(int(cfg.get("downlink-s"))), str(cfg.get("downlink-feedback")),
-                    str(cfg.get("downlink-dither") or "stochastic"))
+                    str(cfg.get("downlink-dither") or "stochastic"), on, support if on else None)
+
+
+def support_bits(cfg, d: int) -> int:
+    """The bits of ``theta_support`` (d bits, packed), sent with each client's first message under
+    ``downlink-support = data``; 0 otherwise."""
+    return 8 * -(-int(d) // 8) if build.support_on(cfg) else 0
 
 
 def begin_round(server) -> None:
@@ -66,6 +97,10 @@ def add(server, i: int, fields: dict) -> None:
         fields["theta_code"] = server.w_code
     else:
         fields["theta"] = server.w
+    if dl.on_support and (i not in server.support_sent or server.needs_resync[i]):
+        S = dl.support if dl.support is not None else np.arange(server.d)
+        fields["theta_support"] = support_to_bytes(S, server.d)
+        server.support_sent.add(i)
     kind = server.cfg.kind
     if "anchor" in fields and kind.cv_zeta and k % max(int(server.cfg.l), 1) == 0:
         del fields["anchor"]

@@ -16,12 +16,12 @@ from qlsd_flwr.compression.identity import Identity
 from qlsd_flwr.compression.qsgd import QSGD
 from qlsd_flwr.config import ConfigError, RunConfig
 from qlsd_flwr.core.dglmc import Spectrum
-from qlsd_flwr.core.downlink import DITHERS, FEEDBACKS, Downlink, broadcast_code, lag_beta
+from qlsd_flwr.core.downlink import DITHERS, FEEDBACKS, Downlink, broadcast_code, lag_beta, union_support
 from qlsd_flwr.core.metric import Identity as IdentityMetric
 from qlsd_flwr.core.metric import Metric
 from qlsd_flwr import samplers
 from qlsd_flwr.core.oracles import ClientSpec
-from qlsd_flwr.core.potential import GaussianPrior, Task
+from qlsd_flwr.core.potential import GaussianPrior, Task, declared_support
 from qlsd_flwr.core.priors import check_prior
 from qlsd_flwr.core.server_step import ServerSpec, noise_factor
 from qlsd_flwr.bases import whitening_of, whitens
@@ -190,6 +190,8 @@ def client_settings(cfg: RunConfig, i: int, d: int, prior: GaussianPrior, blocks
         # downlink-dither = subtractive: the clients take the dither out (sent only then: the default's bytes as before)
         **({"downlink_dither": "subtractive"} if downlink_on(cfg) and cfg.get("downlink-dither") == "subtractive"
            else {}),
+        # downlink-support = data: the code carries the coordinates the server's theta_support names (core.downlink)
+        **({"downlink_support": "data"} if support_on(cfg) else {}),
         # FALD, VR-FALD*: K local steps, the common share τ of the noise and T (0, 0, 1 for the others)
         **({"local_steps": int(cfg.get("local-steps")), "tau": float(cfg.get("tau")),
             "temperature": float(cfg.temperature),
@@ -202,6 +204,19 @@ def client_settings(cfg: RunConfig, i: int, d: int, prior: GaussianPrior, blocks
 def downlink_on(cfg: RunConfig) -> bool:
     """Whether θ's broadcast is compressed (``downlink = qsgd``; :mod:`qlsd_flwr.protocol.broadcast`)."""
     return cfg.get("downlink") == "qsgd"
+
+
+def support_on(cfg: RunConfig) -> bool:
+    """Whether the broadcast codes only the clients' support (``downlink-support = data``): not where the clients
+    take a share of the prior (``prior-on = clients``), whose gradient reads every coordinate."""
+    return downlink_on(cfg) and cfg.get("downlink-support") == "data" and cfg.prior_on != "clients"
+
+
+def task_support(task: Task) -> np.ndarray | None:
+    """The union of ``task``'s clients' declared supports (:func:`~qlsd_flwr.core.downlink.union_support`), on an
+    engine that holds the clients; ``None``: every coordinate (or no clients: a Flower server takes the union from
+    the handshakes)."""
+    return union_support([declared_support(c, task.dim) for c in task.clients], task.dim)
 
 
 _ENCODINGS = ("auto", "elias", "packed", "arith")
@@ -224,6 +239,7 @@ def client_spec_from_settings(settings: dict, i: int, n_data: int, d: int) -> tu
         metric = str(settings.get("metric", "identity"))
         down_s, feedback = int(settings.get("downlink_s", 0)), str(settings.get("downlink_feedback", "ef21-p"))
         dither = str(settings.get("downlink_dither", "stochastic"))
+        on_support = str(settings.get("downlink_support", "all"))
     except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise ValueError(f"client settings: missing or malformed value ({type(exc).__name__}: {exc})") from None
     kind = samplers.ESTIMATORS.get(oracle)
@@ -237,14 +253,15 @@ def client_spec_from_settings(settings: dict, i: int, n_data: int, d: int) -> tu
               "tau": 0.0 <= tau <= 1.0, "temperature": 0.0 < temperature <= 1e6,
               "metric": metric in ("identity", "sent") and (metric == "identity" or local or s > 0),
               "downlink_s": 0 <= down_s < 2 ** 31 and not (local and down_s), "downlink_feedback": feedback in FEEDBACKS,
-              "downlink_dither": dither in DITHERS}
+              "downlink_dither": dither in DITHERS, "downlink_support": on_support in ("data", "all")}
     if bad := [k for k, ok in checks.items() if not ok]:
         raise ValueError(f"client settings: bad value for {', '.join(bad)}")
     compressor = QSGD(s=s, blocks=blocks, encoding=encoding) if s else Identity()
     return ClientSpec(index=i, kind=kind, batch_size=minibatch_size(bf, n_data), compressor=compressor,
                       memory=memory, alpha=alpha, prior=GaussianPrior(var=prior_var, mean=prior_mean),
                       prior_weight=w, local_steps=steps, tau=tau, temperature=temperature, metric=metric,
-                      downlink=Downlink(broadcast_code(down_s), feedback, dither) if down_s else None), seed
+                      downlink=Downlink(broadcast_code(down_s), feedback, dither, on_support == "data") if down_s
+                      else None), seed
 
 
 def client_spec(cfg: RunConfig, i: int, n_data: int, d: int, prior: GaussianPrior,

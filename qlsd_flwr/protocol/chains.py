@@ -202,10 +202,11 @@ class ChainSet:
         theta = None if self.chains[0].downlink is not None else self._theta if len(asked) == self.C \
             else self._theta[asked]
         per = {c: self.chains[c].fields_for(i) for c in asked}
-        # the run's metric goes once a message whatever the chains that carry it (wire.bundle_request): each chain
-        # counted it, so the round's downlink takes the others' copies off (end_round)
-        carried = [c for c in asked if "metric" in per[c]]
-        self._shared_down += sum(8 * len(per[c]["metric"]) for c in carried[1:])
+        # the run's metric and the broadcast's support go once a message whatever the chains that carry them
+        # (wire.bundle_request): each chain counted them, so the round's downlink takes the others' copies off (end_round)
+        for name in ("metric", "theta_support"):
+            carried = [c for c in asked if name in per[c]]
+            self._shared_down += sum(8 * len(per[c][name]) for c in carried[1:])
         return bundle_request(per, theta)
 
     def note_sent(self, i: int, message_bytes: int) -> None:
@@ -309,10 +310,10 @@ class ChainSet:
         self.summary_data = self.observer.on_stop(self, extra) if self.observer is not None else extra
         return self.summary_data
 
-    def set_counts(self, n_data) -> None:
-        """The clients' ``N_i`` claims, for every chain's bounded-influence rule."""
+    def set_counts(self, n_data, support=None) -> None:
+        """The clients' ``N_i`` claims and supports (:meth:`QLSDServer.set_counts`), for every chain."""
         for ch in self.chains:
-            ch.set_counts(n_data)
+            ch.set_counts(n_data, support)
 
     def memory_check(self, reports: dict[int, dict[int, tuple[np.ndarray, int]]]) -> dict:
         """:meth:`QLSDServer.memory_check` for each chain, from each client's per-chain report."""

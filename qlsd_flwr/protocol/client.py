@@ -12,6 +12,8 @@ sends both unasked) computes exactly the reply it would have computed with its o
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from qlsd_flwr.core.oracles import (
@@ -27,7 +29,8 @@ from qlsd_flwr.core.lowrank import local_hvp
 from qlsd_flwr.robust.reports import MAX_BLOCK
 from qlsd_flwr.core.curvature import KRON_OUTPUTS, local_curvature
 from qlsd_flwr.core.kron_block import KRON_BLOCK, local_block
-from qlsd_flwr.core.potential import LocalPotential
+from qlsd_flwr.core.downlink import support_from_bytes
+from qlsd_flwr.core.potential import LocalPotential, declared_support
 from qlsd_flwr.protocol.gradients import gradient_to_bytes, precision_of
 from qlsd_flwr.protocol.wire import (
     arr_to_bytes,
@@ -52,7 +55,8 @@ def _prepare(spec: ClientSpec, pot: LocalPotential, st: ClientState, fields: dic
             return None, {"client": i, "status": "resync"}
     else:
         st.point, st.point_id = None, -1  # sampling: the preparation's point is not asked for again
-        theta = _point(spec, st, fields, d, seed if chain_seed is None else chain_seed)
+        support = _support(spec, pot, fields, d)
+        theta = _point(spec, st, fields, d, seed if chain_seed is None else chain_seed, support)
     if fields["phase"] == "grad":
         precision = precision_of(fields)
         return theta, {"client": i, "status": "ok",
@@ -88,6 +92,8 @@ def _prepare(spec: ClientSpec, pot: LocalPotential, st: ClientState, fields: dic
         anchor = theta  # downlink = qsgd: the anchor refreshed this round is the w_k just built
     if theta is not None and spec.downlink is not None:
         st.w, st.w_round = theta, int(fields["round"])
+    if support is not None:
+        st.w_support = support
     if metric is not None:
         st.metric = metric
     if eta is not None:
@@ -101,6 +107,7 @@ def _prepare(spec: ClientSpec, pot: LocalPotential, st: ClientState, fields: dic
     stale_anchor = spec.kind.anchored and st.anchor_version != version
     stale_eta = spec.memory and st.eta_count != count
     lost_metric = spec.metric != "identity" and st.metric is None  # a restarted node: the server sends it again
+    lost_metric |= spec.downlink is not None and spec.downlink.on_support and st.w_support is None  # and the support
     if stale_anchor or stale_eta or lost_metric or theta is None:  # θ None: a code it cannot apply
         return theta, {"client": i, "status": "resync"}
     return theta, None
@@ -128,7 +135,24 @@ def _point_id(fields: dict) -> int:
     return int(p)
 
 
-def _point(spec: ClientSpec, st: ClientState, fields: dict, d: int, seed: int = 0) -> np.ndarray | None:
+def _support(spec: ClientSpec, pot: LocalPotential, fields: dict, d: int) -> np.ndarray | None:
+    """``theta_support`` (``downlink-support = data``) as the client keeps it, 1 on the coordinates the codes carry
+    (``None``: not sent); ``ValueError`` naming the field when the run does not send one, when it is malformed, or
+    when it leaves out a coordinate this client's gradient reads (its codes would leave that coordinate stale)."""
+    x = fields.get("theta_support")
+    if x is None:
+        return None
+    if spec.downlink is None or not spec.downlink.on_support:
+        raise ValueError("sample: 'theta_support' without downlink-support = data in the client's settings")
+    live = support_from_bytes(x, d)
+    own = declared_support(pot, d)
+    if (~live).any() and (own is None or (own & ~live).any()):
+        raise ValueError("sample: 'theta_support' leaves out coordinates this client's gradient reads")
+    return live.astype(np.float64)
+
+
+def _point(spec: ClientSpec, st: ClientState, fields: dict, d: int, seed: int = 0,
+           support: np.ndarray | None = None) -> np.ndarray | None:
     """A sampling round's point: θ_k, or with ``downlink = qsgd`` the ``w_k`` that ``theta_code`` builds from the
     client's ``w_{k−1}`` (``theta``: ``w_k`` in full); ``None`` when the client cannot apply the code (it missed
     round ``k − 1``: it answers resync and is sent ``w_k`` in full next). ``ValueError`` naming the field when a
@@ -141,6 +165,11 @@ def _point(spec: ClientSpec, st: ClientState, fields: dict, d: int, seed: int = 
             raise ValueError("sample: the message carries neither 'theta' nor 'theta_code'")
         return vector(fields["theta"], d)
     dl, k = spec.downlink, int(fields["round"])
+    if dl.on_support:  # the coordinates the code carries: this message's theta_support, else the one held
+        live = support if support is not None else st.w_support
+        if live is None:  # a restarted node: it answers resync and is sent the support
+            return None
+        dl = dataclasses.replace(dl, support=None if live.all() else np.flatnonzero(live))
     if dl.feedback == "ef21-p" and (st.w is None or st.w_round != k - 1):
         dl.receive(np.zeros(d), code, d, seed, k)  # refused if malformed, even when it cannot be applied
         return None

@@ -40,8 +40,9 @@ class SamplingDownlink:
 
     def __init__(self, cfg, d: int, seeds, k0: int = 0, metric_bits: int = 0):
         self.kind, self.l, self.d, self.p = cfg.kind, max(int(cfg.l), 1), int(d), cfg.p
-        # the metric's (block: the basis's) bits, with each pair's first message (compression-basis; 0: not sent)
-        self.metric_bits = int(metric_bits)
+        # the metric's (block: the basis's) bits and theta_support's (downlink-support = data), with each pair's first
+        # message (compression-basis; 0: not sent), once a client's message: the protocol's rule for both
+        self.metric_bits = int(metric_bits) + broadcast.support_bits(cfg, d)
         self.metric_held = np.zeros((np.asarray(seeds).size, cfg.b), dtype=bool)
         self.seeds = np.asarray(seeds)
         self.last = np.full((self.seeds.size, cfg.b), -1, dtype=np.int64)  # each pair's last active round
@@ -93,8 +94,10 @@ class ChainsBroadcast:
     from its θ_k with the chain's seed as its protocol server codes it (:func:`qlsd_flwr.protocol.broadcast.begin_round`),
     where its clients evaluate. ``on`` is ``False`` (and nothing happens) with ``downlink = off``."""
 
-    def __init__(self, cfg, seeds):
-        self.rule, self.seeds = broadcast.downlink_of(cfg), np.asarray(seeds)
+    def __init__(self, cfg, seeds, task=None):
+        # downlink-support = data: the union of the clients' supports, these engines holding the clients (``task``)
+        support = build.task_support(task) if task is not None and build.support_on(cfg) else None
+        self.rule, self.seeds = broadcast.downlink_of(cfg, support), np.asarray(seeds)
         self.on = self.rule is not None
         self.w: np.ndarray | None = None  # (C, d); None until round 0
 

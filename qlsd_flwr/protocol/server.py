@@ -382,16 +382,16 @@ class QLSDServer:
         self.summary_data = self.observer.on_stop(self, extra) if self.observer is not None else extra
         return self.summary_data
 
-    def set_counts(self, n_data) -> None:
-        """The clients' ``N_i`` (their handshake claims), the scale of the bounded-influence rule
-        (:mod:`qlsd_flwr.robust.norm_guard`)."""
+    def set_counts(self, n_data, support=None) -> None:
+        """The clients' handshake facts: ``N_i`` (their claims), the scale of the bounded-influence rule
+        (:mod:`qlsd_flwr.robust.norm_guard`), and their supports, the broadcast's (:func:`.broadcast.set_support`)."""
         self.norm_guard.set_counts(n_data)
+        broadcast.set_support(self, support)
 
     def memory_check(self, reports: dict[int, tuple[np.ndarray, int]]) -> dict:
         """The clients' own ``(η_i, update count)`` against the mirrors (:func:`.memory_audit.memory_check`)."""
         return memory_audit.memory_check(self.state, self.needs_resync, self.eta_count, reports)
 
-    # ---- helpers ------------------------------------------------------------------------
     def _reject(self, why: str) -> None:
         self._row["n_rejected"] += 1
         self._count(why)

@@ -62,7 +62,9 @@ LOO replies                        :mod:`.loo`: shape from ``N_i``,      sums of
                                    model's ceiling (0; the Gaussian's    density at most its peak
                                    peak −(d/2) log 2π), LOG_P_MAX 1e-9
 handshake facts                    :mod:`.handshake`: client in 0..b-1,  2^53: float64's exact integers
-                                   ``d``, 1 ≤ N_i ≤ N_DATA_MAX 2^53
+                                   ``d``, 1 ≤ N_i ≤ N_DATA_MAX 2^53;     a support too small harms only its
+                                   the support ⌈d/8⌉ bytes, no padding   own gradient's point; too large
+                                   bit, a coordinate at least            costs bits only
 =================================  ==================================  =====================================
 
 Nothing else in the package holds a bound on what a client sends.

@@ -22,7 +22,8 @@ VECTOR = "vector"
 ROUND = "round"
 #: 0 or 1; in a several-chain message the chains ``<name>_chains`` names
 FLAG = "flag"
-#: the metric ``M`` as :meth:`qlsd_flwr.core.metric.Metric.to_bytes` tags it, the run's: once a message
+#: the run's bytes, the same for every chain, once a message: the metric ``M`` as
+#: :meth:`qlsd_flwr.core.metric.Metric.to_bytes` tags it, or the broadcast's support
 METRIC = "metric"
 #: ``∇U_i`` at a point, ``8d`` bytes of float64; in a several-chain reply one for every chain, or one a chain
 GRADIENT = "gradient"
@@ -45,7 +46,7 @@ class Field:
 #: goes whenever the clients' settings say ``metric = sent`` (the rivals' local steps with a metric, or
 #: ``compression-basis = metric``), whatever the sampler, with the first message and after a resync
 PROTOCOL_DOWN = ("phase", "round", "client", "theta", "anchor_version", "eta_count", "metric", "theta_code",
-                 "anchor_is_theta")
+                 "anchor_is_theta", "theta_support")
 PROTOCOL_UP = ("client", "status", "payload", "anchor_version")
 
 #: the samplers' own fields, in the order a message carries them
@@ -54,6 +55,8 @@ FIELDS: dict[str, Field] = {f.name: f for f in (
           "θ's place, to a client that holds w_{k−1} (core.downlink)"),
     Field("anchor_is_theta", FLAG, "down", "downlink = qsgd: the anchor refreshed this round is w_k, which the "
           "client has just built; it is not sent"),
+    Field("theta_support", METRIC, "down", "downlink-support = data: the coordinates the codes carry, d bits packed, "
+          "with a client's first message and after a resync (core.downlink)"),
     Field("local", ROUND, "down", "every round: (h, w_i, S_A, p_i), or DG-LMC's (γ_i, ρ, 1, 1)"),
     Field("metric", METRIC, "down", "the first message and after a resync, when the settings say metric = sent"),
     Field("refresh", FLAG, "down", "VR-FALD*'s refresh rounds: the reply carries ref_grad too"),
@@ -68,7 +71,7 @@ FIELDS: dict[str, Field] = {f.name: f for f in (
 
 #: what a client keeps between rounds as vectors (``ClientState``; Flower: ``context.state``), beside
 #: its counters and the metric
-HELD = ("eta", "anchor", "anchor_grad", "anchor_total", "surrogate", "surrogate_total", "w", "point")
+HELD = ("eta", "anchor", "anchor_grad", "anchor_total", "surrogate", "surrogate_total", "w", "w_support", "point")
 
 #: a chain's checkpoint arrays that belong to one sampler's state (beside every chain's θ, ζ, η_i, the
 #: counters, the metric and θ*'s claims), and what each must be

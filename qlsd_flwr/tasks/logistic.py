@@ -49,6 +49,11 @@ class LogisticLocal:
         self.n_data = int(len(self.y))
         self.dim = (self.n_features + 1) * self.n_classes
 
+    def support(self) -> np.ndarray:
+        """The coordinates the gradient reads (``core.potential.declared_support``): every weight of an input
+        that is not 0 in all of this client's examples, and the biases; θ is the ``(F̃, K)`` matrix, row-major."""
+        return np.repeat((self.Xa != 0).any(axis=0), self.n_classes)
+
     def _W(self, theta: np.ndarray) -> np.ndarray:
         theta = np.asarray(theta, dtype=np.float64)
         if theta.shape != (self.dim,):

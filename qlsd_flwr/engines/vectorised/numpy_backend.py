@@ -61,7 +61,7 @@ class NumpyGeneric:
         nc, d, b = cfg.num_chains, task.dim, cfg.b
         self.d, self.b = d, b
         # downlink = qsgd: each chain's w_k, where the clients evaluate (protocol.downlink.ChainsBroadcast)
-        self.down = ChainsBroadcast(cfg, self.seeds)
+        self.down = ChainsBroadcast(cfg, self.seeds, task)
         # θ_0 of every chain: the task's, or each chain's own (init = dispersed, protocol.precondition)
         self.st = sampler.init_state(spec, np.tile(build.theta0_of(task), (nc, 1)) if theta0 is None else theta0)
         self.bound = np.array([s.compressor.bound_bits(d) for s in specs])

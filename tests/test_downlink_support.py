@@ -1,0 +1,132 @@
+"""The broadcast on the clients' support (``downlink-support = data``, issue 37; :class:`qlsd_flwr.core.downlink.Downlink`).
+
+A softmax regression's gradient never reads the weights of an input that is 0 in every one of a client's examples,
+so the broadcast codes only the union of the clients' supports (each potential declares its own,
+:func:`qlsd_flwr.core.potential.declared_support`; a Flower server takes them from the handshakes), and the server's
+``w`` is θ elsewhere. Checked here:
+
+* **every path runs the same chain** (the protocol on the local engine, its direct twin, in-process Flower with three
+  chains, whose server has the support from the handshakes only, the vectorised engine's numpy backend on both its
+  paths), the vectorised engine counting, round by round, the bits Flower's server sends, ``theta_support`` included;
+* **it does what it says**: on the digits, whose corner pixels are 0 in every image, the code leaves those weights
+  out, the downlink is smaller than with ``downlink-support = all``, and the chain is another one; a task whose
+  clients' data touch every coordinate (the Gaussian) runs the chain it ran before, bit for bit;
+* **hostile supports** are refused by the client, naming the field, before its state changes: bytes of the wrong
+  length, a padding bit set, an empty support, one that leaves out a coordinate this client's gradient reads, and
+  one sent to a client whose settings do not expect it.
+"""
+
+from __future__ import annotations
+
+import csv
+
+import numpy as np
+import pytest
+
+from qlsd_flwr.config import resolve
+from qlsd_flwr.core import downlink as D
+from qlsd_flwr.engines.local import run_local
+from qlsd_flwr.protocol import build
+from qlsd_flwr.tasks import loading
+
+DIGITS = {"task": "logistic", "dataset": "digits", "num-clients": 4, "num-rounds": 24, "burn-in": 4,
+          "variant": "qlsd-pp", "l": 4, "p": "0.6,1,0.8,0.7", "gamma": "auto", "metric": "diagonal", "s": "4",
+          "prior-var": 0.05, "progress": False, "plot": False, "loo": "off", "seed": 2, "norm-bound": "off",
+          "downlink": "qsgd", "downlink-s": 8}
+
+
+def _bits_down(run_dir) -> list[int]:
+    with open(run_dir / "metrics.csv", newline="") as f:
+        return [int(float(r["bits_down"])) for r in csv.DictReader(f)]
+
+
+@pytest.mark.parametrize("feedback, dither", [("ef21-p", "subtractive"), ("none", "stochastic")])
+def test_every_path_runs_the_same_chain_on_the_support(feedback, dither, tmp_path, monkeypatch):
+    from qlsd_flwr.engines.vectorised import numpy_backend, run_vectorised
+    from qlsd_flwr.run.simulate import run_inprocess
+
+    o = {**DIGITS, "downlink-feedback": feedback, "downlink-dither": dither, "output-dir": str(tmp_path)}
+    cfg = resolve(o)
+    task = loading.load_task(cfg)
+    live = build.task_support(task)
+    X = np.vstack([c.Xa for c in task.clients])
+    assert live is not None and live.size == 10 * int((X != 0).any(axis=0).sum()) < task.dim  # the corners out
+    wire = run_local(resolve({**o, "run-name": "wire"}), keep_trace=True)
+    direct = run_local(cfg, write=False, keep_trace=True, wire=False)
+    assert np.array_equal(wire.trace, direct.trace)
+    assert not any(wire.summary.get("rejected", {}).values())
+    o3 = {**o, "num-chains": 3, "engine": "inprocess", "run-name": "flower"}
+    flower = run_inprocess(resolve(o3), o3, shuffle_seed=4, strategy_kwargs={"keep_trace": True})
+    chains = np.asarray(flower.trace).transpose(1, 0, 2)
+    assert np.array_equal(chains[0], wire.trace)
+    for batched in (True, False):
+        monkeypatch.setattr(numpy_backend.NumpyGeneric, "BATCHED", batched)
+        v = run_vectorised(resolve({**o3, "engine": "vectorised", "run-name": f"vectorised-{batched}"}), keep_trace=True)
+        assert np.array_equal(v.trace, chains), batched
+        assert _bits_down(v.run_dir) == _bits_down(flower.run_dir), batched
+    every = run_local(resolve({**o, "downlink-support": "all", "run-name": "all"}), keep_trace=True)
+    assert not np.array_equal(every.trace, wire.trace)
+    # round 0 sends w_0 in full (ef21-p) and the support once to each client: the codes after it are shorter
+    assert sum(_bits_down(wire.run_dir)[1:]) < sum(_bits_down(every.run_dir)[1:])
+
+
+def test_a_task_whose_data_touch_every_coordinate_runs_its_chain_as_before():
+    o = {"task": "gaussian", "num-clients": 4, "dim": 5, "num-rounds": 30, "burn-in": 5, "variant": "qlsd-pp", "l": 4,
+         "p": "0.6,1,0.8,0.7", "gamma": 1e-3, "s": "4", "progress": False, "plot": False, "loo": "off", "seed": 2,
+         "downlink": "qsgd", "downlink-s": 8}
+    on = run_local(resolve(o), write=False, keep_trace=True)
+    off = run_local(resolve({**o, "downlink-support": "all"}), write=False, keep_trace=True)
+    assert np.array_equal(on.trace, off.trace)
+
+
+def _client():
+    from qlsd_flwr.core.oracles import ClientState
+
+    cfg = resolve({**DIGITS, "metric": "identity"})  # no metric to send: the support is all it waits for
+    task = loading.load_task(cfg)
+    spec = build.client_spec(cfg, 0, task.clients[0].n_data, task.dim, task.prior)
+    return cfg, task, spec, ClientState()
+
+
+def test_hostile_supports_at_a_client_change_nothing():
+    from qlsd_flwr.protocol.client import handle
+
+    cfg, task, spec, st = _client()
+    d, pot = task.dim, task.clients[0]
+    union = build.task_support(task)
+    own = np.flatnonzero(pot.support())
+    first = {"phase": "sample", "round": 0, "client": 0, "theta": np.zeros(d), "anchor_version": 1, "eta_count": 0,
+             "anchor_is_theta": 1}
+    short = np.setdiff1d(union, own[:1])  # leaves out one coordinate this client's gradient reads
+    padded = bytearray(D.support_to_bytes(union, d))
+    padded[-1] |= 1  # d = 650: the last byte's two low bits are padding
+    for bad, words in ((b"\x01" * 3, "expected 82 bytes"), (bytes(padded), "padding bit"),
+                       (bytes(82), "no coordinate is"), (D.support_to_bytes(short, d), "leaves out coordinates")):
+        with pytest.raises(ValueError, match=f"theta_support.*{words}|{words}.*theta_support"):
+            handle(spec, pot, st, 0, {**first, "theta_support": bad}, d)
+        assert st.w is None and st.w_support is None and st.anchor is None
+    assert handle(spec, pot, st, 0, first, d)["status"] == "resync"  # no support yet: it asks for one
+    assert st.w_support is None
+    good = {**first, "theta_support": D.support_to_bytes(union, d)}
+    assert handle(spec, pot, st, 0, good, d)["status"] == "ok"
+    assert np.array_equal(np.flatnonzero(st.w_support), union)
+    # a client whose settings do not expect a support refuses one
+    plain = build.client_spec(resolve({**DIGITS, "metric": "identity", "downlink-support": "all"}), 0, pot.n_data, d, task.prior)
+    from qlsd_flwr.core.oracles import ClientState
+
+    with pytest.raises(ValueError, match="'theta_support' without downlink-support = data"):
+        handle(plain, pot, ClientState(), 0, good, d)
+
+
+def test_a_users_potential_declares_its_support_and_a_wrong_one_is_named():
+    from qlsd_flwr.core.potential import declared_support
+    from qlsd_flwr.potentials import NumpyPotential
+
+    task = loading.load_task(resolve(DIGITS))
+    pot = task.clients[0]
+    user = NumpyPotential(pot.grad_sum, pot.value, pot.n_data, task.dim, support=pot.support())
+    assert np.array_equal(declared_support(user, task.dim), pot.support())
+    assert declared_support(NumpyPotential(pot.grad_sum, pot.value, pot.n_data, task.dim), task.dim) is None
+    for bad in (pot.support()[:-1], pot.support().astype(float)):
+        with pytest.raises(ValueError, match=r"support\(\): expected a boolean array of shape \(650,\)"):
+            declared_support(NumpyPotential(pot.grad_sum, pot.value, pot.n_data, task.dim, support=bad), task.dim)
