@@ -1,10 +1,11 @@
 """``njit`` for this package, with numba's on-disk cache shared by every copy of the package.
 
 Numba files a cached kernel under a folder named by the full path of its source file
-(``UserProvidedCacheLocator.get_suitable_cache_subpath``). ``flwr run`` and a SuperNode run the
-app from a copy of ``qlsd_flwr`` in a new folder each time, so with numba's own locators every
-copy compiled every kernel again (about 11 s of a 71 s ``flwr run`` stop-and-resume test; the
-suite stages ten such copies). The locator installed here files a kernel under the path
+(``UserProvidedCacheLocator.get_suitable_cache_subpath``). The tests stage the app for ``flwr run``
+and for SuperNodes as a copy of ``qlsd_flwr`` in a new folder each time (ten such copies), whose
+processes inherit the stager's ``NUMBA_CACHE_DIR``; with numba's own locators every copy compiled
+every kernel again (about 11 s of a 71 s ``flwr run`` stop-and-resume test). A copy that sets its
+own ``NUMBA_CACHE_DIR`` (its ``__pycache__``: ``qlsd_flwr/__init__.py``) keeps its own cache. The locator installed here files a kernel under the path
 *inside* the package and a hash of all the package's numba modules instead: identical copies
 share one compiled kernel, and a copy whose numba modules differ anywhere gets its own folder.
 The hash spans every module, not only the function's own file, because numba checks a cached
@@ -25,17 +26,28 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import re
 from pathlib import Path
 
 
 def sources_hash(root: str | os.PathLike) -> str:
-    """A hash of every module under ``root`` (a copy of this package) that compiles with numba."""
+    """A hash of every module under ``root`` (a copy of this package) that compiles with numba (it imports numba or
+    this module's ``njit``) and of every module of the package those import: a kernel can freeze another module's
+    constants (the vectorised kernel's oracle codes, ``core/oracles.py``) as well as call its kernels."""
     root = Path(root)
+    files = {f.relative_to(root): f.read_bytes() for f in root.rglob("*.py")}
+    compiled = {r for r, text in files.items()
+                if re.search(rb"^\s*(from numba|import numba|from qlsd_flwr\.jit import)", text, flags=re.M)}
+    imported = set()
+    for r in compiled:
+        for m, names in re.findall(rb"^\s*from qlsd_flwr\.([\w.]+) import \(?([\w, ]+)", files[r], flags=re.M):
+            base = Path(*m.decode().split("."))  # the module, or the package and the modules named from it
+            cands = [base.with_suffix(".py"), base / "__init__.py"]
+            cands += [base / f"{n.strip()}.py" for n in names.decode().split(",") if n.strip()]
+            imported |= {c for c in cands if c in files}
     h = hashlib.sha256()
-    for f in sorted(root.rglob("*.py")):
-        text = f.read_bytes()
-        if b"numba" in text:
-            h.update(str(f.relative_to(root)).encode() + b"\0" + text)
+    for r in sorted(compiled | imported):
+        h.update(str(r).encode() + b"\0" + files[r])
     return h.hexdigest()[:16]
 
 

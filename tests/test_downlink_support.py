@@ -130,3 +130,26 @@ def test_a_users_potential_declares_its_support_and_a_wrong_one_is_named():
     for bad in (pot.support()[:-1], pot.support().astype(float)):
         with pytest.raises(ValueError, match=r"support\(\): expected a boolean array of shape \(650,\)"):
             declared_support(NumpyPotential(pot.grad_sum, pot.value, pot.n_data, task.dim, support=bad), task.dim)
+
+
+def test_a_run_written_before_the_key_resumes_on_every_coordinate_and_a_prior_share_refuses_a_support(tmp_path):
+    import json
+
+    from qlsd_flwr.core.oracles import ClientState
+    from qlsd_flwr.outputs.resume import resume_overrides
+    from qlsd_flwr.protocol.client import handle
+
+    old = {k: v for k, v in DIGITS.items()}  # a config.json of a run before downlink-support: no such key
+    (tmp_path / "config.json").write_text(json.dumps({"config": old}))
+    assert resume_overrides({"resume": str(tmp_path)})["downlink-support"] == "all"
+    (tmp_path / "config.json").write_text(json.dumps({"config": {**old, "downlink-support": "data"}}))
+    assert resume_overrides({"resume": str(tmp_path)})["downlink-support"] == "data"
+    # a client that takes a share of the prior (prior-on = clients) reads every coordinate: no support leaves one out
+    cfg, task, spec, _ = _client()
+    shared = spec.__class__(**{**spec.__dict__, "prior_weight": 0.25})
+    d = task.dim
+    msg = {"phase": "sample", "round": 0, "client": 0, "theta": np.zeros(d), "anchor_version": 1, "eta_count": 0,
+           "anchor_is_theta": 1, "theta_support": D.support_to_bytes(build.task_support(task), d)}
+    with pytest.raises(ValueError, match="'theta_support' leaves out coordinates"):
+        handle(shared, task.clients[0], ClientState(), 0, msg, d)
+    assert handle(spec, task.clients[0], ClientState(), 0, msg, d)["status"] == "ok"

@@ -354,6 +354,8 @@ def _grid_with_extra_node(partition: int, rewrite=None):
     lambda r: {**r, "n_data": 0},  # no data
     lambda r: {**r, "client": 7},  # no such partition
     lambda r: {"nonsense": 1},  # a malformed record
+    lambda r: {**r, "support": b"\x00\x00"},  # a support of another length (d = 4: one byte)
+    lambda r: {**r, "support": b"\x01"},  # a padding bit set, and no coordinate
 ])
 def test_one_extra_nodes_false_claim_at_the_handshake_is_refused_and_the_run_goes_on(rewrite):
     from qlsd_flwr.flower import QLSDStrategy

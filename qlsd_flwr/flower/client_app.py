@@ -222,7 +222,7 @@ def make_client_app(potential_fn: Callable[[Context], LocalPotential] | None = N
     @app.query()
     def query(message: Message, context: Context) -> Message:
         i = client_index(context)
-        pot, d, _ = potential_of(context)
+        pot, d, cfg = potential_of(context)
         # log_concave: the server's gamma-c = auto takes the log-concave step only if every client says so
         fields = {"client": i, "n_data": int(pot.n_data), "dim": int(d), "log_concave": declares_log_concave(pot)}
         rec = record_fields(message.content)
@@ -241,8 +241,9 @@ def make_client_app(potential_fn: Callable[[Context], LocalPotential] | None = N
                 fields["eta_count"] = int(st.eta_count)
                 if st.eta is not None:
                     fields[name] = enc(st.eta)
-        elif (live := declared_support(pot, d)) is not None:  # the handshake: the coordinates its gradient reads
-            fields["support"] = support_to_bytes(live, d)  # (downlink-support = data)
+        elif cfg is None or build.support_on(cfg):  # the handshake: the coordinates its gradient reads, where the
+            if (live := declared_support(pot, d)) is not None:  # broadcast codes their union (downlink-support)
+                fields["support"] = support_to_bytes(live, d)
         return _reply(message, fields)
 
     @app.train()

@@ -168,7 +168,6 @@ class NodeRegistry:
             try:
                 rec = config_record(msg.content)
                 i, d, n = int(rec["client"]), int(rec["dim"]), int(rec.get("n_data", 1))
-                live = None if "support" not in rec else support_from_bytes(rec["support"], self.d, "support")
             except (KeyError, TypeError, ValueError, OverflowError):
                 log.warning("node %d answered the handshake with a malformed record: ignored", node)
                 continue
@@ -180,6 +179,12 @@ class NodeRegistry:
                 why = "its key is not the one bound to that partition (node-keys)"
             else:
                 why = handshake.refusal(d, n, self.d, i)
+            live = None
+            if why is None and "support" in rec:  # read once its d is known to be the run's
+                try:
+                    live = support_from_bytes(rec["support"], self.d, "support")
+                except ValueError as exc:
+                    why = f"a malformed support ({exc})"
             claims.setdefault(i, {})[node] = why
             if why is not None:
                 self._refuse(i, node, 0, why)

@@ -69,6 +69,8 @@ def resume_overrides(overrides: dict | None) -> dict:
             raise TypeError("'config' is not a table")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ConfigError(f"resume: {conf} cannot be read ({type(exc).__name__}: {exc})") from None
+    if str(original.get("downlink", "off")) == "qsgd":  # written before downlink-support (2026-12-06): every
+        original.setdefault("downlink-support", "all")  # coordinate coded, as the run went on before its stop
     norm = {str(k).replace("_", "-"): v for k, v in overrides.items()}
     bad = [k for k, v in norm.items() if k not in RESUME_FREE_KEYS and k in original and not same_value(k, original[k], v)]
     if bad:

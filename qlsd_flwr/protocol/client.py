@@ -145,7 +145,7 @@ def _support(spec: ClientSpec, pot: LocalPotential, fields: dict, d: int) -> np.
     if spec.downlink is None or not spec.downlink.on_support:
         raise ValueError("sample: 'theta_support' without downlink-support = data in the client's settings")
     live = support_from_bytes(x, d)
-    own = declared_support(pot, d)
+    own = None if spec.prior_weight > 0 else declared_support(pot, d)  # a share of the prior reads every coordinate
     if (~live).any() and (own is None or (own & ~live).any()):
         raise ValueError("sample: 'theta_support' leaves out coordinates this client's gradient reads")
     return live.astype(np.float64)
