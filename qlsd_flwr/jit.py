@@ -33,14 +33,20 @@ from pathlib import Path
 def sources_hash(root: str | os.PathLike) -> str:
     """A hash of every module under ``root`` (a copy of this package) that compiles with numba (it imports numba or
     this module's ``njit``) and of every module of the package those import: a kernel can freeze another module's
-    constants (the vectorised kernel's oracle codes, ``core/oracles.py``) as well as call its kernels."""
+    constants (the vectorised kernel's oracle codes, ``core/oracles.py``) as well as call its kernels. Read once a
+    process (every process that imports the package asks: plain substring tests, about 35 ms for the whole package)."""
+    return _sources_hash(str(Path(root).resolve()))
+
+
+@functools.lru_cache(maxsize=None)
+def _sources_hash(root: str) -> str:
     root = Path(root)
     files = {f.relative_to(root): f.read_bytes() for f in root.rglob("*.py")}
     compiled = {r for r, text in files.items()
-                if re.search(rb"^\s*(from numba|import numba|from qlsd_flwr\.jit import)", text, flags=re.M)}
+                if b"from numba" in text or b"import numba" in text or b"from qlsd_flwr.jit import" in text}
     imported = set()
     for r in compiled:
-        for m, names in re.findall(rb"^\s*from qlsd_flwr\.([\w.]+) import \(?([\w, ]+)", files[r], flags=re.M):
+        for m, names in re.findall(rb"^from qlsd_flwr\.([\w.]+) import \(?([\w, ]+)", files[r], flags=re.M):
             base = Path(*m.decode().split("."))  # the module, or the package and the modules named from it
             cands = [base.with_suffix(".py"), base / "__init__.py"]
             cands += [base / f"{n.strip()}.py" for n in names.decode().split(",") if n.strip()]
@@ -67,7 +73,6 @@ def _package_root(py_file: str) -> Path | None:
     return p if p.name == "qlsd_flwr" and (p / "__init__.py").exists() else None
 
 
-@functools.lru_cache(maxsize=None)
 def _sources_tag(root: Path) -> str:
     return "src-" + sources_hash(root)
 
