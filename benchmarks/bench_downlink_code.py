@@ -59,6 +59,7 @@ def main(argv=None):
     real = dl.Downlink.send
 
     def send(self, theta, w, seed, k):
+        held["support"] = self.support  # downlink-support = data: the coordinates the codes carry (None: all)
         got = real(self, theta, w, seed, k)
         if got[1] is not None:
             sent.append((k, got[1]))
@@ -94,7 +95,8 @@ def main(argv=None):
     d = qs[0].d
     levels = np.stack([q.levels for q in qs])
     p = _frequencies(levels)
-    scale = np.round(0.5 * np.log2(held["diag"]))  # the power of two of each coordinate's scale in M
+    diag = held["diag"] if held.get("support") is None else held["diag"][held["support"]]
+    scale = np.round(0.5 * np.log2(diag))  # the power of two of each coded coordinate's scale in M
     row = {"rounds": rounds, "messages": len(qs), "d": d, "downlink_s": s,
            "elias_auto_bits_per_coordinate": float(sum(elias.code_length_bits(q) for q in qs) / levels.size),
            "rice_bits_per_coordinate": float(sum(rice.code_length_bits(q) for q in qs) / levels.size),
