@@ -5,13 +5,15 @@ Numba files a cached kernel under a folder named by the full path of its source 
 and for SuperNodes as a copy of ``qlsd_flwr`` in a new folder each time (ten such copies), whose
 processes inherit the stager's ``NUMBA_CACHE_DIR``; with numba's own locators every copy compiled
 every kernel again (about 11 s of a 71 s ``flwr run`` stop-and-resume test). A copy that sets its
-own ``NUMBA_CACHE_DIR`` (its ``__pycache__``: ``qlsd_flwr/__init__.py``) keeps its own cache. The locator installed here files a kernel under the path
-*inside* the package and a hash of all the package's numba modules instead: identical copies
-share one compiled kernel, and a copy whose numba modules differ anywhere gets its own folder.
-The hash spans every module, not only the function's own file, because numba checks a cached
-kernel against its own file only, not against the kernels it calls in other files (the
-vectorised kernel calls the twins in ``core/rng.py``, ``compression/qsgd_nb.py``, ``codec.py``,
-``elias.py``), so an edit there would otherwise leave a stale kernel in the cache.
+own ``NUMBA_CACHE_DIR`` (its ``__pycache__``: ``qlsd_flwr/__init__.py``) keeps its own cache.
+
+The locator installed here files a kernel under the path *inside* the package and a hash
+(:func:`sources_hash`) of the modules that compile and of the package's modules they import:
+identical copies share one compiled kernel, and a copy whose compiled code differs gets its own
+folder. The hash spans more than the function's own file because numba checks a cached kernel
+against that file only, not against the kernels it calls in other files (the vectorised kernel
+calls the twins in ``core/rng.py``, ``compression/qsgd_nb.py``, ``codec.py``, ``elias.py``) nor
+the constants it freezes from them (``core/oracles.py``'s codes).
 
 The package's modules take :func:`njit` from here, so the locator is in place before the first
 ``cache=True`` decorator runs. Numba is imported on first use, not by ``import qlsd_flwr``.
