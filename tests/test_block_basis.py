@@ -128,3 +128,71 @@ def test_a_basis_off_orthonormal_by_its_scales_spread_a_missing_block_and_an_old
     with pytest.raises(CheckpointError, match="compression-basis: its clients quantised in the theta basis"):
         check_step_and_metric(cfg, old, theta, tmp_path)
     check_step_and_metric(cfg, {"ts_info": {**old["ts_info"], "compression_basis": "block"}}, theta, tmp_path)
+
+
+def test_the_basis_by_reference_is_the_basis_from_the_clients_own_directions_and_what_cannot_resolve_resyncs():
+    """A client whose block report the server took holds ``Q̂``'s rows already: it is sent the basis without them
+    (:class:`BasisRef`) and builds the server's basis bit for bit from the same QR of the same numbers. Directions from
+    another exchange, or none (a restarted node), do not resolve: the client answers resync with its state
+    unchanged, and the server then sends the whole basis. The reference is read only where a client reads its
+    ``metric``, and hostile arrays are refused by name."""
+    from qlsd_flwr.compression import fixed
+    from qlsd_flwr.core.block_basis import BasisRef
+    from qlsd_flwr.core.kron_block import orthonormal, pack, unpack
+    from qlsd_flwr.protocol import metric_sent
+
+    blk = _blocked(F=9, K=3, k=4)
+    F, K = blk.kron.den.shape
+    d = F * K
+    rows = fixed.rounded(pack(blk.qh + 1e-3, d), 32)  # the directions as the clients read them (float32 rows)
+    # the server's Q̂: the orthonormal basis of the rows as the clients read them (kron_block.correction)
+    server_side = BlockBasis.of(Blocked(blk.kron, orthonormal(unpack(rows, F))[0], blk.v, blk.t))
+    server_side = BlockBasis.checked(server_side.arrays(), d)
+    ref = BasisRef.of(server_side)
+    back = from_bytes(ref.to_bytes(), d, refs=True)
+    assert isinstance(back, BasisRef)
+    built = back.resolve(rows, d)
+    for name, a in server_side.arrays().items():
+        assert np.array_equal(built.arrays()[name], a), name
+    k = ref.qsum.size  # the reference is the basis less Q̂'s F k numbers (and its name and shape), plus k sums
+    assert len(server_side.to_bytes()) - len(ref.to_bytes()) == 8 * k * (F - 1) + (2 + 8) - (4 + 4)
+    # other directions, or none: not resolved
+    assert back.resolve(fixed.rounded(pack(blk.qh, d), 32), d) is None and back.resolve(None, d) is None
+    with pytest.raises(MetricError, match="unknown kind code 7"):  # a checkpoint's metric is never a reference
+        from_bytes(ref.to_bytes(), d)
+    for name, bad in (("s", -ref.s), ("qsum", np.ones(ref.qsum.size + 1)), ("qa", 2 * ref.qa), ("perm", np.zeros(d))):
+        hostile = type("H", (BasisRef,), {"arrays": lambda self, a={**ref.arrays(), name: bad}: a})(
+            ref.perm, ref.qa, ref.s, ref.a, ref.qsum)
+        with pytest.raises(MetricError, match="not a block basis"):
+            from_bytes(hostile.to_bytes(), d, refs=True)
+    # the server: the reference to a holder, the whole basis to the others and to a holder after its resync
+    server = type("S", (), {})()
+    server._metric_bytes, server._metric_sent, server.needs_resync = server_side.to_bytes(), set(), {0: False, 1: False}
+    server._ref_bytes, server._ref_holders = metric_sent.ref_of(server_side, [0]), {0}
+    sent = []
+    for i, resync in ((0, False), (1, False), (0, True)):
+        server.needs_resync[i] = resync
+        fields: dict = {}
+        metric_sent.add(server, i, fields)
+        sent.append(fields["metric"])
+    assert sent == [ref.to_bytes(), server_side.to_bytes(), server_side.to_bytes()]
+    assert list(metric_sent.bits_by_client(server_side, [0], 2)) == [8 * len(sent[0]), 8 * len(sent[1])]
+
+
+def test_a_client_without_the_directions_answers_resync_with_its_state_unchanged():
+    from qlsd_flwr.core.block_basis import BasisRef
+    from qlsd_flwr.core.oracles import ClientState
+    from qlsd_flwr.protocol.client import _prepare
+
+    blk = _blocked(F=9, K=3, k=4)
+    d = blk.kron.den.size
+    ref = BasisRef.of(BlockBasis.of(blk))
+    spec = type("Spec", (), {"index": 0, "metric": "sent", "whitened": True, "downlink": None, "memory": False,
+                             "kind": type("K", (), {"local": False, "coupled": False, "anchored": False,
+                                                    "down": ("metric",), "cv_zeta": False,
+                                                    "at_theta_star": False, "surrogate": False})()})()
+    st = ClientState()
+    fields = {"phase": "sample", "round": 3, "anchor_version": 0, "eta_count": 0, "theta": np.zeros(d),
+              "metric": ref.to_bytes()}
+    theta, reply = _prepare(spec, None, st, fields, d)
+    assert reply == {"client": 0, "status": "resync"} and st.metric is None

@@ -428,3 +428,29 @@ def test_a_nodes_chains_hold_their_shared_metric_once_in_its_context():
     old = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})
     old.state[state_key(0)] = ConfigRecord({"dim": d, "metric": raw})
     np.testing.assert_array_equal(load_state(old, 0).metric.apply(np.ones(d)), np.arange(1.0, d + 1))
+
+
+
+def test_a_nodes_block_directions_are_held_once_until_its_basis_is_built():
+    """``metric-block``'s directions, which the clients' basis is built from when it comes by reference
+    (core.block_basis.BasisRef), are kept once a node from the block exchange (the preparation's state), read by each
+    chain's first message, and dropped from the Context (which Flower's Ray engine ships with every message) once
+    the chain holds a metric."""
+    from flwr.app import Context
+
+    from qlsd_flwr.core.metric import Diagonal
+    from qlsd_flwr.flower.client_app import BLOCK_DIRS, load_state, save_state
+
+    d = 6
+    rows = np.arange(2.0 * d).reshape(2, d)
+    ctx = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})
+    st = load_state(ctx)
+    st.block_dirs = rows
+    save_state(ctx, st, d)
+    assert BLOCK_DIRS in ctx.state
+    for c in range(3):  # each chain's first message (no record of its own yet) reads them
+        np.testing.assert_array_equal(load_state(ctx, c).block_dirs, rows)
+    st = load_state(ctx, 0)
+    st.metric, st.block_dirs = Diagonal(np.ones(d)), None  # the basis built (protocol.client drops the directions)
+    save_state(ctx, st, d, 0)
+    assert BLOCK_DIRS not in ctx.state and load_state(ctx, 1).block_dirs is None

@@ -115,6 +115,10 @@ def test_engines_agree_bit_for_bit_and_the_exchange_is_counted(tmp_path):
     b = run({**base, "engine": "vectorised", "run-name": "b"})
     assert np.array_equal(load_samples(a.run_dir), load_samples(b.run_dir))
     s = a.summary
+    # the clients' basis went by reference to each client (they all hold the block's directions): no client answered
+    # resync for it, and the vectorised engine counts what Flower's server sent
+    assert s["block_clients"] == [0, 1, 2, 3] and not s.get("rejected")
+    assert s["bits"]["downlink"] == b.summary["bits"]["downlink"]
     assert s["gamma"] == b.summary["gamma"] and s["block_dim"] == 16 and s["metric"]["lowrank"]["rank"] == 16
     plain = run({**base, "engine": "vectorised", "metric-block": 0, "run-name": "plain"})
     m, d, b_ = 16, 62, 4

@@ -17,7 +17,10 @@ column of ``P`` (``den^{−1/2}``, the quotient ``Σ_f (q̂ᵀ q_f)² den_f^{−
 the widest scale K-FAC gives, the prior's on inputs the data never touch. Its inverse is exact,
 ``B⁻¹ = a⁻¹ (I − P Pᵀ) + P diag(1/s) Pᵀ``, and both cost two thin products. On the main job ``k K = 1,000`` numbers
 ``s``, ``Q_A``'s 100, ``Q̂``'s 78,500 and the layout's permutation, 7,850, travel once to each client (87,451 float64
-numbers, 0.70 MB).
+numbers, 0.70 MB), unless it holds ``Q̂`` already: ``Q̂`` is the orthonormal basis (:func:`~qlsd_flwr.core.kron_block.
+orthonormal`) of the directions each client received for its block report, so a client whose report the server
+took is sent the rest alone (:class:`BasisRef`: ``perm``, ``Q_A``, ``s``, ``a`` and ``Q̂``'s column sums, 9,051 numbers,
+72 kB) and orthonormalises its own copy, the very computation on the very numbers.
 
 **Measured** (``benchmarks/RESULTS.md``, "The uplink in K-FAC's block basis"): with its broadcast at 128 levels the main
 job's predictive at 1.19× the HMC halves' total variation, against 1.80× with its messages in θ's coordinates and 1.11×
@@ -29,7 +32,8 @@ from __future__ import annotations
 import numpy as np
 
 from qlsd_flwr.core.kron import Kron
-from qlsd_flwr.core.metric import Metric, MetricError, _rows
+from qlsd_flwr.core.kron_block import orthonormal, unpack
+from qlsd_flwr.core.metric import Metric, MetricError, _rows, encode
 
 #: ``s`` and ``a`` read from bytes may span at most this factor (K-FAC's own scales span ``den``'s range, 948× on the
 #: main job; a hostile server's huge spread would only make a client's message badly scaled, never undefined)
@@ -116,3 +120,57 @@ class BlockBasis(Metric):
                               f"directions, an orthogonal output factor, positive scales within {SPREAD_MAX:g} of "
                               "each other, and their sizes)")
         return BlockBasis(perm.astype(np.int64), qh, qa, s, float(a[0]))
+
+
+class BasisRef:
+    """The clients' basis :class:`BlockBasis` sent by reference (code 7 of the metric's tagged encoding, read only where
+    a client reads its ``metric``): every array but ``Q̂``, which the client makes from the rows of directions it
+    received for its ``metric-block`` report (:meth:`resolve`), and ``qsum``, ``Q̂``'s column sums, which its copy must
+    match. On the main job 72 kB a client where the basis is 700 kB (module docstring)."""
+
+    kind, code = "block-basis-ref", 7
+    #: how far a client's ``Q̂`` may be from the server's, column sum by column sum: the same QR of the same numbers
+    #: agrees to rounding (another LAPACK, another machine: about 1e-15); directions from another exchange do not
+    QSUM_TOL = 1e-8
+
+    def __init__(self, perm: np.ndarray, qa: np.ndarray, s: np.ndarray, a: float, qsum: np.ndarray):
+        self.perm, self.qa, self.s, self.a, self.qsum = perm, qa, s, float(a), qsum
+
+    @staticmethod
+    def of(basis: BlockBasis) -> "BasisRef":
+        return BasisRef(basis.perm, basis.qa, basis.s, basis.a, basis.qh.sum(axis=0))
+
+    def arrays(self):
+        return {"perm": self.perm.astype(np.float64), "qa": self.qa, "s": self.s, "a": np.array([self.a]),
+                "qsum": self.qsum}
+
+    def to_bytes(self) -> bytes:
+        return encode(self.code, self.arrays())
+
+    @staticmethod
+    def checked(parts: dict, d: int) -> "BasisRef":
+        """A :class:`BasisRef` of dimension ``d`` from its arrays as received, held to :meth:`BlockBasis.checked`'s
+        rules (with ``k`` orthonormal placeholder directions), ``qsum`` of ``k`` numbers; else ``MetricError``."""
+        qa, s, qsum = parts["qa"], parts["s"], parts["qsum"]
+        K = qa.shape[0] if qa.ndim == 2 else 0
+        k = s.shape[0] if s.ndim == 2 else 0
+        if K < 1 or d % K or not 1 <= k <= d // K or qsum.shape != (k,):
+            raise MetricError(f"metric: not a block basis reference of d = {d} (an output factor, k × K scales and k "
+                              "column sums, k at most d / K)")
+        BlockBasis.checked({**parts, "qh": np.eye(d // K, k)}, d)
+        return BasisRef(parts["perm"].astype(np.int64), qa, s, float(parts["a"][0]), qsum)
+
+    def resolve(self, rows: np.ndarray | None, d: int) -> BlockBasis | None:
+        """The basis, from the rows of directions this client received for its ``metric-block`` report; ``None``
+        where it holds none or other ones (a restarted node, another exchange: the server then sends it whole)."""
+        if rows is None:
+            return None
+        K = self.qa.shape[0]
+        try:
+            Qh = orthonormal(unpack(rows, d // K))[0]
+        except ValueError:
+            return None
+        if Qh.shape[1] != self.s.shape[0] or not np.allclose(Qh.sum(axis=0), self.qsum, rtol=0.0, atol=self.QSUM_TOL):
+            return None
+        return BlockBasis.checked({"perm": self.perm.astype(np.float64), "qh": Qh, "qa": self.qa, "s": self.s,
+                                   "a": np.array([self.a])}, d)

@@ -122,11 +122,19 @@ def check_block(h, m: int) -> np.ndarray:
 def basis(kron, Q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(Q̂, T⁻¹ ⊗ I_K)``: the orthonormal basis of the columns the clients received (``Q = Q̂ T``, QR), and what
     takes a block ``B`` in ``Q``'s coordinates to ``Q̂``'s, as ``(T⁻¹ ⊗ I)ᵀ B (T⁻¹ ⊗ I)``."""
-    Qh, T = np.linalg.qr(np.asarray(Q, dtype=np.float64))
-    sign = np.where(np.diag(T) < 0, -1.0, 1.0)  # Q̂ = Q to rounding, not −Q
-    Qh, T = Qh * sign, T * sign[:, None]
+    Qh, T = orthonormal(Q)
     K = kron.qa.shape[0]
     return Qh, np.kron(np.linalg.inv(T), np.eye(K))
+
+
+def orthonormal(Q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(Q̂, T)`` with ``Q = Q̂ T``, ``Q̂`` orthonormal and ``T`` upper triangular with a positive diagonal (QR, so
+    that ``Q̂ = Q`` to rounding and not ``−Q``): the server's block directions, and a client's own copy of them from
+    the rows it received (``compression-basis = block``'s basis sent by reference, :class:`~qlsd_flwr.core.
+    block_basis.BasisRef`): the same computation on the same numbers."""
+    Qh, T = np.linalg.qr(np.asarray(Q, dtype=np.float64))
+    sign = np.where(np.diag(T) < 0, -1.0, 1.0)
+    return Qh * sign, T * sign[:, None]
 
 
 def directions(kron, Qh: np.ndarray, V: np.ndarray, outputs: np.ndarray | None = None) -> np.ndarray:

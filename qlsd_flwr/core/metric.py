@@ -51,6 +51,16 @@ def _rows(f, x: np.ndarray) -> np.ndarray:
     return np.stack([f(r) for r in x])
 
 
+def encode(code: int, parts: dict) -> bytes:
+    """The tagged encoding of kind ``code`` with its named arrays (:meth:`Metric.to_bytes`)."""
+    out = [_MAGIC, struct.pack("<BB", code, len(parts))]
+    for name, a in parts.items():
+        a = np.ascontiguousarray(a, dtype="<f8")
+        key = name.encode()
+        out += [struct.pack("<BB", len(key), a.ndim), key, struct.pack(f"<{a.ndim}I", *a.shape), a.tobytes()]
+    return b"".join(out)
+
+
 class Metric:
     """The family's interface; :class:`Identity` is ``M = I``. Subclasses set ``kind`` (what
     ``summary.json`` names) and ``code`` (the encoding's tag)."""
@@ -131,15 +141,8 @@ class Metric:
         """The tagged encoding (wire and checkpoints): ``b"QM"``, the kind's code, the number of arrays,
         then for each its name, shape and float64 values (little-endian); a corrected metric's base
         follows its own arrays."""
-        parts = self.arrays()
-        out = [_MAGIC, struct.pack("<BB", self.code, len(parts))]
-        for name, a in parts.items():
-            a = np.ascontiguousarray(a, dtype="<f8")
-            key = name.encode()
-            out += [struct.pack("<BB", len(key), a.ndim), key, struct.pack(f"<{a.ndim}I", *a.shape), a.tobytes()]
-        if self.low is not None:
-            out.append(self.base.to_bytes())
-        return b"".join(out)
+        out = encode(self.code, self.arrays())
+        return out if self.low is None else out + self.base.to_bytes()
 
 
 class Identity(Metric):

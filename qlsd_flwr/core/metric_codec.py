@@ -9,7 +9,7 @@ import struct
 
 import numpy as np
 
-from qlsd_flwr.core.block_basis import BlockBasis
+from qlsd_flwr.core.block_basis import BasisRef, BlockBasis
 from qlsd_flwr.core.kron import Kron
 from qlsd_flwr.core.kron_block import Blocked
 from qlsd_flwr.core.lowrank import RITZ_FLOOR, T_MAX
@@ -17,7 +17,8 @@ from qlsd_flwr.core.metric import _MAGIC, Dense, Diagonal, Identity, Kronecker, 
 
 _KINDS = {1: ("m",), 2: ("M",), 3: ("qg", "qa", "den", "perm"), 4: ("u", "t"),
           5: ("qg", "qa", "den", "perm", "qh", "v", "t"),  # 5: core.kron_block.Blocked
-          6: ("perm", "qh", "qa", "s", "a")}  # 6: core.block_basis.BlockBasis (the clients' basis, never a base)
+          6: ("perm", "qh", "qa", "s", "a"),  # 6: core.block_basis.BlockBasis (the clients' basis, never a base)
+          7: ("perm", "qa", "s", "a", "qsum")}  # 7: core.block_basis.BasisRef (that basis by reference; refs only)
 
 
 def max_bytes(d: int) -> int:
@@ -25,10 +26,11 @@ def max_bytes(d: int) -> int:
     return 4 * len(_MAGIC) + 96 * 8 + 8 * (3 * d * d + 6 * d + 8)
 
 
-def from_bytes(x, d: int) -> Metric:
+def from_bytes(x, d: int, refs: bool = False) -> Metric | BasisRef:
     """The metric :meth:`Metric.to_bytes` encoded, for dimension ``d``; :class:`MetricError` saying what is
     wrong (the tag, a kind, a name, a shape, the length, a value) before anything is built. Empty bytes
-    are the identity (a metric the server sends when ``metric-rank``'s correction found no direction)."""
+    are the identity (a metric the server sends when ``metric-rank``'s correction found no direction). ``refs``: a
+    client's ``metric``, which may be the clients' basis by reference (:class:`BasisRef`, resolved by the client)."""
     if not isinstance(x, (bytes, bytearray, memoryview)):
         raise MetricError(f"metric: expected bytes, got {type(x).__name__}")
     x = bytes(x)
@@ -36,13 +38,13 @@ def from_bytes(x, d: int) -> Metric:
         return Identity()
     if len(x) > max_bytes(d):
         raise MetricError(f"metric: {len(x)} bytes, more than any metric of d = {d} takes")
-    metric, end = _read(x, 0, d, nested=False)
+    metric, end = _read(x, 0, d, nested=False, refs=refs)
     if end != len(x):
         raise MetricError(f"metric: {len(x) - end} bytes after the metric's end")
     return metric
 
 
-def _read(x: bytes, at: int, d: int, nested: bool) -> tuple[Metric, int]:
+def _read(x: bytes, at: int, d: int, nested: bool, refs: bool = False) -> tuple[Metric | BasisRef, int]:
     def take(n: int) -> bytes:
         nonlocal at
         if at + n > len(x):
@@ -56,8 +58,9 @@ def _read(x: bytes, at: int, d: int, nested: bool) -> tuple[Metric, int]:
     if code == 0 and count == 0:
         return Identity(), at
     names = _KINDS.get(code)
-    if names is None or (nested and code in (4, 6)):
-        raise MetricError(f"metric: unknown kind code {code}; allowed: 0 to 6 (a correction's base: 0 to 3, 5)")
+    if names is None or (nested and code in (4, 6, 7)) or (code == 7 and not refs):
+        top = "0 to 7" if refs else "0 to 6"
+        raise MetricError(f"metric: unknown kind code {code}; allowed: {top} (a correction's base: 0 to 3, 5)")
     if count != len(names):
         raise MetricError(f"metric: kind {code} carries {len(names)} arrays, not {count}")
     parts = {}
@@ -90,6 +93,8 @@ def _read(x: bytes, at: int, d: int, nested: bool) -> tuple[Metric, int]:
         return Blocked.checked(parts, d), at
     if code == 6:
         return BlockBasis.checked(parts, d), at
+    if code == 7:
+        return BasisRef.checked(parts, d), at
     if code == 1:
         if parts["m"].shape != (d,):
             raise MetricError(f"metric: a diagonal metric of d = {d} needs {d} numbers, got {parts['m'].shape}")

@@ -91,6 +91,7 @@ class ClientState:
     w_support: np.ndarray | None = None  # downlink-support = data: 1 on the coordinates the codes carry, 0 elsewhere
     point: np.ndarray | None = None  # before sampling: the last point θ the server sent (protocol.client.prep_point)
     point_id: int = -1  # and its number, which the server sends instead of θ while the point is the same
+    block_dirs: np.ndarray | None = None  # metric-block: the rows of input directions received (core.block_basis.BasisRef)
 
 
 def set_anchor(spec: ClientSpec, pot: LocalPotential, state: ClientState,

@@ -71,7 +71,7 @@ def run_local(cfg: RunConfig, task: Task | None = None, write: bool = True,
     if resuming and not wire:
         raise ValueError("resume needs the protocol path (wire=True)")
     prep = None if resuming else precondition.prepare(  # resume: θ*, M and γ are in the checkpoint
-        cfg, task, build.theta0_of(task), *build.direct_exchanges(cfg, task, specs),
+        cfg, task, build.theta0_of(task), *build.direct_exchanges(cfg, task, specs, states),
         warm=warmup_store(cfg) if write and wire else None)
     theta_star, ts_info = (None, {}) if prep is None else (prep.theta_star, prep.info)
     bound = str(cfg.raw.get("norm-bound", "auto"))

@@ -59,6 +59,9 @@ STATE = "qlsd-state"
 #: the metric (or ``compression-basis = block``'s basis) a node's chains share, kept once a node: Flower's Ray engine
 #: ships a client's whole ``Context`` to its actor and back with every message, and the main job's basis is 0.70 MB
 METRIC = "qlsd-metric"
+#: the ``metric-block`` directions a node received, kept until ``compression-basis = block``'s basis is built from
+#: them (it may come by reference, core.block_basis.BasisRef), then dropped
+BLOCK_DIRS = "qlsd-block-dirs"
 
 
 @functools.lru_cache(maxsize=4096)  # one entry per client this process hosts (Ray: many)
@@ -110,7 +113,8 @@ def load_state(context: Context, chain: int | None = None) -> ClientState:
     st = ClientState()
     try:
         rec = config_record(context.state, state_key(chain))
-    except KeyError:
+    except KeyError:  # a chain's first message: only what the node holds for all its chains
+        _load_dirs(context, st)
         return st
     d = int(rec["dim"])
     st.eta_count = int(rec.get("eta_count", 0))
@@ -123,7 +127,14 @@ def load_state(context: Context, chain: int | None = None) -> ClientState:
     held = config_record(context.state, METRIC) if METRIC in context.state else rec  # rec: written before METRIC
     if "metric" in held:  # the metric as it travelled (protocol.wire.metric_to_bytes)
         st.metric = metric_of(held["metric"], d)
+    _load_dirs(context, st)
     return st
+
+
+def _load_dirs(context: Context, st: ClientState) -> None:
+    if BLOCK_DIRS in context.state:
+        rec = config_record(context.state, BLOCK_DIRS)
+        st.block_dirs = bytes_to_arr(rec["rows"], len(rec["rows"]) // 8).reshape(-1, int(rec["dim"]))
 
 
 def save_state(context: Context, st: ClientState, d: int, chain: int | None = None) -> None:
@@ -135,6 +146,11 @@ def save_state(context: Context, st: ClientState, d: int, chain: int | None = No
             rec[name] = arr_to_bytes(val)
     if st.metric is not None and not _holds(context, st.metric, d):
         context.state[METRIC] = ConfigRecord({"metric": metric_to_bytes(st.metric)})
+    if st.block_dirs is None:  # the basis built, or never to come (protocol.client): not shipped with every message
+        if BLOCK_DIRS in context.state:
+            del context.state[BLOCK_DIRS]
+    elif BLOCK_DIRS not in context.state:
+        context.state[BLOCK_DIRS] = ConfigRecord({"rows": arr_to_bytes(st.block_dirs.ravel()), "dim": d})
     context.state[state_key(chain)] = rec
 
 

@@ -17,8 +17,7 @@ from qlsd_flwr.compression.qsgd import QSGD
 from qlsd_flwr.config import ConfigError, RunConfig
 from qlsd_flwr.core.dglmc import Spectrum
 from qlsd_flwr.core.downlink import DITHERS, FEEDBACKS, Downlink, broadcast_code, lag_beta, union_support
-from qlsd_flwr.core.metric import Identity as IdentityMetric
-from qlsd_flwr.core.metric import Metric
+from qlsd_flwr.core.metric import Identity as IdentityMetric, Metric
 from qlsd_flwr import samplers
 from qlsd_flwr.core.oracles import ClientSpec
 from qlsd_flwr.core.potential import GaussianPrior, Task, declared_support
@@ -122,9 +121,7 @@ def stable_gamma(task: Task, info: dict | None = None) -> float | None:
 
 def blocks_for(cfg: RunConfig, task: Task) -> tuple[int, ...] | None:
     """QSGD norm blocks: one for the whole vector, or one per tensor (``block-norm = tensor``)."""
-    if cfg.block_norm == "vector":
-        return None
-    blocks = task.meta.get("blocks")
+    blocks = None if cfg.block_norm == "vector" else task.meta.get("blocks")
     return tuple(int(x) for x in blocks) if blocks else None
 
 
@@ -378,23 +375,26 @@ class GradExchange:
         return combine_grads(self.cfg, self.prior, grads, th)
 
 
-def direct_exchanges(cfg: RunConfig, task: Task, specs):
-    """``(grad_fn, curv_fn)`` for the engines that call their clients directly (local, vectorised):
-    the very functions a ClientApp runs for the ``grad`` and ``curvature`` phases."""
+def direct_exchanges(cfg: RunConfig, task: Task, specs, states=None):
+    """``(grad_fn, curv_fn)`` for the engines that call their clients directly (local, vectorised): the very functions
+    a ClientApp runs for the ``grad`` and ``curvature`` phases; ``states`` (local) keep what a client keeps."""
     from qlsd_flwr.core.kron_block import KRON_BLOCK, local_block
     from qlsd_flwr.core.lowrank import local_hvp
     from qlsd_flwr.core.curvature import local_curvature
     from qlsd_flwr.core.oracles import full_local_grad
 
-    grad_fn = GradExchange(cfg, task.prior, lambda th, precision=64: [as_sent(full_local_grad(s, task.clients[s.index], th),
-                                                                              precision) for s in specs],
-                           lambda: [s.index for s in specs], [int(task.clients[s.index].n_data) for s in specs])
+    grads = lambda th, precision=64: [as_sent(full_local_grad(s, task.clients[s.index], th), precision) for s in specs]  # noqa: E731
+    grad_fn = GradExchange(cfg, task.prior, grads, lambda: [s.index for s in specs],
+                           [int(task.clients[s.index].n_data) for s in specs])
 
     def curv_fn(th, kind, vectors=None, bits=fixed.BITS):
         if kind == "hvp":  # metric-rank, the power iteration: the block of Hessian-vector products at width bits
             return {s.index: local_hvp(task.clients[s.index], th, vectors, bits) for s in specs}
-        if kind == KRON_BLOCK:  # metric-block: the input directions as the clients read them
-            return {s.index: local_block(task.clients[s.index], th, fixed.rounded(vectors, bits)) for s in specs}
+        if kind == KRON_BLOCK:  # metric-block: the input directions as the clients read them, and keep
+            V = fixed.rounded(vectors, bits)
+            for st in states or ():  # as each client keeps them (protocol.client)
+                st.block_dirs = V
+            return {s.index: local_block(task.clients[s.index], th, V) for s in specs}
         return {s.index: local_curvature(task.clients[s.index], th, kind, cfg.seed, s.index) for s in specs}
 
     return grad_fn, curv_fn

@@ -206,7 +206,14 @@ class ChainSet:
         # (wire.bundle_request): each chain counted them, so the round's downlink takes the others' copies off (end_round)
         for name in ("metric", "theta_support"):
             carried = [c for c in asked if name in per[c]]
-            self._shared_down += sum(8 * len(per[c][name]) for c in carried[1:])
+            if not carried:
+                continue
+            # chains that differ (the basis by reference to one, whole to another after its resync: metric_sent)
+            # are all sent the whole one
+            sent = max((per[c][name] for c in carried), key=len)
+            self._shared_down += sum(8 * len(per[c][name]) for c in carried) - 8 * len(sent)
+            for c in carried:
+                per[c][name] = sent
         return bundle_request(per, theta)
 
     def note_sent(self, i: int, message_bytes: int) -> None:

@@ -28,7 +28,9 @@ from qlsd_flwr.compression import fixed
 from qlsd_flwr.core.lowrank import local_hvp
 from qlsd_flwr.robust.reports import MAX_BLOCK
 from qlsd_flwr.core.curvature import KRON_OUTPUTS, local_curvature
+from qlsd_flwr.core.block_basis import BasisRef
 from qlsd_flwr.core.kron_block import KRON_BLOCK, local_block
+from qlsd_flwr.core.metric import MetricError
 from qlsd_flwr.core.downlink import support_from_bytes
 from qlsd_flwr.core.potential import LocalPotential, declared_support
 from qlsd_flwr.protocol.gradients import gradient_to_bytes, precision_of
@@ -68,7 +70,9 @@ def _prepare(spec: ClientSpec, pot: LocalPotential, st: ClientState, fields: dic
                              f"{KRON_BLOCK}, hvp")
         if kind == KRON_BLOCK:  # metric-block: the exact curvature on the input directions sent
             V, _ = block_of(fields.get("vectors"), d)
-            return theta, {"client": i, "status": "ok", "payload": report_bytes(local_block(pot, theta, V))}
+            reply = {"client": i, "status": "ok", "payload": report_bytes(local_block(pot, theta, V))}
+            st.block_dirs = V  # compression-basis = block: its basis may then come by reference (BasisRef)
+            return theta, reply
         if kind == "hvp":  # the products at the width the block came in (compression.fixed)
             V, bits = block_of(fields.get("vectors"), d)
             return theta, {"client": i, "status": "ok", "payload": fixed.encode(local_hvp(pot, theta, V, bits), bits)}
@@ -86,6 +90,17 @@ def _prepare(spec: ClientSpec, pot: LocalPotential, st: ClientState, fields: dic
     total = vector(fields.get("anchor_total"), d) if anchor is not None and spec.kind.at_theta_star else None
     surrogate = _surrogate(fields, d) if anchor is not None and spec.kind.surrogate else None
     metric = _metric(fields, d, spec.kind.coupled) if "metric" in fields and spec.metric != "identity" else None
+    unresolved = False
+    if isinstance(metric, BasisRef):  # the clients' basis by reference: Q̂ from this client's block directions
+        if not spec.whitened:
+            raise ValueError("sample: 'metric' is a block basis by reference, which only compression-basis = block's "
+                             "clients take")
+        try:
+            metric = metric.resolve(st.block_dirs, d)
+        except MetricError as exc:
+            raise ValueError(f"sample: 'metric' is not a usable basis with this client's block directions: {exc}") \
+                from None
+        unresolved = metric is None  # directions lost (a restarted node) or other ones: resync, and it comes whole
     if flag_of(fields, "anchor_is_theta") and (spec.downlink is None or not spec.kind.cv_zeta):
         raise ValueError("sample: 'anchor_is_theta' is for QLSD++'s anchor with downlink = qsgd")
     if flag_of(fields, "anchor_is_theta") and anchor is None and theta is not None:
@@ -96,6 +111,8 @@ def _prepare(spec: ClientSpec, pot: LocalPotential, st: ClientState, fields: dic
         st.w_support = support
     if metric is not None:
         st.metric = metric
+    if st.metric is not None or not spec.whitened:
+        st.block_dirs = None  # the basis built, or never to come: the directions are not needed again
     if eta is not None:
         st.eta, st.eta_count = eta, count
     if total is not None:
@@ -108,7 +125,7 @@ def _prepare(spec: ClientSpec, pot: LocalPotential, st: ClientState, fields: dic
     stale_eta = spec.memory and st.eta_count != count
     lost_metric = spec.metric != "identity" and st.metric is None  # a restarted node: the server sends it again
     lost_metric |= spec.downlink is not None and spec.downlink.on_support and st.w_support is None  # and the support
-    if stale_anchor or stale_eta or lost_metric or theta is None:  # θ None: a code it cannot apply
+    if stale_anchor or stale_eta or lost_metric or unresolved or theta is None:  # θ None: a code it cannot apply
         return theta, {"client": i, "status": "resync"}
     return theta, None
 

@@ -224,6 +224,7 @@ def block_corrected(cfg: RunConfig, task: Task, point: np.ndarray, curv_fn: Curv
         rej.setdefault(i, why)
     if not ok:
         raise ConfigError("metric-block: no valid block report from the clients; use metric-block = 0")
+    info["block_clients"] = sorted(ok)  # they hold the directions: compression-basis = block's basis goes by reference
     try:
         blocked = kb.correction(kron, kb.unpack(V, F), ok, n_data, prior_curvature(task, point), info)
     except MetricError as exc:  # as metric-rank's skipped correction: the base metric stands, and the run says so

@@ -38,11 +38,12 @@ class SamplingDownlink:
     clients hold the current anchor, ``w_{k0−1}`` and the metric (the draws are a function of the seed and the
     round)."""
 
-    def __init__(self, cfg, d: int, seeds, k0: int = 0, metric_bits: int = 0):
+    def __init__(self, cfg, d: int, seeds, k0: int = 0, metric_bits=0):
         self.kind, self.l, self.d, self.p = cfg.kind, max(int(cfg.l), 1), int(d), cfg.p
-        # the metric's (block: the basis's) bits and theta_support's (downlink-support = data), with each pair's first
-        # message (compression-basis; 0: not sent), once a client's message: the protocol's rule for both
-        self.metric_bits = int(metric_bits) + broadcast.support_bits(cfg, d)
+        # the metric's (block: the basis's, whole or by reference: metric_sent.bits_by_client) bits, one number or
+        # one a client, and theta_support's (downlink-support = data), with each pair's first message
+        # (compression-basis; 0: not sent), once a client's message: the protocol's rule for both
+        self.metric_bits = np.asarray(metric_bits, dtype=np.int64) + broadcast.support_bits(cfg, d)
         self.metric_held = np.zeros((np.asarray(seeds).size, cfg.b), dtype=bool)
         self.seeds = np.asarray(seeds)
         self.last = np.full((self.seeds.size, cfg.b), -1, dtype=np.int64)  # each pair's last active round
@@ -56,7 +57,7 @@ class SamplingDownlink:
         if self.kind.control_variate:
             for k in range(start, k0):
                 self.last[participation.active_mask(self.seeds, k, self.p)] = k
-        for k in range(k0 if self.metric_bits else 0):  # those active at any round before hold the metric
+        for k in range(k0 if np.any(self.metric_bits) else 0):  # those active at any round before hold the metric
             self.metric_held |= participation.active_mask(self.seeds, k, self.p)
 
     def rounds(self, k0: int, R: int, code_bits: np.ndarray | None = None) -> np.ndarray:
@@ -83,7 +84,7 @@ class SamplingDownlink:
             # the metric once a client's message, however many of its chains need it (wire.bundle_request): counted
             # in the first of them, as the protocol's chains count it (protocol.chains.ChainSet.fields_for)
             need = active & ~self.metric_held
-            out[:, r] += self.metric_bits * (need & (np.cumsum(need, axis=0) == 1)).sum(axis=1)
+            out[:, r] += (self.metric_bits * (need & (np.cumsum(need, axis=0) == 1))).sum(axis=1)
             self.metric_held |= active
             self.last[active] = k
         return out

@@ -113,7 +113,7 @@ class QLSDServer:
         if self.local:  # DG-LMC's z_i start at the chain's θ_0; FSGLD's surrogates (protocol.local_chains)
             local_chains.start(self, prep)
         elif metric_sent.wanted(self):  # compression-basis = metric, block: the clients quantise Sᵀ H_i, B H_i
-            metric_sent.setup(self)
+            metric_sent.setup(self, holders=prep.info.get("block_clients", ()) if prep is not None else ())
         broadcast.setup(self)  # downlink = qsgd (protocol.broadcast)
         self._set_scale()
 

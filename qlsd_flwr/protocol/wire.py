@@ -80,7 +80,7 @@ def _parse_metric(x, d: int):
     if not isinstance(x, (bytes, bytearray)):
         raise ValueError(f"sample: 'metric' must be the bytes of a metric of d = {d}, not {type(x).__name__}")
     try:
-        return from_bytes(x, d)
+        return from_bytes(x, d, refs=True)  # the clients' basis may come by reference (core.block_basis.BasisRef)
     except MetricError as exc:
         raise ValueError(f"sample: 'metric' is not a usable metric: {exc}") from None
 

@@ -11,7 +11,7 @@ import numpy as np
 from qlsd_flwr.config import ConfigError, RunConfig, check_memory
 from qlsd_flwr.errors import CheckpointError
 from qlsd_flwr.protocol.downlink import SamplingDownlink
-from qlsd_flwr.protocol.wire import metric_to_bytes
+from qlsd_flwr.protocol import metric_sent
 from qlsd_flwr.tasks.threads import pin_blas
 from qlsd_flwr.protocol import precondition
 from qlsd_flwr.core.metric import Identity
@@ -178,8 +178,9 @@ def run_side_by_side(cfgs, task: Task | None = None, write: bool = False, keep_t
         limits = [runaway_limits(cfg, task, pt, runner.theta_of(v)) for v, (cfg, pt) in enumerate(zip(cfgs, parts))]
         # the downlink of the QLSD family's rounds, counted as the protocol server sends it (the rivals'
         # rounds run through that server and count their own)
-        downs = [SamplingDownlink(cfg, d, chain_seeds(cfg), k, 8 * len(metric_to_bytes(pt[1].whitening)) if pt[0][0].whitened
-                                  else 0) if rec is not None and not cfg.kind.local else None
+        downs = [SamplingDownlink(cfg, d, chain_seeds(cfg), k, metric_sent.bits_by_client(
+            pt[1].whitening, pt[3].get("block_clients", ()), cfg.b) if pt[0][0].whitened else 0)
+                 if rec is not None and not cfg.kind.local else None
                  for cfg, rec, pt in zip(cfgs, recs, parts)]
         # a backend that keeps only the kept draws on the host gives each round's ‖θ‖ instead (torch)
         sparse = isinstance(runner, Sequential) and all(getattr(r, "sparse_states", False) for r in runner.runners)
