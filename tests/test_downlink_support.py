@@ -14,6 +14,8 @@ so the broadcast codes only the union of the clients' supports (each potential d
 * **hostile supports** are refused by the client, naming the field, before its state changes: bytes of the wrong
   length, a padding bit set, an empty support, one that leaves out a coordinate this client's gradient reads, and
   one sent to a client whose settings do not expect it.
+* **each client's own support**: its code carries the union's levels on its own support alone, and it builds the
+  server's ``w`` there bit for bit (the chains above are the same on every path, their bits counted alike).
 """
 
 from __future__ import annotations
@@ -26,13 +28,21 @@ import pytest
 from qlsd_flwr.config import resolve
 from qlsd_flwr.core import downlink as D
 from qlsd_flwr.engines.local import run_local
-from qlsd_flwr.protocol import build
+from qlsd_flwr.protocol import broadcast, build
 from qlsd_flwr.tasks import loading
 
 DIGITS = {"task": "logistic", "dataset": "digits", "num-clients": 4, "num-rounds": 24, "burn-in": 4,
           "variant": "qlsd-pp", "l": 4, "p": "0.6,1,0.8,0.7", "gamma": "auto", "metric": "diagonal", "s": "4",
           "prior-var": 0.05, "progress": False, "plot": False, "loo": "off", "seed": 2, "norm-bound": "off",
           "downlink": "qsgd", "downlink-s": 8}
+
+
+#: the main job's clients (200 MNIST digits each, one label dominant): each reads 482–532 of the 658 pixels some
+#: client reads
+MNIST = {"task": "mnist", "dataset": "mnist_subset", "model": "logistic", "partition": "dominant_label",
+         "num-clients": 20, "num-rounds": 8, "burn-in": 2, "variant": "qlsd-pp", "l": 4, "p": "1",
+         "gamma": 1e-4, "s": "4", "progress": False, "plot": False, "loo": "off", "seed": 3, "norm-bound": "off",
+         "downlink": "qsgd", "downlink-s": 8, "downlink-dither": "subtractive"}
 
 
 def _bits_down(run_dir) -> list[int]:
@@ -48,7 +58,7 @@ def test_every_path_runs_the_same_chain_on_the_support(feedback, dither, tmp_pat
     o = {**DIGITS, "downlink-feedback": feedback, "downlink-dither": dither, "output-dir": str(tmp_path)}
     cfg = resolve(o)
     task = loading.load_task(cfg)
-    live = build.task_support(task)
+    live = broadcast.task_support(task)
     X = np.vstack([c.Xa for c in task.clients])
     assert live is not None and live.size == 10 * int((X != 0).any(axis=0).sum()) < task.dim  # the corners out
     wire = run_local(resolve({**o, "run-name": "wire"}), keep_trace=True)
@@ -68,6 +78,59 @@ def test_every_path_runs_the_same_chain_on_the_support(feedback, dither, tmp_pat
     assert not np.array_equal(every.trace, wire.trace)
     # round 0 sends w_0 in full (ef21-p) and the support once to each client: the codes after it are shorter
     assert sum(_bits_down(wire.run_dir)[1:]) < sum(_bits_down(every.run_dir)[1:])
+
+
+def test_each_client_is_sent_the_levels_on_its_own_support_and_builds_the_servers_w_there_bit_for_bit():
+    """Each client's code carries the union's levels on its own support alone (the union's norm, ``α`` and dither):
+    the client builds the server's ``w_k`` there bit for bit, its code is shorter than the union's, and a code cut
+    for another support does not decode to its own size (refused by name). The chains and the engines' counts of
+    these codes are the test above's."""
+    cfg = resolve(MNIST)  # (the digits' clients each read every pixel some client reads: nothing to cut)
+    task = loading.load_task(cfg)
+    masks = broadcast.task_supports(task)
+    union = D.union_support(masks, task.dim)
+    rule = broadcast.downlink_of(cfg, union)
+    rng = np.random.default_rng(0)
+    theta0, theta1 = rng.normal(size=task.dim), rng.normal(size=task.dim)
+    w0, _ = rule.step(theta0, None, 7, 0)
+    w1, q = rule.step(theta1, w0, 7, 1)
+    whole = rule.code_for(q, None)
+    for i, mask in enumerate(masks):
+        own = D.own_positions(union, mask)
+        assert own is not None and 0 < own.size < union.size  # each client reads fewer pixels than all of them
+        code = rule.code_for(q, own)
+        assert len(code) < len(whole)
+        mine = rule.receive(w0, code, task.dim, 7, 1, own)
+        assert np.array_equal(mine[mask], w1[mask]), i  # where its gradient reads w, the server's w to the bit
+        assert np.array_equal(mine[~mask], w0[~mask])  # elsewhere what it held
+        other = D.own_positions(union, masks[(i + 1) % len(masks)])
+        if other.size != own.size:
+            with pytest.raises(ValueError, match="theta_code"):
+                rule.receive(w0, rule.code_for(q, other), task.dim, 7, 1, own)
+
+
+def test_own_support_codes_run_the_same_chain_on_every_path_in_fewer_bits(tmp_path, monkeypatch):
+    """On the main job's clients: the protocol on the local engine, in-process Flower with two chains (each client's
+    support from its handshake) and the vectorised engine run one chain, and count the same bits round by round;
+    with every client sent the union's code instead the chain is the same and the codes are longer."""
+    from qlsd_flwr.engines.vectorised import run_vectorised
+    from qlsd_flwr.protocol import client, downlink
+    from qlsd_flwr.run.simulate import run_inprocess
+
+    o = {**MNIST, "output-dir": str(tmp_path)}
+    wire = run_local(resolve({**o, "run-name": "wire"}), keep_trace=True)
+    assert not any(wire.summary.get("rejected", {}).values())
+    o2 = {**o, "num-chains": 2, "engine": "inprocess", "run-name": "flower"}
+    flower = run_inprocess(resolve(o2), o2, shuffle_seed=1, strategy_kwargs={"keep_trace": True})
+    chains = np.asarray(flower.trace).transpose(1, 0, 2)
+    assert np.array_equal(chains[0], wire.trace)
+    v = run_vectorised(resolve({**o2, "engine": "vectorised", "run-name": "vectorised"}), keep_trace=True)
+    assert np.array_equal(v.trace, chains) and _bits_down(v.run_dir) == _bits_down(flower.run_dir)
+    for module in (broadcast, client, downlink):  # every client sent the union's code
+        monkeypatch.setattr(module, "own_positions", lambda support, own: None)
+    union = run_local(resolve({**o, "run-name": "union"}), keep_trace=True)
+    assert np.array_equal(union.trace, wire.trace)
+    assert sum(_bits_down(wire.run_dir)[1:]) < 0.9 * sum(_bits_down(union.run_dir)[1:])
 
 
 def test_a_task_whose_data_touch_every_coordinate_runs_its_chain_as_before():
@@ -93,7 +156,7 @@ def test_hostile_supports_at_a_client_change_nothing():
 
     cfg, task, spec, st = _client()
     d, pot = task.dim, task.clients[0]
-    union = build.task_support(task)
+    union = broadcast.task_support(task)
     own = np.flatnonzero(pot.support())
     first = {"phase": "sample", "round": 0, "client": 0, "theta": np.zeros(d), "anchor_version": 1, "eta_count": 0,
              "anchor_is_theta": 1}
@@ -149,7 +212,7 @@ def test_a_run_written_before_the_key_resumes_on_every_coordinate_and_a_prior_sh
     shared = spec.__class__(**{**spec.__dict__, "prior_weight": 0.25})
     d = task.dim
     msg = {"phase": "sample", "round": 0, "client": 0, "theta": np.zeros(d), "anchor_version": 1, "eta_count": 0,
-           "anchor_is_theta": 1, "theta_support": D.support_to_bytes(build.task_support(task), d)}
+           "anchor_is_theta": 1, "theta_support": D.support_to_bytes(broadcast.task_support(task), d)}
     with pytest.raises(ValueError, match="'theta_support' leaves out coordinates"):
         handle(shared, task.clients[0], ClientState(), 0, msg, d)
     assert handle(spec, task.clients[0], ClientState(), 0, msg, d)["status"] == "ok"

@@ -138,6 +138,20 @@ class Downlink:
         """Round ``k``'s ``(w_k, code)`` from θ_k and ``w_{k−1}`` (ignored under ``none``). Under ``ef21-p`` a chain's
         first round (``w = None``) has ``w_k = θ_k`` and no code: it is sent in full. ``ValueError`` (from QSGD) when
         the coded vector is not finite or too large to code."""
+        w_k, q = self.step(theta, w, seed, k)
+        return w_k, None if q is None else self.compressor.encode(q)
+
+    def code_for(self, q: Quantised, own: np.ndarray | None) -> bytes:
+        """The code a client is sent of round's levels ``q`` (:meth:`step`): those at ``own`` alone, the positions of
+        its own support in the coded vector (sorted; ``None``: every level). Its gradient reads no other coordinate,
+        and the norm, ``α`` and the dither stay the whole code's, so on its support the client builds the server's
+        ``w_k`` bit for bit (:meth:`receive`)."""
+        if own is None:
+            return self.compressor.encode(q)
+        return self.compressor.encode(Quantised(q.norms, q.levels[own], q.s, (int(own.size),)))
+
+    def step(self, theta: np.ndarray, w: np.ndarray | None, seed: int, k: int) -> tuple[np.ndarray, Quantised | None]:
+        """:meth:`send`'s ``w_k`` and the levels its code carries (``None`` where ``w_k = θ_k`` goes in full)."""
         if self.feedback == "ef21-p" and w is None:
             return theta.copy(), None
         x = theta - w if self.feedback == "ef21-p" else theta
@@ -152,35 +166,40 @@ class Downlink:
         else:
             q = self.compressor.quantise(x, u)
             c = dequantise(q)
-        return self._place(theta, w, c, n), self.compressor.encode(q)
+        return self._place(theta, w, c, n, self.support), q
 
-    def receive(self, w: np.ndarray | None, code, d: int, seed: int = 0, k: int = 0) -> np.ndarray:
+    def receive(self, w: np.ndarray | None, code, d: int, seed: int = 0, k: int = 0,
+                own: np.ndarray | None = None) -> np.ndarray:
         """``w_k`` from ``w_{k−1}`` and the code of round ``k`` of the chain of ``seed`` (the subtractive dither's
-        key), bit for bit the server's on the support (off it, ``w``'s own numbers, or 0 under ``none``);
-        ``ValueError`` naming ``theta_code`` when the code does not decode to the support's size of finite numbers."""
+        key), bit for bit the server's on the support, or on ``own`` (:meth:`code_for`'s positions, the client's own
+        support; off it, ``w``'s own numbers, or 0 under ``none``); ``ValueError`` naming ``theta_code`` when the code
+        does not decode to that many finite numbers."""
         if not isinstance(code, (bytes, bytearray)):
             raise ValueError(f"sample: 'theta_code' must be bytes, not {type(code).__name__}")
         n = d if self.support is None else int(self.support.size)
         try:
-            q = self.compressor.decode(bytes(code), n)
+            q = self.compressor.decode(bytes(code), n if own is None else int(own.size))
         except ValueError as exc:  # DecodeError is a ValueError
             raise ValueError(f"sample: 'theta_code' does not decode: {exc}") from None
         if self.dither == "subtractive":
-            c = subtractive_value(q, rng.uniform(seed, rng.Stream.DOWNLINK, k, 0, n))
+            u = rng.uniform(seed, rng.Stream.DOWNLINK, k, 0, n)
+            c = subtractive_value(q, u if own is None else u[own])
         else:
             c = dequantise(q)
-        out = self._place(np.zeros(d) if w is None else w, w, c, n)
+        at = self.support if own is None else own if self.support is None else self.support[own]
+        out = self._place(np.zeros(d) if w is None else w, w, c, n, at)
         if not np.all(np.isfinite(out)):
             raise ValueError("sample: 'theta_code' gives a point that is not finite")
         return out
 
-    def _place(self, base: np.ndarray, w: np.ndarray | None, c: np.ndarray, n: int) -> np.ndarray:
-        """``w_k``: ``w_{k−1} + α c`` (``ef21-p``) or ``c`` on the support, ``base`` elsewhere."""
-        S = self.support
-        if S is None:
+    def _place(self, base: np.ndarray, w: np.ndarray | None, c: np.ndarray, n: int,
+               at: np.ndarray | None) -> np.ndarray:
+        """``w_k``: ``w_{k−1} + α c`` (``ef21-p``) or ``c`` at ``at`` (``None``: every coordinate), ``base``
+        elsewhere; ``α`` that of the coded vector's ``n`` coordinates."""
+        if at is None:
             return self._next(w, c, n)
         out = np.array(base, dtype=np.float64, copy=True)
-        out[S] = self._next(None if w is None else w[S], c, n)
+        out[at] = self._next(None if w is None else w[at], c, n)
         return out
 
     def _next(self, w, c, d):
@@ -197,6 +216,16 @@ def union_support(masks, d: int) -> np.ndarray | None:
     for m in masks:
         live |= m
     return None if live.all() else np.flatnonzero(live)
+
+
+def own_positions(support: np.ndarray | None, own: np.ndarray | None) -> np.ndarray | None:
+    """The positions in the broadcast's coded vector (``support``: sorted indices, ``None``: every coordinate) of a
+    client's own support (a boolean ``(d,)`` mask, ``None``: every coordinate), which its code carries
+    (:meth:`Downlink.code_for`); ``None`` where that is all of them."""
+    if own is None:
+        return None
+    pos = np.flatnonzero(own if support is None else own[support])
+    return None if pos.size == (own.size if support is None else support.size) else pos
 
 
 def support_to_bytes(support: np.ndarray, d: int) -> bytes:

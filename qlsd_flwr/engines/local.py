@@ -142,7 +142,7 @@ def _run_direct(cfg, task, specs, states, prep, keep_trace, bar) -> RunResult:
             state.metric = spec.whitening
     st = sampler.init_state(spec, build.theta0_of(task) if prep.theta0 is None else prep.theta0[0])
     trace = np.empty((cfg.num_rounds, task.dim)) if keep_trace else None
-    support = build.task_support(task) if build.support_on(cfg) else None
+    support = broadcast.task_support(task) if build.support_on(cfg) else None
     down, w = broadcast.downlink_of(cfg, support), None  # downlink = qsgd: the clients evaluate at w_k (core.downlink)
     for k in range(cfg.num_rounds):
         if down is not None:

@@ -24,7 +24,8 @@ import dataclasses
 import numpy as np
 
 from qlsd_flwr.config import ConfigError
-from qlsd_flwr.core.downlink import Downlink, broadcast_code, support_to_bytes, union_support
+from qlsd_flwr.core.downlink import Downlink, broadcast_code, own_positions, support_to_bytes, union_support
+from qlsd_flwr.core.potential import declared_support
 from qlsd_flwr.protocol import build
 
 
@@ -33,11 +34,24 @@ def setup(server) -> None:
     handshakes' (:func:`set_support`, kept through a restore), else that of the clients the task holds."""
     cfg = server.cfg
     if not hasattr(server, "client_support"):
-        server.client_support = build.task_support(server.task) if build.support_on(cfg) else None
+        server.client_masks = task_supports(server.task) if build.support_on(cfg) else None
+        server.client_support = None if server.client_masks is None else union_support(server.client_masks, server.d)
     server.downlink = downlink_of(cfg, server.client_support)
-    server.w, server.w_code = None, None
+    server.w, server.w_q, server.w_codes = None, None, {}
     server.w_held = np.full(cfg.b, -1, dtype=np.int64)  # the round of the w each client holds (−1: none)
     server.support_sent = set()  # the clients sent theta_support since the server started
+
+
+def task_support(task) -> np.ndarray | None:
+    """The union of ``task``'s clients' declared supports (:func:`~qlsd_flwr.core.downlink.union_support`), on an
+    engine that holds the clients; ``None``: every coordinate (or no clients: a Flower server takes the union from
+    the handshakes)."""
+    return union_support(task_supports(task), task.dim)
+
+
+def task_supports(task) -> list:
+    """Each of ``task``'s clients' declared support (a boolean mask, ``None``: every coordinate)."""
+    return [declared_support(c, task.dim) for c in task.clients]
 
 
 def set_support(server, masks) -> None:
@@ -46,6 +60,7 @@ def set_support(server, masks) -> None:
     ``None``: no handshake (nothing changes)."""
     if masks is None or not build.support_on(server.cfg):
         return
+    server.client_masks = list(masks)
     server.client_support = union_support(masks, server.d)
     if getattr(server, "downlink", None) is not None:  # else setup, when the chain begins, takes it
         server.downlink = dataclasses.replace(server.downlink, support=server.client_support)
@@ -73,7 +88,8 @@ def begin_round(server) -> None:
     if dl is None:
         return
     try:
-        server.w, server.w_code = dl.send(st.theta, server.w, server.cfg.seed, st.k)
+        server.w, server.w_q = dl.step(st.theta, server.w, server.cfg.seed, st.k)
+        server.w_codes = {}  # each client's code of this round's levels, made when its message is (code_of)
         st.w = server.w  # downlink-correction: the step's lag term (core.server_step)
     except ValueError as exc:  # θ_k − w_{k−1} not finite or beyond float32's range: the chain ran away
         server._diverged(st.k, f"the broadcast cannot code θ_k ({exc})")
@@ -92,9 +108,9 @@ def add(server, i: int, fields: dict) -> None:
     if dl is None:
         return
     k = server.state.k
-    if server.w_code is not None and (dl.feedback == "none" or server.w_held[i] == k - 1):
+    if server.w_q is not None and (dl.feedback == "none" or server.w_held[i] == k - 1):
         del fields["theta"]
-        fields["theta_code"] = server.w_code
+        fields["theta_code"] = code_of(server, i)
     else:
         fields["theta"] = server.w
     if dl.on_support and (i not in server.support_sent or server.needs_resync[i]):
@@ -105,6 +121,16 @@ def add(server, i: int, fields: dict) -> None:
     if "anchor" in fields and kind.cv_zeta and k % max(int(server.cfg.l), 1) == 0:
         del fields["anchor"]
         fields["anchor_is_theta"] = 1
+
+
+def code_of(server, i: int) -> bytes:
+    """Client ``i``'s code of this round's levels: those on its own support alone under ``downlink-support = data``
+    (:meth:`~qlsd_flwr.core.downlink.Downlink.code_for`), the whole code otherwise; made once a round and client."""
+    own = own_positions(server.downlink.support, None if server.client_masks is None else server.client_masks[i])
+    key = None if own is None else i
+    if key not in server.w_codes:
+        server.w_codes[key] = server.downlink.code_for(server.w_q, own)
+    return server.w_codes[key]
 
 
 def answered(server, i: int, ok: bool) -> None:

@@ -16,11 +16,11 @@ from qlsd_flwr.compression.identity import Identity
 from qlsd_flwr.compression.qsgd import QSGD
 from qlsd_flwr.config import ConfigError, RunConfig
 from qlsd_flwr.core.dglmc import Spectrum
-from qlsd_flwr.core.downlink import DITHERS, FEEDBACKS, Downlink, broadcast_code, lag_beta, union_support
+from qlsd_flwr.core.downlink import DITHERS, FEEDBACKS, Downlink, broadcast_code, lag_beta
 from qlsd_flwr.core.metric import Identity as IdentityMetric, Metric
 from qlsd_flwr import samplers
 from qlsd_flwr.core.oracles import ClientSpec
-from qlsd_flwr.core.potential import GaussianPrior, Task, declared_support
+from qlsd_flwr.core.potential import GaussianPrior, Task
 from qlsd_flwr.core.priors import check_prior
 from qlsd_flwr.core.server_step import ServerSpec, noise_factor
 from qlsd_flwr.bases import whitening_of, whitens
@@ -207,13 +207,6 @@ def support_on(cfg: RunConfig) -> bool:
     """Whether the broadcast codes only the clients' support (``downlink-support = data``): not where the clients
     take a share of the prior (``prior-on = clients``), whose gradient reads every coordinate."""
     return downlink_on(cfg) and cfg.get("downlink-support") == "data" and cfg.prior_on != "clients"
-
-
-def task_support(task: Task) -> np.ndarray | None:
-    """The union of ``task``'s clients' declared supports (:func:`~qlsd_flwr.core.downlink.union_support`), on an
-    engine that holds the clients; ``None``: every coordinate (or no clients: a Flower server takes the union from
-    the handshakes)."""
-    return union_support([declared_support(c, task.dim) for c in task.clients], task.dim)
 
 
 _ENCODINGS = ("auto", "elias", "packed", "arith")

@@ -31,7 +31,7 @@ from qlsd_flwr.core.curvature import KRON_OUTPUTS, local_curvature
 from qlsd_flwr.core.block_basis import BasisRef
 from qlsd_flwr.core.kron_block import KRON_BLOCK, local_block
 from qlsd_flwr.core.metric import MetricError
-from qlsd_flwr.core.downlink import support_from_bytes
+from qlsd_flwr.core.downlink import own_positions, support_from_bytes
 from qlsd_flwr.core.potential import LocalPotential, declared_support
 from qlsd_flwr.protocol.gradients import gradient_to_bytes, precision_of
 from qlsd_flwr.protocol.wire import (
@@ -58,7 +58,7 @@ def _prepare(spec: ClientSpec, pot: LocalPotential, st: ClientState, fields: dic
     else:
         st.point, st.point_id = None, -1  # sampling: the preparation's point is not asked for again
         support = _support(spec, pot, fields, d)
-        theta = _point(spec, st, fields, d, seed if chain_seed is None else chain_seed, support)
+        theta = _point(spec, st, fields, d, seed if chain_seed is None else chain_seed, support, pot)
     if fields["phase"] == "grad":
         precision = precision_of(fields)
         return theta, {"client": i, "status": "ok",
@@ -169,11 +169,13 @@ def _support(spec: ClientSpec, pot: LocalPotential, fields: dict, d: int) -> np.
 
 
 def _point(spec: ClientSpec, st: ClientState, fields: dict, d: int, seed: int = 0,
-           support: np.ndarray | None = None) -> np.ndarray | None:
+           support: np.ndarray | None = None, pot: LocalPotential | None = None) -> np.ndarray | None:
     """A sampling round's point: θ_k, or with ``downlink = qsgd`` the ``w_k`` that ``theta_code`` builds from the
-    client's ``w_{k−1}`` (``theta``: ``w_k`` in full); ``None`` when the client cannot apply the code (it missed
-    round ``k − 1``: it answers resync and is sent ``w_k`` in full next). ``ValueError`` naming the field when a
-    message carries neither, or a code the client was not told to expect, or one that does not decode."""
+    client's ``w_{k−1}`` (``theta``: ``w_k`` in full), under ``downlink-support = data`` on the coordinates of the
+    potential ``pot``'s own support, which its code carries (:meth:`~qlsd_flwr.core.downlink.Downlink.code_for`);
+    ``None`` when the client cannot apply the code (it missed round ``k − 1``: it answers resync and is sent ``w_k``
+    in full next). ``ValueError`` naming the field when a message carries neither, or a code the client was not
+    told to expect, or one that does not decode."""
     code = fields.get("theta_code")
     if code is not None and spec.downlink is None:
         raise ValueError("sample: 'theta_code' without downlink settings (downlink = off sends theta)")
@@ -181,16 +183,18 @@ def _point(spec: ClientSpec, st: ClientState, fields: dict, d: int, seed: int = 
         if "theta" not in fields:
             raise ValueError("sample: the message carries neither 'theta' nor 'theta_code'")
         return vector(fields["theta"], d)
-    dl, k = spec.downlink, int(fields["round"])
+    dl, k, own = spec.downlink, int(fields["round"]), None
     if dl.on_support:  # the coordinates the code carries: this message's theta_support, else the one held
         live = support if support is not None else st.w_support
         if live is None:  # a restarted node: it answers resync and is sent the support
             return None
         dl = dataclasses.replace(dl, support=None if live.all() else np.flatnonzero(live))
+        # of them, those of its own support (a share of the prior reads every coordinate: the server's rule too)
+        own = own_positions(dl.support, None if spec.prior_weight > 0 or pot is None else declared_support(pot, d))
     if dl.feedback == "ef21-p" and (st.w is None or st.w_round != k - 1):
-        dl.receive(np.zeros(d), code, d, seed, k)  # refused if malformed, even when it cannot be applied
+        dl.receive(np.zeros(d), code, d, seed, k, own)  # refused if malformed, even when it cannot be applied
         return None
-    return dl.receive(st.w if dl.feedback == "ef21-p" else None, code, d, seed, k)
+    return dl.receive(st.w if dl.feedback == "ef21-p" else None, code, d, seed, k, own)
 
 
 def _surrogate(fields: dict, d: int) -> tuple[np.ndarray, np.ndarray]:

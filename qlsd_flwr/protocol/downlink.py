@@ -29,6 +29,7 @@ from __future__ import annotations
 import numpy as np
 
 from qlsd_flwr.core import participation
+from qlsd_flwr.core.downlink import own_positions, union_support
 from qlsd_flwr.protocol import broadcast, build
 
 
@@ -62,14 +63,15 @@ class SamplingDownlink:
 
     def rounds(self, k0: int, R: int, code_bits: np.ndarray | None = None) -> np.ndarray:
         """``(C, R)``: the bits sent in rounds ``k0 + 1 .. k0 + R`` (θ_{k0}, ...), chain by chain; ``code_bits``
-        (``downlink = qsgd``): each round's code length per chain, −1 where ``w_k`` went in full to all."""
+        (``downlink = qsgd``, ``(C, b, R)``): each round's code length per chain and client, −1 where ``w_k`` went in
+        full to all."""
         out = np.zeros((self.seeds.size, R), dtype=np.int64)
         full = 64 * self.d
         for r in range(R):
             k = k0 + r
             active = participation.active_mask(self.seeds, k, self.p)  # (C, b)
             if self.coded:  # the code to a pair that holds w_{k−1}, w_k in full to the others
-                code = code_bits[:, r][:, None]
+                code = code_bits[:, :, r]
                 coded = active & (code >= 0) & (self.any_held | (self.held == k - 1))
                 out[:, r] = np.where(coded, code, np.where(active, full, 0)).sum(axis=1)
                 self.held[active] = k
@@ -96,24 +98,31 @@ class ChainsBroadcast:
     where its clients evaluate. ``on`` is ``False`` (and nothing happens) with ``downlink = off``."""
 
     def __init__(self, cfg, seeds, task=None):
-        # downlink-support = data: the union of the clients' supports, these engines holding the clients (``task``)
-        support = build.task_support(task) if task is not None and build.support_on(cfg) else None
+        # downlink-support = data: the union of the clients' supports, these engines holding the clients (``task``),
+        # and each client's own, which its code carries (protocol.broadcast.code_of)
+        masks = broadcast.task_supports(task) if task is not None and build.support_on(cfg) else None
+        support = None if masks is None else union_support(masks, task.dim)
         self.rule, self.seeds = broadcast.downlink_of(cfg, support), np.asarray(seeds)
+        self.own = [own_positions(support, m) for m in masks] if masks is not None else [None] * cfg.b
         self.on = self.rule is not None
         self.w: np.ndarray | None = None  # (C, d); None until round 0
 
     def send(self, theta: np.ndarray, k: int, code_bits: np.ndarray) -> None:
-        """Round ``k``'s ``w_k`` from each chain's θ_k (``(C, d)``) and ``w_{k−1}``; each chain's code length into
-        ``code_bits`` (left at −1 where ``w_k`` goes in full). A θ_k that cannot be coded (the chain ran away)
-        raises the ``ValueError`` the round reports."""
+        """Round ``k``'s ``w_k`` from each chain's θ_k (``(C, d)``) and ``w_{k−1}``; each chain's code length for each
+        client into ``code_bits`` (``(C, b)``, left at −1 where ``w_k`` goes in full). A θ_k that cannot be coded
+        (the chain ran away) raises the ``ValueError`` the round reports."""
         w = np.empty_like(theta)
         for c in range(w.shape[0]):
             try:
-                w[c], code = self.rule.send(theta[c], None if self.w is None else self.w[c], int(self.seeds[c]), k)
+                w[c], q = self.rule.step(theta[c], None if self.w is None else self.w[c], int(self.seeds[c]), k)
             except ValueError as exc:  # θ_k − w_{k−1} not finite or beyond float32's range: the chain ran away
                 raise ValueError(f"chain {c}: the broadcast cannot code θ_k ({exc})") from None
-            if code is not None:
-                code_bits[c] = 8 * len(code)
+            if q is not None:
+                whole = None
+                for i, own in enumerate(self.own):
+                    if own is None:
+                        whole = whole if whole is not None else 8 * len(self.rule.code_for(q, None))
+                    code_bits[c, i] = whole if own is None else 8 * len(self.rule.code_for(q, own))
         self.w = w
 
     def restore(self, w, shape: tuple) -> None:

@@ -143,8 +143,8 @@ class NumpyGeneric:
                "bytes": np.zeros((nc, R), np.int64)}
         states = np.full((nc, R, self.d), np.nan) if need_states else None
         out["error"] = None
-        if self.down.on:  # each round's code length per chain (−1: w_k sent in full, as round 0 is)
-            out["down_code_bits"] = np.full((nc, R), -1, np.int64)
+        if self.down.on:  # each round's code length per chain and client (−1: w_k sent in full, as round 0 is)
+            out["down_code_bits"] = np.full((nc, self.cfg.b, R), -1, np.int64)
         for r in range(R):
             try:
                 self._round(k0 + r, r, out)
@@ -193,7 +193,7 @@ class NumpyGeneric:
     def _round(self, k: int, r: int, out: dict) -> None:
         self.st.k = k
         if self.down.on:
-            self.down.send(self.st.theta, k, out["down_code_bits"][:, r])
+            self.down.send(self.st.theta, k, out["down_code_bits"][:, :, r])
             self.st.w = self.down.w  # downlink-correction: the step's lag term (core.server_step)
         refreshed = sampler.refresh_anchor(self.spec, self.st)  # ζ_k = θ_k every l rounds (QLSD++)
         if refreshed and self.down.on:
