@@ -175,7 +175,7 @@ KEYS: tuple[Key, ...] = (
         "(C(Sᵀ H_i − η_i) with M = S Sᵀ, the server applying S, so that the compression's noise takes M's shape as "
         "the Langevin noise does; M travels to the clients once and stays in their state), theta (the paper's "
         "C(H_i − η_i), whose noise M multiplies in the flat directions), block (C(B H_i − η_i), B K-FAC's root on "
-        "metric-block's directions, the server applying M B⁻¹: 9e4 numbers a client, not M's megabytes), or auto "
+        "metric-block's directions, the server applying M B⁻¹: 9e3 numbers a client holding them, not M's MB), or auto "
         "(metric for a diagonal M or a dense one of d ≤ 512, block for K-FAC with metric-block, else theta). QLSD "
         "with a metric (docs/METRIC.md)", "", choices=("auto", "block", "metric", "theta"), group=SAMPLER),
     Key("s", "16", "ints", "QSGD levels, one value or one per client ('2,4,...'); s = 2^k is 'k bits'", "s_i",
