@@ -89,12 +89,10 @@ def _prepare(spec: ClientSpec, pot: LocalPotential, st: ClientState, fields: dic
     anchor = vector(fields["anchor"], d) if "anchor" in fields else None
     total = vector(fields.get("anchor_total"), d) if anchor is not None and spec.kind.at_theta_star else None
     surrogate = _surrogate(fields, d) if anchor is not None and spec.kind.surrogate else None
-    metric = _metric(fields, d, spec.kind.coupled) if "metric" in fields and spec.metric != "identity" else None
+    metric = _metric(fields, d, spec.kind.coupled, spec.whitened) if "metric" in fields and spec.metric != "identity" \
+        else None
     unresolved = False
     if isinstance(metric, BasisRef):  # the clients' basis by reference: Q̂ from this client's block directions
-        if not spec.whitened:
-            raise ValueError("sample: 'metric' is a block basis by reference, which only compression-basis = block's "
-                             "clients take")
         try:
             metric = metric.resolve(st.block_dirs, d)
         except MetricError as exc:
@@ -206,10 +204,11 @@ def _surrogate(fields: dict, d: int) -> tuple[np.ndarray, np.ndarray]:
     return lam, total
 
 
-def _metric(fields: dict, d: int, coupled: bool):
-    """The local steps' metric ``M`` (:func:`qlsd_flwr.protocol.wire.metric_of`); DG-LMC's without a
-    low-rank correction (its server draws θ | z in ``M``'s eigenbasis); else ``ValueError`` naming it."""
-    metric = metric_of(fields["metric"], d)
+def _metric(fields: dict, d: int, coupled: bool, refs: bool = False):
+    """The local steps' metric ``M`` (:func:`qlsd_flwr.protocol.wire.metric_of`; ``refs``: the clients' basis, which
+    may come by reference); DG-LMC's without a low-rank correction (its server draws θ | z in ``M``'s eigenbasis);
+    else ``ValueError`` naming it."""
+    metric = metric_of(fields["metric"], d, refs)
     if coupled and metric.has_correction:
         raise ValueError("sample: 'metric' for dg-lmc may not carry a low-rank correction")
     return metric

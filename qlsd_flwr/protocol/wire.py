@@ -61,15 +61,16 @@ def metric_to_bytes(metric) -> bytes:
     return b"" if metric.is_identity else metric.to_bytes()
 
 
-def metric_of(x, d: int):
+def metric_of(x, d: int, refs: bool = False):
     """:func:`_parse_metric`, the last two metrics rebuilt kept (a Flower client rebuilds its state's
-    metric at every message: a dense one's Cholesky factor, so, once a run instead)."""
+    metric at every message: a dense one's Cholesky factor, so, once a run instead). ``refs``: a client that quantises
+    in the clients' block basis, which may come by reference (:class:`~qlsd_flwr.core.block_basis.BasisRef`)."""
     if not isinstance(x, (bytes, bytearray)):
         return _parse_metric(x, d)  # refused there, naming the field
-    return _parsed_metric(bytes(x), int(d))
+    return _parsed_metric(bytes(x), int(d), bool(refs))
 
 
-def _parse_metric(x, d: int):
+def _parse_metric(x, d: int, refs: bool = False):
     """A metric sent as :func:`metric_to_bytes` made (:func:`qlsd_flwr.core.metric_codec.from_bytes`: the tag, the
     kind, each array's name and shape, every number finite, a dense matrix symmetric positive-definite,
     Kronecker factors orthogonal with positive eigenvalues, the length held to what the largest metric
@@ -80,7 +81,7 @@ def _parse_metric(x, d: int):
     if not isinstance(x, (bytes, bytearray)):
         raise ValueError(f"sample: 'metric' must be the bytes of a metric of d = {d}, not {type(x).__name__}")
     try:
-        return from_bytes(x, d, refs=True)  # the clients' basis may come by reference (core.block_basis.BasisRef)
+        return from_bytes(x, d, refs=refs)
     except MetricError as exc:
         raise ValueError(f"sample: 'metric' is not a usable metric: {exc}") from None
 
