@@ -454,3 +454,5 @@ def test_a_nodes_block_directions_are_held_once_until_its_basis_is_built():
     st.metric, st.block_dirs = Diagonal(np.ones(d)), None  # the basis built (protocol.client drops the directions)
     save_state(ctx, st, d, 0)
     assert BLOCK_DIRS not in ctx.state and load_state(ctx, 1).block_dirs is None
+    # a chain that starts later (its first message: no record of its own) finds the metric the node holds
+    np.testing.assert_array_equal(load_state(ctx, 5).metric.apply(np.ones(d)), np.ones(d))

@@ -160,6 +160,13 @@ class BasisRef:
         BlockBasis.checked({**parts, "qh": np.eye(d // K, k)}, d)
         return BasisRef(parts["perm"].astype(np.int64), qa, s, float(parts["a"][0]), qsum)
 
+    def matches(self, basis) -> bool:
+        """Whether ``basis`` (a metric a client holds already: another of its chains built it) is the one this
+        refers to: the same arrays, and ``Q̂``'s column sums within :data:`QSUM_TOL`."""
+        return (isinstance(basis, BlockBasis) and basis.qh.shape[1] == self.qsum.size
+                and all(np.array_equal(getattr(basis, n), getattr(self, n)) for n in ("perm", "qa", "s"))
+                and basis.a == self.a and np.allclose(basis.qh.sum(axis=0), self.qsum, rtol=0.0, atol=self.QSUM_TOL))
+
     def resolve(self, rows: np.ndarray | None, d: int) -> BlockBasis | None:
         """The basis, from the rows of directions this client received for its ``metric-block`` report; ``None``
         where it holds none or other ones (a restarted node, another exchange: the server then sends it whole)."""

@@ -113,8 +113,11 @@ def load_state(context: Context, chain: int | None = None) -> ClientState:
     st = ClientState()
     try:
         rec = config_record(context.state, state_key(chain))
-    except KeyError:  # a chain's first message: only what the node holds for all its chains
-        _load_dirs(context, st)
+    except KeyError:  # a chain's first message: only what the node holds for all its chains (the basis another
+        _load_dirs(context, st)  # chain built, which a reference to it then finds: protocol.client)
+        node = config_record(context.state, METRIC) if METRIC in context.state else {}
+        if "dim" in node:
+            st.metric = metric_of(node["metric"], int(node["dim"]))
         return st
     d = int(rec["dim"])
     st.eta_count = int(rec.get("eta_count", 0))
@@ -145,7 +148,7 @@ def save_state(context: Context, st: ClientState, d: int, chain: int | None = No
         if val is not None:
             rec[name] = arr_to_bytes(val)
     if st.metric is not None and not _holds(context, st.metric, d):
-        context.state[METRIC] = ConfigRecord({"metric": metric_to_bytes(st.metric)})
+        context.state[METRIC] = ConfigRecord({"metric": metric_to_bytes(st.metric), "dim": d})
     if st.block_dirs is None:  # the basis built, or never to come (protocol.client): not shipped with every message
         if BLOCK_DIRS in context.state:
             del context.state[BLOCK_DIRS]

@@ -93,8 +93,8 @@ def _prepare(spec: ClientSpec, pot: LocalPotential, st: ClientState, fields: dic
         else None
     unresolved = False
     if isinstance(metric, BasisRef):  # the clients' basis by reference: Q̂ from this client's block directions
-        try:
-            metric = metric.resolve(st.block_dirs, d)
+        try:  # a basis another of this node's chains built from them already (its directions then dropped)
+            metric = st.metric if metric.matches(st.metric) else metric.resolve(st.block_dirs, d)
         except MetricError as exc:
             raise ValueError(f"sample: 'metric' is not a usable basis with this client's block directions: {exc}") \
                 from None
