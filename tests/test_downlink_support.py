@@ -78,6 +78,13 @@ def test_every_path_runs_the_same_chain_on_the_support(feedback, dither, tmp_pat
     assert not np.array_equal(every.trace, wire.trace)
     # round 0 sends w_0 in full (ef21-p) and the support once to each client: the codes after it are shorter
     assert sum(_bits_down(wire.run_dir)[1:]) < sum(_bits_down(every.run_dir)[1:])
+    # gamma = auto's Lanczos sends each client its block of vectors on its own coordinates (compression.fixed's
+    # cols; the chains above are the same on every path, so its products are): counted alike on every engine, and
+    # shorter than the whole blocks, λ_max the same
+    prep = [r.summary["bits"]["preparation"]["power_iteration"] for r in (wire, every)]
+    assert prep[0] == flower.summary_data["bits"]["preparation"]["power_iteration"] == v.summary["bits"][
+        "preparation"]["power_iteration"] and prep[0]["exchanges"] > 0
+    assert prep[0]["downlink"] < prep[1]["downlink"] and wire.summary["lambda_max"] == every.summary["lambda_max"]
 
 
 def test_each_client_is_sent_the_levels_on_its_own_support_and_builds_the_servers_w_there_bit_for_bit():

@@ -258,6 +258,34 @@ def test_a_server_block_a_client_cannot_use_is_refused_by_name():
     assert np.all(np.abs(fixed.rounded(X) - X) <= 0.5 * X.max(axis=1, keepdims=True) / fixed.LEVELS)
 
 
+def test_a_block_on_a_clients_own_coordinates_reads_as_the_whole_block_there():
+    """``downlink-support = data``: each client is sent the block of vectors on its own coordinates, each row at its
+    whole row's scale (``fixed.encode``'s ``cols``), and reads there the very numbers of the whole block (0 elsewhere,
+    which its products never read), in fewer bytes; a client that names no coordinates, or other ones, refuses it by
+    name, and so does a row forged with a scale on levels that are all 0, or raw where its code is shorter."""
+    from qlsd_flwr.protocol.client import block_of
+
+    rng = np.random.default_rng(0)
+    d = 300
+    X = rng.normal(size=(5, d)) * np.where(np.arange(d) % 7 == 0, 30.0, 1.0)
+    cols = np.sort(rng.choice(d, 200, replace=False))
+    for bits in (12, 16, 32):
+        whole = fixed.decode(fixed.encode(X, bits), d)
+        buf = fixed.encode(X, bits, cols)
+        V, w = block_of(buf, d, cols)
+        assert w == bits and np.array_equal(V[:, cols], whole[:, cols]) and not np.any(np.delete(V, cols, axis=1))
+        assert len(buf) < len(fixed.encode(X, bits)) and fixed.sent_bits(X, bits, cols) == 8 * len(buf)
+        for other in (None, cols[:-1]):
+            with pytest.raises(ValueError, match="vectors"):
+                block_of(buf, d, other)
+    q = np.zeros((1, cols.size), dtype=np.int64)
+    for forged in (bytes([16 | fixed.ON]) + np.ones(1, "<f4").tobytes() + q.astype("<i2").tobytes(),
+                   fixed._raw(fixed._levels(X[:1, cols], fixed._scales(X[:1]))[:, :], fixed._scales(X[:1]),
+                              16 | fixed.ON)):
+        with pytest.raises(ValueError, match="vectors"):
+            block_of(forged, d, cols)
+
+
 def test_the_gaussian_task_with_the_identity_corrected_runs_the_correction_on_every_engine(tmp_path):
     """The vectorised engine's numba kernel runs the paper's step only: with ``metric-rank`` it is not
     chosen (auto) and refused by name (asked for), so the correction is never silently dropped."""

@@ -31,6 +31,12 @@ tie), and a reader refuses the other (a raw message whose code would have been s
 raw layout), so every engine counts a message's bits as the writer's bytes (:func:`sent_bits`). A coded message's
 rows are at most ``max_rows`` (or its body's bits over 32), checked before a level is read.
 
+**On a support** (since 2026-12-07; issue 37) — tag bit :data:`ON` (``0x40``): only the coordinates ``cols`` of
+each row (a client's own, whose products read nothing else), each row at its whole row's scale, so that every
+coordinate reads back as it would in the whole row; the reader names its coordinates and gets 0 elsewhere. Its rows
+need not reach level ``L``, so a reader holds them to the writer's message of these scales and levels (a row whose
+levels are all 0 has scale 0).
+
 A row that is not finite (or beyond float32's range) travels with a NaN scale (12, 16) or NaN values (32), which
 every reader refuses: a client's failed product is refused and counted by the server on every engine alike.
 
@@ -67,6 +73,9 @@ SPREAD_16 = 1e6
 WIDTHS = (NARROW, BITS, 32)
 #: a coded message's tag is its width's with this bit set (module docstring)
 CODED = 0x80
+#: and with this one for rows on a support (:func:`encode`'s ``cols``: a client's own coordinates), each row's scale
+#: that of the whole row, so that every coordinate reads back as it would in the whole row
+ON = 0x40
 _CODED_HEAD = struct.Struct("<BI")  # tag, rows
 _LEVEL = np.dtype("<i2")
 _FLOAT = np.dtype("<f4")
@@ -90,11 +99,11 @@ def message_bits(rows: int, d: int, bits: int = BITS) -> int:
     return 8 + int(rows) * row_bits(d, bits)
 
 
-def sent_bits(X, bits: int = BITS) -> int:
-    """The bits of :func:`encode` ``(X, bits)``: what the message carrying these rows costs, coded or raw. Rows that
-    were read back (:func:`rounded`, :func:`decode`) give their own message's bytes again, so an engine that never
-    writes them counts what Flower carries."""
-    return 8 * len(encode(X, bits))
+def sent_bits(X, bits: int = BITS, cols=None) -> int:
+    """The bits of :func:`encode` ``(X, bits, cols)``: what the message carrying these rows costs, coded or raw. Rows
+    that were read back (:func:`rounded`, :func:`decode`) give their own message's bytes again, so an engine that
+    never writes them counts what Flower carries."""
+    return 8 * len(encode(X, bits, cols))
 
 
 def width_for(spread: float) -> int:
@@ -152,28 +161,38 @@ def _float32(X: np.ndarray) -> np.ndarray:
     return out
 
 
-def encode(X, bits: int = BITS) -> bytes:
-    """The rows of ``X`` (``(b, d)``, or one row) as they travel at width ``bits`` (12, 16 or 32)."""
+def encode(X, bits: int = BITS, cols=None) -> bytes:
+    """The rows of ``X`` (``(b, d)``, or one row) as they travel at width ``bits`` (12, 16 or 32); ``cols`` (sorted
+    indices): only those coordinates, each row at its whole row's scale (:data:`ON`), so that they read back as the
+    whole rows' do (a client's own support: the others' numbers never reach its products)."""
     X = np.atleast_2d(np.asarray(X, dtype=np.float64))
+    on = 0 if cols is None else ON
     if bits == 32:
-        return bytes([32]) + _float32(X).tobytes()
+        v = _float32(X)
+        return bytes([32 | on]) + (v if cols is None else np.ascontiguousarray(v[:, cols])).tobytes()
     if bits not in WIDTHS:
         raise ValueError(f"fixed-point rows: bits must be one of {WIDTHS}, got {bits}")
     s32 = _scales(X)
     q = _levels(X, s32, _top(bits))
+    if cols is not None:
+        q = np.ascontiguousarray(q[:, cols])
     s32[np.isfinite(s32) & ~np.any(q, axis=1)] = 0  # all its levels 0 (below float32's least scale): a zero row
-    raw = _raw(q, s32, bits)
-    coded = _coded(q, s32, bits)
+    return _shorter(q, s32, bits | on)
+
+
+def _shorter(q: np.ndarray, s32: np.ndarray, tag: int) -> bytes:
+    raw, coded = _raw(q, s32, tag), _coded(q, s32, tag)
     return coded if len(coded) < len(raw) else raw
 
 
-def _raw(q: np.ndarray, s32: np.ndarray, bits: int) -> bytes:
-    return bytes([bits]) + s32.tobytes() + (q.astype(_LEVEL).tobytes() if bits == BITS else _pack12(q).tobytes())
+def _raw(q: np.ndarray, s32: np.ndarray, tag: int) -> bytes:
+    packed = q.astype(_LEVEL).tobytes() if tag & ~ON == BITS else _pack12(q).tobytes()
+    return bytes([tag]) + s32.tobytes() + packed
 
 
-def _coded(q: np.ndarray, s32: np.ndarray, bits: int) -> bytes:
-    body, _ = arith.write(q.ravel(), s32.view(np.uint32), [q.shape[1]] * q.shape[0], _top(bits))
-    return _CODED_HEAD.pack(CODED | bits, q.shape[0]) + body
+def _coded(q: np.ndarray, s32: np.ndarray, tag: int) -> bytes:
+    body, _ = arith.write(q.ravel(), s32.view(np.uint32), [q.shape[1]] * q.shape[0], _top(tag & ~ON))
+    return _CODED_HEAD.pack(CODED | tag, q.shape[0]) + body
 
 
 _NARROW_TOP = _top(NARROW)  # 2,047: a level and its offset 2,048 fit in 12 bits, 0 is never written
@@ -207,20 +226,36 @@ def _unpack12(raw: np.ndarray, d: int) -> np.ndarray:
 
 
 def width_of(buf) -> int:
-    """A message's width (its tag byte, less :data:`CODED`), or ``ValueError``."""
+    """A message's width (its tag byte, less :data:`CODED` and :data:`ON`), or ``ValueError``."""
     if not isinstance(buf, (bytes, bytearray)) or len(buf) == 0 or buf[0] not in _TAGS:
-        raise ValueError(f"not a block of rows: the first byte must be one of {WIDTHS}, or {CODED:#x} with 12 or 16")
-    return int(buf[0]) & ~CODED
+        raise ValueError(f"not a block of rows: the first byte must be one of {WIDTHS}, or {CODED:#x} with 12 or 16, "
+                         f"either with {ON:#x}")
+    return int(buf[0]) & ~(CODED | ON)
 
 
 _TAGS = (*WIDTHS, CODED | NARROW, CODED | BITS)
+_TAGS = _TAGS + tuple(t | ON for t in _TAGS)
 
 
-def decode(buf, d: int, max_rows: int | None = None) -> np.ndarray:
+def decode(buf, d: int, max_rows: int | None = None, cols=None) -> np.ndarray:
     """The ``(b, d)`` float64 rows of :func:`encode`'s bytes, or ``ValueError`` saying why: not bytes, an unknown
     width, not whole rows of ``d``, more than ``max_rows`` rows, a scale or value that is not finite (or a
-    negative scale), a code that does not read, or bytes that are not the writer's message of what they hold."""
-    bits, d = width_of(buf), int(d)
+    negative scale), a code that does not read, or bytes that are not the writer's message of what they hold. Rows on
+    a support (:data:`ON`) are read where the reader names its own, ``cols`` (sorted indices), and are 0 elsewhere."""
+    width_of(buf)
+    if not buf[0] & ON:
+        return _decode(buf, int(d), max_rows)
+    if cols is None:
+        raise ValueError("rows on a support the reader did not name (it reads every coordinate)")
+    cols = np.asarray(cols)
+    part = _decode(buf, int(cols.size), max_rows)
+    out = np.zeros((part.shape[0], int(d)))
+    out[:, cols] = part
+    return out
+
+
+def _decode(buf, d: int, max_rows: int | None) -> np.ndarray:
+    bits = width_of(buf)
     if buf[0] & CODED:
         return _decode_coded(bytes(buf), d, bits, max_rows)
     size = _row_bytes(d, bits)
@@ -255,6 +290,10 @@ def _canonical(buf: bytes, q: np.ndarray, s32: np.ndarray, bits: int) -> np.ndar
     top = _top(bits)
     X = _values(q, s32, top)
     peak = np.max(np.abs(q), axis=1, initial=0)
+    if buf[0] & ON:  # each row at its whole row's scale: the writer's message of these levels and scales
+        if np.any(s32[peak == 0] != 0) or _shorter(q, s32, buf[0] & ~CODED) != buf:
+            raise ValueError("rows that are not the writer's message of the numbers they hold (one message, one code)")
+        return X
     if not np.all(((peak == top) & (s32 > 0)) | ((peak == 0) & (s32 == 0))):
         if encode(X, bits) != buf:
             raise ValueError("rows that are not the writer's message of the numbers they hold (one message, one code)")

@@ -72,7 +72,8 @@ def run_local(cfg: RunConfig, task: Task | None = None, write: bool = True,
         raise ValueError("resume needs the protocol path (wire=True)")
     prep = None if resuming else precondition.prepare(  # resume: θ*, M and γ are in the checkpoint
         cfg, task, build.theta0_of(task), *build.direct_exchanges(cfg, task, specs, states),
-        warm=warmup_store(cfg) if write and wire else None)
+        warm=warmup_store(cfg) if write and wire else None,
+        supports=broadcast.task_supports(task) if build.support_on(cfg) else None)
     theta_star, ts_info = (None, {}) if prep is None else (prep.theta_star, prep.info)
     bound = str(cfg.raw.get("norm-bound", "auto"))
     wants = cfg.kind.at_theta_star or (cfg.kind.cv_theta_star and bound.strip().lower() != "off")

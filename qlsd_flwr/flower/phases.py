@@ -35,7 +35,7 @@ from qlsd_flwr.core.potential import declares_log_concave
 from qlsd_flwr.flower import stopping
 from qlsd_flwr.flower.records import record_fields, to_content
 from qlsd_flwr.protocol import build, precondition
-from qlsd_flwr.protocol.traffic import Traffic, as_point, count_claims
+from qlsd_flwr.protocol.traffic import Traffic, as_point, count_claims, own_cols
 from qlsd_flwr.protocol.claims import claims_over_bound
 from qlsd_flwr.robust.claims import out_of_scale, relative_gap
 from qlsd_flwr.robust.reports import MAX_BLOCK, clamped_counts
@@ -89,7 +89,7 @@ class PhaseExchanges:
                                                                                    bits),
                     n_data=[self.nodes.n_data.get(i, 1) for i in range(self.cfg.b)], warm=warm,
                     log_concave=declares_log_concave(self.task.prior) and all(
-                        self.nodes.log_concave.get(i, False) for i in self.clients()))
+                        self.nodes.log_concave.get(i, False) for i in self.clients()), supports=self._supports())
                 resync = Traffic(len(self.clients()), self.d, prep.info)
                 for bits in self._resent:  # a restarted node's θ, sent again: counted beside the rest
                     resync.add("resync", 0, bits)
@@ -105,7 +105,11 @@ class PhaseExchanges:
     def clients(self) -> list[int]:
         return [i for i in range(self.cfg.b) if i not in self.left_out]
 
-    def ask(self, grid, fields: dict, timeout: float, clients: list[int]) -> dict[int, bytes]:
+    def _supports(self) -> list | None:
+        """The clients' declared supports from their handshakes, under ``downlink-support = data`` (else ``None``)."""
+        return self.nodes.supports(self.cfg.b) if build.support_on(self.cfg) else None
+
+    def ask(self, grid, fields: dict, timeout: float, clients: list[int], per: dict | None = None) -> dict[int, bytes]:
         """Send ``fields`` (with ``client = i``) to ``clients``; ``{i: payload}`` of the replies,
         each attributed to the node it came from (never to the index it claims). ``fields``' θ goes to a client
         only where it is not the point that client holds (:meth:`_at_point`); a client that answers ``resync`` (it
@@ -114,8 +118,8 @@ class PhaseExchanges:
         point = _point_of(fields)
         for _ in range(2):
             stopping.check()  # a stop asked for meanwhile (flwr stop, SIGTERM, Ctrl-C) ends the preparation here
-            msgs = [Message(to_content({**self._at_point(fields, point, i), "client": i}, self.settings[i]),
-                            self.nodes.node_of[i], MessageType.TRAIN) for i in clients]
+            msgs = [Message(to_content({**self._at_point(fields, point, i), **(per or {}).get(i, {}), "client": i},
+                                       self.settings[i]), self.nodes.node_of[i], MessageType.TRAIN) for i in clients]
             client_of = {self.nodes.node_of[i]: i for i in clients}
             lost = []
             for msg in grid.send_and_receive(msgs, timeout=timeout):
@@ -131,7 +135,8 @@ class PhaseExchanges:
                 break
             for i in lost:  # asked again with θ, and counted (the preparation's kind "resync")
                 self._points.pop(i, None)
-                self._resent.append(8 * (np.asarray(fields["theta"]).nbytes + len(fields.get("vectors", b""))))
+                vec = (per or {}).get(i, fields).get("vectors", b"")
+                self._resent.append(8 * (np.asarray(fields["theta"]).nbytes + len(vec)))
             clients = lost
         return out
 
@@ -224,9 +229,12 @@ class PhaseExchanges:
         with the rows of ``vectors``, sent at width ``bits``: :mod:`qlsd_flwr.compression.fixed`), as received:
         :func:`qlsd_flwr.protocol.precondition.prepare` validates each."""
         fields = {"phase": "curvature", "round": -1, "theta": as_point(theta), "kind": kind}
-        if vectors is not None:
+        own = own_cols(self._supports()) if kind == "hvp" else None  # each client's block on its own coordinates
+        if vectors is not None and own is None:
             fields["vectors"] = fixed.encode(vectors, bits)
-        got = self.ask(grid, fields, timeout, self.clients())
+        per = None if vectors is None or own is None else \
+            {i: {"vectors": fixed.encode(vectors, bits, own[i])} for i in self.clients()}
+        got = self.ask(grid, fields, timeout, self.clients(), per)
         rows = MAX_BLOCK if vectors is None else np.atleast_2d(vectors).shape[0]
         return {i: (_products(b, theta.size, bits, rows) if kind == "hvp" else report_of(b, kind))
                 for i, b in got.items()}

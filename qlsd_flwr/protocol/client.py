@@ -73,8 +73,9 @@ def _prepare(spec: ClientSpec, pot: LocalPotential, st: ClientState, fields: dic
             reply = {"client": i, "status": "ok", "payload": report_bytes(local_block(pot, theta, V))}
             st.block_dirs = V  # compression-basis = block: its basis may then come by reference (BasisRef)
             return theta, reply
-        if kind == "hvp":  # the products at the width the block came in (compression.fixed)
-            V, bits = block_of(fields.get("vectors"), d)
+        if kind == "hvp":  # the products at the width the block came in (compression.fixed), the block on this
+            own = None if spec.prior_weight > 0 else declared_support(pot, d)  # client's own support where sent so
+            V, bits = block_of(fields.get("vectors"), d, None if own is None else np.flatnonzero(own))
             return theta, {"client": i, "status": "ok", "payload": fixed.encode(local_hvp(pot, theta, V, bits), bits)}
         h = local_curvature(pot, theta, kind, seed, i)
         return theta, {"client": i, "status": "ok", "payload": report_bytes(h)}
@@ -254,12 +255,13 @@ def _refreshed(spec: ClientSpec, pot: LocalPotential, fields: dict, theta: np.nd
     return out
 
 
-def block_of(x, d: int) -> tuple[np.ndarray, int]:
+def block_of(x, d: int, cols=None) -> tuple[np.ndarray, int]:
     """The server's block of vectors (``metric-rank``, the power iteration) as ``(b, d)`` and its width: rows of
-    :mod:`qlsd_flwr.compression.fixed`, at most :data:`~qlsd_flwr.robust.reports.MAX_BLOCK` of them, else
+    :mod:`qlsd_flwr.compression.fixed`, at most :data:`~qlsd_flwr.robust.reports.MAX_BLOCK` of them, on this client's
+    own coordinates ``cols`` where the server sent them so (0 elsewhere, which its products never read), else
     ``ValueError`` naming the field and saying why."""
     try:
-        return fixed.decode(x, d, MAX_BLOCK), fixed.width_of(x)
+        return fixed.decode(x, d, MAX_BLOCK, cols), fixed.width_of(x)
     except ValueError as exc:
         raise ValueError(f"curvature: 'vectors' is not a block the client can use: {exc}") from None
 

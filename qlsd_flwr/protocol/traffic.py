@@ -49,8 +49,9 @@ class Traffic:
     the whole preparation cost (``prep_seconds`` in the facts: the time from the first exchange to the summary,
     the server's own work included): the progress of a preparation that may take minutes."""
 
-    def __init__(self, b: int, d: int, info: dict, say=None):
+    def __init__(self, b: int, d: int, info: dict, say=None, supports=None):
         self.b, self.d, self.info, self.say = int(b), int(d), info, say
+        self.cols = own_cols(supports)  # each client's own coordinates, which its blocks of vectors carry (or None)
         self.phase = "descent"
         self.precision = 64  # bits a number of a gradient exchange, both ways (:func:`precision`)
         info.setdefault("prep_bits", {})
@@ -58,6 +59,13 @@ class Traffic:
         self._run = None  # [kind, exchanges, uplink, downlink, start] of the exchanges since the kind last changed
         self._start = None  # when the first exchange was asked
         self._totals()
+
+    def rows_bits(self, vectors, bits: int) -> int:
+        """The bits of a block of vectors sent to every client at width ``bits``: each on its own coordinates where
+        the clients' supports are known (:func:`own_cols`)."""
+        if self.cols is None:
+            return fixed.sent_bits(vectors, bits) * self.b
+        return sum(fixed.sent_bits(vectors, bits, c) for c in self.cols)
 
     def theta_bits(self, theta, width: int, kind: str) -> int:
         """The bits of the point ``theta`` (the values the clients read) sent at ``width`` bits a number to one
@@ -211,8 +219,7 @@ def counted(grad_fn, curv_fn, traffic: Traffic):
         up = sum(8 * len(h) if isinstance(h, (bytes, bytearray)) else fixed.sent_bits(np.reshape(h, (-1, d)), bits)
                  for h in reports.values())
         kind = "power_iteration" if traffic.phase == "power_iteration" else "products"
-        sent = traffic.theta_bits(th, point_bits(th), kind) + fixed.sent_bits(vectors, bits)
-        traffic.add(kind, up, sent * b)
+        traffic.add(kind, up, traffic.theta_bits(th, point_bits(th), kind) * b + traffic.rows_bits(vectors, bits))
         return reports
 
     if grad_fn is not None:
@@ -225,6 +232,16 @@ def counted(grad_fn, curv_fn, traffic: Traffic):
 
         grad.clients, grad.combine, grad.n_data, grad.kept = clients, grad_fn.combine, grad_fn.n_data, grad_fn.kept
     return (None if grad_fn is None else grad), (None if curv_fn is None else curv)
+
+
+def own_cols(supports) -> list | None:
+    """Each client's own coordinates (sorted indices; ``None``: every one) from their declared supports (boolean masks,
+    ``None`` each: every coordinate), where the Hessian-vector exchanges send each client its block on them
+    (``downlink-support = data``; :func:`qlsd_flwr.compression.fixed.encode`'s ``cols``); ``None`` where none is
+    known."""
+    if supports is None or all(m is None for m in supports):
+        return None
+    return [None if m is None else np.flatnonzero(m) for m in supports]
 
 
 def count_claims(info: dict, b: int, d: int) -> None:

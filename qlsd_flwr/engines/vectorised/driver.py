@@ -11,7 +11,7 @@ import numpy as np
 from qlsd_flwr.config import ConfigError, RunConfig, check_memory
 from qlsd_flwr.errors import CheckpointError
 from qlsd_flwr.protocol.downlink import SamplingDownlink
-from qlsd_flwr.protocol import metric_sent
+from qlsd_flwr.protocol import broadcast, metric_sent
 from qlsd_flwr.tasks.threads import pin_blas
 from qlsd_flwr.protocol import precondition
 from qlsd_flwr.core.metric import Identity
@@ -262,7 +262,8 @@ def _parts(cfg: RunConfig, task: Task, write: bool = True):
     blocks = build.blocks_for(cfg, task)
     specs = [build.client_spec(cfg, i, task.clients[i].n_data, d, task.prior, blocks) for i in range(cfg.b)]
     prep = precondition.prepare(cfg, task, build.theta0_of(task), *build.direct_exchanges(cfg, task, specs),
-                                warm=warmup_store(cfg) if write else None)
+                                warm=warmup_store(cfg) if write else None,
+                                supports=broadcast.task_supports(task) if build.support_on(cfg) else None)
     spec = build.server_spec(precondition.apply(cfg, prep), task, prep.theta_star, blocks, prep.metric)
     return specs, spec, prep.theta_star, prep.info, prep.theta0, prep
 
