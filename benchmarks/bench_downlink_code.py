@@ -55,14 +55,14 @@ def main(argv=None):
     rounds = small(a.rounds, 20)
     cfg = resolve({**QLSD_MAIN, **over, "engine": "local", "num-chains": 1, "num-rounds": rounds, "burn-in": 0,
                    "progress": False, "plot": False})
-    sent = []  # (round, code) of every coded broadcast
-    real = dl.Downlink.send
+    sent = []  # (round, code) of every coded broadcast: the union's code (each client is sent its own part of it)
+    real = dl.Downlink.step
 
     def send(self, theta, w, seed, k):
         held["support"] = self.support  # downlink-support = data: the coordinates the codes carry (None: all)
         got = real(self, theta, w, seed, k)
         if got[1] is not None:
-            sent.append((k, got[1]))
+            sent.append((k, self.compressor.encode(got[1])))
         return got
 
     held = {}
@@ -81,12 +81,12 @@ def main(argv=None):
         held["diag"] = got.metric.diagonal(args[1].dim)
         return got
 
-    dl.Downlink.send, precondition.prepare, QSGD.quantise = send, prepared, quantised
+    dl.Downlink.step, precondition.prepare, QSGD.quantise = send, prepared, quantised
     t0 = time.perf_counter()
     try:
         run_local(cfg, write=False, progress=False)
     finally:
-        dl.Downlink.send, precondition.prepare, QSGD.quantise = real, prepare, quantise
+        dl.Downlink.step, precondition.prepare, QSGD.quantise = real, prepare, quantise
     s = int(cfg.get("downlink-s"))
     late = [code for k, code in sent if k > rounds // 2]
     broadcast, elias = dl.broadcast_code(s), QSGD(s)

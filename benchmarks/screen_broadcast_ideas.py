@@ -21,7 +21,8 @@ backend, the Ray engine's chains) with the broadcast's rule patched here:
 * ``--idea client-support`` (since ``downlink-support = data`` is built): the chain unchanged, the bits it would
   take to send each client only the levels on its *own* support (of the union's code: the same norm, ``α`` and
   dither, so every client still builds the server's ``w`` where its gradient reads it). Printed at the end beside
-  what the union's code sends; the package does not do it.
+  what the union's code sends. The package does it since 2026-12-07 (``Downlink.code_for``); every idea here sends
+  each client the whole code, as when these screens ran.
 """
 
 from __future__ import annotations
@@ -45,9 +46,9 @@ TALLY = [0, 0]
 
 
 def _scaled_code(rule: D.Downlink, x: np.ndarray, seed: int, k: int):
-    """``(α C(x), code)``: the package's own coding of ``x`` (:meth:`Downlink.send` from ``w = 0``), ``α`` for
+    """``(α C(x), levels)``: the package's own coding of ``x`` (:meth:`Downlink.step` from ``w = 0``), ``α`` for
     ``x``'s length."""
-    return D.Downlink.send(rule, x, np.zeros_like(x), seed, k)
+    return D.Downlink.step(rule, x, np.zeros_like(x), seed, k)
 
 
 class SupportDownlink(D.Downlink):
@@ -55,14 +56,14 @@ class SupportDownlink(D.Downlink):
 
     live: np.ndarray
 
-    def send(self, theta, w, seed, k):
+    def step(self, theta, w, seed, k):
         if w is None:
             return theta.copy(), None
         L = self.live
-        step, code = _scaled_code(self, (theta - w)[L], seed, k)
+        step, q = _scaled_code(self, (theta - w)[L], seed, k)
         out = theta.copy()
         out[L] = w[L] + step
-        return out, code
+        return out, q
 
 
 class BasisDownlink(D.Downlink):
@@ -70,11 +71,11 @@ class BasisDownlink(D.Downlink):
 
     basis: object
 
-    def send(self, theta, w, seed, k):
+    def step(self, theta, w, seed, k):
         if w is None:
             return theta.copy(), None
-        step, code = _scaled_code(self, self.basis.apply_inv(theta - w), seed, k)
-        return w + self.basis.apply_root(step), code
+        step, q = _scaled_code(self, self.basis.apply_inv(theta - w), seed, k)
+        return w + self.basis.apply_root(step), q
 
 
 def _recording(compressor, positions):
@@ -104,6 +105,7 @@ def patch(idea: str) -> None:
         if not self.down.on:
             return
         r = self.down.rule
+        self.down.own = [None] * cfg.b  # every client sent the whole code, as when these screens ran (2026-12-06)
         if idea == "client-support":
             from qlsd_flwr.core.potential import declared_support
 
