@@ -2,8 +2,8 @@
 the sampler refactor (issue 36) and compared by ``tests/test_equivalence.py``: a refactor changes no
 chain.
 
-``python tests/golden.py record`` rewrites ``tests/data/golden_chains.npz`` (only when a change of the
-chain is intended, and said so in the commit); ``python tests/golden.py compare`` prints, cell by cell,
+``python tests/golden.py record [CELL ...]`` rewrites ``tests/data/golden_chains.npz``, or only the cells named
+(only when a change of the chain is intended, and said so in the commit); ``python tests/golden.py compare`` prints, cell by cell,
 whether today's code gives the recorded draws bit for bit (the test allows a last-bit tolerance, so it
 does not depend on the machine's libm).
 
@@ -91,13 +91,24 @@ def run_cell(engine: str, over: dict, tmp: Path) -> np.ndarray:
     return np.moveaxis(np.asarray(strat.trace), 1, 0)  # (rounds, chains, d) -> (chains, rounds, d)
 
 
-def record() -> None:
+def record(names: list[str] | None = None) -> None:
+    """Record every cell, or only ``names`` (the cells whose chain a change moved on purpose; the others keep the
+    draws recorded before), printing how far each named cell moved."""
     import tempfile
 
+    old = dict(np.load(PATH)) if names and PATH.exists() else {}
+    unknown = sorted(set(names or []) - {c[0] for c in cells()})
+    if unknown:
+        sys.exit(f"golden.py record: no cell named {', '.join(unknown)}")
     with tempfile.TemporaryDirectory() as tmp:
-        arrays = {name: run_cell(engine, over, Path(tmp)) for name, engine, over in cells()}
+        arrays = {name: run_cell(engine, over, Path(tmp)) for name, engine, over in cells()
+                  if not names or name in names}
+    for name in names or []:
+        if name in old and old[name].shape == arrays[name].shape:
+            move = float(np.max(np.abs(arrays[name] - old[name])) / np.max(np.abs(old[name])))
+            print(f"{name}: moved by {move:.3g} of its largest draw")
     PATH.parent.mkdir(exist_ok=True)
-    np.savez_compressed(PATH, **arrays)
+    np.savez_compressed(PATH, **{**old, **arrays})
     print(f"recorded {len(arrays)} cells in {PATH}")
 
 
@@ -118,9 +129,9 @@ def compare() -> int:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    if sys.argv[1:] == ["record"]:
-        record()
+    if sys.argv[1:2] == ["record"]:
+        record(sys.argv[2:])
     elif sys.argv[1:] == ["compare"]:
         sys.exit(compare())
     else:
-        sys.exit("usage: python tests/golden.py record|compare")
+        sys.exit("usage: python tests/golden.py record [CELL ...] | compare")

@@ -196,3 +196,25 @@ def test_a_client_without_the_directions_answers_resync_with_its_state_unchanged
               "metric": ref.to_bytes()}
     theta, reply = _prepare(spec, None, st, fields, d)
     assert reply == {"client": 0, "status": "resync"} and st.metric is None
+
+
+def test_an_identity_layout_travels_as_no_permutation_and_any_other_whole():
+    # issue 37: a softmax regression's layout is the identity (θ is its (F̃, K) matrix): the basis and its reference
+    # leave it out, 8 d bytes fewer a client, and read back as the identity; another permutation travels whole
+    from qlsd_flwr.core.block_basis import BasisRef
+
+    blk = _blocked()
+    d = blk.kron.perm.size
+    ident = Blocked(Kron(np.arange(d), blk.kron.qg, blk.kron.qa, blk.kron.den), blk.qh, blk.v, blk.t)
+    for b in (BlockBasis.of(blk), BlockBasis.of(ident)):
+        for x in (b, BasisRef.of(b)):
+            back = from_bytes(x.to_bytes(), d, refs=True)
+            assert np.array_equal(back.perm, b.perm) and back.perm.dtype == np.int64
+    shown, hidden = BlockBasis.of(blk), BlockBasis.of(ident)
+    assert len(shown.to_bytes()) - len(hidden.to_bytes()) == 8 * d
+    assert len(BasisRef.of(shown).to_bytes()) - len(BasisRef.of(hidden).to_bytes()) == 8 * d
+    from qlsd_flwr.core.metric import encode
+
+    for bad in (np.arange(d - 1.0), np.zeros(d)):  # neither none nor a permutation of 0..d−1: refused by name
+        with pytest.raises(MetricError, match="permutation"):
+            from_bytes(encode(BlockBasis.code, {**hidden.arrays(), "perm": bad}), d)

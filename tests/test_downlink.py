@@ -304,6 +304,31 @@ def test_hostile_downlink_bytes_at_a_client_change_nothing(bad, words):
     assert np.array_equal(st.w, w1) and st.w_round == 1
 
 
+def test_round_0_is_a_code_from_zero_which_every_client_holds(tmp_path):
+    """Under ``ef21-p`` every chain's memory starts at ``w_{−1} = 0`` (core.downlink): round 0 sends each client a
+    code, not θ_0 in full, and the client builds the server's ``w_0`` from it bit for bit; a client that first hears
+    of a chain past round 0 cannot, and asks for ``w`` in full."""
+    from qlsd_flwr.protocol.client import handle
+
+    _, task, spec, st = _client()
+    theta0 = np.array([3.0, -1.0, 0.5, 2.0, -4.0])
+    w0, code = spec.downlink.send(theta0, None, 0, 0)
+    assert code is not None and 8 * len(code) < 64 * 5 and not np.array_equal(w0, theta0)
+    first = {"phase": "sample", "round": 0, "client": 0, "theta_code": code, "anchor_version": 1, "eta_count": 0,
+             "anchor_is_theta": 1}
+    assert handle(spec, task.clients[0], st, 0, first, 5)["status"] == "ok"
+    assert st.w_round == 0 and np.array_equal(st.w, w0) and np.array_equal(st.anchor, w0)
+    _, _, _, fresh = _client()
+    late = {**first, "round": 2, "theta_code": spec.downlink.send(theta0, w0, 0, 2)[1]}
+    assert handle(spec, task.clients[0], fresh, 0, late, 5)["status"] == "resync" and fresh.w is None
+    # on the wire: round 0's message to each active client is a code, far below θ in full
+    run = run_local(resolve({**BASE, "output-dir": str(tmp_path)}), keep_trace=True)
+    with open(run.run_dir / "metrics.csv", newline="") as f:
+        row0 = next(csv.DictReader(f))
+    d = run.summary["d"]
+    assert int(row0["n_active"]) > 0 and int(float(row0["bits_down"])) < 64 * d * int(row0["n_active"]) / 2  # d = 5
+
+
 def test_a_code_without_downlink_settings_is_refused():
     from qlsd_flwr.core.oracles import ClientState
     from qlsd_flwr.protocol import build

@@ -21,6 +21,7 @@ so the broadcast codes only the union of the clients' supports (each potential d
 from __future__ import annotations
 
 import csv
+import json
 
 import numpy as np
 import pytest
@@ -223,3 +224,24 @@ def test_a_run_written_before_the_key_resumes_on_every_coordinate_and_a_prior_sh
     with pytest.raises(ValueError, match="'theta_support' leaves out coordinates"):
         handle(shared, task.clients[0], ClientState(), 0, msg, d)
     assert handle(spec, task.clients[0], ClientState(), 0, msg, d)["status"] == "ok"
+
+
+def test_the_preparation_sends_each_client_its_point_on_its_own_coordinates(tmp_path):
+    """Issue 37: the preparation's points (the descent's θs, θ*) go to each client on its own coordinates alone
+    (``theta_on``), on every engine alike and in fewer bits than whole; the chain is the one whole points give,
+    since nothing a client computes before sampling reads the rest."""
+    from qlsd_flwr.outputs.recorder import load_samples
+    from qlsd_flwr.run.simulate import run_inprocess
+
+    o = {**MNIST, "num-rounds": 3, "burn-in": 0, "output-dir": str(tmp_path), "metric": "diagonal", "gamma": "auto",
+         "opt-rounds": 2, "opt-accept-unconverged": True}
+    local = run_local(resolve({**o, "run-name": "local"}), keep_trace=True)
+    flwr = run_inprocess(resolve({**o, "engine": "inprocess", "run-name": "flwr"}), {**o, "engine": "inprocess"},
+                         strategy_kwargs={"keep_trace": True})
+    whole = run_local(resolve({**o, "downlink-support": "all", "run-name": "whole"}), keep_trace=True)
+    prep = local.summary["bits"]["preparation"]
+    assert json.loads((flwr.run_dir / "summary.json").read_text())["bits"]["preparation"] == prep
+    down, down_whole = (({k: v["downlink"] for k, v in r.summary["bits"]["preparation"].items()}) for r in (local, whole))
+    assert down["descent"] < 0.8 * down_whole["descent"] and down["power_iteration"] < down_whole["power_iteration"]
+    assert np.array_equal(local.trace, np.asarray(flwr.trace)) and local.summary["gamma"] == whole.summary["gamma"]
+    assert np.array_equal(load_samples(local.run_dir), load_samples(flwr.run_dir))

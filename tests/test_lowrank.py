@@ -161,10 +161,11 @@ def test_stationary_covariance_with_a_corrected_metric_is_the_discrete_lyapunov_
     # others (here base P base has 0.27 twice and 2.45: the spread stays 9, so the check is the spectrum's)
     before = np.linalg.eigvalsh(base @ P @ base)
     want = np.sort(np.r_[np.delete(before, np.argmax(np.abs(np.log(before)))), 1.0])
-    # the products and the vectors travel as 16-bit fixed point (compression.fixed): each within half a level of its
-    # row's largest entry, and a direction's product up to P's spread (9) times smaller than that entry, so the
-    # corrected eigenvalue is 1 to 9/LEVELS from the products and as much from the vectors
-    np.testing.assert_allclose(np.sort(lam), want, rtol=2 * 9 / fixed.LEVELS)
+    # the products and the vectors travel as fixed point (compression.fixed; 12 bits at this spread): each within half
+    # a level of its row's largest entry, and a direction's product up to P's spread (9) times smaller than that
+    # entry, so the corrected eigenvalue is 1 to 9/L from the products and as much from the vectors
+    assert prep.info["lowrank_bits"] == fixed.width_for(prep.metric.spread()) == 12
+    np.testing.assert_allclose(np.sort(lam), want, rtol=2 * 9 / fixed._top(12))
     assert prep.info["lowrank_rank"] == 1
     rho = 1.0 - cv.GAMMA_AUTO_C * lam.min() / lam.max()
     C, K = 2000, int(np.ceil(np.log(1e-5) / (2 * np.log(rho))))
@@ -193,10 +194,12 @@ def test_engines_agree_bit_for_bit_with_a_corrected_kronecker_metric_and_resume_
     s = a.summary
     assert s["gamma"] == b.summary["gamma"] and s["lowrank_rank"] == 6 and s["metric"]["lowrank"]["rank"] == 6
     assert s["lowrank_kappa_left"] < s["lowrank_kappa_before"]
-    # the preparation's traffic is recorded: the products' 16-bit blocks from every client, and more
-    q, blk = s["lowrank_exchanges"], s["lowrank_block"]
-    assert s["prep_exchanges"] > q and s["bits"]["preparation"]["products"]["uplink"] == q * fixed.message_bits(blk, 62) * 4
-    assert s["prep_uplink_bits"] > q * fixed.message_bits(blk, 62) * 4
+    # the preparation's traffic is recorded: the products' blocks from every client (12-bit rows at this spread), and
+    # more
+    q, blk, w = s["lowrank_exchanges"], s["lowrank_block"], s["lowrank_bits"]
+    assert w == fixed.width_for(s["metric_spread"]) == 12
+    assert s["prep_exchanges"] > q and s["bits"]["preparation"]["products"]["uplink"] == q * fixed.message_bits(blk, 62, w) * 4
+    assert s["prep_uplink_bits"] > q * fixed.message_bits(blk, 62, w) * 4
     plain = run({**base, "engine": "vectorised", "metric-rank": 0, "run-name": "plain"})
     assert plain.summary["gamma"] < s["gamma"]  # the corrected metric allows a larger step
     one = run({**base, "engine": "local", "num-chains": 1, "run-name": "c"})
@@ -319,12 +322,12 @@ def test_a_curvature_that_is_not_positive_definite_leaves_the_metric_uncorrected
 
 @pytest.mark.parametrize("cond", [1e3, 1e10])
 def test_gamma_auto_sees_every_coordinate_whatever_the_metric_s_spread(cond, monkeypatch):
-    """The power iteration's row and products travel as 16-bit rows where the metric's scales span at most
-    ``fixed.SPREAD_16``, float32 beyond (``curvature_exchange.products_in``): with a diagonal metric whose scales span
+    """The power iteration's row and products travel as 12-bit rows where the metric's scales span at most
+    ``fixed.SPREAD_12``, 16-bit ones up to ``fixed.SPREAD_16``, float32 beyond (``curvature_exchange.products_in``): with a diagonal metric whose scales span
     1e10, 16-bit rows (each entry rounded against its row's largest) lost the stiff coordinates and read λ_max 3×
     too small, so γ 3× too large. γ must be c/λ_max of the metric it is for, within the iteration's stop rule (5 %),
-    and never above it by more than the rows' rounding (``fixed.quotient_bound``: at 16 bits ``(1 + b) √(spread d)/2L``
-    for ``b`` clients)."""
+    and never above it by more than the rows' rounding (``fixed.quotient_bound``: ``(1 + b) √(spread d)/2L`` for ``b``
+    clients)."""
     task = ill_conditioned_task(d=6, cond=cond)
     P = sum(c.A for c in task.clients)
     cfg = resolve({"variant": "qlsd", "compressor": "identity", "num-clients": task.b, "dim": task.dim,
@@ -335,7 +338,8 @@ def test_gamma_auto_sees_every_coordinate_whatever_the_metric_s_spread(cond, mon
     lam = np.linalg.eigvalsh(L.T @ P @ L).max()
     spread = prep.metric.spread()
     assert spread >= 0.1 * cond
-    bits = 16 if spread <= fixed.SPREAD_16 else 32
+    bits = 12 if spread <= fixed.SPREAD_12 else 16 if spread <= fixed.SPREAD_16 else 32
+    assert bits == fixed.width_for(spread)
     power = prep.info["prep_bits"]["power_iteration"]
     assert power["uplink"] == power["exchanges"] * task.b * fixed.message_bits(1, task.dim, bits)
     over = fixed.quotient_bound(spread, task.dim, bits, task.b)

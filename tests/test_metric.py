@@ -297,7 +297,8 @@ def _curvature_mod(kind: str, report: str | None = None):
                 "nan": lambda: fixed.encode(np.full_like(h, np.nan), bits),
                 "negative": lambda: fixed.encode(-h - 1.0, bits), "huge": lambda: fixed.encode(h * 1e12 + 1e12, bits),
                 "short": lambda: fixed.encode(h, bits)[:-2],
-                "narrow": lambda: fixed.encode(h, fixed.NARROW)}[kind]()  # a width the request did not name
+                # a width the request did not name
+                "narrow": lambda: fixed.encode(h, fixed.BITS if bits == fixed.NARROW else fixed.NARROW)}[kind]()
             out.content[RECORD] = ConfigRecord(rec)
             return out
         if fields.get("kind") == "kronecker-block":  # metric-block's blocks travel as square roots (compression.root)
@@ -504,8 +505,18 @@ def test_a_kfac_report_claiming_another_layer_is_refused_before_its_g_is_built(m
 def test_kronecker_reports_are_checked_and_a_foreign_layout_is_refused():
     d, F, K = 6, 3, 2
     G, A = np.eye(F), np.eye(K) * 0.2
-    good = cv.kron_report(G, A, np.arange(d))
+    lay = np.array([1, 0, 2, 3, 4, 5])  # a layout that is not the identity: its perm travels
+    good = cv.kron_report(G, A, lay)
     assert cv.check_report(good, "kronecker", d)["G"].shape == (F, F)
+    # the identity layout travels without its perm (−K in the head), d float32 numbers fewer, and reads as sent
+    ident = cv.kron_report(G, A, np.arange(d))
+    assert len(good) - len(ident) == 4 * d and np.frombuffer(ident, "<f4", count=2)[1] == -K
+    got = cv.check_report(ident, "kronecker", d)
+    assert np.array_equal(got["perm"], np.arange(d)) and np.array_equal(got["G"], cv.check_report(good, "kronecker", d)["G"])
+    shown = np.concatenate([[F, K], A.ravel(), np.arange(d)]).astype("<f4").tobytes() + ident[4 * (2 + K * K):]
+    assert cv.kron_layout(ident, d) == cv.kron_layout(shown, d)  # the same vote as the identity perm sent
+    with pytest.raises(ReportError, match="expected at least"):
+        cv.check_report(ident[:4 * (2 + K * K) - 1], "kronecker", d)
     head = np.frombuffer(good, dtype="<f4", count=2 + K * K + d).copy()
 
     def with_head(h):
@@ -525,7 +536,7 @@ def test_kronecker_reports_are_checked_and_a_foreign_layout_is_refused():
     assert np.array_equal(cv.check_report(cv.kron_report(-G, A, np.arange(d)), "kronecker", d)["G"], np.zeros((F, F)))
     reps = {i: cv.check_report(good, "kronecker", d) for i in range(3)}
     other = head.copy()
-    other[-d:] = np.arange(d)[::-1]
+    other[-d:] = np.arange(d)[::-1]  # another layout: refused, as the identity one would be here
     reps[3] = cv.check_report(with_head(other), "kronecker", d)
     _, info = cv.metric_from_kronecker(reps, np.full(4, 10), np.full(d, 1.0), d)
     assert list(info["curvature_rejected"]) == ["3"]

@@ -13,6 +13,7 @@ from qlsd_flwr.config import ConfigError, resolve
 from qlsd_flwr.core import curvature as cv
 from qlsd_flwr.core import kron_block as kb
 from qlsd_flwr.outputs.recorder import load_samples
+from qlsd_flwr.protocol.curvature_exchange import BLOCK_ROWS
 from qlsd_flwr.robust.reports import FACTOR_SHARE
 from qlsd_flwr.run.simulate import run
 from stop_resume import stopped_and_resumed
@@ -34,10 +35,10 @@ def _digits(theta_scale=0.05):
 
 def _with_block(task, theta, kfac, prior, k, T=None):
     """The corrected metric from the clients' blocks for the directions ``Q_k`` (times ``T``: another basis of
-    the same span), sent as the exchange sends them, in float32 rows."""
+    the same span), sent as the exchange sends them, in 16-bit rows (curvature_exchange.BLOCK_ROWS)."""
     F = kfac.kron.den.shape[0]
     Q = kfac.kron.qg[:, F - k:] if T is None else kfac.kron.qg[:, F - k:] @ T
-    V = fixed.rounded(kb.pack(Q, task.dim), 32)
+    V = fixed.rounded(kb.pack(Q, task.dim), BLOCK_ROWS)
     K = kfac.kron.den.shape[1]
     reports = {i: kb.check_block(kb.local_block(c, theta, V), k * K) for i, c in enumerate(task.clients)}
     info: dict = {}
@@ -47,9 +48,11 @@ def _with_block(task, theta, kfac, prior, k, T=None):
 def test_the_block_makes_the_metric_the_exact_curvature_on_its_directions_and_k_equal_to_the_inputs_is_the_hessian():
     """On ``S = span(Q_k) ⊗ R^K`` the metric's inverse is the Hessian's restriction (``M`` is ``H_S^{−1}`` there and
     K-FAC elsewhere), and with every input direction it is ``∇²U``'s inverse: the whitened curvature is ``I``
-    (the directions in float32 and the blocks as 16-bit square roots, as they travel: each entry of a client's root
-    within ``R_ff/2L`` makes each entry of ``Σ B_i`` within ``Σ tr B_i / L``, 6e-3 of ``H``'s largest here; measured
-    2.1e-5, and the whitened curvature within 4.4e-4 of 1, so the tolerances are 1e-4 and 2e-3)."""
+    (the directions in 16-bit rows and the blocks as 12-bit square roots, as they travel: each entry of a client's root
+    within ``R_ff/2L`` makes each entry of ``Σ B_i`` within ``Σ tr B_i / L``, 0.1 of ``H``'s largest here at 12 bits'
+    ``L``; measured 4.1e-4, and the whitened curvature within 1e-2 of 1, so the tolerances are 1.6e-3 and 3.2e-2:
+    16 times those of 16-bit roots, which measured 2.1e-5 and 4.4e-4). The block is exact on the directions as sent,
+    whatever their rounding: both ends take ``Q̂`` from the same rows."""
     task, theta, kfac, H, prior = _digits()
     F, K = kfac.kron.den.shape
     d = task.dim
@@ -57,15 +60,15 @@ def test_the_block_makes_the_metric_the_exact_curvature_on_its_directions_and_k_
     full, info = _with_block(task, theta, kfac, prior, F)
     assert info["block_dim"] == d and info["block_scaled"] == []
     Mi = Minv_dense(full)
-    assert np.max(np.abs(Mi - H)) <= 1e-4 * np.max(np.abs(H))
+    assert np.max(np.abs(Mi - H)) <= 16e-4 * np.max(np.abs(H))
     R = np.stack([full.apply_root(e) for e in np.eye(d)], axis=1)
     w = np.linalg.eigvalsh(R.T @ H @ R)
-    assert abs(w[0] - 1) < 2e-3 and abs(w[-1] - 1) < 2e-3
+    assert abs(w[0] - 1) < 32e-3 and abs(w[-1] - 1) < 32e-3
     k = 12
     part, info = _with_block(task, theta, kfac, prior, k)
     P = kb.directions(kfac.kron, kfac.kron.qg[:, F - k:], np.eye(k * K))  # an orthonormal basis of S in θ's order
     Mi = Minv_dense(part)
-    assert np.max(np.abs(P.T @ Mi @ P - P.T @ H @ P)) <= 1e-4 * np.max(np.abs(H))
+    assert np.max(np.abs(P.T @ Mi @ P - P.T @ H @ P)) <= 16e-4 * np.max(np.abs(H))
     # off S it is K-FAC's: a direction orthogonal to S (an eigenvector of K-FAC outside it) keeps K-FAC's curvature
     e = kb.directions(kfac.kron, kfac.kron.qg[:, :1], np.eye(K))[:, 0]
     assert abs(e @ Mi @ e - e @ Minv_dense(kfac) @ e) <= 1e-6 * abs(e @ Minv_dense(kfac) @ e)
@@ -80,8 +83,9 @@ def test_the_block_makes_the_metric_the_exact_curvature_on_its_directions_and_k_
     T = np.triu(np.random.default_rng(2).uniform(0.5, 2.0, size=(k, k)))
     other, _ = _with_block(task, theta, kfac, prior, k, T)
     x = np.random.default_rng(3).normal(size=d)
-    # (the two bases' blocks round differently as 16-bit roots: 1.1e-4 measured)
-    assert np.max(np.abs(other.apply(x) - part.apply(x))) <= 1e-3 * np.max(np.abs(part.apply(x)))
+    # (the two bases' blocks round differently as 12-bit roots, and their directions as 16-bit rows: 1.7e-3 measured,
+    # 1.1e-4 with 16-bit roots and float32 rows)
+    assert np.max(np.abs(other.apply(x) - part.apply(x))) <= 16e-3 * np.max(np.abs(part.apply(x)))
 
 
 def test_a_spike_within_the_per_datum_cap_is_held_by_the_leave_one_out_rule():
@@ -129,8 +133,8 @@ def test_engines_agree_bit_for_bit_and_the_exchange_is_counted(tmp_path):
     up = cur["uplink"] - cur0["uplink"]
     assert b_ * 8 * (9 + 4 * m + 4 * 8) <= up <= b_ * root.message_bits(8, m) < b_ * 32 * m * (m + 1) // 2
     rows = -(-8 * 31 // d)  # the 8 input directions of breast_cancer's 31 inputs (with the bias) as rows of d
-    # the directions as float32 rows; θ* not again: the clients hold it from K-FAC's report there (PhaseExchanges.ask)
-    assert cur["downlink"] - cur0["downlink"] == b_ * fixed.message_bits(rows, d, 32)
+    # the directions as 16-bit rows; θ* not again: the clients hold it from K-FAC's report there (PhaseExchanges.ask)
+    assert cur["downlink"] - cur0["downlink"] == b_ * fixed.message_bits(rows, d, BLOCK_ROWS) and BLOCK_ROWS == 16
     assert s["prep_points_held"]["curvature"] - plain.summary["prep_points_held"].get("curvature", 0) == 32 * d
     assert cur["exchanges"] == cur0["exchanges"] + 1
     assert plain.summary["lambda_max"] > s["lambda_max"]  # K-FAC made exact where it was most wrong: a larger step

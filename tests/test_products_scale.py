@@ -77,7 +77,8 @@ def test_one_client_s_products_move_gamma_auto_at_most_by_the_stated_factor(tmp_
     except DivergenceError as exc:
         assert f"the likely cause is client {client}" in str(exc), exc
     else:
-        assert 1.0 <= r.summary["gamma"] / g0 <= (N + prec) * (1 + a) / (N - Ni + prec) * 1.05
+        # (not below the honest γ but by the iteration's tolerance: 12-bit rows round the two runs' products apart)
+        assert 1.0 - 0.05 <= r.summary["gamma"] / g0 <= (N + prec) * (1 + a) / (N - Ni + prec) * 1.05
 
 
 def test_the_power_iteration_finds_the_largest_signed_eigenvalue():

@@ -45,8 +45,12 @@ client's product rounded as it would travel, the K-FAC metric corrected by ``met
 ``benchmarks/bench_lowrank_exchanges.py --bits``, RESULTS "Products as 16-bit rows"): the corrected metric's
 condition number is 9.653 with float32 rows both ways, 9.654 with 16 bits and 9.65–9.70 with 12, but **63** with
 8-bit products or blocks: the correction must resolve the bottom of the spectrum (``λ_min(B) = 0.035``, where the
-product of a direction is 100× smaller than the row's largest part), and 8 bits bury it. 16 leaves a margin of
-16× over 12 for rows with heavier tails than the main job's.
+product of a direction is 100× smaller than the row's largest part), and 8 bits bury it. **12 bits where the metric's
+scales span at most** :data:`SPREAD_12` (since 2026-12-07; issue 37): on the main job (spread 5.9e4) its 12-bit blocks
+and products, against 16-bit ones, left λ_max at 2.183 (2.182), the predictive's TV to the HMC reference 1.45× its
+halves' (1.38× at 16; seeds 1 and 2 at 16: 1.46×, 1.43×, so within the Monte Carlo spread) and the verdict MIXED, for
+6.6e7 fewer bits both ways (``benchmarks/RESULTS.md``, "The preparation at 12 and 16 bits"). Above it, 16 bits keep a
+coordinate ``√spread`` below its row's largest within ``√spread/2L`` (1.5 % at ``SPREAD_16``).
 
 Both ends round the same way (:func:`rounded` is ``decode(encode(x))`` without the bytes), so every engine, the
 direct ones included, uses the very numbers Flower carries, and the server multiplies its own part (the
@@ -70,6 +74,8 @@ LEVELS = 2 ** (BITS - 1) - 1
 NARROW = 12
 #: a metric whose scales span more than this sends the correction's blocks as float32 rows (module docstring)
 SPREAD_16 = 1e6
+#: and 12-bit rows where they span at most this (measured, module docstring)
+SPREAD_12 = 1e5
 WIDTHS = (NARROW, BITS, 32)
 #: a coded message's tag is its width's with this bit set (module docstring)
 CODED = 0x80
@@ -107,8 +113,11 @@ def sent_bits(X, bits: int = BITS, cols=None) -> int:
 
 
 def width_for(spread: float) -> int:
-    """The width of the correction's blocks, and of ``λ_max``'s products, for a metric whose scales span ``spread``."""
-    return BITS if float(spread) <= SPREAD_16 else 32
+    """The width of the preparation's blocks of vectors and products (``metric-rank``'s and ``λ_max``'s) for a metric
+    whose scales span ``spread``: 12 bits up to :data:`SPREAD_12`, 16 up to :data:`SPREAD_16`, float32 beyond (module
+    docstring; :func:`qlsd_flwr.protocol.curvature_exchange.products_in`)."""
+    spread = float(spread)
+    return NARROW if spread <= SPREAD_12 else BITS if spread <= SPREAD_16 else 32
 
 
 def _top(bits: int) -> int:

@@ -1,4 +1,4 @@
-"""How a client's positive semi-definite report travels (issue 37): as its square root in 16-bit rows.
+"""How a client's positive semi-definite report travels (issue 37): as its square root in 12- or 16-bit rows.
 
 K-FAC's input factor ``G_i = Σ_j x̃_j x̃_jᵀ`` and ``metric-block``'s ``B_i`` are the main job's largest reports (an
 upper triangle of float32 numbers: 308,505 and 500,500 a client, 5.2e8 of the preparation's 9.9e8 uplink bits). A
@@ -22,6 +22,12 @@ in :mod:`.arith`'s adaptive arithmetic code, a row a block, where that is shorte
 :mod:`.fixed` does for its rows, and a reader refuses the longer of the two (one report, one code). On the main job
 K-FAC's roots take 0.51 of their raw bits and ``metric-block``'s 0.64 (``benchmarks/bench_preparation.py``).
 
+**12 bits** (since 2026-12-07; issue 37): the clients write their roots' levels 12 bits wide (:data:`BITS`; tags
+:data:`TAG12`, :data:`CODED12`, two levels in three bytes raw), within ``R_ff/2L`` at ``L = 2047``: what 24 bits keep
+of ``S``. On the main job K-FAC's and ``metric-block``'s reports then cost 3.6e7 fewer bits (1.22e8 → 8.6e7), and the
+predictive's TV to the HMC reference stayed within its Monte Carlo spread (``benchmarks/RESULTS.md``, "The
+preparation at 12 and 16 bits"). A reader takes either width.
+
 Both ends round the same way (:func:`rounded` is ``decode(encode(S))``), so every engine uses the numbers Flower
 carries.
 """
@@ -36,13 +42,19 @@ from scipy.linalg import lapack
 from qlsd_flwr.compression import arith, fixed
 from qlsd_flwr.compression.format import DecodeError
 
-#: the first byte of a root message (``fixed``'s rows start with 16 or 32)
+#: the first byte of a root message in 16-bit levels (``fixed``'s rows start with 12, 16 or 32)
 TAG = 0x52
+#: and in 12-bit levels, two in three bytes (:func:`qlsd_flwr.compression.fixed._pack12`)
+TAG12 = 0x53
 #: :func:`factor` stops when the pivots left are below this times ``m`` times the largest diagonal entry: float32's
 #: rounding, ``2⁻²⁴`` (:func:`factor`)
 RANK_TOL = 2.0 ** -24
 #: the first byte of a coded root (module docstring)
 CODED = TAG | fixed.CODED
+CODED12 = TAG12 | fixed.CODED
+#: the width the clients write their roots at (module docstring, "12 bits"); a reader takes 12 or 16
+BITS = fixed.NARROW
+_WIDTH = {TAG: fixed.BITS, CODED: fixed.BITS, TAG12: fixed.NARROW, CODED12: fixed.NARROW}
 _HEAD = struct.Struct("<BII")  # tag, m, r
 _INDEX = np.dtype("<u4")
 _FLOAT = np.dtype("<f4")
@@ -78,79 +90,93 @@ def _mask(r: int, m: int) -> np.ndarray:
     return np.arange(m)[None, :] >= np.arange(r)[:, None]
 
 
-def encode(S) -> bytes:
-    """``S`` (``m × m``, symmetric positive semi-definite) as it travels: :data:`TAG`, ``m``, ``r``, the pivots
-    (``m`` uint32), the rows' float32 scales and their 16-bit levels from the diagonal on (module docstring).
-    A report that is not finite, or a row beyond float32's range, travels with a NaN scale, which every reader
-    refuses: a client's failed report is refused and counted by the server on every engine alike."""
+def encode(S, bits: int = BITS) -> bytes:
+    """``S`` (``m × m``, symmetric positive semi-definite) as it travels: its tag (:data:`TAG12` or :data:`TAG`, or
+    coded), ``m``, ``r``, the pivots (``m`` uint32), the rows' float32 scales and their ``bits``-wide levels (12 or
+    16) from the diagonal on (module docstring). A report that is not finite, or a row beyond float32's range,
+    travels with a NaN scale, which every reader refuses: a client's failed report is refused and counted by the
+    server on every engine alike."""
+    if bits not in (fixed.NARROW, fixed.BITS):
+        raise ValueError(f"a root's levels are 12 or 16 bits wide, not {bits}")
+    tag = TAG12 if bits == fixed.NARROW else TAG
     S = np.asarray(S, dtype=np.float64)
     if not np.all(np.isfinite(S)):
         m = S.shape[0]
-        return (_HEAD.pack(TAG, m, 1) + np.arange(m, dtype=_INDEX).tobytes() + np.float32(np.nan).tobytes()
-                + np.zeros(m, dtype=_LEVEL).tobytes())
+        return _raw(tag, m, np.arange(m), np.array([np.nan], dtype=_FLOAT), np.zeros(m, dtype=np.int64))
     R, piv = factor(S)
     r, m = R.shape
+    top = fixed._top(bits)
     s32 = fixed._scales(R) if r else np.zeros(0, dtype=_FLOAT)
-    levels = fixed._levels(R, s32)[_mask(r, m)] if r else np.zeros(0, dtype=_LEVEL)
-    raw = (_HEAD.pack(TAG, m, r) + piv.astype(_INDEX).tobytes() + s32.astype(_FLOAT).tobytes()
-           + levels.astype(_LEVEL).tobytes())
-    coded = _coded(levels, s32, piv, m)
+    levels = fixed._levels(R, s32, top)[_mask(r, m)] if r else np.zeros(0, dtype=_LEVEL)
+    raw = _raw(tag, m, piv, s32, levels)
+    coded = _coded(levels, s32, piv, m, bits)
     return coded if len(coded) < len(raw) else raw
+
+
+def _raw(tag: int, m: int, piv: np.ndarray, s32: np.ndarray, levels: np.ndarray) -> bytes:
+    packed = levels.astype(_LEVEL).tobytes() if tag == TAG else fixed._pack12(levels[None, :]).tobytes()
+    return (_HEAD.pack(tag, m, s32.size) + piv.astype(_INDEX).tobytes() + s32.astype(_FLOAT).tobytes() + packed)
 
 
 def _blocks(r: int, m: int) -> list[int]:
     return [m - f for f in range(r)]  # row f from its diagonal on
 
 
-def _coded(levels: np.ndarray, s32: np.ndarray, piv: np.ndarray, m: int) -> bytes:
+def _coded(levels: np.ndarray, s32: np.ndarray, piv: np.ndarray, m: int, bits: int = fixed.BITS) -> bytes:
     r = s32.size
-    body, _ = arith.write(levels, s32.astype(_FLOAT).view(np.uint32), _blocks(r, m), fixed.LEVELS)
-    return _HEAD.pack(CODED, m, r) + piv.astype(_INDEX).tobytes() + body
+    body, _ = arith.write(levels, s32.astype(_FLOAT).view(np.uint32), _blocks(r, m), fixed._top(bits))
+    return _HEAD.pack(CODED12 if bits == fixed.NARROW else CODED, m, r) + piv.astype(_INDEX).tobytes() + body
 
 
-def message_bits(r: int, m: int) -> int:
-    """The raw layout's length of a rank-``r`` root of an ``m × m`` report: the most it costs (its coded form, sent
-    where shorter, depends on the levels)."""
-    return 8 * _HEAD.size + 32 * (m + r) + 16 * (r * m - r * (r - 1) // 2)
+def message_bits(r: int, m: int, bits: int = BITS) -> int:
+    """The raw layout's length of a rank-``r`` root of an ``m × m`` report at ``bits`` (12 or 16): the most it costs
+    (its coded form, sent where shorter, depends on the levels)."""
+    n = r * m - r * (r - 1) // 2
+    return 8 * _HEAD.size + 32 * (m + r) + (24 * -(-n // 2) if bits == fixed.NARROW else 16 * n)
 
 
 def decode(buf, m: int) -> np.ndarray:
-    """The ``(m, m)`` float64 matrix ``P RᵀR Pᵀ`` of :func:`encode`'s bytes (symmetric and positive
+    """The ``(m, m)`` float64 matrix ``P RᵀR Pᵀ`` of :func:`encode`'s bytes at either width (symmetric and positive
     semi-definite whatever they held), or ``ValueError`` saying why: not bytes, another tag or size, a length
     other than the rows', pivots that are not an ordering of ``0 … m−1``, or a scale that is negative or not
     finite."""
     if not isinstance(buf, (bytes, bytearray)) or len(buf) < _HEAD.size:
         raise ValueError("not a square-root report")
     tag, mm, r = _HEAD.unpack_from(buf)
-    if tag not in (TAG, CODED) or mm != int(m) or r > mm:
+    if tag not in _WIDTH or mm != int(m) or r > mm:
         raise ValueError(f"not a square-root report of a {m} × {m} matrix (tag {tag}, size {mm}, rank {r})")
-    m = int(m)
+    m, bits = int(m), _WIDTH[tag]
+    top = fixed._top(bits)
     n = r * m - r * (r - 1) // 2
-    raw = message_bits(r, m) // 8
-    if len(buf) != raw if tag == TAG else not _HEAD.size + 4 * m <= len(buf) < raw:
-        raise ValueError(f"expected {raw} bytes for rank {r}{'' if tag == TAG else ' raw, and fewer coded'}, got "
-                         f"{len(buf)}")
+    raw = message_bits(r, m, bits) // 8
+    if len(buf) != raw if tag in (TAG, TAG12) else not _HEAD.size + 4 * m <= len(buf) < raw:
+        raise ValueError(f"expected {raw} bytes for rank {r}{'' if tag in (TAG, TAG12) else ' raw, and fewer coded'}, "
+                         f"got {len(buf)}")
     at = _HEAD.size
     piv = np.frombuffer(buf, dtype=_INDEX, count=m, offset=at).astype(np.int64)
     if not np.array_equal(np.sort(piv), np.arange(m)):
         raise ValueError("its pivots are not an ordering of the rows")
-    if tag == CODED:
+    if tag in (CODED, CODED12):
         try:
-            s32, levels, _ = arith.decode(bytes(buf[at + 4 * m:]), n, _blocks(r, m), fixed.LEVELS)
+            s32, levels, _ = arith.decode(bytes(buf[at + 4 * m:]), n, _blocks(r, m), top)
         except DecodeError as exc:
             raise ValueError(f"coded root: {exc}") from None
     else:
         s32 = np.frombuffer(buf, dtype=_FLOAT, count=r, offset=at + 4 * m)
         if not (np.all(np.isfinite(s32)) and not np.any(np.signbit(s32))):
             raise ValueError("a row's scale is negative or not finite")
-        levels = np.frombuffer(buf, dtype=_LEVEL, count=n, offset=at + 4 * (m + r))
-        if np.any(levels == np.iinfo(_LEVEL).min):
-            raise ValueError("a 16-bit level is out of range (−32768)")
-        if len(_coded(levels, s32, piv, m)) < len(buf):
+        if tag == TAG:
+            levels = np.frombuffer(buf, dtype=_LEVEL, count=n, offset=at + 4 * (m + r))
+            if np.any(levels == np.iinfo(_LEVEL).min):
+                raise ValueError("a 16-bit level is out of range (−32768)")
+        else:
+            packed = np.frombuffer(buf, dtype=np.uint8, offset=at + 4 * (m + r))
+            levels = fixed._unpack12(packed[None, :], n)[0]
+        if len(_coded(levels, s32, piv, m, bits)) < len(buf):
             raise ValueError("a raw root whose code is shorter: the writer sends the code (one report, one code)")
     L = np.zeros((r, m), dtype=np.int64)
     L[_mask(r, m)] = levels
-    return _square(fixed._values(L, s32), piv)
+    return _square(fixed._values(L, s32, top), piv)
 
 
 def _square(R: np.ndarray, piv: np.ndarray) -> np.ndarray:

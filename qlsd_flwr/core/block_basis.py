@@ -16,11 +16,11 @@ already received for their block reports), ``Q_A`` K-FAC's ``K × K`` output fac
 column of ``P`` (``den^{−1/2}``, the quotient ``Σ_f (q̂ᵀ q_f)² den_f^{−1/2}``), and ``a = den_min^{−1/2}`` elsewhere:
 the widest scale K-FAC gives, the prior's on inputs the data never touch. Its inverse is exact,
 ``B⁻¹ = a⁻¹ (I − P Pᵀ) + P diag(1/s) Pᵀ``, and both cost two thin products. On the main job ``k K = 1,000`` numbers
-``s``, ``Q_A``'s 100, ``Q̂``'s 78,500 and the layout's permutation, 7,850, travel once to each client (87,451 float64
-numbers, 0.70 MB), unless it holds ``Q̂`` already: ``Q̂`` is the orthonormal basis (:func:`~qlsd_flwr.core.kron_block.
+``s``, ``Q_A``'s 100 and ``Q̂``'s 78,500 travel once to each client (79,601 float64 numbers, 0.64 MB; the layout's
+permutation only where it is not the identity, :func:`perm_out`), unless it holds ``Q̂`` already: ``Q̂`` is the orthonormal basis (:func:`~qlsd_flwr.core.kron_block.
 orthonormal`) of the directions each client received for its block report, so a client whose report the server
-took is sent the rest alone (:class:`BasisRef`: ``perm``, ``Q_A``, ``s``, ``a`` and ``Q̂``'s column sums, 9,051 numbers,
-72 kB) and orthonormalises its own copy, the very computation on the very numbers.
+took is sent the rest alone (:class:`BasisRef`: ``Q_A``, ``s``, ``a`` and ``Q̂``'s column sums, 1,201 numbers, 9.6 kB;
+72 kB until ``perm`` was left out where it is the identity) and orthonormalises its own copy, the very computation on the very numbers.
 
 **Measured** (``benchmarks/RESULTS.md``, "The uplink in K-FAC's block basis"): with its broadcast at 128 levels the main
 job's predictive at 1.19× the HMC halves' total variation, against 1.80× with its messages in θ's coordinates and 1.11×
@@ -38,6 +38,20 @@ from qlsd_flwr.core.metric import Metric, MetricError, _rows, encode
 #: ``s`` and ``a`` read from bytes may span at most this factor (K-FAC's own scales span ``den``'s range, 948× on the
 #: main job; a hostile server's huge spread would only make a client's message badly scaled, never undefined)
 SPREAD_MAX = 1e12
+
+
+def perm_out(perm: np.ndarray) -> np.ndarray:
+    """The layout's permutation as it travels: empty where it is the identity (a softmax regression's θ is already its
+    ``(F̃, K)`` matrix: 7,850 float64 numbers a client, 1.0e7 of the main job's downlink, that carry nothing), else
+    its ``d`` numbers."""
+    perm = np.asarray(perm)
+    return np.zeros(0) if np.array_equal(perm, np.arange(perm.size)) else perm.astype(np.float64)
+
+
+def perm_in(perm: np.ndarray, d: int) -> np.ndarray:
+    """:func:`perm_out`'s array back as a permutation of ``0..d−1`` (the identity for an empty one); its check is the
+    caller's."""
+    return np.arange(d) if perm.shape == (0,) else perm
 
 
 class BlockBasis(Metric):
@@ -93,8 +107,7 @@ class BlockBasis(Metric):
                 "scale_min": float(min(self.s.min(), self.a)), "scale_max": float(max(self.s.max(), self.a))}
 
     def arrays(self):
-        return {"perm": self.perm.astype(np.float64), "qh": self.qh, "qa": self.qa, "s": self.s,
-                "a": np.array([self.a])}
+        return {"perm": perm_out(self.perm), "qh": self.qh, "qa": self.qa, "s": self.s, "a": np.array([self.a])}
 
     @staticmethod
     def checked(parts: dict, d: int) -> "BlockBasis":
@@ -103,6 +116,7 @@ class BlockBasis(Metric):
         orthogonal, ``s`` (``k × K``) and ``a`` positive within :data:`SPREAD_MAX` of each other (so ``B⁻¹`` is
         exact to rounding and ``B`` is positive-definite)."""
         perm, qh, qa, s, a = (parts[n] for n in ("perm", "qh", "qa", "s", "a"))
+        perm = perm_in(perm, d)
         F = qh.shape[0] if qh.ndim == 2 else 0
         k, K = (qh.shape[1] if qh.ndim == 2 else 0), (qa.shape[0] if qa.ndim == 2 else 0)
         ok = (perm.shape == (d,) and K >= 1 and F * K == d and 1 <= k <= F and qa.shape == (K, K)
@@ -116,7 +130,7 @@ class BlockBasis(Metric):
                       and np.allclose(qh.T @ qh, np.eye(k), rtol=0.0, atol=tol)
                       and np.allclose(qa.T @ qa, np.eye(K), rtol=0.0, atol=tol))
         if not ok:
-            raise MetricError(f"metric: not a block basis of d = {d} (a permutation of 0..d−1, orthonormal input "
+            raise MetricError(f"metric: not a block basis of d = {d} (a permutation of 0..d−1 or none for the identity, orthonormal input "
                               f"directions, an orthogonal output factor, positive scales within {SPREAD_MAX:g} of "
                               "each other, and their sizes)")
         return BlockBasis(perm.astype(np.int64), qh, qa, s, float(a[0]))
@@ -141,8 +155,7 @@ class BasisRef:
         return BasisRef(basis.perm, basis.qa, basis.s, basis.a, basis.qh.sum(axis=0))
 
     def arrays(self):
-        return {"perm": self.perm.astype(np.float64), "qa": self.qa, "s": self.s, "a": np.array([self.a]),
-                "qsum": self.qsum}
+        return {"perm": perm_out(self.perm), "qa": self.qa, "s": self.s, "a": np.array([self.a]), "qsum": self.qsum}
 
     def to_bytes(self) -> bytes:
         return encode(self.code, self.arrays())
@@ -157,8 +170,8 @@ class BasisRef:
         if K < 1 or d % K or not 1 <= k <= d // K or qsum.shape != (k,):
             raise MetricError(f"metric: not a block basis reference of d = {d} (an output factor, k × K scales and k "
                               "column sums, k at most d / K)")
-        BlockBasis.checked({**parts, "qh": np.eye(d // K, k)}, d)
-        return BasisRef(parts["perm"].astype(np.int64), qa, s, float(parts["a"][0]), qsum)
+        perm = BlockBasis.checked({**parts, "qh": np.eye(d // K, k)}, d).perm
+        return BasisRef(perm, qa, s, float(parts["a"][0]), qsum)
 
     def matches(self, basis) -> bool:
         """Whether ``basis`` (a metric a client holds already: another of its chains built it) is the one this
@@ -179,5 +192,5 @@ class BasisRef:
             return None
         if Qh.shape[1] != self.s.shape[0] or not np.allclose(Qh.sum(axis=0), self.qsum, rtol=0.0, atol=self.QSUM_TOL):
             return None
-        return BlockBasis.checked({"perm": self.perm.astype(np.float64), "qh": Qh, "qa": self.qa, "s": self.s,
+        return BlockBasis.checked({"perm": perm_out(self.perm), "qh": Qh, "qa": self.qa, "s": self.s,
                                    "a": np.array([self.a])}, d)

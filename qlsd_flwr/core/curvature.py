@@ -110,7 +110,7 @@ def local_curvature(pot, theta: np.ndarray, kind: str, seed: int, client: int) -
     return (Q * np.abs(w)) @ Q.T
 
 
-#: K-FAC's first report: ``[F̃, K, Ā (K²), perm (d)]`` as float32 numbers, then ``G_i`` as its square root in 16-bit
+#: K-FAC's first report: ``[F̃, K, Ā (K²), perm (d)]`` as float32 numbers, then ``G_i`` as its square root in 12-bit
 #: rows (:mod:`qlsd_flwr.compression.root`). ``G_i``'s float32 triangle, ``F̃(F̃+1)/2 = 308,505`` numbers a client,
 #: was 2.0e8 of the main job's preparation uplink; its root, of rank at most the client's data count plus one
 #: (198–200 of 785), is 4.5e7, and positive semi-definite whatever arrives. ``Ā`` (the softmax's Hessian has the all-ones
@@ -125,13 +125,19 @@ KRON_OUTPUTS = "kronecker-a"
 
 
 def kron_report(G: np.ndarray, A: np.ndarray, perm) -> bytes:
-    """K-FAC's first report as it travels: ``[F̃, K, Ā (K²), perm (d)]`` as float32 numbers, then ``½G + ½Gᵀ``'s
-    square root (:func:`qlsd_flwr.compression.root.encode`: 16-bit rows of its pivoted Cholesky factor)."""
+    """K-FAC's first report as it travels: ``[F̃, K, Ā (K²), perm (d)]`` as float32 numbers (``[F̃, −K, Ā]`` where
+    ``perm`` is the identity: ``d`` numbers that carry nothing, 5.0e6 of the main job's uplink), then ``½G + ½Gᵀ``'s
+    square root (:func:`qlsd_flwr.compression.root.encode`: 12-bit rows of its pivoted Cholesky factor)."""
     G = np.asarray(G, dtype=np.float64)
     F, K = G.shape[0], np.shape(A)[0]
     A = 0.5 * np.asarray(A, dtype=np.float64) + 0.5 * np.asarray(A, dtype=np.float64).T  # both round alike in float32
+    perm = np.asarray(perm, dtype=np.float64)
+    if np.array_equal(perm, np.arange(perm.size)):  # the identity layout (a softmax regression's): −K, no perm
+        head_nums = [[F, -K], np.ravel(A)]
+    else:
+        head_nums = [[F, K], np.ravel(A), perm]
     with np.errstate(over="ignore"):  # beyond float32's range: inf, which the server refuses as not finite
-        head = np.concatenate([[F, K], np.ravel(A), np.asarray(perm, dtype=np.float64)]).astype("<f4")
+        head = np.concatenate(head_nums).astype("<f4")
     return head.tobytes() + root.encode(0.5 * G + 0.5 * G.T)
 
 
@@ -235,7 +241,7 @@ def kron_layout(buf, d: int) -> tuple[int, int, bytes]:
     """A :func:`kron_report`'s layer ``(F̃, K, perm's bytes)`` from its float32 numbers alone, ``G`` not decoded, or
     :class:`ReportError`: what the clients vote on (:func:`common_layout`) before any ``F̃ × F̃`` matrix is built,
     since a client sets ``F̃`` (a 63 kB report with ``F̃ = d``, ``K = 1`` would make the server build ``d × d``)."""
-    F, K, a = _kron_head(buf, d)
+    F, K, a, _ = _kron_head(buf, d)
     return F, K, a[2 + K * K:].tobytes()
 
 
@@ -250,12 +256,11 @@ def _check_kron_report(buf, d: int) -> dict:
     """A :func:`kron_report` as a dict ``{"G", "A", "perm"}``, or :class:`ReportError`: its float32 numbers
     first (sizes, ``Ā``, ``perm``), then ``G``'s root, which decodes to a positive semi-definite matrix or not at
     all (:mod:`qlsd_flwr.compression.root`)."""
-    F, K, a = _kron_head(buf, d)
-    n = a.size
+    F, K, a, at = _kron_head(buf, d)
     A = a[2:2 + K * K].reshape(K, K)
     perm = a[2 + K * K:]
     try:
-        G = root.decode(bytes(buf[4 * n:]), F)
+        G = root.decode(bytes(buf[at:]), F)
     except ValueError as exc:
         raise ReportError(f"G: {exc}") from None
     if max(float(np.max(np.abs(G), initial=0.0)), float(np.max(np.abs(A)))) > REPORT_MAX:
@@ -265,19 +270,24 @@ def _check_kron_report(buf, d: int) -> dict:
 
 
 def _kron_head(buf, d: int) -> tuple[int, int, np.ndarray]:
-    """``(F̃, K, [F̃, K, Ā, perm])`` of a :func:`kron_report`'s float32 numbers, checked, or :class:`ReportError`."""
+    """``(F̃, K, [F̃, K, Ā, perm], their bytes)`` of a :func:`kron_report`'s float32 numbers, checked, or
+    :class:`ReportError`."""
     if not isinstance(buf, (bytes, bytearray)) or len(buf) < 8:
         raise ReportError("expected K-FAC's report as bytes (float32 numbers, then G's square root)")
-    F, K = _kron_sizes(np.frombuffer(buf, dtype="<f4", count=2).astype(np.float64), d)
-    n = 2 + K * K + d
+    sizes = np.frombuffer(buf, dtype="<f4", count=2).astype(np.float64)
+    ident = bool(sizes[1] < 0)  # −K: the identity layout, its perm not sent
+    F, K = _kron_sizes(np.abs(sizes), d)
+    n = 2 + K * K + (0 if ident else d)
     if len(buf) < 4 * n:
         raise ReportError(f"expected at least {4 * n} bytes (the layer's sizes, Ā and perm), got {len(buf)}")
     a = np.frombuffer(buf, dtype="<f4", count=n).astype(np.float64)
     if not np.all(np.isfinite(a)):
         raise ReportError("non-finite values")
+    if ident:  # as if sent: every engine, and the clients' vote on the layout, see the same numbers
+        a = np.concatenate([[F, K], a[2:], np.arange(d, dtype=np.float64)])
     if not np.array_equal(np.sort(a[2 + K * K:]), np.arange(d, dtype=np.float64)):
         raise ReportError("perm is not an ordering of θ's coordinates")
-    return F, K, a
+    return F, K, a, 4 * n
 
 
 #: why a report was scaled (``curvature_scaled_why``; the log names it): the per-datum cap, then the leave-one-out rule

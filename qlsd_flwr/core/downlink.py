@@ -12,7 +12,12 @@ Two rules (``downlink-feedback``):
   with ``ω`` QSGD's variance factor (:meth:`~qlsd_flwr.compression.qsgd.QSGD.omega`). ``α C`` is a contractive
   compressor, ``E‖x − α C(x)‖² ≤ (1 − α) ‖x‖²``, which EF21-P needs: with ``α = 1`` and ``ω > 1`` (QSGD at
   ``s = 16`` on ``d = 7,850`` has ``ω = 5.5``) the error ``θ_k − w_k`` would grow without bound. A client
-  that missed round ``k − 1`` cannot apply ``c_k``; it is sent ``w_k`` itself (``64 d`` bits) instead.
+  that missed round ``k − 1`` cannot apply ``c_k``; it is sent ``w_k`` itself (``64 d`` bits) instead. Every
+  chain's memory starts at ``w_{−1} = 0``, which every client holds without being sent it, so round 0's message is a
+  code like any other (until 2026-12-07 it was ``w_0 = θ_0`` in full: ``64 d`` bits a client and chain, 4.0e7 on
+  the main job). The first rounds' points lag θ_k by ``(1 − α)^k`` of θ_0 at most; the chain's own θ_k is exact, the
+  lag's first-order term is taken out of the step with ``downlink-correction``, and after the main job's 150 rounds
+  of burn-in the lag left is ``0.72^150 ≈ 1e-21`` of θ_0.
 * ``none``: ``w_k = C(θ_k)``, nothing held; unbiased, but its error scales with ``‖θ_k‖``.
 
 The chain itself stays exact on the server: ``θ_{k+1} = θ_k − γ M ĝ(w_k) + √(2γT) M^{1/2} Z`` (the prior's
@@ -135,9 +140,9 @@ class Downlink:
         return 1.0 / (1.0 + omega)
 
     def send(self, theta: np.ndarray, w: np.ndarray | None, seed: int, k: int) -> tuple[np.ndarray, bytes | None]:
-        """Round ``k``'s ``(w_k, code)`` from θ_k and ``w_{k−1}`` (ignored under ``none``). Under ``ef21-p`` a chain's
-        first round (``w = None``) has ``w_k = θ_k`` and no code: it is sent in full. ``ValueError`` (from QSGD) when
-        the coded vector is not finite or too large to code."""
+        """Round ``k``'s ``(w_k, code)`` from θ_k and ``w_{k−1}`` (ignored under ``none``; ``None``: a chain's first
+        round, from ``w_{−1} = 0``). ``ValueError`` (from QSGD) when the coded vector is not finite or too large to
+        code."""
         w_k, q = self.step(theta, w, seed, k)
         return w_k, None if q is None else self.compressor.encode(q)
 
@@ -151,9 +156,9 @@ class Downlink:
         return self.compressor.encode(Quantised(q.norms, q.levels[own], q.s, (int(own.size),)))
 
     def step(self, theta: np.ndarray, w: np.ndarray | None, seed: int, k: int) -> tuple[np.ndarray, Quantised | None]:
-        """:meth:`send`'s ``w_k`` and the levels its code carries (``None`` where ``w_k = θ_k`` goes in full)."""
-        if self.feedback == "ef21-p" and w is None:
-            return theta.copy(), None
+        """:meth:`send`'s ``w_k`` and the levels its code carries."""
+        if self.feedback == "ef21-p" and w is None:  # a chain's first round: from w_{−1} = 0 (module docstring)
+            w = np.zeros_like(theta)
         x = theta - w if self.feedback == "ef21-p" else theta
         S = self.support
         if S is not None:

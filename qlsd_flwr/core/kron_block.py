@@ -9,7 +9,7 @@ from 512 Hessian-vector products (1.29e9 bits up, 1.45e9 down on the main job). 
 the top ``k`` eigenvectors of ``G = Σ_i G_i`` (``k F̃`` numbers), and each client reports its exact curvature on
 ``S = span(Q_k) ⊗ R^K``, couplings included:
 
-    ``B_i = Σ_j (Q_kᵀ x̃_j)(Q_kᵀ x̃_j)ᵀ ⊗ A_j``   (``m × m``, ``m = kK``; as its square root in 16-bit rows)
+    ``B_i = Σ_j (Q_kᵀ x̃_j)(Q_kᵀ x̃_j)ᵀ ⊗ A_j``   (``m × m``, ``m = kK``; as its square root in 12-bit rows)
 
 (``k = 50`` on the main job: 8.0e7 bits up, 2.5e7 down, 16× and 58× fewer than the products, for a whitened
 condition number of 11.7 against their 9.7: ``benchmarks/RESULTS.md``, "A base metric without products").
@@ -77,8 +77,8 @@ def unpack(V: np.ndarray, F: int) -> np.ndarray:
 
 def block_report(Xa: np.ndarray, P: np.ndarray, Q: np.ndarray) -> bytes:
     """A client's ``B_i = Σ_j z_j z_jᵀ ⊗ (diag p_j − p_j p_jᵀ)``, ``z_j = Qᵀ x̃_j``, as it travels: its square root
-    in 16-bit rows (:func:`qlsd_flwr.compression.root.encode`; 1.1e8 bits for the main job's 20 clients at θ* against
-    3.2e8 as a float32 triangle, and positive semi-definite whatever arrives). ``Xa``: the inputs with the bias's 1
+    in 12-bit rows (:func:`qlsd_flwr.compression.root.encode`; in 16-bit rows 1.1e8 bits for the main job's 20 clients
+    at θ* against 3.2e8 as a float32 triangle; positive semi-definite whatever arrives). ``Xa``: the inputs with the bias's 1
     (``(n, F̃)``); ``P``: the softmax outputs (``(n, K)``); ``Q``: ``(F̃, k)``. The coordinates are ``(f, a)``,
     ``f`` major."""
     Xa, P = np.asarray(Xa, dtype=np.float64), np.asarray(P, dtype=np.float64)

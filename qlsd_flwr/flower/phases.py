@@ -68,6 +68,7 @@ class PhaseExchanges:
         self._n = 0
         self._points: dict[int, tuple[int, bytes]] = {}  # client -> (number, values) of the last point θ it was sent
         self._resent: list[int] = []  # the bits of each request sent again with θ to a client that lost its point
+        self._whole = False  # θ whole to every client (the claims), not on each client's own coordinates
 
     def prepare(self, grid, theta0: np.ndarray, timeout: float, warm, wants_claims: bool):
         """The preparation (θ*, the metric, γ: :func:`qlsd_flwr.protocol.precondition.prepare`) over
@@ -116,10 +117,12 @@ class PhaseExchanges:
         lost that point: a restarted node) is asked once more with θ."""
         out: dict[int, bytes] = {}
         point = _point_of(fields)
+        cols = None if self._whole else self._own()
         for _ in range(2):
             stopping.check()  # a stop asked for meanwhile (flwr stop, SIGTERM, Ctrl-C) ends the preparation here
-            msgs = [Message(to_content({**self._at_point(fields, point, i), **(per or {}).get(i, {}), "client": i},
-                                       self.settings[i]), self.nodes.node_of[i], MessageType.TRAIN) for i in clients]
+            msgs = [Message(to_content({**self._at_point(fields, point, i, cols), **(per or {}).get(i, {}),
+                                        "client": i}, self.settings[i]), self.nodes.node_of[i], MessageType.TRAIN)
+                    for i in clients]
             client_of = {self.nodes.node_of[i]: i for i in clients}
             lost = []
             for msg in grid.send_and_receive(msgs, timeout=timeout):
@@ -136,22 +139,34 @@ class PhaseExchanges:
             for i in lost:  # asked again with θ, and counted (the preparation's kind "resync")
                 self._points.pop(i, None)
                 vec = (per or {}).get(i, fields).get("vectors", b"")
-                self._resent.append(8 * (np.asarray(fields["theta"]).nbytes + len(vec)))
+                theta = np.asarray(fields["theta"])
+                n = theta.size if cols is None or cols[i] is None else cols[i].size
+                self._resent.append(8 * (theta.itemsize * n + len(vec)))
             clients = lost
         return out
 
-    def _at_point(self, fields: dict, point: tuple[int, bytes] | None, i: int) -> dict:
+    def _at_point(self, fields: dict, point: tuple[int, bytes] | None, i: int, cols: list | None = None) -> dict:
         """``fields`` for client ``i``: with θ and its number ``point`` (a 63-bit digest of its values) where ``i``
         does not hold that point (which it then keeps), with the number alone where it does (issue 37: λ_max's
         products and the correction's ask at θ* a dozen times and more); ``point`` is :func:`_point_of` the request,
-        made once for all its clients. Every engine counts the point's bits so
-        (:func:`~qlsd_flwr.protocol.traffic.counted`)."""
+        made once for all its clients. With ``cols`` (each client's own coordinates, :meth:`_own`), θ goes as
+        ``theta_on``, its numbers there alone: nothing the client computes before sampling reads the others. Every
+        engine counts the point's bits so (:func:`~qlsd_flwr.protocol.traffic.counted`)."""
         if point is None:
             return fields
+        rest = {k: v for k, v in fields.items() if k != "theta"}
         if self._points.get(i) == point:
-            return {**{k: v for k, v in fields.items() if k != "theta"}, "point": point[0]}
+            return {**rest, "point": point[0]}
         self._points[i] = point
+        if cols is not None and cols[i] is not None:
+            return {**rest, "theta_on": np.asarray(fields["theta"])[cols[i]], "point": point[0]}
         return {**fields, "point": point[0]}
+
+    def _own(self) -> list | None:
+        """Each client's own coordinates (:func:`~qlsd_flwr.protocol.traffic.own_cols`), where the preparation sends
+        it θ and its blocks of vectors there alone (``downlink-support = data``, :func:`~qlsd_flwr.protocol.build.
+        support_on`; ``None``: every coordinate to every client)."""
+        return own_cols(self._supports())
 
     def _leave_out(self, why: dict[int, str]) -> None:
         for i, w in sorted(why.items()):
@@ -208,7 +223,11 @@ class PhaseExchanges:
         key = np.asarray(theta_star, dtype=np.float64).tobytes()
         before = next((e[3] for e in self._sketches if e[2] == key), {})
         self._points.clear()  # the claims send θ* whole, as count_claims counts them
-        grads = self.gradients(grid, theta_star, timeout)
+        self._whole = True
+        try:
+            grads = self.gradients(grid, theta_star, timeout)
+        finally:
+            self._whole = False
         changed = {}
         for i, old in before.items():
             if i not in self.left_out and (gap := relative_gap(self._dirs @ grads[i], old)) is not None:
@@ -229,7 +248,7 @@ class PhaseExchanges:
         with the rows of ``vectors``, sent at width ``bits``: :mod:`qlsd_flwr.compression.fixed`), as received:
         :func:`qlsd_flwr.protocol.precondition.prepare` validates each."""
         fields = {"phase": "curvature", "round": -1, "theta": as_point(theta), "kind": kind}
-        own = own_cols(self._supports()) if kind == "hvp" else None  # each client's block on its own coordinates
+        own = self._own() if kind == "hvp" else None  # each client's block on its own coordinates
         if vectors is not None and own is None:
             fields["vectors"] = fixed.encode(vectors, bits)
         per = None if vectors is None or own is None else \

@@ -5,7 +5,8 @@ Each round, before the anchor's refresh, the server codes ``θ_k − w_{k−1}``
 once, and sends that code in θ's place to every active client that holds ``w_{k−1}``: a client holds the ``w``
 of the last round whose message it answered ``ok``. Any other client (its first message, one that missed a
 round, answered resync, failed, or a run just resumed) is sent ``w_k`` in full, so a client never computes at
-another point than the others. Round 0 sends ``w_0 = θ_0`` in full under ``ef21-p``. QLSD++'s anchor refreshed
+another point than the others. Under ``ef21-p`` every client holds ``w_{−1} = 0`` (:mod:`qlsd_flwr.core.downlink`), so
+round 0 sends every client the code. QLSD++'s anchor refreshed
 at round ``k`` is ``w_k`` (where the clients evaluate), so a client that builds ``w_k`` this round is told so
 (``anchor_is_theta``) instead of being sent ``ζ``. The server's ``w`` goes into the checkpoint (``downlink_w``),
 so a resumed chain codes the same ``w``s, bit for bit.

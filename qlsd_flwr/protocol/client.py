@@ -52,7 +52,7 @@ def _prepare(spec: ClientSpec, pot: LocalPotential, st: ClientState, fields: dic
     broadcast's subtractive dither."""
     i = spec.index
     if fields["phase"] in ("grad", "curvature"):
-        theta = prep_point(st, fields, d)
+        theta = prep_point(st, fields, d, None if spec.prior_weight > 0 else declared_support(pot, d))
         if theta is None:  # a point it does not hold (a restarted node): the server sends θ again
             return None, {"client": i, "status": "resync"}
     else:
@@ -129,11 +129,19 @@ def _prepare(spec: ClientSpec, pot: LocalPotential, st: ClientState, fields: dic
     return theta, None
 
 
-def prep_point(st: ClientState, fields: dict, d: int) -> np.ndarray | None:
-    """The point θ of a request before sampling: ``theta`` as sent (kept, with its number ``point``, where the
-    request gives one), or the point kept when the request gives only its number (the server sends θ once for
-    the exchanges at one point: λ_max's and the products' at θ*); ``None`` when this client does not hold that
-    point (a restarted node, whose ``context.state`` is gone). ``ValueError`` naming the field otherwise."""
+def prep_point(st: ClientState, fields: dict, d: int, own: np.ndarray | None = None) -> np.ndarray | None:
+    """The point θ of a request before sampling: ``theta`` as sent, or ``theta_on``, its numbers on the client's
+    own support ``own`` (a boolean mask; 0 elsewhere, which nothing it computes before sampling reads), kept with
+    its number ``point`` where the request gives one; or the point kept when the request gives only its number (the
+    server sends θ once for the exchanges at one point: λ_max's and the products' at θ*); ``None`` when this client
+    does not hold that point (a restarted node, whose ``context.state`` is gone). ``ValueError`` naming the field
+    otherwise."""
+    if "theta_on" in fields:
+        if own is None or "theta" in fields:
+            raise ValueError(f"{fields['phase']}: 'theta_on' with 'theta', or to a client that reads every coordinate")
+        theta = np.zeros(d)
+        theta[own] = vector(fields["theta_on"], int(np.count_nonzero(own)))
+        fields = {**fields, "theta": theta}
     if "theta" in fields:
         theta = vector(fields["theta"], d)
         if "point" in fields:
@@ -172,8 +180,8 @@ def _point(spec: ClientSpec, st: ClientState, fields: dict, d: int, seed: int = 
     """A sampling round's point: θ_k, or with ``downlink = qsgd`` the ``w_k`` that ``theta_code`` builds from the
     client's ``w_{k−1}`` (``theta``: ``w_k`` in full), under ``downlink-support = data`` on the coordinates of the
     potential ``pot``'s own support, which its code carries (:meth:`~qlsd_flwr.core.downlink.Downlink.code_for`);
-    ``None`` when the client cannot apply the code (it missed round ``k − 1``: it answers resync and is sent ``w_k``
-    in full next). ``ValueError`` naming the field when a message carries neither, or a code the client was not
+    ``None`` when the client cannot apply the code (it missed round ``k − 1`` of a chain past its round 0: it answers
+    resync and is sent ``w_k`` in full next). ``ValueError`` naming the field when a message carries neither, or a code the client was not
     told to expect, or one that does not decode."""
     code = fields.get("theta_code")
     if code is not None and spec.downlink is None:
@@ -190,10 +198,14 @@ def _point(spec: ClientSpec, st: ClientState, fields: dict, d: int, seed: int = 
         dl = dataclasses.replace(dl, support=None if live.all() else np.flatnonzero(live))
         # of them, those of its own support (a share of the prior reads every coordinate: the server's rule too)
         own = own_positions(dl.support, None if spec.prior_weight > 0 or pot is None else declared_support(pot, d))
-    if dl.feedback == "ef21-p" and (st.w is None or st.w_round != k - 1):
+    if dl.feedback == "none":
+        return dl.receive(None, code, d, seed, k, own)
+    # the w_{k−1} it holds; round 0's code is from w_{−1} = 0, which every client holds (core.downlink)
+    held = st.w if st.w is not None and st.w_round == k - 1 else np.zeros(d) if k == 0 else None
+    if held is None:
         dl.receive(np.zeros(d), code, d, seed, k, own)  # refused if malformed, even when it cannot be applied
         return None
-    return dl.receive(st.w if dl.feedback == "ef21-p" else None, code, d, seed, k, own)
+    return dl.receive(held, code, d, seed, k, own)
 
 
 def _surrogate(fields: dict, d: int) -> tuple[np.ndarray, np.ndarray]:

@@ -22,6 +22,12 @@ from qlsd_flwr.robust.reports import FACTOR_SHARE, REPORT_CAP, ReportError
 log = logging.getLogger("qlsd_flwr")
 
 CurvFn = Callable[[np.ndarray, str], dict]
+#: the width of metric-block's input directions as they travel (:mod:`qlsd_flwr.compression.fixed`): 16 bits, each
+#: direction's entries within 1.5e-5 of its largest. The block is made exact on the directions as sent (the server
+#: and every client take ``Q̂`` from the same rounded rows), so their rounding moves only which subspace is made
+#: exact; on the main job float32 rows and 16-bit rows gave the same TV to the reference within its Monte Carlo
+#: error (issue 37; RESULTS, "The preparation at 12 and 16 bits"), for 2.5e7 fewer bits
+BLOCK_ROWS = 16
 
 
 def lowrank_rank(cfg: RunConfig) -> int:
@@ -124,7 +130,7 @@ def lowrank_correction(cfg: RunConfig, task: Task, point: np.ndarray, curv_fn: C
     prior_c = prior_curvature(task, point)
     d = task.dim
 
-    bits = fixed.width_for(metric.spread())  # 16-bit rows unless the block's entries span too many scales
+    bits = fixed.width_for(metric.spread())  # 12- or 16-bit rows unless the block's entries span too many scales
     info["lowrank_bits"] = bits
     scales: dict[int, float] = {}  # clients held by the leave-one-out rule in an earlier pass (robust.krylov)
     for attempt in range(PASSES):
@@ -211,9 +217,9 @@ def block_corrected(cfg: RunConfig, task: Task, point: np.ndarray, curv_fn: Curv
         raise ConfigError(f"metric-block: {k} input directions × {K} outputs is a block of {k * K} dimensions, above "
                           f"{kb.MAX_DIM} (its report would be (kK)²/2 numbers a client); use metric-block ≤ "
                           f"{kb.MAX_DIM // K}")
-    V = fixed.rounded(kb.pack(kron.qg[:, F - k:], task.dim), 32)  # as the clients read it
+    V = fixed.rounded(kb.pack(kron.qg[:, F - k:], task.dim), BLOCK_ROWS)  # as the clients read it
     refused, ok = {}, {}
-    for i, h in sorted(curv_fn(point, kb.KRON_BLOCK, V, 32).items()):
+    for i, h in sorted(curv_fn(point, kb.KRON_BLOCK, V, BLOCK_ROWS).items()):
         try:
             ok[int(i)] = kb.check_block(h, k * K)
         except ReportError as exc:
@@ -295,17 +301,22 @@ def power_products(task: Task, curv_fn: CurvFn | None, n_data, info: dict, kept=
 
 
 def products_in(hvp, metric: Metric):
-    """``hvp`` for the ``λ_max`` of ``metric`` (``M^½ᵀ ∇²U M^½``): :func:`power_products`' rows 16 bits wide where the
-    metric's scales span at most :data:`~qlsd_flwr.compression.fixed.SPREAD_16`, float32 beyond; any other ``hvp``
-    (central differences of float64 gradients) as it is.
+    """``hvp`` for the ``λ_max`` of ``metric`` (``M^½ᵀ ∇²U M^½``): :func:`power_products`' rows 12 bits wide where the
+    metric's scales span at most :data:`~qlsd_flwr.compression.fixed.SPREAD_12`, 16 up to
+    :data:`~qlsd_flwr.compression.fixed.SPREAD_16`, float32 beyond (:func:`~qlsd_flwr.compression.fixed.width_for`);
+    any other ``hvp`` (central differences of float64 gradients) as it is.
 
-    Why 16 bits are enough there: a row's entries are rounded within ``σ/2L`` of its largest, ``σ``. For ``b`` clients
+    Why these widths are enough there: a row's entries are rounded within ``σ/2L`` of its largest, ``σ``. For ``b`` clients
     with semi-definite curvature that moves the Rayleigh quotient ``vᵀ M^½ᵀ ∇²U u`` (``u = M^½ v``) by at most
     ``(1 + b) √(spread d)/2L`` of ``λ_max`` (:func:`~qlsd_flwr.compression.fixed.quotient_bound`, which the tests hold γ
     to), a worst case of aligned errors; independent errors of mean zero move it by about one entry's worth a row,
     ``‖u‖ σ_h/(2L√3)``, at most ``√spread/(2L√3)`` each: 3e-3 on the main job (spread 9.3e4; measured: λ_max
     2.2019255 against float32's 2.2019184), 9e-3 at ``SPREAD_16``, the size of the Lanczos iteration's own stop rule
-    (1e-2). At a spread of 1e10 the same rows lost the stiff coordinates (λ_max 3× too small;
+    (1e-2). That estimate still bounds each entry's error by its row's largest: measured, the rounding moves λ_max
+    far less. At 12 bits (``L = 2047``) the estimate reaches 1e-2 at a spread of 5e3 and 0.045 at ``SPREAD_12``, but on
+    the main job (spread 5.9e4, the same metric, 15 exchanges) λ_max read 2.184505 with 12-bit rows, 2.183280 with
+    16-bit ones and 2.183722 with float32 rows: 3.6e-4 and 2.0e-4 of it, 28 and 50 times inside the stop rule (issue
+    37, 2026-12-07; ``benchmarks/RESULTS.md``, "The preparation at 12 bits"). At a spread of 1e10 the same rows lost the stiff coordinates (λ_max 3× too small;
     ``tests/test_lowrank.py``)."""
     if not getattr(hvp, "widths", False):
         return hvp

@@ -14,8 +14,8 @@ under ``compression-basis = metric`` (``block``: the basis; :mod:`qlsd_flwr.prot
 each pair's first message, once a client's message however many of its chains need it.
 
 Under ``downlink = qsgd`` (:mod:`qlsd_flwr.protocol.broadcast`) the round's code goes in θ's place to a
-client that holds ``w_{k−1}`` (it was active at round ``k − 1``; any client under ``downlink-feedback =
-none``), ``w_k`` in full (``64 d``) to the others, and at a refresh round the anchor is that ``w_k`` and not
+client that holds ``w_{k−1}`` (it was active at round ``k − 1``, or ``k = 0``: every client holds ``w_{−1} = 0``; any
+client under ``downlink-feedback = none``), ``w_k`` in full (``64 d``) to the others, and at a refresh round the anchor is that ``w_k`` and not
 sent.
 
 A resumed run's count is the uninterrupted run's: this engine's clients keep their state over a stop (the

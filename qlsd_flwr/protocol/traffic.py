@@ -68,18 +68,21 @@ class Traffic:
         return sum(fixed.sent_bits(vectors, bits, c) for c in self.cols)
 
     def theta_bits(self, theta, width: int, kind: str) -> int:
-        """The bits of the point ``theta`` (the values the clients read) sent at ``width`` bits a number to one
-        client in an exchange of ``kind``: 0 where it is the last point sent, which each client holds and the
-        request names by its number instead (:meth:`qlsd_flwr.flower.phases.PhaseExchanges.ask`; issue 37: λ_max's products
-        and the correction's ask at θ* a dozen times and more); the bits a client was not sent so, by kind, go into
-        ``prep_points_held``."""
+        """The bits of the point ``theta`` (the values the clients read) sent at ``width`` bits a number to every
+        client in an exchange of ``kind``, each its own coordinates where the clients' supports are known
+        (:func:`own_cols`, ``theta_on``: :meth:`qlsd_flwr.flower.phases.PhaseExchanges._at_point`): 0 where it is the
+        last point sent, which each client holds and the request names by its number instead (issue 37: λ_max's
+        products and the correction's ask at θ* a dozen times and more); the bits that one client reading every
+        coordinate would not have been sent so, by kind, go into ``prep_points_held``."""
         key = np.asarray(theta, dtype=np.float64).tobytes()
         if key == self.point:
             held = self.info.setdefault("prep_points_held", {})
             held[kind] = held.get(kind, 0) + int(width) * self.d
             return 0
         self.point = key
-        return int(width) * self.d
+        if self.cols is None:
+            return int(width) * self.d * self.b
+        return int(width) * sum(self.d if c is None else c.size for c in self.cols)
 
     def add(self, kind: str, uplink: int, downlink: int) -> None:
         """One exchange of ``kind`` with these code lengths (bits, all clients together)."""
@@ -184,7 +187,7 @@ def counted(grad_fn, curv_fn, traffic: Traffic):
         # is counted at the raw layout's length, the most its replies could have cost
         up = (fixed.message_bits(1, d, bits) if bits < 32 else bits * d) * b
         width = theta_width(bits)  # θ as the request carries it: float32 below 64
-        down = traffic.theta_bits(th if width == 64 else np.asarray(th, dtype=np.float32), width, traffic.phase) * b
+        down = traffic.theta_bits(th if width == 64 else np.asarray(th, dtype=np.float32), width, traffic.phase)
         try:
             g = grad_fn(th) if bits == 64 else grad_fn(th, bits)
             up = getattr(grad_fn, "uplink", None) or up
@@ -213,13 +216,13 @@ def counted(grad_fn, curv_fn, traffic: Traffic):
             up = sum(8 * len(h) if isinstance(h, (bytes, bytearray)) else 8 * int(np.asarray(h).nbytes)
                      for h in reports.values())
             rows = 0 if vectors is None else fixed.sent_bits(vectors, bits)
-            traffic.add("curvature", up, (traffic.theta_bits(th, point_bits(th), "curvature") + rows) * b)
+            traffic.add("curvature", up, traffic.theta_bits(th, point_bits(th), "curvature") + rows * b)
             return reports
         # products and vectors as rows of width bits (compression.fixed); a reply that did not decode, as received
         up = sum(8 * len(h) if isinstance(h, (bytes, bytearray)) else fixed.sent_bits(np.reshape(h, (-1, d)), bits)
                  for h in reports.values())
         kind = "power_iteration" if traffic.phase == "power_iteration" else "products"
-        traffic.add(kind, up, traffic.theta_bits(th, point_bits(th), kind) * b + traffic.rows_bits(vectors, bits))
+        traffic.add(kind, up, traffic.theta_bits(th, point_bits(th), kind) + traffic.rows_bits(vectors, bits))
         return reports
 
     if grad_fn is not None:
@@ -227,7 +230,7 @@ def counted(grad_fn, curv_fn, traffic: Traffic):
     if hasattr(grad_fn, "clients"):  # a build.GradExchange: its clients' gradients one by one, counted alike
 
         def clients(th):
-            traffic.add(traffic.phase, 64 * d * b, traffic.theta_bits(th, 64, traffic.phase) * b)
+            traffic.add(traffic.phase, 64 * d * b, traffic.theta_bits(th, 64, traffic.phase))
             return grad_fn.clients(th)
 
         grad.clients, grad.combine, grad.n_data, grad.kept = clients, grad_fn.combine, grad_fn.n_data, grad_fn.kept

@@ -42,7 +42,8 @@ def arr_to_bytes(x: np.ndarray) -> bytes:
 #: the fields holding a vector of R^d (:data:`qlsd_flwr.samplers.fields.FIELDS` of form ``vector``); all but θ
 #: may come with some chains of a several-chain message
 SENT_WITH = tuple(n for n, f in FIELDS.items() if f.form == VECTOR)
-VECTORS = ("theta",) + SENT_WITH
+#: and θ before sampling on a client's own coordinates alone (``theta_on``: protocol.client.prep_point)
+VECTORS = ("theta", "theta_on") + SENT_WITH
 #: the reply fields holding ``∇U_i`` at a point (form ``gradient``)
 UP_GRADIENTS = tuple(n for n, f in FIELDS.items() if f.form == GRADIENT)
 

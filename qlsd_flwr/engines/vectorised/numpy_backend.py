@@ -143,7 +143,7 @@ class NumpyGeneric:
                "bytes": np.zeros((nc, R), np.int64)}
         states = np.full((nc, R, self.d), np.nan) if need_states else None
         out["error"] = None
-        if self.down.on:  # each round's code length per chain and client (−1: w_k sent in full, as round 0 is)
+        if self.down.on:  # each round's code length per chain and client (−1: w_k sent in full)
             out["down_code_bits"] = np.full((nc, self.cfg.b, R), -1, np.int64)
         for r in range(R):
             try:
