@@ -517,6 +517,8 @@ def test_kronecker_reports_are_checked_and_a_foreign_layout_is_refused():
     assert cv.kron_layout(ident, d) == cv.kron_layout(shown, d)  # the same vote as the identity perm sent
     with pytest.raises(ReportError, match="expected at least"):
         cv.check_report(ident[:4 * (2 + K * K) - 1], "kronecker", d)
+    with pytest.raises(ReportError, match="sizes"):  # only K's sign says "no perm": a negative F̃ is refused
+        cv.check_report(np.float32(-F).tobytes() + ident[4:], "kronecker", d)
     head = np.frombuffer(good, dtype="<f4", count=2 + K * K + d).copy()
 
     def with_head(h):

@@ -49,7 +49,7 @@ product of a direction is 100× smaller than the row's largest part), and 8 bits
 scales span at most** :data:`SPREAD_12` (since 2026-12-07; issue 37): on the main job (spread 5.9e4) its 12-bit blocks
 and products, against 16-bit ones, left λ_max at 2.183 (2.182), the predictive's TV to the HMC reference 1.45× its
 halves' (1.38× at 16; seeds 1 and 2 at 16: 1.46×, 1.43×, so within the Monte Carlo spread) and the verdict MIXED, for
-6.6e7 fewer bits both ways (``benchmarks/RESULTS.md``, "The preparation at 12 and 16 bits"). Above it, 16 bits keep a
+6.6e7 fewer bits both ways (``benchmarks/RESULTS.md``, "The preparation at 12 bits"). Above it, 16 bits keep a
 coordinate ``√spread`` below its row's largest within ``√spread/2L`` (1.5 % at ``SPREAD_16``).
 
 Both ends round the same way (:func:`rounded` is ``decode(encode(x))`` without the bytes), so every engine, the
@@ -69,7 +69,8 @@ from qlsd_flwr.compression.format import DecodeError
 #: bits a level of a fixed-point row: 16 (12 measured nearly the same on the main job, 8 not; module docstring)
 BITS = 16
 LEVELS = 2 ** (BITS - 1) - 1
-#: the narrow width, two levels in three bytes: the θ* descent's gradients where its stopping rule allows
+#: the narrow width, two levels in three bytes: the θ* descent's gradients where its stopping rule allows, and the
+#: preparation's blocks and products where the metric's scales span at most :data:`SPREAD_12`
 #: (:class:`qlsd_flwr.protocol.descent.DescentWidth`)
 NARROW = 12
 #: a metric whose scales span more than this sends the correction's blocks as float32 rows (module docstring)

@@ -25,8 +25,7 @@ K-FAC's roots take 0.51 of their raw bits and ``metric-block``'s 0.64 (``benchma
 **12 bits** (since 2026-12-07; issue 37): the clients write their roots' levels 12 bits wide (:data:`BITS`; tags
 :data:`TAG12`, :data:`CODED12`, two levels in three bytes raw), within ``R_ff/2L`` at ``L = 2047``: what 24 bits keep
 of ``S``. On the main job K-FAC's and ``metric-block``'s reports then cost 3.6e7 fewer bits (1.22e8 → 8.6e7), and the
-predictive's TV to the HMC reference stayed within its Monte Carlo spread (``benchmarks/RESULTS.md``, "The
-preparation at 12 and 16 bits"). A reader takes either width.
+predictive's TV to the HMC reference stayed within its Monte Carlo spread (``benchmarks/RESULTS.md``, "The preparation at 12 bits"). A reader takes either width.
 
 Both ends round the same way (:func:`rounded` is ``decode(encode(S))``), so every engine uses the numbers Flower
 carries.

@@ -110,7 +110,8 @@ def local_curvature(pot, theta: np.ndarray, kind: str, seed: int, client: int) -
     return (Q * np.abs(w)) @ Q.T
 
 
-#: K-FAC's first report: ``[F̃, K, Ā (K²), perm (d)]`` as float32 numbers, then ``G_i`` as its square root in 12-bit
+#: K-FAC's first report: ``[F̃, K, Ā (K²), perm (d)]`` as float32 numbers (``[F̃, −K, Ā]`` for the identity layout,
+#: :func:`kron_report`), then ``G_i`` as its square root in 12-bit
 #: rows (:mod:`qlsd_flwr.compression.root`). ``G_i``'s float32 triangle, ``F̃(F̃+1)/2 = 308,505`` numbers a client,
 #: was 2.0e8 of the main job's preparation uplink; its root, of rank at most the client's data count plus one
 #: (198–200 of 785), is 4.5e7, and positive semi-definite whatever arrives. ``Ā`` (the softmax's Hessian has the all-ones
@@ -269,14 +270,14 @@ def _check_kron_report(buf, d: int) -> dict:
     return {"G": G, "A": _psd(A, "A", K * eps), "perm": perm.astype(np.int64)}
 
 
-def _kron_head(buf, d: int) -> tuple[int, int, np.ndarray]:
+def _kron_head(buf, d: int) -> tuple[int, int, np.ndarray, int]:
     """``(F̃, K, [F̃, K, Ā, perm], their bytes)`` of a :func:`kron_report`'s float32 numbers, checked, or
     :class:`ReportError`."""
     if not isinstance(buf, (bytes, bytearray)) or len(buf) < 8:
         raise ReportError("expected K-FAC's report as bytes (float32 numbers, then G's square root)")
     sizes = np.frombuffer(buf, dtype="<f4", count=2).astype(np.float64)
     ident = bool(sizes[1] < 0)  # −K: the identity layout, its perm not sent
-    F, K = _kron_sizes(np.abs(sizes), d)
+    F, K = _kron_sizes(np.array([sizes[0], abs(sizes[1])]), d)  # F̃ as sent: a negative one is refused
     n = 2 + K * K + (0 if ident else d)
     if len(buf) < 4 * n:
         raise ReportError(f"expected at least {4 * n} bytes (the layer's sizes, Ā and perm), got {len(buf)}")

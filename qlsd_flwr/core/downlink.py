@@ -15,9 +15,11 @@ Two rules (``downlink-feedback``):
   that missed round ``k − 1`` cannot apply ``c_k``; it is sent ``w_k`` itself (``64 d`` bits) instead. Every
   chain's memory starts at ``w_{−1} = 0``, which every client holds without being sent it, so round 0's message is a
   code like any other (until 2026-12-07 it was ``w_0 = θ_0`` in full: ``64 d`` bits a client and chain, 4.0e7 on
-  the main job). The first rounds' points lag θ_k by ``(1 − α)^k`` of θ_0 at most; the chain's own θ_k is exact, the
-  lag's first-order term is taken out of the step with ``downlink-correction``, and after the main job's 150 rounds
-  of burn-in the lag left is ``0.72^150 ≈ 1e-21`` of θ_0.
+  the main job). The lag ``θ_k − w_k`` then starts at θ_0's size instead of 0, and each round multiplies what it
+  carries over by ``1 − α`` in expectation (besides what the chain's own moves and the compression add, as in any
+  round); the chain's own θ_k is exact, the lag's first-order term is taken out of the step with
+  ``downlink-correction``, and after the main job's 150 rounds of burn-in ``(1 − α)^150 = 0.76^150 ≈ 1e-18`` of
+  θ_0's part is left (``downlink-s = 28``).
 * ``none``: ``w_k = C(θ_k)``, nothing held; unbiased, but its error scales with ``‖θ_k‖``.
 
 The chain itself stays exact on the server: ``θ_{k+1} = θ_k − γ M ĝ(w_k) + √(2γT) M^{1/2} Z`` (the prior's

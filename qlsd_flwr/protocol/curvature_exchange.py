@@ -26,7 +26,7 @@ CurvFn = Callable[[np.ndarray, str], dict]
 #: direction's entries within 1.5e-5 of its largest. The block is made exact on the directions as sent (the server
 #: and every client take ``Q̂`` from the same rounded rows), so their rounding moves only which subspace is made
 #: exact; on the main job float32 rows and 16-bit rows gave the same TV to the reference within its Monte Carlo
-#: error (issue 37; RESULTS, "The preparation at 12 and 16 bits"), for 2.5e7 fewer bits
+#: error (issue 37; RESULTS, "The preparation at 12 bits"), for 2.5e7 fewer bits
 BLOCK_ROWS = 16
 
 

@@ -64,7 +64,7 @@ class SamplingDownlink:
     def rounds(self, k0: int, R: int, code_bits: np.ndarray | None = None) -> np.ndarray:
         """``(C, R)``: the bits sent in rounds ``k0 + 1 .. k0 + R`` (θ_{k0}, ...), chain by chain; ``code_bits``
         (``downlink = qsgd``, ``(C, b, R)``): each round's code length per chain and client, −1 where ``w_k`` went in
-        full to all."""
+        full to all (none since every chain's broadcast starts from ``w_{−1} = 0``: kept for a rule that sends it)."""
         out = np.zeros((self.seeds.size, R), dtype=np.int64)
         full = 64 * self.d
         for r in range(R):

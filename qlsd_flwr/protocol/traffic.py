@@ -3,7 +3,7 @@
 Every engine hands :func:`qlsd_flwr.protocol.precondition.prepare` the same two ways to reach the clients
 (``grad_fn``, ``curv_fn``); :func:`counted` wraps them so that each exchange adds its code lengths to a
 :class:`Traffic`: a gradient exchange sends θ to each of the ``b`` clients (``64 d`` bits each, 32 in a
-float32 descent) and gets ``∇U_i(θ)`` back (the same; at 12 or 16, :mod:`qlsd_flwr.protocol.gradients`, θ goes as
+float32 descent; under ``downlink-support = data`` each client its own coordinates alone, :meth:`Traffic.theta_bits`) and gets ``∇U_i(θ)`` back (the same; at 12 or 16, :mod:`qlsd_flwr.protocol.gradients`, θ goes as
 float32 and the gradient comes back as one fixed-point row, at most ``16 d + 40`` or ``24 ⌈d/2⌉ + 40`` bits (coded where
 shorter, :mod:`qlsd_flwr.compression.fixed`: counted as the bytes the row takes, :func:`~qlsd_flwr.compression.fixed.sent_bits`), the width chosen
 before each exchange by the descent's rule, :func:`precision`); a curvature exchange sends θ (``32 d`` where it is the

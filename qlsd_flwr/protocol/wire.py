@@ -114,7 +114,7 @@ def bytes_to_arr(b: bytes, d: int) -> np.ndarray:
 
 def report_bytes(h) -> bytes:
     """A curvature report's payload: bytes as they are (K-FAC's first report and ``metric-block``'s, which carry a
-    square root in 16-bit rows: :mod:`qlsd_flwr.compression.root`), the other reports' numbers as float64."""
+    square root in 12-bit rows: :mod:`qlsd_flwr.compression.root`), the other reports' numbers as float64."""
     return bytes(h) if isinstance(h, (bytes, bytearray)) else arr_to_bytes(np.asarray(h).ravel())
 
 
