@@ -321,7 +321,8 @@ def test_round_0_is_a_code_from_zero_which_every_client_holds(tmp_path):
     _, _, _, fresh = _client()
     late = {**first, "round": 2, "theta_code": spec.downlink.send(theta0, w0, 0, 2)[1]}
     assert handle(spec, task.clients[0], fresh, 0, late, 5)["status"] == "resync" and fresh.w is None
-    # on the wire: round 0's message to each active client is a code, far below θ in full
+    # on the wire: round 0's message to each active client is a code (96 bits at d = 5), θ in full is 64 d = 320: half of
+    # 64 d a client is passed as soon as one of them is sent θ in full
     run = run_local(resolve({**BASE, "output-dir": str(tmp_path)}), keep_trace=True)
     with open(run.run_dir / "metrics.csv", newline="") as f:
         row0 = next(csv.DictReader(f))

@@ -242,6 +242,10 @@ def test_the_preparation_sends_each_client_its_point_on_its_own_coordinates(tmp_
     prep = local.summary["bits"]["preparation"]
     assert json.loads((flwr.run_dir / "summary.json").read_text())["bits"]["preparation"] == prep
     down, down_whole = (({k: v["downlink"] for k, v in r.summary["bits"]["preparation"].items()}) for r in (local, whole))
-    assert down["descent"] < 0.8 * down_whole["descent"] and down["power_iteration"] < down_whole["power_iteration"]
+    # the descent's downlink is its points alone: each client's share is its own coordinates' of the d (exact, in bits)
+    task = loading.load_task(resolve(o))
+    own = sum(int(np.count_nonzero(m)) for m in broadcast.task_supports(task))
+    assert down["descent"] * task.b * task.dim == down_whole["descent"] * own and own < 0.8 * task.b * task.dim
+    assert down["power_iteration"] < down_whole["power_iteration"]
     assert np.array_equal(local.trace, np.asarray(flwr.trace)) and local.summary["gamma"] == whole.summary["gamma"]
     assert np.array_equal(load_samples(local.run_dir), load_samples(flwr.run_dir))
