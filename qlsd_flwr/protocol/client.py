@@ -141,9 +141,11 @@ def prep_point(st: ClientState, fields: dict, d: int, own: np.ndarray | None = N
             raise ValueError(f"{fields['phase']}: 'theta_on' with 'theta', or to a client that reads every coordinate")
         theta = np.zeros(d)
         theta[own] = vector(fields["theta_on"], int(np.count_nonzero(own)))
-        fields = {**fields, "theta": theta}
-    if "theta" in fields:
+    elif "theta" in fields:
         theta = vector(fields["theta"], d)
+    else:
+        theta = None
+    if theta is not None:
         if "point" in fields:
             st.point, st.point_id = theta, _point_id(fields)
         return theta

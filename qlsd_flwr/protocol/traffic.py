@@ -52,6 +52,9 @@ class Traffic:
     def __init__(self, b: int, d: int, info: dict, say=None, supports=None):
         self.b, self.d, self.info, self.say = int(b), int(d), info, say
         self.cols = own_cols(supports)  # each client's own coordinates, which its blocks of vectors carry (or None)
+        # the numbers of a point sent to every client: each its own coordinates where they are known (theta_on)
+        self.point_numbers = self.d * self.b if self.cols is None else \
+            sum(self.d if c is None else c.size for c in self.cols)
         self.phase = "descent"
         self.precision = 64  # bits a number of a gradient exchange, both ways (:func:`precision`)
         info.setdefault("prep_bits", {})
@@ -80,9 +83,7 @@ class Traffic:
             held[kind] = held.get(kind, 0) + int(width) * self.d
             return 0
         self.point = key
-        if self.cols is None:
-            return int(width) * self.d * self.b
-        return int(width) * sum(self.d if c is None else c.size for c in self.cols)
+        return int(width) * self.point_numbers
 
     def add(self, kind: str, uplink: int, downlink: int) -> None:
         """One exchange of ``kind`` with these code lengths (bits, all clients together)."""
