@@ -39,7 +39,7 @@ import test_fsgld_bounds as fsgld_bounds  # noqa: E402
 from qlsd_flwr.config import resolve  # noqa: E402
 from qlsd_flwr.outputs.recorder import load_samples  # noqa: E402
 from qlsd_flwr.robust.norm_guard import OWN_MIN  # noqa: E402
-from qlsd_flwr.robust.products import FACTOR_PRODUCT, FACTOR_SHARE_DATUM, SHARE  # noqa: E402
+from qlsd_flwr.robust.products import FACTOR_PRODUCT, FACTOR_SHARE_DATUM, SHARE, SHARE_NETWORK  # noqa: E402
 from qlsd_flwr.robust.reports import FACTOR_SHARE, clamped_counts  # noqa: E402
 from qlsd_flwr.run.simulate import run, run_inprocess  # noqa: E402
 from qlsd_flwr.tasks.gaussian import build_gaussian_task  # noqa: E402
@@ -104,6 +104,22 @@ def rows(tmp: Path) -> list[dict]:
                      "bound": f"γ × ≥ {floor:.3f} (its part of the Rayleigh quotient ≤ max(1, 20 N_i/N_−i) × the "
                               "others' and the prior's; ≤ 50 × the median per datum)",
                      "measured": f"γ × {g1 / g0:.3f} (before the rule: × 0.0011)"})
+
+    # the same lie on a network (the quickstart's wine MLP, not log-concave: robust.products.SHARE_NETWORK)
+    sys.path.insert(0, str(HERE.parent / "examples"))
+    o = {"task": "mnist", "dataset": "wine_mlp:load", "model": "wine_mlp:make", "num-clients": 4,
+         "partition": "dirichlet", "variant": "lsd-pp", "gamma": "auto", "metric": "diagonal", "num-rounds": 4,
+         "burn-in": 0, "engine": "inprocess", "progress": False, "loo": "off", "plot": False, "output-dir": str(tmp)}
+    g0 = run({**o, "run-name": "honest-net-products"}).summary["gamma"]
+    from qlsd_flwr.tasks.loading import load_task
+
+    dim = load_task(resolve(o)).dim
+    g1 = run({**o, "run-name": "net-products"}, mods=[scaled_products(1e4, 1, dim)]).summary["gamma"]
+    out_rows.append({"kind": "Hessian-vector products (gamma = auto, a network)",
+                     "attack": "client 1's products ×1e4 (the wine MLP, 4 clients)",
+                     "bound": f"γ × ≥ {1 / (1 + SHARE_NETWORK):.4f} (its part ≤ {SHARE_NETWORK:g} × the others' and "
+                              "the prior's; honest parts ≤ 28.2×)",
+                     "measured": f"γ × {g1 / g0:.4f}"})
 
     # curvature reports through Flower: client 1's diagonal ×1e12 + 1e12
     o = {**GAUSS, "engine": "inprocess", "num-rounds": 4, "burn-in": 1, "metric": "diagonal", "gamma": "auto",

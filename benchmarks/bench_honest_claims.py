@@ -19,6 +19,7 @@ products' use of ``robust.reports.FACTOR_SHARE``'s allowance (``loo_metric_*``, 
 
     python benchmarks/bench_honest_claims.py            # writes benchmarks/honest_claims.json
     python benchmarks/bench_honest_claims.py --shares   # writes benchmarks/honest_products.json (1 min)
+    python benchmarks/bench_honest_claims.py --networks # writes benchmarks/honest_networks.json (10 min)
 
 ``--shares``: the constants of ``robust.products``' share rule. For each client, at every product of the power
 iteration from a random start at θ* (30), along 5 random directions, and (since 2026-12-04) at every vector of the
@@ -26,6 +27,10 @@ Lanczos iteration γ now takes from a random start (30 products) and its top Rit
 ``q_i = uᵀ ∇²U_i u`` over the others' and the prior's, ``q_{−i}``; the largest ``q_i / q_{−i}``, the largest
 per datum (``q_i N_{−i} / (q_{−i} N_i)``), and the largest per datum among the parts over ``q_{−i}`` (what
 ``FACTOR_SHARE_DATUM`` must clear for the rule to hold no honest part).
+
+``--networks``: the same statistics, and the products' per datum over their median, for models not declared
+log-concave (an MLP on MNIST over dominant-label and Dirichlet splits, the quickstart's wine network), where a part is
+judged only where the others' sum is positive: ``robust.products.SHARE_NETWORK`` and why the per-datum clip is off there.
 """
 
 from __future__ import annotations
@@ -97,8 +102,11 @@ def product_ratio(task, theta: np.ndarray, seed: int = 0) -> float:
     return worst
 
 
-def share_ratios(task, theta: np.ndarray, seed: int = 0) -> dict:
-    """The share rule's honest statistics at ``theta`` (module docstring, ``--shares``)."""
+def share_ratios(task, theta: np.ndarray, seed: int = 0, concave: bool | None = None) -> dict:
+    """The share rule's honest statistics at ``theta`` (module docstring, ``--shares``); with ``concave`` given, also
+    at how many of the vectors ``robust.products.held_parts`` (with that model's constants) holds some client."""
+    from qlsd_flwr.robust.products import held_parts
+
     n = np.array([c.n_data for c in task.clients], dtype=np.float64)
 
     def parts(u):
@@ -118,18 +126,27 @@ def share_ratios(task, theta: np.ndarray, seed: int = 0) -> dict:
         return sum(h) + prior
 
     directions += _lanczos_directions(whole, gen.normal(size=theta.shape), 30)
-    share = per_datum = needed = 0.0
+    share = per_datum = needed = lowest = product = 0.0
+    held = 0
     for u in directions:
         u = u / np.linalg.norm(u)
         h, prior = parts(u)
+        if concave is not None:
+            held += held_parts(dict(enumerate(h)), n, {"log_concave": concave}, u, float(u @ prior))[1]
+        v = np.array([np.linalg.norm(x) for x in h]) / n  # the per-datum clip's statistic (robust.products)
+        product = max(product, float(v.max() / np.sort(v)[(len(v) - 1) // 2]))
         q = np.array([u @ x for x in h])
         for i in range(len(q)):
-            r = float(q[i] / (q.sum() - q[i] + u @ prior))
+            others = q.sum() - q[i] + u @ prior
+            if not others > 0:  # the rule judges no part there (a network's curvature can be negative)
+                continue
+            r = float(q[i] / others)
             p = r * (n.sum() - n[i]) / n[i]
-            share, per_datum = max(share, r), max(per_datum, p)
+            share, per_datum, lowest = max(share, r), max(per_datum, p), min(lowest, r)
             if r > 1.0:
                 needed = max(needed, p)
-    return {"share": share, "share_per_datum": per_datum, "share_per_datum_over_1": needed}
+    return {"share": share, "share_per_datum": per_datum, "share_per_datum_over_1": needed, "share_lowest": lowest,
+            "product_per_datum": product, **({} if concave is None else {"held_at_theta_star": held})}
 
 
 def _lanczos_directions(product, v, steps: int) -> list:
@@ -179,6 +196,73 @@ def shares_main(smoke: bool) -> None:
           "(robust.products.FACTOR_SHARE_DATUM)")
     if not smoke:
         (HERE / "honest_products.json").write_text(json.dumps({"worst": worst, "rows": rows}, indent=1))
+
+
+def network_cases(smoke: bool) -> list:
+    """``--networks``: an MLP on MNIST (dominant-label and Dirichlet splits) and the quickstart's wine network."""
+    mnist = {"task": "mnist", "dataset": "mnist_subset", "model": "mlp"}
+    wine = {"task": "mnist", "dataset": "wine_mlp:load", "model": "wine_mlp:make"}
+    out = [{**wine, "partition": p, "num-clients": b} for p in ("dirichlet", "iid") for b in (4, 10)]
+    if smoke:
+        return out[:1]
+    out += [{**mnist, "partition": "dominant_label", "num-clients": b, "data-seed": s} for b in (4, 10, 20) for s in (0, 1)]
+    return out + [{**mnist, "partition": "dirichlet", "partition-alpha": a, "num-clients": b}
+                  for a in (0.5, 0.1) for b in (10, 20)]
+
+
+def networks_main(smoke: bool) -> None:
+    """``--networks``: the honest maxima behind ``robust.products``' rule for models not declared log-concave,
+    and whether the rule held any honest part there (``products_clipped`` of the preparation, the descent's included)."""
+    sys.path.insert(0, str(HERE.parent / "examples"))  # the wine network's plug-in
+    rows = []
+    for over in network_cases(smoke):
+        cfg = resolve({**over, "variant": "lsd-star", "theta-star": "optimise", "gamma": "auto", "metric": "diagonal",
+                       "opt-accept-unconverged": True, "num-rounds": 1, "burn-in": 0, "progress": False, "loo": "off",
+                       "plot": False})
+        task = loading.load_task(cfg)
+        specs = [build.client_spec(cfg, i, task.clients[i].n_data, task.dim, task.prior, build.blocks_for(cfg, task))
+                 for i in range(cfg.b)]
+        prep = precondition.prepare(cfg, task, build.theta0_of(task), *build.direct_exchanges(cfg, task, specs))
+        concave = bool(task.log_concave)
+
+        def lam_under(rule: bool) -> tuple[float, int]:  # γ's λ_max at θ* with the rule for a model (not) log-concave
+            from qlsd_flwr.core import curvature as cv
+            from qlsd_flwr.protocol.curvature_exchange import products_in
+
+            grad_fn, curv_fn = build.direct_exchanges(cfg, task, specs)
+            info = {"log_concave": rule}
+            hvp = precondition.products_for(task, grad_fn, curv_fn, np.array([c.n_data for c in task.clients]), info)
+            lam, _ = cv.lambda_max(grad_fn, prep.theta_star, prep.metric, cfg.seed, hvp=products_in(hvp, prep.metric))
+            return lam, int(info.get("products_clipped", 0))
+
+        (lam_now, held_now), (lam_convex, held_convex) = lam_under(concave), lam_under(True)
+        r = {"case": over, "dim": task.dim, "log_concave": concave, **share_ratios(task, prep.theta_star, 0, concave),
+             "products_clipped": int(prep.info.get("products_clipped", 0)), "gamma": prep.gamma,
+             "held_in_gamma": held_now,
+             "claims_at_theta_star": ratios(task, prep.theta_star),  # robust.claims.FACTOR_CLAIM's statistic  # in γ's own iteration at θ* (the preparation's count has the descent's too)
+             # what the log-concave constants (the rule before 2026-12-07) do at the same θ*: γ ÷ the honest sum's
+             "held_by_log_concave_rule": held_convex, "gamma_log_concave_rule_ratio": lam_now / lam_convex}
+        rows.append(r)
+        print(f"{json.dumps(over)}: products per datum {r['product_per_datum']:.3g}× the median; q_i/q_-i "
+              f"{r['share']:.3g} (lowest {r['share_lowest']:.3g}), per datum where over 1 {r['share_per_datum_over_1']:.3g}; "
+              f"held at θ*: {r['held_at_theta_star']} of the vectors; in the whole preparation (the descent's from θ_0 "
+              f"included) {r['products_clipped']}, in γ's own iteration {r['held_in_gamma']}; under the log-concave rule at θ*: {r['held_by_log_concave_rule']} held, γ × "
+              f"{r['gamma_log_concave_rule_ratio']:.3f}; claims per datum at θ* {r['claims_at_theta_star']:.3g}× the "
+              "median", flush=True)
+    worst = {k: max(r[k] for r in rows) for k in ("product_per_datum", "share", "share_per_datum_over_1",
+                                                  "held_at_theta_star", "products_clipped", "held_in_gamma")}
+    worst["share_lowest"] = min(r["share_lowest"] for r in rows)
+    worst["gamma_log_concave_rule_ratio"] = max(r["gamma_log_concave_rule_ratio"] for r in rows)
+    worst["claims_at_theta_star"] = max(r["claims_at_theta_star"] for r in rows)
+    print(f"honest maximum over {len(rows)} network cases: a part over the others' {worst['share']:.3g} (SHARE_NETWORK); "
+          f"products per datum {worst['product_per_datum']:.3g}× the median (the log-concave clip's statistic), per "
+          f"datum where a part passed the others' {worst['share_per_datum_over_1']:.3g}; lowest part {worst['share_lowest']:.3g}; held at θ* (γ's λ_max) at most "
+          f"{worst['held_at_theta_star']} vectors a case, in γ's own iteration {worst['held_in_gamma']}; in a whole preparation "
+          f"at most {worst['products_clipped']}; the "
+          f"log-concave rule would make γ up to {worst['gamma_log_concave_rule_ratio']:.3f}× the honest sum's; θ* claims per "
+          f"datum up to {worst['claims_at_theta_star']:.3g}× the median (robust.claims.FACTOR_CLAIM)")
+    if not smoke:
+        (HERE / "honest_networks.json").write_text(json.dumps({"worst": worst, "rows": rows}, indent=1))
 
 
 def loo_metric(task, theta: np.ndarray, kind: str) -> float:
@@ -291,8 +375,13 @@ def main() -> None:
                                  "benchmarks/honest_claims.json (QLSD_SMOKE: three cases, nothing written).")
     ap.add_argument("--shares", action="store_true", help="only robust.products' share rule: writes "
                     "benchmarks/honest_products.json")
+    ap.add_argument("--networks", action="store_true", help="only robust.products' constants for models not declared "
+                    "log-concave: writes benchmarks/honest_networks.json")
     smoke = bool(os.environ.get("QLSD_SMOKE"))
-    if ap.parse_args().shares:
+    args = ap.parse_args()
+    if args.networks:
+        return networks_main(smoke)
+    if args.shares:
         return shares_main(smoke)
     rows = []
     for over in cases(smoke):

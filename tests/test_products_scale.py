@@ -29,8 +29,9 @@ O = {"task": "gaussian", "num-clients": 5, "dim": 5, "prior-var": 5.0, "variant"
      "loo": "off", "plot": False}
 
 
-def scaled_products(factor: float, client: int = 0):
-    """Client ``client`` multiplies every Hessian-vector product it gives before sampling by ``factor``."""
+def scaled_products(factor: float, client: int = 0, dim: int = O["dim"]):
+    """Client ``client`` multiplies every Hessian-vector product it gives before sampling by ``factor`` (``dim``:
+    the task's)."""
     from flwr.app import ConfigRecord
 
     from qlsd_flwr.compression import fixed
@@ -43,7 +44,8 @@ def scaled_products(factor: float, client: int = 0):
                 or reply.has_error() or fields.get("kind") != "hvp":
             return reply
         rec = dict(reply.content["qlsd"])
-        rec["payload"] = fixed.encode(fixed.decode(bytes(rec["payload"]), O["dim"]) * factor)
+        buf = bytes(rec["payload"])  # at the width asked (12 or 16 bits since issue 37), or refused as malformed
+        rec["payload"] = fixed.encode(fixed.decode(buf, dim) * factor, fixed.width_of(buf))
         reply.content["qlsd"] = ConfigRecord(rec)
         return reply
 
@@ -67,6 +69,11 @@ def test_one_client_s_products_move_gamma_auto_at_most_by_the_stated_factor(tmp_
         ratio = r.summary["gamma"] / g0
         assert floor * (1 - 0.05) <= ratio <= 1.0, (factor, ratio, floor)  # 5 %: the iteration's own tolerance
         assert r.summary["rejected"].get("phase_reply", 0) == 0
+        # the lie reached the rule (a product at another width is refused and taken from gradients instead, which
+        # made this test pass with γ unchanged from 12-07's 12-bit rows until the mod wrote the width it was asked)
+        info = r.summary.get("ts_info", r.summary)
+        assert info.get("products_clipped", 0) > 0 and not info.get("products_rejected"), info
+        assert ratio < 0.9, ratio
     # a sign flip: its part is held from below to −a/(1 + a) of the others' (since 2026-12-06), so the curvature
     # reads at least (N − N_i + 1/σ²)/(1 + a) and γ is larger by at most (N + 1/σ²)(1 + a)/(N − N_i + 1/σ²) (before,
     # ×−1e4 stopped the run, "not convex"). Either it samples with γ within that factor, or the chain runs away at that
@@ -142,3 +149,52 @@ def test_one_client_of_ten_raises_the_power_iteration_s_lambda_at_most_by_one_pl
     for lie in (lambda u, h: -h * 1e6, lambda u, h: -u * 1e9, lambda u, h: -(others @ u) + 1e-3 * u):
         lam, _ = lambda_max(None, np.zeros(d), Identity(), seed=0, iters=500, tol=1e-9, hvp=hvp_with(lie))
         assert floor * (1 - 1e-9) <= lam <= bound * honest, (lam, floor, honest)
+
+
+def test_a_network_s_dominant_honest_client_is_not_held_and_a_liar_is_held_to_the_network_bound():
+    """A model not declared log-concave (``info['log_concave'] = False``, as ``prepare`` sets it for a network)
+    takes :func:`factors`' network constants. Twenty clients of equal ``N`` (d = 30), one of which (as a client
+    whose labels θ* misfits) has 7× the others' curvature together along its own directions, 133× theirs per datum,
+    and one with negative curvature in a direction (not convex): the log-concave constants hold the dominant client
+    (γ would come out larger than the honest sum's); the network's hold nobody, so λ is the honest one to the last
+    bit; and a liar answering ×1e6 raises λ by at most ``1 + SHARE_NETWORK``."""
+    from qlsd_flwr.core.curvature import lambda_max
+    from qlsd_flwr.core.metric import Identity
+    from qlsd_flwr.robust.products import SHARE_NETWORK, factors, held_parts
+
+    assert factors(False)[2] == SHARE_NETWORK and factors(True)[1:] == (FACTOR_SHARE_DATUM, SHARE)
+    gen = np.random.default_rng(5)
+    d, b, n = 30, 20, 40
+    H = [(lambda A: A @ A.T / (2 * d) * n * 0.05)(gen.normal(size=(d, 2 * d))) for _ in range(b)]
+    E = np.linalg.qr(gen.normal(size=(d, 3)))[0]
+    H[3] = H[3] + E @ E.T * 7.0 * float(np.trace(sum(H)) / d)  # dominant along E: its labels misfit
+    e = gen.normal(size=d)
+    e /= np.linalg.norm(e)
+    H[5] = H[5] - 0.5 * np.outer(e, e) * float(e @ H[5] @ e)  # negative curvature there (still PD in the sum)
+    P0 = np.eye(d) * 0.2
+    counts = np.full(b, n)  # the clients' claimed N_i, as the preparation passes them
+    honest = float(np.linalg.eigvalsh(sum(H) + P0)[-1])
+
+    def hvp_with(concave, lie=None, seen=None):
+        def hvp(th, u, eps):
+            parts = {k: H[k] @ u for k in range(b)}
+            if lie is not None:
+                parts[4] = lie(parts[4])
+            info = {"log_concave": concave}
+            held, scaled = held_parts(parts, counts, info, u, float(u @ P0 @ u))
+            if seen is not None:
+                seen.update(info.get("products_clipped_clients", []))
+            return sum(held[k] for k in sorted(held)) + P0 @ u
+        return hvp
+
+    def lam(hvp):
+        return lambda_max(None, np.zeros(d), Identity(), seed=0, iters=500, tol=1e-9, hvp=hvp)[0]
+
+    held_as_convex: set = set()
+    assert lam(hvp_with(True, seen=held_as_convex)) < honest * (1 - 1e-3) and 3 in held_as_convex
+    held_as_network: set = set()
+    assert lam(hvp_with(False, seen=held_as_network)) == lam(lambda th, u, eps: sum(H[k] @ u for k in range(b)) + P0 @ u)
+    assert not held_as_network and abs(lam(hvp_with(False)) - honest) <= 1e-6 * honest
+    bound = 1 + SHARE_NETWORK
+    lied = lam(hvp_with(False, lie=lambda h: h * 1e6))
+    assert honest * (1 - 1e-6) <= lied <= bound * honest, (lied / honest, bound)

@@ -26,8 +26,9 @@ Hessian-vector products of         :mod:`.products`: FACTOR_PRODUCT 50   honest 
 ``gamma = auto``'s power iteration × the lower median per datum; each   (bench_honest_claims.py); γ shrinks
                                    client's part of the Rayleigh         ≤ 1 + a_i (3.2× for one of ten);
                                    quotient ≤ a_i = max(SHARE 1,         honest: parts over 1× had ≤ 10.3× per
-                                   FACTOR_SHARE_DATUM 20 · N_i/N_{−i})   datum (``--shares``); networks: honest
-                                   × the others' and the prior's         parts held (γ up to 1.29× larger)
+                                   FACTOR_SHARE_DATUM 20 · N_i/N_{−i})   datum (``--shares``). Networks (not
+                                   × the others' and the prior's;        log-concave): γ shrinks ≤ 101×;
+                                   networks: SHARE_NETWORK 100, no clip  no honest part held (``--networks``)
 curvature reports, products,       :mod:`.reports`: REPORT_CAP 10 × the  one client of ten moves M by at most
 surrogate precisions               lower median per datum, REPORT_MAX    ~REPORT_CAP along the largest diagonal
                                    1e150; FSGLD's Λ held to 1/γ          entry;

@@ -51,11 +51,23 @@ start at θ*, 5 random directions, and since 2026-12-04 every vector of the Lanc
 its top Ritz vectors): a client's ``q_i / q_{−i}`` reached 2.10 (breast_cancer over 5 clients, Dirichlet(0.5), at a
 Lanczos vector; 2.05 before, digits over 5 clients, Dirichlet(0.1)), and
 where it passed 1 its curvature per datum was at most 10.3× the others' (``q_i N_{−i} / (q_{−i} N_i)``), so
-``FACTOR_SHARE_DATUM = 20`` leaves a factor of 1.9: no honest part was held in the 37 cases. **Networks are
-not covered by that measurement**: their clients' parts at θ* are not convex, and honest ones pass both rules
-(an MLP on MNIST over 20 dominant-label clients: products per datum up to 545× the median, parts up to 7.2×
-the others'), so γ comes out larger than the unheld sum's: 1.29× there (1.33× under the per-datum clip alone,
-before this rule), 1.07× over 10 clients, 1.00 on the quickstart's wine network.
+``FACTOR_SHARE_DATUM = 20`` leaves a factor of 1.9: no honest part was held in the 37 cases.
+
+**Networks** (a model not declared log-concave: ``info['log_concave']``, from the task or, on Flower, every client's
+handshake and the prior, as ``gamma-c = auto`` reads it; since 2026-12-07). A network client's curvature at θ* follows
+how badly θ* fits its labels, not its share of the data, so the constants above held honest parts there: on an MLP
+over 20 dominant-label MNIST clients γ came out 1.29× larger than the honest sum's (a larger step than the user's
+``gamma-c`` asks for: discretisation bias, a cost a defence must not put on honest clients). Such models take
+:func:`factors`' other triple: each part is held to :data:`SHARE_NETWORK` times the others' and the prior's together,
+whatever the ``N_i`` it claims, and the per-datum clip is off (products per datum are heavy-tailed there).
+``python benchmarks/bench_honest_claims.py --networks`` (``benchmarks/honest_networks.json``) gives the honest maxima
+it rests on. The argument is the one above with ``a_i = 100``: **γ shrinks by at most 101× and grows by at most
+``101 · λ_max(B)/q_{−i}(v₀)``**, for any one client, against 5,000× and a frozen chain with no rule. That is weak, and
+it has to be: a liar and a client whose labels θ* misfits send the same products, and on these splits such an honest
+client's part reached 28.2× the others'. γ's own iteration held no honest part in those 14 cases, where the
+log-concave constants held parts in 8 and made γ 1.07–2.17× larger. During the descent from a network's initial
+point, where the potential is not convex, an honest part can be far below the others' and is then held from below.
+That only shortens the descent's step: its λ reads larger.
 """
 
 from __future__ import annotations
@@ -83,25 +95,45 @@ SHARE = 1.0
 FACTOR_SHARE_DATUM = 20.0
 
 
-def clip_products(parts: dict, n_data: dict) -> tuple[dict, dict[int, str]]:
-    """``parts`` (``{i: h_i}``) with each client's product over :data:`FACTOR_PRODUCT` times the lower median per
+#: **Models not declared log-concave** (networks; ``info['log_concave']``, as ``gamma-c = auto`` reads it): an honest
+#: client's curvature there follows how badly θ* fits its labels, not its share of the data, and the constants above
+#: held honest parts (γ 1.29× larger than the honest sum's on an MLP over 20 dominant-label MNIST clients). There a
+#: client's part is held to SHARE_NETWORK times the others' and the prior's together, whatever its ``N_i``, and the
+#: per-datum clip is off (FACTOR_PRODUCT_NETWORK): ``python benchmarks/bench_honest_claims.py --networks``
+#: (``benchmarks/honest_networks.json``, 14 cases) measured honest parts up to 28.2× the others' (so 100 leaves 3.5×)
+#: and products per datum up to 491× the median (a heavy tail no per-datum constant clears with a bound worth having)
+SHARE_NETWORK = 100.0
+FACTOR_PRODUCT_NETWORK = float("inf")
+
+
+def factors(log_concave: bool) -> tuple[float, float, float]:
+    """``(per-datum clip, per-datum share factor, share floor)``: ``(FACTOR_PRODUCT, FACTOR_SHARE_DATUM, SHARE)`` for a
+    model declared log-concave, ``(FACTOR_PRODUCT_NETWORK, 0, SHARE_NETWORK)`` for one that is not."""
+    return (FACTOR_PRODUCT, FACTOR_SHARE_DATUM, SHARE) if log_concave else (FACTOR_PRODUCT_NETWORK, 0.0, SHARE_NETWORK)
+
+
+def clip_products(parts: dict, n_data: dict, factor: float = FACTOR_PRODUCT) -> tuple[dict, dict[int, str]]:
+    """``parts`` (``{i: h_i}``) with each client's product over ``factor`` (:func:`factors`) times the lower median per
     datum scaled down to it, and ``{i: why}`` for those scaled (nothing with fewer than ``POOL_MIN`` clients)."""
+    if not np.isfinite(factor):  # off (a network's: FACTOR_PRODUCT_NETWORK)
+        return parts, {}
     v = {i: float(np.linalg.norm(h)) / max(int(n_data.get(i, 1)), 1) for i, h in parts.items()}
     if len(v) < POOL_MIN:
         return parts, {}
     ref = lower_median(v.values())
-    limit = FACTOR_PRODUCT * ref
+    limit = factor * ref
     over = {i: x for i, x in v.items() if not x <= limit}
     if not over or not ref > 0:
         return parts, {}
     out = {i: (h * (limit / v[i]) if i in over else h) for i, h in parts.items()}
     return out, {i: f"its Hessian-vector product per datum was {x / ref:.3g}× the clients' median (over "
-                    f"{FACTOR_PRODUCT:g}×): scaled down to it" for i, x in over.items()}
+                    f"{factor:g}×): scaled down to it" for i, x in over.items()}
 
 
-def hold_shares(parts: dict, n_data: dict, u: np.ndarray, q0: float) -> tuple[dict, dict[int, str]]:
+def hold_shares(parts: dict, n_data: dict, u: np.ndarray, q0: float, per_datum: float = FACTOR_SHARE_DATUM,
+                share: float = SHARE) -> tuple[dict, dict[int, str]]:
     """``parts`` with each client's part of the Rayleigh quotient, ``q_i = uᵀ h_i``, held to
-    ``max(SHARE, FACTOR_SHARE_DATUM · N_i / N_{−i})`` times the others' and the prior's (``q0``) together, and from
+    ``max(share, per_datum · N_i / N_{−i})`` (the model's: :func:`factors`) times the others' and the prior's (``q0``) together, and from
     below to ``−a_i/(1 + a_i)`` times them (module docstring), and ``{i: why}`` for those scaled (nothing with fewer
     than ``POOL_MIN`` clients)."""
     if len(parts) < POOL_MIN:
@@ -111,7 +143,7 @@ def hold_shares(parts: dict, n_data: dict, u: np.ndarray, q0: float) -> tuple[di
     out, why = dict(parts), {}
     for i in sorted(parts):
         others, n_i = total - q[i], max(int(n_data.get(i, 1)), 1)
-        a = max(SHARE, FACTOR_SHARE_DATUM * n_i / max(n_all - n_i, 1))
+        a = max(share, per_datum * n_i / max(n_all - n_i, 1))
         if not (others > 0 and np.isfinite(others)):
             continue
         if q[i] > a * others:
@@ -129,12 +161,14 @@ def held_parts(parts: dict, n_data, info: dict, u: np.ndarray | None = None,
                q0: float = 0.0) -> tuple[dict, bool]:
     """:func:`clip_products` on the power iteration's parts (``n_data``: the clients' claimed ``N_i``, clamped
     here), then, given the vector ``u`` they are products with and the prior's part ``q0 = uᵀ ∇²U_0 u``,
-    :func:`hold_shares`; those scaled named in the log and counted in ``info`` (``products_clipped``,
-    ``products_clipped_clients``); ``(held parts, whether any was scaled)``."""
+    :func:`hold_shares`, with the constants for the model (:func:`factors` of ``info['log_concave']``, which the
+    preparation sets for ``gamma = auto``; log-concave where it is not set); those scaled named in the log and counted
+    in ``info`` (``products_clipped``, ``products_clipped_clients``); ``(held parts, whether any was scaled)``."""
     counts = clamped_counts(n_data, list(parts))
-    held, why = clip_products(parts, counts)
+    per_product, per_datum, share = factors(info.get("log_concave", True) is not False)
+    held, why = clip_products(parts, counts, per_product)
     if u is not None:
-        held, shared = hold_shares(held, counts, np.asarray(u, dtype=np.float64), q0)
+        held, shared = hold_shares(held, counts, np.asarray(u, dtype=np.float64), q0, per_datum, share)
         why = {**why, **{i: (why[i] + "; then " + w if i in why else w) for i, w in shared.items()}}
     for i, w in sorted(why.items()):
         log.warning("client %d: %s (products_clipped)", i, w)
