@@ -114,10 +114,11 @@ def prepare(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | No
     check(cfg, task.dim)
     n_data = task.n_data if n_data is None else np.asarray(n_data, dtype=np.int64)
     C = int(cfg.num_chains if chains is None else chains)
-    counts: dict = {}
+    concave = task.log_concave if log_concave is None else bool(log_concave)
+    # log_concave also picks the rule that holds λ_max's products (robust.products.factors), γ given or not
+    counts: dict = {"log_concave": concave}
     if cfg.gamma_auto or cfg.kind.coupled:  # the c of γ = c/λ_max, and of DG-LMC's client step
-        concave = task.log_concave if log_concave is None else bool(log_concave)
-        counts.update({"gamma_c": cv.gamma_c(cfg.get("gamma-c"), concave), "log_concave": concave})
+        counts["gamma_c"] = cv.gamma_c(cfg.get("gamma-c"), concave)
     traffic = Traffic(cfg.b, task.dim, counts, say=lambda line: announce(line, cfg.progress), supports=supports)
     grad_fn, curv_fn = counted(grad_fn, curv_fn, traffic)
     if not needs_preparation(cfg):
