@@ -47,6 +47,7 @@ from qlsd_flwr.protocol import build, precondition
 from qlsd_flwr.tasks import loading
 
 HERE = Path(__file__).resolve().parent
+RULE = {True: "log-concave", False: "network"}  # info['products_rule'] for a model (not) log-concave
 
 
 def cases(smoke: bool):
@@ -132,7 +133,7 @@ def share_ratios(task, theta: np.ndarray, seed: int = 0, concave: bool | None = 
         u = u / np.linalg.norm(u)
         h, prior = parts(u)
         if concave is not None:
-            held += held_parts(dict(enumerate(h)), n, {"log_concave": concave}, u, float(u @ prior))[1]
+            held += held_parts(dict(enumerate(h)), n, {"products_rule": RULE[concave]}, u, float(u @ prior))[1]
         v = np.array([np.linalg.norm(x) for x in h]) / n  # the per-datum clip's statistic (robust.products)
         product = max(product, float(v.max() / np.sort(v)[(len(v) - 1) // 2]))
         q = np.array([u @ x for x in h])
@@ -230,7 +231,7 @@ def networks_main(smoke: bool) -> None:
             from qlsd_flwr.protocol.curvature_exchange import products_in
 
             grad_fn, curv_fn = build.direct_exchanges(cfg, task, specs)
-            info = {"log_concave": rule}
+            info = {"products_rule": RULE[rule]}
             hvp = precondition.products_for(task, grad_fn, curv_fn, np.array([c.n_data for c in task.clients]), info)
             lam, _ = cv.lambda_max(grad_fn, prep.theta_star, prep.metric, cfg.seed, hvp=products_in(hvp, prep.metric))
             return lam, int(info.get("products_clipped", 0))

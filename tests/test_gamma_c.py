@@ -119,24 +119,29 @@ def test_the_preparation_takes_c_by_the_rule_or_as_given(given):
         assert gamma == c / info["lambda_max"]
 
 
-@pytest.mark.parametrize("network", [True, False])
+@pytest.mark.parametrize("network", [True, False, "one says not"])
 def test_a_user_s_app_takes_c_from_its_clients_handshakes(quickstart, tmp_path, network):
     """The quickstart's wine network (c = 0.125) and a softmax regression on the same clients
-    (0.25), through a user's ServerApp: the server has no potential, only the handshakes."""
+    (0.25), through a user's ServerApp: the server has no potential, only the handshakes. λ_max's products are held
+    by the rule the majority of the handshakes names (``robust.products.factors``): one client saying its softmax
+    regression is not log-concave halves c (the safer step) but cannot switch the products to the network's weaker
+    rule."""
     b = 4
+    liar = network == "one says not"
+    network = network is True
 
-    def linear():
+    def linear(i):
         torch.manual_seed(0)
-        return nn.Linear(13, 3)
+        return TorchPotential(nn.Linear(13, 3), *quickstart.load_partition(i, b), log_concave=not (liar and i == 2))
 
-    pots = [quickstart.potential(i, b) if network else TorchPotential(linear(), *quickstart.load_partition(i, b))
-            for i in range(b)]
+    pots = [quickstart.potential(i, b) if network else linear(i) for i in range(b)]
     app = make_client_app(lambda ctx: pots[int(ctx.node_config["partition-id"])])
     st = QLSDStrategy(num_clients=b, dim=pots[0].dim, variant="qlsd-pp", gamma="auto", num_rounds=4, burn_in=1,
                       s=16, seed=0, prior_var=quickstart.PRIOR_VAR, output_dir=str(tmp_path), run_name="c",
                       progress=False, loo="off", plot=False)
     st.start(InProcessGrid(app, b), initial_arrays=None)
     summary = json.loads((Path(st.run_dir) / "summary.json").read_text())
-    c = 0.125 if network else 0.25
-    assert summary["log_concave"] is (not network) and summary["gamma_c"] == c
+    c = 0.125 if network or liar else 0.25
+    assert summary["log_concave"] is (not (network or liar)) and summary["gamma_c"] == c
+    assert summary["products_rule"] == ("network" if network else "log-concave")
     assert summary["gamma"] == pytest.approx(c / summary["lambda_max"], rel=1e-12)

@@ -152,7 +152,7 @@ def test_one_client_of_ten_raises_the_power_iteration_s_lambda_at_most_by_one_pl
 
 
 def test_a_network_s_dominant_honest_client_is_not_held_and_a_liar_is_held_to_the_network_bound():
-    """A model not declared log-concave (``info['log_concave'] = False``, as ``prepare`` sets it for a network)
+    """A model not declared log-concave (``info['products_rule'] = 'network'``, as ``prepare`` sets it for a network)
     takes :func:`factors`' network constants. Twenty clients of equal ``N`` (d = 30), one of which (as a client
     whose labels θ* misfits) has 7× the others' curvature together along its own directions, 133× theirs per datum,
     and one with negative curvature in a direction (not convex): the log-concave constants hold the dominant client
@@ -180,7 +180,7 @@ def test_a_network_s_dominant_honest_client_is_not_held_and_a_liar_is_held_to_th
             parts = {k: H[k] @ u for k in range(b)}
             if lie is not None:
                 parts[4] = lie(parts[4])
-            info = {"log_concave": concave}
+            info = {"products_rule": "log-concave" if concave else "network"}
             held, scaled = held_parts(parts, counts, info, u, float(u @ P0 @ u))
             if seen is not None:
                 seen.update(info.get("products_clipped_clients", []))
@@ -201,8 +201,8 @@ def test_a_network_s_dominant_honest_client_is_not_held_and_a_liar_is_held_to_th
 
 
 def test_the_preparation_tells_the_products_rule_whether_the_model_is_log_concave_gamma_given_or_not():
-    """:func:`held_parts` reads ``info['log_concave']``: the preparation sets it for every run (before 2026-12-07 only
-    under ``gamma = auto``, so a given γ with a metric judged a network's λ_max products by the log-concave rule)."""
+    """:func:`held_parts` reads ``info['products_rule']``: the preparation sets it for every run, γ given or not (a given
+    γ with a metric still takes λ_max for its stability warning)."""
     import sys
     from pathlib import Path
 
@@ -221,3 +221,4 @@ def test_the_preparation_tells_the_products_rule_whether_the_model_is_log_concav
                      for i in range(cfg.b)]
             prep = precondition.prepare(cfg, task, build.theta0_of(task), *build.direct_exchanges(cfg, task, specs))
             assert prep.info["log_concave"] is concave, (task_keys, gamma)
+            assert prep.info["products_rule"] == ("log-concave" if concave else "network"), (task_keys, gamma)

@@ -90,7 +90,10 @@ class PhaseExchanges:
                                                                                    bits),
                     n_data=[self.nodes.n_data.get(i, 1) for i in range(self.cfg.b)], warm=warm,
                     log_concave=declares_log_concave(self.task.prior) and all(
-                        self.nodes.log_concave.get(i, False) for i in self.clients()), supports=self._supports())
+                        self.nodes.log_concave.get(i, False) for i in self.clients()), supports=self._supports(),
+                    # the products' rule by the majority: one client's claim cannot weaken it (robust.products)
+                    products_log_concave=declares_log_concave(self.task.prior) and 2 * sum(
+                        self.nodes.log_concave.get(i, False) for i in self.clients()) > len(self.clients()))
                 resync = Traffic(len(self.clients()), self.d, prep.info)
                 for bits in self._resent:  # a restarted node's θ, sent again: counted beside the rest
                     resync.add("resync", 0, bits)

@@ -101,7 +101,7 @@ def check(cfg: RunConfig, d: int) -> None:
 
 def prepare(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | None,
             curv_fn: CurvFn | None, chains: int | None = None, n_data=None, warm=None,
-            log_concave: bool | None = None, supports=None) -> Prepared:
+            log_concave: bool | None = None, supports=None, products_log_concave: bool | None = None) -> Prepared:
     """θ*, ``M``, ``γ`` and the chains' starts for ``cfg`` (see the module docstring). ``theta0``
     is the task's (or the user's) starting point; ``chains`` the number of chains to start
     (default ``num-chains``); ``n_data`` the clients' ``N_i`` (default the task's: a user's
@@ -109,14 +109,17 @@ def prepare(cfg: RunConfig, task: Task, theta0: np.ndarray, grad_fn: GradFn | No
     ``metric-from = adapt`` keeps its warm-up's state (``load()``, ``save(state)``, ``clear()``:
     :func:`qlsd_flwr.outputs.warmup.warmup_store`), or ``None``; ``log_concave`` whether the
     posterior is declared log-concave (default the task's; a user's ServerApp: its clients'
-    handshakes and its prior), which sets ``gamma-c = auto``'s ``c``; ``supports`` the clients' declared supports
+    handshakes and its prior), which sets ``gamma-c = auto``'s ``c``; ``products_log_concave`` which rule holds λ_max's
+    products (:func:`qlsd_flwr.robust.products.factors`; default ``log_concave``; a user's ServerApp: the majority of
+    its clients' handshakes, which one client cannot switch); ``supports`` the clients' declared supports
     (``downlink-support = data``: each client's blocks of vectors go on its own coordinates, and are counted so)."""
     check(cfg, task.dim)
     n_data = task.n_data if n_data is None else np.asarray(n_data, dtype=np.int64)
     C = int(cfg.num_chains if chains is None else chains)
     concave = task.log_concave if log_concave is None else bool(log_concave)
-    # log_concave also picks the rule that holds λ_max's products (robust.products.factors), γ given or not
-    counts: dict = {"log_concave": concave}
+    rule = concave if products_log_concave is None else bool(products_log_concave)
+    # the rule that holds λ_max's products (robust.products.factors), γ given or not
+    counts: dict = {"log_concave": concave, "products_rule": "log-concave" if rule else "network"}
     if cfg.gamma_auto or cfg.kind.coupled:  # the c of γ = c/λ_max, and of DG-LMC's client step
         counts["gamma_c"] = cv.gamma_c(cfg.get("gamma-c"), concave)
     traffic = Traffic(cfg.b, task.dim, counts, say=lambda line: announce(line, cfg.progress), supports=supports)

@@ -53,8 +53,9 @@ Lanczos vector; 2.05 before, digits over 5 clients, Dirichlet(0.1)), and
 where it passed 1 its curvature per datum was at most 10.3× the others' (``q_i N_{−i} / (q_{−i} N_i)``), so
 ``FACTOR_SHARE_DATUM = 20`` leaves a factor of 1.9: no honest part was held in the 37 cases.
 
-**Networks** (a model not declared log-concave: ``info['log_concave']``, from the task or, on Flower, every client's
-handshake and the prior, as ``gamma-c = auto`` reads it; since 2026-12-07). A network client's curvature at θ* follows
+**Networks** (a model not declared log-concave: ``info['products_rule']``, from the task or, on Flower, the prior and
+the majority of the clients' handshakes, so that one client cannot switch the rule either way; ``gamma-c = auto``
+takes the smaller step if any client says it is not; since 2026-12-07). A network client's curvature at θ* follows
 how badly θ* fits its labels, not its share of the data, so the constants above held honest parts there: on an MLP
 over 20 dominant-label MNIST clients γ came out 1.29× larger than the honest sum's (a larger step than the user's
 ``gamma-c`` asks for: discretisation bias, a cost a defence must not put on honest clients). Such models take
@@ -95,7 +96,7 @@ SHARE = 1.0
 FACTOR_SHARE_DATUM = 20.0
 
 
-#: **Models not declared log-concave** (networks; ``info['log_concave']``, as ``gamma-c = auto`` reads it): an honest
+#: **Models not declared log-concave** (networks; ``info['products_rule']``, module docstring): an honest
 #: client's curvature there follows how badly θ* fits its labels, not its share of the data, and the constants above
 #: held honest parts (γ 1.29× larger than the honest sum's on an MLP over 20 dominant-label MNIST clients). There a
 #: client's part is held to SHARE_NETWORK times the others' and the prior's together, whatever its ``N_i``, and the
@@ -161,11 +162,11 @@ def held_parts(parts: dict, n_data, info: dict, u: np.ndarray | None = None,
                q0: float = 0.0) -> tuple[dict, bool]:
     """:func:`clip_products` on the power iteration's parts (``n_data``: the clients' claimed ``N_i``, clamped
     here), then, given the vector ``u`` they are products with and the prior's part ``q0 = uᵀ ∇²U_0 u``,
-    :func:`hold_shares`, with the constants for the model (:func:`factors` of ``info['log_concave']``, which the
-    preparation sets for ``gamma = auto``; log-concave where it is not set); those scaled named in the log and counted
-    in ``info`` (``products_clipped``, ``products_clipped_clients``); ``(held parts, whether any was scaled)``."""
+    :func:`hold_shares`, with the constants for the model (:func:`factors`: ``info['products_rule']``, which the
+    preparation sets, ``network`` or ``log-concave``, the latter where it is not set); those scaled named in the log and
+    counted in ``info`` (``products_clipped``, ``products_clipped_clients``); ``(held parts, whether any was scaled)``."""
     counts = clamped_counts(n_data, list(parts))
-    per_product, per_datum, share = factors(info.get("log_concave", True) is not False)
+    per_product, per_datum, share = factors(info.get("products_rule") != "network")
     held, why = clip_products(parts, counts, per_product)
     if u is not None:
         held, shared = hold_shares(held, counts, np.asarray(u, dtype=np.float64), q0, per_datum, share)
