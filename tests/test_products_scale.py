@@ -202,7 +202,7 @@ def test_a_network_s_dominant_honest_client_is_not_held_and_a_liar_is_held_to_th
 
 def test_the_preparation_tells_the_products_rule_whether_the_model_is_log_concave_gamma_given_or_not():
     """:func:`held_parts` reads ``info['products_rule']``: the preparation sets it for every run, γ given or not (a given
-    γ with a metric still takes λ_max for its stability warning)."""
+    γ with a metric still takes λ_max for its stability warning; ``gamma = auto``: ``tests/test_gamma_c.py``)."""
     import sys
     from pathlib import Path
 
@@ -213,12 +213,11 @@ def test_the_preparation_tells_the_products_rule_whether_the_model_is_log_concav
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))  # the wine network's plug-in
     wine = {"task": "mnist", "dataset": "wine_mlp:load", "model": "wine_mlp:make"}
     for task_keys, concave in ((wine, False), ({"task": "gaussian", "dim": 5}, True)):
-        for gamma in ("auto", 1e-3):
-            cfg = resolve({**task_keys, "num-clients": 4, "variant": "lsd-pp", "gamma": gamma, "metric": "diagonal",
-                           "num-rounds": 1, "burn-in": 0, "progress": False, "loo": "off", "plot": False})
-            task = loading.load_task(cfg)
-            specs = [build.client_spec(cfg, i, task.clients[i].n_data, task.dim, task.prior, build.blocks_for(cfg, task))
-                     for i in range(cfg.b)]
-            prep = precondition.prepare(cfg, task, build.theta0_of(task), *build.direct_exchanges(cfg, task, specs))
-            assert prep.info["log_concave"] is concave, (task_keys, gamma)
-            assert prep.info["products_rule"] == ("log-concave" if concave else "network"), (task_keys, gamma)
+        cfg = resolve({**task_keys, "num-clients": 4, "variant": "lsd-pp", "gamma": 1e-3, "metric": "diagonal",
+                       "num-rounds": 1, "burn-in": 0, "progress": False, "loo": "off", "plot": False})
+        task = loading.load_task(cfg)
+        specs = [build.client_spec(cfg, i, task.clients[i].n_data, task.dim, task.prior, build.blocks_for(cfg, task))
+                 for i in range(cfg.b)]
+        prep = precondition.prepare(cfg, task, build.theta0_of(task), *build.direct_exchanges(cfg, task, specs))
+        assert prep.info["log_concave"] is concave, task_keys
+        assert prep.info["products_rule"] == ("log-concave" if concave else "network"), task_keys
