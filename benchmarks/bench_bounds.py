@@ -39,7 +39,8 @@ import test_fsgld_bounds as fsgld_bounds  # noqa: E402
 from qlsd_flwr.config import resolve  # noqa: E402
 from qlsd_flwr.outputs.recorder import load_samples  # noqa: E402
 from qlsd_flwr.robust.norm_guard import OWN_MIN  # noqa: E402
-from qlsd_flwr.robust.products import FACTOR_PRODUCT, FACTOR_SHARE_DATUM, SHARE, SHARE_NETWORK  # noqa: E402
+from qlsd_flwr.robust.products import (FACTOR_PRODUCT, FACTOR_SHARE_DATUM, SHARE, SHARE_NETWORK,  # noqa: E402
+                                      SHARE_NETWORK_BELOW)
 from qlsd_flwr.robust.reports import FACTOR_SHARE, clamped_counts  # noqa: E402
 from qlsd_flwr.run.simulate import run, run_inprocess  # noqa: E402
 from qlsd_flwr.tasks.gaussian import build_gaussian_task  # noqa: E402
@@ -114,12 +115,15 @@ def rows(tmp: Path) -> list[dict]:
     from qlsd_flwr.tasks.loading import load_task
 
     dim = load_task(resolve(o)).dim
-    g1 = run({**o, "run-name": "net-products"}, mods=[scaled_products(1e4, 1, dim)]).summary["gamma"]
+    g = {f: run({**o, "run-name": f"net-products-{f:g}"}, mods=[scaled_products(f, 1, dim)]).summary["gamma"] / g0
+         for f in (1e4, 1e17, -1e4)}
     out_rows.append({"kind": "Hessian-vector products (gamma = auto, a network)",
-                     "attack": "client 1's products ×1e4 (the wine MLP, 4 clients)",
-                     "bound": f"γ × ≥ {1 / (1 + SHARE_NETWORK):.4f} (its part ≤ {SHARE_NETWORK:g} × the others' and "
-                              "the prior's; honest parts ≤ 28.2×)",
-                     "measured": f"γ × {g1 / g0:.4f}"})
+                     "attack": "client 1's products ×1e4, ×1e17, ×−1e4 (the wine MLP, 4 clients)",
+                     "bound": f"γ × ≥ {1 / (1 + SHARE_NETWORK):.4f} where the others' parts are positive (its part ≤ "
+                              f"{SHARE_NETWORK:g} × the others' and the prior's, in absolute value; honest parts ≤ 71.4×); "
+                              f"γ × ≤ {1 + SHARE_NETWORK_BELOW:g} λ_max / q_−i(v₀) (its part ≥ −{SHARE_NETWORK_BELOW / (1 + SHARE_NETWORK_BELOW):g} × "
+                              "the others' where they are positive)",
+                     "measured": f"γ × {g[1e4]:.4f}, {g[1e17]:.4f}; × {g[-1e4]:.3g}"})
 
     # curvature reports through Flower: client 1's diagonal ×1e12 + 1e12
     o = {**GAUSS, "engine": "inprocess", "num-rounds": 4, "burn-in": 1, "metric": "diagonal", "gamma": "auto",

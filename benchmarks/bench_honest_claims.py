@@ -19,7 +19,7 @@ products' use of ``robust.reports.FACTOR_SHARE``'s allowance (``loo_metric_*``, 
 
     python benchmarks/bench_honest_claims.py            # writes benchmarks/honest_claims.json
     python benchmarks/bench_honest_claims.py --shares   # writes benchmarks/honest_products.json (1 min)
-    python benchmarks/bench_honest_claims.py --networks # writes benchmarks/honest_networks.json (10 min)
+    python benchmarks/bench_honest_claims.py --networks # writes benchmarks/honest_networks.json (12 min)
 
 ``--shares``: the constants of ``robust.products``' share rule. For each client, at every product of the power
 iteration from a random start at θ* (30), along 5 random directions, and (since 2026-12-04) at every vector of the

@@ -453,6 +453,8 @@ def test_a_lie_in_the_theta_star_phase_is_caught_when_the_client_answers_theta_s
     assert (list(ex) == ["0"]) if chains == 1 else all(list(ex[str(c)]) == ["0"] for c in range(chains))
     if when == "descent":  # caught before sampling: its claim at θ* is not what it said there in the descent
         assert ex == {"0": 0} and "theta_star_mismatch" not in r.summary["rejected"]
+        # caught for what it said, not refused for its form (a malformed reply is also left out at round 0)
+        assert not r.summary["rejected"].get("phase_reply"), r.summary["rejected"]
     else:
         assert r.summary["rejected"].get("theta_star_mismatch") == chains  # each chain's reply to θ*
     for c in range(chains):

@@ -27,8 +27,10 @@ Hessian-vector products of         :mod:`.products`: FACTOR_PRODUCT 50   honest 
                                    client's part of the Rayleigh         ≤ 1 + a_i (3.2× for one of ten);
                                    quotient ≤ a_i = max(SHARE 1,         honest: parts over 1× had ≤ 10.3× per
                                    FACTOR_SHARE_DATUM 20 · N_i/N_{−i})   datum (``--shares``). Networks (not
-                                   × the others' and the prior's;        log-concave): γ shrinks ≤ 101×;
-                                   networks: SHARE_NETWORK 100, no clip  no honest part held (``--networks``)
+                                   × the others' and the prior's;        log-concave): γ shrinks ≤ 301×, grows
+                                   networks: SHARE_NETWORK 300 (|·|),    ≤ 4 λ_max/q(v₀); γ held no honest part
+                                   below ¾ (SHARE_NETWORK_BELOW 3), no   (``--networks``)
+                                   per-datum clip
 curvature reports, products,       :mod:`.reports`: REPORT_CAP 10 × the  one client of ten moves M by at most
 surrogate precisions               lower median per datum, REPORT_MAX    ~REPORT_CAP along the largest diagonal
                                    1e150; FSGLD's Λ held to 1/γ          entry;
