@@ -81,6 +81,8 @@ class PhaseExchanges:
             self._resent.clear()
             try:
                 n_data = [self.nodes.n_data.get(i, 1) for i in range(self.cfg.b)]
+                said = [self.nodes.log_concave.get(i, False) for i in self.clients()]  # the handshakes' claims
+                prior_concave = declares_log_concave(self.task.prior)
                 prep = precondition.prepare(
                     self.cfg, self.task, theta0,
                     build.GradExchange(self.cfg, self.task.prior,
@@ -88,12 +90,10 @@ class PhaseExchanges:
                                        self.clients, n_data),
                     lambda th, kind, vectors=None, bits=fixed.BITS: self.curvature(grid, th, kind, timeout, vectors,
                                                                                    bits),
-                    n_data=[self.nodes.n_data.get(i, 1) for i in range(self.cfg.b)], warm=warm,
-                    log_concave=declares_log_concave(self.task.prior) and all(
-                        self.nodes.log_concave.get(i, False) for i in self.clients()), supports=self._supports(),
+                    n_data=n_data, warm=warm,
+                    log_concave=prior_concave and all(said), supports=self._supports(),
                     # the products' rule by the majority: one client's claim cannot weaken it (robust.products)
-                    products_log_concave=declares_log_concave(self.task.prior) and 2 * sum(
-                        self.nodes.log_concave.get(i, False) for i in self.clients()) > len(self.clients()))
+                    products_log_concave=prior_concave and 2 * sum(said) > len(said))
                 resync = Traffic(len(self.clients()), self.d, prep.info)
                 for bits in self._resent:  # a restarted node's θ, sent again: counted beside the rest
                     resync.add("resync", 0, bits)

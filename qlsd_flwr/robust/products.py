@@ -153,9 +153,9 @@ def hold_shares(parts: dict, n_data: dict, u: np.ndarray, q0: float, per_datum: 
         return parts, {}
     q = {i: float(u @ h) for i, h in parts.items()}
     n_all = sum(int(n_data.get(i, 1)) for i in parts)
-    out, why = dict(parts), {}
-    for i in sorted(parts):
-        rest = [q[j] for j in sorted(parts) if j != i]
+    out, why, keys = dict(parts), {}, sorted(parts)
+    for i in keys:
+        rest = [q[j] for j in keys if j != i]
         others, n_i = math.fsum(rest + [float(q0)]), max(int(n_data.get(i, 1)), 1)
         above = math.fsum([abs(x) for x in rest] + [abs(float(q0))]) if absolute else others
         a = max(share, per_datum * n_i / max(n_all - n_i, 1))
